@@ -1,0 +1,44 @@
+"""gadei: a shared-memory scale-up parameter server for deep-learning training.
+
+A server process holds a job's weights in one POSIX shared-memory region and applies, in
+place and lock-free, every gradient its learners publish into their rings. See DESIGN in
+the README for the data flow; the public API is `Server`, `Learner` and the errors.
+"""
+
+from .errors import (
+    BadJobName,
+    CapacityError,
+    ForeignOwner,
+    ForeignRegion,
+    GadeiError,
+    GadeiTimeout,
+    JobRunning,
+    JobStopped,
+    LeftoverRegion,
+    RegionError,
+    RegionMismatch,
+    RegionNotFound,
+    ServerGone,
+)
+from .learner import Learner
+from .server import Server
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BadJobName",
+    "CapacityError",
+    "ForeignOwner",
+    "ForeignRegion",
+    "GadeiError",
+    "GadeiTimeout",
+    "JobRunning",
+    "JobStopped",
+    "Learner",
+    "LeftoverRegion",
+    "RegionError",
+    "RegionMismatch",
+    "RegionNotFound",
+    "Server",
+    "ServerGone",
+]

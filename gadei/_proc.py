@@ -1,0 +1,28 @@
+"""Process identity for liveness checks: a pid plus its start time, so pid reuse cannot fool us."""
+
+import os
+
+import psutil
+
+
+def start_time(pid: int | None = None) -> float:
+    """The start time (seconds since the epoch, as psutil reports it) of `pid` (default: us)."""
+    return psutil.Process(os.getpid() if pid is None else pid).create_time()
+
+
+def alive(pid: int, started: float) -> bool:
+    """True when `pid` runs and is the same process that started at `started`.
+
+    A zombie (exited, not yet reaped) counts as dead; so does a new process that reused the pid.
+    """
+    if pid <= 0:
+        return False
+    try:
+        proc = psutil.Process(pid)
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return False
+        return abs(proc.create_time() - started) < 0.05
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.AccessDenied:
+        return True  # it exists and is not ours to inspect: never declare it dead

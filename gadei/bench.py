@@ -1,0 +1,319 @@
+"""`gadei bench`: gadei measured side by side with its best alternative, in one run.
+
+kernel   the update kernel's GB/s against a plain in-place C loop and `torch.Tensor.add_`
+         on the same buffers, 1 MB to 256 MB, one thread and all threads.
+latency  push-to-applied time of 1 MB and 16 MB gradients (a learner publishes, the server
+         applies) against the time the copy and the update take on their own.
+train    samples/s and test accuracy of the text CNN at mini-batch 1, 2 and 4: one learner
+         + server against a plain single-process PyTorch loop, and two learners against
+         PyTorch Hogwild with two processes (torch.multiprocessing, share_memory).
+
+Every figure is the median of `--repeats` runs, the methods interleaved within each run so
+that the machine's noise falls on all of them alike; ratios are of the medians. The tables
+are printed and everything is saved as JSON (`--out`).
+"""
+
+import json
+import logging
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from . import _native
+from .env import settings
+
+log = logging.getLogger(__name__)
+
+MB = 1 << 20
+
+
+def _median(values):
+    return statistics.median(values) if values else float("nan")
+
+
+def _time_it(fn, min_seconds: float) -> float:
+    """Seconds per call of `fn`, over as many calls as fill `min_seconds` (at least 2)."""
+    fn()
+    calls, start = 0, time.perf_counter()
+    while True:
+        fn()
+        calls += 1
+        elapsed = time.perf_counter() - start
+        if calls >= 2 and elapsed >= min_seconds:
+            return elapsed / calls
+
+
+def _table(headers, rows) -> str:
+    cells = [list(map(str, headers))] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    return "\n".join("  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells)
+
+
+# ------------------------------------------------------------------ kernel
+
+
+def bench_kernel(args) -> dict:
+    sizes = [1, 16, 64] if args.quick else [1, 4, 16, 32, 64, 128, 256]
+    all_threads = os.cpu_count() or 1
+    thread_counts = sorted({1, all_threads})
+    lr = 0.01
+    rows, records = [], []
+    torch_threads = torch.get_num_threads()
+    try:
+        for size in sizes:
+            n = size * MB // 4
+            rng = np.random.default_rng(size)
+            w = rng.standard_normal(n, dtype=np.float32)
+            g = rng.standard_normal(n, dtype=np.float32)
+            tw, tg = torch.from_numpy(w), torch.from_numpy(g)
+            wa, ga = w.ctypes.data, g.ctypes.data
+            moved = 3 * n * 4  # read w, read g, write w
+            for threads in thread_counts:
+                methods = {
+                    "gadei": lambda: _native.sgd(wa, ga, n, lr, 0, threads),
+                    "plain_c": lambda: _native.plain_sgd(wa, ga, n, lr, threads),
+                    "torch_add_": lambda: tw.add_(tg, alpha=-lr),
+                }
+                times = {name: [] for name in methods}
+                for _ in range(args.repeats):
+                    for name, fn in methods.items():
+                        torch.set_num_threads(threads)
+                        times[name].append(_time_it(fn, 0.05 if args.quick else 0.2))
+                gbs = {name: moved / _median(t) / 1e9 for name, t in times.items()}
+                record = {"size_mb": size, "threads": threads, "gb_per_s": gbs,
+                          "vs_plain_c": gbs["gadei"] / gbs["plain_c"], "vs_torch": gbs["gadei"] / gbs["torch_add_"]}
+                records.append(record)
+                rows.append((f"{size} MB", threads, f"{gbs['gadei']:.1f}", f"{gbs['plain_c']:.1f}",
+                             f"{gbs['torch_add_']:.1f}", f"{record['vs_plain_c']:.2f}x", f"{record['vs_torch']:.2f}x"))
+            # the fused variant the server runs (it also zeroes the gradient): one stream more
+            fused = _median([_time_it(lambda: _native.sgd(wa, ga, n, lr, 1, all_threads), 0.05)
+                             for _ in range(args.repeats)])
+            records[-1]["fused_clear_gb_per_s"] = 4 * n * 4 / fused / 1e9
+            del w, g, tw, tg
+    finally:
+        torch.set_num_threads(torch_threads)
+    print("\nkernel: w -= lr * g, GB/s counting 3 streams (read w, read g, write w); median of "
+          f"{args.repeats} runs")
+    print(_table(("size", "threads", "gadei", "plain C", "torch add_", "gadei/plain", "gadei/torch"), rows))
+    return {"rows": records}
+
+
+# ------------------------------------------------------------------ latency
+
+
+def bench_latency(args) -> dict:
+    from .launch import LocalJob
+    from .learner import Learner
+
+    results = []
+    pushes = 50 if args.quick else 300
+    for size in (1, 16):
+        n = size * MB // 4
+        job = f"bench-latency-{os.getpid()}-{size}"
+        with LocalJob(job, ["--params", str(n), "--learners", "1"], []) as local:
+            local.start_server()
+            for push in ("publish", "thread"):
+                model = _Flat(n)
+                # pull=view: no pull thread, so the figure is the push path alone
+                with Learner(model, job, push=push, pull="view") as learner:
+                    tail_addr = learner.entry.addr("tail")
+                    for gap in (0.0, 0.002):
+                        samples = []
+                        for _ in range(pushes):
+                            if gap:
+                                _sleep(gap)
+                            target = learner._producer.head + 1
+                            start = time.perf_counter_ns()
+                            learner.step()
+                            while _native.load64(tail_addr) < target:
+                                time.sleep(0)  # lets a push thread have the GIL
+                            samples.append((time.perf_counter_ns() - start) / 1e3)
+                        results.append({"size_mb": size, "push": push, "gap_ms": gap * 1e3,
+                                        "median_us": _median(samples), "p90_us": float(np.percentile(samples, 90))})
+            local.stop()
+        # the copy and the update on their own, on private buffers of the same size
+        src = np.ones(n, dtype=np.float32)
+        w, g = np.zeros(n, dtype=np.float32), np.zeros(n, dtype=np.float32)
+        threads = settings().threads
+        copy_s = _median([_time_it(lambda: _native.copy(g.ctypes.data, src.ctypes.data, n * 4, 1), 0.05)
+                          for _ in range(args.repeats)])
+        update_s = _median([_time_it(lambda: _native.sgd(w.ctypes.data, g.ctypes.data, n, 0.01, 1, threads), 0.05)
+                            for _ in range(args.repeats)])
+        for r in results:
+            if r["size_mb"] == size:
+                r["copy_plus_update_us"] = (copy_s + update_s) * 1e6
+                r["ratio"] = r["median_us"] / r["copy_plus_update_us"]
+    rows = [(f"{r['size_mb']} MB", r["push"], f"{r['gap_ms']:.0f} ms", f"{r['median_us']:.0f}", f"{r['p90_us']:.0f}",
+             f"{r['copy_plus_update_us']:.0f}", f"{r['ratio']:.2f}x") for r in results]
+    print(f"\nlatency: push (learner.step) to applied by the server, microseconds; {pushes} pushes each; "
+          "a 2 ms gap lets the server fall asleep on its doorbell")
+    print(_table(("gradient", "push", "gap", "median", "p90", "copy+update alone", "ratio"), rows))
+    return {"rows": results}
+
+
+def _sleep(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        time.sleep(max(0.0, end - time.perf_counter()) / 2)
+
+
+class _Flat(torch.nn.Module):
+    def __init__(self, n: int):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(n))
+
+
+# ------------------------------------------------------------------ train
+
+
+def _default_data(args) -> str:
+    if args.data:
+        return args.data
+    base = settings().data_dir or str(Path.cwd().parent / "shared" / "data")
+    trec = Path(base) / "trec"
+    return f"trec:{trec}" if (trec / "TREC.train").exists() else "generated"
+
+
+def _train_worker(kind, rank, world, batch, epochs, seed, lr, data, job, shared, barrier, queue):
+    """One training process of a `train` run: plain, hogwild or gadei."""
+    torch.set_num_threads(1)
+    from gadei_workloads import get
+    from gadei_workloads.text import batches
+
+    from .learner import Learner
+
+    workload = get("textcnn")
+    train, _ = workload.load_data(data)
+    model = shared if shared is not None else workload.build_model(train, seed)
+    model.train()
+    learner = None
+    if kind == "gadei":
+        learner = Learner(model, job).attach()
+    else:
+        optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    barrier.wait()
+    start, samples = time.time(), 0
+    for epoch in range(epochs):
+        for x, y in batches(train, batch, epoch=epoch, seed=seed, shard=rank, shards=world):
+            if learner is None:
+                optimizer.zero_grad(set_to_none=True)
+            loss = workload.loss(model, x, y)
+            loss.backward()
+            if learner is None:
+                optimizer.step()
+            else:
+                learner.step(samples=len(y))
+            samples += len(y)
+    end = time.time()
+    if learner is not None:
+        learner.close()
+    state = None
+    if kind == "plain":
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+    queue.put((rank, start, end, samples, state))
+
+
+def _run_train(kind, world, batch, epochs, seed, lr, data) -> dict:
+    import torch.multiprocessing as mp
+
+    from gadei_workloads import get
+
+    from . import params
+    from .launch import LocalJob
+    from .region import Region
+
+    ctx = mp.get_context("spawn")
+    workload = get("textcnn")
+    train, test = workload.load_data(data)
+    shared = None
+    if kind == "hogwild":
+        shared = workload.build_model(train, seed)
+        shared.share_memory()
+    job = f"bench-train-{os.getpid()}-{time.monotonic_ns() % 10**9}"
+    local = None
+    if kind == "gadei":
+        local = LocalJob(job, ["--workload", "textcnn", "--data", data, "--seed", str(seed), "--lr", str(lr),
+                               "--learners", str(world)], [])
+        local.start_server()
+    try:
+        barrier, queue = ctx.Barrier(world), ctx.Queue()
+        procs = [ctx.Process(target=_train_worker,
+                             args=(kind, r, world, batch, epochs, seed, lr, data, job, shared, barrier, queue))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        results = [queue.get(timeout=3600) for _ in procs]
+        for p in procs:
+            p.join(60)
+        if kind == "plain":
+            model = workload.build_model(train, seed)
+            model.load_state_dict(results[0][4])
+        elif kind == "hogwild":
+            model = shared
+        else:
+            model = workload.build_model(train, seed)
+            with Region.attach(job, readonly=True) as region:
+                model.load_state_dict(params.state_dict(region.read_spec(), region.weights))
+            local.stop()
+    finally:
+        if local is not None:
+            local.close()
+    start = min(r[1] for r in results)
+    end = max(r[2] for r in results)
+    samples = sum(r[3] for r in results)
+    return {"samples_per_s": samples / (end - start), "seconds": end - start,
+            "test_accuracy": workload.evaluate(model, test)}
+
+
+def bench_train(args) -> dict:
+    data = _default_data(args)
+    batch_sizes = [2] if args.quick else [1, 2, 4]
+    epochs = args.epochs
+    seed, lr = 0, 0.01
+    runs = [("plain", 1), ("gadei", 1), ("hogwild", 2), ("gadei", 2)]
+    records, rows = [], []
+    for batch in batch_sizes:
+        figures = {f"{kind}-{world}": [] for kind, world in runs}
+        for repeat in range(args.repeats):
+            for kind, world in runs:
+                result = _run_train(kind, world, batch, epochs, seed + repeat, lr, data)
+                figures[f"{kind}-{world}"].append(result)
+                log.info("train batch %d repeat %d %s-%d: %.0f samples/s, accuracy %.3f", batch, repeat, kind,
+                         world, result["samples_per_s"], result["test_accuracy"])
+        med = {name: {"samples_per_s": _median([r["samples_per_s"] for r in rs]),
+                      "test_accuracy": _median([r["test_accuracy"] for r in rs]), "runs": rs}
+               for name, rs in figures.items()}
+        record = {"batch": batch, "epochs": epochs, "data": data, "methods": med,
+                  "gadei1_vs_plain": med["gadei-1"]["samples_per_s"] / med["plain-1"]["samples_per_s"],
+                  "gadei2_vs_hogwild2": med["gadei-2"]["samples_per_s"] / med["hogwild-2"]["samples_per_s"]}
+        records.append(record)
+        rows.append((batch,) + tuple(f"{med[n]['samples_per_s']:.0f} ({med[n]['test_accuracy']:.1%})"
+                                     for n in ("plain-1", "gadei-1", "hogwild-2", "gadei-2"))
+                    + (f"{record['gadei1_vs_plain']:.2f}x", f"{record['gadei2_vs_hogwild2']:.2f}x"))
+    print(f"\ntrain: text CNN on {data}, {epochs} epoch(s), lr {lr}; samples/s (test accuracy), median of "
+          f"{args.repeats} runs")
+    print(_table(("batch", "plain 1", "gadei 1", "hogwild 2", "gadei 2", "gadei1/plain", "gadei2/hogwild2"), rows))
+    return {"rows": records}
+
+
+BENCHES = {"kernel": bench_kernel, "latency": bench_latency, "train": bench_train}
+
+
+def run_bench(args) -> int:
+    unknown = [w for w in args.what if w not in BENCHES]
+    if unknown:
+        raise ValueError(f"unknown benchmark(s) {unknown}; choose from {sorted(BENCHES)}")
+    built, processors = _native.openmp()
+    out = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+                       "torch": torch.__version__, "openmp": built, "kernel_threads_default": settings().threads},
+           "repeats": args.repeats, "quick": args.quick, "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    for what in args.what:
+        out[what] = BENCHES[what](args)
+    Path(args.out).write_text(json.dumps(out, indent=2, default=float))
+    print(f"\nsaved to {args.out}")
+    return 0

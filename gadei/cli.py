@@ -1,0 +1,353 @@
+"""The `gadei` command: serve a job, attach learners, watch, stop, clean up, benchmark.
+
+Tables and progress go to people on stderr/stdout; `--json` switches a command to JSON
+lines on stdout for programs. Errors gadei raises on purpose print one line and exit 2.
+"""
+
+import argparse
+import importlib
+import json
+import logging
+import os
+import signal
+import sys
+import time
+
+from . import __version__
+from .env import settings
+from .errors import GadeiError
+
+log = logging.getLogger("gadei.cli")
+
+
+def _configure_logging() -> None:
+    level = getattr(logging, settings().log_level, logging.INFO)
+    logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+
+
+def _emit(record: dict) -> None:
+    print(json.dumps(record), flush=True)
+
+
+# ------------------------------------------------------------------ models and data
+
+
+def _data_spec(spec: str) -> str:
+    """Resolve the bare names of the shared data sets ('trec') against GADEI_DATA_DIR."""
+    name, _, rest = spec.partition(":")
+    if rest or name == "generated":
+        return spec
+    base = settings().data_dir
+    if base is None:
+        raise GadeiError(f"--data {spec!r}: give a folder ({name}:FOLDER) or set GADEI_DATA_DIR")
+    return f"{name}:{os.path.join(base, name)}"
+
+
+def _workload_model(args):
+    """(workload, train, test, model) for --workload/--data/--seed."""
+    from gadei_workloads import get
+
+    workload = get(args.workload)
+    train, test = workload.load_data(_data_spec(args.data or workload.default_data))
+    return workload, train, test, workload.build_model(train, args.seed)
+
+
+def _factory_model(spec: str):
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise GadeiError(f"--model {spec!r}: expected MODULE:CALLABLE, e.g. mypkg.models:build")
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as err:
+        raise GadeiError(f"--model {spec!r}: {err}") from err
+    return factory()
+
+
+# ------------------------------------------------------------------ commands
+
+
+def cmd_serve(args) -> int:
+    from .server import Server
+
+    model = None
+    if args.workload:
+        model = _workload_model(args)[3]
+    elif args.model:
+        model = _factory_model(args.model)
+    server = Server(
+        args.job,
+        model=model,
+        n_params=args.params,
+        lr=args.lr,
+        learners=args.learners,
+        slots=args.slots,
+        threads=args.threads,
+        spin_us=args.spin_us,
+        replace=args.replace,
+    )
+    try:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: server.request_stop())
+        print(f"gadei: serving job {args.job!r} (pid {os.getpid()}); stop it with `gadei stop {args.job}`",
+              file=sys.stderr, flush=True)
+        report = server.serve(grace=args.grace)
+        if args.save:
+            server.save(args.save)
+        if args.json:
+            _emit({"event": "stopped", "job": args.job, "applied": report.applied, "seconds": report.seconds,
+                   "version": report.version})
+    finally:
+        server.close()
+    return 0
+
+
+def cmd_learn(args) -> int:
+    import torch
+
+    from .learner import Learner
+
+    torch.set_num_threads(args.torch_threads)
+    workload, train, test, model = _workload_model(args)
+    from gadei_workloads.text import batches
+
+    shard, shards = _shard(args.shard)
+    model.train()
+    started = time.monotonic()
+    samples = 0
+    with Learner(model, args.job, pull=args.pull, push=args.push) as learner:
+        for epoch in range(args.epochs):
+            epoch_start, loss_sum, steps = time.monotonic(), 0.0, 0
+            for x, y in batches(train, args.batch, epoch=epoch, seed=args.seed, shard=shard, shards=shards):
+                loss = workload.loss(model, x, y)
+                loss.backward()
+                learner.step(samples=len(y))
+                loss_sum += loss.item()
+                steps += 1
+                samples += len(y)
+            record = {
+                "event": "epoch", "job": args.job, "learner": learner.learner_id, "epoch": epoch + 1,
+                "loss": loss_sum / max(1, steps), "steps": steps,
+                "samples_per_s": steps and (samples / (time.monotonic() - started)),
+                "epoch_seconds": time.monotonic() - epoch_start, "version": learner.version,
+            }
+            if args.eval:
+                learner.refresh()
+                record["test_accuracy"] = workload.evaluate(model, test)
+                model.train()
+            _report(args, record)
+    return 0
+
+
+def _report(args, record: dict) -> None:
+    if args.json:
+        _emit(record)
+        return
+    acc = f", test accuracy {record['test_accuracy']:.2%}" if "test_accuracy" in record else ""
+    print(f"learner {record['learner']} epoch {record['epoch']}: loss {record['loss']:.4f}, "
+          f"{record['samples_per_s']:.0f} samples/s, version {record['version']:,}{acc}", flush=True)
+
+
+def _shard(text: str) -> tuple[int, int]:
+    try:
+        index, count = (int(part) for part in text.split("/"))
+    except ValueError:
+        raise GadeiError(f"--shard {text!r}: expected INDEX/COUNT, e.g. 0/2") from None
+    if not 0 <= index < count:
+        raise GadeiError(f"--shard {text!r}: INDEX must be in 0..COUNT-1")
+    return index, count
+
+
+def cmd_status(args) -> int:
+    from . import status
+    from .region import Region, inspect, list_jobs
+
+    jobs = [args.job] if args.job else list_jobs()
+    if not jobs:
+        print("no gadei jobs on this machine", file=sys.stderr)
+        return 0
+    while True:
+        for job in jobs:
+            found = inspect(job)
+            if found is None:
+                if args.job:
+                    raise GadeiError(f"job {job!r} has no region")
+                continue  # it stopped since we listed it
+            if found.state in ("foreign", "other-user"):
+                print(f"job {job}: {found.state}: {found.problem}")
+                continue
+            with Region.attach(job, readonly=True) as region:
+                before = status.read(region)
+                time.sleep(args.interval)
+                after = status.read(region)
+            rate = status.rates(before, after)
+            if args.json:
+                _emit({**after.to_json(), "rates": rate.__dict__, "state": found.state})
+            else:
+                print(status.format_table(after, rate) + ("" if found.state == "running" else "  (LEFTOVER: server gone)"))
+        if not args.watch:
+            return 0
+
+
+def cmd_stop(args) -> int:
+    from .launch import stop_job
+
+    stop_job(args.job, timeout=args.timeout)
+    print(f"gadei: job {args.job!r} stopped", file=sys.stderr)
+    return 0
+
+
+def cmd_clean(args) -> int:
+    from .region import SHM_DIR, inspect, list_jobs, remove
+
+    jobs = args.jobs or list_jobs()
+    removed = 0
+    for job in jobs:
+        found = inspect(job)
+        if found is None:
+            if args.jobs:
+                print(f"{job}: no region")
+            continue
+        if found.state == "running":
+            print(f"{job}: kept: served by live pid {found.server_pid} (use `gadei stop {job}`)")
+            continue
+        if found.state == "other-user":
+            print(f"{job}: kept: {found.problem}")
+            continue
+        if found.state == "foreign" and not args.force:
+            print(f"{job}: kept: {found.problem} (use --force to remove it)")
+            continue
+        what = "leftover of dead server pid %d" % found.server_pid if found.state == "leftover" else found.problem
+        if args.dry_run:
+            print(f"{job}: would remove {SHM_DIR}/gadei-{job} ({what}, {found.size / 1e6:.1f} MB)")
+            continue
+        remove(job)
+        removed += 1
+        print(f"{job}: removed {SHM_DIR}/gadei-{job} ({what}, {found.size / 1e6:.1f} MB)")
+    if not args.dry_run:
+        print(f"gadei: removed {removed} region(s)", file=sys.stderr)
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from .demo import run_demo
+
+    return run_demo(args)
+
+
+def cmd_bench(args) -> int:
+    from .bench import run_bench
+
+    return run_bench(args)
+
+
+# ------------------------------------------------------------------ the parser
+
+
+def _add_workload(p, required: bool) -> None:
+    p.add_argument("--workload", required=required, help="built-in workload (textcnn)")
+    p.add_argument("--data", help="data set: 'generated', 'generated:SEED', 'trec:FOLDER' or 'trec' "
+                   "(under GADEI_DATA_DIR); default: the workload's generated set")
+    p.add_argument("--seed", type=int, default=0, help="seed of the model's initial weights and the data order")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gadei", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"gadei {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("serve", help="create a job's region and apply its learners' gradients",
+                       description="Create the job's shared region and run the server's apply loop until "
+                       "`gadei stop JOB`, SIGTERM or Ctrl-C. Initial weights come from --workload or --model "
+                       "(deterministic for a seed), or, with --params, from the first learner that attaches.")
+    p.add_argument("job")
+    init = p.add_mutually_exclusive_group(required=True)
+    init.add_argument("--workload", help="build the initial model of this built-in workload (textcnn)")
+    init.add_argument("--model", help="MODULE:CALLABLE returning the initial torch.nn.Module")
+    init.add_argument("--params", type=int, help="only the parameter count; the first learner uploads weights")
+    p.add_argument("--data", help="data set the workload's model is sized for (see `gadei learn --help`)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the workload's initial weights")
+    p.add_argument("--lr", type=float, default=0.01, help="learning rate (default 0.01)")
+    p.add_argument("--learners", type=int, default=8, help="most learners attached at once (default 8)")
+    p.add_argument("--slots", type=int, default=2, help="gradient slots per learner ring (default 2)")
+    p.add_argument("--threads", type=int, help="OpenMP threads of the update kernel (default GADEI_THREADS)")
+    p.add_argument("--spin-us", type=float, help="microseconds to spin for work before sleeping (GADEI_SPIN_US)")
+    p.add_argument("--replace", action="store_true", help="replace a region left behind by a crashed server")
+    p.add_argument("--grace", type=float, default=5.0, help="seconds to wait for learners to leave on stop")
+    p.add_argument("--save", help="write the final weights here (a state dict torch.load reads)")
+    p.add_argument("--json", action="store_true", help="print a JSON line when stopped")
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("learn", help="train a built-in workload as one learner of a job",
+                       description="Attach to a served job and train a built-in workload on one shard of "
+                       "its data, pushing every gradient and pulling new weights.")
+    p.add_argument("job")
+    _add_workload(p, required=False)
+    p.set_defaults(workload="textcnn")
+    p.add_argument("--epochs", type=int, default=1, help="passes over this learner's shard (default 1)")
+    p.add_argument("--batch", type=int, default=2, help="mini-batch size (default 2)")
+    p.add_argument("--shard", default="0/1", help="INDEX/COUNT: this learner's share of the data (default 0/1)")
+    p.add_argument("--pull", choices=("copy", "view"), default="copy", help="how weights reach the model")
+    p.add_argument("--push", choices=("publish", "thread"), default="publish", help="how gradients reach the ring")
+    p.add_argument("--eval", action="store_true", help="evaluate on the test set after every epoch")
+    p.add_argument("--torch-threads", type=int, default=1, help="PyTorch intra-op threads (default 1)")
+    p.add_argument("--json", action="store_true", help="JSON lines instead of text")
+    p.set_defaults(func=cmd_learn)
+
+    p = sub.add_parser("status", help="show a job's learners, rates and staleness (read-only)")
+    p.add_argument("job", nargs="?", help="the job (default: every job on this machine)")
+    p.add_argument("--interval", type=float, default=0.5, help="seconds between the two samples of a rate")
+    p.add_argument("--watch", action="store_true", help="repeat until interrupted")
+    p.add_argument("--json", action="store_true", help="JSON lines instead of a table")
+    p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("stop", help="stop a job cleanly: apply what was pushed, unlink the region")
+    p.add_argument("job")
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the server (default 30)")
+    p.set_defaults(func=cmd_stop)
+
+    p = sub.add_parser("clean", help="remove regions left behind by crashed servers")
+    p.add_argument("jobs", nargs="*", help="jobs to clean (default: all of this user's leftovers)")
+    p.add_argument("--force", action="store_true", help="also remove objects that are not readable gadei regions")
+    p.add_argument("--dry-run", action="store_true", help="say what would be removed")
+    p.set_defaults(func=cmd_clean)
+
+    p = sub.add_parser("demo", help="train the text CNN with one server and two learners, end to end")
+    p.add_argument("--data", default="generated", help="data set (default: generated, needs no files)")
+    p.add_argument("--learners", type=int, default=2, help="learner processes (default 2)")
+    p.add_argument("--epochs", type=int, default=3, help="epochs over the training set (default 3)")
+    p.add_argument("--batch", type=int, default=2, help="mini-batch size (default 2)")
+    p.add_argument("--lr", type=float, default=0.01, help="learning rate (default 0.01)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--save", help="write the trained weights here")
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("bench", help="measure gadei against its alternatives, side by side")
+    p.add_argument("what", nargs="*", default=["kernel", "latency", "train"],
+                   help="kernel, latency, train (default: all three)")
+    p.add_argument("--repeats", type=int, default=5, help="repeated runs; medians are reported (default 5)")
+    p.add_argument("--quick", action="store_true", help="fewer sizes and steps (a smoke run)")
+    p.add_argument("--out", default="gadei-bench.json", help="where to save the figures as JSON")
+    p.add_argument("--data", default=None, help="train: data set (default: trec under GADEI_DATA_DIR or "
+                   "../shared/data, else generated)")
+    p.add_argument("--epochs", type=int, default=1, help="train: epochs per run (default 1)")
+    p.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    _configure_logging()
+    try:
+        return args.func(args)
+    except GadeiError as err:
+        print(f"gadei: error: {err}", file=sys.stderr)
+        return 2
+    except ValueError as err:  # bad values found after parsing (data specs, env variables)
+        print(f"gadei: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

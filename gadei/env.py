@@ -1,0 +1,51 @@
+"""Every GADEI_* environment variable, read when asked for (never at import time).
+
+| variable | meaning | default |
+|---|---|---|
+| GADEI_THREADS | OpenMP threads of the server's update kernel | half the cores, at least 1 |
+| GADEI_SPIN_US | microseconds the idle server spins before sleeping on its doorbell | 50 |
+| GADEI_ATTACH_TIMEOUT | seconds a learner waits for the job's region and weights | 30 |
+| GADEI_SERVER_TIMEOUT | seconds without a server heartbeat before a waiting learner gives up | 30 |
+| GADEI_LOG | log level of the command-line tools (DEBUG, INFO, WARNING) | INFO |
+| GADEI_DATA_DIR | folder of the shared text data sets (tests, `gadei learn --data trec`) | ../shared/data |
+"""
+
+import os
+from dataclasses import dataclass
+
+
+def _number(name, default, kind):
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = kind(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} is not a {kind.__name__}") from None
+    if value < 0:
+        raise ValueError(f"environment variable {name}={raw!r} must not be negative")
+    return value
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The GADEI_* variables as typed values; see the module docstring for their meaning."""
+
+    threads: int
+    spin_us: float
+    attach_timeout: float
+    server_timeout: float
+    log_level: str
+    data_dir: str | None
+
+
+def settings() -> Settings:
+    """Read the GADEI_* environment variables now and return them typed."""
+    return Settings(
+        threads=_number("GADEI_THREADS", max(1, (os.cpu_count() or 2) // 2), int),
+        spin_us=_number("GADEI_SPIN_US", 50.0, float),
+        attach_timeout=_number("GADEI_ATTACH_TIMEOUT", 30.0, float),
+        server_timeout=_number("GADEI_SERVER_TIMEOUT", 30.0, float),
+        log_level=os.environ.get("GADEI_LOG", "INFO").upper(),
+        data_dir=os.environ.get("GADEI_DATA_DIR") or None,
+    )

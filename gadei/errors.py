@@ -1,0 +1,57 @@
+"""The errors gadei raises, one hierarchy rooted at GadeiError.
+
+Every message names the job, the thing and the values on both sides of a mismatch, so a
+user can act on it without reading the code.
+"""
+
+
+class GadeiError(Exception):
+    """Base class of every error gadei raises on purpose."""
+
+
+class BadJobName(GadeiError, ValueError):
+    """A job name that cannot name a shared-memory region."""
+
+
+class RegionError(GadeiError):
+    """Something about a job's shared-memory region is wrong."""
+
+
+class RegionNotFound(RegionError, FileNotFoundError):
+    """No region exists for the job (no server has created it, or it was stopped)."""
+
+
+class JobRunning(RegionError):
+    """A live server already serves the job."""
+
+
+class LeftoverRegion(RegionError):
+    """A region whose server is gone: left behind by a crash."""
+
+
+class ForeignRegion(RegionError):
+    """A shared-memory object with the job's name that gadei did not create (or an older layout)."""
+
+
+class ForeignOwner(RegionError, PermissionError):
+    """The region belongs to another user."""
+
+
+class RegionMismatch(RegionError):
+    """The region does not hold what the attacher expects (parameters, dtype, model)."""
+
+
+class CapacityError(GadeiError):
+    """Every learner entry of the region is taken by a live learner."""
+
+
+class JobStopped(GadeiError):
+    """The job was stopped; a learner's step raises it and `with Learner(...)` ends quietly."""
+
+
+class ServerGone(GadeiError):
+    """The server died or stopped beating while a learner waited for it."""
+
+
+class GadeiTimeout(GadeiError, TimeoutError):
+    """A wait passed its deadline; the message says how long and for what."""

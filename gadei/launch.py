@@ -1,0 +1,172 @@
+"""Running a job's processes on this machine: a server and learners as child processes.
+
+`gadei demo`, `gadei bench train` and the end-to-end tests start jobs this way: every
+process is `python -m gadei serve|learn ...`, readiness is polled with a deadline, and
+`close()` reaps every child (SIGKILL for whatever did not stop in time).
+"""
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from . import _native
+from .errors import GadeiError, GadeiTimeout, JobRunning, RegionNotFound
+from .layout import SERVING, STOPPING
+from .region import Region, inspect, remove
+
+log = logging.getLogger(__name__)
+
+_POLL = 0.02
+
+
+def gadei_command(*args: str) -> list[str]:
+    """The command line that runs `gadei ARGS...` with this Python."""
+    return [sys.executable, "-m", "gadei", *args]
+
+
+def stop_job(job: str, timeout: float = 30.0) -> None:
+    """Ask `job`'s server to stop (as `gadei stop` does) and wait until its region is gone.
+
+    Raises:
+        RegionNotFound: the job has no region.
+        GadeiError: the region is a leftover (no live server to stop).
+        GadeiTimeout: the server did not finish within `timeout` seconds.
+    """
+    found = inspect(job)
+    if found is None:
+        raise RegionNotFound(f"job {job!r} has no region: nothing to stop")
+    if found.state != "running":
+        raise GadeiError(f"job {job!r} has no live server ({found.state}); remove its region with `gadei clean {job}`")
+    with Region.attach(job) as region:
+        region.header.cas("run_state", SERVING, STOPPING)
+        doorbell = region.header.addr("doorbell")
+        _native.add32(doorbell, 1)
+        _native.futex_wake(doorbell, 1)
+    deadline = time.monotonic() + timeout
+    while True:
+        now = inspect(job)
+        if now is None or now.state != "running":
+            return
+        if time.monotonic() >= deadline:
+            raise GadeiTimeout(f"job {job!r}: server pid {found.server_pid} did not stop within {timeout:g} s")
+        time.sleep(_POLL)
+
+
+class LocalJob:
+    """A server and its learners as child processes.
+
+    Args:
+        job: the job name.
+        serve_args: arguments after `gadei serve JOB`.
+        learner_args: one list of arguments after `gadei learn JOB` per learner.
+        log_dir: where each child's output goes (`server.log`, `learner-<i>.log`); a
+            temporary folder by default.
+        env: extra environment variables for the children.
+        inherit: learner indices whose output goes to this process's stdout instead.
+    """
+
+    def __init__(self, job: str, serve_args: list[str], learner_args: list[list[str]], *,
+                 log_dir: str | None = None, env: dict | None = None, inherit: tuple[int, ...] = ()):
+        self.job = job
+        self.serve_args = serve_args
+        self.learner_args = learner_args
+        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix=f"gadei-{job}-"))
+        self.env = {**os.environ, **(env or {})}
+        self.inherit = inherit
+        self.server: subprocess.Popen | None = None
+        self.learners: list[subprocess.Popen] = []
+        self._files = []
+
+    def _spawn(self, args: list[str], log_name: str | None) -> subprocess.Popen:
+        if log_name is None:
+            return subprocess.Popen(gadei_command(*args), env=self.env)
+        handle = open(self.log_dir / log_name, "wb")
+        self._files.append(handle)
+        return subprocess.Popen(gadei_command(*args), env=self.env, stdout=handle, stderr=subprocess.STDOUT)
+
+    def log(self, name: str) -> str:
+        """The output a child wrote so far (`server` or `learner-<i>`)."""
+        try:
+            return (self.log_dir / f"{name}.log").read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def start_server(self, timeout: float = 120.0) -> None:
+        """Start the server and wait until its region is published."""
+        found = inspect(self.job)
+        if found is not None:
+            raise JobRunning(f"job {self.job!r} already has a region ({found.state})")
+        self.server = self._spawn(["serve", self.job, *self.serve_args], "server.log")
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.server.poll() is not None:
+                raise GadeiError(f"job {self.job!r}: server exited with {self.server.returncode}:\n{self.log('server')[-3000:]}")
+            try:
+                Region.attach(self.job, readonly=True).close()
+                return
+            except (RegionNotFound, GadeiTimeout):
+                pass
+            if time.monotonic() >= deadline:
+                raise GadeiTimeout(f"job {self.job!r}: server did not publish its region within {timeout:g} s")
+            time.sleep(_POLL)
+
+    def start_learners(self) -> None:
+        for i, args in enumerate(self.learner_args):
+            name = None if i in self.inherit else f"learner-{i}.log"
+            self.learners.append(self._spawn(["learn", self.job, *args], name))
+
+    def start(self, timeout: float = 120.0) -> "LocalJob":
+        self.start_server(timeout)
+        self.start_learners()
+        return self
+
+    def wait_learners(self, timeout: float) -> list[int]:
+        """Wait for every learner to exit; their return codes.
+
+        Raises:
+            GadeiTimeout: some learner still runs after `timeout` seconds.
+        """
+        deadline = time.monotonic() + timeout
+        codes = []
+        for i, proc in enumerate(self.learners):
+            try:
+                codes.append(proc.wait(timeout=max(0.0, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                raise GadeiTimeout(f"job {self.job!r}: learner {i} still runs after {timeout:g} s") from None
+        return codes
+
+    def stop(self, timeout: float = 60.0) -> int:
+        """Stop the server cleanly (as `gadei stop` does); its return code."""
+        if self.server is None:
+            return 0
+        if self.server.poll() is None:
+            stop_job(self.job, timeout)
+        try:
+            return self.server.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise GadeiTimeout(f"job {self.job!r}: server process did not exit within {timeout:g} s") from None
+
+    def close(self) -> None:
+        """Kill whatever still runs, reap every child, close the log files."""
+        for proc in [*self.learners, self.server]:
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGKILL)
+        for proc in [*self.learners, self.server]:
+            if proc is not None:
+                proc.wait()
+        for handle in self._files:
+            handle.close()
+        found = inspect(self.job)
+        if found is not None and found.state == "leftover":
+            remove(self.job)
+
+    def __enter__(self) -> "LocalJob":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

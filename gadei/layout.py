@@ -1,0 +1,263 @@
+"""The region's layout: one pure function from a job's shape to the byte offset of everything.
+
+Every process of a job computes the same `Layout` from the `Shape` stored in the region's
+header, so nothing about where things live is ever communicated except that shape. The
+region is, in order (each section page-aligned):
+
+    header        identity (written once), server state, version, doorbell: one cache
+                  line per writer so that no two processes write the same line
+    spec          the model's parameter names and shapes as JSON (for clear mismatch errors)
+    learner table `capacity` entries of ENTRY_BYTES, each split into lines by writer
+                  (learner-owned head, server-owned tail, staleness histogram)
+    weights       n_params float32
+    centre        n_params float32, only for modes that keep a second copy (elastic)
+    rings         per learner: `slots` slot headers (one cache line each), then `slots`
+                  page-aligned payloads of n_params gradient elements
+
+Counters are 64-bit and monotonic; a ring's `head - tail` is the number of published,
+unconsumed slots and slot k lives at index k % slots.
+"""
+
+from dataclasses import dataclass
+from types import MappingProxyType
+
+MAGIC = 0x31304945_44414701  # bytes b"\x01GADEI01" in little-endian order
+LAYOUT_VERSION = 1
+PAGE = 4096
+LINE = 64
+NAME_BYTES = 64
+HIST_BUCKETS = 16
+DEFAULT_SPEC_BYTES = 64 * 1024
+
+# Gradient transports: code stored in the header -> (name, bytes per element).
+DTYPES = MappingProxyType({1: ("float32", 4)})
+DTYPE_CODES = MappingProxyType({name: code for code, (name, _) in DTYPES.items()})
+
+# Update rules: code stored in the header -> name.
+MODES = MappingProxyType({1: "async"})
+MODE_CODES = MappingProxyType({name: code for code, name in MODES.items()})
+
+# Run states of the job (header field run_state).
+CREATED, SERVING, STOPPING, STOPPED = 0, 1, 2, 3
+RUN_STATES = MappingProxyType({CREATED: "created", SERVING: "serving", STOPPING: "stopping", STOPPED: "stopped"})
+
+# Weights initialisation (header field init_state).
+INIT_EMPTY, INIT_WRITING, INIT_READY = 0, 1, 2
+
+# Learner entry states (the entry's `state` field; ownership itself is the `lease` word).
+FREE, CLAIMING, ACTIVE, LEAVING = 0, 1, 2, 3
+ENTRY_STATES = MappingProxyType({FREE: "free", CLAIMING: "claiming", ACTIVE: "active", LEAVING: "leaving"})
+
+_SIZES = {"u32": 4, "u64": 8, "f64": 8, "name": NAME_BYTES, "hist": 8 * HIST_BUCKETS}
+_LINE_BREAK = ("", "")
+
+
+def _round_up(value, multiple):
+    return (value + multiple - 1) // multiple * multiple
+
+
+@dataclass(frozen=True)
+class Field:
+    """One field of a record: byte offset from the record's start, kind ('u32', 'u64', ...)."""
+
+    offset: int
+    kind: str
+
+
+def _record(fields):
+    """Offsets for `fields` in order, each aligned to its size; _LINE_BREAK starts a new cache line."""
+    out, offset = {}, 0
+    for name, kind in fields:
+        if (name, kind) == _LINE_BREAK:
+            offset = _round_up(offset, LINE)
+            continue
+        size = _SIZES[kind]
+        offset = _round_up(offset, min(size, 8))
+        out[name] = Field(offset, kind)
+        offset += size
+    return MappingProxyType(out), _round_up(offset, LINE)
+
+
+HEADER, HEADER_BYTES = _record(
+    [
+        # identity: written once by the creator before `magic`, read by every attacher
+        ("magic", "u64"),
+        ("layout_version", "u32"),
+        ("header_bytes", "u32"),
+        ("region_bytes", "u64"),
+        ("n_params", "u64"),
+        ("grad_dtype", "u32"),
+        ("capacity", "u32"),
+        ("slots", "u32"),
+        ("mode", "u32"),
+        ("creator_uid", "u32"),
+        ("spec_bytes", "u32"),
+        ("centre", "u32"),
+        ("created_ns", "u64"),
+        ("job", "name"),
+        _LINE_BREAK,
+        # server: written by the server only
+        ("server_pid", "u32"),
+        ("run_state", "u32"),
+        ("server_start", "f64"),
+        ("server_beat", "u64"),
+        ("lr", "f64"),
+        ("threads", "u32"),
+        ("applied", "u64"),
+        ("serve_start_ns", "u64"),
+        _LINE_BREAK,
+        # the weights' version: bumped once per applied update; pull threads futex-wait on it
+        ("version", "u64"),
+        _LINE_BREAK,
+        # waiters: pull threads count themselves here so the server wakes them only when needed
+        ("version_waiters", "u32"),
+        _LINE_BREAK,
+        # doorbell: learners ring it (bump + wake) when the server said it sleeps
+        ("doorbell", "u32"),
+        ("server_sleeping", "u32"),
+        _LINE_BREAK,
+        # weights initialisation and the model spec, written once by whoever initialises
+        ("init_state", "u32"),
+        ("init_pid", "u32"),
+        ("spec_len", "u32"),
+        _LINE_BREAK,
+        # watchdog (its process fills these; gadei status shows them)
+        ("watchdog_pid", "u32"),
+        ("watchdog_start", "f64"),
+        ("watchdog_beat", "u64"),
+        ("checkpointed_version", "u64"),
+    ]
+)
+
+ENTRY, ENTRY_BYTES = _record(
+    [
+        # owner learner writes
+        ("lease", "u64"),  # owner pid << 32 | claims; changed only by compare-and-swap
+        ("state", "u32"),  # FREE, CLAIMING, ACTIVE or LEAVING, for people and the watchdog
+        ("pid", "u32"),
+        ("start", "f64"),
+        ("beat", "u64"),
+        ("head", "u64"),  # slots published, ever (monotonic)
+        ("claim_head", "u64"),  # head when the current owner claimed the ring
+        ("pulled_version", "u64"),
+        ("pulls", "u64"),
+        ("samples", "u64"),
+        _LINE_BREAK,
+        # server writes
+        ("tail", "u64"),  # slots consumed, ever (monotonic); futex word of a learner waiting for space
+        ("applied_samples", "u64"),
+        ("stale_sum", "u64"),
+        ("stale_max", "u64"),
+        _LINE_BREAK,
+        # owner learner sets while it waits for ring space; the server wakes it
+        ("space_waiting", "u32"),
+        _LINE_BREAK,
+        # server writes: staleness histogram, bucket b counts staleness s with bit_length(s) == b
+        ("stale_hist", "hist"),
+    ]
+)
+
+SLOT, SLOT_HEADER_BYTES = _record(
+    [
+        ("version", "u64"),  # the weights version the gradient was computed on
+        ("step", "u64"),  # the learner's step number
+        ("samples", "u64"),  # samples in the mini-batch
+    ]
+)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What a region must hold; the layout is a pure function of it.
+
+    Attributes:
+        n_params: number of float32 weights.
+        grad_dtype: element type of a gradient slot (a key of DTYPE_CODES).
+        capacity: learner entries (most learners attached at once).
+        slots: gradient slots per learner ring.
+        mode: the server's update rule (a key of MODE_CODES).
+        centre: whether a second weights array (the elastic centre) exists.
+        spec_bytes: room for the model's parameter spec (JSON).
+    """
+
+    n_params: int
+    grad_dtype: str = "float32"
+    capacity: int = 8
+    slots: int = 2
+    mode: str = "async"
+    centre: bool = False
+    spec_bytes: int = DEFAULT_SPEC_BYTES
+
+    def __post_init__(self):
+        if not isinstance(self.n_params, int) or self.n_params < 1:
+            raise ValueError(f"n_params must be a positive integer, not {self.n_params!r}")
+        if self.grad_dtype not in DTYPE_CODES:
+            raise ValueError(f"grad_dtype {self.grad_dtype!r} is not one of {sorted(DTYPE_CODES)}")
+        if not 1 <= self.capacity <= 1024:
+            raise ValueError(f"capacity (learners) must be 1..1024, not {self.capacity!r}")
+        if not 1 <= self.slots <= 64:
+            raise ValueError(f"slots per ring must be 1..64, not {self.slots!r}")
+        if self.mode not in MODE_CODES:
+            raise ValueError(f"mode {self.mode!r} is not one of {sorted(MODE_CODES)}")
+        if self.spec_bytes < PAGE or self.spec_bytes % PAGE:
+            raise ValueError(f"spec_bytes must be a positive multiple of {PAGE}, not {self.spec_bytes!r}")
+
+    @property
+    def grad_itemsize(self) -> int:
+        return DTYPES[DTYPE_CODES[self.grad_dtype]][1]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Byte offsets of every section of a region of one `Shape`."""
+
+    shape: Shape
+    spec: int
+    table: int
+    weights: int
+    centre: int | None
+    rings: int
+    ring_bytes: int
+    slot_headers_bytes: int
+    payload_bytes: int
+    payload_stride: int
+    total: int
+
+    def entry(self, learner: int) -> int:
+        """Offset of learner entry `learner` in the table."""
+        return self.table + learner * ENTRY_BYTES
+
+    def slot_header(self, learner: int, slot: int) -> int:
+        """Offset of the header of slot index `slot` (0..slots-1) of learner `learner`'s ring."""
+        return self.rings + learner * self.ring_bytes + slot * SLOT_HEADER_BYTES
+
+    def payload(self, learner: int, slot: int) -> int:
+        """Offset of the payload of slot index `slot` of learner `learner`'s ring."""
+        return self.rings + learner * self.ring_bytes + self.slot_headers_bytes + slot * self.payload_stride
+
+
+def layout(shape: Shape) -> Layout:
+    """The layout of a region holding `shape`: a pure function, the same in every process."""
+    weights_bytes = _round_up(shape.n_params * 4, PAGE)
+    spec = _round_up(HEADER_BYTES, PAGE)
+    table = spec + shape.spec_bytes
+    weights = table + _round_up(shape.capacity * ENTRY_BYTES, PAGE)
+    centre = weights + weights_bytes if shape.centre else None
+    rings = weights + weights_bytes * (2 if shape.centre else 1)
+    payload_bytes = shape.n_params * shape.grad_itemsize
+    payload_stride = _round_up(payload_bytes, PAGE)
+    slot_headers_bytes = _round_up(shape.slots * SLOT_HEADER_BYTES, PAGE)
+    ring_bytes = slot_headers_bytes + shape.slots * payload_stride
+    return Layout(
+        shape=shape,
+        spec=spec,
+        table=table,
+        weights=weights,
+        centre=centre,
+        rings=rings,
+        ring_bytes=ring_bytes,
+        slot_headers_bytes=slot_headers_bytes,
+        payload_bytes=payload_bytes,
+        payload_stride=payload_stride,
+        total=rings + shape.capacity * ring_bytes,
+    )

@@ -1,0 +1,537 @@
+"""The job's shared-memory region: create it (server), attach to it (everyone else), check it.
+
+One POSIX shared-memory object per job, named `/gadei-<job>` (on Linux it shows as
+`/dev/shm/gadei-<job>`), mode 0600, pre-faulted at creation and laid out by
+`gadei.layout.layout`. The creator writes the header's identity fields and the `magic`
+word last, so an attacher that sees the magic sees a complete header.
+
+Attaching checks, in order, and refuses with an error naming both sides: the owner (another
+user's region), the magic (not a gadei region), the layout version, the size against the
+layout of the shape in the header, and then whatever the attacher expects (parameter
+count, gradient dtype). A region whose server process is gone is a leftover: `serve`
+refuses to reuse it unless told to replace it, and `gadei clean` removes it.
+"""
+
+import json
+import logging
+import mmap
+import os
+import pwd
+import re
+import struct
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import posix_ipc
+
+from . import _native, _proc
+from .errors import (
+    BadJobName,
+    ForeignOwner,
+    ForeignRegion,
+    GadeiTimeout,
+    JobRunning,
+    LeftoverRegion,
+    RegionMismatch,
+    RegionNotFound,
+)
+from .layout import (
+    DTYPE_CODES,
+    DTYPES,
+    ENTRY,
+    HEADER,
+    HEADER_BYTES,
+    HIST_BUCKETS,
+    INIT_READY,
+    LAYOUT_VERSION,
+    MAGIC,
+    MODE_CODES,
+    MODES,
+    NAME_BYTES,
+    SLOT,
+    Layout,
+    Shape,
+    layout,
+)
+
+log = logging.getLogger(__name__)
+
+PREFIX = "gadei-"
+SHM_DIR = "/dev/shm"
+_JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
+_POLL = 0.02  # seconds between looks while waiting for a region to appear
+
+
+def check_job_name(job: str) -> str:
+    """Return `job` if it can name a region, else raise BadJobName saying what is allowed."""
+    if not isinstance(job, str) or not _JOB_NAME.fullmatch(job):
+        raise BadJobName(
+            f"job name {job!r} is not allowed: use 1-63 letters, digits, '_', '.' or '-', "
+            "starting with a letter or digit"
+        )
+    return job
+
+
+def shm_name(job: str) -> str:
+    """The POSIX shared-memory name of `job`'s region."""
+    return "/" + PREFIX + check_job_name(job)
+
+
+def _user(uid: int) -> str:
+    try:
+        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+class Record:
+    """Typed access to one fixed-layout record (header, learner entry, slot header) in a region.
+
+    Integer fields are read and written with the native atomics (sequentially consistent);
+    f64 fields are stored as their 64-bit pattern through the same atomics.
+    """
+
+    __slots__ = ("base", "fields")
+
+    def __init__(self, base: int, fields):
+        self.base = base
+        self.fields = fields
+
+    def addr(self, name: str) -> int:
+        """The absolute address of field `name` (for futex waits and native calls)."""
+        return self.base + self.fields[name].offset
+
+    def get(self, name: str):
+        field = self.fields[name]
+        address = self.base + field.offset
+        if field.kind == "u64":
+            return _native.load64(address)
+        if field.kind == "u32":
+            return _native.load32(address)
+        if field.kind == "f64":
+            return struct.unpack("<d", struct.pack("<Q", _native.load64(address)))[0]
+        if field.kind == "hist":
+            return [_native.load64(address + 8 * i) for i in range(HIST_BUCKETS)]
+        raise TypeError(f"field {name!r} of kind {field.kind!r} is read with Region.read_name")
+
+    def set(self, name: str, value) -> None:
+        field = self.fields[name]
+        address = self.base + field.offset
+        if field.kind == "u64":
+            _native.store64(address, int(value))
+        elif field.kind == "u32":
+            _native.store32(address, int(value))
+        elif field.kind == "f64":
+            _native.store64(address, struct.unpack("<Q", struct.pack("<d", float(value)))[0])
+        else:
+            raise TypeError(f"field {name!r} of kind {field.kind!r} cannot be set as a number")
+
+    def add(self, name: str, delta: int) -> int:
+        """Atomically add `delta`; return the value before."""
+        field = self.fields[name]
+        op = _native.add64 if field.kind == "u64" else _native.add32
+        return op(self.base + field.offset, delta)
+
+    def cas(self, name: str, expected: int, desired: int) -> bool:
+        """Compare-and-swap field `name` from `expected` to `desired`; True when it swapped."""
+        field = self.fields[name]
+        op = _native.cas64 if field.kind == "u64" else _native.cas32
+        return op(self.base + field.offset, expected, desired)
+
+
+@dataclass(frozen=True)
+class _Opened:
+    """An opened shared-memory object before it is trusted: fd, size, owner."""
+
+    shm: posix_ipc.SharedMemory
+    size: int
+    uid: int
+    inode: int
+
+
+def _open(name: str, readonly: bool) -> _Opened:
+    try:
+        shm = posix_ipc.SharedMemory(name, read_only=readonly)
+    except posix_ipc.PermissionsError as err:
+        path = os.path.join(SHM_DIR, name.lstrip("/"))
+        try:
+            owner = _user(os.stat(path).st_uid)
+        except OSError:
+            owner = "another user"
+        raise ForeignOwner(
+            f"region {name} belongs to {owner}; you are {_user(os.geteuid())}: it is not yours to use"
+        ) from err
+    stat = os.fstat(shm.fd)
+    return _Opened(shm, stat.st_size, stat.st_uid, stat.st_ino)
+
+
+def _map(opened: _Opened, size: int, readonly: bool, populate: bool) -> mmap.mmap:
+    """Map the object; with `populate`, fault every page in now (MAP_POPULATE), not on first use."""
+    prot = mmap.PROT_READ | (0 if readonly else mmap.PROT_WRITE)
+    flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
+    return mmap.mmap(opened.shm.fd, size, flags=flags, prot=prot)
+
+
+class Region:
+    """A mapped gadei region. Create with `Region.create`, attach with `Region.attach`.
+
+    Attributes:
+        job: the job name.
+        name: the shared-memory name (`/gadei-<job>`).
+        shape, layout: what the region holds and where.
+        readonly: whether this mapping may only read.
+        header: the header record.
+        weights: float32 NumPy view of the weights (read-only for read-only attachers).
+    """
+
+    def __init__(self, job: str, opened: _Opened, mm: mmap.mmap, shape: Shape, readonly: bool):
+        self.job = job
+        self.name = shm_name(job)
+        self.shape = shape
+        self.layout: Layout = layout(shape)
+        self.readonly = readonly
+        self._inode = opened.inode
+        self._mm = mm
+        self._bytes = np.frombuffer(mm, dtype=np.uint8)
+        self.base = int(self._bytes.ctypes.data)
+        self.header = Record(self.base, HEADER)
+        self.weights = self.array(self.layout.weights, shape.n_params)
+        self.weights_addr = self.base + self.layout.weights
+        self._closed = False
+
+    # ------------------------------------------------------------------ sections
+
+    def array(self, offset: int, count: int, dtype=np.float32) -> np.ndarray:
+        """A NumPy view of `count` elements of `dtype` at byte `offset` of the region."""
+        return self._bytes[offset : offset + count * np.dtype(dtype).itemsize].view(dtype)
+
+    def entry(self, learner: int) -> Record:
+        """The learner table entry `learner`."""
+        self._check_learner(learner)
+        return Record(self.base + self.layout.entry(learner), ENTRY)
+
+    def slot_header(self, learner: int, slot: int) -> Record:
+        """The header of slot index `slot` of learner `learner`'s ring."""
+        return Record(self.base + self.layout.slot_header(learner, slot), SLOT)
+
+    def payload_addr(self, learner: int, slot: int) -> int:
+        """Address of the payload of slot index `slot` of learner `learner`'s ring."""
+        return self.base + self.layout.payload(learner, slot)
+
+    def payload(self, learner: int, slot: int) -> np.ndarray:
+        """NumPy view of the payload of slot index `slot` of learner `learner`'s ring."""
+        self._check_learner(learner)
+        return self.array(self.layout.payload(learner, slot), self.shape.n_params)
+
+    def _check_learner(self, learner: int) -> None:
+        if not 0 <= learner < self.shape.capacity:
+            raise IndexError(f"job {self.job!r}: learner {learner} is outside 0..{self.shape.capacity - 1}")
+
+    # ------------------------------------------------------------------ the model spec
+
+    def read_spec(self) -> list[tuple[str, tuple[int, ...]]] | None:
+        """The model's parameters as [(name, shape)], or None while no model was recorded."""
+        length = self.header.get("spec_len")
+        if length == 0:
+            return None
+        raw = bytes(self._bytes[self.layout.spec : self.layout.spec + length])
+        return [(name, tuple(shape)) for name, shape in json.loads(raw.decode("utf-8"))["params"]]
+
+    def write_spec(self, spec: list[tuple[str, tuple[int, ...]]]) -> None:
+        """Record the model's parameter names and shapes (before weights are marked ready)."""
+        raw = json.dumps({"params": [[name, list(shape)] for name, shape in spec]}).encode("utf-8")
+        if len(raw) > self.shape.spec_bytes:
+            raise RegionMismatch(
+                f"job {self.job!r}: the model's parameter list takes {len(raw):,} bytes of JSON, "
+                f"the region has room for {self.shape.spec_bytes:,}"
+            )
+        self._bytes[self.layout.spec : self.layout.spec + len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+        self.header.set("spec_len", len(raw))
+
+    def read_name(self) -> str:
+        """The job name recorded in the header."""
+        off = HEADER["job"].offset
+        return bytes(self._bytes[off : off + NAME_BYTES]).rstrip(b"\0").decode("utf-8", "replace")
+
+    # ------------------------------------------------------------------ server liveness
+
+    def server_alive(self) -> bool:
+        """True when the process recorded as the server runs (pid and start time match)."""
+        return _proc.alive(self.header.get("server_pid"), self.header.get("server_start"))
+
+    def weights_ready(self) -> bool:
+        return self.header.get("init_state") == INIT_READY
+
+    # ------------------------------------------------------------------ lifetime
+
+    def close(self) -> None:
+        """Unmap (the object stays until unlinked). Views handed out keep the mapping alive."""
+        if self._closed:
+            return
+        self._closed = True
+        self.weights = None
+        self._bytes = None
+        try:
+            self._mm.close()
+        except BufferError:
+            log.debug("job %r: region views are still in use; the mapping goes with the last of them", self.job)
+
+    def unlink(self) -> bool:
+        """Remove the region's name if it is still this region; True when removed."""
+        path = os.path.join(SHM_DIR, self.name.lstrip("/"))
+        try:
+            if os.stat(path).st_ino != self._inode:
+                log.warning("job %r: %s is another region now; leaving it", self.job, self.name)
+                return False
+            posix_ipc.unlink_shared_memory(self.name)
+            return True
+        except (FileNotFoundError, posix_ipc.ExistentialError):
+            return False
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ------------------------------------------------------------------ create / attach
+
+    @classmethod
+    def create(cls, job: str, shape: Shape, *, replace: bool = False) -> "Region":
+        """Create the region of `job` for `shape` (the server does this), pre-faulted and zeroed.
+
+        The identity fields are written, but not `magic`: the caller fills in the server
+        fields, weights and spec, then calls `publish()` so attachers see a complete region.
+
+        Raises:
+            JobRunning: a live server already serves `job`.
+            LeftoverRegion: a crashed server's region is in the way and `replace` is False.
+            ForeignRegion: an object with the name exists that is not a gadei region.
+            ForeignOwner: the object belongs to another user.
+        """
+        name = shm_name(job)
+        found = inspect(job)
+        if found is not None:
+            if found.state == "running":
+                raise JobRunning(f"job {job!r} is already served by pid {found.server_pid} ({name})")
+            if found.state == "leftover" and replace:
+                log.warning("job %r: replacing the region left behind by server pid %d", job, found.server_pid)
+                remove(job)
+            elif found.state == "leftover":
+                raise LeftoverRegion(
+                    f"job {job!r}: {name} was left behind by server pid {found.server_pid}, which is "
+                    f"not running; remove it with `gadei clean {job}` or serve with --replace"
+                )
+            else:
+                raise ForeignRegion(f"job {job!r}: {name} exists but {found.problem}; remove it with `gadei clean --force {job}`")
+        lay = layout(shape)
+        try:
+            shm = posix_ipc.SharedMemory(name, flags=posix_ipc.O_CREX, mode=0o600, size=lay.total)
+        except posix_ipc.ExistentialError as err:
+            raise JobRunning(f"job {job!r}: another server created {name} at the same moment") from err
+        stat = os.fstat(shm.fd)
+        opened = _Opened(shm, stat.st_size, stat.st_uid, stat.st_ino)
+        try:
+            mm = _map(opened, lay.total, readonly=False, populate=True)
+        finally:
+            shm.close_fd()
+        region = cls(job, opened, mm, shape, readonly=False)
+        h = region.header
+        h.set("layout_version", LAYOUT_VERSION)
+        h.set("header_bytes", HEADER_BYTES)
+        h.set("region_bytes", lay.total)
+        h.set("n_params", shape.n_params)
+        h.set("grad_dtype", DTYPE_CODES[shape.grad_dtype])
+        h.set("capacity", shape.capacity)
+        h.set("slots", shape.slots)
+        h.set("mode", MODE_CODES[shape.mode])
+        h.set("creator_uid", os.geteuid())
+        h.set("spec_bytes", shape.spec_bytes)
+        h.set("centre", int(shape.centre))
+        h.set("created_ns", time.time_ns())
+        encoded = job.encode("utf-8")
+        off = HEADER["job"].offset
+        region._bytes[off : off + len(encoded)] = np.frombuffer(encoded, dtype=np.uint8)
+        return region
+
+    def publish(self) -> None:
+        """Write `magic`: from now on attachers accept the region (the creator calls this last)."""
+        self.header.set("magic", MAGIC)
+
+    @classmethod
+    def attach(cls, job: str, *, readonly: bool = False, wait: float = 0.0) -> "Region":
+        """Attach to `job`'s region, waiting up to `wait` seconds for it to exist and be published.
+
+        Raises:
+            RegionNotFound: no region appeared within `wait` seconds.
+            ForeignOwner, ForeignRegion: see `create`.
+        """
+        name = shm_name(job)
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                opened = _open(name, readonly)
+            except posix_ipc.ExistentialError:
+                if time.monotonic() >= deadline:
+                    waited = f" after waiting {wait:g} s" if wait > 0 else ""
+                    raise RegionNotFound(
+                        f"job {job!r} has no region ({SHM_DIR}/{name[1:]}){waited}: is `gadei serve {job}` running?"
+                    ) from None
+                time.sleep(_POLL)
+                continue
+            try:
+                region = _trust(job, opened, readonly)
+            except _NotPublished:
+                if time.monotonic() >= deadline:
+                    raise GadeiTimeout(
+                        f"job {job!r}: {name} exists but its server did not finish creating it within {wait:g} s"
+                    ) from None
+                time.sleep(_POLL)
+                continue
+            finally:
+                opened.shm.close_fd()
+            return region
+
+    def expect(self, *, n_params: int | None = None, grad_dtype: str | None = None) -> None:
+        """Raise RegionMismatch, naming both sides, unless the region holds what is expected."""
+        if n_params is not None and n_params != self.shape.n_params:
+            raise RegionMismatch(
+                f"job {self.job!r}: model has {n_params:,} parameters, region holds {self.shape.n_params:,}"
+            )
+        if grad_dtype is not None and grad_dtype != self.shape.grad_dtype:
+            raise RegionMismatch(
+                f"job {self.job!r}: learner sends {grad_dtype} gradients, region holds {self.shape.grad_dtype}"
+            )
+
+
+class _NotPublished(Exception):
+    """The region exists but its creator has not written `magic` yet."""
+
+
+def _read_header(opened: _Opened) -> dict:
+    """The header's numeric fields as plain values, read through a short-lived mapping."""
+    head = mmap.mmap(opened.shm.fd, HEADER_BYTES, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    try:
+        view = np.frombuffer(head, dtype=np.uint8)
+        record = Record(int(view.ctypes.data), HEADER)
+        values = {name: record.get(name) for name, field in HEADER.items() if field.kind in ("u32", "u64", "f64")}
+        del view, record
+    finally:
+        head.close()
+    return values
+
+
+def _shape_from_header(h: dict) -> Shape:
+    dtype = DTYPES.get(h["grad_dtype"], (f"code {h['grad_dtype']}", 0))[0]
+    mode = MODES.get(h["mode"], f"code {h['mode']}")
+    return Shape(
+        n_params=h["n_params"],
+        grad_dtype=dtype,
+        capacity=h["capacity"],
+        slots=h["slots"],
+        mode=mode,
+        centre=bool(h["centre"]),
+        spec_bytes=h["spec_bytes"],
+    )
+
+
+def _trust(job: str, opened: _Opened, readonly: bool) -> Region:
+    """Check an opened object and map it whole; raise the error that says what is wrong."""
+    name = shm_name(job)
+    if opened.uid != os.geteuid():
+        raise ForeignOwner(
+            f"region {name} belongs to {_user(opened.uid)}; you are {_user(os.geteuid())}: it is not yours to use"
+        )
+    if opened.size < HEADER_BYTES:
+        if opened.size == 0:
+            raise _NotPublished()
+        raise ForeignRegion(f"job {job!r}: {name} is {opened.size} bytes, too small for a gadei header")
+    h = _read_header(opened)
+    if h["magic"] == 0:
+        raise _NotPublished()
+    if h["magic"] != MAGIC:
+        raise ForeignRegion(f"job {job!r}: {name} is not a gadei region (magic {h['magic']:#018x}, expected {MAGIC:#018x})")
+    if h["layout_version"] != LAYOUT_VERSION:
+        raise ForeignRegion(
+            f"job {job!r}: {name} has layout version {h['layout_version']}, this gadei reads version {LAYOUT_VERSION}"
+        )
+    try:
+        shape = _shape_from_header(h)
+    except ValueError as err:
+        raise ForeignRegion(f"job {job!r}: {name} has a corrupt header: {err}") from err
+    expected = layout(shape).total
+    recorded = h["region_bytes"]
+    if not expected == recorded == opened.size:
+        raise ForeignRegion(
+            f"job {job!r}: {name} is {opened.size:,} bytes, its header says {recorded:,} and its "
+            f"shape needs {expected:,}: the region is corrupt"
+        )
+    # Writers pre-fault their page tables; a read-only observer (gadei status) maps lazily.
+    mm = _map(opened, opened.size, readonly=readonly, populate=not readonly)
+    return Region(job, opened, mm, shape, readonly=readonly)
+
+
+@dataclass(frozen=True)
+class Found:
+    """What `inspect` found under a job's name.
+
+    state is 'running' (a live server), 'leftover' (its server is gone), 'foreign' (not a
+    gadei region, or one this version cannot read) or 'other-user'; problem says why for the
+    last two.
+    """
+
+    job: str
+    state: str
+    server_pid: int = 0
+    problem: str = ""
+    size: int = 0
+
+
+def inspect(job: str) -> Found | None:
+    """Look at `job`'s region without attaching to it for use; None when there is none."""
+    name = shm_name(job)
+    try:
+        opened = _open(name, readonly=True)
+    except posix_ipc.ExistentialError:
+        return None
+    except ForeignOwner as err:
+        return Found(job, "other-user", problem=str(err))
+    try:
+        if opened.uid != os.geteuid():
+            return Found(job, "other-user", problem=f"it belongs to {_user(opened.uid)}", size=opened.size)
+        if opened.size < HEADER_BYTES:
+            return Found(job, "foreign", problem=f"it is {opened.size} bytes, too small for a gadei region", size=opened.size)
+        h = _read_header(opened)
+        magic, version = h["magic"], h["layout_version"]
+        if magic not in (0, MAGIC):
+            return Found(job, "foreign", problem=f"it is not a gadei region (magic {magic:#018x})", size=opened.size)
+        if magic == MAGIC and version != LAYOUT_VERSION:
+            return Found(job, "foreign", problem=f"it has layout version {version}, not {LAYOUT_VERSION}", size=opened.size)
+        state = "running" if _proc.alive(h["server_pid"], h["server_start"]) else "leftover"
+        return Found(job, state, server_pid=h["server_pid"], size=opened.size)
+    finally:
+        opened.shm.close_fd()
+
+
+def remove(job: str) -> None:
+    """Unlink `job`'s region name (processes that mapped it keep their mapping)."""
+    try:
+        posix_ipc.unlink_shared_memory(shm_name(job))
+    except posix_ipc.ExistentialError:
+        pass
+
+
+def list_jobs() -> list[str]:
+    """Names of the jobs that have an object in /dev/shm (any state, any owner)."""
+    try:
+        names = os.listdir(SHM_DIR)
+    except FileNotFoundError:
+        return []
+    jobs = []
+    for entry in sorted(names):
+        if entry.startswith(PREFIX):
+            job = entry[len(PREFIX) :]
+            if _JOB_NAME.fullmatch(job):
+                jobs.append(job)
+    return jobs

@@ -1,0 +1,291 @@
+"""Gradient rings: a learner claims one, produces into it; the server consumes from all of them.
+
+Each learner entry of the region owns one single-producer/single-consumer ring of `slots`
+gradient slots. `head` (written only by the learner) counts slots published, `tail`
+(written only by the server) counts slots consumed; both are monotonic 64-bit counters,
+so `0 <= head - tail <= slots` always and slot k lives at index k % slots.
+
+- The learner writes slot `head % slots` only while `head - tail < slots` (it is free), and
+  publishes it by storing `head + 1` after the payload and slot header are written. A slot
+  that a killed learner left half-written is never published, so never applied.
+- The server reads a slot only while `tail < head`, applies it, zeroes it in the same pass
+  (so the next backward pass can accumulate into it), then stores `tail + 1`.
+
+Waits are futex waits on the counters themselves, with the Dekker handshake that makes
+lost wake-ups impossible: the waiter raises a flag, re-checks, then sleeps on the value it
+saw; the other side stores its counter, then wakes only if the flag is up. Every wait is
+cut into short slices so the waiter can notice that the other side died.
+
+Ownership of an entry is its `lease` word: the owner's pid in the high 32 bits (0 when
+free) and a claim counter in the low 32, changed only by compare-and-swap, so two
+learners can never own one ring.
+"""
+
+import logging
+import os
+import time
+
+import psutil
+
+from . import _native, _proc
+from .errors import CapacityError, GadeiTimeout
+from .layout import ACTIVE, CLAIMING, ENTRY, ENTRY_BYTES, FREE, HIST_BUCKETS
+from .region import Region
+
+log = logging.getLogger(__name__)
+
+WAIT_SLICE = 0.1  # seconds a blocked wait sleeps before it looks at the other side again
+_RECLAIM_GRACE = 0.2  # seconds a claimed-looking entry must stay dead before it is taken
+_U32 = 0xFFFFFFFF
+
+
+def lease_owner(lease: int) -> int:
+    """The pid that owns an entry (0 when free)."""
+    return lease >> 32
+
+
+def _lease(pid: int, claims: int) -> int:
+    return (pid << 32) | (claims & _U32)
+
+
+def owner_alive(region: Region, learner: int) -> bool:
+    """True when learner entry `learner` is owned by a running process."""
+    entry = region.entry(learner)
+    pid = lease_owner(entry.get("lease"))
+    if pid == 0 or not _running(pid):
+        return False
+    started = entry.get("start")
+    if started == 0 or _proc.alive(pid, started):
+        return True
+    # The recorded start time is another process's: either the pid was reused, or a new
+    # owner has just won the lease and not yet written its start time. Look again.
+    deadline = time.monotonic() + _RECLAIM_GRACE
+    while time.monotonic() < deadline:
+        time.sleep(0.02)
+        if lease_owner(entry.get("lease")) != pid or _proc.alive(pid, entry.get("start")):
+            return True
+    return False
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.AccessDenied:
+        return True
+
+
+class Producer:
+    """The learner's end of its ring (one thread at a time uses it).
+
+    Call `claim` to get one; `free_slot()` is where backward writes; `publish()` hands it
+    to the server; `wait_space()` blocks while the ring is full.
+    """
+
+    def __init__(self, region: Region, learner: int, claims: int):
+        self.region = region
+        self.learner = learner
+        self.entry = region.entry(learner)
+        self.slots = region.shape.slots
+        self._claims = claims
+        self._head_addr = self.entry.addr("head")
+        self._tail_addr = self.entry.addr("tail")
+        self._waiting_addr = self.entry.addr("space_waiting")
+        self._sleeping_addr = region.header.addr("server_sleeping")
+        self._doorbell_addr = region.header.addr("doorbell")
+        self.head = self.entry.get("head")  # only this producer writes it, so a local copy is exact
+
+    @property
+    def slot(self) -> int:
+        """Index of the slot the next gradient goes into."""
+        return self.head % self.slots
+
+    def tail(self) -> int:
+        return _native.load64(self._tail_addr)
+
+    def has_space(self) -> bool:
+        """True when slot `self.slot` is free (consumed by the server, or never used)."""
+        return self.head - _native.load64(self._tail_addr) < self.slots
+
+    def publish(self, version: int, step: int, samples: int) -> None:
+        """Hand slot `self.slot` (payload already written) to the server, and ring if it sleeps."""
+        slot = self.region.slot_header(self.learner, self.slot)
+        slot.set("version", version)
+        slot.set("step", step)
+        slot.set("samples", samples)
+        self.head += 1
+        _native.store64(self._head_addr, self.head)  # publishes payload and slot header
+        if _native.load32(self._sleeping_addr):
+            _native.add32(self._doorbell_addr, 1)
+            _native.futex_wake(self._doorbell_addr, 1)
+
+    def wait_space(self, on_slice) -> None:
+        """Block until slot `self.slot` is free; call `on_slice()` every WAIT_SLICE while blocked.
+
+        `on_slice` is how the caller notices that the server died or the job stopped: it
+        raises to end the wait.
+        """
+        while True:
+            tail = _native.load64(self._tail_addr)
+            if self.head - tail < self.slots:
+                return
+            _native.store32(self._waiting_addr, 1)
+            tail = _native.load64(self._tail_addr)
+            if self.head - tail < self.slots:
+                _native.store32(self._waiting_addr, 0)
+                return
+            _native.futex_wait(self._tail_addr, tail & _U32, WAIT_SLICE)
+            _native.store32(self._waiting_addr, 0)
+            on_slice()
+
+    def drain(self, timeout: float, server_alive) -> bool:
+        """Wait until the server consumed every published slot; False if it did not in time."""
+        deadline = time.monotonic() + timeout
+        while _native.load64(self._tail_addr) != self.head:
+            if time.monotonic() >= deadline or not server_alive():
+                return False
+            _native.store32(self._waiting_addr, 1)
+            tail = _native.load64(self._tail_addr)
+            if tail != self.head:
+                _native.futex_wait(self._tail_addr, tail & _U32, min(WAIT_SLICE, max(0.0, deadline - time.monotonic())))
+            _native.store32(self._waiting_addr, 0)
+        return True
+
+    def release(self) -> None:
+        """Give the entry back (after `drain`): it is free for the next learner."""
+        lease = self.entry.get("lease")
+        if lease_owner(lease) != os.getpid():
+            log.warning("job %r: learner entry %d is no longer ours; leaving it", self.region.job, self.learner)
+            return
+        self.entry.set("state", FREE)
+        self.entry.set("pid", 0)
+        self.entry.set("start", 0.0)
+        self.entry.cas("lease", lease, _lease(0, lease))
+
+
+def claim(region: Region, *, drain_timeout: float, server_alive) -> Producer:
+    """Claim a learner entry of `region` for this process and return the producer of its ring.
+
+    A free entry is taken first; when none is free, one whose owner died is reclaimed (its
+    published gradients are left for the server to apply, then its slots are zeroed).
+
+    Raises:
+        CapacityError: every entry belongs to a live learner.
+        GadeiTimeout: a reclaimed ring was not drained by the server within `drain_timeout`.
+    """
+    me = os.getpid()
+    capacity = region.shape.capacity
+    for reclaim in (False, True):
+        for learner in range(capacity):
+            entry = region.entry(learner)
+            lease = entry.get("lease")
+            owner = lease_owner(lease)
+            if reclaim == (owner == 0):
+                continue
+            if reclaim and owner_alive(region, learner):
+                continue
+            if not entry.cas("lease", lease, _lease(me, (lease & _U32) + 1)):
+                continue
+            if reclaim:
+                log.warning("job %r: taking over learner entry %d of dead pid %d", region.job, learner, owner)
+            return _take(region, learner, (lease & _U32) + 1, drain_timeout, server_alive)
+    owners = [lease_owner(region.entry(i).get("lease")) for i in range(capacity)]
+    raise CapacityError(
+        f"job {region.job!r}: all {capacity} learner entries are taken by live learners (pids "
+        f"{', '.join(map(str, owners))}); serve the job with more --learners"
+    )
+
+
+def _take(region: Region, learner: int, claims: int, drain_timeout: float, server_alive) -> Producer:
+    entry = region.entry(learner)
+    entry.set("state", CLAIMING)
+    entry.set("pid", os.getpid())
+    entry.set("start", _proc.start_time())
+    entry.set("beat", time.monotonic_ns())
+    producer = Producer(region, learner, claims)
+    # A previous owner's published slots are applied by the server, never dropped; its
+    # unpublished (maybe half-written) slot is zeroed below once nothing is in flight.
+    if not producer.drain(drain_timeout, server_alive):
+        entry.set("state", FREE)
+        entry.cas("lease", entry.get("lease"), _lease(0, claims))
+        raise GadeiTimeout(
+            f"job {region.job!r}: learner entry {learner} still had {producer.head - producer.tail()} "
+            f"unapplied gradients after {drain_timeout:g} s; is the server running?"
+        )
+    for slot in range(region.shape.slots):
+        _native.zero(region.payload_addr(learner, slot), region.layout.payload_bytes)
+    # The server writes these only while consuming this ring, and the ring is empty.
+    for name in ("applied_samples", "stale_sum", "stale_max"):
+        entry.set(name, 0)
+    hist = entry.addr("stale_hist")
+    for bucket in range(HIST_BUCKETS):
+        _native.store64(hist + 8 * bucket, 0)
+    for name in ("pulled_version", "pulls", "samples"):
+        entry.set(name, 0)
+    entry.set("claim_head", producer.head)
+    entry.set("state", ACTIVE)
+    return producer
+
+
+class Consumer:
+    """The server's end of every ring: find work, read a slot, hand it back."""
+
+    def __init__(self, region: Region):
+        self.region = region
+        self.capacity = region.shape.capacity
+        self.slots = region.shape.slots
+        self._table = region.base + region.layout.table
+        self._entries = [region.entry(i) for i in range(self.capacity)]
+        self._tail_addrs = [e.addr("tail") for e in self._entries]
+        self._waiting_addrs = [e.addr("space_waiting") for e in self._entries]
+        self._sleeping_addr = region.header.addr("server_sleeping")
+        self._doorbell_addr = region.header.addr("doorbell")
+        self._next = 0
+
+    def poll(self, spin_ns: int) -> int:
+        """The next ring (round-robin) holding a published gradient, spinning up to spin_ns; -1 if none."""
+        found = _native.poll_rings(
+            self._table, self.capacity, ENTRY_BYTES, ENTRY["head"].offset, ENTRY["tail"].offset, self._next, spin_ns
+        )
+        if found >= 0:
+            self._next = (found + 1) % self.capacity
+        return found
+
+    def sleep(self, timeout: float) -> int:
+        """Sleep on the doorbell until a learner publishes or `timeout` passes; returns poll()."""
+        _native.store32(self._sleeping_addr, 1)
+        seq = _native.load32(self._doorbell_addr)
+        found = self.poll(0)
+        if found < 0:
+            _native.futex_wait(self._doorbell_addr, seq, timeout)
+            found = self.poll(0)
+        _native.store32(self._sleeping_addr, 0)
+        return found
+
+    def ring(self) -> None:
+        """Wake the server if it sleeps (for `gadei stop` and signals)."""
+        _native.add32(self._doorbell_addr, 1)
+        _native.futex_wake(self._doorbell_addr, 1)
+
+    def tail(self, learner: int) -> int:
+        return _native.load64(self._tail_addrs[learner])
+
+    def head(self, learner: int) -> int:
+        return self._entries[learner].get("head")
+
+    def release(self, learner: int, tail: int) -> None:
+        """Mark slot `tail` of `learner`'s ring consumed (after the update finished) and wake it."""
+        _native.store64(self._tail_addrs[learner], tail + 1)
+        if _native.load32(self._waiting_addrs[learner]):
+            _native.futex_wake(self._tail_addrs[learner], 1)
+
+    def wake_all(self) -> None:
+        """Wake every learner that waits for ring space (they will look at the run state)."""
+        for addr in self._tail_addrs:
+            _native.futex_wake(addr, 1 << 30)
+
+    def busy_entries(self) -> list[int]:
+        """Entries owned by a live learner."""
+        return [i for i in range(self.capacity) if lease_owner(self._entries[i].get("lease")) and owner_alive(self.region, i)]
+

@@ -1,0 +1,266 @@
+"""The server: creates the job's region and applies every published gradient exactly once.
+
+The apply loop looks at the learners' rings round-robin, takes one published slot at a
+time, applies it with the job's update rule (a native kernel, GIL released), bumps the
+weights version, records the gradient's staleness, and hands the slot back. While
+gradients flow it spins for a few tens of microseconds between them; when none comes it
+sleeps on the region's doorbell, so an idle server costs no CPU. It never waits for a
+learner: a learner that dies or stops simply stops publishing.
+
+Initial weights are deterministic: either the server is given a model (from a model
+factory with a fixed seed) and copies its parameters into the region, or it is given only a
+parameter count and the first learner to attach uploads its own model's parameters.
+"""
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from . import _native, _proc, params
+from .env import settings
+from .layout import (
+    HIST_BUCKETS,
+    INIT_READY,
+    SERVING,
+    STOPPED,
+    STOPPING,
+    Shape,
+)
+from .modes import Gradient, make_rule
+from .region import Region
+from .ring import WAIT_SLICE, Consumer
+
+log = logging.getLogger(__name__)
+
+BEAT_INTERVAL = 0.05  # seconds between heartbeats while gradients flow
+_BEAT_NS = int(BEAT_INTERVAL * 1e9)
+
+
+@dataclass(frozen=True)
+class ServeReport:
+    """What one `Server.serve` run did."""
+
+    applied: int
+    seconds: float
+    version: int
+    learners_left: int
+
+
+class Server:
+    """A job's parameter server. Creating it creates the job's region.
+
+    Args:
+        job: the job name; the region is `/gadei-<job>`.
+        model: a model whose parameters are the initial weights (and whose parameter
+            names and shapes every learner's model must match).
+        n_params: instead of `model`: the number of parameters; the first learner to
+            attach uploads its model's parameters as the initial weights.
+        lr: learning rate of the update rule.
+        mode: the update rule (see `gadei.modes`).
+        learners: most learners attached at once (one ring each).
+        slots: gradient slots per learner ring.
+        threads: OpenMP threads of the update kernel (default: GADEI_THREADS).
+        spin_us: microseconds to spin for the next gradient before sleeping (GADEI_SPIN_US).
+        replace: replace a region left behind by a crashed server instead of refusing.
+    """
+
+    def __init__(
+        self,
+        job: str,
+        *,
+        model: torch.nn.Module | None = None,
+        n_params: int | None = None,
+        lr: float = 0.01,
+        mode: str = "async",
+        learners: int = 8,
+        slots: int = 2,
+        threads: int | None = None,
+        spin_us: float | None = None,
+        replace: bool = False,
+    ):
+        if (model is None) == (n_params is None):
+            raise ValueError("give the server either a model or n_params, not both or neither")
+        env = settings()
+        self.threads = env.threads if threads is None else max(1, int(threads))
+        self.spin_ns = int(1000 * (env.spin_us if spin_us is None else spin_us))
+        spec = None
+        if model is not None:
+            params.check_model(job, model)
+            spec = params.spec_of(model)
+            n_params = params.count(spec)
+        shape = Shape(n_params=int(n_params), capacity=learners, slots=slots, mode=mode)
+        self.region = Region.create(job, shape, replace=replace)
+        self.job = job
+        try:
+            h = self.region.header
+            h.set("server_pid", os.getpid())
+            h.set("server_start", _proc.start_time())
+            h.set("server_beat", time.monotonic_ns())
+            h.set("lr", lr)
+            h.set("threads", self.threads)
+            if model is not None:
+                self.region.write_spec(spec)
+                params.flatten_into(model, self.region.weights)
+                h.set("init_state", INIT_READY)
+            self.rule = make_rule(mode, self.region.weights_addr, shape.n_params, lr=lr, threads=self.threads)
+            self._consumer = Consumer(self.region)
+            self._slot_headers = [
+                [self.region.slot_header(i, k) for k in range(slots)] for i in range(shape.capacity)
+            ]
+            self._payloads = [[self.region.payload_addr(i, k) for k in range(slots)] for i in range(shape.capacity)]
+            self._entries = [self.region.entry(i) for i in range(shape.capacity)]
+            h.set("run_state", SERVING)
+            self.region.publish()
+        except BaseException:
+            self.region.unlink()
+            self.region.close()
+            raise
+        self._version_addr = h.addr("version")
+        self._waiters_addr = h.addr("version_waiters")
+        self._applied_addr = h.addr("applied")
+        self._beat_addr = h.addr("server_beat")
+        self._closed = False
+        log.info(
+            "job %r: serving %s parameters (%s), %d learner rings of %d slots, lr %g, %d kernel threads",
+            job, f"{shape.n_params:,}", _mb(shape.n_params * 4), shape.capacity, slots, lr, self.threads,
+        )
+
+    # ------------------------------------------------------------------ the apply loop
+
+    def request_stop(self) -> None:
+        """Ask the loop to stop (safe from a signal handler and from other processes' `gadei stop`)."""
+        self.region.header.cas("run_state", SERVING, STOPPING)
+        self._consumer.ring()
+
+    def serve(self, *, grace: float = 5.0) -> ServeReport:
+        """Apply gradients until the job is asked to stop, then drain and mark it stopped.
+
+        After the stop request, gradients already published are still applied, and the
+        loop waits up to `grace` seconds for attached learners to leave, so that every
+        gradient a learner published is applied exactly once.
+        """
+        h = self.region.header
+        state_addr = h.addr("run_state")
+        consumer = self._consumer
+        started = time.monotonic()
+        first = _native.load64(self._applied_addr)
+        next_beat = 0
+        h.set("serve_start_ns", time.monotonic_ns())
+        while _native.load32(state_addr) == SERVING:
+            learner = consumer.poll(self.spin_ns)
+            if learner < 0:
+                self._beat()
+                learner = consumer.sleep(WAIT_SLICE)
+                if learner < 0:
+                    continue
+            self._apply(learner)
+            now = time.monotonic_ns()
+            if now >= next_beat:
+                _native.store64(self._beat_addr, now)
+                next_beat = now + _BEAT_NS
+        left = self._drain(grace)
+        h.set("run_state", STOPPED)
+        consumer.wake_all()
+        _native.futex_wake(self._version_addr, 1 << 30)
+        applied = _native.load64(self._applied_addr) - first
+        seconds = time.monotonic() - started
+        log.info("job %r: stopped after %s updates in %.1f s", self.job, f"{applied:,}", seconds)
+        return ServeReport(applied, seconds, h.get("version"), left)
+
+    def _drain(self, grace: float) -> int:
+        """Apply what is published until no live learner remains or `grace` passes; learners left."""
+        deadline = time.monotonic() + grace
+        consumer = self._consumer
+        while True:
+            learner = consumer.poll(0)
+            if learner >= 0:
+                self._apply(learner)
+                continue
+            busy = consumer.busy_entries()
+            if not busy:
+                return 0
+            if time.monotonic() >= deadline:
+                log.warning("job %r: %d learners still attached after %g s of stopping", self.job, len(busy), grace)
+                return len(busy)
+            self._beat()
+            consumer.sleep(min(WAIT_SLICE, max(0.0, deadline - time.monotonic())))
+
+    def _apply(self, learner: int) -> None:
+        consumer = self._consumer
+        tail = consumer.tail(learner)
+        slot = tail % self.region.shape.slots
+        header = self._slot_headers[learner][slot]
+        computed_on = header.get("version")
+        samples = header.get("samples")
+        self.rule.apply(Gradient(learner, self._payloads[learner][slot], computed_on, samples))
+        version = _native.add64(self._version_addr, 1)
+        staleness = version - computed_on if version >= computed_on else 0
+        entry = self._entries[learner]
+        entry.add("stale_sum", staleness)
+        if staleness > entry.get("stale_max"):
+            entry.set("stale_max", staleness)
+        _native.add64(entry.addr("stale_hist") + 8 * min(staleness.bit_length(), HIST_BUCKETS - 1), 1)
+        entry.add("applied_samples", samples)
+        _native.add64(self._applied_addr, 1)
+        consumer.release(learner, tail)
+        if _native.load32(self._waiters_addr):
+            _native.futex_wake(self._version_addr, 1 << 30)
+
+    def _beat(self) -> None:
+        _native.store64(self._beat_addr, time.monotonic_ns())
+
+    # ------------------------------------------------------------------ results and lifetime
+
+    @property
+    def version(self) -> int:
+        return self.region.header.get("version")
+
+    def weights(self) -> np.ndarray:
+        """A copy of the current weights."""
+        return np.array(self.region.weights, copy=True)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The current weights as a state dict that the job's model class loads.
+
+        Raises:
+            RuntimeError: no model was recorded yet (no learner uploaded one).
+        """
+        spec = self.region.read_spec()
+        if spec is None:
+            raise RuntimeError(f"job {self.job!r}: no model was recorded in the region yet")
+        return params.state_dict(spec, self.region.weights)
+
+    def save(self, path: str) -> None:
+        """Write the current weights as a state dict that `torch.load(path, weights_only=True)` reads."""
+        tmp = f"{path}.tmp{os.getpid()}"
+        torch.save(self.state_dict(), tmp)
+        os.replace(tmp, path)
+        log.info("job %r: saved weights of version %s to %s", self.job, f"{self.version:,}", path)
+
+    def close(self) -> None:
+        """Mark the job stopped, wake every waiter, unlink and unmap the region."""
+        if self._closed:
+            return
+        self._closed = True
+        self.region.header.set("run_state", STOPPED)
+        self._consumer.wake_all()
+        _native.futex_wake(self._version_addr, 1 << 30)
+        self.region.unlink()
+        self.region.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _mb(nbytes: int) -> str:
+    return f"{nbytes / 1e6:.1f} MB"
+
+
+__all__ = ["Server", "ServeReport"]

@@ -1,0 +1,195 @@
+"""Seeing a job run: snapshots of a region's counters, read without writing a byte of it.
+
+`read` takes one snapshot through a read-only mapping; two snapshots give rates
+(pushes/s, updates/s, gradient bytes/s). `gadei status` prints them as a table for people
+or as JSON lines for programs.
+"""
+
+import time
+from dataclasses import asdict, dataclass, field
+
+from . import _proc
+from .layout import ENTRY_STATES, HIST_BUCKETS, RUN_STATES
+from .region import Region
+from .ring import lease_owner
+
+
+@dataclass
+class LearnerStatus:
+    """One learner entry as the region shows it."""
+
+    learner: int
+    state: str
+    pid: int
+    alive: bool
+    beat_age: float | None  # seconds since its last heartbeat
+    pushes: int  # gradients published since this owner claimed the ring
+    applied: int  # of those, applied by the server
+    in_ring: int  # published, not yet applied
+    samples: int
+    pulls: int
+    pulled_version: int
+    stale_mean: float
+    stale_p50: int
+    stale_max: int
+    stale_hist: list[int] = field(repr=False)
+
+
+@dataclass
+class JobStatus:
+    """A job's region at one moment."""
+
+    job: str
+    taken_at: float  # time.monotonic() of the snapshot
+    run_state: str
+    server_pid: int
+    server_alive: bool
+    server_beat_age: float | None
+    version: int
+    applied: int
+    n_params: int
+    grad_bytes: int  # bytes of one gradient slot payload
+    lr: float
+    threads: int
+    capacity: int
+    slots: int
+    mode: str
+    watchdog_pid: int
+    checkpointed_version: int
+    learners: list[LearnerStatus]
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def _age(beat_ns: int, now_ns: int) -> float | None:
+    return None if beat_ns == 0 else max(0.0, (now_ns - beat_ns) / 1e9)
+
+
+def _p50(hist: list[int]) -> int:
+    """Median staleness estimated from the log2 histogram (the bucket's lower bound)."""
+    total = sum(hist)
+    if total == 0:
+        return 0
+    seen = 0
+    for bucket, count in enumerate(hist):
+        seen += count
+        if 2 * seen >= total:
+            return 0 if bucket == 0 else 1 << (bucket - 1)
+    return 1 << (HIST_BUCKETS - 2)
+
+
+def read(region: Region) -> JobStatus:
+    """Snapshot `region`'s counters (only loads; safe on a read-only mapping)."""
+    h = region.header
+    now = time.monotonic_ns()
+    learners = []
+    for i in range(region.shape.capacity):
+        e = region.entry(i)
+        pid = lease_owner(e.get("lease"))
+        if pid == 0:
+            continue
+        head, tail, base = e.get("head"), e.get("tail"), e.get("claim_head")
+        hist = e.get("stale_hist")
+        applied = max(0, tail - base)
+        learners.append(
+            LearnerStatus(
+                learner=i,
+                state=ENTRY_STATES.get(e.get("state"), "?"),
+                pid=pid,
+                alive=_proc.alive(pid, e.get("start")),
+                beat_age=_age(e.get("beat"), now),
+                pushes=max(0, head - base),
+                applied=applied,
+                in_ring=head - tail,
+                samples=e.get("samples"),
+                pulls=e.get("pulls"),
+                pulled_version=e.get("pulled_version"),
+                stale_mean=e.get("stale_sum") / applied if applied else 0.0,
+                stale_p50=_p50(hist),
+                stale_max=e.get("stale_max"),
+                stale_hist=hist,
+            )
+        )
+    return JobStatus(
+        job=region.job,
+        taken_at=now / 1e9,
+        run_state=RUN_STATES.get(h.get("run_state"), "?"),
+        server_pid=h.get("server_pid"),
+        server_alive=region.server_alive(),
+        server_beat_age=_age(h.get("server_beat"), now),
+        version=h.get("version"),
+        applied=h.get("applied"),
+        n_params=region.shape.n_params,
+        grad_bytes=region.layout.payload_bytes,
+        lr=h.get("lr"),
+        threads=h.get("threads"),
+        capacity=region.shape.capacity,
+        slots=region.shape.slots,
+        mode=region.shape.mode,
+        watchdog_pid=h.get("watchdog_pid"),
+        checkpointed_version=h.get("checkpointed_version"),
+        learners=learners,
+    )
+
+
+@dataclass
+class Rates:
+    """Per-second rates between two snapshots of one job."""
+
+    seconds: float
+    updates: float
+    bytes: float  # gradient bytes applied per second
+    pushes: dict[int, float]  # learner -> pushes/s
+    samples: dict[int, float]  # learner -> samples/s
+
+
+def rates(before: JobStatus, after: JobStatus) -> Rates:
+    """Rates of the counters between two snapshots (learners present in both)."""
+    dt = max(1e-9, after.taken_at - before.taken_at)
+    old = {l.learner: l for l in before.learners if l.pid}
+    pushes, samples = {}, {}
+    for l in after.learners:
+        prev = old.get(l.learner)
+        if prev is not None and prev.pid == l.pid:
+            pushes[l.learner] = (l.pushes - prev.pushes) / dt
+            samples[l.learner] = (l.samples - prev.samples) / dt
+    updates = (after.applied - before.applied) / dt
+    return Rates(dt, updates, updates * after.grad_bytes, pushes, samples)
+
+
+def format_table(status: JobStatus, rate: Rates | None) -> str:
+    """The human-readable status of one job."""
+    server = f"pid {status.server_pid} " + ("alive" if status.server_alive else "GONE")
+    if status.server_beat_age is not None:
+        server += f", beat {status.server_beat_age:.1f}s ago"
+    lines = [
+        f"job {status.job}: {status.run_state}; server {server}; mode {status.mode}, lr {status.lr:g}, "
+        f"{status.threads} kernel threads",
+        f"  weights: {status.n_params:,} parameters ({status.grad_bytes / 1e6:.1f} MB), version {status.version:,}, "
+        f"{status.applied:,} gradients applied"
+        + (f", {rate.updates:,.1f} updates/s, {rate.bytes / 1e9:.2f} GB/s of gradients" if rate else ""),
+        f"  learners: {len(status.learners)} of {status.capacity} entries, {status.slots} slots per ring",
+    ]
+    if status.learners:
+        header = ("learner", "pid", "state", "pushes", "pushes/s", "samples/s", "applied", "in ring",
+                  "stale mean/p50/max", "pulled v", "beat")
+        rows = [header]
+        for l in status.learners:
+            rows.append((
+                str(l.learner),
+                str(l.pid) + ("" if l.alive else " (dead)"),
+                l.state,
+                f"{l.pushes:,}",
+                f"{rate.pushes.get(l.learner, 0.0):,.1f}" if rate else "-",
+                f"{rate.samples.get(l.learner, 0.0):,.1f}" if rate else "-",
+                f"{l.applied:,}",
+                str(l.in_ring),
+                f"{l.stale_mean:.1f}/{l.stale_p50}/{l.stale_max}",
+                f"{l.pulled_version:,}",
+                "-" if l.beat_age is None else f"{l.beat_age:.1f}s",
+            ))
+        widths = [max(len(row[c]) for row in rows) for c in range(len(header))]
+        for row in rows:
+            lines.append("  " + "  ".join(cell.rjust(width) for cell, width in zip(row, widths)))
+    return "\n".join(lines)

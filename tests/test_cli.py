@@ -1,0 +1,79 @@
+"""The `gadei` command end to end: serve, learn, status, stop, clean, with real processes."""
+
+import json
+
+from conftest import finish, read_line, wait_for
+from gadei.region import inspect
+
+
+def _status(procs, job):
+    out, _ = finish(procs.gadei("status", job, "--json", "--interval", "0.3"))
+    return json.loads(out.splitlines()[-1])
+
+
+def test_serve_learn_status_stop(job, procs):
+    server = procs.gadei("serve", job, "--workload", "textcnn", "--data", "generated", "--learners", "2", "--json")
+    wait_for(lambda: inspect(job) is not None and inspect(job).state == "running", 60, "the server's region")
+    learner = procs.gadei("learn", job, "--data", "generated", "--epochs", "50", "--json")
+    wait_for(lambda: any(l["pushes"] > 20 for l in _status(procs, job)["learners"]), 60, "pushes to show in status")
+
+    status = _status(procs, job)
+    assert status["run_state"] == "serving" and status["server_alive"]
+    (entry,) = status["learners"]
+    assert entry["pid"] == learner.pid and entry["alive"] and entry["state"] == "active"
+    assert entry["applied"] <= entry["pushes"] <= entry["applied"] + 2
+    assert status["rates"]["pushes"][str(entry["learner"])] > 0
+    assert status["rates"]["bytes"] > 0
+    assert sum(entry["stale_hist"]) == entry["applied"]
+
+    out, _ = finish(procs.gadei("status", job, "--interval", "0.2"))
+    assert f"job {job}: serving" in out and "pushes/s" in out and str(learner.pid) in out
+
+    finish(procs.gadei("stop", job))
+    assert inspect(job) is None  # a clean stop unlinks the region
+    stopped = json.loads(finish(server)[0].splitlines()[-1])
+    out, err = finish(learner)  # the learner saw the stop and left quietly
+    assert stopped["event"] == "stopped" and stopped["applied"] > 20
+
+
+def test_learn_evaluates_and_reports_epochs(job, procs):
+    server = procs.gadei("serve", job, "--params", "0", "--learners", "1")
+    _, err = server.communicate(timeout=60)
+    assert server.returncode == 2 and "n_params must be a positive integer" in err
+
+    server = procs.gadei("serve", job, "--workload", "textcnn", "--data", "generated:3", "--seed", "3", "--lr", "0.05")
+    wait_for(lambda: inspect(job) is not None, 60, "the server's region")
+    learner = procs.gadei("learn", job, "--data", "generated:3", "--seed", "3", "--epochs", "2", "--batch", "8",
+                          "--eval", "--json", "--pull", "view")
+    first, second = read_line(learner, 120), read_line(learner, 120)
+    finish(learner)
+    assert [first["epoch"], second["epoch"]] == [1, 2]
+    assert second["version"] > first["version"] > 0
+    assert 0.0 <= first["test_accuracy"] <= 1.0 and second["loss"] < first["loss"]
+    finish(procs.gadei("stop", job))
+    finish(server)
+
+
+def test_a_learner_with_another_model_is_refused_before_any_step(job, procs):
+    server = procs.gadei("serve", job, "--workload", "textcnn", "--data", "generated:1")
+    wait_for(lambda: inspect(job) is not None, 60, "the server's region")
+    learner = procs.gadei("learn", job, "--data", "generated:2")  # another vocabulary: other shapes
+    _, err = learner.communicate(timeout=120)
+    assert learner.returncode == 2
+    assert f"job '{job}': model has" in err and "region holds" in err
+    finish(procs.gadei("stop", job))
+    finish(server)
+
+
+def test_errors_are_one_line_with_exit_status_2(job, procs):
+    for args, message in [
+        (("stop", job), f"job '{job}' has no region"),
+        (("status", job), f"job '{job}' has no region"),
+        (("learn", job, "--data", "nosuch:thing"), "nosuch"),
+        (("learn", job, "--shard", "3/2"), "--shard '3/2'"),
+        (("serve", "bad/name", "--params", "10"), "job name 'bad/name' is not allowed"),
+    ]:
+        proc = procs.gadei(*args)
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 2, (args, err)
+        assert message in err and "Traceback" not in err, (args, err)

@@ -1,0 +1,135 @@
+"""The learner API: stopping, a dead server, full rings that block without spinning, capacity, .grad fallbacks."""
+
+import signal
+import threading
+import time
+
+import numpy as np
+import psutil
+import pytest
+import torch
+
+import gadei
+from conftest import read_line, wait_for
+from gadei.region import Region
+from worker import Flat
+
+
+class _Serving:
+    """A server applying gradients on a thread of this process (for in-process API tests)."""
+
+    def __init__(self, job, **kwargs):
+        self.server = gadei.Server(job, **kwargs)
+        self.thread = threading.Thread(target=self.server.serve, kwargs={"grace": 2.0}, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        return self.server
+
+    def __exit__(self, *exc):
+        self.server.request_stop()
+        self.thread.join(30)
+        self.server.close()
+
+
+def test_stopping_the_job_ends_the_with_block_quietly(job):
+    model = Flat(100, 0.0)
+    with _Serving(job, model=Flat(100, 1.0), lr=0.5) as server:
+        with gadei.Learner(model, job) as learner:
+            for _ in range(3):
+                for p in model.parameters():
+                    p.grad.fill_(1.0)
+                learner.step()
+            server.request_stop()
+            assert wait_for(lambda: learner.stopped, 10, "the learner to see the stop")
+            with pytest.raises(gadei.JobStopped):
+                learner.step()
+            learner.step()  # raised inside the with block: ends it without an error
+            pytest.fail("step() after a stop must raise")
+        assert learner.steps == 3
+        # the 3 published gradients were applied before the server stopped
+        assert model.weight[0].item() == 1.0 - 0.5 * 3
+
+
+def test_replaced_grads_are_copied_into_the_ring(job, caplog):
+    model = Flat(100, 0.0)
+    with _Serving(job, model=Flat(100, 0.0), lr=0.25) as server:
+        with gadei.Learner(model, job) as learner:
+            for _ in range(4):
+                model.zero_grad(set_to_none=True)  # a habit from torch.optim: gadei must still see the gradient
+                for p in model.parameters():
+                    p.grad = torch.full_like(p, 2.0)
+                learner.step()
+        np.testing.assert_array_equal(server.weights(), np.full(100, -0.25 * 2.0 * 4, dtype=np.float32))
+    assert "copying gradients into the ring" in caplog.text
+
+
+def test_backward_accumulates_straight_into_the_ring_slot(job):
+    model = torch.nn.Linear(4, 1, bias=False)
+    with torch.no_grad():
+        model.weight.fill_(0.0)
+    with _Serving(job, model=torch.nn.Linear(4, 1, bias=False), lr=1.0) as server:
+        with torch.no_grad():
+            server.region.weights[:] = 0.0
+        with gadei.Learner(model, job) as learner:
+            slot = learner.region.payload(learner.learner_id, learner._producer.slot)
+            assert model.weight.grad.data_ptr() == slot.ctypes.data  # .grad is a view of the slot
+            x = torch.tensor([[1.0, 2.0, 3.0, 4.0]])
+            model(x).sum().backward()
+            np.testing.assert_array_equal(slot, [1.0, 2.0, 3.0, 4.0])  # written by backward itself
+            learner.step()
+        np.testing.assert_array_equal(server.weights(), [-1.0, -2.0, -3.0, -4.0])
+
+
+def test_a_full_learner_table_is_refused_naming_the_owners(job, procs):
+    with _Serving(job, model=Flat(100), learners=1):
+        holder = procs.worker("push", job, "--n", 100, "--steps", 10**9, "--slow")
+        read_line(holder, 60)
+        read_line(holder, 60)
+        with pytest.raises(gadei.CapacityError, match=rf"all 1 learner entries are taken .*{holder.pid}.*--learners"):
+            gadei.Learner(Flat(100), job, timeout=5).attach()
+
+
+def _cpu_seconds(pid, wall):
+    proc = psutil.Process(pid)
+    before = sum(proc.cpu_times()[:2])
+    end = time.monotonic() + wall
+    wait_for(lambda: time.monotonic() >= end, wall + 5, f"{wall} s to pass")
+    return sum(proc.cpu_times()[:2]) - before
+
+
+def test_idle_server_and_blocked_learner_use_no_cpu_and_a_dead_server_ends_the_wait(job, procs):
+    server = procs.worker("serve", job, "--n", 1000)
+    read_line(server, 60)
+    assert _cpu_seconds(server.pid, 1.0) < 0.05, "an idle server must sleep on its doorbell, not spin"
+
+    server.send_signal(signal.SIGSTOP)  # now nobody consumes: the learner's ring fills up
+    learner = procs.worker("push", job, "--n", 1000, "--steps", 10**9)
+    read_line(learner, 60)
+    read_line(learner, 60)
+    with Region.attach(job, readonly=True) as region:
+        wait_for(lambda: region.entry(0).get("head") == 2, 30, "the ring to fill")
+        assert _cpu_seconds(learner.pid, 1.0) < 0.1, "a learner waiting for ring space must block, not spin"
+        assert region.entry(0).get("head") == 2  # it did not overwrite an unconsumed slot
+
+    server.send_signal(signal.SIGKILL)
+    server.wait()
+    started = time.monotonic()
+    _, err = learner.communicate(timeout=30)
+    assert learner.returncode != 0
+    assert "ServerGone" in err and "is gone" in err
+    assert time.monotonic() - started < 5
+
+
+def test_a_stalled_server_blocks_a_learner_until_it_resumes(job, procs):
+    server = procs.worker("serve", job, "--n", 1000)
+    read_line(server, 60)
+    server.send_signal(signal.SIGSTOP)
+    learner = procs.worker("push", job, "--n", 1000, "--steps", 50)
+    read_line(learner, 60)
+    read_line(learner, 60)
+    with Region.attach(job, readonly=True) as region:
+        wait_for(lambda: region.entry(0).get("head") == 2, 30, "the ring to fill")
+    assert learner.poll() is None
+    server.send_signal(signal.SIGCONT)
+    assert read_line(learner, 60)["pushed"] == 50

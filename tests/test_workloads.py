@@ -1,0 +1,236 @@
+"""Tests of the workloads package: tokenizer, vocabulary, loaders, batching and model."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import gadei_workloads
+from gadei_workloads import text
+from gadei_workloads.text import TextDataset, Vocab, batches, tokenize
+from gadei_workloads.textcnn import build_textcnn
+
+DATA_DIR = Path(
+    os.environ.get("GADEI_DATA_DIR")
+    or Path(__file__).resolve().parents[1].parent / "shared" / "data"
+)
+TREC_DIR = DATA_DIR / "trec"
+needs_trec = pytest.mark.skipif(
+    not (TREC_DIR / "TREC.train").is_file(),
+    reason=f"TREC data not found in {TREC_DIR} (set GADEI_DATA_DIR)",
+)
+
+
+def _write_trec(folder: Path, train: str, test: str) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "TREC.train").write_bytes(train.encode("latin-1"))
+    (folder / "TREC.test").write_bytes(test.encode("ascii"))
+    return folder
+
+
+def _indexed_dataset(n: int) -> TextDataset:
+    """Sample i has label i and i+1 tokens, so batches reveal which samples they hold."""
+    vocab = Vocab(["<pad>", "<unk>", "w"])
+    return TextDataset(
+        ids=[[2] * (i + 1) for i in range(n)],
+        labels=list(range(n)),
+        label_names=[str(i) for i in range(n)],
+        vocab=vocab,
+    )
+
+
+# --- tokenizer and vocabulary ------------------------------------------------------
+
+
+def test_tokenize_lowercases_and_splits_punctuation():
+    assert tokenize("Who wrote 'Hamlet', (the play)?") == [
+        "who", "wrote", "hamlet", ",", "(", "the", "play", ")", "?",
+    ]
+
+
+def test_tokenize_splits_contractions_and_strips_accents():
+    assert tokenize("Don't café's x-ray!") == ["do", "n't", "cafe", "'s", "x", "ray", "!"]
+    assert tokenize("  ...  ") == []
+
+
+def test_vocab_orders_by_count_and_maps_unknown_to_one():
+    vocab = Vocab.build([["b", "a", "b"], ["c", "a", "b"]])
+    assert vocab.decode(range(len(vocab))) == ["<pad>", "<unk>", "b", "a", "c"]
+    assert vocab.encode(["a", "zzz", "<pad>"]) == [3, 1, 0]
+
+
+def test_vocab_max_size_and_min_count():
+    texts = [["a"] * 3 + ["b"] * 2 + ["c"]]
+    assert len(Vocab.build(texts, max_size=3)) == 3
+    assert Vocab.build(texts, min_count=2).encode(["a", "b", "c"]) == [2, 3, 1]
+    with pytest.raises(ValueError, match="max_size"):
+        Vocab.build(texts, max_size=1)
+
+
+def test_vocab_json_round_trip():
+    vocab = Vocab.build([tokenize("the cat sat on the mat"), tokenize("a dog!")])
+    again = Vocab.from_json(json.loads(json.dumps(vocab.to_json())))
+    assert again == vocab
+    assert again.encode(tokenize("the dog sat")) == vocab.encode(tokenize("the dog sat"))
+    with pytest.raises(ValueError, match="tokens"):
+        Vocab.from_json({"words": []})
+    with pytest.raises(ValueError, match="start with"):
+        Vocab.from_json({"tokens": ["a", "b"]})
+
+
+# --- loaders -----------------------------------------------------------------------
+
+
+@needs_trec
+def test_trec_counts_and_labels():
+    train, test = text.load_trec(TREC_DIR)
+    assert (len(train), len(test)) == (5452, 500)
+    assert train.label_names == ["ABBR", "DESC", "ENTY", "HUM", "LOC", "NUM"]
+    assert test.vocab is train.vocab and test.label_names is train.label_names
+    assert np.bincount(train.labels).tolist() == [86, 1162, 1250, 1223, 835, 896]
+    assert any(1 in ids for ids in test.ids)  # words unseen in training map to <unk>
+    fine_train, fine_test = text.load_trec(TREC_DIR, fine=True)
+    assert fine_train.n_labels == 50 and "NUM:dist" in fine_train.label_names
+
+
+def test_trec_bad_line_names_file_and_line(tmp_path):
+    folder = _write_trec(tmp_path, "NUM:dist How far ?\n\nnolabel here\n", "NUM:dist Far ?\n")
+    with pytest.raises(ValueError, match=r"TREC\.train:3"):
+        text.load_trec(folder)
+
+
+def test_trec_unknown_test_label_is_an_error(tmp_path):
+    folder = _write_trec(tmp_path, "NUM:dist How far ?\n", "LOC:city Where ?\n")
+    with pytest.raises(ValueError, match=r"'LOC'.*|TREC\.test") as info:
+        text.load_trec(folder)
+    assert "'LOC'" in str(info.value) and "TREC.test" in str(info.value)
+
+
+def test_trec_reads_latin1_training_file(tmp_path):
+    folder = _write_trec(tmp_path, "HUM:ind Who is Pel\xe9 ?\n", "HUM:ind Who is Pele ?\n")
+    train, test = text.load_trec(folder)
+    assert train.vocab.decode(train.ids[0]) == ["who", "is", "pele", "?"]
+    assert test.ids == train.ids
+
+
+def test_generated_is_deterministic_per_seed():
+    a_train, a_test = text.generate_topics(seed=5, n_train=500, n_test=100)
+    b_train, b_test = text.generate_topics(seed=5, n_train=500, n_test=100)
+    c_train, _ = text.generate_topics(seed=6, n_train=500, n_test=100)
+    assert a_train.ids == b_train.ids and a_test.labels == b_test.labels
+    assert a_train.vocab == b_train.vocab and a_train.label_names == b_train.label_names
+    assert a_train.ids != c_train.ids
+
+
+def test_generated_shape_matches_arguments():
+    train, test = text.generate_topics(seed=1, n_train=800, n_test=200, n_labels=4)
+    assert (len(train), len(test), train.n_labels) == (800, 200, 4)
+    assert all(5 <= len(ids) <= 30 for ids in train.ids)
+    assert len(set(map(tuple, train.ids))) > 790  # sentences are not copies of each other
+    with pytest.raises(ValueError, match="label_noise"):
+        text.generate_topics(label_noise=1.5)
+
+
+def test_load_spec():
+    train, _ = text.load("generated:3")
+    assert train.ids == text.generate_topics(seed=3)[0].ids
+    with pytest.raises(ValueError, match="'generated:SEED'"):
+        text.load("mnist")
+    with pytest.raises(ValueError, match="not an integer"):
+        text.load("generated:x")
+
+
+# --- batches -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shards,batch_size", [(1, 4), (2, 2), (3, 5)])
+def test_shards_cover_every_sample_once_per_epoch(shards, batch_size):
+    data = _indexed_dataset(23)
+    orders = []
+    for epoch in range(2):
+        seen = []
+        for shard in range(shards):
+            for x, y in batches(data, batch_size, epoch=epoch, seed=7, shard=shard, shards=shards):
+                assert x.shape[0] == y.shape[0] <= batch_size
+                seen.extend(y.tolist())
+        assert sorted(seen) == list(range(23))
+        orders.append(seen)
+    assert orders[0] != orders[1]  # each epoch has its own permutation
+
+
+def test_shards_interleave_one_permutation():
+    data = _indexed_dataset(10)
+    whole = [int(v) for _, y in batches(data, 3, epoch=1, seed=2) for v in y]
+    for shard in range(3):
+        part = [
+            int(v) for _, y in batches(data, 3, epoch=1, seed=2, shard=shard, shards=3) for v in y
+        ]
+        assert part == whole[shard::3]
+
+
+def test_batches_pad_to_longest_but_at_least_min_len():
+    data = _indexed_dataset(8)
+    for x, y in batches(data, 3, epoch=0, seed=0):
+        lengths = (x != 0).sum(dim=1)
+        assert lengths.tolist() == [int(v) + 1 for v in y]  # padding is 0, after the words
+        assert x.shape[1] == max(5, int(lengths.max()))
+        assert x.dtype == y.dtype == torch.long
+    (x, _), = batches(_indexed_dataset(3), 3, epoch=0, seed=0)  # all shorter than min_len
+    assert x.shape == (3, 5)
+
+
+def test_batches_reject_bad_shard():
+    with pytest.raises(ValueError, match="shard 2 of 2"):
+        next(batches(_indexed_dataset(4), 2, epoch=0, seed=0, shard=2, shards=2))
+
+
+# --- model and registry ------------------------------------------------------------
+
+
+def test_model_is_deterministic_by_seed_and_leaves_global_rng_alone():
+    torch.manual_seed(123)
+    state = torch.get_rng_state()
+    a = build_textcnn(50, 3, seed=4)
+    assert torch.equal(torch.get_rng_state(), state)
+    torch.manual_seed(999)
+    b = build_textcnn(50, 3, seed=4)
+    c = build_textcnn(50, 3, seed=5)
+    for (name, pa), pb in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.equal(pa, pb), name
+    assert not torch.equal(a.embedding.weight, c.embedding.weight)
+    assert torch.count_nonzero(a.embedding.weight[0]) == 0  # padding row
+
+
+def test_model_output_shape_and_short_input_error():
+    model = build_textcnn(50, 3, embed_dim=16, filters=8)
+    assert model(torch.randint(50, (4, 7))).shape == (4, 3)
+    with pytest.raises(ValueError, match="shorter than the widest filter 5"):
+        model(torch.zeros(2, 4, dtype=torch.long))
+
+
+def test_registry_and_training_learns_generated_data():
+    with pytest.raises(ValueError, match="known: textcnn"):
+        gadei_workloads.get("resnet")
+    workload = gadei_workloads.get("textcnn")
+    train, test = text.generate_topics(seed=1, n_train=1500, n_test=300)
+    model = workload.build_model(train, 0)
+    model.train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch.manual_seed(0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny steps: extra threads only contend on a busy machine
+    try:
+        for x, y in batches(train, 8, epoch=0, seed=0):
+            optimizer.zero_grad(set_to_none=True)
+            workload.loss(model, x, y).backward()
+            optimizer.step()
+        acc = workload.evaluate(model, test)
+    finally:
+        torch.set_num_threads(threads)
+    assert model.training  # evaluate restores the mode
+    assert acc > 0.6, f"one epoch on generated data reached only {acc:.3f} (chance 0.17)"

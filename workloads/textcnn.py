@@ -1,0 +1,105 @@
+"""The text-classification model the learners train: Kim 2014's sentence CNN (CNN-rand).
+
+Token ids from :mod:`.text` go in, label logits come out; :func:`build_textcnn` makes
+the same initial parameters in every process for a given seed.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+import torch
+from torch import nn
+
+__all__ = ["TextCNN", "build_textcnn"]
+
+logger = logging.getLogger(__name__)
+
+
+class TextCNN(nn.Module):
+    """Embedding -> parallel 1-D convolutions -> ReLU -> max over time -> dropout -> linear.
+
+    The embeddings are trained from scratch ("CNN-rand") and initialised uniformly in
+    ``[-0.25, 0.25]`` as in Kim 2014; the padding row (id 0) stays zero.
+
+    Args:
+        vocab_size: Number of token ids (row 0 is padding).
+        n_labels: Number of output classes.
+        embed_dim: Embedding width.
+        widths: Convolution widths, one filter bank per width.
+        filters: Filters per width.
+        dropout: Dropout probability before the output layer.
+
+    Raises:
+        ValueError: If a size is not positive or the dropout is outside ``[0, 1)``.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        n_labels: int,
+        embed_dim: int = 128,
+        widths: Sequence[int] = (3, 4, 5),
+        filters: int = 100,
+        dropout: float = 0.5,
+    ):
+        super().__init__()
+        sizes = {"vocab_size": vocab_size, "n_labels": n_labels, "embed_dim": embed_dim,
+                 "filters": filters, "widths": min(widths, default=0)}
+        for name, value in sizes.items():
+            if value < 1:
+                raise ValueError(f"TextCNN: {name} must be >= 1, got {value}")
+        if not 0 <= dropout < 1:
+            raise ValueError(f"TextCNN: dropout must be in [0, 1), got {dropout}")
+        self.min_len = max(widths)
+        self.embedding = nn.Embedding(vocab_size, embed_dim, padding_idx=0)
+        self.convs = nn.ModuleList(nn.Conv1d(embed_dim, filters, w) for w in widths)
+        self.dropout = nn.Dropout(dropout)
+        self.out = nn.Linear(filters * len(widths), n_labels)
+        with torch.no_grad():
+            self.embedding.weight.uniform_(-0.25, 0.25)
+            self.embedding.weight[0].zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Classifies a batch of sentences.
+
+        Args:
+            x: LongTensor ``[B, L]`` of token ids, padded with 0, ``L`` at least the
+                widest filter (:attr:`min_len`).
+
+        Returns:
+            Logits ``[B, n_labels]``.
+        """
+        if x.shape[1] < self.min_len:
+            raise ValueError(
+                f"TextCNN: input length {x.shape[1]} is shorter than the widest filter "
+                f"{self.min_len}; pad the batch"
+            )
+        h = self.embedding(x).transpose(1, 2)  # [B, E, L]
+        pooled = [torch.relu(conv(h)).amax(dim=2) for conv in self.convs]
+        return self.out(self.dropout(torch.cat(pooled, dim=1)))
+
+
+def build_textcnn(vocab_size: int, n_labels: int, seed: int = 0, **kw) -> TextCNN:
+    """Builds a :class:`TextCNN` whose initial parameters depend only on the arguments.
+
+    The global RNG is neither used nor changed, so every learner building with the same
+    seed gets bit-identical parameters.
+
+    Args:
+        vocab_size: Number of token ids.
+        n_labels: Number of output classes.
+        seed: Initialisation seed.
+        **kw: Further :class:`TextCNN` arguments (``embed_dim``, ``widths``, ...).
+
+    Returns:
+        The model, in training mode.
+    """
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = TextCNN(vocab_size, n_labels, **kw)
+    n_params = sum(p.numel() for p in model.parameters())
+    logger.debug("TextCNN: vocab %d, labels %d, seed %d, %d parameters",
+                 vocab_size, n_labels, seed, n_params)
+    return model
