@@ -76,6 +76,7 @@ class LocalJob:
         self.serve_args = serve_args
         self.learner_args = learner_args
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix=f"gadei-{job}-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
         self.env = {**os.environ, **(env or {})}
         self.inherit = inherit
         self.server: subprocess.Popen | None = None

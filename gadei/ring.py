@@ -83,12 +83,11 @@ class Producer:
     to the server; `wait_space()` blocks while the ring is full.
     """
 
-    def __init__(self, region: Region, learner: int, claims: int):
+    def __init__(self, region: Region, learner: int):
         self.region = region
         self.learner = learner
         self.entry = region.entry(learner)
         self.slots = region.shape.slots
-        self._claims = claims
         self._head_addr = self.entry.addr("head")
         self._tail_addr = self.entry.addr("tail")
         self._waiting_addr = self.entry.addr("space_waiting")
@@ -203,7 +202,7 @@ def _take(region: Region, learner: int, claims: int, drain_timeout: float, serve
     entry.set("pid", os.getpid())
     entry.set("start", _proc.start_time())
     entry.set("beat", time.monotonic_ns())
-    producer = Producer(region, learner, claims)
+    producer = Producer(region, learner)
     # A previous owner's published slots are applied by the server, never dropped; its
     # unpublished (maybe half-written) slot is zeroed below once nothing is in flight.
     if not producer.drain(drain_timeout, server_alive):
@@ -270,9 +269,6 @@ class Consumer:
 
     def tail(self, learner: int) -> int:
         return _native.load64(self._tail_addrs[learner])
-
-    def head(self, learner: int) -> int:
-        return self._entries[learner].get("head")
 
     def release(self, learner: int, tail: int) -> None:
         """Mark slot `tail` of `learner`'s ring consumed (after the update finished) and wake it."""

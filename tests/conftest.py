@@ -110,6 +110,12 @@ def read_line(proc: subprocess.Popen, timeout: float) -> dict:
         sel.close()
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "slow: end-to-end training runs of a few minutes (in the default suite; -m 'not slow' skips them)"
+    )
+
+
 @pytest.fixture
 def job():
     """A job name no other test (or test run) uses; its region is removed afterwards."""
