@@ -94,7 +94,6 @@ def bench_kernel(args) -> dict:
             fused = _median([_time_it(lambda: _native.sgd(wa, ga, n, lr, 1, all_threads), 0.05)
                              for _ in range(args.repeats)])
             records[-1]["fused_clear_gb_per_s"] = 4 * n * 4 / fused / 1e9
-            del w, g, tw, tg
     finally:
         torch.set_num_threads(torch_threads)
     print("\nkernel: w -= lr * g, GB/s counting 3 streams (read w, read g, write w); median of "

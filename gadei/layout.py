@@ -41,7 +41,8 @@ MODE_CODES = MappingProxyType({name: code for code, name in MODES.items()})
 CREATED, SERVING, STOPPING, STOPPED = 0, 1, 2, 3
 RUN_STATES = MappingProxyType({CREATED: "created", SERVING: "serving", STOPPING: "stopping", STOPPED: "stopped"})
 
-# Weights initialisation (header field init_state).
+# Weights initialisation: low 32 bits of the header word `init`; the high 32 hold the
+# uploading pid while INIT_WRITING, so a reset of a dead uploader cannot undo a new one.
 INIT_EMPTY, INIT_WRITING, INIT_READY = 0, 1, 2
 
 # Learner entry states (the entry's `state` field; ownership itself is the `lease` word).
@@ -117,8 +118,7 @@ HEADER, HEADER_BYTES = _record(
         ("server_sleeping", "u32"),
         _LINE_BREAK,
         # weights initialisation and the model spec, written once by whoever initialises
-        ("init_state", "u32"),
-        ("init_pid", "u32"),
+        ("init", "u64"),
         ("spec_len", "u32"),
         _LINE_BREAK,
         # watchdog (its process fills these; gadei status shows them)

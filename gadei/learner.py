@@ -105,21 +105,19 @@ class Learner:
         h = self.region.header
         deadline = time.monotonic() + self.timeout
         while True:
-            state = h.get("init_state")
+            word = h.get("init")
+            state, pid = word & 0xFFFFFFFF, word >> 32
             if state == INIT_READY:
                 return
-            if state == INIT_EMPTY and self.upload and h.cas("init_state", INIT_EMPTY, INIT_WRITING):
-                h.set("init_pid", os.getpid())
+            if state == INIT_EMPTY and self.upload and h.cas("init", word, os.getpid() << 32 | INIT_WRITING):
                 self.region.write_spec(spec)
                 params.flatten_into(self.model, self.region.weights)
-                h.set("init_state", INIT_READY)
+                h.set("init", INIT_READY)
                 log.info("job %r: uploaded this model's parameters as the initial weights", self.job)
                 return
-            if state == INIT_WRITING:
-                pid = h.get("init_pid")
-                if pid and not psutil.pid_exists(pid):
-                    h.cas("init_state", INIT_WRITING, INIT_EMPTY)  # the uploader died half way
-                    continue
+            if state == INIT_WRITING and not psutil.pid_exists(pid):
+                h.cas("init", word, INIT_EMPTY)  # the uploader died half way; someone uploads again
+                continue
             if time.monotonic() >= deadline:
                 why = "no learner with upload=True attached" if state == INIT_EMPTY else "the upload did not finish"
                 raise GadeiTimeout(f"job {self.job!r}: waited {self.timeout:g} s for initial weights: {why}")

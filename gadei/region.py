@@ -43,7 +43,6 @@ from .layout import (
     HEADER,
     HEADER_BYTES,
     HIST_BUCKETS,
-    INIT_READY,
     LAYOUT_VERSION,
     MAGIC,
     MODE_CODES,
@@ -259,9 +258,6 @@ class Region:
     def server_alive(self) -> bool:
         """True when the process recorded as the server runs (pid and start time match)."""
         return _proc.alive(self.header.get("server_pid"), self.header.get("server_start"))
-
-    def weights_ready(self) -> bool:
-        return self.header.get("init_state") == INIT_READY
 
     # ------------------------------------------------------------------ lifetime
 

@@ -105,7 +105,7 @@ class Server:
             if model is not None:
                 self.region.write_spec(spec)
                 params.flatten_into(model, self.region.weights)
-                h.set("init_state", INIT_READY)
+                h.set("init", INIT_READY)
             self.rule = make_rule(mode, self.region.weights_addr, shape.n_params, lr=lr, threads=self.threads)
             self._consumer = Consumer(self.region)
             self._slot_headers = [
