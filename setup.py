@@ -2,7 +2,7 @@
 
 The extension is compiled with OpenMP when the compiler supports it (probed by compiling a
 tiny program with -fopenmp); otherwise it is built serial and a warning says so. The update
-kernel dispatches at run time between AVX-512, AVX2 and baseline code (GCC target_clones),
+kernel dispatches at run time between AVX2 and baseline code (GCC target_clones),
 so the built package is portable across x86-64 machines.
 """
 

@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import platform
+import random
 import statistics
 import time
 from pathlib import Path
@@ -36,6 +37,30 @@ def _median(values):
     return statistics.median(values) if values else float("nan")
 
 
+def _interleaved(methods: dict, rounds: int, min_seconds: float) -> dict:
+    """Median seconds per call of each method, timed in `rounds` rounds of shuffled order.
+
+    Each sample is as many back-to-back calls as fill `min_seconds`; interleaving puts the
+    machine's drifts (other tenants, frequency) on every method alike.
+    """
+    calls = {}
+    for name, fn in methods.items():
+        fn()  # warm up: page faults, OpenMP team start
+        calls[name] = max(1, int(min_seconds / _time_it(fn, min_seconds)))
+    samples = {name: [] for name in methods}
+    order = list(methods)
+    rng = random.Random(0)
+    for _ in range(rounds):
+        rng.shuffle(order)
+        for name in order:
+            fn, k = methods[name], calls[name]
+            start = time.perf_counter()
+            for _ in range(k):
+                fn()
+            samples[name].append((time.perf_counter() - start) / k)
+    return {name: _median(values) for name, values in samples.items()}
+
+
 def _time_it(fn, min_seconds: float) -> float:
     """Seconds per call of `fn`, over as many calls as fill `min_seconds` (at least 2)."""
     fn()
@@ -46,6 +71,13 @@ def _time_it(fn, min_seconds: float) -> float:
         elapsed = time.perf_counter() - start
         if calls >= 2 and elapsed >= min_seconds:
             return elapsed / calls
+
+
+def _aligned(n: int) -> np.ndarray:
+    """A float32 array of n elements starting on a 4096-byte boundary."""
+    raw = np.empty(n + 1024, dtype=np.float32)
+    skip = (-raw.ctypes.data % 4096) // 4
+    return raw[skip : skip + n]
 
 
 def _table(headers, rows) -> str:
@@ -68,8 +100,10 @@ def bench_kernel(args) -> dict:
         for size in sizes:
             n = size * MB // 4
             rng = np.random.default_rng(size)
-            w = rng.standard_normal(n, dtype=np.float32)
-            g = rng.standard_normal(n, dtype=np.float32)
+            # page-aligned, as a region's weights and slots are (NumPy's own are 16 bytes off)
+            w, g = _aligned(n), _aligned(n)
+            w[:] = rng.standard_normal(n, dtype=np.float32)
+            g[:] = rng.standard_normal(n, dtype=np.float32)
             tw, tg = torch.from_numpy(w), torch.from_numpy(g)
             wa, ga = w.ctypes.data, g.ctypes.data
             moved = 3 * n * 4  # read w, read g, write w
@@ -79,12 +113,9 @@ def bench_kernel(args) -> dict:
                     "plain_c": lambda: _native.plain_sgd(wa, ga, n, lr, threads),
                     "torch_add_": lambda: tw.add_(tg, alpha=-lr),
                 }
-                times = {name: [] for name in methods}
-                for _ in range(args.repeats):
-                    for name, fn in methods.items():
-                        torch.set_num_threads(threads)
-                        times[name].append(_time_it(fn, 0.05 if args.quick else 0.2))
-                gbs = {name: moved / _median(t) / 1e9 for name, t in times.items()}
+                torch.set_num_threads(threads)
+                seconds = _interleaved(methods, rounds=10 * args.repeats, min_seconds=0.002 if args.quick else 0.01)
+                gbs = {name: moved / s / 1e9 for name, s in seconds.items()}
                 record = {"size_mb": size, "threads": threads, "gb_per_s": gbs,
                           "vs_plain_c": gbs["gadei"] / gbs["plain_c"], "vs_torch": gbs["gadei"] / gbs["torch_add_"]}
                 records.append(record)
@@ -97,7 +128,7 @@ def bench_kernel(args) -> dict:
     finally:
         torch.set_num_threads(torch_threads)
     print("\nkernel: w -= lr * g, GB/s counting 3 streams (read w, read g, write w); median of "
-          f"{args.repeats} runs")
+          f"{10 * args.repeats} interleaved samples")
     print(_table(("size", "threads", "gadei", "plain C", "torch add_", "gadei/plain", "gadei/torch"), rows))
     return {"rows": records}
 

@@ -165,8 +165,8 @@ class ThreadPush(Push):
                 self.producer.wait_space(self.on_slice)
                 source = _addr(self._buffers[buffer])
                 _native.copy(self.region.payload_addr(self.producer.learner, self.producer.slot), source, payload_bytes, 1)
-                _native.zero(source, payload_bytes)
                 self.producer.publish(version, step, samples)
+                _native.zero(source, payload_bytes)  # after publishing: off the push-to-applied path
             except BaseException as err:  # handed to the train thread, which raises it
                 with self._cond:
                     self._error = err
