@@ -243,8 +243,8 @@ def _train_worker(kind, rank, world, batch, epochs, seed, lr, data, job, shared,
     if learner is not None:
         learner.close()
     state = None
-    if kind == "plain":
-        state = {k: v.clone() for k, v in model.state_dict().items()}
+    if kind == "plain":  # NumPy copies travel by value (torch tensors would by fd, gone when we exit)
+        state = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
     queue.put((rank, start, end, samples, state))
 
 
@@ -282,7 +282,7 @@ def _run_train(kind, world, batch, epochs, seed, lr, data) -> dict:
             p.join(60)
         if kind == "plain":
             model = workload.build_model(train, seed)
-            model.load_state_dict(results[0][4])
+            model.load_state_dict({k: torch.from_numpy(v) for k, v in results[0][4].items()})
         elif kind == "hogwild":
             model = shared
         else:

@@ -286,7 +286,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--epochs", type=int, default=1, help="passes over this learner's shard (default 1)")
     p.add_argument("--batch", type=int, default=2, help="mini-batch size (default 2)")
     p.add_argument("--shard", default="0/1", help="INDEX/COUNT: this learner's share of the data (default 0/1)")
-    p.add_argument("--pull", choices=("copy", "view"), default="copy", help="how weights reach the model")
+    p.add_argument("--pull", choices=("view", "copy"), default="view",
+                   help="how weights reach the model: view (shared, Hogwild; default) or copy (pull thread)")
     p.add_argument("--push", choices=("publish", "thread"), default="publish", help="how gradients reach the ring")
     p.add_argument("--eval", action="store_true", help="evaluate on the test set after every epoch")
     p.add_argument("--torch-threads", type=int, default=1, help="PyTorch intra-op threads (default 1)")

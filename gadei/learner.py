@@ -37,8 +37,9 @@ class Learner:
     Args:
         model: a PyTorch module with float32 CPU parameters, built like the job's model.
         job: the job name.
-        pull: 'copy' (a pull thread copies new weights, swapped in between steps) or 'view'
-            (the parameters are views of the shared weights: Hogwild, no copies).
+        pull: 'view' (the parameters are views of the shared weights: Hogwild, no copies)
+            or 'copy' (a pull thread copies new weights, swapped in between steps, so the
+            weights do not change during a forward/backward pass).
         push: 'publish' (`.grad` are views of the ring slot: no copies) or 'thread' (private
             staging buffers and a push thread that copies them into the ring).
         timeout: seconds to wait for the job's region and initial weights (default:
@@ -46,7 +47,7 @@ class Learner:
         upload: upload this model's parameters when the region holds no weights yet.
     """
 
-    def __init__(self, model: torch.nn.Module, job: str, *, pull: str = "copy", push: str = "publish",
+    def __init__(self, model: torch.nn.Module, job: str, *, pull: str = "view", push: str = "publish",
                  timeout: float | None = None, upload: bool = True):
         if pull not in PULLS:
             raise ValueError(f"pull={pull!r} is not one of {sorted(PULLS)}")

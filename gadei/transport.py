@@ -11,11 +11,11 @@ push
         publishes it while the train thread goes on with the other. One item in flight.
 
 pull
-    `copy` (default): a pull thread copies the weights into a private staging buffer
-        whenever the server's version moved, and the train thread swaps it in between steps
-        (a pointer swap); at most one pull per step.
-    `view`: the model's parameters are views of the region's weights (Hogwild, no copies);
-        the server's updates show up in the model as they happen.
+    `view` (default): the model's parameters are views of the region's weights (Hogwild,
+        no copies); the server's updates show up in the model as they happen.
+    `copy`: a pull thread copies the weights into a private staging buffer whenever the
+        server's version moved, and the train thread swaps it in between steps (a pointer
+        swap); at most one pull per step.
 
 The GPU transports (device staging, copy streams) implement the same two interfaces.
 """
@@ -35,6 +35,25 @@ from .ring import WAIT_SLICE, Producer
 log = logging.getLogger(__name__)
 
 _U32 = 0xFFFFFFFF
+
+
+class _Handoff:
+    """A transport's background thread and the condition guarding its one-item hand-off."""
+
+    def __init__(self, target, name: str):
+        self.cond = threading.Condition()
+        self.closing = False
+        self.thread = threading.Thread(target=target, name=name, daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        """Tell the thread to finish what it holds and end; wait for it (bounded)."""
+        with self.cond:
+            self.closing = True
+            self.cond.notify_all()
+        self.thread.join(timeout=10 * WAIT_SLICE + 5)
 
 
 def _flat(n: int) -> torch.Tensor:
@@ -129,12 +148,11 @@ class ThreadPush(Push):
         self._buffers = [_flat(n), _flat(n)]
         self._grads = [views(buf, self.spec) for buf in self._buffers]
         self._current = 0
-        self._cond = threading.Condition()
         self._item: tuple[int, int, int, int] | None = None  # (buffer, version, step, samples)
         self._error: BaseException | None = None
-        self._closing = False
-        self._thread = threading.Thread(target=self._run, name=f"gadei-push-{self.region.job}", daemon=True)
-        self._thread.start()
+        self._handoff = _Handoff(self._run, f"gadei-push-{self.region.job}")
+        self._cond = self._handoff.cond
+        self._handoff.start()
 
     def bind(self) -> None:
         for p, grad in zip(self.parameters, self._grads[self._current]):
@@ -156,7 +174,7 @@ class ThreadPush(Push):
         payload_bytes = self.region.layout.payload_bytes
         while True:
             with self._cond:
-                while self._item is None and not self._closing:
+                while self._item is None and not self._handoff.closing:
                     self._cond.wait(WAIT_SLICE)
                 if self._item is None:
                     return
@@ -178,10 +196,7 @@ class ThreadPush(Push):
                 self._cond.notify_all()
 
     def close(self) -> None:
-        with self._cond:
-            self._closing = True
-            self._cond.notify_all()
-        self._thread.join(timeout=10 * WAIT_SLICE + 5)
+        self._handoff.stop()
         super().close()
 
 
@@ -227,9 +242,10 @@ class Pull(ABC):
         self._bind(flat)
         self.on_pull(version)
 
-    def _bind(self, flat: torch.Tensor) -> None:
+    def _bind(self, flat: torch.Tensor, tensors: list[torch.Tensor] | None = None) -> None:
+        """Make the parameters views of `flat` (`tensors`: those views, made beforehand)."""
         with torch.no_grad():
-            for p, view in zip(self.parameters, views(flat, self.spec)):
+            for p, view in zip(self.parameters, tensors or views(flat, self.spec)):
                 p.data = view
 
 
@@ -260,14 +276,14 @@ class CopyPull(Pull):
     def start(self) -> None:
         n = self.region.shape.n_params
         self._model_buf, self._staging = _flat(n), _flat(n)
-        self._cond = threading.Condition()
+        self._model_views, self._staging_views = views(self._model_buf, self.spec), views(self._staging, self.spec)
         self._ready = False
         self._staged_version = 0
-        self._closing = False
         self._waiters_addr = self.region.header.addr("version_waiters")
         self.refresh()
-        self._thread = threading.Thread(target=self._run, name=f"gadei-pull-{self.region.job}", daemon=True)
-        self._thread.start()
+        self._handoff = _Handoff(self._run, f"gadei-pull-{self.region.job}")
+        self._cond = self._handoff.cond
+        self._handoff.start()
 
     def version(self) -> int:
         return self._version
@@ -275,7 +291,7 @@ class CopyPull(Pull):
     def refresh(self) -> None:
         version = _native.load64(self._version_addr)
         _native.copy(_addr(self._model_buf), self.region.weights_addr, self.region.shape.n_params * 4, 1)
-        self._bind(self._model_buf)
+        self._bind(self._model_buf, self._model_views)
         self._version = version
         self.on_pull(version)
 
@@ -285,7 +301,8 @@ class CopyPull(Pull):
         with self._cond:
             if self._staged_version > self._version:
                 self._model_buf, self._staging = self._staging, self._model_buf
-                self._bind(self._model_buf)
+                self._model_views, self._staging_views = self._staging_views, self._model_views
+                self._bind(self._model_buf, self._model_views)
                 self._version = self._staged_version
                 self.on_pull(self._version)
             self._ready = False
@@ -295,9 +312,9 @@ class CopyPull(Pull):
         nbytes = self.region.shape.n_params * 4
         while True:
             with self._cond:
-                while self._ready and not self._closing:
+                while self._ready and not self._handoff.closing:
                     self._cond.wait(WAIT_SLICE)  # the train thread has not taken the last pull yet
-                if self._closing:
+                if self._handoff.closing:
                     return
                 known = max(self._version, self._staged_version)
             version = self._wait_version(known)
@@ -324,10 +341,7 @@ class CopyPull(Pull):
         return version
 
     def finish(self) -> None:
-        with self._cond:
-            self._closing = True
-            self._cond.notify_all()
-        self._thread.join(timeout=10 * WAIT_SLICE + 5)
+        self._handoff.stop()
         super().finish()
 
 

@@ -2,7 +2,9 @@
 
 import json
 
-from conftest import finish, read_line, wait_for
+import torch
+
+from conftest import HERE, finish, read_line, wait_for
 from gadei.region import inspect
 
 
@@ -44,7 +46,7 @@ def test_learn_evaluates_and_reports_epochs(job, procs):
     server = procs.gadei("serve", job, "--workload", "textcnn", "--data", "generated:3", "--seed", "3", "--lr", "0.05")
     wait_for(lambda: inspect(job) is not None, 60, "the server's region")
     learner = procs.gadei("learn", job, "--data", "generated:3", "--seed", "3", "--epochs", "2", "--batch", "8",
-                          "--eval", "--json", "--pull", "view")
+                          "--eval", "--json", "--pull", "copy")
     first, second = read_line(learner, 120), read_line(learner, 120)
     finish(learner)
     assert [first["epoch"], second["epoch"]] == [1, 2]
@@ -77,3 +79,18 @@ def test_errors_are_one_line_with_exit_status_2(job, procs):
         _, err = proc.communicate(timeout=120)
         assert proc.returncode == 2, (args, err)
         assert message in err and "Traceback" not in err, (args, err)
+
+
+def test_serve_a_model_factory_and_save_the_final_weights(job, procs, tmp_path):
+    saved = tmp_path / "final.pt"
+    server = procs.gadei("serve", job, "--model", "worker:make_model", "--lr", "0.5", "--save", saved,
+                         env={"PYTHONPATH": str(HERE)})
+    wait_for(lambda: inspect(job) is not None and inspect(job).state == "running", 60, "the server's region")
+    learner = procs.worker("push", job, "--n", 1000, "--value", 1, "--steps", 4)
+    finish(learner)
+    finish(procs.gadei("stop", job))
+    finish(server)
+    state = torch.load(saved, weights_only=True)  # plain PyTorch, no pickled code
+    assert list(state) == ["weight", "bias"]
+    assert state["weight"].shape == (993,) and state["bias"].shape == (7,)
+    assert torch.all(state["weight"] == 2.0 - 0.5 * 4) and torch.all(state["bias"] == 0.0)

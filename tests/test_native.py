@@ -1,7 +1,11 @@
 """The native core against NumPy references: the update kernel, copies, atomics and futex waits."""
 
+import os
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -32,6 +36,55 @@ def test_sgd_kernel_matches_numpy_reference(n, threads):
     _native.sgd(w.ctypes.data, g.ctypes.data, n, lr, 1, threads)
     np.testing.assert_array_equal(w, w_ref)
     np.testing.assert_array_equal(g, g_ref)  # zeroed in the same pass
+
+
+def _embedding_like(n, seed):
+    """Weights with special values; a gradient that is zero but for some 128-wide rows and a few -0.0."""
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal(n).astype(np.float32)
+    w[:: 97] = -0.0
+    w[5 :: 1031] = np.inf
+    w[7 :: 1543] = np.nan
+    g = np.zeros(n, dtype=np.float32)
+    for row in rng.choice(max(1, n // 128), size=max(1, n // 1280), replace=False):
+        line = g[row * 128 : row * 128 + 128]
+        line[:] = rng.standard_normal(len(line))
+    g[rng.choice(n, size=max(1, n // 5000), replace=False)] = -0.0  # bits set: the line is not skipped
+    # -0.0 - lr * -0.0 is +0.0: a kernel that skipped this line as "zero" would leave -0.0
+    if n >= 194:
+        j = 97 * (n // 97 - 1)
+        g[j - j % 16 : j - j % 16 + 16] = 0.0
+        g[j] = -0.0
+    return w, g
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("n", [100, 4099, 200_003])
+def test_sgd_kernel_skips_zero_lines_bit_exactly(n, threads):
+    w, g = _embedding_like(n, n)
+    w_ref, g_ref = w.copy(), g.copy()
+    with np.errstate(invalid="ignore"):
+        AsyncSGD.reference(w_ref, g_ref, 0.3)
+    _native.sgd(w.ctypes.data, g.ctypes.data, n, 0.3, 1, threads)
+    np.testing.assert_array_equal(w.view(np.uint32), w_ref.view(np.uint32))  # bits: -0.0, NaN, inf too
+    np.testing.assert_array_equal(g.view(np.uint32), g_ref.view(np.uint32))
+
+
+def test_generic_kernel_without_avx2_matches_reference():
+    # the portable loop (no AVX2 on the CPU, or GADEI_NO_AVX2=1), checked in a fresh process
+    code = (
+        "import numpy as np, sys; sys.path.insert(0, sys.argv[1])\n"
+        "from gadei import _native; from gadei.modes import AsyncSGD; from test_native import _embedding_like\n"
+        "assert _native.kernel_isa() == 'generic'\n"
+        "for n in (1, 17, 4099, 200003):\n"
+        "    w, g = _embedding_like(n, n); wr, gr = w.copy(), g.copy()\n"
+        "    with np.errstate(invalid='ignore'): AsyncSGD.reference(wr, gr, 0.3)\n"
+        "    _native.sgd(w.ctypes.data, g.ctypes.data, n, 0.3, 1, 2)\n"
+        "    assert (w.view(np.uint32) == wr.view(np.uint32)).all() and not g.any()\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent)], capture_output=True, text=True,
+                          env={**os.environ, "GADEI_NO_AVX2": "1"}, timeout=120)
+    assert proc.returncode == 0, proc.stderr
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -138,6 +191,12 @@ def test_poll_rings_finds_published_work_round_robin():
     assert _native.poll_rings(base, count, stride, head_off, tail_off, 0, 0) == 1
     assert _native.poll_rings(base, count, stride, head_off, tail_off, 2, 0) == 3
     assert _native.poll_rings(base, count, stride, head_off, tail_off, 4, 0) == 1
+
+
+def test_kernel_uses_avx2_where_the_cpu_has_it():
+    with open("/proc/cpuinfo") as cpuinfo:
+        has_avx2 = " avx2" in cpuinfo.read()
+    assert _native.kernel_isa() == ("avx2" if has_avx2 else "generic")
 
 
 def test_built_with_openmp():

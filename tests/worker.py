@@ -33,6 +33,11 @@ class Flat(torch.nn.Module):
         return x * self.weight.sum() + self.bias.sum()
 
 
+def make_model() -> Flat:
+    """A model factory for `gadei serve --model worker:make_model`."""
+    return Flat(1000, 2.0)
+
+
 def serve(args) -> int:
     server = gadei.Server(args.job, model=Flat(args.n, args.init), lr=args.lr, learners=args.learners,
                           slots=args.slots, threads=args.threads)
