@@ -281,6 +281,10 @@ class Consumer:
         for addr in self._tail_addrs:
             _native.futex_wake(addr, 1 << 30)
 
+    def attached(self) -> int:
+        """How many learner entries are owned (by live or dead processes: a cheap count)."""
+        return sum(1 for entry in self._entries if entry.get("lease") >> 32)
+
     def busy_entries(self) -> list[int]:
         """Entries owned by a live learner."""
         return [i for i in range(self.capacity) if lease_owner(self._entries[i].get("lease")) and owner_alive(self.region, i)]

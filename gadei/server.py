@@ -3,9 +3,11 @@
 The apply loop looks at the learners' rings round-robin, takes one published slot at a
 time, applies it with the job's update rule (a native kernel, GIL released), bumps the
 weights version, records the gradient's staleness, and hands the slot back. While
-gradients flow it spins for a few tens of microseconds between them; when none comes it
-sleeps on the region's doorbell, so an idle server costs no CPU. It never waits for a
-learner: a learner that dies or stops simply stops publishing.
+gradients flow it spins for a few tens of microseconds between them, but only while the
+machine has a core to spare for that (attached learners + server < cores): on a machine
+the learners fill, a spinning server would take their CPU. When no gradient comes it sleeps
+on the region's doorbell, so an idle server costs no CPU. It never waits for a learner: a
+learner that dies or stops simply stops publishing.
 
 Initial weights are deterministic: either the server is given a model (from a model
 factory with a fixed seed) and copies its parameters into the region, or it is given only a
@@ -64,7 +66,8 @@ class Server:
         learners: most learners attached at once (one ring each).
         slots: gradient slots per learner ring.
         threads: OpenMP threads of the update kernel (default: GADEI_THREADS).
-        spin_us: microseconds to spin for the next gradient before sleeping (GADEI_SPIN_US).
+        spin_us: microseconds to spin for the next gradient before sleeping, while a core is
+            spare (GADEI_SPIN_US).
         replace: replace a region left behind by a crashed server instead of refusing.
     """
 
@@ -87,6 +90,7 @@ class Server:
         env = settings()
         self.threads = env.threads if threads is None else max(1, int(threads))
         self.spin_ns = int(1000 * (env.spin_us if spin_us is None else spin_us))
+        self._cores = os.cpu_count() or 1
         spec = None
         if model is not None:
             params.check_model(job, model)
@@ -149,9 +153,10 @@ class Server:
         started = time.monotonic()
         first = _native.load64(self._applied_addr)
         next_beat = 0
+        spin_ns = 0
         h.set("serve_start_ns", time.monotonic_ns())
         while _native.load32(state_addr) == SERVING:
-            learner = consumer.poll(self.spin_ns)
+            learner = consumer.poll(spin_ns)
             if learner < 0:
                 self._beat()
                 learner = consumer.sleep(WAIT_SLICE)
@@ -162,6 +167,7 @@ class Server:
             if now >= next_beat:
                 _native.store64(self._beat_addr, now)
                 next_beat = now + _BEAT_NS
+                spin_ns = self.spin_ns if consumer.attached() + 1 < self._cores else 0
         left = self._drain(grace)
         h.set("run_state", STOPPED)
         consumer.wake_all()
