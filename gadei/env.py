@@ -3,7 +3,7 @@
 | variable | meaning | default |
 |---|---|---|
 | GADEI_THREADS | OpenMP threads of the server's update kernel | half the cores, at least 1 |
-| GADEI_SPIN_US | microseconds the idle server spins before sleeping on its doorbell | 50 |
+| GADEI_SPIN_US | microseconds the idle server spins before sleeping on its doorbell, while it has a core of its own | 50 |
 | GADEI_ATTACH_TIMEOUT | seconds a learner waits for the job's region and weights | 30 |
 | GADEI_SERVER_TIMEOUT | seconds without a server heartbeat before a waiting learner gives up | 30 |
 | GADEI_LOG | log level of the command-line tools (DEBUG, INFO, WARNING) | INFO |

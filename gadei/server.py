@@ -4,8 +4,8 @@ The apply loop looks at the learners' rings round-robin, takes one published slo
 time, applies it with the job's update rule (a native kernel, GIL released), bumps the
 weights version, records the gradient's staleness, and hands the slot back. While
 gradients flow it spins for a few tens of microseconds between them, but only while the
-machine has a core to spare for that (attached learners + server < cores): on a machine
-the learners fill, a spinning server would take their CPU. When no gradient comes it sleeps
+machine has a core for it (attached learners + server <= cores): on a machine the
+learners fill, a spinning server would take their CPU. When no gradient comes it sleeps
 on the region's doorbell, so an idle server costs no CPU. It never waits for a learner: a
 learner that dies or stops simply stops publishing.
 
@@ -66,8 +66,8 @@ class Server:
         learners: most learners attached at once (one ring each).
         slots: gradient slots per learner ring.
         threads: OpenMP threads of the update kernel (default: GADEI_THREADS).
-        spin_us: microseconds to spin for the next gradient before sleeping, while a core is
-            spare (GADEI_SPIN_US).
+        spin_us: microseconds to spin for the next gradient before sleeping, while the server
+            has a core of its own (GADEI_SPIN_US).
         replace: replace a region left behind by a crashed server instead of refusing.
     """
 
@@ -167,7 +167,7 @@ class Server:
             if now >= next_beat:
                 _native.store64(self._beat_addr, now)
                 next_beat = now + _BEAT_NS
-                spin_ns = self.spin_ns if consumer.attached() + 1 < self._cores else 0
+                spin_ns = self.spin_ns if consumer.attached() + 1 <= self._cores else 0
         left = self._drain(grace)
         h.set("run_state", STOPPED)
         consumer.wake_all()
