@@ -3,7 +3,7 @@
 | variable | meaning | default |
 |---|---|---|
 | GADEI_THREADS | OpenMP threads of the server's update kernel | half the cores, at least 1 |
-| GADEI_SPIN_US | microseconds the idle server spins before sleeping on its doorbell, while it has a core of its own | 50 |
+| GADEI_SPIN_US | microseconds the server spins for the next gradient before sleeping on its doorbell, while gradients flow and it has a core of its own | 2000 |
 | GADEI_ATTACH_TIMEOUT | seconds a learner waits for the job's region and weights | 30 |
 | GADEI_SERVER_TIMEOUT | seconds without a server heartbeat before a waiting learner gives up | 30 |
 | GADEI_LOG | log level of the command-line tools (DEBUG, INFO, WARNING) | INFO |
@@ -43,7 +43,7 @@ def settings() -> Settings:
     """Read the GADEI_* environment variables now and return them typed."""
     return Settings(
         threads=_number("GADEI_THREADS", max(1, (os.cpu_count() or 2) // 2), int),
-        spin_us=_number("GADEI_SPIN_US", 50.0, float),
+        spin_us=_number("GADEI_SPIN_US", 2000.0, float),
         attach_timeout=_number("GADEI_ATTACH_TIMEOUT", 30.0, float),
         server_timeout=_number("GADEI_SERVER_TIMEOUT", 30.0, float),
         log_level=os.environ.get("GADEI_LOG", "INFO").upper(),

@@ -142,6 +142,7 @@ ENTRY, ENTRY_BYTES = _record(
         ("pulled_version", "u64"),
         ("pulls", "u64"),
         ("samples", "u64"),
+        ("threads", "u32"),  # cores the learner keeps busy (torch threads + push/pull threads)
         _LINE_BREAK,
         # server writes
         ("tail", "u64"),  # slots consumed, ever (monotonic); futex word of a learner waiting for space

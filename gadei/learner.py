@@ -94,6 +94,8 @@ class Learner:
             self._pull.start()
             self._push = PUSHES[self.push_mode](region, self._producer, parameters, spec, self._on_slice)
             self._push.bind()
+            helpers = (self.push_mode == "thread") + (self.pull_mode == "copy")
+            self.entry.set("threads", torch.get_num_threads() + helpers)
         except BaseException:
             self._teardown(drain=False)
             raise

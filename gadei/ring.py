@@ -281,9 +281,9 @@ class Consumer:
         for addr in self._tail_addrs:
             _native.futex_wake(addr, 1 << 30)
 
-    def attached(self) -> int:
-        """How many learner entries are owned (by live or dead processes: a cheap count)."""
-        return sum(1 for entry in self._entries if entry.get("lease") >> 32)
+    def learner_threads(self) -> int:
+        """Cores the attached learners say they keep busy (a cheap sum, no liveness checks)."""
+        return sum(entry.get("threads") for entry in self._entries if entry.get("lease") >> 32)
 
     def busy_entries(self) -> list[int]:
         """Entries owned by a live learner."""

@@ -3,9 +3,9 @@
 The apply loop looks at the learners' rings round-robin, takes one published slot at a
 time, applies it with the job's update rule (a native kernel, GIL released), bumps the
 weights version, records the gradient's staleness, and hands the slot back. While
-gradients flow it spins for a few tens of microseconds between them, but only while the
-machine has a core for it (attached learners + server <= cores): on a machine the
-learners fill, a spinning server would take their CPU. When no gradient comes it sleeps
+gradients flow it spins up to GADEI_SPIN_US (2 ms) for the next one, but only while the
+machine has a core for it (the threads the attached learners keep busy, plus the server,
+fit the cores): on a machine the learners fill, a spinning server would take their CPU. When no gradient comes it sleeps
 on the region's doorbell, so an idle server costs no CPU. It never waits for a learner: a
 learner that dies or stops simply stops publishing.
 
@@ -155,19 +155,22 @@ class Server:
         next_beat = 0
         spin_ns = 0
         h.set("serve_start_ns", time.monotonic_ns())
+        flowing = False  # the last look found a gradient: spin for the next one before sleeping
         while _native.load32(state_addr) == SERVING:
-            learner = consumer.poll(spin_ns)
+            learner = consumer.poll(spin_ns if flowing else 0)
             if learner < 0:
                 self._beat()
                 learner = consumer.sleep(WAIT_SLICE)
+                flowing = learner >= 0
                 if learner < 0:
                     continue
+            flowing = True
             self._apply(learner)
             now = time.monotonic_ns()
             if now >= next_beat:
                 _native.store64(self._beat_addr, now)
                 next_beat = now + _BEAT_NS
-                spin_ns = self.spin_ns if consumer.attached() + 1 <= self._cores else 0
+                spin_ns = self.spin_ns if consumer.learner_threads() + 1 <= self._cores else 0
         left = self._drain(grace)
         h.set("run_state", STOPPED)
         consumer.wake_all()
