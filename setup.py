@@ -2,8 +2,9 @@
 
 The extension is compiled with OpenMP when the compiler supports it (probed by compiling a
 tiny program with -fopenmp); otherwise it is built serial and a warning says so. The update
-kernel dispatches at run time between AVX2 and baseline code (GCC target_clones),
-so the built package is portable across x86-64 machines.
+kernel picks AVX2 or portable code when it loads (the CPU is asked, not the build
+machine), so the built package is portable across x86-64 machines. GADEI_NO_OPENMP=1
+forces the serial build.
 """
 
 import os
@@ -54,11 +55,12 @@ class BuildExt(build_ext):
         compiler_cmd = list(getattr(self.compiler, "compiler_so", None) or [sysconfig.get_config_var("CC") or "cc"])
         # compiler_so carries the compile flags; the probe needs only the program name.
         compiler_cmd = compiler_cmd[:1]
-        openmp = os.environ.get("GADEI_NO_OPENMP") != "1" and _compiler_supports_openmp(compiler_cmd)
+        disabled = os.environ.get("GADEI_NO_OPENMP") == "1"
+        openmp = not disabled and _compiler_supports_openmp(compiler_cmd)
         if not openmp:
+            why = "GADEI_NO_OPENMP=1 is set" if disabled else "the C compiler does not support OpenMP (-fopenmp)"
             sys.stderr.write(
-                "WARNING: gadei: the C compiler does not support OpenMP (-fopenmp); building the "
-                "native update kernel serial. It will use one thread.\n"
+                f"WARNING: gadei: {why}; building the native update kernel serial. It will use one thread.\n"
             )
         for ext in self.extensions:
             if openmp:

@@ -8,6 +8,10 @@
 | GADEI_SERVER_TIMEOUT | seconds without a server heartbeat before a waiting learner gives up | 30 |
 | GADEI_LOG | log level of the command-line tools (DEBUG, INFO, WARNING) | INFO |
 | GADEI_DATA_DIR | folder of the shared text data sets (tests, `gadei learn --data trec`) | ../shared/data |
+
+Two more are read outside Python: GADEI_NO_OPENMP=1 at build time (setup.py builds the
+kernel serial) and GADEI_NO_AVX2=1 when gadei._native loads (the portable kernel even where
+the CPU has AVX2; the tests use it to check that path).
 """
 
 import os

@@ -298,6 +298,7 @@ gd_threads(int64_t requested, size_t n)
     return (int)requested;
 }
 
+#if GD_HAVE_OPENMP
 /*
  * The chunk [lo, hi) of n elements of `size` bytes at `base` for thread `tid` of `nt`:
  * inner boundaries fall on 64-byte addresses, so no two threads write one cache line.
@@ -317,6 +318,7 @@ gd_chunk(const void *base, size_t size, size_t n, int tid, int nt, size_t *lo, s
     if (*lo > n) *lo = n;
     if (*hi > n) *hi = n;
 }
+#endif
 
 /*
  * The update over one span: w[i] -= lr * g[i], and g[i] = 0 with `clear`.
