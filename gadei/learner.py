@@ -200,8 +200,8 @@ class Learner:
             return
         region, self.region = self.region, None
         try:
-            if self._pull is not None:
-                self._pull.finish()
+            # Order matters: publish what the push thread holds, wait until the server applied
+            # everything this learner published, and only then take the final weights.
             if self._push is not None:
                 self._push.close()
             if self._producer is not None:
@@ -209,6 +209,9 @@ class Learner:
                 if drain and not self._producer.drain(self.timeout, self._drainable):
                     log.warning("job %r: %d gradients of learner %d were not applied before it left", self.job,
                                 self._producer.head - self._producer.tail(), self._producer.learner)
+            if self._pull is not None:
+                self._pull.finish()
+            if self._producer is not None:
                 self._producer.release()
         finally:
             self._push = self._pull = None
