@@ -71,7 +71,8 @@ class BuildExt(build_ext):
 
 native = Extension(
     "gadei._native",
-    sources=["native/gadei_native.c"],
+    sources=["native/gadei_native.c", "native/kernels.c"],
+    depends=["native/kernels.h"],
     extra_compile_args=["-O3", "-ffp-contract=off", "-std=gnu11", "-Wall", "-Wextra", "-Wno-unused-parameter"],
 )
 

@@ -4,15 +4,22 @@ Every process of a job computes the same `Layout` from the `Shape` stored in the
 header, so nothing about where things live is ever communicated except that shape. The
 region is, in order (each section page-aligned):
 
-    header        identity (written once), server state, version, doorbell: one cache
-                  line per writer so that no two processes write the same line
+    header        identity and the job's options (written once), server state, version and
+                  seqlock, doorbell: one cache line per writer so no two processes write
+                  the same line
     spec          the model's parameter names and shapes as JSON (for clear mismatch errors)
     learner table `capacity` entries of ENTRY_BYTES, each split into lines by writer
                   (learner-owned head, server-owned tail, staleness histogram)
-    weights       n_params float32
-    centre        n_params float32, only for modes that keep a second copy (elastic)
+    weights       n_params float32 (in elastic mode: the centre variable)
+    state         n_params float32 of server optimiser state (the momentum buffer), only
+                  when the job uses momentum
     rings         per learner: `slots` slot headers (one cache line each), then `slots`
-                  page-aligned payloads of n_params gradient elements
+                  page-aligned payloads
+
+A slot's payload is a dense area, the gradients of every dense parameter end to end in the
+job's gradient dtype (float32, float16 or bfloat16), followed by one area per row-sparse
+table: a row count, the row indices (int64) and the rows themselves. Row-sparse tables
+(embeddings) are left out of the dense area, so a mini-batch moves only the rows it touched.
 
 Counters are 64-bit and monotonic; a ring's `head - tail` is the number of published,
 unconsumed slots and slot k lives at index k % slots.
@@ -22,19 +29,20 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 MAGIC = 0x31304945_44414701  # bytes b"\x01GADEI01" in little-endian order
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
 PAGE = 4096
 LINE = 64
 NAME_BYTES = 64
 HIST_BUCKETS = 16
+MAX_SPARSE = 8  # row-sparse tables a job may have
 DEFAULT_SPEC_BYTES = 64 * 1024
 
 # Gradient transports: code stored in the header -> (name, bytes per element).
-DTYPES = MappingProxyType({1: ("float32", 4)})
+DTYPES = MappingProxyType({1: ("float32", 4), 2: ("float16", 2), 3: ("bfloat16", 2)})
 DTYPE_CODES = MappingProxyType({name: code for code, (name, _) in DTYPES.items()})
 
 # Update rules: code stored in the header -> name.
-MODES = MappingProxyType({1: "async"})
+MODES = MappingProxyType({1: "async", 2: "consistent", 3: "sync", 4: "elastic"})
 MODE_CODES = MappingProxyType({name: code for code, name in MODES.items()})
 
 # Run states of the job (header field run_state).
@@ -49,7 +57,8 @@ INIT_EMPTY, INIT_WRITING, INIT_READY = 0, 1, 2
 FREE, CLAIMING, ACTIVE, LEAVING = 0, 1, 2, 3
 ENTRY_STATES = MappingProxyType({FREE: "free", CLAIMING: "claiming", ACTIVE: "active", LEAVING: "leaving"})
 
-_SIZES = {"u32": 4, "u64": 8, "f64": 8, "name": NAME_BYTES, "hist": 8 * HIST_BUCKETS}
+_SPARSE_ENTRY = 32  # offset u64, rows u64, width u32, max_rows u32, reserved u64
+_SIZES = {"u32": 4, "u64": 8, "f64": 8, "name": NAME_BYTES, "hist": 8 * HIST_BUCKETS, "sparse": _SPARSE_ENTRY * MAX_SPARSE}
 _LINE_BREAK = ("", "")
 
 
@@ -93,9 +102,19 @@ HEADER, HEADER_BYTES = _record(
         ("mode", "u32"),
         ("creator_uid", "u32"),
         ("spec_bytes", "u32"),
-        ("centre", "u32"),
+        ("state_array", "u32"),
         ("created_ns", "u64"),
         ("job", "name"),
+        _LINE_BREAK,
+        # the job's options, written once by the creator
+        ("momentum", "f64"),
+        ("stale_lr", "u32"),  # 1: divide the learning rate by each gradient's staleness
+        ("stale_bound", "u32"),  # 0: none; K: no gradient is applied more than K versions stale
+        ("alpha", "f64"),  # elastic moving rate
+        ("tau", "u32"),  # elastic: local steps between exchanges
+        ("sparse_count", "u32"),
+        ("drop_after", "f64"),  # sync / staleness bound: seconds without a beat before a learner is left out
+        ("sparse", "sparse"),  # MAX_SPARSE entries: offset u64, rows u64, width u32, max_rows u32
         _LINE_BREAK,
         # server: written by the server only
         ("server_pid", "u32"),
@@ -106,9 +125,12 @@ HEADER, HEADER_BYTES = _record(
         ("threads", "u32"),
         ("applied", "u64"),
         ("serve_start_ns", "u64"),
+        ("applied_bytes", "u64"),  # gradient bytes the server read from slots, ever
         _LINE_BREAK,
-        # the weights' version: bumped once per applied update; pull threads futex-wait on it
+        # the weights' version: bumped once per update (per round in sync mode); pull threads
+        # futex-wait on it. seq is the seqlock of consistent mode: odd while an update runs.
         ("version", "u64"),
+        ("seq", "u64"),
         _LINE_BREAK,
         # waiters: pull threads count themselves here so the server wakes them only when needed
         ("version_waiters", "u32"),
@@ -143,6 +165,8 @@ ENTRY, ENTRY_BYTES = _record(
         ("pulls", "u64"),
         ("samples", "u64"),
         ("threads", "u32"),  # cores the learner keeps busy (torch threads + push/pull threads)
+        ("dropped", "u64"),  # gradients not published: they would have broken the staleness bound
+        ("pull_retries", "u64"),  # consistent mode: copies retried because an update ran
         _LINE_BREAK,
         # server writes
         ("tail", "u64"),  # slots consumed, ever (monotonic); futex word of a learner waiting for space
@@ -168,16 +192,38 @@ SLOT, SLOT_HEADER_BYTES = _record(
 
 
 @dataclass(frozen=True)
+class SparseTable:
+    """A parameter whose gradient travels as rows (an embedding table).
+
+    Attributes:
+        offset: index of its first weight in the flat weights.
+        rows: rows of the table.
+        width: elements per row.
+        max_rows: most distinct rows one gradient may carry.
+    """
+
+    offset: int
+    rows: int
+    width: int
+    max_rows: int
+
+    @property
+    def size(self) -> int:
+        return self.rows * self.width
+
+
+@dataclass(frozen=True)
 class Shape:
     """What a region must hold; the layout is a pure function of it.
 
     Attributes:
         n_params: number of float32 weights.
-        grad_dtype: element type of a gradient slot (a key of DTYPE_CODES).
+        grad_dtype: element type of gradients in a slot (a key of DTYPE_CODES).
         capacity: learner entries (most learners attached at once).
         slots: gradient slots per learner ring.
         mode: the server's update rule (a key of MODE_CODES).
-        centre: whether a second weights array (the elastic centre) exists.
+        state_array: whether a second n_params array of optimiser state (momentum) exists.
+        sparse: the row-sparse tables, in order of offset.
         spec_bytes: room for the model's parameter spec (JSON).
     """
 
@@ -186,7 +232,8 @@ class Shape:
     capacity: int = 8
     slots: int = 2
     mode: str = "async"
-    centre: bool = False
+    state_array: bool = False
+    sparse: tuple[SparseTable, ...] = ()
     spec_bytes: int = DEFAULT_SPEC_BYTES
 
     def __post_init__(self):
@@ -202,10 +249,46 @@ class Shape:
             raise ValueError(f"mode {self.mode!r} is not one of {sorted(MODE_CODES)}")
         if self.spec_bytes < PAGE or self.spec_bytes % PAGE:
             raise ValueError(f"spec_bytes must be a positive multiple of {PAGE}, not {self.spec_bytes!r}")
+        if len(self.sparse) > MAX_SPARSE:
+            raise ValueError(f"at most {MAX_SPARSE} row-sparse tables, not {len(self.sparse)}")
+        end = 0
+        for table in self.sparse:
+            if table.offset < end or table.rows < 1 or table.width < 1 or table.offset + table.size > self.n_params:
+                raise ValueError(f"row-sparse table {table} overlaps another or lies outside the {self.n_params} weights")
+            if not 1 <= table.max_rows <= table.rows:
+                raise ValueError(f"row-sparse table {table}: max_rows must be 1..{table.rows}")
+            end = table.offset + table.size
 
     @property
     def grad_itemsize(self) -> int:
         return DTYPES[DTYPE_CODES[self.grad_dtype]][1]
+
+    @property
+    def dense_segments(self) -> tuple[tuple[int, int, int], ...]:
+        """(weights offset, length, offset in the dense area) of each run of dense weights."""
+        out, start, slot = [], 0, 0
+        for table in self.sparse:
+            if table.offset > start:
+                out.append((start, table.offset - start, slot))
+                slot += table.offset - start
+            start = table.offset + table.size
+        if start < self.n_params:
+            out.append((start, self.n_params - start, slot))
+        return tuple(out)
+
+    @property
+    def dense_count(self) -> int:
+        """Gradient elements in a slot's dense area."""
+        return self.n_params - sum(table.size for table in self.sparse)
+
+
+@dataclass(frozen=True)
+class SparseArea:
+    """Where one row-sparse table's gradient lies in a slot payload (offsets from its start)."""
+
+    count: int  # u64: rows in use
+    indices: int  # int64 x max_rows
+    rows: int  # grad dtype x max_rows x width
 
 
 @dataclass(frozen=True)
@@ -216,10 +299,12 @@ class Layout:
     spec: int
     table: int
     weights: int
-    centre: int | None
+    state: int | None
     rings: int
     ring_bytes: int
     slot_headers_bytes: int
+    dense_bytes: int
+    sparse_areas: tuple[SparseArea, ...]
     payload_bytes: int
     payload_stride: int
     total: int
@@ -243,9 +328,18 @@ def layout(shape: Shape) -> Layout:
     spec = _round_up(HEADER_BYTES, PAGE)
     table = spec + shape.spec_bytes
     weights = table + _round_up(shape.capacity * ENTRY_BYTES, PAGE)
-    centre = weights + weights_bytes if shape.centre else None
-    rings = weights + weights_bytes * (2 if shape.centre else 1)
-    payload_bytes = shape.n_params * shape.grad_itemsize
+    state = weights + weights_bytes if shape.state_array else None
+    rings = weights + weights_bytes * (2 if shape.state_array else 1)
+    itemsize = shape.grad_itemsize
+    dense_bytes = _round_up(shape.dense_count * itemsize, LINE)
+    areas, offset = [], dense_bytes
+    for sparse in shape.sparse:
+        count = offset
+        indices = count + LINE
+        rows = indices + _round_up(sparse.max_rows * 8, LINE)
+        offset = rows + _round_up(sparse.max_rows * sparse.width * itemsize, LINE)
+        areas.append(SparseArea(count, indices, rows))
+    payload_bytes = max(offset, LINE)
     payload_stride = _round_up(payload_bytes, PAGE)
     slot_headers_bytes = _round_up(shape.slots * SLOT_HEADER_BYTES, PAGE)
     ring_bytes = slot_headers_bytes + shape.slots * payload_stride
@@ -254,10 +348,12 @@ def layout(shape: Shape) -> Layout:
         spec=spec,
         table=table,
         weights=weights,
-        centre=centre,
+        state=state,
         rings=rings,
         ring_bytes=ring_bytes,
         slot_headers_bytes=slot_headers_bytes,
+        dense_bytes=dense_bytes,
+        sparse_areas=tuple(areas),
         payload_bytes=payload_bytes,
         payload_stride=payload_stride,
         total=rings + shape.capacity * ring_bytes,

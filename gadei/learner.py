@@ -11,6 +11,12 @@ step, uploads the model's parameters as the initial weights if the server was st
 without a model, and claims one ring. `step` raises `JobStopped` once the job is stopped,
 which ends the `with` block quietly; on leaving, the learner's last gradients are applied
 and the model keeps a private copy of the final weights.
+
+What `step` does depends on the job's mode (set by the server; see `gadei.modes`):
+async/consistent push and go on; with a staleness bound K they first check that the
+gradient cannot be applied more than K versions late (else it is dropped, counted, and the
+learner waits until it has caught up); sync waits for the round's new version; elastic
+takes a local SGD step and, every tau steps, exchanges weights with the centre.
 """
 
 import logging
@@ -22,10 +28,11 @@ import torch
 
 from . import _native, _proc, params
 from .env import settings
-from .errors import GadeiTimeout, JobStopped, ServerGone
+from .errors import GadeiTimeout, JobStopped, RegionMismatch, ServerGone
 from .layout import INIT_EMPTY, INIT_READY, INIT_WRITING, LEAVING, RUN_STATES, SERVING, STOPPED
 from .region import Region
-from .ring import claim
+from .modes import read_options
+from .ring import WAIT_SLICE, claim
 from .transport import PULLS, PUSHES
 
 log = logging.getLogger(__name__)
@@ -39,19 +46,21 @@ class Learner:
         job: the job name.
         pull: 'view' (the parameters are views of the shared weights: Hogwild, no copies)
             or 'copy' (a pull thread copies new weights, swapped in between steps, so the
-            weights do not change during a forward/backward pass).
+            weights do not change during a forward/backward pass). Default: 'view', but
+            'copy' in consistent mode and 'local' (a private model) in elastic mode.
         push: 'publish' (`.grad` are views of the ring slot: no copies) or 'thread' (private
-            staging buffers and a push thread that copies them into the ring).
+            gradients and a push thread that writes them into the ring). Default: 'publish',
+            and 'weights' in elastic mode.
         timeout: seconds to wait for the job's region and initial weights (default:
             GADEI_ATTACH_TIMEOUT).
         upload: upload this model's parameters when the region holds no weights yet.
     """
 
-    def __init__(self, model: torch.nn.Module, job: str, *, pull: str = "view", push: str = "publish",
+    def __init__(self, model: torch.nn.Module, job: str, *, pull: str | None = None, push: str | None = None,
                  timeout: float | None = None, upload: bool = True):
-        if pull not in PULLS:
+        if pull is not None and pull not in PULLS:
             raise ValueError(f"pull={pull!r} is not one of {sorted(PULLS)}")
-        if push not in PUSHES:
+        if push is not None and push not in PUSHES:
             raise ValueError(f"push={push!r} is not one of {sorted(PUSHES)}")
         self.model = model
         self.job = job
@@ -78,7 +87,10 @@ class Learner:
             h = region.header
             if h.get("run_state") != SERVING:
                 raise JobStopped(f"job {self.job!r} is {RUN_STATES.get(h.get('run_state'), '?')}, not serving")
-            region.expect(n_params=params.count(spec), grad_dtype="float32")
+            region.expect(n_params=params.count(spec))
+            self.mode = region.shape.mode
+            self.options = read_options(region)
+            self.pull_mode, self.push_mode = _transports(self.job, self.mode, self.pull_mode, self.push_mode)
             self._ensure_weights(spec)
             renamed = params.compare(self.job, spec, region.read_spec(), region.shape.n_params)
             if renamed:
@@ -88,12 +100,17 @@ class Learner:
             self._server = (h.get("server_pid"), h.get("server_start"))
             self._producer = claim(region, drain_timeout=self.timeout, server_alive=self._server_alive)
             self.entry = region.entry(self._producer.learner)
+            self._entries = [region.entry(i) for i in range(region.shape.capacity)]
             self._beat_addr = self.entry.addr("beat")
             parameters = list(self.model.parameters())
-            self._pull = PULLS[self.pull_mode](region, parameters, spec, self._record_pull)
+            self._pull = PULLS[self.pull_mode](region, parameters, spec, self._record_pull,
+                                               consistent=self.mode == "consistent")
             self._pull.start()
-            self._push = PUSHES[self.push_mode](region, self._producer, parameters, spec, self._on_slice)
+            self._push = PUSHES[self.push_mode](region, self._producer, parameters, spec, self._on_slice,
+                                                self.options)
             self._push.bind()
+            self._version_addr = h.addr("version")
+            self._waiters_addr = h.addr("version_waiters")
             helpers = (self.push_mode == "thread") + (self.pull_mode == "copy")
             self.entry.set("threads", torch.get_num_threads() + helpers)
         except BaseException:
@@ -157,11 +174,61 @@ class Learner:
             raise RuntimeError(f"job {self.job!r}: learner is not attached; use `with Learner(...)`")
         if _native.load32(self._state_addr) != SERVING:
             raise JobStopped(f"job {self.job!r} was stopped")
-        self._push.push(self._pull.version(), self.steps, int(samples))
+        computed_on = self._pull.version()
+        bound = self.options.stale_bound
+        if bound and self._late(computed_on) > bound:
+            self._push.discard()  # applied now, it would be more than `bound` versions late
+            self.entry.add("dropped", 1)
+            published = False
+        else:
+            published = self._push.push(computed_on, self.steps, int(samples))
         self.steps += 1
         self.entry.add("samples", int(samples))
         _native.store64(self._beat_addr, time.monotonic_ns())
-        self._pull.between_steps()
+        if self.mode == "sync" and published:
+            self._await_version(computed_on)  # the round this gradient belongs to was applied
+            self._pull.refresh()
+        else:
+            self._pull.between_steps()
+        if bound:
+            self._catch_up(bound)
+        if self._pull.retries:
+            self.entry.add("pull_retries", self._pull.retries)
+            self._pull.retries = 0
+
+    def _late(self, computed_on: int) -> int:
+        """At most how many updates would be applied before a gradient published now.
+
+        Every gradient published before it (P, all rings) may be, and the server, taking the
+        rings round-robin, may apply one more from each of the other L - 1 attached rings
+        before it reaches this one: P + L - 1 - computed_on.
+        """
+        heads = owned = 0
+        for entry in self._entries:
+            heads += entry.get("head")
+            owned += entry.get("lease") >> 32 != 0
+        return heads + owned - 1 - computed_on
+
+    def _catch_up(self, bound: int) -> None:
+        """Block until a gradient started now could be published within the bound (the server
+        applies what is in flight); the version moves meanwhile."""
+        while self._late(_native.load64(self._version_addr)) > bound:
+            self._wait_version_change(_native.load64(self._version_addr))
+        self._pull.refresh()
+
+    def _await_version(self, version: int) -> None:
+        """Block until the weights' version is past `version` (sync mode: the round was applied)."""
+        while _native.load64(self._version_addr) <= version:
+            self._wait_version_change(version)
+
+    def _wait_version_change(self, version: int) -> None:
+        _native.add32(self._waiters_addr, 1)
+        try:
+            if _native.load64(self._version_addr) == version:
+                _native.futex_wait(self._version_addr, version & 0xFFFFFFFF, WAIT_SLICE)
+        finally:
+            _native.add32(self._waiters_addr, -1)
+        self._on_slice()
 
     def refresh(self) -> None:
         """Copy the latest weights into the model now (e.g. before evaluating)."""
@@ -229,3 +296,25 @@ class Learner:
         self.close()
         return exc_type is not None and issubclass(exc_type, JobStopped)
 
+
+
+# The transports each mode allows, the default first.
+_ALLOWED = {
+    "async": (("view", "copy"), ("publish", "thread")),
+    "consistent": (("copy",), ("publish", "thread")),
+    "sync": (("view", "copy"), ("publish", "thread")),
+    "elastic": (("local",), ("weights",)),
+}
+
+
+def _transports(job: str, mode: str, pull: str | None, push: str | None) -> tuple[str, str]:
+    """The (pull, push) a learner uses in `mode`; ValueError for a choice the mode cannot honour."""
+    pulls, pushes = _ALLOWED[mode]
+    pull, push = pull or pulls[0], push or pushes[0]
+    why = {"consistent": "consistent reads need copies taken inside the seqlock",
+           "elastic": "elastic learners train a local model and push weights"}.get(mode, "")
+    if pull not in pulls:
+        raise RegionMismatch(f"job {job!r} runs in {mode} mode: pull must be one of {list(pulls)}, not {pull!r} ({why})")
+    if push not in pushes:
+        raise RegionMismatch(f"job {job!r} runs in {mode} mode: push must be one of {list(pushes)}, not {push!r} ({why})")
+    return pull, push

@@ -1,10 +1,18 @@
-"""Update rules: how the server turns one consumed gradient slot into a change of the weights.
+"""Update rules: how the server turns consumed slots into a change of the shared weights.
 
-The server's apply loop is the same for every mode; what it does with a slot is one
-`UpdateRule`. A rule states its maths in its docstring, applies it with a native kernel
-(GIL released, OpenMP) and carries a pure NumPy `reference` that the tests hold the kernel
-to. Every rule hands the slot back zeroed, because the next backward pass of the learner
-accumulates into it.
+The server's loop is the same for every mode except `sync`, which collects one gradient per
+live learner before it updates; what happens to the weights is one `UpdateRule`. A rule
+states its maths in its docstring, applies it with native kernels (GIL released, OpenMP)
+and has a pure NumPy `reference` the tests hold the kernels to. Every rule hands a slot's
+dense area back zeroed and its row counts at zero, because the next backward pass of the
+learner accumulates into it.
+
+| mode | rule | learners see |
+|---|---|---|
+| async | ASGD (Hogwild): w -= lr_s * g for each gradient as it comes; optional momentum, staleness-aware lr_s = lr / staleness, staleness bound | weights as they change |
+| consistent | the same, inside a seqlock, so a pull never copies a half-applied update | whole updates only (pull='copy') |
+| sync | SSGD: one gradient from every live learner, averaged, applied once | a new version per round |
+| elastic | EASGD: the region holds the centre c; a learner's weights w move it, c += alpha (w - c) | their own local model |
 """
 
 from abc import ABC, abstractmethod
@@ -14,6 +22,52 @@ from typing import ClassVar
 import numpy as np
 
 from . import _native
+from .layout import DTYPE_CODES, MODE_CODES, SparseTable
+from .region import Region
+
+
+@dataclass(frozen=True)
+class Options:
+    """A job's update-rule options, stored in the region header.
+
+    Attributes:
+        lr: learning rate.
+        momentum: momentum mu kept by the server (0: none): v = mu v + g; w -= lr v.
+        stale_lr: divide the learning rate by each gradient's staleness (async, consistent).
+        stale_bound: 0, or K: no gradient is applied more than K versions after the weights
+            it was computed on; a learner that would exceed it waits (async, consistent).
+        alpha: elastic moving rate.
+        tau: elastic: local steps between two exchanges with the centre.
+        drop_after: seconds without a heartbeat after which a learner is left out of a sync
+            round or of the staleness bound.
+    """
+
+    lr: float = 0.01
+    momentum: float = 0.0
+    stale_lr: bool = False
+    stale_bound: int = 0
+    alpha: float = 0.1
+    tau: int = 4
+    drop_after: float = 10.0
+
+    def check(self, mode: str) -> None:
+        """Raise ValueError naming the option and its allowed values where `mode` cannot use it."""
+        if not self.lr > 0:
+            raise ValueError(f"lr must be positive, not {self.lr!r}")
+        if not 0 <= self.momentum < 1:
+            raise ValueError(f"momentum must be in [0, 1), not {self.momentum!r}")
+        if self.stale_bound < 0:
+            raise ValueError(f"stale_bound must be 0 (none) or a positive number of versions, not {self.stale_bound!r}")
+        if not 0 < self.alpha < 1:
+            raise ValueError(f"alpha must be in (0, 1), not {self.alpha!r}")
+        if self.tau < 1:
+            raise ValueError(f"tau must be at least 1, not {self.tau!r}")
+        if not self.drop_after > 0:
+            raise ValueError(f"drop_after must be positive seconds, not {self.drop_after!r}")
+        if mode in ("sync", "elastic") and (self.stale_lr or self.stale_bound):
+            raise ValueError(f"stale_lr and stale_bound apply to async and consistent modes, not {mode}")
+        if mode == "elastic" and self.momentum:
+            raise ValueError("momentum applies to async, consistent and sync modes, not elastic")
 
 
 @dataclass(frozen=True)
@@ -22,72 +76,282 @@ class Gradient:
 
     Attributes:
         learner: the learner entry it came from.
-        payload: address of the gradient elements (n_params of the region's grad dtype).
+        payload: address of the slot's payload.
         version: the weights version it was computed on.
         samples: mini-batch size it was computed from.
+        staleness: updates applied since `version`, when it is applied.
     """
 
     learner: int
     payload: int
     version: int
     samples: int
+    staleness: int = 0
+
+
+class SlotFormat:
+    """The layout of one gradient in a slot, and the kernels that apply it to float32 arrays."""
+
+    def __init__(self, region: Region, threads: int):
+        shape, lay = region.shape, region.layout
+        self.dtype = DTYPE_CODES[shape.grad_dtype]
+        self.itemsize = shape.grad_itemsize
+        self.segments = shape.dense_segments
+        self.tables: tuple[SparseTable, ...] = shape.sparse
+        self.areas = lay.sparse_areas
+        self.n = shape.n_params
+        self.threads = threads
+        self.job = region.job
+
+    def rows_in(self, payload: int) -> list[int]:
+        """Rows each row-sparse table of the gradient at `payload` carries."""
+        return [_native.load64(payload + area.count) for area in self.areas]
+
+    def bytes_in(self, payload: int) -> int:
+        """Gradient bytes the gradient at `payload` carries (what a learner moved into the slot)."""
+        dense = sum(length for _, length, _ in self.segments) * self.itemsize
+        rows = sum(count * (8 + table.width * self.itemsize) for count, table in zip(self.rows_in(payload), self.tables))
+        return dense + rows
+
+    def sgd(self, weights: int, payload: int, lr: float, *, clear: bool = True) -> None:
+        """weights -= lr * gradient, in place (lr < 0 adds). Zeroes the dense area with `clear`."""
+        for offset, length, slot in self.segments:
+            _native.sgd(weights + 4 * offset, payload + self.itemsize * slot, length, lr, int(clear), self.threads,
+                        self.dtype)
+        self._rows(weights, 0, payload, lr, clear)
+
+    def momentum(self, weights: int, state: int, payload: int, lr: float, mu: float, *, clear: bool = True) -> None:
+        """v = mu v + gradient; weights -= lr v, in place over every weight (tables too)."""
+        for offset, length, slot in self.segments:
+            _native.momentum(weights + 4 * offset, state + 4 * offset, payload + self.itemsize * slot, length, lr, mu,
+                             int(clear), self.threads, self.dtype)
+        for table in self.tables:  # the table's v decays everywhere; touched rows are added below
+            _native.momentum(weights + 4 * table.offset, state + 4 * table.offset, 0, table.size, lr, mu, 0,
+                             self.threads, self.dtype)
+        self._rows(weights, state, payload, lr, clear)
+
+    def _rows(self, weights: int, state: int, payload: int, lr: float, clear: bool) -> None:
+        for table, area in zip(self.tables, self.areas):
+            count = _native.load64(payload + area.count)
+            if count == 0:
+                continue
+            if count > table.max_rows:
+                raise ValueError(f"job {self.job!r}: a gradient claims {count} rows of a table that carries at most "
+                                 f"{table.max_rows}: the slot is corrupt")
+            bad = _native.sgd_rows(weights + 4 * table.offset, state + 4 * table.offset if state else 0, table.rows,
+                                   table.width, payload + area.indices, payload + area.rows, count, lr, self.dtype)
+            if clear:
+                _native.store64(payload + area.count, 0)
+            if bad:
+                raise ValueError(f"job {self.job!r}: a gradient named {bad} rows outside the table's {table.rows}")
 
 
 class UpdateRule(ABC):
     """The server's update rule of one mode.
 
     Args:
-        weights: address of the region's float32 weights.
-        n: number of weights.
-        lr: learning rate.
-        threads: OpenMP threads of the kernel.
+        region: the job's region (its weights, state array and slot layout).
+        options: the job's options.
+        threads: OpenMP threads of the kernels.
     """
 
     name: ClassVar[str]
+    rounds: ClassVar[bool] = False  # True: the server collects one gradient per learner per update
+    seqlock: ClassVar[bool] = False  # True: the server makes `seq` odd around each update
 
-    def __init__(self, weights: int, n: int, *, lr: float, threads: int):
-        if not lr > 0:
-            raise ValueError(f"learning rate must be positive, not {lr!r}")
-        self.weights = weights
-        self.n = n
-        self.lr = float(lr)
+    def __init__(self, region: Region, options: Options, threads: int):
+        options.check(self.name)
+        self.options = options
         self.threads = max(1, int(threads))
+        self.weights = region.weights_addr
+        self.state = region.base + region.layout.state if region.layout.state is not None else 0
+        self.format = SlotFormat(region, self.threads)
 
     @abstractmethod
-    def apply(self, grad: Gradient) -> None:
-        """Update the weights with `grad` in place and zero its payload."""
+    def apply(self, grads: list[Gradient]) -> None:
+        """Make one update of the weights from `grads` (one gradient, or a sync round) and hand their slots back."""
 
     @staticmethod
     @abstractmethod
-    def reference(weights: np.ndarray, grad: np.ndarray, lr: float) -> None:
-        """The same update in NumPy, in place on `weights` and `grad` (for tests)."""
+    def reference(weights: np.ndarray, grads: list[np.ndarray], options: Options, state: np.ndarray | None = None,
+                  staleness: list[int] | None = None) -> None:
+        """The same update in NumPy on float32 arrays, in place (for tests)."""
 
 
 class AsyncSGD(UpdateRule):
-    """ASGD, Hogwild style: for each gradient g as it arrives, w <- w - lr * g, in place.
+    """ASGD, Hogwild style: each gradient g, as it arrives, updates the weights in place.
+
+        lr_s = lr / max(1, staleness) with stale_lr, else lr
+        momentum 0:   w <- w - lr_s * g
+        momentum mu:  v <- mu * v + g;  w <- w - lr_s * v
 
     No lock: learners may read the weights while they change (that is what `view` pulls
-    see). The gradient is zeroed in the same pass, g <- 0.
+    see). Row-sparse tables update only the rows a gradient carries (with momentum, their
+    v decays everywhere and the carried rows are added).
     """
 
     name = "async"
 
-    def apply(self, grad: Gradient) -> None:
-        _native.sgd(self.weights, grad.payload, self.n, self.lr, 1, self.threads)
+    def learning_rate(self, staleness: int) -> float:
+        """The learning rate a gradient of this staleness is applied with."""
+        if self.options.stale_lr and staleness > 1:
+            return self.options.lr / staleness
+        return self.options.lr
+
+    def apply(self, grads: list[Gradient]) -> None:
+        for grad in grads:
+            self._update(grad.payload, self.learning_rate(grad.staleness))
+
+    def _update(self, payload: int, lr: float) -> None:
+        if self.options.momentum:
+            self.format.momentum(self.weights, self.state, payload, lr, self.options.momentum)
+        else:
+            self.format.sgd(self.weights, payload, lr)
 
     @staticmethod
-    def reference(weights: np.ndarray, grad: np.ndarray, lr: float) -> None:
-        weights -= np.float32(lr) * grad
-        grad[:] = 0
+    def reference(weights, grads, options, state=None, staleness=None):
+        for i, grad in enumerate(grads):
+            s = staleness[i] if staleness else 0
+            lr = np.float32(options.lr / s if options.stale_lr and s > 1 else options.lr)
+            if options.momentum:
+                state[:] = np.float32(options.momentum) * state + grad
+                weights -= lr * state
+            else:
+                weights -= lr * grad
 
 
-RULES: dict[str, type[UpdateRule]] = {rule.name: rule for rule in (AsyncSGD,)}
+class ConsistentSGD(AsyncSGD):
+    """ASGD inside a seqlock, so that a pull never copies a half-applied update.
+
+    The server makes the region's `seq` odd before an update and even after it (the version
+    moves inside); a pull copies the weights between two reads of an even, unchanged `seq`,
+    and copies again otherwise. The server never waits for readers. The maths is AsyncSGD's.
+    """
+
+    name = "consistent"
+    seqlock = True
 
 
-def make_rule(mode: str, weights: int, n: int, *, lr: float, threads: int) -> UpdateRule:
-    """The update rule of `mode`, bound to the weights at `weights`."""
+class SyncSGD(AsyncSGD):
+    """SSGD: one gradient from every live learner, averaged, applied as one update.
+
+        g = (1 / k) * sum of the round's k gradients
+        w <- w - lr * g   (with momentum mu: v <- mu * v + g; w <- w - lr * v)
+
+    The average is summed in a server-private float32 buffer; the version moves once per
+    round. A learner that stops beating for `drop_after` seconds is left out of the round
+    (its gradient, when it comes, is applied in a later round, exactly once).
+    """
+
+    name = "sync"
+    rounds = True
+
+    def __init__(self, region: Region, options: Options, threads: int):
+        super().__init__(region, options, threads)
+        self._sum = np.zeros(region.shape.n_params, dtype=np.float32)
+        self._sum_addr = int(self._sum.ctypes.data)
+        self._sum_format = _Float32Dense(self.format, region.shape.n_params)
+
+    def apply(self, grads: list[Gradient]) -> None:
+        if not grads:
+            return
+        scale = -1.0 / len(grads)  # sgd with a negative lr adds: sum += g / k
+        for grad in grads:
+            self.format.sgd(self._sum_addr, grad.payload, scale)
+        if self.options.momentum:
+            self._sum_format.momentum(self.weights, self.state, self._sum_addr, self.options.lr, self.options.momentum)
+        else:
+            self._sum_format.sgd(self.weights, self._sum_addr, self.options.lr)  # also zeroes the sum
+
+    @staticmethod
+    def reference(weights, grads, options, state=None, staleness=None):
+        mean = np.zeros_like(weights)
+        for grad in grads:
+            mean += np.float32(1.0 / len(grads)) * grad
+        AsyncSGD.reference(weights, [mean], Options(lr=options.lr, momentum=options.momentum), state)
+
+
+class _Float32Dense:
+    """The slot format of a plain float32 array of n elements (the sync round's sum)."""
+
+    def __init__(self, like: SlotFormat, n: int):
+        self.n, self.threads = n, like.threads
+
+    def sgd(self, weights: int, payload: int, lr: float) -> None:
+        _native.sgd(weights, payload, self.n, lr, 1, self.threads, DTYPE_CODES["float32"])
+
+    def momentum(self, weights: int, state: int, payload: int, lr: float, mu: float) -> None:
+        _native.momentum(weights, state, payload, self.n, lr, mu, 1, self.threads, DTYPE_CODES["float32"])
+
+
+class ElasticAveraging(UpdateRule):
+    """EASGD, asynchronous: the region's weights are the centre c; learners train local models.
+
+    Every `tau` local steps a learner pushes its weights w and moves them towards the centre
+    it read, w <- w - alpha * (w - c); the server moves the centre towards each w it gets:
+
+        c <- c + alpha * (w - c)
+
+    Slots carry float32 weights, not gradients, and no row-sparse tables.
+    """
+
+    name = "elastic"
+
+    def __init__(self, region: Region, options: Options, threads: int):
+        super().__init__(region, options, threads)
+        shape = region.shape
+        if shape.grad_dtype != "float32" or shape.sparse:
+            raise ValueError("elastic mode pushes whole float32 weights: use grad_dtype float32 and no row-sparse tables")
+        self.n = shape.n_params
+
+    def apply(self, grads: list[Gradient]) -> None:
+        for grad in grads:
+            _native.elastic(self.weights, grad.payload, self.n, self.options.alpha, self.threads)
+
+    @staticmethod
+    def reference(weights, grads, options, state=None, staleness=None):
+        for w in grads:
+            weights += np.float32(options.alpha) * (w - weights)
+
+
+def rows_reference(table: np.ndarray, indices: np.ndarray, rows: np.ndarray, lr: float,
+                   state: np.ndarray | None = None) -> None:
+    """The row-sparse kernel in NumPy: table[i] -= lr * row (state[i] += row), in order, so repeats add."""
+    lr = np.float32(lr)
+    for index, row in zip(indices, rows):
+        if state is not None:
+            state[index] += row
+        table[index] -= lr * row
+
+
+RULES: dict[str, type[UpdateRule]] = {rule.name: rule for rule in (AsyncSGD, ConsistentSGD, SyncSGD, ElasticAveraging)}
+assert set(RULES) == set(MODE_CODES)
+
+
+def read_options(region: Region) -> Options:
+    """The options the job's server recorded in the region header."""
+    h = region.header
+    return Options(lr=h.get("lr"), momentum=h.get("momentum"), stale_lr=bool(h.get("stale_lr")),
+                   stale_bound=h.get("stale_bound"), alpha=h.get("alpha"), tau=h.get("tau"),
+                   drop_after=h.get("drop_after"))
+
+
+def write_options(region: Region, options: Options) -> None:
+    """Record `options` in the region header (the creator does this before publishing)."""
+    h = region.header
+    h.set("lr", options.lr)
+    h.set("momentum", options.momentum)
+    h.set("stale_lr", int(options.stale_lr))
+    h.set("stale_bound", options.stale_bound)
+    h.set("alpha", options.alpha)
+    h.set("tau", options.tau)
+    h.set("drop_after", options.drop_after)
+
+
+def make_rule(mode: str, region: Region, options: Options, threads: int) -> UpdateRule:
+    """The update rule of `mode`, bound to `region`."""
     try:
         rule = RULES[mode]
     except KeyError:
         raise ValueError(f"mode {mode!r} is not one of {sorted(RULES)}") from None
-    return rule(weights, n, lr=lr, threads=threads)
+    return rule(region, options, threads)

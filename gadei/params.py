@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from .errors import RegionMismatch
+from .layout import SparseTable
 
 Spec = list[tuple[str, tuple[int, ...]]]
 
@@ -19,6 +20,20 @@ Spec = list[tuple[str, tuple[int, ...]]]
 def spec_of(model: torch.nn.Module) -> Spec:
     """[(name, shape)] of `model`'s parameters, in the order they lie in the region."""
     return [(name, tuple(p.shape)) for name, p in model.named_parameters()]
+
+
+def sparse_tables(model: torch.nn.Module, max_rows: int) -> tuple[SparseTable, ...]:
+    """The embedding tables of `model` (nn.Embedding, nn.EmbeddingBag) as row-sparse tables."""
+    offsets, offset = {}, 0
+    for p in model.parameters():
+        offsets[id(p)] = offset
+        offset += p.numel()
+    tables = []
+    for module in model.modules():
+        if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and id(module.weight) in offsets:
+            rows, width = module.weight.shape
+            tables.append(SparseTable(offsets.pop(id(module.weight)), rows, width, max(1, min(max_rows, rows))))
+    return tuple(sorted(tables, key=lambda t: t.offset))
 
 
 def count(spec: Spec) -> int:

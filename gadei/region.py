@@ -43,6 +43,7 @@ from .layout import (
     HEADER,
     HEADER_BYTES,
     HIST_BUCKETS,
+    MAX_SPARSE,
     LAYOUT_VERSION,
     MAGIC,
     MODE_CODES,
@@ -51,12 +52,15 @@ from .layout import (
     SLOT,
     Layout,
     Shape,
+    SparseTable,
     layout,
 )
 
 log = logging.getLogger(__name__)
 
 PREFIX = "gadei-"
+# NumPy element types of gradient slots; NumPy has no bfloat16, so its bits travel as uint16.
+NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
 SHM_DIR = "/dev/shm"
 _JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
 _POLL = 0.02  # seconds between looks while waiting for a region to appear
@@ -112,6 +116,8 @@ class Record:
             return struct.unpack("<d", struct.pack("<Q", _native.load64(address)))[0]
         if field.kind == "hist":
             return [_native.load64(address + 8 * i) for i in range(HIST_BUCKETS)]
+        if field.kind == "sparse":
+            return _read_sparse(address, _native.load32(self.base + self.fields["sparse_count"].offset))
         raise TypeError(f"field {name!r} of kind {field.kind!r} is read with Region.read_name")
 
     def set(self, name: str, value) -> None:
@@ -218,10 +224,26 @@ class Region:
         """Address of the payload of slot index `slot` of learner `learner`'s ring."""
         return self.base + self.layout.payload(learner, slot)
 
-    def payload(self, learner: int, slot: int) -> np.ndarray:
-        """NumPy view of the payload of slot index `slot` of learner `learner`'s ring."""
+    def dense(self, learner: int, slot: int) -> np.ndarray:
+        """NumPy view of the dense area of a slot, in the gradient dtype (bfloat16 as uint16)."""
         self._check_learner(learner)
-        return self.array(self.layout.payload(learner, slot), self.shape.n_params)
+        return self.array(self.layout.payload(learner, slot), self.shape.dense_count, NUMPY_DTYPES[self.shape.grad_dtype])
+
+    def sparse_area(self, learner: int, slot: int, table: int) -> tuple[int, np.ndarray, np.ndarray]:
+        """(address of the row count, indices view, rows view) of row-sparse table `table` in a slot."""
+        self._check_learner(learner)
+        spec, area = self.shape.sparse[table], self.layout.sparse_areas[table]
+        base = self.layout.payload(learner, slot)
+        indices = self.array(base + area.indices, spec.max_rows, np.int64)
+        rows = self.array(base + area.rows, spec.max_rows * spec.width, NUMPY_DTYPES[self.shape.grad_dtype])
+        return self.base + base + area.count, indices, rows.reshape(spec.max_rows, spec.width)
+
+    @property
+    def state(self) -> np.ndarray | None:
+        """The optimiser state array (momentum buffer), or None when the job has none."""
+        if self.layout.state is None:
+            return None
+        return self.array(self.layout.state, self.shape.n_params)
 
     def _check_learner(self, learner: int) -> None:
         if not 0 <= learner < self.shape.capacity:
@@ -344,7 +366,9 @@ class Region:
         h.set("mode", MODE_CODES[shape.mode])
         h.set("creator_uid", os.geteuid())
         h.set("spec_bytes", shape.spec_bytes)
-        h.set("centre", int(shape.centre))
+        h.set("state_array", int(shape.state_array))
+        h.set("sparse_count", len(shape.sparse))
+        _write_sparse(h.addr("sparse"), shape.sparse)
         h.set("created_ns", time.time_ns())
         encoded = job.encode("utf-8")
         off = HEADER["job"].offset
@@ -405,6 +429,27 @@ class _NotPublished(Exception):
     """The region exists but its creator has not written `magic` yet."""
 
 
+def _write_sparse(address: int, tables) -> None:
+    for i, table in enumerate(tables):
+        entry = address + 32 * i
+        _native.store64(entry, table.offset)
+        _native.store64(entry + 8, table.rows)
+        _native.store32(entry + 16, table.width)
+        _native.store32(entry + 20, table.max_rows)
+
+
+def _read_sparse(address: int, count: int) -> tuple[SparseTable, ...]:
+    return tuple(
+        SparseTable(
+            offset=_native.load64(address + 32 * i),
+            rows=_native.load64(address + 32 * i + 8),
+            width=_native.load32(address + 32 * i + 16),
+            max_rows=_native.load32(address + 32 * i + 20),
+        )
+        for i in range(count)
+    )
+
+
 def _read_header(opened: _Opened) -> dict:
     """The header's numeric fields as plain values, read through a short-lived mapping."""
     head = mmap.mmap(opened.shm.fd, HEADER_BYTES, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
@@ -412,6 +457,7 @@ def _read_header(opened: _Opened) -> dict:
         view = np.frombuffer(head, dtype=np.uint8)
         record = Record(int(view.ctypes.data), HEADER)
         values = {name: record.get(name) for name, field in HEADER.items() if field.kind in ("u32", "u64", "f64")}
+        values["sparse"] = _read_sparse(record.addr("sparse"), min(values["sparse_count"], MAX_SPARSE))
         del view, record
     finally:
         head.close()
@@ -427,7 +473,8 @@ def _shape_from_header(h: dict) -> Shape:
         capacity=h["capacity"],
         slots=h["slots"],
         mode=mode,
-        centre=bool(h["centre"]),
+        state_array=bool(h["state_array"]),
+        sparse=h["sparse"],
         spec_bytes=h["spec_bytes"],
     )
 

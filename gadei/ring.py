@@ -220,7 +220,7 @@ def _take(region: Region, learner: int, claims: int, drain_timeout: float, serve
     hist = entry.addr("stale_hist")
     for bucket in range(HIST_BUCKETS):
         _native.store64(hist + 8 * bucket, 0)
-    for name in ("pulled_version", "pulls", "samples"):
+    for name in ("pulled_version", "pulls", "samples", "dropped", "pull_retries"):
         entry.set(name, 0)
     entry.set("claim_head", producer.head)
     entry.set("state", ACTIVE)
@@ -269,6 +269,9 @@ class Consumer:
 
     def tail(self, learner: int) -> int:
         return _native.load64(self._tail_addrs[learner])
+
+    def head(self, learner: int) -> int:
+        return self._entries[learner].get("head")
 
     def release(self, learner: int, tail: int) -> None:
         """Mark slot `tail` of `learner`'s ring consumed (after the update finished) and wake it."""

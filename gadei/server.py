@@ -17,7 +17,7 @@ parameter count and the first learner to attach uploads its own model's paramete
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -25,6 +25,7 @@ import torch
 from . import _native, _proc, params
 from .env import settings
 from .layout import (
+    ACTIVE,
     HIST_BUCKETS,
     INIT_READY,
     SERVING,
@@ -32,9 +33,9 @@ from .layout import (
     STOPPING,
     Shape,
 )
-from .modes import Gradient, make_rule
+from .modes import RULES, Gradient, Options, make_rule, write_options
 from .region import Region
-from .ring import WAIT_SLICE, Consumer
+from .ring import WAIT_SLICE, Consumer, owner_alive
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +62,13 @@ class Server:
             names and shapes every learner's model must match).
         n_params: instead of `model`: the number of parameters; the first learner to
             attach uploads its model's parameters as the initial weights.
-        lr: learning rate of the update rule.
-        mode: the update rule (see `gadei.modes`).
+        mode: the update rule: 'async', 'consistent', 'sync' or 'elastic' (see `gadei.modes`).
+        lr, momentum, stale_lr, stale_bound, alpha, tau, drop_after: the mode's options
+            (see `gadei.modes.Options`).
+        grad_dtype: element type of gradients in the rings: 'float32', 'float16' or 'bfloat16'.
+        row_sparse: embedding tables (nn.Embedding, nn.EmbeddingBag) travel as the rows a
+            mini-batch touched instead of whole tables (needs `model`).
+        max_rows: most distinct rows of one table one gradient may carry.
         learners: most learners attached at once (one ring each).
         slots: gradient slots per learner ring.
         threads: OpenMP threads of the update kernel (default: GADEI_THREADS).
@@ -77,8 +83,17 @@ class Server:
         *,
         model: torch.nn.Module | None = None,
         n_params: int | None = None,
-        lr: float = 0.01,
         mode: str = "async",
+        lr: float = 0.01,
+        momentum: float = 0.0,
+        stale_lr: bool = False,
+        stale_bound: int = 0,
+        alpha: float = 0.1,
+        tau: int = 4,
+        drop_after: float = 10.0,
+        grad_dtype: str = "float32",
+        row_sparse: bool = False,
+        max_rows: int = 8192,
         learners: int = 8,
         slots: int = 2,
         threads: int | None = None,
@@ -87,30 +102,44 @@ class Server:
     ):
         if (model is None) == (n_params is None):
             raise ValueError("give the server either a model or n_params, not both or neither")
+        if mode not in RULES:
+            raise ValueError(f"mode {mode!r} is not one of {sorted(RULES)}")
+        self.options = Options(lr=lr, momentum=momentum, stale_lr=stale_lr, stale_bound=stale_bound, alpha=alpha,
+                               tau=tau, drop_after=drop_after)
+        self.options.check(mode)
         env = settings()
         self.threads = env.threads if threads is None else max(1, int(threads))
         self.spin_ns = int(1000 * (env.spin_us if spin_us is None else spin_us))
         self._cores = os.cpu_count() or 1
-        spec = None
+        spec, sparse = None, ()
         if model is not None:
             params.check_model(job, model)
             spec = params.spec_of(model)
             n_params = params.count(spec)
-        shape = Shape(n_params=int(n_params), capacity=learners, slots=slots, mode=mode)
+            if row_sparse:
+                sparse = params.sparse_tables(model, max_rows)
+                if not sparse:
+                    raise ValueError(f"job {job!r}: row_sparse needs an nn.Embedding or nn.EmbeddingBag in the model")
+        elif row_sparse:
+            raise ValueError(f"job {job!r}: row_sparse needs the model (serve it with --workload or --model), "
+                             "not only --params")
+        shape = Shape(n_params=int(n_params), grad_dtype=grad_dtype, capacity=learners, slots=slots, mode=mode,
+                      state_array=momentum > 0, sparse=sparse)
         self.region = Region.create(job, shape, replace=replace)
         self.job = job
+        self.mode = mode
         try:
             h = self.region.header
             h.set("server_pid", os.getpid())
             h.set("server_start", _proc.start_time())
             h.set("server_beat", time.monotonic_ns())
-            h.set("lr", lr)
             h.set("threads", self.threads)
+            write_options(self.region, self.options)
             if model is not None:
                 self.region.write_spec(spec)
                 params.flatten_into(model, self.region.weights)
                 h.set("init", INIT_READY)
-            self.rule = make_rule(mode, self.region.weights_addr, shape.n_params, lr=lr, threads=self.threads)
+            self.rule = make_rule(mode, self.region, self.options, self.threads)
             self._consumer = Consumer(self.region)
             self._slot_headers = [
                 [self.region.slot_header(i, k) for k in range(slots)] for i in range(shape.capacity)
@@ -124,13 +153,17 @@ class Server:
             self.region.close()
             raise
         self._version_addr = h.addr("version")
+        self._seq_addr = h.addr("seq")
         self._waiters_addr = h.addr("version_waiters")
         self._applied_addr = h.addr("applied")
+        self._bytes_addr = h.addr("applied_bytes")
         self._beat_addr = h.addr("server_beat")
         self._closed = False
+        transport = grad_dtype + (f", {len(sparse)} row-sparse tables" if sparse else "")
         log.info(
-            "job %r: serving %s parameters (%s), %d learner rings of %d slots, lr %g, %d kernel threads",
-            job, f"{shape.n_params:,}", _mb(shape.n_params * 4), shape.capacity, slots, lr, self.threads,
+            "job %r: serving %s parameters (%s) in %s mode, %s gradients, %d learner rings of %d slots, lr %g, "
+            "%d kernel threads", job, f"{shape.n_params:,}", _mb(shape.n_params * 4), mode, transport,
+            shape.capacity, slots, lr, self.threads,
         )
 
     # ------------------------------------------------------------------ the apply loop
@@ -148,13 +181,27 @@ class Server:
         gradient a learner published is applied exactly once.
         """
         h = self.region.header
-        state_addr = h.addr("run_state")
-        consumer = self._consumer
         started = time.monotonic()
         first = _native.load64(self._applied_addr)
-        next_beat = 0
-        spin_ns = 0
         h.set("serve_start_ns", time.monotonic_ns())
+        if self.rule.rounds:
+            self._serve_rounds()
+        else:
+            self._serve_each()
+        left = self._drain(grace)
+        h.set("run_state", STOPPED)
+        self._consumer.wake_all()
+        _native.futex_wake(self._version_addr, 1 << 30)
+        applied = _native.load64(self._applied_addr) - first
+        seconds = time.monotonic() - started
+        log.info("job %r: stopped after %s gradients in %.1f s", self.job, f"{applied:,}", seconds)
+        return ServeReport(applied, seconds, h.get("version"), left)
+
+    def _serve_each(self) -> None:
+        """async, consistent, elastic: one update per gradient, rings taken round-robin."""
+        state_addr = self.region.header.addr("run_state")
+        consumer = self._consumer
+        next_beat, spin_ns = 0, 0
         flowing = False  # the last look found a gradient: spin for the next one before sleeping
         while _native.load32(state_addr) == SERVING:
             learner = consumer.poll(spin_ns if flowing else 0)
@@ -165,20 +212,51 @@ class Server:
                 if learner < 0:
                     continue
             flowing = True
-            self._apply(learner)
+            self._update([self._take(learner)])
             now = time.monotonic_ns()
             if now >= next_beat:
                 _native.store64(self._beat_addr, now)
                 next_beat = now + _BEAT_NS
                 spin_ns = self.spin_ns if consumer.learner_threads() + 1 <= self._cores else 0
-        left = self._drain(grace)
-        h.set("run_state", STOPPED)
-        consumer.wake_all()
-        _native.futex_wake(self._version_addr, 1 << 30)
-        applied = _native.load64(self._applied_addr) - first
-        seconds = time.monotonic() - started
-        log.info("job %r: stopped after %s updates in %.1f s", self.job, f"{applied:,}", seconds)
-        return ServeReport(applied, seconds, h.get("version"), left)
+
+    def _serve_rounds(self) -> None:
+        """sync: one update per round of one gradient from every live learner."""
+        state_addr = self.region.header.addr("run_state")
+        consumer = self._consumer
+        drop_ns = int(self.options.drop_after * 1e9)
+        while _native.load32(state_addr) == SERVING:
+            members = self._members(drop_ns)
+            taken: dict[int, Gradient] = {}
+            while True:
+                for learner in members:
+                    if learner not in taken and consumer.tail(learner) < consumer.head(learner):
+                        taken[learner] = self._take(learner)
+                waiting = [m for m in members if m not in taken]
+                if not waiting or _native.load32(state_addr) != SERVING:
+                    break
+                dropped = [m for m in waiting if not self._fresh(m, drop_ns)]
+                for learner in dropped:
+                    log.warning("job %r: learner %d left out of the round: no heartbeat for %g s or gone",
+                                self.job, learner, self.options.drop_after)
+                members = [m for m in members if m not in dropped]
+                self._beat()
+                consumer.sleep(WAIT_SLICE)
+            if taken:
+                self._update(list(taken.values()))
+            else:
+                self._beat()
+                consumer.sleep(WAIT_SLICE)
+
+    def _members(self, drop_ns: int) -> list[int]:
+        """Learners that take part in the next sync round: attached, active, beating."""
+        return [i for i, entry in enumerate(self._entries) if entry.get("lease") >> 32 and entry.get("state") == ACTIVE
+                and self._fresh(i, drop_ns)]
+
+    def _fresh(self, learner: int, drop_ns: int) -> bool:
+        entry = self._entries[learner]
+        if time.monotonic_ns() - entry.get("beat") > drop_ns:
+            return False
+        return self._consumer.tail(learner) < self._consumer.head(learner) or owner_alive(self.region, learner)
 
     def _drain(self, grace: float) -> int:
         """Apply what is published until no live learner remains or `grace` passes; learners left."""
@@ -187,7 +265,7 @@ class Server:
         while True:
             learner = consumer.poll(0)
             if learner >= 0:
-                self._apply(learner)
+                self._update([self._take(learner)])
                 continue
             busy = consumer.busy_entries()
             if not busy:
@@ -198,24 +276,35 @@ class Server:
             self._beat()
             consumer.sleep(min(WAIT_SLICE, max(0.0, deadline - time.monotonic())))
 
-    def _apply(self, learner: int) -> None:
-        consumer = self._consumer
-        tail = consumer.tail(learner)
-        slot = tail % self.region.shape.slots
+    def _take(self, learner: int) -> Gradient:
+        """The oldest published gradient of `learner`'s ring (not yet handed back)."""
+        slot = self._consumer.tail(learner) % self.region.shape.slots
         header = self._slot_headers[learner][slot]
-        computed_on = header.get("version")
-        samples = header.get("samples")
-        self.rule.apply(Gradient(learner, self._payloads[learner][slot], computed_on, samples))
-        version = _native.add64(self._version_addr, 1)
-        staleness = version - computed_on if version >= computed_on else 0
-        entry = self._entries[learner]
-        entry.add("stale_sum", staleness)
-        if staleness > entry.get("stale_max"):
-            entry.set("stale_max", staleness)
-        _native.add64(entry.addr("stale_hist") + 8 * min(staleness.bit_length(), HIST_BUCKETS - 1), 1)
-        entry.add("applied_samples", samples)
-        _native.add64(self._applied_addr, 1)
-        consumer.release(learner, tail)
+        return Gradient(learner, self._payloads[learner][slot], header.get("version"), header.get("samples"))
+
+    def _update(self, grads: list[Gradient]) -> None:
+        """One update from `grads`: apply, bump the version, record statistics, hand the slots back."""
+        version = _native.load64(self._version_addr)
+        grads = [replace(g, staleness=max(0, version - g.version)) for g in grads]
+        moved = sum(self.rule.format.bytes_in(g.payload) for g in grads)
+        if self.rule.seqlock:
+            _native.add64(self._seq_addr, 1)  # odd: an update is running
+        try:
+            self.rule.apply(grads)
+            _native.add64(self._version_addr, 1)
+        finally:
+            if self.rule.seqlock:
+                _native.add64(self._seq_addr, 1)  # even: the weights are whole again
+        _native.add64(self._bytes_addr, moved)
+        for grad in grads:
+            entry = self._entries[grad.learner]
+            entry.add("stale_sum", grad.staleness)
+            if grad.staleness > entry.get("stale_max"):
+                entry.set("stale_max", grad.staleness)
+            _native.add64(entry.addr("stale_hist") + 8 * min(grad.staleness.bit_length(), HIST_BUCKETS - 1), 1)
+            entry.add("applied_samples", grad.samples)
+            _native.add64(self._applied_addr, 1)
+            self._consumer.release(grad.learner, self._consumer.tail(grad.learner))
         if _native.load32(self._waiters_addr):
             _native.futex_wake(self._version_addr, 1 << 30)
 

@@ -3,24 +3,32 @@
 Each direction is one interface with several implementations, chosen per learner:
 
 push
-    `publish` (CPU default): the model's `.grad` tensors are views of the free ring slot, so
-        backward accumulates straight into shared memory and pushing is publishing the slot
-        (two atomic stores), not copying. The train thread blocks only when the ring is full.
-    `thread` (the paper's push thread): backward accumulates into one of two private
-        staging buffers; a push thread copies the finished one into the free slot and
-        publishes it while the train thread goes on with the other. One item in flight.
+    `publish` (CPU default): where the job's gradients are float32, the model's `.grad`
+        tensors are views of the free ring slot, so backward accumulates straight into
+        shared memory and pushing is publishing the slot (two atomic stores). Row-sparse
+        tables and float16/bfloat16 gradients are written into the slot by the train thread
+        at `step()` (only the touched rows; a converting copy).
+    `thread` (the paper's push thread): backward writes private gradients; a push thread
+        writes the finished one into the free slot and publishes it while the train thread
+        goes on with the next step. One item in flight.
+    `weights` (elastic mode): local SGD steps on a private model; every tau steps the
+        model's weights go into the slot and the model moves towards the centre.
 
 pull
     `view` (default): the model's parameters are views of the region's weights (Hogwild,
         no copies); the server's updates show up in the model as they happen.
     `copy`: a pull thread copies the weights into a private staging buffer whenever the
         server's version moved, and the train thread swaps it in between steps (a pointer
-        swap); at most one pull per step.
+        swap); at most one pull per step. In consistent mode the copy is taken inside the
+        server's seqlock, so it never holds half an update.
+    `local` (elastic mode): the model is private; it starts from the centre.
 
-The GPU transports (device staging, copy streams) implement the same two interfaces.
+`SlotWriter` is the one place that knows a slot's format. The GPU transports (device
+staging, copy streams) implement the same two interfaces.
 """
 
 import logging
+import math
 import threading
 from abc import ABC, abstractmethod
 from typing import Callable, ClassVar
@@ -28,6 +36,8 @@ from typing import Callable, ClassVar
 import torch
 
 from . import _native
+from .errors import GadeiError
+from .modes import Options
 from .params import Spec, views
 from .region import Region
 from .ring import WAIT_SLICE, Producer
@@ -35,6 +45,7 @@ from .ring import WAIT_SLICE, Producer
 log = logging.getLogger(__name__)
 
 _U32 = 0xFFFFFFFF
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 class _Handoff:
@@ -64,6 +75,104 @@ def _addr(tensor: torch.Tensor) -> int:
     return tensor.data_ptr()
 
 
+class SlotWriter:
+    """Writes one learner's gradients (or, in elastic mode, its weights) into its slots.
+
+    Dense parameters lie in a slot's dense area in the job's gradient dtype; a row-sparse
+    table's gradient is written as its touched rows (coalesced: an index appears once).
+    """
+
+    def __init__(self, region: Region, learner: int, parameters: list, spec: Spec):
+        shape = region.shape
+        self.job = region.job
+        self.parameters = parameters
+        self.dtype = TORCH_DTYPES[shape.grad_dtype]
+        self.aliasable = shape.grad_dtype == "float32"  # .grad may be the slot itself
+        offsets, offset = [], 0
+        for _, p_shape in spec:
+            offsets.append(offset)
+            offset += math.prod(p_shape)
+        tables = {table.offset: i for i, table in enumerate(shape.sparse)}
+        self.table_of = [tables.get(o) for o in offsets]  # parameter -> row-sparse table index or None
+        self.names = [name for name, _ in spec]
+        self.max_rows = [table.max_rows for table in shape.sparse]
+        self._dense: list[list[torch.Tensor | None]] = []
+        self._areas = []
+        for slot in range(shape.slots):
+            dense = torch.from_numpy(region.dense(learner, slot)).view(self.dtype)
+            per_param = []
+            for (name, p_shape), o, table in zip(spec, offsets, self.table_of):
+                if table is not None:
+                    per_param.append(None)
+                    continue
+                start = _dense_offset(shape.dense_segments, o)
+                per_param.append(dense[start : start + math.prod(p_shape)].view(p_shape))
+            self._dense.append(per_param)
+            areas = []
+            for t in range(len(shape.sparse)):
+                count_addr, indices, rows = region.sparse_area(learner, slot, t)
+                areas.append((count_addr, torch.from_numpy(indices), torch.from_numpy(rows).view(self.dtype)))
+            self._areas.append(areas)
+
+    def grad_views(self, slot: int) -> list[torch.Tensor | None]:
+        """What `.grad` of each parameter may be while backward writes into `slot` (None: private)."""
+        if not self.aliasable:
+            return [None] * len(self.parameters)
+        return self._dense[slot]
+
+    def write_grads(self, slot: int, grads: list[torch.Tensor | None]) -> None:
+        """Put `grads` (one per parameter; None: zero) into `slot`, unless a gradient already is the slot."""
+        for i, grad in enumerate(grads):
+            if grad is None:
+                continue
+            table = self.table_of[i]
+            if table is not None:
+                self._write_rows(slot, i, table, grad)
+                continue
+            target = self._dense[slot][i]
+            if grad.is_sparse:  # a sparse gradient of a table the job sends dense (the slot is zero)
+                grad = grad.coalesce()
+                target.index_copy_(0, grad.indices()[0], grad.values().to(target.dtype))
+            elif grad.data_ptr() != target.data_ptr() or grad.dtype != target.dtype:
+                target.copy_(grad)  # else backward accumulated into the slot itself
+
+    def write_weights(self, slot: int) -> None:
+        """Put the model's parameters into `slot` (float32, every parameter dense): elastic mode."""
+        with torch.no_grad():
+            for p, target in zip(self.parameters, self._dense[slot]):
+                target.copy_(p)
+
+    def _write_rows(self, slot: int, param: int, table: int, grad: torch.Tensor) -> None:
+        count_addr, indices, rows = self._areas[slot][table]
+        if grad.is_sparse:
+            grad = grad.coalesce()
+            index, values = grad.indices()[0], grad.values()
+        else:  # a dense gradient of a row-sparse table: send the rows that are not zero
+            index = grad.reshape(grad.shape[0], -1).ne(0).any(dim=1).nonzero().flatten()
+            values = grad[index]
+        count = index.numel()
+        if count > self.max_rows[table]:
+            raise GadeiError(
+                f"job {self.job!r}: one gradient touches {count:,} rows of {self.names[param]!r}, the job carries at "
+                f"most {self.max_rows[table]:,} (serve it with a larger --max-rows)"
+            )
+        indices[:count].copy_(index)
+        rows[:count].copy_(values.reshape(count, -1))
+        _native.store64(count_addr, count)
+
+
+def _is_view_of_slot(grad: torch.Tensor, writer: SlotWriter) -> bool:
+    return any(view is not None and view.data_ptr() == grad.data_ptr()
+               for per_slot in writer._dense for view in per_slot)
+
+
+def _dense_offset(segments, offset: int) -> int:
+    for start, length, slot in segments:
+        if start <= offset < start + length:
+            return slot + offset - start
+    raise ValueError(f"weight offset {offset} is in no dense segment")
+
+
 class Push(ABC):
     """How a learner's finished gradient reaches its ring.
 
@@ -73,16 +182,20 @@ class Push(ABC):
         parameters: the model's parameters, in region order.
         spec: their names and shapes.
         on_slice: called every WAIT_SLICE while blocked; raises to end the wait.
+        options: the job's options.
     """
 
     name: ClassVar[str]
 
-    def __init__(self, region: Region, producer: Producer, parameters: list, spec: Spec, on_slice: Callable[[], None]):
+    def __init__(self, region: Region, producer: Producer, parameters: list, spec: Spec,
+                 on_slice: Callable[[], None], options: Options):
         self.region = region
         self.producer = producer
         self.parameters = parameters
         self.spec = spec
         self.on_slice = on_slice
+        self.options = options
+        self.writer = SlotWriter(region, producer.learner, parameters, spec)
         self._warned = False
 
     @abstractmethod
@@ -90,101 +203,95 @@ class Push(ABC):
         """Point every parameter's `.grad` where the next backward pass should accumulate."""
 
     @abstractmethod
-    def push(self, version: int, step: int, samples: int) -> None:
-        """Hand over the gradient the model holds; return when the next backward may start."""
+    def push(self, version: int, step: int, samples: int) -> bool:
+        """Hand over the gradient the model holds; False if it was not published (dropped)."""
+
+    def discard(self) -> None:
+        """Throw away the gradient the model holds (it is not to be published)."""
+        for p in self.parameters:
+            if p.grad is not None and not p.grad.is_sparse and _is_view_of_slot(p.grad, self.writer):
+                p.grad.zero_()
+        self.bind()
 
     def close(self) -> None:
         """Stop any thread; a gradient not yet published is dropped."""
         for p in self.parameters:
             p.grad = None
 
-    def _gather(self, targets: list[torch.Tensor]) -> None:
-        """Make sure the gradient is in `targets`: copy any `.grad` the user replaced (slow path)."""
-        for p, target in zip(self.parameters, targets):
-            grad = p.grad
-            if grad is None or grad.data_ptr() == target.data_ptr():
+    def _take_grads(self, slot: int) -> list[torch.Tensor | None]:
+        """The model's gradients, warning once if a `.grad` that should be the slot was replaced."""
+        grads = [p.grad for p in self.parameters]
+        for grad, view in zip(grads, self.writer.grad_views(slot)):
+            if view is None or grad is None or self._warned:
                 continue
-            if not self._warned:
+            if grad.is_sparse or grad.data_ptr() != view.data_ptr():
                 self._warned = True
                 log.warning(
                     "job %r: a parameter's .grad was replaced (zero_grad(set_to_none=True)?); copying "
                     "gradients into the ring each step. Leave .grad alone: gadei zeroes it.",
                     self.region.job,
                 )
-            target.copy_(grad)
+        return grads
 
 
 class PublishPush(Push):
-    """`.grad` tensors are views of the free slot; a push publishes that slot."""
+    """float32 `.grad` tensors are views of the free slot; the rest is written at push; a push publishes."""
 
     name = "publish"
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        region, learner = self.region, self.producer.learner
-        self._grads = [
-            views(torch.from_numpy(region.payload(learner, k)), self.spec) for k in range(region.shape.slots)
-        ]
-
     def bind(self) -> None:
         self.producer.wait_space(self.on_slice)
-        for p, grad in zip(self.parameters, self._grads[self.producer.slot]):
+        for p, grad in zip(self.parameters, self.writer.grad_views(self.producer.slot)):
             p.grad = grad
 
-    def push(self, version: int, step: int, samples: int) -> None:
-        self._gather(self._grads[self.producer.slot])
+    def push(self, version: int, step: int, samples: int) -> bool:
+        self.writer.write_grads(self.producer.slot, self._take_grads(self.producer.slot))
         self.producer.publish(version, step, samples)
         self.bind()
+        return True
 
 
 class ThreadPush(Push):
-    """Two private staging buffers; a push thread copies the finished one into a slot and publishes."""
+    """Private gradients; a push thread writes the finished one into a slot and publishes it."""
 
     name = "thread"
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        n = self.region.shape.n_params
-        self._buffers = [_flat(n), _flat(n)]
-        self._grads = [views(buf, self.spec) for buf in self._buffers]
-        self._current = 0
-        self._item: tuple[int, int, int, int] | None = None  # (buffer, version, step, samples)
+        self._item: tuple[list, int, int, int] | None = None  # (gradients, version, step, samples)
         self._error: BaseException | None = None
         self._handoff = _Handoff(self._run, f"gadei-push-{self.region.job}")
         self._cond = self._handoff.cond
         self._handoff.start()
 
     def bind(self) -> None:
-        for p, grad in zip(self.parameters, self._grads[self._current]):
-            p.grad = grad
+        for p in self.parameters:
+            p.grad = None  # backward allocates fresh gradients (as torch.optim's zero_grad does)
 
-    def push(self, version: int, step: int, samples: int) -> None:
-        self._gather(self._grads[self._current])
+    def push(self, version: int, step: int, samples: int) -> bool:
+        grads = [p.grad for p in self.parameters]
         with self._cond:
             while self._item is not None and self._error is None:
-                self._cond.wait(WAIT_SLICE)  # the previous gradient is still being copied
+                self._cond.wait(WAIT_SLICE)  # the previous gradient is still being written
             if self._error is not None:
                 raise self._error
-            self._item = (self._current, version, step, samples)
+            self._item = (grads, version, step, samples)
             self._cond.notify_all()
-        self._current ^= 1
         self.bind()
+        return True
 
     def _run(self) -> None:
-        payload_bytes = self.region.layout.payload_bytes
         while True:
             with self._cond:
                 while self._item is None and not self._handoff.closing:
                     self._cond.wait(WAIT_SLICE)
                 if self._item is None:
                     return
-                buffer, version, step, samples = self._item
+                grads, version, step, samples = self._item
             try:
                 self.producer.wait_space(self.on_slice)
-                source = _addr(self._buffers[buffer])
-                _native.copy(self.region.payload_addr(self.producer.learner, self.producer.slot), source, payload_bytes, 1)
+                self.writer.write_grads(self.producer.slot, grads)
                 self.producer.publish(version, step, samples)
-                _native.zero(source, payload_bytes)  # after publishing: off the push-to-applied path
             except BaseException as err:  # handed to the train thread, which raises it
                 with self._cond:
                     self._error = err
@@ -200,6 +307,39 @@ class ThreadPush(Push):
         super().close()
 
 
+class ElasticPush(Push):
+    """Elastic mode: local SGD on the private model; every tau steps an exchange with the centre.
+
+    At an exchange the learner reads the centre c, puts its weights w in the slot for the
+    server (which moves c += alpha (w - c)) and moves its own: w -= alpha (w - c).
+    """
+
+    name = "weights"
+
+    def bind(self) -> None:
+        for p in self.parameters:
+            p.grad = None
+
+    def push(self, version: int, step: int, samples: int) -> bool:
+        lr = self.options.lr
+        with torch.no_grad():
+            for p in self.parameters:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-lr)
+        self.bind()
+        if (step + 1) % self.options.tau:
+            return False
+        self.producer.wait_space(self.on_slice)
+        centre = torch.from_numpy(self.region.weights).clone()
+        version = _native.load64(self.region.header.addr("version"))
+        self.writer.write_weights(self.producer.slot)
+        self.producer.publish(version, step, samples)
+        with torch.no_grad():
+            for p, c in zip(self.parameters, views(centre, self.spec)):
+                p.sub_(self.options.alpha * (p - c))
+        return True
+
+
 class Pull(ABC):
     """How the server's weights reach a learner's model.
 
@@ -208,16 +348,21 @@ class Pull(ABC):
         parameters: the model's parameters, in region order.
         spec: their names and shapes.
         on_pull: called with the version after every pull (records it in the learner entry).
+        consistent: copies must hold whole updates (the job runs in consistent mode).
     """
 
     name: ClassVar[str]
 
-    def __init__(self, region: Region, parameters: list, spec: Spec, on_pull: Callable[[int], None]):
+    def __init__(self, region: Region, parameters: list, spec: Spec, on_pull: Callable[[int], None],
+                 consistent: bool = False):
         self.region = region
         self.parameters = parameters
         self.spec = spec
         self.on_pull = on_pull
+        self.consistent = consistent
         self._version_addr = region.header.addr("version")
+        self._seq_addr = region.header.addr("seq")
+        self.retries = 0  # consistent copies taken again because an update ran during them
 
     @abstractmethod
     def start(self) -> None:
@@ -237,10 +382,26 @@ class Pull(ABC):
     def finish(self) -> None:
         """Leave the model with a private copy of the latest weights and stop any thread."""
         flat = _flat(self.region.shape.n_params)
-        version = _native.load64(self._version_addr)
-        _native.copy(_addr(flat), self.region.weights_addr, self.region.shape.n_params * 4, 1)
         self._bind(flat)
-        self.on_pull(version)
+        self.on_pull(self._copy_weights(flat))
+
+    def _copy_weights(self, target: torch.Tensor) -> int:
+        """Copy the region's weights into `target`; the version they are (at least).
+
+        In consistent mode the copy is retried until it was taken between two equal, even
+        readings of the server's seqlock, so it holds whole updates only.
+        """
+        nbytes = self.region.shape.n_params * 4
+        while True:
+            seq = _native.load64(self._seq_addr)
+            if seq & 1 and self.consistent:
+                _native.futex_wait(self._version_addr, _native.load64(self._version_addr) & _U32, 0.001)
+                continue
+            version = _native.load64(self._version_addr)
+            _native.copy(_addr(target), self.region.weights_addr, nbytes, 1)
+            if not self.consistent or _native.load64(self._seq_addr) == seq:
+                return version
+            self.retries += 1
 
     def _bind(self, flat: torch.Tensor, tensors: list[torch.Tensor] | None = None) -> None:
         """Make the parameters views of `flat` (`tensors`: those views, made beforehand)."""
@@ -289,8 +450,7 @@ class CopyPull(Pull):
         return self._version
 
     def refresh(self) -> None:
-        version = _native.load64(self._version_addr)
-        _native.copy(_addr(self._model_buf), self.region.weights_addr, self.region.shape.n_params * 4, 1)
+        version = self._copy_weights(self._model_buf)
         self._bind(self._model_buf, self._model_views)
         self._version = version
         self.on_pull(version)
@@ -309,7 +469,6 @@ class CopyPull(Pull):
             self._cond.notify_all()
 
     def _run(self) -> None:
-        nbytes = self.region.shape.n_params * 4
         while True:
             with self._cond:
                 while self._ready and not self._handoff.closing:
@@ -320,7 +479,7 @@ class CopyPull(Pull):
             version = self._wait_version(known)
             if version == known:
                 continue
-            _native.copy(_addr(self._staging), self.region.weights_addr, nbytes, 1)
+            version = self._copy_weights(self._staging)
             with self._cond:
                 self._staged_version = version
                 self._ready = True
@@ -345,5 +504,26 @@ class CopyPull(Pull):
         super().finish()
 
 
-PUSHES: dict[str, type[Push]] = {cls.name: cls for cls in (PublishPush, ThreadPush)}
-PULLS: dict[str, type[Pull]] = {cls.name: cls for cls in (CopyPull, ViewPull)}
+class LocalPull(Pull):
+    """Elastic mode: the model is private; it starts from the centre and keeps its own weights."""
+
+    name = "local"
+
+    def start(self) -> None:
+        flat = _flat(self.region.shape.n_params)
+        self._version = self._copy_weights(flat)
+        self._bind(flat)
+        self.on_pull(self._version)
+
+    def version(self) -> int:
+        return self._version
+
+    def refresh(self) -> None:
+        """The model is the learner's own; the centre is read at each exchange."""
+
+    def finish(self) -> None:
+        """The model keeps its local weights (the job's result is the centre in the region)."""
+
+
+PUSHES: dict[str, type[Push]] = {cls.name: cls for cls in (PublishPush, ThreadPush, ElasticPush)}
+PULLS: dict[str, type[Pull]] = {cls.name: cls for cls in (ViewPull, CopyPull, LocalPull)}

@@ -6,9 +6,10 @@
  * let idle parts block instead of spin, and the in-place update kernel the server applies
  * each gradient with (OpenMP, GIL released).
  *
- * Python owns validation, types and errors (gadei/_nativeops.py); functions here take raw
- * addresses inside a mapping the caller keeps alive and trust their arguments. Every
- * function is prefixed gd_. Every loop runs with the GIL released.
+ * Python owns validation, types and errors; functions here take raw addresses inside a
+ * mapping the caller keeps alive and trust their arguments. The kernels live in kernels.c;
+ * this file holds the atomics, the waits and the Python bindings (py_ wrap a kernel, gd_
+ * do the work themselves). Every loop runs with the GIL released.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -23,18 +24,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#ifdef _OPENMP
-#include <omp.h>
-#define GD_HAVE_OPENMP 1
-#else
-#define GD_HAVE_OPENMP 0
-#endif
-
-#if defined(__x86_64__) && defined(__GNUC__)
-#define GD_X86 1
-#else
-#define GD_X86 0
-#endif
+#include "kernels.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -45,8 +35,6 @@
 #define GD_CPU_RELAX() ((void)0)
 #endif
 
-/* Below this many elements a kernel runs on the calling thread: waking a team costs more. */
-#define GD_PARALLEL_MIN 65536
 
 /* ------------------------------------------------------------------ argument helpers */
 
@@ -281,152 +269,102 @@ gd_poll_rings(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     return PyLong_FromLong(found);
 }
 
-/* ------------------------------------------------------------------ kernels */
+/* ------------------------------------------------------------------ kernels (kernels.c) */
 
 static int
-gd_threads(int64_t requested, size_t n)
+gd_arg_f64(PyObject *obj, double *out)
 {
-    if (n < GD_PARALLEL_MIN || requested <= 1) return 1;
-#if GD_HAVE_OPENMP
-    int most = omp_get_num_procs();
-    if (requested > most) requested = most;
-#else
-    requested = 1;
-#endif
-    size_t by_size = n / (GD_PARALLEL_MIN / 2);
-    if ((size_t)requested > by_size) requested = (int64_t)(by_size ? by_size : 1);
-    return (int)requested;
+    double v = PyFloat_AsDouble(obj);
+    if (v == -1.0 && PyErr_Occurred()) return -1;
+    *out = v;
+    return 0;
 }
 
-#if GD_HAVE_OPENMP
-/*
- * The chunk [lo, hi) of n elements of `size` bytes at `base` for thread `tid` of `nt`:
- * inner boundaries fall on 64-byte addresses, so no two threads write one cache line.
- */
-static void
-gd_chunk(const void *base, size_t size, size_t n, int tid, int nt, size_t *lo, size_t *hi)
-{
-    size_t skew = ((64 - ((uintptr_t)base & 63)) & 63) / size; /* elements before the first line */
-    size_t line = 64 / size;
-    if (skew > n) skew = n;
-    size_t blocks = (n - skew + line - 1) / line;
-    size_t per = blocks / (size_t)nt, extra = blocks % (size_t)nt;
-    size_t b0 = (size_t)tid * per + ((size_t)tid < extra ? (size_t)tid : extra);
-    size_t b1 = b0 + per + ((size_t)tid < extra ? 1 : 0);
-    *lo = tid == 0 ? 0 : skew + b0 * line;
-    *hi = tid == nt - 1 ? n : skew + b1 * line;
-    if (*lo > n) *lo = n;
-    if (*hi > n) *hi = n;
-}
-#endif
-
-/*
- * The update over one span: w[i] -= lr * g[i], and g[i] = 0 with `clear`.
- *
- * Lines of 16 gradient elements whose bits are all zero are skipped: w - lr * (+0.0) is w
- * exactly, and a zero line needs no clearing. Small-batch gradients of embedding tables are
- * mostly such lines, so the server then reads the slot but writes only the rows a batch
- * touched. A dense gradient costs one OR and test per line more.
- */
-static void
-gd_sgd_f32_generic(float *restrict w, float *restrict g, size_t n, float lr, int clear)
-{
-    for (size_t i = 0; i < n; i++) {
-        w[i] -= lr * g[i];
-        if (clear) g[i] = 0.0f;
-    }
-}
-
-#if GD_X86
-__attribute__((target("avx2"))) static void
-gd_sgd_f32_avx2(float *restrict w, float *restrict g, size_t n, float lr, int clear)
-{
-    /* Peel until w sits on a 64-byte boundary so the body never splits a cache line (region
-     * arrays are page-aligned and need none; NumPy's start 16 bytes past a line). */
-    size_t head = ((64 - ((uintptr_t)w & 63)) & 63) / sizeof(float);
-    if (head > n || ((uintptr_t)w & (sizeof(float) - 1))) head = n;
-    gd_sgd_f32_generic(w, g, head, lr, clear);
-    size_t i = head;
-    const __m256 vlr = _mm256_set1_ps(lr), zero = _mm256_setzero_ps();
-    for (; i + 16 <= n; i += 16) {
-        __m256 g0 = _mm256_loadu_ps(g + i), g1 = _mm256_loadu_ps(g + i + 8);
-        __m256i bits = _mm256_or_si256(_mm256_castps_si256(g0), _mm256_castps_si256(g1));
-        if (_mm256_testz_si256(bits, bits)) continue;
-        _mm256_store_ps(w + i, _mm256_sub_ps(_mm256_load_ps(w + i), _mm256_mul_ps(vlr, g0)));
-        _mm256_store_ps(w + i + 8, _mm256_sub_ps(_mm256_load_ps(w + i + 8), _mm256_mul_ps(vlr, g1)));
-        if (clear) {
-            _mm256_storeu_ps(g + i, zero);
-            _mm256_storeu_ps(g + i + 8, zero);
-        }
-    }
-    gd_sgd_f32_generic(w + i, g + i, n - i, lr, clear);
-}
-#endif
-
-static int gd_avx2; /* set at module init: the CPU runs AVX2 */
-
-static void
-gd_sgd_f32_span(float *restrict w, float *restrict g, size_t n, float lr, int clear)
-{
-#if GD_X86
-    if (gd_avx2) {
-        gd_sgd_f32_avx2(w, g, n, lr, clear);
-        return;
-    }
-#endif
-    gd_sgd_f32_generic(w, g, n, lr, clear);
-}
-
-/*
- * sgd(w, g, n, lr, clear, threads): w[i] -= lr * g[i] for float32 arrays, in place; with
- * `clear`, g[i] = 0 in the same pass (the server hands a slot back zeroed, so a learner's
- * backward pass can accumulate straight into it).
- */
+/* sgd(w, g, n, lr, clear, threads[, dtype]): w -= lr * g in place; with clear, g = 0. */
 static PyObject *
-gd_sgd(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+py_sgd(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     uint64_t n, clear;
-    int64_t threads;
+    int64_t threads, dtype = GD_F32;
     double lr;
-    if (gd_nargs("sgd", nargs, 6) < 0) return NULL;
+    if (nargs != 6 && gd_nargs("sgd", nargs, 7) < 0) return NULL;
     GD_ADDR(args[0], w);
     GD_ADDR(args[1], g);
-    if (gd_arg_u64(args[2], &n) < 0) return NULL;
-    lr = PyFloat_AsDouble(args[3]);
-    if (lr == -1.0 && PyErr_Occurred()) return NULL;
-    if (gd_arg_u64(args[4], &clear) < 0 || gd_arg_i64(args[5], &threads) < 0) return NULL;
-    float *w = (float *)(uintptr_t)w_raw, *g = (float *)(uintptr_t)g_raw;
-    float flr = (float)lr;
-    int nt = gd_threads(threads, (size_t)n);
+    if (gd_arg_u64(args[2], &n) < 0 || gd_arg_f64(args[3], &lr) < 0 || gd_arg_u64(args[4], &clear) < 0 ||
+        gd_arg_i64(args[5], &threads) < 0 || (nargs == 7 && gd_arg_i64(args[6], &dtype) < 0))
+        return NULL;
     Py_BEGIN_ALLOW_THREADS
-    if (nt == 1) {
-        gd_sgd_f32_span(w, g, (size_t)n, flr, (int)clear);
-    } else {
-#if GD_HAVE_OPENMP
-#pragma omp parallel num_threads(nt)
-        {
-            size_t lo, hi;
-            gd_chunk(w, sizeof(float), (size_t)n, omp_get_thread_num(), omp_get_num_threads(), &lo, &hi);
-            gd_sgd_f32_span(w + lo, g + lo, hi - lo, flr, (int)clear);
-        }
-#endif
-    }
+    gd_sgd((float *)(uintptr_t)w_raw, (void *)(uintptr_t)g_raw, (int)dtype, (size_t)n, (float)lr, (int)clear,
+           (int)threads);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
 
-/*
- * plain_sgd(w, g, n, lr, threads): the loop a C programmer would write first, compiled with
- * the extension's flags and nothing else; `gadei bench kernel` measures sgd against it.
- */
-__attribute__((noinline)) static void
-gd_plain_span(float *w, const float *g, size_t n, float lr)
+/* momentum(w, v, g, n, lr, mu, clear, threads, dtype): v = mu v + g; w -= lr v (g == 0: zero). */
+static PyObject *
+py_momentum(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    for (size_t i = 0; i < n; i++) w[i] -= lr * g[i];
+    uint64_t n, clear;
+    int64_t threads, dtype;
+    double lr, mu;
+    if (gd_nargs("momentum", nargs, 9) < 0) return NULL;
+    GD_ADDR(args[0], w);
+    GD_ADDR(args[1], v);
+    GD_ADDR(args[2], g);
+    if (gd_arg_u64(args[3], &n) < 0 || gd_arg_f64(args[4], &lr) < 0 || gd_arg_f64(args[5], &mu) < 0 ||
+        gd_arg_u64(args[6], &clear) < 0 || gd_arg_i64(args[7], &threads) < 0 || gd_arg_i64(args[8], &dtype) < 0)
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    gd_momentum((float *)(uintptr_t)w_raw, (float *)(uintptr_t)v_raw, (void *)(uintptr_t)g_raw, (int)dtype,
+                (size_t)n, (float)lr, (float)mu, (int)clear, (int)threads);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
 }
 
+/* sgd_rows(w, v, n_rows, width, idx, rows, count, lr, dtype) -> indices out of range. */
 static PyObject *
-gd_plain_sgd(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+py_sgd_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    uint64_t n_rows, width, count;
+    int64_t dtype, bad;
+    double lr;
+    if (gd_nargs("sgd_rows", nargs, 9) < 0) return NULL;
+    GD_ADDR(args[0], w);
+    GD_ADDR(args[1], v);
+    if (gd_arg_u64(args[2], &n_rows) < 0 || gd_arg_u64(args[3], &width) < 0) return NULL;
+    GD_ADDR(args[4], idx);
+    GD_ADDR(args[5], rows);
+    if (gd_arg_u64(args[6], &count) < 0 || gd_arg_f64(args[7], &lr) < 0 || gd_arg_i64(args[8], &dtype) < 0)
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    bad = gd_sgd_rows((float *)(uintptr_t)w_raw, (float *)(uintptr_t)v_raw, (size_t)n_rows, (size_t)width,
+                      (const int64_t *)(uintptr_t)idx_raw, (const void *)(uintptr_t)rows_raw, (int)dtype,
+                      (size_t)count, (float)lr);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLongLong(bad);
+}
+
+/* elastic(c, w, n, alpha, threads): c += alpha * (w - c). */
+static PyObject *
+py_elastic(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    uint64_t n;
+    int64_t threads;
+    double alpha;
+    if (gd_nargs("elastic", nargs, 5) < 0) return NULL;
+    GD_ADDR(args[0], c);
+    GD_ADDR(args[1], w);
+    if (gd_arg_u64(args[2], &n) < 0 || gd_arg_f64(args[3], &alpha) < 0 || gd_arg_i64(args[4], &threads) < 0)
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    gd_elastic((float *)(uintptr_t)c_raw, (const float *)(uintptr_t)w_raw, (size_t)n, (float)alpha, (int)threads);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* plain_sgd(w, g, n, lr, threads): the reference loop `gadei bench kernel` compares sgd with. */
+static PyObject *
+py_plain_sgd(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     uint64_t n;
     int64_t threads;
@@ -434,32 +372,17 @@ gd_plain_sgd(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (gd_nargs("plain_sgd", nargs, 5) < 0) return NULL;
     GD_ADDR(args[0], w);
     GD_ADDR(args[1], g);
-    if (gd_arg_u64(args[2], &n) < 0) return NULL;
-    lr = PyFloat_AsDouble(args[3]);
-    if (lr == -1.0 && PyErr_Occurred()) return NULL;
-    if (gd_arg_i64(args[4], &threads) < 0) return NULL;
-    float *w = (float *)(uintptr_t)w_raw;
-    const float *g = (const float *)(uintptr_t)g_raw;
-    float flr = (float)lr;
-    int nt = threads > 1 ? (int)threads : 1;
+    if (gd_arg_u64(args[2], &n) < 0 || gd_arg_f64(args[3], &lr) < 0 || gd_arg_i64(args[4], &threads) < 0)
+        return NULL;
     Py_BEGIN_ALLOW_THREADS
-    if (nt == 1) {
-        gd_plain_span(w, g, (size_t)n, flr);
-    } else {
-#if GD_HAVE_OPENMP
-#pragma omp parallel for num_threads(nt) schedule(static)
-        for (size_t i = 0; i < (size_t)n; i++) w[i] -= flr * g[i];
-#else
-        gd_plain_span(w, g, (size_t)n, flr);
-#endif
-    }
+    gd_plain_sgd((float *)(uintptr_t)w_raw, (const float *)(uintptr_t)g_raw, (size_t)n, (float)lr, (int)threads);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
 
 /* copy(dst, src, nbytes, threads): memcpy with the GIL released (pulls, uploads). */
 static PyObject *
-gd_copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+py_copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     uint64_t nbytes;
     int64_t threads;
@@ -467,29 +390,15 @@ gd_copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     GD_ADDR(args[0], dst);
     GD_ADDR(args[1], src);
     if (gd_arg_u64(args[2], &nbytes) < 0 || gd_arg_i64(args[3], &threads) < 0) return NULL;
-    char *d = (char *)(uintptr_t)dst_raw;
-    const char *s = (const char *)(uintptr_t)src_raw;
-    int nt = gd_threads(threads, (size_t)(nbytes / 4));
     Py_BEGIN_ALLOW_THREADS
-    if (nt == 1) {
-        memcpy(d, s, (size_t)nbytes);
-    } else {
-#if GD_HAVE_OPENMP
-#pragma omp parallel num_threads(nt)
-        {
-            size_t lo, hi;
-            gd_chunk(d, 1, (size_t)nbytes, omp_get_thread_num(), omp_get_num_threads(), &lo, &hi);
-            memcpy(d + lo, s + lo, hi - lo);
-        }
-#endif
-    }
+    gd_copy((void *)(uintptr_t)dst_raw, (const void *)(uintptr_t)src_raw, (size_t)nbytes, (int)threads);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
 
 /* zero(addr, nbytes): memset 0 with the GIL released. */
 static PyObject *
-gd_zero(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+py_zero(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     uint64_t nbytes;
     if (gd_nargs("zero", nargs, 2) < 0) return NULL;
@@ -502,44 +411,40 @@ gd_zero(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 }
 
 static PyObject *
-gd_openmp(PyObject *self, PyObject *unused)
+py_openmp(PyObject *self, PyObject *unused)
 {
-#if GD_HAVE_OPENMP
-    return Py_BuildValue("(Oi)", Py_True, omp_get_num_procs());
-#else
-    return Py_BuildValue("(Oi)", Py_False, 1);
-#endif
+    return Py_BuildValue("(Oi)", gd_openmp_built() ? Py_True : Py_False, gd_processors());
 }
 
 static PyObject *
-gd_kernel_isa(PyObject *self, PyObject *unused)
+py_kernel_isa(PyObject *self, PyObject *unused)
 {
-    return PyUnicode_FromString(gd_avx2 ? "avx2" : "generic");
+    return PyUnicode_FromString(gd_kernel_isa());
 }
 
+#define GD_FAST(name, fn, doc) {name, (PyCFunction)(void (*)(void))fn, METH_FASTCALL, doc}
+
 static PyMethodDef gd_methods[] = {
-    {"load64", (PyCFunction)(void (*)(void))gd_load64, METH_FASTCALL, "load64(addr) -> int"},
-    {"store64", (PyCFunction)(void (*)(void))gd_store64, METH_FASTCALL, "store64(addr, v)"},
-    {"add64", (PyCFunction)(void (*)(void))gd_add64, METH_FASTCALL, "add64(addr, d) -> old"},
-    {"cas64", (PyCFunction)(void (*)(void))gd_cas64, METH_FASTCALL, "cas64(addr, e, d) -> bool"},
-    {"load32", (PyCFunction)(void (*)(void))gd_load32, METH_FASTCALL, "load32(addr) -> int"},
-    {"store32", (PyCFunction)(void (*)(void))gd_store32, METH_FASTCALL, "store32(addr, v)"},
-    {"add32", (PyCFunction)(void (*)(void))gd_add32, METH_FASTCALL, "add32(addr, d) -> old"},
-    {"cas32", (PyCFunction)(void (*)(void))gd_cas32, METH_FASTCALL, "cas32(addr, e, d) -> bool"},
-    {"futex_wait", (PyCFunction)(void (*)(void))gd_futex_wait, METH_FASTCALL,
-     "futex_wait(addr, expected, timeout_s) -> 0 woken / 1 timed out"},
-    {"futex_wake", (PyCFunction)(void (*)(void))gd_futex_wake, METH_FASTCALL,
-     "futex_wake(addr, n) -> woken"},
-    {"poll_rings", (PyCFunction)(void (*)(void))gd_poll_rings, METH_FASTCALL,
-     "poll_rings(table, count, stride, head_off, tail_off, start, spin_ns) -> index or -1"},
-    {"sgd", (PyCFunction)(void (*)(void))gd_sgd, METH_FASTCALL,
-     "sgd(w, g, n, lr, clear, threads): w -= lr * g in place (float32)"},
-    {"plain_sgd", (PyCFunction)(void (*)(void))gd_plain_sgd, METH_FASTCALL,
-     "plain_sgd(w, g, n, lr, threads): the reference loop for benchmarks"},
-    {"copy", (PyCFunction)(void (*)(void))gd_copy, METH_FASTCALL, "copy(dst, src, nbytes, threads)"},
-    {"zero", (PyCFunction)(void (*)(void))gd_zero, METH_FASTCALL, "zero(addr, nbytes)"},
-    {"openmp", gd_openmp, METH_NOARGS, "openmp() -> (built with OpenMP, processors)"},
-    {"kernel_isa", gd_kernel_isa, METH_NOARGS, "kernel_isa() -> 'avx2' or 'generic'"},
+    GD_FAST("load64", gd_load64, "load64(addr) -> int"),
+    GD_FAST("store64", gd_store64, "store64(addr, v)"),
+    GD_FAST("add64", gd_add64, "add64(addr, d) -> old"),
+    GD_FAST("cas64", gd_cas64, "cas64(addr, e, d) -> bool"),
+    GD_FAST("load32", gd_load32, "load32(addr) -> int"),
+    GD_FAST("store32", gd_store32, "store32(addr, v)"),
+    GD_FAST("add32", gd_add32, "add32(addr, d) -> old"),
+    GD_FAST("cas32", gd_cas32, "cas32(addr, e, d) -> bool"),
+    GD_FAST("futex_wait", gd_futex_wait, "futex_wait(addr, expected, timeout_s) -> 0 woken / 1 timed out"),
+    GD_FAST("futex_wake", gd_futex_wake, "futex_wake(addr, n) -> woken"),
+    GD_FAST("poll_rings", gd_poll_rings, "poll_rings(table, count, stride, head_off, tail_off, start, spin_ns) -> index or -1"),
+    GD_FAST("sgd", py_sgd, "sgd(w, g, n, lr, clear, threads[, dtype]): w -= lr * g in place"),
+    GD_FAST("momentum", py_momentum, "momentum(w, v, g, n, lr, mu, clear, threads, dtype): v = mu v + g; w -= lr v"),
+    GD_FAST("sgd_rows", py_sgd_rows, "sgd_rows(w, v, n_rows, width, idx, rows, count, lr, dtype) -> bad indices"),
+    GD_FAST("elastic", py_elastic, "elastic(c, w, n, alpha, threads): c += alpha (w - c)"),
+    GD_FAST("plain_sgd", py_plain_sgd, "plain_sgd(w, g, n, lr, threads): the reference loop for benchmarks"),
+    GD_FAST("copy", py_copy, "copy(dst, src, nbytes, threads)"),
+    GD_FAST("zero", py_zero, "zero(addr, nbytes)"),
+    {"openmp", py_openmp, METH_NOARGS, "openmp() -> (built with OpenMP, processors)"},
+    {"kernel_isa", py_kernel_isa, METH_NOARGS, "kernel_isa() -> 'avx2' or 'generic'"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -554,9 +459,6 @@ static struct PyModuleDef gd_module = {
 PyMODINIT_FUNC
 PyInit__native(void)
 {
-#if GD_X86
-    __builtin_cpu_init();
-    gd_avx2 = __builtin_cpu_supports("avx2") && getenv("GADEI_NO_AVX2") == NULL;
-#endif
+    gd_kernels_init();
     return PyModule_Create(&gd_module);
 }

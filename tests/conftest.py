@@ -6,9 +6,11 @@ time, and every region a test's job created is removed at the end even if the te
 
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -52,6 +54,16 @@ class Procs:
             text=True,
             env={**os.environ, **(env or {})},
         )
+        # One thread per stream drains it: a child never blocks on a full pipe, and lines
+        # are handed over through a queue (select() on a buffered pipe misses lines).
+        proc.lines = queue.Queue()
+        proc.err_lines = []
+        proc.readers = [
+            threading.Thread(target=_drain, args=(proc.stdout, proc.lines.put), daemon=True),
+            threading.Thread(target=_drain, args=(proc.stderr, proc.err_lines.append), daemon=True),
+        ]
+        for reader in proc.readers:
+            reader.start()
         self.children.append(proc)
         return proc
 
@@ -67,19 +79,42 @@ class Procs:
                 proc.send_signal(signal.SIGKILL)
         for proc in self.children:
             proc.wait()
+            for reader in proc.readers:
+                reader.join(10)
             for stream in (proc.stdout, proc.stderr):
                 if stream is not None:
                     stream.close()
 
 
-def finish(proc: subprocess.Popen, timeout: float = 60) -> tuple[str, str]:
-    """Wait for `proc` to exit 0 within `timeout`; its (stdout, stderr)."""
+def _drain(stream, put) -> None:
+    for line in stream:
+        put(line)
+
+
+def _rest(proc: subprocess.Popen) -> tuple[str, str]:
+    """After `proc` exited: what it printed that no read_line took, and all of its stderr."""
+    for reader in proc.readers:
+        reader.join(10)
+    out = []
+    while not proc.lines.empty():
+        out.append(proc.lines.get())
+    return "".join(out), "".join(proc.err_lines)
+
+
+def communicate(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
+    """Wait up to `timeout` for `proc` to exit; its remaining (stdout, stderr). Fails the test on timeout."""
     try:
-        out, err = proc.communicate(timeout=timeout)
+        proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         proc.kill()
-        out, err = proc.communicate()
-        pytest.fail(f"{proc.args} did not finish in {timeout} s:\n{err[-3000:]}")
+        proc.wait()
+        pytest.fail(f"{proc.args} did not finish in {timeout} s:\n{_rest(proc)[1][-3000:]}")
+    return _rest(proc)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 60) -> tuple[str, str]:
+    """Wait for `proc` to exit 0 within `timeout`; its (stdout not yet read, stderr)."""
+    out, err = communicate(proc, timeout)
     assert proc.returncode == 0, f"{proc.args} exited {proc.returncode}:\n{err[-3000:]}"
     return out, err
 
@@ -90,24 +125,16 @@ def json_lines(text: str) -> list[dict]:
 
 def read_line(proc: subprocess.Popen, timeout: float) -> dict:
     """The next JSON line `proc` prints (its stdout), within `timeout` seconds."""
-    import selectors
-
-    sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
     deadline = time.monotonic() + timeout
-    try:
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or not sel.select(remaining):
-                pytest.fail(f"{proc.args} printed no line within {timeout} s")
-            line = proc.stdout.readline()
-            if not line:
-                err = proc.stderr.read() if proc.poll() is not None else ""
-                pytest.fail(f"{proc.args} ended (rc {proc.poll()}) without a line:\n{err[-3000:]}")
-            if line.startswith("{"):
-                return json.loads(line)
-    finally:
-        sel.close()
+    while True:
+        try:
+            line = proc.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            if proc.poll() is not None:
+                pytest.fail(f"{proc.args} ended (rc {proc.returncode}) without a line:\n{_rest(proc)[1][-3000:]}")
+            pytest.fail(f"{proc.args} printed no line within {timeout} s")
+        if line.startswith("{"):
+            return json.loads(line)
 
 
 def pytest_configure(config):

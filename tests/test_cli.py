@@ -4,7 +4,7 @@ import json
 
 import torch
 
-from conftest import HERE, finish, read_line, wait_for
+from conftest import HERE, communicate, finish, read_line, wait_for
 from gadei.region import inspect
 
 
@@ -40,7 +40,7 @@ def test_serve_learn_status_stop(job, procs):
 
 def test_learn_evaluates_and_reports_epochs(job, procs):
     server = procs.gadei("serve", job, "--params", "0", "--learners", "1")
-    _, err = server.communicate(timeout=60)
+    _, err = communicate(server, 60)
     assert server.returncode == 2 and "n_params must be a positive integer" in err
 
     server = procs.gadei("serve", job, "--workload", "textcnn", "--data", "generated:3", "--seed", "3", "--lr", "0.05")
@@ -60,7 +60,7 @@ def test_a_learner_with_another_model_is_refused_before_any_step(job, procs):
     server = procs.gadei("serve", job, "--workload", "textcnn", "--data", "generated:1")
     wait_for(lambda: inspect(job) is not None, 60, "the server's region")
     learner = procs.gadei("learn", job, "--data", "generated:2")  # another vocabulary: other shapes
-    _, err = learner.communicate(timeout=120)
+    _, err = communicate(learner, 120)
     assert learner.returncode == 2
     assert f"job '{job}': model has" in err and "region holds" in err
     finish(procs.gadei("stop", job))
@@ -76,7 +76,7 @@ def test_errors_are_one_line_with_exit_status_2(job, procs):
         (("serve", "bad/name", "--params", "10"), "job name 'bad/name' is not allowed"),
     ]:
         proc = procs.gadei(*args)
-        _, err = proc.communicate(timeout=120)
+        _, err = communicate(proc, 120)
         assert proc.returncode == 2, (args, err)
         assert message in err and "Traceback" not in err, (args, err)
 

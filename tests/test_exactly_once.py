@@ -1,16 +1,20 @@
 """Exactly once, with real processes: every published gradient is applied once, none twice, none lost.
 
 Learners push gradients of known values (small integers, learning rate a power of two, so
-every partial sum is exact in float32); the final weights must equal the initial weights
-minus lr times the sum of everything pushed, to the bit, and the counters must agree.
-The same contract runs against every push and pull transport.
+every partial sum is exact in float32, float16 and bfloat16); the final weights must equal
+the initial weights minus lr times the sum of everything pushed, to the bit, and the
+counters must agree. The same contract runs against every push and pull transport, ring
+size and gradient transport (float32, float16, bfloat16, row-sparse tables with a row named
+twice in one gradient, and a sparse gradient sent into a dense float16 slot).
 """
 
 import signal
 
+import numpy as np
 import pytest
 
 from conftest import finish, read_line
+from worker import MODELS, TABLE_ROWS, TABLE_WIDTH, TOUCHED
 
 N = 100_003  # not a multiple of any vector width
 LR = 0.125
@@ -18,16 +22,46 @@ STEPS = 300
 VALUES = (1.0, 2.0, 3.0)
 
 
+def expected_weights(model: str) -> np.ndarray:
+    """Initial weights 1, minus lr times everything pushed, in the region's parameter order."""
+    total = STEPS * sum(VALUES)
+    parts = []
+    for p in MODELS[model](N, 1.0).parameters():
+        part = np.full(tuple(p.shape), 1.0 - LR * total, dtype=np.float32)
+        if p.dim() == 2:  # the table: only the rows a gradient names move, row 0 twice
+            part[:] = 1.0
+            for row in TOUCHED:
+                part[row] -= LR * total
+        parts.append(part.ravel())
+    return np.concatenate(parts)
+
+
 @pytest.mark.parametrize(
-    "pull, push, slots",
-    [("copy", "publish", 2), ("view", "publish", 2), ("copy", "thread", 2), ("view", "thread", 2),
-     ("copy", "publish", 1), ("copy", "publish", 4)],
+    "pull, push, slots, grad_dtype, model, row_sparse",
+    [
+        ("copy", "publish", 2, "float32", "flat", False),
+        ("view", "publish", 2, "float32", "flat", False),
+        ("copy", "thread", 2, "float32", "flat", False),
+        ("view", "thread", 2, "float32", "flat", False),
+        ("copy", "publish", 1, "float32", "flat", False),
+        ("copy", "publish", 4, "float32", "flat", False),
+        ("view", "publish", 2, "float16", "flat", False),
+        ("view", "thread", 2, "bfloat16", "flat", False),
+        ("view", "publish", 2, "float32", "table", True),
+        ("copy", "thread", 2, "bfloat16", "table", True),
+        ("view", "publish", 2, "float16", "table", False),
+    ],
 )
-def test_every_gradient_is_applied_exactly_once(job, procs, pull, push, slots):
-    server = procs.worker("serve", job, "--n", N, "--lr", LR, "--learners", len(VALUES), "--slots", slots)
+def test_every_gradient_is_applied_exactly_once(job, procs, tmp_path, pull, push, slots, grad_dtype, model,
+                                                row_sparse):
+    dump = tmp_path / "weights.npy"
+    server = procs.worker("serve", job, "--model", model, "--n", N, "--lr", LR, "--learners", len(VALUES),
+                         "--slots", slots, "--grad-dtype", grad_dtype, *(["--row-sparse"] if row_sparse else []),
+                         "--dump", dump)
     read_line(server, 60)
     learners = [
-        procs.worker("push", job, "--n", N, "--value", v, "--steps", STEPS, "--pull", pull, "--push", push)
+        procs.worker("push", job, "--model", model, "--n", N, "--value", v, "--steps", STEPS, "--pull", pull,
+                     "--push", push)
         for v in VALUES
     ]
     for learner in learners:
@@ -41,11 +75,15 @@ def test_every_gradient_is_applied_exactly_once(job, procs, pull, push, slots):
     server.send_signal(signal.SIGTERM)
     report = read_line(server, 60)
     finish(server)
-    expected = 1.0 - LR * STEPS * sum(VALUES)  # exact in float32
-    assert report["wmin"] == report["wmax"] == expected
+    np.testing.assert_array_equal(np.load(dump), expected_weights(model))
     assert report["applied"] == report["version"] == STEPS * len(VALUES)
     # a learner that finished early leaves its ring to the next one: count over all rings
     assert report["heads"] == report["tails"]
     assert sum(report["heads"]) == STEPS * len(VALUES)
+    itemsize = 4 if grad_dtype == "float32" else 2
+    dense = N - TABLE_ROWS * TABLE_WIDTH if row_sparse else N
+    per_gradient = dense * itemsize + (len(set(TOUCHED)) * (8 + TABLE_WIDTH * itemsize) if row_sparse else 0)
+    assert report["applied_bytes"] == per_gradient * STEPS * len(VALUES)
     # each learner ended with the final weights in its model
-    assert all(d["weight0"] == expected or d["version"] < report["version"] for d in done)
+    final = float(expected_weights(model)[-TABLE_ROWS * TABLE_WIDTH if model == "table" else -1])
+    assert all(d["weight0"] == final or d["version"] < report["version"] for d in done)

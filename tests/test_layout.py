@@ -11,18 +11,25 @@ from gadei.layout import (
     PAGE,
     SLOT_HEADER_BYTES,
     Shape,
+    SparseTable,
     layout,
 )
 
 
 @pytest.mark.parametrize(
     "shape",
-    [Shape(1), Shape(7, capacity=1, slots=1), Shape(2_807_511), Shape(1_000_003, capacity=3, slots=4, centre=True)],
+    [
+        Shape(1),
+        Shape(7, capacity=1, slots=1),
+        Shape(2_807_511),
+        Shape(1_000_003, capacity=3, slots=4, state_array=True),
+        Shape(1_000_003, grad_dtype="bfloat16", sparse=(SparseTable(0, 1000, 128, 300), SparseTable(500_000, 10, 7, 10))),
+    ],
 )
 def test_sections_are_page_aligned_disjoint_and_sized(shape):
     lay = layout(shape)
     assert layout(shape) == lay  # pure: the same shape gives the same offsets
-    starts = [0, lay.spec, lay.table, lay.weights] + ([lay.centre] if lay.centre is not None else []) + [lay.rings]
+    starts = [0, lay.spec, lay.table, lay.weights] + ([lay.state] if lay.state is not None else []) + [lay.rings]
     assert all(s % PAGE == 0 for s in starts)
     assert starts == sorted(starts) and len(set(starts)) == len(starts)
     assert lay.spec >= HEADER_BYTES
@@ -38,6 +45,19 @@ def test_sections_are_page_aligned_disjoint_and_sized(shape):
     spans.sort()
     assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))
     assert spans[0][0] >= lay.rings and spans[-1][1] <= lay.total
+    # inside a payload: the dense area, then each table's count, indices and rows, in order
+    inner = [(0, shape.dense_count * shape.grad_itemsize)]
+    for table, area in zip(shape.sparse, lay.sparse_areas):
+        inner += [(area.count, area.count + 8), (area.indices, area.indices + 8 * table.max_rows),
+                  (area.rows, area.rows + table.max_rows * table.width * shape.grad_itemsize)]
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(inner, inner[1:]))
+    assert inner[-1][1] <= lay.payload_bytes <= lay.payload_stride
+
+
+def test_dense_segments_leave_out_the_tables():
+    shape = Shape(100, sparse=(SparseTable(10, 5, 4, 5), SparseTable(50, 2, 10, 2)))
+    assert shape.dense_segments == ((0, 10, 0), (30, 20, 10), (70, 30, 30))
+    assert shape.dense_count == 60
 
 
 def test_head_and_tail_are_on_different_cache_lines():
@@ -57,6 +77,9 @@ def test_head_and_tail_are_on_different_cache_lines():
         ({"n_params": 10, "capacity": 0}, "capacity"),
         ({"n_params": 10, "slots": 0}, "slots"),
         ({"n_params": 10, "mode": "nope"}, "mode"),
+        ({"n_params": 10, "sparse": (SparseTable(5, 2, 4, 2),)}, "outside"),
+        ({"n_params": 100, "sparse": (SparseTable(0, 5, 4, 6),)}, "max_rows"),
+        ({"n_params": 100, "sparse": (SparseTable(0, 5, 4, 5), SparseTable(10, 5, 4, 5))}, "overlaps"),
     ],
 )
 def test_bad_shapes_are_refused_with_the_field_named(kwargs, message):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import gadei
-from conftest import read_line, wait_for
+from conftest import communicate, read_line, wait_for
 from gadei.region import Region
 from worker import Flat
 
@@ -72,7 +72,7 @@ def test_backward_accumulates_straight_into_the_ring_slot(job):
         with torch.no_grad():
             server.region.weights[:] = 0.0
         with gadei.Learner(model, job) as learner:
-            slot = learner.region.payload(learner.learner_id, learner._producer.slot)
+            slot = learner.region.dense(learner.learner_id, learner._producer.slot)
             assert model.weight.grad.data_ptr() == slot.ctypes.data  # .grad is a view of the slot
             x = torch.tensor([[1.0, 2.0, 3.0, 4.0]])
             model(x).sum().backward()
@@ -115,7 +115,7 @@ def test_idle_server_and_blocked_learner_use_no_cpu_and_a_dead_server_ends_the_w
     server.send_signal(signal.SIGKILL)
     server.wait()
     started = time.monotonic()
-    _, err = learner.communicate(timeout=30)
+    _, err = communicate(learner, 30)
     assert learner.returncode != 0
     assert "ServerGone" in err and "is gone" in err
     assert time.monotonic() - started < 5

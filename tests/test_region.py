@@ -11,7 +11,7 @@ import gadei
 from gadei.layout import MAGIC, Shape, layout
 from gadei.region import SHM_DIR, Region, inspect, shm_name
 from worker import Flat
-from conftest import finish, read_line
+from conftest import communicate, finish, read_line
 
 
 def _path(job):
@@ -104,7 +104,7 @@ def test_leftover_of_a_killed_server_is_detected_refused_replaced_and_cleaned(jo
         gadei.Server(job, n_params=10)
     # the CLI refuses with the same message and exit status 2
     cli = procs.gadei("serve", job, "--params", "10")
-    _, err = cli.communicate(timeout=60)
+    _, err = communicate(cli, 60)
     assert cli.returncode == 2 and f"left behind by server pid {pid}" in err
     # --replace takes its place
     with gadei.Server(job, n_params=10, replace=True) as replacement:

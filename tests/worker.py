@@ -1,14 +1,20 @@
 """Processes the tests start: a server of a known model, and learners that push known gradients.
 
-    python tests/worker.py serve JOB --n N --lr LR [--learners L] [--slots S] [--init V]
-    python tests/worker.py push JOB --value V --steps K [--pull copy|view] [--push publish|thread]
-                                    [--slow] [--n N]
+    python tests/worker.py serve JOB [--model flat|table] [--n N] [--lr LR] [--learners L]
+                                     [--slots S] [--init V] [--mode M] [--grad-dtype D]
+                                     [--row-sparse] [--momentum MU] [--dump FILE] ...
+    python tests/worker.py push JOB --value V --steps K [--model flat|table] [--pull P]
+                                    [--push P] [--slow] [--delay S] [--n N]
 
-The model is `Flat(n)`: two parameters, (n - 7) weights and 7 biases, so the region holds
-more than one tensor. A pushing learner writes the value V into every element of its
-gradient (directly into `.grad`, which is the ring slot with push=publish) and publishes,
-K times; with --slow it writes the slot in 64 chunks with a busy pause between them, so
-that a SIGKILL lands mid-write. It prints one JSON line: {"learner", "pushed", "version"}.
+Models: `Flat(n)` has two parameters, (n - 7) weights and 7 biases; `Table(n)` has an
+embedding table of 64 rows x 16 (1,024 weights) followed by n - 1,024 biases, so a job can
+send the table's gradient as rows. A pushing learner writes the value V into every element
+of each dense gradient and, for the table, into rows 0..7 with row 0 named twice (so the
+server must add repeated rows), K times; with --slow it writes dense gradients in 64 chunks
+with a busy pause between them (so that a SIGKILL lands mid-write), with --delay it sleeps
+that long per step. It prints JSON lines: {"attaching"}, {"attached"}, then {"learner",
+"pushed", "dropped", "version", "weight0"}. The server prints {"ready"} and, when stopped,
+its counters; with --dump it saves the final weights (NumPy .npy).
 """
 
 import argparse
@@ -18,9 +24,13 @@ import signal
 import sys
 import time
 
+import numpy as np
 import torch
 
 import gadei
+
+TABLE_ROWS, TABLE_WIDTH = 64, 16
+TOUCHED = [0, 0, 1, 2, 3, 4, 5, 6, 7]  # rows a table gradient names (row 0 twice)
 
 
 class Flat(torch.nn.Module):
@@ -33,24 +43,46 @@ class Flat(torch.nn.Module):
         return x * self.weight.sum() + self.bias.sum()
 
 
+class Table(torch.nn.Module):
+    def __init__(self, n: int, init: float = 1.0):
+        super().__init__()
+        self.embedding = torch.nn.Embedding(TABLE_ROWS, TABLE_WIDTH, sparse=True)
+        self.bias = torch.nn.Parameter(torch.full((n - TABLE_ROWS * TABLE_WIDTH,), init))
+        with torch.no_grad():
+            self.embedding.weight.fill_(init)
+
+
+MODELS = {"flat": Flat, "table": Table}
+
+
 def make_model() -> Flat:
     """A model factory for `gadei serve --model worker:make_model`."""
     return Flat(1000, 2.0)
 
 
 def serve(args) -> int:
-    server = gadei.Server(args.job, model=Flat(args.n, args.init), lr=args.lr, learners=args.learners,
-                          slots=args.slots, threads=args.threads)
+    server = gadei.Server(
+        args.job, model=MODELS[args.model](args.n, args.init), mode=args.mode, lr=args.lr, momentum=args.momentum,
+        stale_lr=args.stale_lr, stale_bound=args.stale_bound, alpha=args.alpha, tau=args.tau,
+        grad_dtype=args.grad_dtype, row_sparse=args.row_sparse, learners=args.learners, slots=args.slots,
+        threads=args.threads,
+    )
     signal.signal(signal.SIGTERM, lambda *_: server.request_stop())
     print(json.dumps({"ready": os.getpid()}), flush=True)
     try:
         report = server.serve(grace=args.grace)
         weights = server.weights()
+        if args.dump:
+            np.save(args.dump, weights)
         region = server.region
-        heads = [region.entry(i).get("head") for i in range(region.shape.capacity)]
-        tails = [region.entry(i).get("tail") for i in range(region.shape.capacity)]
-        print(json.dumps({"applied": report.applied, "version": report.version, "heads": heads, "tails": tails,
-                          "wmin": float(weights.min()), "wmax": float(weights.max())}), flush=True)
+        entries = [region.entry(i) for i in range(region.shape.capacity)]
+        print(json.dumps({
+            "applied": report.applied, "version": report.version,
+            "heads": [e.get("head") for e in entries], "tails": [e.get("tail") for e in entries],
+            "stale_max": [e.get("stale_max") for e in entries], "dropped": [e.get("dropped") for e in entries],
+            "applied_bytes": region.header.get("applied_bytes"),
+            "wmin": float(weights.min()), "wmax": float(weights.max()),
+        }), flush=True)
     finally:
         server.close()
     return 0
@@ -62,26 +94,42 @@ def _busy(seconds: float) -> None:
         pass
 
 
+def _gradient(p: torch.nn.Parameter, value: float, slow: bool, table: bool) -> None:
+    """Write the step's gradient of `p` (into the ring slot itself when .grad is one)."""
+    if table:  # a sparse gradient naming rows 0..7, row 0 twice
+        index = torch.tensor([TOUCHED])
+        p.grad = torch.sparse_coo_tensor(index, torch.full((len(TOUCHED), TABLE_WIDTH), value), p.shape,
+                                         check_invariants=True)
+        return
+    if p.grad is None:
+        p.grad = torch.zeros_like(p)
+    if slow:
+        for chunk in p.grad.view(-1).chunk(64):
+            chunk.fill_(value)
+            _busy(0.0002)
+    else:
+        p.grad.fill_(value)
+
+
 def push(args) -> int:
-    model = Flat(args.n, 0.0)
+    model = MODELS[args.model](args.n, 0.0)
+    table_params = {id(model.embedding.weight)} if args.model == "table" else set()
     params = list(model.parameters())
-    pushed = 0
+    pushed = dropped = 0
     learner = gadei.Learner(model, args.job, pull=args.pull, push=args.push, timeout=30)
     print(json.dumps({"attaching": os.getpid()}), flush=True)
     with learner:  # a stopped job ends the block quietly
         print(json.dumps({"attached": learner.learner_id}), flush=True)
         for _ in range(args.steps):
+            if args.delay:
+                time.sleep(args.delay)
             for p in params:
-                if args.slow:
-                    for chunk in p.grad.view(-1).chunk(64):
-                        chunk.fill_(args.value)
-                        _busy(0.0002)
-                else:
-                    p.grad.fill_(args.value)
+                _gradient(p, args.value, args.slow, id(p) in table_params)
             learner.step(samples=1)
             pushed += 1
-    print(json.dumps({"learner": learner.learner_id, "pushed": pushed, "version": learner.version,
-                      "weight0": model.weight[0].item()}), flush=True)
+            dropped = learner.entry.get("dropped")
+    print(json.dumps({"learner": learner.learner_id, "pushed": pushed, "dropped": dropped,
+                      "version": learner.version, "weight0": params[-1].view(-1)[0].item()}), flush=True)
     return 0
 
 
@@ -90,22 +138,34 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("serve")
     p.add_argument("job")
+    p.add_argument("--model", choices=sorted(MODELS), default="flat")
     p.add_argument("--n", type=int, default=1000)
     p.add_argument("--lr", type=float, default=0.125)
     p.add_argument("--init", type=float, default=1.0)
+    p.add_argument("--mode", default="async")
+    p.add_argument("--momentum", type=float, default=0.0)
+    p.add_argument("--stale-lr", action="store_true")
+    p.add_argument("--stale-bound", type=int, default=0)
+    p.add_argument("--alpha", type=float, default=0.5)
+    p.add_argument("--tau", type=int, default=1)
+    p.add_argument("--grad-dtype", default="float32")
+    p.add_argument("--row-sparse", action="store_true")
     p.add_argument("--learners", type=int, default=4)
     p.add_argument("--slots", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--grace", type=float, default=5.0)
+    p.add_argument("--dump")
     p.set_defaults(func=serve)
     p = sub.add_parser("push")
     p.add_argument("job")
+    p.add_argument("--model", choices=sorted(MODELS), default="flat")
     p.add_argument("--n", type=int, default=1000)
     p.add_argument("--value", type=float, default=1.0)
     p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--pull", default="copy")
-    p.add_argument("--push", default="publish")
+    p.add_argument("--pull", default=None)
+    p.add_argument("--push", default=None)
     p.add_argument("--slow", action="store_true")
+    p.add_argument("--delay", type=float, default=0.0)
     p.set_defaults(func=push)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)

@@ -1,0 +1,415 @@
+/*
+ * gadei's update kernels (see kernels.h): portable loops, AVX2 versions picked at load time
+ * when the CPU has AVX2 (and F16C for float16), and OpenMP threads for large arrays.
+ */
+#include "kernels.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#define GD_HAVE_OPENMP 1
+#else
+#define GD_HAVE_OPENMP 0
+#endif
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define GD_X86 1
+#include <immintrin.h>
+#else
+#define GD_X86 0
+#endif
+
+/* Below this many elements a kernel runs on the calling thread: waking a team costs more. */
+#define GD_PARALLEL_MIN 65536
+
+static int gd_avx2; /* the CPU runs AVX2 (and F16C): set by gd_kernels_init */
+
+void
+gd_kernels_init(void)
+{
+#if GD_X86
+    __builtin_cpu_init();
+    gd_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") &&
+              getenv("GADEI_NO_AVX2") == NULL;
+#endif
+}
+
+const char *
+gd_kernel_isa(void)
+{
+    return gd_avx2 ? "avx2" : "generic";
+}
+
+int
+gd_openmp_built(void)
+{
+    return GD_HAVE_OPENMP;
+}
+
+int
+gd_processors(void)
+{
+#if GD_HAVE_OPENMP
+    return omp_get_num_procs();
+#else
+    return 1;
+#endif
+}
+
+static int
+gd_threads(int threads, size_t n)
+{
+    if (n < GD_PARALLEL_MIN || threads <= 1) return 1;
+#if GD_HAVE_OPENMP
+    int most = omp_get_num_procs();
+    if (threads > most) threads = most;
+    size_t by_size = n / (GD_PARALLEL_MIN / 2);
+    if ((size_t)threads > by_size) threads = (int)(by_size ? by_size : 1);
+    return threads;
+#else
+    return 1;
+#endif
+}
+
+/*
+ * The chunk [lo, hi) of n elements of `size` bytes at `base` for thread `tid` of `nt`:
+ * inner boundaries fall on 64-byte addresses, so no two threads write one cache line.
+ */
+static void
+gd_chunk(const void *base, size_t size, size_t n, int tid, int nt, size_t *lo, size_t *hi)
+{
+    size_t skew = ((64 - ((uintptr_t)base & 63)) & 63) / size; /* elements before the first line */
+    size_t line = 64 / size;
+    if (skew > n) skew = n;
+    size_t blocks = (n - skew + line - 1) / line;
+    size_t per = blocks / (size_t)nt, extra = blocks % (size_t)nt;
+    size_t b0 = (size_t)tid * per + ((size_t)tid < extra ? (size_t)tid : extra);
+    size_t b1 = b0 + per + ((size_t)tid < extra ? 1 : 0);
+    *lo = tid == 0 ? 0 : skew + b0 * line;
+    *hi = tid == nt - 1 ? n : skew + b1 * line;
+    if (*lo > n) *lo = n;
+    if (*hi > n) *hi = n;
+}
+
+/* Run span(lo, hi) over [0, n) on up to `threads` OpenMP threads, chunked by w's lines. */
+#if GD_HAVE_OPENMP
+#define GD_PARALLEL(w, n, threads, lo, hi, body)                                                 \
+    do {                                                                                         \
+        int nt_ = gd_threads((threads), (n));                                                    \
+        if (nt_ == 1) {                                                                          \
+            size_t lo = 0, hi = (n);                                                             \
+            body;                                                                                \
+        } else {                                                                                 \
+            _Pragma("omp parallel num_threads(nt_)")                                             \
+            {                                                                                    \
+                size_t lo, hi;                                                                   \
+                gd_chunk((w), sizeof(float), (n), omp_get_thread_num(), omp_get_num_threads(),   \
+                         &lo, &hi);                                                              \
+                body;                                                                            \
+            }                                                                                    \
+        }                                                                                        \
+    } while (0)
+#else
+#define GD_PARALLEL(w, n, threads, lo, hi, body)                                                 \
+    do {                                                                                         \
+        size_t lo = 0, hi = (n);                                                                 \
+        body;                                                                                    \
+    } while (0)
+#endif
+
+/* ------------------------------------------------------------------ conversions */
+
+float
+gd_bf16_to_f32(uint16_t b)
+{
+    uint32_t bits = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+float
+gd_f16_to_f32(uint16_t h)
+{
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;
+    if (exp == 0) {
+        if (mant == 0) {
+            bits = sign;
+        } else { /* subnormal: normalise */
+            exp = 127 - 15 + 1;
+            while (!(mant & 0x400)) {
+                mant <<= 1;
+                exp--;
+            }
+            bits = sign | (exp << 23) | ((mant & 0x3ff) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000u | (mant << 13);
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline float
+gd_load(const void *g, int dtype, size_t i)
+{
+    if (dtype == GD_F16) return gd_f16_to_f32(((const uint16_t *)g)[i]);
+    if (dtype == GD_BF16) return gd_bf16_to_f32(((const uint16_t *)g)[i]);
+    return ((const float *)g)[i];
+}
+
+static inline size_t
+gd_itemsize(int dtype)
+{
+    return dtype == GD_F32 ? 4 : 2;
+}
+
+/* ------------------------------------------------------------------ sgd */
+
+static void
+gd_sgd_generic(float *restrict w, void *restrict g, int dtype, size_t n, float lr, int clear)
+{
+    if (dtype == GD_F32) {
+        float *restrict gf = g;
+        for (size_t i = 0; i < n; i++) {
+            w[i] -= lr * gf[i];
+            if (clear) gf[i] = 0.0f;
+        }
+        return;
+    }
+    uint16_t *restrict gh = g;
+    for (size_t i = 0; i < n; i++) {
+        w[i] -= lr * gd_load(g, dtype, i);
+        if (clear) gh[i] = 0;
+    }
+}
+
+#if GD_X86
+/* 16 gradient elements as two vectors of 8 floats; returns 0 when all their bits are zero. */
+__attribute__((target("avx2,f16c"))) static inline int
+gd_load16(const void *g, int dtype, size_t i, __m256 *lo, __m256 *hi)
+{
+    if (dtype == GD_F32) {
+        const float *gf = g;
+        *lo = _mm256_loadu_ps(gf + i);
+        *hi = _mm256_loadu_ps(gf + i + 8);
+        __m256i bits = _mm256_or_si256(_mm256_castps_si256(*lo), _mm256_castps_si256(*hi));
+        return !_mm256_testz_si256(bits, bits);
+    }
+    __m256i raw = _mm256_loadu_si256((const __m256i *)((const uint16_t *)g + i));
+    if (_mm256_testz_si256(raw, raw)) return 0;
+    __m128i a = _mm256_castsi256_si128(raw), b = _mm256_extracti128_si256(raw, 1);
+    if (dtype == GD_F16) {
+        *lo = _mm256_cvtph_ps(a);
+        *hi = _mm256_cvtph_ps(b);
+    } else {
+        *lo = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(a), 16));
+        *hi = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
+    }
+    return 1;
+}
+
+__attribute__((target("avx2,f16c"))) static inline void
+gd_clear16(void *g, int dtype, size_t i)
+{
+    if (dtype == GD_F32) {
+        _mm256_storeu_ps((float *)g + i, _mm256_setzero_ps());
+        _mm256_storeu_ps((float *)g + i + 8, _mm256_setzero_ps());
+    } else {
+        _mm256_storeu_si256((__m256i *)((uint16_t *)g + i), _mm256_setzero_si256());
+    }
+}
+
+/* Peel scalar elements until w sits on a 64-byte boundary (region arrays are page-aligned;
+ * NumPy's start 16 bytes past a line): the vector body then never splits a cache line. */
+static size_t
+gd_peel(const float *w, size_t n)
+{
+    size_t head = ((64 - ((uintptr_t)w & 63)) & 63) / sizeof(float);
+    if (head > n || ((uintptr_t)w & (sizeof(float) - 1))) head = n;
+    return head;
+}
+
+/*
+ * Lines of 16 gradient elements whose bits are all zero are skipped: w - lr * (+0.0) is w
+ * exactly, and a zero line needs no clearing. Small-batch gradients of embedding tables are
+ * mostly such lines. A dense gradient costs one OR and test per line more.
+ */
+__attribute__((target("avx2,f16c"))) static void
+gd_sgd_avx2(float *restrict w, void *restrict g, int dtype, size_t n, float lr, int clear)
+{
+    size_t i = gd_peel(w, n);
+    gd_sgd_generic(w, g, dtype, i, lr, clear);
+    const __m256 vlr = _mm256_set1_ps(lr);
+    for (; i + 16 <= n; i += 16) {
+        __m256 g0, g1;
+        if (!gd_load16(g, dtype, i, &g0, &g1)) continue;
+        _mm256_store_ps(w + i, _mm256_sub_ps(_mm256_load_ps(w + i), _mm256_mul_ps(vlr, g0)));
+        _mm256_store_ps(w + i + 8, _mm256_sub_ps(_mm256_load_ps(w + i + 8), _mm256_mul_ps(vlr, g1)));
+        if (clear) gd_clear16(g, dtype, i);
+    }
+    gd_sgd_generic(w + i, (char *)g + i * gd_itemsize(dtype), dtype, n - i, lr, clear);
+}
+
+#endif
+
+static void
+gd_sgd_span(float *w, void *g, int dtype, size_t n, float lr, int clear)
+{
+#if GD_X86
+    if (gd_avx2) {
+        gd_sgd_avx2(w, g, dtype, n, lr, clear);
+        return;
+    }
+#endif
+    gd_sgd_generic(w, g, dtype, n, lr, clear);
+}
+
+void
+gd_sgd(float *w, void *g, int dtype, size_t n, float lr, int clear, int threads)
+{
+    size_t item = gd_itemsize(dtype);
+    GD_PARALLEL(w, n, threads, lo, hi, gd_sgd_span(w + lo, (char *)g + lo * item, dtype, hi - lo, lr, clear));
+}
+
+/* ------------------------------------------------------------------ momentum */
+
+static void
+gd_momentum_generic(float *restrict w, float *restrict v, void *restrict g, int dtype, size_t n, float lr,
+                    float mu, int clear)
+{
+    for (size_t i = 0; i < n; i++) {
+        float gi = g ? gd_load(g, dtype, i) : 0.0f;
+        v[i] = mu * v[i] + gi;
+        w[i] -= lr * v[i];
+    }
+    if (g && clear) memset(g, 0, n * gd_itemsize(dtype));
+}
+
+#if GD_X86
+__attribute__((target("avx2,f16c"))) static void
+gd_momentum_avx2(float *restrict w, float *restrict v, void *restrict g, int dtype, size_t n, float lr,
+                 float mu, int clear)
+{
+    size_t i = gd_peel(w, n);
+    gd_momentum_generic(w, v, g, dtype, i, lr, mu, clear);
+    const __m256 vlr = _mm256_set1_ps(lr), vmu = _mm256_set1_ps(mu);
+    for (; i + 16 <= n; i += 16) {
+        __m256 g0 = _mm256_setzero_ps(), g1 = _mm256_setzero_ps();
+        if (g && gd_load16(g, dtype, i, &g0, &g1) && clear) gd_clear16(g, dtype, i);
+        __m256 v0 = _mm256_add_ps(_mm256_mul_ps(vmu, _mm256_loadu_ps(v + i)), g0);
+        __m256 v1 = _mm256_add_ps(_mm256_mul_ps(vmu, _mm256_loadu_ps(v + i + 8)), g1);
+        _mm256_storeu_ps(v + i, v0);
+        _mm256_storeu_ps(v + i + 8, v1);
+        _mm256_store_ps(w + i, _mm256_sub_ps(_mm256_load_ps(w + i), _mm256_mul_ps(vlr, v0)));
+        _mm256_store_ps(w + i + 8, _mm256_sub_ps(_mm256_load_ps(w + i + 8), _mm256_mul_ps(vlr, v1)));
+    }
+    gd_momentum_generic(w + i, v + i, g ? (char *)g + i * gd_itemsize(dtype) : NULL, dtype, n - i, lr, mu, clear);
+}
+#endif
+
+static void
+gd_momentum_span(float *w, float *v, void *g, int dtype, size_t n, float lr, float mu, int clear)
+{
+#if GD_X86
+    if (gd_avx2) {
+        gd_momentum_avx2(w, v, g, dtype, n, lr, mu, clear);
+        return;
+    }
+#endif
+    gd_momentum_generic(w, v, g, dtype, n, lr, mu, clear);
+}
+
+void
+gd_momentum(float *w, float *v, void *g, int dtype, size_t n, float lr, float mu, int clear, int threads)
+{
+    size_t item = gd_itemsize(dtype);
+    GD_PARALLEL(w, n, threads, lo, hi,
+                gd_momentum_span(w + lo, v + lo, g ? (char *)g + lo * item : NULL, dtype, hi - lo, lr, mu, clear));
+}
+
+/* ------------------------------------------------------------------ rows, elastic, plain, copy */
+
+int64_t
+gd_sgd_rows(float *w, float *v, size_t n_rows, size_t width, const int64_t *idx, const void *rows, int dtype,
+            size_t count, float lr)
+{
+    int64_t bad = 0;
+    size_t item = gd_itemsize(dtype);
+    for (size_t r = 0; r < count; r++) {
+        int64_t row = idx[r];
+        if (row < 0 || (size_t)row >= n_rows) {
+            bad++;
+            continue;
+        }
+        float *wr = w + (size_t)row * width;
+        const void *gr = (const char *)rows + r * width * item;
+        if (v) {
+            float *vr = v + (size_t)row * width;
+            for (size_t j = 0; j < width; j++) {
+                float gj = gd_load(gr, dtype, j);
+                vr[j] += gj;
+                wr[j] -= lr * gj;
+            }
+        } else {
+            for (size_t j = 0; j < width; j++) wr[j] -= lr * gd_load(gr, dtype, j);
+        }
+    }
+    return bad;
+}
+
+static void
+gd_elastic_span(float *restrict c, const float *restrict w, size_t n, float alpha)
+{
+    for (size_t i = 0; i < n; i++) c[i] += alpha * (w[i] - c[i]);
+}
+
+void
+gd_elastic(float *c, const float *w, size_t n, float alpha, int threads)
+{
+    GD_PARALLEL(c, n, threads, lo, hi, gd_elastic_span(c + lo, w + lo, hi - lo, alpha));
+}
+
+__attribute__((noinline)) static void
+gd_plain_span(float *w, const float *g, size_t n, float lr)
+{
+    for (size_t i = 0; i < n; i++) w[i] -= lr * g[i];
+}
+
+void
+gd_plain_sgd(float *w, const float *g, size_t n, float lr, int threads)
+{
+    if (threads <= 1) {
+        gd_plain_span(w, g, n, lr);
+        return;
+    }
+#if GD_HAVE_OPENMP
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (size_t i = 0; i < n; i++) w[i] -= lr * g[i];
+#else
+    gd_plain_span(w, g, n, lr);
+#endif
+}
+
+void
+gd_copy(void *dst, const void *src, size_t nbytes, int threads)
+{
+    int nt = gd_threads(threads, nbytes / 4);
+    if (nt == 1) {
+        memcpy(dst, src, nbytes);
+        return;
+    }
+#if GD_HAVE_OPENMP
+#pragma omp parallel num_threads(nt)
+    {
+        size_t lo, hi;
+        gd_chunk(dst, 1, nbytes, omp_get_thread_num(), omp_get_num_threads(), &lo, &hi);
+        memcpy((char *)dst + lo, (const char *)src + lo, hi - lo);
+    }
+#endif
+}

@@ -1,0 +1,53 @@
+/*
+ * gadei's update kernels: the server's in-place updates of the shared weights.
+ *
+ * Weights and optimiser state are float32; gradients arrive as float32, float16 or
+ * bfloat16 and are converted inside the kernels (no temporary float32 copy); every sum is
+ * taken in float32. Functions take raw pointers the caller keeps valid and run without the
+ * GIL; the Python layer checks arguments. Every function is prefixed gd_.
+ */
+#ifndef GADEI_KERNELS_H
+#define GADEI_KERNELS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+enum gd_dtype { GD_F32 = 1, GD_F16 = 2, GD_BF16 = 3 };
+
+/* Detect the CPU's vector extensions (once, at module load). */
+void gd_kernels_init(void);
+/* "avx2" or "generic": which code the kernels run. */
+const char *gd_kernel_isa(void);
+/* Whether the library was built with OpenMP, and the processors it sees. */
+int gd_openmp_built(void);
+int gd_processors(void);
+
+/* w[i] -= lr * g[i]; with clear, g[i] = 0. All-zero 64-byte lines of g are skipped. */
+void gd_sgd(float *w, void *g, int dtype, size_t n, float lr, int clear, int threads);
+
+/* v[i] = mu * v[i] + g[i]; w[i] -= lr * v[i]; with clear, g[i] = 0. g == NULL: g is zero. */
+void gd_momentum(float *w, float *v, void *g, int dtype, size_t n, float lr, float mu, int clear, int threads);
+
+/*
+ * Row-sparse update of a table of n_rows x width weights: for r < count, row idx[r]:
+ * w[row] -= lr * rows[r] (and v[row] += rows[r] when v is not NULL). Rows are taken in
+ * order, so an index repeated in one gradient adds up. Returns how many indices fell
+ * outside 0..n_rows-1 (those rows are skipped).
+ */
+int64_t gd_sgd_rows(float *w, float *v, size_t n_rows, size_t width, const int64_t *idx, const void *rows,
+                    int dtype, size_t count, float lr);
+
+/* c[i] += alpha * (w[i] - c[i]): the elastic centre moving towards one learner's weights. */
+void gd_elastic(float *c, const float *w, size_t n, float alpha, int threads);
+
+/* The plain loop w[i] -= lr * g[i] (float32), for benchmarks to compare gd_sgd against. */
+void gd_plain_sgd(float *w, const float *g, size_t n, float lr, int threads);
+
+/* memcpy / memset, split over threads for large sizes. */
+void gd_copy(void *dst, const void *src, size_t nbytes, int threads);
+
+/* Scalar conversions (exact), shared with the tests' expectations. */
+float gd_f16_to_f32(uint16_t h);
+float gd_bf16_to_f32(uint16_t b);
+
+#endif

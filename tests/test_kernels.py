@@ -1,0 +1,212 @@
+"""The update kernels against their NumPy references, bit for bit, for every gradient dtype.
+
+Lengths sit around the vector widths (8 and 16 elements), the 64-byte peel and the
+65,536-element threshold where the kernels start OpenMP threads; gradients have dense
+stretches, all-zero lines (which the kernels skip) and signed zeros, weights have -0.0,
+infinities and NaN. The portable path is checked in a process with GADEI_NO_AVX2=1.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from gadei import _native
+from gadei.layout import DTYPE_CODES
+from gadei.modes import AsyncSGD, ElasticAveraging, Options, SyncSGD, rows_reference
+
+SIZES = [1, 7, 8, 15, 16, 17, 31, 33, 64, 65, 1000, 4099, 65535, 65537, 131075, (1 << 20) + 13]
+THREADS = [1, 2, 3]
+DTYPES = ["float32", "float16", "bfloat16"]
+
+
+def to_wire(g32: np.ndarray, dtype: str) -> np.ndarray:
+    """A float32 gradient as it travels in a slot (float16 / bfloat16 bits as NumPy arrays)."""
+    if dtype == "float32":
+        return g32.copy()
+    if dtype == "float16":
+        return g32.astype(np.float16)
+    return torch.from_numpy(g32).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16).copy()
+
+
+def from_wire(g: np.ndarray, dtype: str) -> np.ndarray:
+    """What the kernel reads: the wire value as float32, exactly."""
+    if dtype == "bfloat16":
+        return (g.astype(np.uint32) << 16).view(np.float32)
+    return g.astype(np.float32)
+
+
+def bits(a: np.ndarray) -> np.ndarray:
+    return a.view(np.uint32 if a.dtype == np.float32 else np.uint16)
+
+
+def weights_and_gradient(n: int, seed: int):
+    """Weights with special values; a gradient with dense stretches, zero lines and a few -0.0."""
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal(n).astype(np.float32)
+    w[::97] = -0.0
+    w[5::1031] = np.inf
+    w[7::1543] = np.nan
+    g = np.zeros(n, dtype=np.float32)
+    for row in rng.choice(max(1, n // 128), size=max(1, n // 1280), replace=False):
+        line = g[row * 128 : row * 128 + 128]
+        line[:] = rng.standard_normal(len(line))
+    g[rng.choice(n, size=max(1, n // 5000), replace=False)] = -0.0  # bits set: the line is not skipped
+    if n >= 194:  # -0.0 - lr * -0.0 is +0.0: a kernel that took this line for zero would keep -0.0
+        j = 97 * (n // 97 - 1)
+        g[j - j % 16 : j - j % 16 + 16] = 0.0
+        g[j] = -0.0
+    return w, g
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("threads", THREADS)
+@pytest.mark.parametrize("n", SIZES)
+def test_sgd_kernel_matches_reference(n, threads, dtype):
+    w, g32 = weights_and_gradient(n, n)
+    g = to_wire(g32, dtype)
+    w_ref = w.copy()
+    with np.errstate(invalid="ignore"):
+        AsyncSGD.reference(w_ref, [from_wire(g, dtype)], Options(lr=0.3))
+    _native.sgd(w.ctypes.data, g.ctypes.data, n, 0.3, 1, threads, DTYPE_CODES[dtype])
+    np.testing.assert_array_equal(bits(w), bits(w_ref))  # bits: -0.0, NaN and inf too
+    assert not bits(g).any()  # handed back zeroed
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [17, 65537])
+def test_sgd_kernel_without_clear_keeps_the_gradient(n, dtype):
+    w = np.random.default_rng(1).standard_normal(n).astype(np.float32)
+    g = to_wire(np.random.default_rng(2).standard_normal(n).astype(np.float32), dtype)
+    before = g.copy()
+    expected = w - np.float32(0.5) * from_wire(g, dtype)
+    _native.sgd(w.ctypes.data, g.ctypes.data, n, 0.5, 0, 2, DTYPE_CODES[dtype])
+    np.testing.assert_array_equal(w, expected)
+    np.testing.assert_array_equal(g, before)
+
+
+def test_sgd_kernel_touches_nothing_outside_its_range():
+    n = 65537 + 16
+    w, g = weights_and_gradient(n, 3)
+    g[:] = 1.0
+    w_before = w.copy()
+    inner = slice(5, n - 11)
+    _native.sgd(w[inner].ctypes.data, g[inner].ctypes.data, n - 16, 0.25, 1, 4)
+    np.testing.assert_array_equal(bits(w[:5]), bits(w_before[:5]))
+    np.testing.assert_array_equal(bits(w[n - 11 :]), bits(w_before[n - 11 :]))
+    assert np.all(g[inner] == 0) and np.all(g[:5] == 1) and np.all(g[n - 11 :] == 1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("n", [1, 33, 4099, 131075])
+def test_momentum_kernel_matches_reference(n, threads, dtype):
+    w, g32 = weights_and_gradient(n, n + 1)
+    w[~np.isfinite(w)] = 1.0
+    v = np.random.default_rng(n).standard_normal(n).astype(np.float32)
+    g = to_wire(g32, dtype)
+    w_ref, v_ref = w.copy(), v.copy()
+    AsyncSGD.reference(w_ref, [from_wire(g, dtype)], Options(lr=0.1, momentum=0.9), v_ref)
+    _native.momentum(w.ctypes.data, v.ctypes.data, g.ctypes.data, n, 0.1, 0.9, 1, threads, DTYPE_CODES[dtype])
+    np.testing.assert_array_equal(w, w_ref)
+    np.testing.assert_array_equal(v, v_ref)
+    assert not bits(g).any()
+    # no gradient (a row-sparse table's untouched rows): v decays, w follows
+    AsyncSGD.reference(w_ref, [np.zeros(n, np.float32)], Options(lr=0.1, momentum=0.9), v_ref)
+    _native.momentum(w.ctypes.data, v.ctypes.data, 0, n, 0.1, 0.9, 0, threads, DTYPE_CODES[dtype])
+    np.testing.assert_array_equal(w, w_ref)
+    np.testing.assert_array_equal(v, v_ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_state", [False, True])
+def test_row_kernel_adds_repeated_rows_and_skips_bad_indices(dtype, with_state):
+    rows_n, width = 50, 37
+    rng = np.random.default_rng(5)
+    table = rng.standard_normal((rows_n, width)).astype(np.float32)
+    state = rng.standard_normal((rows_n, width)).astype(np.float32) if with_state else None
+    indices = np.array([3, 7, 3, 49, 0, 3, 7], dtype=np.int64)  # 3 three times, 7 twice
+    rows = to_wire(rng.standard_normal((len(indices), width)).astype(np.float32), dtype)
+    t_ref = table.copy()
+    s_ref = state.copy() if with_state else None
+    rows_reference(t_ref, indices, from_wire(rows, dtype), 0.2, s_ref)
+    bad = _native.sgd_rows(table.ctypes.data, state.ctypes.data if with_state else 0, rows_n, width,
+                           indices.ctypes.data, rows.ctypes.data, len(indices), 0.2, DTYPE_CODES[dtype])
+    assert bad == 0
+    np.testing.assert_array_equal(table, t_ref)
+    if with_state:
+        np.testing.assert_array_equal(state, s_ref)
+    untouched = [i for i in range(rows_n) if i not in indices]
+    np.testing.assert_array_equal(table[untouched], t_ref[untouched])
+    before = table.copy()
+    wild = np.array([-1, 50, 10**12], dtype=np.int64)
+    assert _native.sgd_rows(table.ctypes.data, 0, rows_n, width, wild.ctypes.data, rows.ctypes.data, 3, 0.2,
+                            DTYPE_CODES[dtype]) == 3
+    np.testing.assert_array_equal(table, before)  # nothing written outside the table
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("n", [5, 65537 + 3])
+def test_elastic_kernel_matches_reference(n, threads):
+    rng = np.random.default_rng(n)
+    centre = rng.standard_normal(n).astype(np.float32)
+    w = rng.standard_normal(n).astype(np.float32)
+    expected = centre.copy()
+    ElasticAveraging.reference(expected, [w], Options(alpha=0.3))
+    _native.elastic(centre.ctypes.data, w.ctypes.data, n, 0.3, threads)
+    np.testing.assert_array_equal(centre, expected)
+
+
+def test_sync_reference_is_sgd_on_the_mean():
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal(100).astype(np.float32)
+    grads = [rng.standard_normal(100).astype(np.float32) for _ in range(3)]
+    expected = w - np.float32(0.1) * ((grads[0] + grads[1] + grads[2]) / np.float32(3))
+    SyncSGD.reference(w, grads, Options(lr=0.1))
+    np.testing.assert_allclose(w, expected, rtol=1e-6)
+
+
+def test_staleness_aware_learning_rate_reference():
+    w = np.zeros(4, dtype=np.float32)
+    AsyncSGD.reference(w, [np.ones(4, np.float32)] * 3, Options(lr=1.0, stale_lr=True), staleness=[0, 1, 4])
+    np.testing.assert_array_equal(w, np.full(4, -(1 + 1 + 0.25), dtype=np.float32))
+
+
+@pytest.mark.parametrize("n", [1, 1000, 65537])
+def test_plain_reference_loop_matches(n):
+    rng = np.random.default_rng(11)
+    w, g = rng.standard_normal(n).astype(np.float32), rng.standard_normal(n).astype(np.float32)
+    expected = w - np.float32(0.1) * g
+    _native.plain_sgd(w.ctypes.data, g.ctypes.data, n, 0.1, 2)
+    np.testing.assert_array_equal(w, expected)
+
+
+def test_portable_kernels_without_avx2_match_reference():
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1])\n"
+        "import numpy as np\n"
+        "from gadei import _native\n"
+        "from gadei.layout import DTYPE_CODES\n"
+        "from gadei.modes import AsyncSGD, Options\n"
+        "from test_kernels import weights_and_gradient, to_wire, from_wire, bits\n"
+        "assert _native.kernel_isa() == 'generic', _native.kernel_isa()\n"
+        "for dtype in ('float32', 'float16', 'bfloat16'):\n"
+        "    for n in (1, 17, 4099, 200003):\n"
+        "        w, g32 = weights_and_gradient(n, n); g = to_wire(g32, dtype); wr = w.copy()\n"
+        "        with np.errstate(invalid='ignore'): AsyncSGD.reference(wr, [from_wire(g, dtype)], Options(lr=0.3))\n"
+        "        _native.sgd(w.ctypes.data, g.ctypes.data, n, 0.3, 1, 2, DTYPE_CODES[dtype])\n"
+        "        assert (bits(w) == bits(wr)).all() and not bits(g).any(), (dtype, n)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent)], capture_output=True, text=True,
+                          env={**os.environ, "GADEI_NO_AVX2": "1"}, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_kernels_use_avx2_where_the_cpu_has_it():
+    with open("/proc/cpuinfo") as cpuinfo:
+        flags = cpuinfo.read()
+    assert _native.kernel_isa() == ("avx2" if " avx2" in flags and " f16c" in flags else "generic")
