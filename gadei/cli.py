@@ -78,7 +78,17 @@ def cmd_serve(args) -> int:
         args.job,
         model=model,
         n_params=args.params,
+        mode=args.mode,
         lr=args.lr,
+        momentum=args.momentum,
+        stale_lr=args.stale_lr,
+        stale_bound=args.stale_bound,
+        alpha=args.alpha,
+        tau=args.tau,
+        drop_after=args.drop_after,
+        grad_dtype=args.grad_dtype,
+        row_sparse=args.row_sparse,
+        max_rows=args.max_rows,
         learners=args.learners,
         slots=args.slots,
         threads=args.threads,
@@ -266,7 +276,24 @@ def build_parser() -> argparse.ArgumentParser:
     init.add_argument("--params", type=int, help="only the parameter count; the first learner uploads weights")
     p.add_argument("--data", help="data set the workload's model is sized for (see `gadei learn --help`)")
     p.add_argument("--seed", type=int, default=0, help="seed of the workload's initial weights")
+    p.add_argument("--mode", choices=("async", "consistent", "sync", "elastic"), default="async",
+                   help="update rule: async (Hogwild ASGD, default), consistent (ASGD, pulls never see half an "
+                   "update), sync (SSGD rounds), elastic (EASGD)")
     p.add_argument("--lr", type=float, default=0.01, help="learning rate (default 0.01)")
+    p.add_argument("--momentum", type=float, default=0.0, help="momentum kept by the server (default 0: none)")
+    p.add_argument("--stale-lr", action="store_true", help="async/consistent: divide lr by each gradient's staleness")
+    p.add_argument("--stale-bound", type=int, default=0,
+                   help="async/consistent: no gradient applied more than K versions late (default 0: no bound)")
+    p.add_argument("--alpha", type=float, default=0.1, help="elastic: moving rate (default 0.1)")
+    p.add_argument("--tau", type=int, default=4, help="elastic: local steps between exchanges (default 4)")
+    p.add_argument("--drop-after", type=float, default=10.0,
+                   help="sync/stale-bound: seconds without a heartbeat before a learner is left out (default 10)")
+    p.add_argument("--grad-dtype", choices=("float32", "float16", "bfloat16"), default="float32",
+                   help="gradients in the rings as float32 (default), float16 or bfloat16")
+    p.add_argument("--row-sparse", action="store_true",
+                   help="embedding tables travel as the rows a mini-batch touched (needs --workload or --model)")
+    p.add_argument("--max-rows", type=int, default=8192,
+                   help="row-sparse: most distinct rows of a table in one gradient (default 8192)")
     p.add_argument("--learners", type=int, default=8, help="most learners attached at once (default 8)")
     p.add_argument("--slots", type=int, default=2, help="gradient slots per learner ring (default 2)")
     p.add_argument("--threads", type=int, help="OpenMP threads of the update kernel (default GADEI_THREADS)")
@@ -286,9 +313,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--epochs", type=int, default=1, help="passes over this learner's shard (default 1)")
     p.add_argument("--batch", type=int, default=2, help="mini-batch size (default 2)")
     p.add_argument("--shard", default="0/1", help="INDEX/COUNT: this learner's share of the data (default 0/1)")
-    p.add_argument("--pull", choices=("view", "copy"), default="view",
-                   help="how weights reach the model: view (shared, Hogwild; default) or copy (pull thread)")
-    p.add_argument("--push", choices=("publish", "thread"), default="publish", help="how gradients reach the ring")
+    p.add_argument("--pull", choices=("view", "copy", "local"), default=None,
+                   help="how weights reach the model: view (shared, Hogwild), copy (pull thread) or local "
+                   "(elastic); default: the job's mode decides (view; copy when consistent; local when elastic)")
+    p.add_argument("--push", choices=("publish", "thread", "weights"), default=None,
+                   help="how gradients reach the ring: publish (default), thread, weights (elastic, the default there)")
     p.add_argument("--eval", action="store_true", help="evaluate on the test set after every epoch")
     p.add_argument("--torch-threads", type=int, default=1, help="PyTorch intra-op threads (default 1)")
     p.add_argument("--json", action="store_true", help="JSON lines instead of text")

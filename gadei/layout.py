@@ -173,6 +173,7 @@ ENTRY, ENTRY_BYTES = _record(
         ("applied_samples", "u64"),
         ("stale_sum", "u64"),
         ("stale_max", "u64"),
+        ("discarded", "u64"),  # published gradients the server did not apply: later than the staleness bound
         _LINE_BREAK,
         # owner learner sets while it waits for ring space; the server wakes it
         ("space_waiting", "u32"),

@@ -210,10 +210,16 @@ class Learner:
         return heads + owned - 1 - computed_on
 
     def _catch_up(self, bound: int) -> None:
-        """Block until a gradient started now could be published within the bound (the server
-        applies what is in flight); the version moves meanwhile."""
-        while self._late(_native.load64(self._version_addr)) > bound:
-            self._wait_version_change(_native.load64(self._version_addr))
+        """A learner too far behind blocks until the server settled (applied or discarded) what
+        it published, then takes the newest weights.
+
+        It waits for its own ring only, which the server reaches in bounded time (it takes the
+        rings round-robin): waiting until the whole job had fewer gradients in flight could
+        starve a slow learner behind fast ones that keep their rings full.
+        """
+        if self._late(_native.load64(self._version_addr)) <= bound:
+            return
+        self._producer.drain(self.timeout, self._waiting_on_server)
         self._pull.refresh()
 
     def _await_version(self, version: int) -> None:
@@ -284,6 +290,11 @@ class Learner:
             self._push = self._pull = None
             region.close()
         log.info("job %r: learner left after %d steps", self.job, self.steps)
+
+    def _waiting_on_server(self) -> bool:
+        """`drain`'s check while a step waits: beat; raise if the job stopped or the server died."""
+        self._on_slice()
+        return True
 
     def _drainable(self) -> bool:
         """The server may still apply what this learner published (it drains while stopping)."""

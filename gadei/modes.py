@@ -35,7 +35,11 @@ class Options:
         momentum: momentum mu kept by the server (0: none): v = mu v + g; w -= lr v.
         stale_lr: divide the learning rate by each gradient's staleness (async, consistent).
         stale_bound: 0, or K: no gradient is applied more than K versions after the weights
-            it was computed on; a learner that would exceed it waits (async, consistent).
+            it was computed on (async, consistent). A learner does not publish a gradient
+            that could arrive later than that; when it is that far behind it blocks until the
+            server settled what it published and then takes the newest weights. The server
+            discards a gradient that still arrives too late (a learner preempted between its
+            check and its push).
         alpha: elastic moving rate.
         tau: elastic: local steps between two exchanges with the centre.
         drop_after: seconds without a heartbeat after which a learner is left out of a sync
@@ -50,8 +54,12 @@ class Options:
     tau: int = 4
     drop_after: float = 10.0
 
-    def check(self, mode: str) -> None:
-        """Raise ValueError naming the option and its allowed values where `mode` cannot use it."""
+    def check(self, mode: str, rings: int | None = None) -> None:
+        """Raise ValueError naming the option and its allowed values where `mode` cannot use it.
+
+        `rings` (the job's learner capacity) bounds stale_bound from below: a gradient may
+        wait behind one from each of the other rings.
+        """
         if not self.lr > 0:
             raise ValueError(f"lr must be positive, not {self.lr!r}")
         if not 0 <= self.momentum < 1:
@@ -64,6 +72,9 @@ class Options:
             raise ValueError(f"tau must be at least 1, not {self.tau!r}")
         if not self.drop_after > 0:
             raise ValueError(f"drop_after must be positive seconds, not {self.drop_after!r}")
+        if self.stale_bound and rings is not None and self.stale_bound < rings:
+            raise ValueError(f"stale_bound {self.stale_bound} is below the {rings} learner rings: with {rings} "
+                             f"learners a gradient can wait behind {rings - 1} others; use at least {rings}")
         if mode in ("sync", "elastic") and (self.stale_lr or self.stale_bound):
             raise ValueError(f"stale_lr and stale_bound apply to async and consistent modes, not {mode}")
         if mode == "elastic" and self.momentum:
@@ -99,6 +110,7 @@ class SlotFormat:
         self.segments = shape.dense_segments
         self.tables: tuple[SparseTable, ...] = shape.sparse
         self.areas = lay.sparse_areas
+        self.dense_bytes = shape.dense_count * self.itemsize
         self.n = shape.n_params
         self.threads = threads
         self.job = region.job
@@ -112,6 +124,12 @@ class SlotFormat:
         dense = sum(length for _, length, _ in self.segments) * self.itemsize
         rows = sum(count * (8 + table.width * self.itemsize) for count, table in zip(self.rows_in(payload), self.tables))
         return dense + rows
+
+    def discard(self, payload: int) -> None:
+        """Hand the slot at `payload` back without applying it: dense area zeroed, no rows."""
+        _native.zero(payload, self.dense_bytes)
+        for area in self.areas:
+            _native.store64(payload + area.count, 0)
 
     def sgd(self, weights: int, payload: int, lr: float, *, clear: bool = True) -> None:
         """weights -= lr * gradient, in place (lr < 0 adds). Zeroes the dense area with `clear`."""

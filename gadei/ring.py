@@ -215,7 +215,7 @@ def _take(region: Region, learner: int, claims: int, drain_timeout: float, serve
     for slot in range(region.shape.slots):
         _native.zero(region.payload_addr(learner, slot), region.layout.payload_bytes)
     # The server writes these only while consuming this ring, and the ring is empty.
-    for name in ("applied_samples", "stale_sum", "stale_max"):
+    for name in ("applied_samples", "stale_sum", "stale_max", "discarded"):
         entry.set(name, 0)
     hist = entry.addr("stale_hist")
     for bucket in range(HIST_BUCKETS):

@@ -106,7 +106,7 @@ class Server:
             raise ValueError(f"mode {mode!r} is not one of {sorted(RULES)}")
         self.options = Options(lr=lr, momentum=momentum, stale_lr=stale_lr, stale_bound=stale_bound, alpha=alpha,
                                tau=tau, drop_after=drop_after)
-        self.options.check(mode)
+        self.options.check(mode, learners)
         env = settings()
         self.threads = env.threads if threads is None else max(1, int(threads))
         self.spin_ns = int(1000 * (env.spin_us if spin_us is None else spin_us))
@@ -231,14 +231,20 @@ class Server:
                 for learner in members:
                     if learner not in taken and consumer.tail(learner) < consumer.head(learner):
                         taken[learner] = self._take(learner)
+                # The round holds every live learner, also one that attached meanwhile (looked
+                # at after taking, so a learner that saw it active before pushing is in); one
+                # that stopped beating is left out.
+                live = self._members(drop_ns)
+                for learner in sorted(set(members) - set(live) - set(taken)):
+                    if self._entries[learner].get("state") == ACTIVE:  # not one that is leaving
+                        log.warning("job %r: learner %d left out of the round: no heartbeat for %g s or gone",
+                                    self.job, learner, self.options.drop_after)
+                members = sorted(set(taken) | set(live))
                 waiting = [m for m in members if m not in taken]
                 if not waiting or _native.load32(state_addr) != SERVING:
                     break
-                dropped = [m for m in waiting if not self._fresh(m, drop_ns)]
-                for learner in dropped:
-                    log.warning("job %r: learner %d left out of the round: no heartbeat for %g s or gone",
-                                self.job, learner, self.options.drop_after)
-                members = [m for m in members if m not in dropped]
+                if any(consumer.tail(m) < consumer.head(m) for m in waiting):
+                    continue
                 self._beat()
                 consumer.sleep(WAIT_SLICE)
             if taken:
@@ -286,6 +292,15 @@ class Server:
         """One update from `grads`: apply, bump the version, record statistics, hand the slots back."""
         version = _native.load64(self._version_addr)
         grads = [replace(g, staleness=max(0, version - g.version)) for g in grads]
+        bound = self.options.stale_bound
+        if bound and any(g.staleness > bound for g in grads):
+            for grad in [g for g in grads if g.staleness > bound]:
+                self.rule.format.discard(grad.payload)  # later than the bound: never applied
+                self._entries[grad.learner].add("discarded", 1)
+                self._consumer.release(grad.learner, self._consumer.tail(grad.learner))
+            grads = [g for g in grads if g.staleness <= bound]
+            if not grads:
+                return
         moved = sum(self.rule.format.bytes_in(g.payload) for g in grads)
         if self.rule.seqlock:
             _native.add64(self._seq_addr, 1)  # odd: an update is running

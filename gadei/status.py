@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 
 from . import _proc
 from .layout import ENTRY_STATES, HIST_BUCKETS, RUN_STATES
+from .modes import read_options
 from .region import Region
 from .ring import lease_owner
 
@@ -32,6 +33,8 @@ class LearnerStatus:
     stale_mean: float
     stale_p50: int
     stale_max: int
+    dropped: int  # gradients not applied for the staleness bound: not published, or discarded by the server
+    pull_retries: int  # consistent copies taken again because an update ran during them
     stale_hist: list[int] = field(repr=False)
 
 
@@ -47,19 +50,32 @@ class JobStatus:
     server_beat_age: float | None
     version: int
     applied: int
+    applied_bytes: int  # gradient bytes the server read from slots, ever
     n_params: int
-    grad_bytes: int  # bytes of one gradient slot payload
+    grad_dtype: str
+    row_sparse_tables: int
     lr: float
     threads: int
     capacity: int
     slots: int
     mode: str
+    options: dict
     watchdog_pid: int
     checkpointed_version: int
     learners: list[LearnerStatus]
 
     def to_json(self) -> dict:
         return asdict(self)
+
+
+_RELEVANT = {  # which options a mode uses, for the status line
+    "momentum": lambda mode: mode != "elastic",
+    "stale_lr": lambda mode: mode in ("async", "consistent"),
+    "stale_bound": lambda mode: mode in ("async", "consistent"),
+    "alpha": lambda mode: mode == "elastic",
+    "tau": lambda mode: mode == "elastic",
+    "drop_after": lambda mode: mode == "sync",
+}
 
 
 def _age(beat_ns: int, now_ns: int) -> float | None:
@@ -108,6 +124,8 @@ def read(region: Region) -> JobStatus:
                 stale_mean=e.get("stale_sum") / applied if applied else 0.0,
                 stale_p50=_p50(hist),
                 stale_max=e.get("stale_max"),
+                dropped=e.get("dropped") + e.get("discarded"),
+                pull_retries=e.get("pull_retries"),
                 stale_hist=hist,
             )
         )
@@ -120,13 +138,16 @@ def read(region: Region) -> JobStatus:
         server_beat_age=_age(h.get("server_beat"), now),
         version=h.get("version"),
         applied=h.get("applied"),
+        applied_bytes=h.get("applied_bytes"),
         n_params=region.shape.n_params,
-        grad_bytes=region.layout.payload_bytes,
+        grad_dtype=region.shape.grad_dtype,
+        row_sparse_tables=len(region.shape.sparse),
         lr=h.get("lr"),
         threads=h.get("threads"),
         capacity=region.shape.capacity,
         slots=region.shape.slots,
         mode=region.shape.mode,
+        options=asdict(read_options(region)),
         watchdog_pid=h.get("watchdog_pid"),
         checkpointed_version=h.get("checkpointed_version"),
         learners=learners,
@@ -155,7 +176,7 @@ def rates(before: JobStatus, after: JobStatus) -> Rates:
             pushes[l.learner] = (l.pushes - prev.pushes) / dt
             samples[l.learner] = (l.samples - prev.samples) / dt
     updates = (after.applied - before.applied) / dt
-    return Rates(dt, updates, updates * after.grad_bytes, pushes, samples)
+    return Rates(dt, updates, (after.applied_bytes - before.applied_bytes) / dt, pushes, samples)
 
 
 def format_table(status: JobStatus, rate: Rates | None) -> str:
@@ -163,17 +184,19 @@ def format_table(status: JobStatus, rate: Rates | None) -> str:
     server = f"pid {status.server_pid} " + ("alive" if status.server_alive else "GONE")
     if status.server_beat_age is not None:
         server += f", beat {status.server_beat_age:.1f}s ago"
+    options = {k: v for k, v in status.options.items() if k != "lr" and v and _RELEVANT[k](status.mode)}
+    transport = status.grad_dtype + (f" + {status.row_sparse_tables} row-sparse tables" if status.row_sparse_tables else "")
     lines = [
-        f"job {status.job}: {status.run_state}; server {server}; mode {status.mode}, lr {status.lr:g}, "
-        f"{status.threads} kernel threads",
-        f"  weights: {status.n_params:,} parameters ({status.grad_bytes / 1e6:.1f} MB), version {status.version:,}, "
-        f"{status.applied:,} gradients applied"
+        f"job {status.job}: {status.run_state}; server {server}; mode {status.mode}, lr {status.lr:g}"
+        + "".join(f", {k} {v:g}" for k, v in options.items()) + f"; {status.threads} kernel threads",
+        f"  weights: {status.n_params:,} parameters ({status.n_params * 4 / 1e6:.1f} MB), {transport} gradients, "
+        f"version {status.version:,}, {status.applied:,} gradients applied"
         + (f", {rate.updates:,.1f} updates/s, {rate.bytes / 1e9:.2f} GB/s of gradients" if rate else ""),
         f"  learners: {len(status.learners)} of {status.capacity} entries, {status.slots} slots per ring",
     ]
     if status.learners:
         header = ("learner", "pid", "state", "pushes", "pushes/s", "samples/s", "applied", "in ring",
-                  "stale mean/p50/max", "pulled v", "beat")
+                  "stale mean/p50/max", "dropped", "pulled v", "retries", "beat")
         rows = [header]
         for l in status.learners:
             rows.append((
@@ -186,7 +209,9 @@ def format_table(status: JobStatus, rate: Rates | None) -> str:
                 f"{l.applied:,}",
                 str(l.in_ring),
                 f"{l.stale_mean:.1f}/{l.stale_p50}/{l.stale_max}",
+                f"{l.dropped:,}",
                 f"{l.pulled_version:,}",
+                f"{l.pull_retries:,}",
                 "-" if l.beat_age is None else f"{l.beat_age:.1f}s",
             ))
         widths = [max(len(row[c]) for row in rows) for c in range(len(header))]

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 import gadei
+from gadei.layout import ACTIVE
 
 TABLE_ROWS, TABLE_WIDTH = 64, 16
 TOUCHED = [0, 0, 1, 2, 3, 4, 5, 6, 7]  # rows a table gradient names (row 0 twice)
@@ -52,7 +53,32 @@ class Table(torch.nn.Module):
             self.embedding.weight.fill_(init)
 
 
-MODELS = {"flat": Flat, "table": Table}
+class Tokens(torch.nn.Module):
+    """A small deterministic classifier with a sparse embedding (no dropout): sync-mode equivalence."""
+
+    def __init__(self, n: int = 0, init: float = 0.0):
+        super().__init__()
+        gen = torch.Generator().manual_seed(7)
+        self.embedding = torch.nn.Embedding(40, 8, sparse=True)
+        self.hidden = torch.nn.Linear(8, 16)
+        self.out = torch.nn.Linear(16, 3)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+
+    def forward(self, tokens):
+        return self.out(torch.relu(self.hidden(self.embedding(tokens).mean(dim=1))))
+
+
+def token_data(samples: int):
+    """Fixed inputs and labels for Tokens."""
+    gen = torch.Generator().manual_seed(11)
+    tokens = torch.randint(0, 40, (samples, 6), generator=gen)
+    labels = (tokens[:, 0] % 3).long()
+    return tokens, labels
+
+
+MODELS = {"flat": Flat, "table": Table, "tokens": Tokens}
 
 
 def make_model() -> Flat:
@@ -80,6 +106,7 @@ def serve(args) -> int:
             "applied": report.applied, "version": report.version,
             "heads": [e.get("head") for e in entries], "tails": [e.get("tail") for e in entries],
             "stale_max": [e.get("stale_max") for e in entries], "dropped": [e.get("dropped") for e in entries],
+            "discarded": [e.get("discarded") for e in entries],
             "applied_bytes": region.header.get("applied_bytes"),
             "wmin": float(weights.min()), "wmax": float(weights.max()),
         }), flush=True)
@@ -120,6 +147,7 @@ def push(args) -> int:
     print(json.dumps({"attaching": os.getpid()}), flush=True)
     with learner:  # a stopped job ends the block quietly
         print(json.dumps({"attached": learner.learner_id}), flush=True)
+        _await_learners(learner, args.wait_learners)
         for _ in range(args.steps):
             if args.delay:
                 time.sleep(args.delay)
@@ -130,6 +158,52 @@ def push(args) -> int:
             dropped = learner.entry.get("dropped")
     print(json.dumps({"learner": learner.learner_id, "pushed": pushed, "dropped": dropped,
                       "version": learner.version, "weight0": params[-1].view(-1)[0].item()}), flush=True)
+    return 0
+
+
+def _await_learners(learner, count: int, timeout: float = 60.0) -> None:
+    """Start only when `count` learners are attached (sync rounds then hold all of them)."""
+    deadline = time.monotonic() + timeout
+    region = learner.region
+    while sum(1 for i in range(region.shape.capacity) if region.entry(i).get("state") == ACTIVE) < count:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"fewer than {count} learners attached after {timeout} s")
+        time.sleep(0.01)
+
+
+def read(args) -> int:
+    """Pull the weights `pulls` times (pull=copy); count pulls that hold two different values."""
+    model = MODELS[args.model](args.n, 0.0)
+    torn = distinct = 0
+    with gadei.Learner(model, args.job, pull="copy", timeout=30) as learner:
+        print(json.dumps({"attached": learner.learner_id}), flush=True)
+        last = None
+        for _ in range(args.pulls):
+            learner.refresh()
+            flat = torch.cat([p.detach().view(-1) for p in model.parameters()])
+            low, high = flat.min().item(), flat.max().item()
+            torn += low != high
+            distinct += low != last
+            last = low
+            time.sleep(args.delay)
+        retries = learner.entry.get("pull_retries")
+    print(json.dumps({"torn": int(torn), "distinct": int(distinct), "retries": retries}), flush=True)
+    return 0
+
+
+def sync_train(args) -> int:
+    """Train Tokens on shard `rank` of every mini-batch of size learners x batch, for `steps` rounds."""
+    model = Tokens()
+    tokens, labels = token_data(args.steps * args.learners * args.batch)
+    with gadei.Learner(model, args.job, timeout=30) as learner:
+        print(json.dumps({"attached": learner.learner_id}), flush=True)
+        _await_learners(learner, args.learners)
+        for step in range(args.steps):
+            start = (step * args.learners + args.rank) * args.batch
+            x, y = tokens[start : start + args.batch], labels[start : start + args.batch]
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            learner.step(samples=len(y))
+    print(json.dumps({"done": args.steps}), flush=True)
     return 0
 
 
@@ -166,7 +240,22 @@ def main(argv=None) -> int:
     p.add_argument("--push", default=None)
     p.add_argument("--slow", action="store_true")
     p.add_argument("--delay", type=float, default=0.0)
+    p.add_argument("--wait-learners", type=int, default=0)
     p.set_defaults(func=push)
+    p = sub.add_parser("read")
+    p.add_argument("job")
+    p.add_argument("--model", choices=sorted(MODELS), default="flat")
+    p.add_argument("--n", type=int, default=1000)
+    p.add_argument("--pulls", type=int, default=100)
+    p.add_argument("--delay", type=float, default=0.0)
+    p.set_defaults(func=read)
+    p = sub.add_parser("sync-train")
+    p.add_argument("job")
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--learners", type=int, default=2)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--steps", type=int, default=30)
+    p.set_defaults(func=sync_train)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     return args.func(args)

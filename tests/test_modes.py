@@ -1,0 +1,234 @@
+"""Modes and transports with real processes: one contract for all, and what each mode promises.
+
+- The contract: every mode with every gradient transport starts, trains a few hundred
+  steps with two learners, stops cleanly, and its counters agree.
+- sync with L learners of mini-batch B is single-process SGD with mini-batch L x B.
+- elastic moves the centre and the learner as the two EASGD equations say.
+- consistent pulls never hold half an update, where async ones do (so the check can fail).
+- a staleness bound holds with one learner slowed down, where it is broken without one.
+- momentum and the staleness-aware learning rate match their NumPy references.
+"""
+
+import signal
+
+import numpy as np
+import pytest
+import torch
+
+import gadei
+from conftest import finish, read_line
+from gadei.modes import AsyncSGD, Options
+from gadei.region import inspect
+from worker import Flat, Tokens, token_data
+
+N = 20_000
+STEPS = 200
+
+
+def _serve(procs, job, *args):
+    server = procs.worker("serve", job, *args)
+    read_line(server, 60)
+    return server
+
+
+def _learn(procs, job, *args):
+    learner = procs.worker("push", job, *args)
+    read_line(learner, 60)  # attaching
+    read_line(learner, 60)  # attached
+    return learner
+
+
+def _stop(server):
+    server.send_signal(signal.SIGTERM)
+    report = read_line(server, 60)
+    finish(server)
+    return report
+
+
+@pytest.mark.parametrize(
+    "mode, options",
+    [
+        ("async", []),
+        ("async", ["--grad-dtype", "bfloat16", "--row-sparse"]),
+        ("async", ["--grad-dtype", "float16", "--momentum", "0.9"]),
+        ("async", ["--stale-lr", "--row-sparse"]),
+        ("async", ["--stale-bound", "4", "--grad-dtype", "float16"]),
+        ("consistent", []),
+        ("consistent", ["--grad-dtype", "bfloat16", "--row-sparse", "--momentum", "0.5"]),
+        ("sync", []),
+        ("sync", ["--grad-dtype", "float16", "--row-sparse"]),
+        ("sync", ["--momentum", "0.9", "--grad-dtype", "bfloat16"]),
+        ("elastic", ["--tau", "4"]),
+    ],
+)
+def test_every_mode_and_transport_trains_stops_and_counts(job, procs, mode, options):
+    server = _serve(procs, job, "--model", "table", "--n", N, "--mode", mode, "--learners", 2, "--lr", "0.001",
+                    *options)
+    learners = [_learn(procs, job, "--model", "table", "--n", N, "--value", v, "--steps", STEPS) for v in (1, 2)]
+    results = [read_line(l, 120) for l in learners]
+    for learner in learners:
+        finish(learner)
+    report = _stop(server)
+    assert [r["pushed"] for r in results] == [STEPS, STEPS]
+    assert report["heads"] == report["tails"]  # everything published was applied
+    published = sum(report["heads"])
+    if mode == "elastic":
+        assert published == 2 * STEPS // 4  # one exchange every tau steps
+    else:
+        assert published == 2 * STEPS - sum(r["dropped"] for r in results)
+    assert report["applied"] == published - sum(report["discarded"])  # discarded: later than a staleness bound
+    if mode == "sync":
+        assert published / 2 <= report["version"] <= published  # one version per round
+    else:
+        assert report["version"] == report["applied"]
+    assert np.isfinite([report["wmin"], report["wmax"]]).all()
+    assert inspect(job) is None  # stopped cleanly: the region is gone
+
+
+def test_sync_is_single_process_sgd_on_the_joint_mini_batch(job, procs, tmp_path):
+    learners, batch, steps, lr = 2, 4, 30, 0.1
+    dump = tmp_path / "weights.npy"
+    server = _serve(procs, job, "--model", "tokens", "--mode", "sync", "--learners", learners, "--lr", lr,
+                    "--row-sparse", "--dump", dump)
+    workers = [procs.worker("sync-train", job, "--rank", r, "--learners", learners, "--batch", batch,
+                            "--steps", steps) for r in range(learners)]
+    for worker in workers:
+        read_line(worker, 60)
+        assert read_line(worker, 120)["done"] == steps
+        finish(worker)
+    report = _stop(server)
+    assert report["version"] == steps and report["applied"] == steps * learners  # every round held both
+
+    model = Tokens()
+    tokens, labels = token_data(steps * learners * batch)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    for step in range(steps):
+        joint = slice(step * learners * batch, (step + 1) * learners * batch)
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(tokens[joint]), labels[joint]).backward()
+        optimizer.step()
+    expected = torch.cat([p.detach().view(-1) for p in model.parameters()]).numpy()
+    np.testing.assert_allclose(np.load(dump), expected, rtol=2e-5, atol=2e-6)
+
+
+def test_elastic_follows_the_two_easgd_equations(job, procs, tmp_path):
+    lr, alpha, tau, steps, value = 0.125, 0.25, 3, 30, 1.0
+    dump = tmp_path / "centre.npy"
+    # one slot: a learner reads the centre only after its last exchange was applied (deterministic)
+    server = _serve(procs, job, "--mode", "elastic", "--lr", lr, "--alpha", alpha, "--tau", tau, "--slots", 1,
+                    "--init", 1.0, "--dump", dump)
+    learner = _learn(procs, job, "--value", value, "--steps", steps)
+    result = read_line(learner, 60)
+    finish(learner)
+    report = _stop(server)
+    assert report["applied"] == steps // tau
+
+    centre, local = np.float32(1.0), np.float32(1.0)  # every element moves alike
+    for step in range(1, steps + 1):
+        local = np.float32(local - np.float32(lr) * np.float32(value))  # local SGD
+        if step % tau == 0:
+            seen = centre
+            centre = np.float32(centre + np.float32(alpha) * (local - centre))  # server: c += alpha (w - c)
+            local = np.float32(local - np.float32(alpha) * (local - seen))  # learner: w -= alpha (w - c)
+    np.testing.assert_allclose(np.load(dump), np.full(1000, centre, np.float32), rtol=1e-6)
+    assert result["weight0"] == pytest.approx(float(local), rel=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["consistent", "async"])
+def test_consistent_pulls_never_hold_half_an_update(job, procs, mode):
+    n = 2_000_000  # an update takes about as long as a pull's copy
+    server = _serve(procs, job, "--mode", mode, "--n", n, "--lr", 1.0, "--init", 0.0, "--learners", 2)
+    pusher = _learn(procs, job, "--n", n, "--value", 1, "--steps", 10**9, "--delay", 0.003)
+    reader = procs.worker("read", job, "--n", n, "--pulls", 150)
+    read_line(reader, 60)
+    result = read_line(reader, 120)
+    finish(reader)
+    pusher.send_signal(signal.SIGKILL)
+    _stop(server)
+    assert result["distinct"] > 10  # the pulls did see the weights move
+    if mode == "consistent":
+        assert result["torn"] == 0, result
+    else:
+        assert result["torn"] > 0, f"async pulls never tore in this setting, so the check proves nothing: {result}"
+
+
+@pytest.mark.parametrize("bound", [4, 0])
+def test_a_staleness_bound_holds_with_one_learner_slowed(job, procs, bound):
+    server = _serve(procs, job, "--learners", 3, "--stale-bound", bound, "--lr", "0.001")
+    fast = [_learn(procs, job, "--steps", 10**9) for _ in range(2)]
+    slow = _learn(procs, job, "--steps", 25, "--delay", 0.05)
+    slow_result = read_line(slow, 120)
+    finish(slow)
+    for learner in fast:
+        learner.send_signal(signal.SIGKILL)
+        learner.wait()
+    report = _stop(server)
+    worst = max(report["stale_max"])
+    if bound:
+        assert worst <= bound, report
+        assert slow_result["dropped"] > 0  # the slow learner's late gradients were not applied
+    else:
+        assert worst > 4, f"without a bound the slow learner was never late, so the bound proves nothing: {report}"
+
+
+def _in_process_job(job, **options):
+    server = gadei.Server(job, model=Flat(100, 1.0), learners=1, **options)
+    learner = gadei.Learner(Flat(100, 0.0), job).attach()
+    return server, learner
+
+
+def _push(server, learner, value, computed_on):
+    for p in learner.model.parameters():
+        p.grad.fill_(value)
+    learner._producer.publish(computed_on, 0, 1)
+    learner._push.bind()
+    server._update([server._take(0)])
+
+
+def test_momentum_matches_its_reference(job):
+    server, learner = _in_process_job(job, lr=0.5, momentum=0.9)
+    try:
+        grads = [np.full(100, v, np.float32) for v in (1.0, -2.0, 0.5, 3.0)]
+        for g in grads:
+            _push(server, learner, float(g[0]), server.version)
+        w, v = np.ones(100, np.float32), np.zeros(100, np.float32)
+        AsyncSGD.reference(w, grads, Options(lr=0.5, momentum=0.9), v)
+        np.testing.assert_array_equal(server.weights(), w)
+        np.testing.assert_array_equal(server.region.state, v)
+    finally:
+        learner.close()
+        server.close()
+
+
+def test_staleness_aware_learning_rate_divides_by_staleness(job):
+    server, learner = _in_process_job(job, lr=1.0, stale_lr=True)
+    try:
+        staleness = []
+        for computed_on in (0, 0, 0, 1):  # applied at versions 0, 1, 2, 3: staleness 0, 1, 2, 2
+            staleness.append(server.version - computed_on)
+            _push(server, learner, 1.0, computed_on)
+        w = np.ones(100, np.float32)
+        AsyncSGD.reference(w, [np.ones(100, np.float32)] * 4, Options(lr=1.0, stale_lr=True), staleness=staleness)
+        np.testing.assert_array_equal(server.weights(), w)
+        assert server.region.entry(0).get("stale_max") == 2
+    finally:
+        learner.close()
+        server.close()
+
+
+def test_options_a_mode_cannot_use_are_refused(job):
+    for mode, options, message in [
+        ("sync", {"stale_bound": 8}, "stale_lr and stale_bound apply to async and consistent"),
+        ("elastic", {"momentum": 0.9}, "momentum applies to async, consistent and sync"),
+        ("elastic", {"grad_dtype": "float16"}, "elastic mode pushes whole float32 weights"),
+        ("async", {"stale_bound": 2}, "stale_bound 2 is below the 8 learner rings"),
+        ("async", {"momentum": 1.5}, "momentum must be in"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            gadei.Server(job, model=Flat(100), mode=mode, **options)
+        assert inspect(job) is None  # nothing left behind
+    with pytest.raises(ValueError, match="row_sparse needs an nn.Embedding"):
+        gadei.Server(job, model=Flat(100), row_sparse=True)
+    with gadei.Server(job, model=Flat(100), mode="consistent"):
+        with pytest.raises(gadei.RegionMismatch, match="consistent mode: pull must be one of \\['copy'\\]"):
+            gadei.Learner(Flat(100), job, pull="view").attach()
