@@ -7,6 +7,11 @@ latency  push-to-applied time of 1 MB and 16 MB gradients (a learner publishes, 
 train    samples/s and test accuracy of the text CNN at mini-batch 1, 2 and 4: one learner
          + server against a plain single-process PyTorch loop, and two learners against
          PyTorch Hogwild with two processes (torch.multiprocessing, share_memory).
+transport  bytes per step and samples/s of float32, bfloat16 and row-sparse gradients
+         (text CNN, 20k x 128 embedding) at mini-batch 1, 2 and 4, and the test accuracy
+         each reaches on TREC and SST-2 with two learners after the same epochs.
+modes    test accuracy and samples/s of async, sync and elastic with two learners on TREC
+         after the same epochs.
 
 Every figure is the median of `--repeats` runs, the methods interleaved within each run so
 that the machine's noise falls on all of them alike; ratios are of the medians. The tables
@@ -210,7 +215,17 @@ def _default_data(args) -> str:
     return f"trec:{trec}" if (trec / "TREC.train").exists() else "generated"
 
 
-def _train_worker(kind, rank, world, batch, epochs, seed, lr, data, job, shared, barrier, queue):
+def _bench_model(workload, train, seed: int, vocab: int):
+    """The text CNN for `train`; with `vocab`, its embedding table has at least that many rows
+    (rows no sample touches stay as initialised, so accuracy does not change)."""
+    if not vocab:
+        return workload.build_model(train, seed)
+    from gadei_workloads import build_textcnn
+
+    return build_textcnn(max(vocab, len(train.vocab)), train.n_labels, seed=seed)
+
+
+def _train_worker(kind, rank, world, batch, epochs, seed, lr, data, vocab, job, shared, barrier, queue):
     """One training process of a `train` run: plain, hogwild or gadei."""
     torch.set_num_threads(1)
     from gadei_workloads import get
@@ -220,7 +235,7 @@ def _train_worker(kind, rank, world, batch, epochs, seed, lr, data, job, shared,
 
     workload = get("textcnn")
     train, _ = workload.load_data(data)
-    model = shared if shared is not None else workload.build_model(train, seed)
+    model = shared if shared is not None else _bench_model(workload, train, seed, vocab)
     model.train()
     learner = None
     if kind == "gadei":
@@ -249,32 +264,79 @@ def _train_worker(kind, rank, world, batch, epochs, seed, lr, data, job, shared,
     queue.put((rank, start, end, samples, state))
 
 
-def _run_train(kind, world, batch, epochs, seed, lr, data) -> dict:
+def _server_worker(job, data, seed, vocab, world, lr, options, failed):
+    """The server of a `gadei` run, through the Python API; stopped with `stop_job`."""
+    torch.set_num_threads(1)
+    from gadei_workloads import get
+
+    from .server import Server
+
+    try:
+        workload = get("textcnn")
+        train, _ = workload.load_data(data)
+        server = Server(job, model=_bench_model(workload, train, seed, vocab), learners=world, lr=lr, **options)
+    except Exception as err:
+        failed.put(f"{type(err).__name__}: {err}")
+        raise
+    try:
+        server.serve()
+    finally:
+        server.close()
+
+
+def _start_server(ctx, job, data, seed, vocab, world, lr, options, timeout: float = 120.0):
+    """Start `_server_worker` and wait until its region is up (or raise what it failed with)."""
+    from .errors import GadeiTimeout, RegionNotFound
+    from .region import Region
+
+    failed = ctx.Queue()
+    proc = ctx.Process(target=_server_worker, args=(job, data, seed, vocab, world, lr, options, failed))
+    proc.start()
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            Region.attach(job, readonly=True).close()
+            return proc
+        except (RegionNotFound, GadeiTimeout):
+            pass
+        if not proc.is_alive():
+            reason = failed.get(timeout=1) if not failed.empty() else f"exit code {proc.exitcode}"
+            raise RuntimeError(f"bench job {job!r}: the server did not start: {reason}")
+        if time.monotonic() >= deadline:
+            proc.kill()
+            raise TimeoutError(f"bench job {job!r}: the server published no region within {timeout:g} s")
+        time.sleep(0.02)
+
+
+def _run_train(kind, world, batch, epochs, seed, lr, data, *, vocab: int = 0, options: dict | None = None) -> dict:
+    """One timed training run; for `gadei`, `options` are the Server's mode and transport options.
+
+    Returns samples/s, seconds and test accuracy; for `gadei` also the bytes the server read
+    per gradient (`bytes_per_step`) and the final version.
+    """
     import torch.multiprocessing as mp
 
     from gadei_workloads import get
 
     from . import params
-    from .launch import LocalJob
-    from .region import Region
+    from .launch import stop_job
+    from .region import Region, remove
 
     ctx = mp.get_context("spawn")
     workload = get("textcnn")
     train, test = workload.load_data(data)
     shared = None
     if kind == "hogwild":
-        shared = workload.build_model(train, seed)
+        shared = _bench_model(workload, train, seed, vocab)
         shared.share_memory()
     job = f"bench-train-{os.getpid()}-{time.monotonic_ns() % 10**9}"
-    local = None
-    if kind == "gadei":
-        local = LocalJob(job, ["--workload", "textcnn", "--data", data, "--seed", str(seed), "--lr", str(lr),
-                               "--learners", str(world)], [])
-        local.start_server()
+    server = _start_server(ctx, job, data, seed, vocab, world, lr, options or {}) if kind == "gadei" else None
+    procs = []
+    extra = {}
     try:
         barrier, queue = ctx.Barrier(world), ctx.Queue()
         procs = [ctx.Process(target=_train_worker,
-                             args=(kind, r, world, batch, epochs, seed, lr, data, job, shared, barrier, queue))
+                             args=(kind, r, world, batch, epochs, seed, lr, data, vocab, job, shared, barrier, queue))
                  for r in range(world)]
         for p in procs:
             p.start()
@@ -282,23 +344,31 @@ def _run_train(kind, world, batch, epochs, seed, lr, data) -> dict:
         for p in procs:
             p.join(60)
         if kind == "plain":
-            model = workload.build_model(train, seed)
+            model = _bench_model(workload, train, seed, vocab)
             model.load_state_dict({k: torch.from_numpy(v) for k, v in results[0][4].items()})
         elif kind == "hogwild":
             model = shared
         else:
-            model = workload.build_model(train, seed)
+            model = _bench_model(workload, train, seed, vocab)
             with Region.attach(job, readonly=True) as region:
                 model.load_state_dict(params.state_dict(region.read_spec(), region.weights))
-            local.stop()
+                h = region.header
+                extra = {"bytes_per_step": h.get("applied_bytes") / max(1, h.get("applied")),
+                         "version": h.get("version")}
+            stop_job(job)
     finally:
-        if local is not None:
-            local.close()
+        for p in procs + ([server] if server else []):
+            p.join(30 if p is server else 0)
+            if p.is_alive():
+                p.kill()
+                p.join()
+                if p is server:
+                    remove(job)  # a killed server leaves its region behind
     start = min(r[1] for r in results)
     end = max(r[2] for r in results)
     samples = sum(r[3] for r in results)
     return {"samples_per_s": samples / (end - start), "seconds": end - start,
-            "test_accuracy": workload.evaluate(model, test)}
+            "test_accuracy": workload.evaluate(model, test), **extra}
 
 
 def bench_train(args) -> dict:
@@ -332,7 +402,102 @@ def bench_train(args) -> dict:
     return {"rows": records}
 
 
-BENCHES = {"kernel": bench_kernel, "latency": bench_latency, "train": bench_train}
+TRANSPORTS = {  # name -> the Server's transport options
+    "float32": {},
+    "bfloat16": {"grad_dtype": "bfloat16"},
+    "row-sparse": {"row_sparse": True},
+}
+_VOCAB = 20000  # embedding rows of the transport benchmark's text CNN (embedding width 128)
+
+
+def _shared_data(name: str) -> str | None:
+    """The spec of shared data set `name` ('trec', 'sst2') if it is on disk, else None."""
+    base = Path(settings().data_dir or Path.cwd().parent / "shared" / "data")
+    marker = {"trec": "TREC.train", "sst2": "stsa.binary.train"}[name]
+    return f"{name}:{base / name}" if (base / name / marker).exists() else None
+
+
+def _accuracy_runs(data: str, variants: dict, args, label: str) -> dict:
+    """Two learners, mini-batch 2, lr 0.05, `--accuracy-epochs` epochs, once per seed for each
+    variant (Server options), interleaved; the median accuracy and samples/s of each."""
+    epochs = 1 if args.quick else args.accuracy_epochs
+    runs = {name: [] for name in variants}
+    for repeat in range(args.repeats):
+        for name, options in variants.items():
+            result = _run_train("gadei", 2, 2, epochs, repeat, 0.05, data, options=options)
+            runs[name].append(result)
+            log.info("%s %s seed %d: accuracy %.3f, %.0f samples/s", label, name, repeat, result["test_accuracy"],
+                     result["samples_per_s"])
+    return {name: {"test_accuracy": _median([r["test_accuracy"] for r in rs]),
+                   "samples_per_s": _median([r["samples_per_s"] for r in rs]),
+                   "epochs": epochs, "runs": rs} for name, rs in runs.items()}
+
+
+def bench_transport(args) -> dict:
+    """Bytes per step and samples/s of each transport; accuracy of each on TREC and SST-2."""
+    data = _default_data(args)
+    batch_sizes = [2] if args.quick else [1, 2, 4]
+    out = {"speed": [], "accuracy": {}}
+    rows = []
+    for batch in batch_sizes:
+        runs = {name: [] for name in TRANSPORTS}
+        for repeat in range(args.repeats):
+            for name, options in TRANSPORTS.items():
+                result = _run_train("gadei", 1, batch, args.epochs, repeat, 0.01, data, vocab=_VOCAB, options=options)
+                runs[name].append(result)
+                log.info("transport batch %d %s: %.0f bytes/step, %.0f samples/s", batch, name,
+                         result["bytes_per_step"], result["samples_per_s"])
+        med = {name: {key: _median([r[key] for r in rs]) for key in ("bytes_per_step", "samples_per_s")}
+               for name, rs in runs.items()}
+        dense = med["float32"]
+        out["speed"].append({"batch": batch, "methods": med, "runs": runs,
+                             "fewer_bytes": {n: dense["bytes_per_step"] / m["bytes_per_step"] for n, m in med.items()}})
+        rows.append((batch,) + tuple(f"{m['bytes_per_step'] / MB:.2f} MB ({dense['bytes_per_step'] / m['bytes_per_step']:.1f}x"
+                                     f" fewer), {m['samples_per_s']:.0f}/s ({m['samples_per_s'] / dense['samples_per_s']:.2f}x)"
+                                     for m in med.values()))
+    print(f"\ntransport: text CNN, vocabulary {_VOCAB:,} x 128, one learner + server on {data}, {args.epochs} epoch(s), "
+          f"lr 0.01; bytes per step (fewer than float32) and samples/s (ratio to float32), median of {args.repeats} runs")
+    print(_table(("batch", *TRANSPORTS), rows))
+
+    rows = []
+    for name in ("trec", "sst2"):
+        spec = _shared_data(name) if not args.data or name == "trec" else None
+        if spec is None or (args.quick and name != "trec"):
+            print(f"\ntransport accuracy: {name} skipped ({'quick run' if spec else 'not found under GADEI_DATA_DIR'})")
+            continue
+        med = _accuracy_runs(spec, TRANSPORTS, args, f"transport {name}")
+        out["accuracy"][name] = med
+        base = med["float32"]["test_accuracy"]
+        rows.append((name,) + tuple(f"{m['test_accuracy']:.1%} ({100 * (m['test_accuracy'] - base):+.1f})"
+                                    for m in med.values()))
+    if rows:
+        epochs = 1 if args.quick else args.accuracy_epochs
+        print(f"\ntransport accuracy: two learners, batch 2, lr 0.05, {epochs} epoch(s); median test accuracy of "
+              f"{args.repeats} seeds (points from float32)")
+        print(_table(("data", *TRANSPORTS), rows))
+    return out
+
+
+MODES = {"async": {"mode": "async"}, "sync": {"mode": "sync"}, "elastic": {"mode": "elastic"}}
+
+
+def bench_modes(args) -> dict:
+    """Accuracy and samples/s of async, sync and elastic with two learners after the same epochs."""
+    data = _shared_data("trec") if not args.data else args.data
+    if data is None:
+        data = _default_data(args)
+    med = _accuracy_runs(data, MODES, args, "modes")
+    epochs = 1 if args.quick else args.accuracy_epochs
+    print(f"\nmodes: text CNN on {data}, two learners, batch 2, lr 0.05, {epochs} epoch(s), mode defaults "
+          f"(elastic: alpha 0.1, tau 4); median of {args.repeats} seeds")
+    print(_table(("mode", "test accuracy", "samples/s", "updates"),
+                 [(name, f"{m['test_accuracy']:.1%}", f"{m['samples_per_s']:.0f}",
+                   f"{_median([r['version'] for r in m['runs']]):,.0f}") for name, m in med.items()]))
+    return med
+
+
+BENCHES = {"kernel": bench_kernel, "latency": bench_latency, "train": bench_train, "transport": bench_transport,
+           "modes": bench_modes}
 
 
 def run_bench(args) -> int:

@@ -26,6 +26,13 @@ needs_trec = pytest.mark.skipif(
 )
 
 
+SST2_DIR = DATA_DIR / "sst2"
+needs_sst2 = pytest.mark.skipif(
+    not (SST2_DIR / "stsa.binary.train").is_file(),
+    reason=f"SST-2 data not found in {SST2_DIR} (set GADEI_DATA_DIR)",
+)
+
+
 def _write_trec(folder: Path, train: str, test: str) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "TREC.train").write_bytes(train.encode("latin-1"))
@@ -134,6 +141,25 @@ def test_generated_shape_matches_arguments():
     assert len(set(map(tuple, train.ids))) > 790  # sentences are not copies of each other
     with pytest.raises(ValueError, match="label_noise"):
         text.generate_topics(label_noise=1.5)
+
+
+@needs_sst2
+def test_sst2_counts_and_labels():
+    train, test = text.load(f"sst2:{SST2_DIR}")
+    assert (len(train), len(test)) == (6920, 1821)
+    assert train.label_names == ["0", "1"] and test.vocab is train.vocab
+    assert np.bincount(train.labels).tolist() == [3310, 3610]
+
+
+def test_sst2_bad_line_names_file_and_line(tmp_path):
+    (tmp_path / "stsa.binary.train").write_text("1 a fine film\n0\n", encoding="utf-8")
+    (tmp_path / "stsa.binary.test").write_text("1 good\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"stsa\.binary\.train:2: expected 'LABEL sentence'"):
+        text.load_sst2(tmp_path)
+    (tmp_path / "stsa.binary.train").write_text("1 a fine film\n", encoding="utf-8")
+    (tmp_path / "stsa.binary.test").write_text("2 good\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"label '2' does not occur"):
+        text.load_sst2(tmp_path)
 
 
 def test_load_spec():

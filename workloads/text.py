@@ -223,28 +223,39 @@ def _encode_split(
     return encode(train, "train"), encode(test, "test")
 
 
-def _read_trec_file(path: Path, encoding: str, fine: bool) -> list[tuple[list[str], str]]:
-    """Parses ``COARSE:fine question text`` lines into (tokens, label) pairs."""
+def _read_rows(path: Path, encoding: str, kind: str, expected: str, parse) -> list[tuple[list[str], str]]:
+    """Reads one sample per line: ``parse(line) -> (text, label)`` or None where the line is
+    not of the form ``expected``; returns (tokens, label) pairs. ``kind`` names the file in errors."""
     try:
         raw = path.read_bytes()
     except OSError as err:
-        raise FileNotFoundError(f"TREC file {str(path)!r}: {err.strerror}") from err
+        raise FileNotFoundError(f"{kind} file {str(path)!r}: {err.strerror}") from err
     rows = []
     # Split on b"\n" only: str.splitlines() would also split on Latin-1 control bytes.
     for lineno, line in enumerate(raw.decode(encoding).split("\n"), start=1):
         line = line.strip()
         if not line:
             continue
-        label, _, text = line.partition(" ")
-        coarse, colon, fine_label = label.partition(":")
-        if not (colon and coarse and fine_label and text.strip()):
-            raise ValueError(
-                f"{path}:{lineno}: expected 'COARSE:fine question text', got {line[:60]!r}"
-            )
-        rows.append((tokenize(text), label if fine else coarse))
+        parsed = parse(line)
+        if parsed is None or not parsed[0].strip():
+            raise ValueError(f"{path}:{lineno}: expected {expected!r}, got {line[:60]!r}")
+        rows.append((tokenize(parsed[0]), parsed[1]))
     if not rows:
         raise ValueError(f"{path}: no samples")
     return rows
+
+
+def _read_trec_file(path: Path, encoding: str, fine: bool) -> list[tuple[list[str], str]]:
+    """Parses ``COARSE:fine question text`` lines into (tokens, label) pairs."""
+
+    def parse(line: str):
+        label, _, text = line.partition(" ")
+        coarse, colon, fine_label = label.partition(":")
+        if colon and coarse and fine_label:
+            return text, label if fine else coarse
+        return None
+
+    return _read_rows(path, encoding, "TREC", "COARSE:fine question text", parse)
 
 
 def load_trec(
@@ -274,6 +285,34 @@ def load_trec(
     name = f"trec{'-fine' if fine else ''}:{folder}"
     return _encode_split(
         train, test, name=name, test_source=str(test_path), max_size=max_size, min_count=min_count
+    )
+
+
+def _read_labelled_lines(path: Path, encoding: str) -> list[tuple[list[str], str]]:
+    """Parses ``LABEL sentence`` lines (SST-2's ``stsa.binary.*``) into (tokens, label) pairs."""
+
+    def parse(line: str):
+        label, _, text = line.partition(" ")
+        return (text, label) if label else None
+
+    return _read_rows(path, encoding, "SST-2", "LABEL sentence", parse)
+
+
+def load_sst2(
+    folder: str | Path, *, max_size: int = 20000, min_count: int = 1
+) -> tuple[TextDataset, TextDataset]:
+    """Loads SST-2 (binary sentence sentiment, 6,920 train / 1,821 test; the dev split is unused).
+
+    ``folder`` holds ``stsa.binary.train`` and ``stsa.binary.test`` (UTF-8, one ``LABEL
+    sentence`` per line, label 0 or 1); the other arguments, the result and the errors are
+    those of :func:`load_trec`.
+    """
+    folder = Path(folder)
+    train_path, test_path = folder / "stsa.binary.train", folder / "stsa.binary.test"
+    train = _read_labelled_lines(train_path, "utf-8")
+    test = _read_labelled_lines(test_path, "utf-8")
+    return _encode_split(
+        train, test, name=f"sst2:{folder}", test_source=str(test_path), max_size=max_size, min_count=min_count
     )
 
 
@@ -426,7 +465,7 @@ def load(spec: str) -> tuple[TextDataset, TextDataset]:
 
     Args:
         spec: One of ``"generated"``, ``"generated:SEED"``, ``"trec:FOLDER"`` (6 coarse
-            labels) or ``"trec-fine:FOLDER"`` (50 fine labels).
+            labels), ``"trec-fine:FOLDER"`` (50 fine labels) or ``"sst2:FOLDER"``.
 
     Returns:
         ``(train, test)``.
@@ -445,9 +484,11 @@ def load(spec: str) -> tuple[TextDataset, TextDataset]:
         return generate_topics(seed=seed)
     if kind in ("trec", "trec-fine") and arg:
         return load_trec(arg, fine=kind == "trec-fine")
+    if kind == "sst2" and arg:
+        return load_sst2(arg)
     raise ValueError(
         f"data spec {spec!r} is not understood; use 'generated', 'generated:SEED', "
-        "'trec:FOLDER' or 'trec-fine:FOLDER'"
+        "'trec:FOLDER', 'trec-fine:FOLDER' or 'sst2:FOLDER'"
     )
 
 
