@@ -1,0 +1,252 @@
+"""Crash-safe checkpoint files of a job: where the watchdog puts what a restart needs.
+
+A checkpoint is one file, `ckpt-<n>.pt` in the job's checkpoint folder (n counts up with
+every checkpoint written there), that plain PyTorch reads without running pickled code:
+
+    ckpt = torch.load(path, weights_only=True)
+    model.load_state_dict(ckpt["model"])
+
+It holds the weights as a state dict (`model`), the version they are at and the gradients
+applied, the server's optimiser state (`optimizer`: the momentum buffer where the mode keeps
+one; EASGD's centre is the weights themselves), every learner's counters and the job's
+configuration (both JSON text), and a SHA-256 `checksum` over all of it.
+
+Writing is crash safe: the file is written under a temporary name, flushed and fsync'ed,
+renamed over its final name (atomic), and the folder is fsync'ed, so a crash at any instant
+leaves either no new checkpoint or a whole one. Only the last `keep` are kept. Reading
+verifies the checksum; `latest()` skips a checkpoint that fails it (with a warning) for the
+one before.
+"""
+
+import hashlib
+import json
+import logging
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import psutil
+import torch
+
+from .errors import GadeiError
+
+log = logging.getLogger(__name__)
+
+FORMAT = "gadei-checkpoint"
+FORMAT_VERSION = 1
+_NAME = re.compile(r"^ckpt-(\d{6,})\.pt$")
+_TMP = re.compile(r"^\.ckpt-\d{6,}\.pt\.tmp(\d+)$")
+
+
+class CheckpointError(GadeiError):
+    """A checkpoint could not be written, or a file is not a whole, valid checkpoint."""
+
+
+@dataclass
+class Checkpoint:
+    """What a job needs to go on from where it was.
+
+    Attributes:
+        job: the job's name.
+        version: the weights' version (updates applied to them, ever).
+        applied: gradients the server applied, ever.
+        model: the weights, parameter name -> float32 tensor (a state dict).
+        optimizer: the server's optimiser state, name -> float32 tensor (`momentum`).
+        config: the job's configuration (shape, mode, options), JSON-compatible.
+        learners: each learner entry's counters, JSON-compatible.
+        created: when it was taken (seconds since the epoch).
+        path: the file it was read from or written to.
+    """
+
+    job: str
+    version: int
+    applied: int
+    model: dict[str, torch.Tensor]
+    optimizer: dict[str, torch.Tensor] = field(default_factory=dict)
+    config: dict = field(default_factory=dict)
+    learners: list[dict] = field(default_factory=list)
+    created: float = field(default_factory=time.time)
+    path: Path | None = None
+
+    def checksum(self) -> str:
+        """SHA-256 of every field but `path`, in a fixed order."""
+        digest = hashlib.sha256()
+        for group in (self.model, self.optimizer):
+            for name in sorted(group):
+                tensor = group[name].detach().contiguous().cpu()
+                digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+                digest.update(tensor.numpy().tobytes())
+        digest.update(self._meta().encode())
+        return digest.hexdigest()
+
+    def _meta(self) -> str:
+        return json.dumps({"job": self.job, "version": self.version, "applied": self.applied,
+                           "config": self.config, "learners": self.learners, "created": self.created},
+                          sort_keys=True)
+
+    def to_dict(self) -> dict:
+        """The file's contents: tensors and plain values only (what `weights_only` loads)."""
+        return {
+            "format": FORMAT, "format_version": FORMAT_VERSION, "job": self.job, "version": self.version,
+            "applied": self.applied, "created": self.created, "model": self.model, "optimizer": self.optimizer,
+            "config": json.dumps(self.config, sort_keys=True), "learners": json.dumps(self.learners),
+            "checksum": self.checksum(),
+        }
+
+    def flat_weights(self, spec: list[tuple[str, tuple[int, ...]]]) -> np.ndarray:
+        """The weights as one float32 array laid out by `spec` (the region's order).
+
+        Raises:
+            CheckpointError: the checkpoint's parameters differ from `spec` (names the first).
+        """
+        parts = []
+        for name, shape in spec:
+            tensor = self.model.get(name)
+            if tensor is None or tuple(tensor.shape) != tuple(shape):
+                found = "missing" if tensor is None else f"shape {tuple(tensor.shape)}"
+                raise CheckpointError(f"checkpoint {self.path}: parameter {name!r} is {found}, the job has "
+                                      f"shape {tuple(shape)}")
+            parts.append(tensor.detach().reshape(-1).to(torch.float32).numpy())
+        return np.concatenate(parts) if parts else np.zeros(0, np.float32)
+
+
+def save(folder: str | os.PathLike, checkpoint: Checkpoint, keep: int = 3) -> Path:
+    """Write `checkpoint` crash safely as the next `ckpt-<n>.pt` in `folder`; keep the last `keep`.
+
+    Raises:
+        CheckpointError: the folder cannot be created or written (full, read-only, not
+            allowed): nothing new is left in it, and the checkpoints already there are kept.
+    """
+    if keep < 1:
+        raise ValueError(f"keep must be at least 1, not {keep!r}")
+    folder = Path(folder)
+    existing = listing(folder) if folder.is_dir() else []
+    number = int(_NAME.match(existing[-1].name).group(1)) + 1 if existing else 1
+    path = folder / f"ckpt-{number:06d}.pt"
+    tmp = folder / f".{path.name}.tmp{os.getpid()}"
+    writer = None
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        _remove_orphans(folder)
+        with open(tmp, "wb") as handle:
+            writer = _Writer(handle)
+            torch.save(checkpoint.to_dict(), writer)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(folder)
+    except (OSError, RuntimeError) as err:  # torch.save turns a failed write into a RuntimeError
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        cause = err if isinstance(err, OSError) or writer is None else writer.error or err
+        reason = cause.strerror if isinstance(cause, OSError) and cause.strerror else str(cause)
+        raise CheckpointError(f"job {checkpoint.job!r}: cannot write checkpoint {path}: {reason}") from cause
+    checkpoint.path = path
+    for old in listing(folder)[:-keep]:
+        try:
+            old.unlink()
+        except OSError as err:
+            log.warning("job %r: cannot remove old checkpoint %s: %s", checkpoint.job, old, err.strerror)
+    log.info("job %r: checkpoint %s at version %s", checkpoint.job, path, f"{checkpoint.version:,}")
+    return path
+
+
+class _Writer:
+    """A file for torch.save that remembers the OSError of a failed write (torch.save reports
+    only that the write failed, not why: no space, quota, file too large)."""
+
+    def __init__(self, handle):
+        self.handle, self.error = handle, None
+
+    def write(self, data) -> int:
+        try:
+            return self.handle.write(data)
+        except OSError as err:
+            self.error = err
+            raise
+
+    def flush(self) -> None:
+        self.handle.flush()
+
+
+def _remove_orphans(folder: Path) -> None:
+    """Remove temporary files of writers that died mid-write (their pid is gone)."""
+    for name in os.listdir(folder):
+        found = _TMP.match(name)
+        if found and not _pid_alive(int(found.group(1))):
+            try:
+                (folder / name).unlink()
+            except OSError:
+                pass
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def listing(folder: str | os.PathLike) -> list[Path]:
+    """The checkpoint files in `folder`, oldest first (temporary files are not listed)."""
+    folder = Path(folder)
+    try:
+        names = [name for name in os.listdir(folder) if _NAME.match(name)]
+    except FileNotFoundError:
+        return []
+    return [folder / name for name in sorted(names, key=lambda n: int(_NAME.match(n).group(1)))]
+
+
+def load(path: str | os.PathLike) -> Checkpoint:
+    """Read and verify one checkpoint file.
+
+    Raises:
+        CheckpointError: the file cannot be read, is not a gadei checkpoint, or fails its
+            checksum (the message says which).
+    """
+    path = Path(path)
+    try:
+        data = torch.load(path, weights_only=True, map_location="cpu")
+    except OSError as err:
+        raise CheckpointError(f"checkpoint {path}: {err.strerror or err}") from err
+    except Exception as err:  # a truncated or garbled file fails inside the unpickler or the zip reader
+        raise CheckpointError(f"checkpoint {path} is not readable ({type(err).__name__}: {err})") from err
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not a gadei checkpoint")
+    if data.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"checkpoint {path} has format version {data.get('format_version')!r}, this gadei "
+                              f"reads {FORMAT_VERSION}")
+    try:
+        checkpoint = Checkpoint(job=data["job"], version=int(data["version"]), applied=int(data["applied"]),
+                                model=dict(data["model"]), optimizer=dict(data["optimizer"]),
+                                config=json.loads(data["config"]), learners=json.loads(data["learners"]),
+                                created=float(data["created"]), path=path)
+    except (KeyError, TypeError, ValueError) as err:
+        raise CheckpointError(f"checkpoint {path} lacks or garbles field {err}") from err
+    if checkpoint.checksum() != data.get("checksum"):
+        raise CheckpointError(f"checkpoint {path} fails its checksum (a partial or damaged file)")
+    return checkpoint
+
+
+def latest(folder: str | os.PathLike) -> Checkpoint | None:
+    """The newest checkpoint in `folder` that verifies; one that does not is skipped with a
+    warning for the one before. None if there is none."""
+    for path in reversed(listing(folder)):
+        try:
+            return load(path)
+        except CheckpointError as err:
+            log.warning("skipping a bad checkpoint: %s", err)
+    return None
