@@ -18,13 +18,13 @@ verifies the checksum; `latest()` skips a checkpoint that fails it (with a warni
 one before.
 """
 
+import dataclasses
 import hashlib
 import json
 import logging
 import os
 import re
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -45,7 +45,7 @@ class CheckpointError(GadeiError):
     """A checkpoint could not be written, or a file is not a whole, valid checkpoint."""
 
 
-@dataclass
+@dataclasses.dataclass
 class Checkpoint:
     """What a job needs to go on from where it was.
 
@@ -65,10 +65,10 @@ class Checkpoint:
     version: int
     applied: int
     model: dict[str, torch.Tensor]
-    optimizer: dict[str, torch.Tensor] = field(default_factory=dict)
-    config: dict = field(default_factory=dict)
-    learners: list[dict] = field(default_factory=list)
-    created: float = field(default_factory=time.time)
+    optimizer: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    config: dict = dataclasses.field(default_factory=dict)
+    learners: list[dict] = dataclasses.field(default_factory=list)
+    created: float = dataclasses.field(default_factory=time.time)
     path: Path | None = None
 
     def checksum(self) -> str:
@@ -111,6 +111,75 @@ class Checkpoint:
                                       f"shape {tuple(shape)}")
             parts.append(tensor.detach().reshape(-1).to(torch.float32).numpy())
         return np.concatenate(parts) if parts else np.zeros(0, np.float32)
+
+
+_ENTRY_COUNTERS = ("head", "tail", "samples", "applied_samples", "pulls", "dropped", "discarded", "stale_sum",
+                   "stale_max", "pull_retries")
+
+
+def capture(region, timeout: float = 5.0) -> Checkpoint:
+    """A whole copy of a job's state from its region, taken between two updates.
+
+    With the server running, this asks it for a hold (it pauses between two updates, at
+    most the server's HOLD_LIMIT), copies while it holds, and lets it go: the server stalls
+    for the time of the copy. With the server gone or stopped nothing changes the weights,
+    and the copy is taken as it is (after a server killed during an update, that copy may
+    hold part of that update: restart from a checkpoint taken before instead).
+
+    Raises:
+        CheckpointError: another checkpoint holds the server, the server did not pause
+            within `timeout`, or it went on before the copy was done.
+    """
+    from . import _native
+    from .layout import SERVING, STOPPING
+
+    h = region.header
+    if not (region.server_alive() and h.get("run_state") in (SERVING, STOPPING)):
+        return _copy(region)
+    if not h.cas("hold", 0, 1):
+        raise CheckpointError(f"job {region.job!r}: another checkpoint is being taken")
+    try:
+        _native.add32(h.addr("doorbell"), 1)  # a sleeping server wakes up to see the hold
+        _native.futex_wake(h.addr("doorbell"), 1)
+        deadline = time.monotonic() + timeout
+        while not _native.load32(h.addr("held")):
+            left = deadline - time.monotonic()
+            if left <= 0 or not region.server_alive():
+                raise CheckpointError(f"job {region.job!r}: the server did not pause for a checkpoint within "
+                                      f"{timeout:g} s")
+            _native.futex_wait(h.addr("held"), 0, min(0.1, left))
+        epoch = h.get("hold_epoch")
+        copy = _copy(region)
+        if not (_native.load32(h.addr("held")) and h.get("hold_epoch") == epoch):
+            raise CheckpointError(f"job {region.job!r}: the server went on before the checkpoint copy was done")
+        return copy
+    finally:
+        h.cas("hold", 1, 0)
+        _native.futex_wake(h.addr("hold"), 1 << 30)
+
+
+def _copy(region) -> Checkpoint:
+    """The job's state as it is in `region` now (whole only while nothing updates it)."""
+    from . import params
+    from .modes import read_options
+
+    h, shape = region.header, region.shape
+    version, applied = h.get("version"), h.get("applied")
+    weights = np.array(region.weights, dtype=np.float32, copy=True)
+    state = region.state
+    optimizer = {"momentum": torch.from_numpy(np.array(state, copy=True))} if state is not None else {}
+    spec = region.read_spec()
+    model = params.state_dict(spec, weights) if spec else {"weights": torch.from_numpy(weights)}
+    learners = [{name: region.entry(i).get(name) for name in _ENTRY_COUNTERS} for i in range(shape.capacity)]
+    config = {
+        "job": region.job, "mode": shape.mode, "n_params": shape.n_params, "grad_dtype": shape.grad_dtype,
+        "learners": shape.capacity, "slots": shape.slots, "state_array": shape.state_array,
+        "sparse": [[t.offset, t.rows, t.width, t.max_rows] for t in shape.sparse],
+        "spec": [[name, list(dims)] for name, dims in spec] if spec else None,
+        "options": dataclasses.asdict(read_options(region)),
+    }
+    return Checkpoint(job=region.job, version=version, applied=applied, model=model, optimizer=optimizer,
+                      config=config, learners=learners)
 
 
 def save(folder: str | os.PathLike, checkpoint: Checkpoint, keep: int = 3) -> Path:

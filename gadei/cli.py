@@ -74,6 +74,13 @@ def cmd_serve(args) -> int:
         model = _workload_model(args)[3]
     elif args.model:
         model = _factory_model(args.model)
+    resume = None
+    if args.resume:
+        from . import checkpoint
+
+        resume = checkpoint.latest(args.resume)
+        if resume is None:
+            raise GadeiError(f"--resume {args.resume}: no checkpoint there that reads and verifies")
     server = Server(
         args.job,
         model=model,
@@ -94,6 +101,7 @@ def cmd_serve(args) -> int:
         threads=args.threads,
         spin_us=args.spin_us,
         replace=args.replace,
+        resume=resume,
     )
     try:
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -101,6 +109,8 @@ def cmd_serve(args) -> int:
         print(f"gadei: serving job {args.job!r} (pid {os.getpid()}); stop it with `gadei stop {args.job}`",
               file=sys.stderr, flush=True)
         report = server.serve(grace=args.grace)
+        if args.checkpoint_dir:
+            server.write_checkpoint(args.checkpoint_dir, keep=args.keep)
         if args.save:
             server.save(args.save)
         if args.json:
@@ -301,6 +311,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--replace", action="store_true", help="replace a region left behind by a crashed server")
     p.add_argument("--grace", type=float, default=5.0, help="seconds to wait for learners to leave on stop")
     p.add_argument("--save", help="write the final weights here (a state dict torch.load reads)")
+    p.add_argument("--checkpoint-dir", help="write a checkpoint here when the job stops cleanly")
+    p.add_argument("--keep", type=int, default=3, help="checkpoints kept in --checkpoint-dir (default 3)")
+    p.add_argument("--resume", metavar="DIR", help="go on from the newest valid checkpoint in DIR (weights, "
+                   "version, momentum); the model must match")
     p.add_argument("--json", action="store_true", help="print a JSON line when stopped")
     p.set_defaults(func=cmd_serve)
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 MAGIC = 0x31304945_44414701  # bytes b"\x01GADEI01" in little-endian order
-LAYOUT_VERSION = 2
+LAYOUT_VERSION = 3
 PAGE = 4096
 LINE = 64
 NAME_BYTES = 64
@@ -148,6 +148,13 @@ HEADER, HEADER_BYTES = _record(
         ("watchdog_start", "f64"),
         ("watchdog_beat", "u64"),
         ("checkpointed_version", "u64"),
+        _LINE_BREAK,
+        # checkpoint hold: a checkpointer sets hold (0 -> 1), the server pauses between two
+        # updates and says so in held until hold is 0 again or HOLD_LIMIT passed; each pause
+        # that ends bumps hold_epoch (a copy is whole if held stayed 1 and the epoch did not move)
+        ("hold", "u32"),
+        ("held", "u32"),
+        ("hold_epoch", "u64"),
     ]
 )
 

@@ -23,7 +23,9 @@ import numpy as np
 import torch
 
 from . import _native, _proc, params
+from .checkpoint import Checkpoint
 from .env import settings
+from .errors import RegionMismatch
 from .layout import (
     ACTIVE,
     HIST_BUCKETS,
@@ -41,6 +43,7 @@ log = logging.getLogger(__name__)
 
 BEAT_INTERVAL = 0.05  # seconds between heartbeats while gradients flow
 _BEAT_NS = int(BEAT_INTERVAL * 1e9)
+HOLD_LIMIT = 2.0  # seconds the server stays paused for a checkpoint before it goes on without it
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,9 @@ class Server:
         spin_us: microseconds to spin for the next gradient before sleeping, while the server
             has a core of its own (GADEI_SPIN_US).
         replace: replace a region left behind by a crashed server instead of refusing.
+        resume: a checkpoint (`gadei.checkpoint.load` / `latest`) to go on from: its
+            weights, version, gradients applied and momentum replace the initial ones. Its
+            parameters must be the job's (names and shapes).
     """
 
     def __init__(
@@ -99,6 +105,7 @@ class Server:
         threads: int | None = None,
         spin_us: float | None = None,
         replace: bool = False,
+        resume: Checkpoint | None = None,
     ):
         if (model is None) == (n_params is None):
             raise ValueError("give the server either a model or n_params, not both or neither")
@@ -139,6 +146,8 @@ class Server:
                 self.region.write_spec(spec)
                 params.flatten_into(model, self.region.weights)
                 h.set("init", INIT_READY)
+            if resume is not None:
+                self._resume(resume, spec)
             self.rule = make_rule(mode, self.region, self.options, self.threads)
             self._consumer = Consumer(self.region)
             self._slot_headers = [
@@ -158,6 +167,7 @@ class Server:
         self._applied_addr = h.addr("applied")
         self._bytes_addr = h.addr("applied_bytes")
         self._beat_addr = h.addr("server_beat")
+        self._hold_addr = h.addr("hold")
         self._closed = False
         transport = grad_dtype + (f", {len(sparse)} row-sparse tables" if sparse else "")
         log.info(
@@ -165,6 +175,30 @@ class Server:
             "%d kernel threads", job, f"{shape.n_params:,}", _mb(shape.n_params * 4), mode, transport,
             shape.capacity, slots, lr, self.threads,
         )
+
+    def _resume(self, checkpoint: Checkpoint, spec) -> None:
+        """Put a checkpoint's weights, version and optimiser state in the new region."""
+        h = self.region.header
+        saved = checkpoint.config.get("spec")
+        if spec is None and saved:  # the job was served with n_params only: the checkpoint has the names
+            spec = [(name, tuple(dims)) for name, dims in saved]
+            self.region.write_spec(spec)
+        if spec is not None:
+            weights = checkpoint.flat_weights(spec)
+        else:
+            weights = checkpoint.model["weights"].numpy()
+        if weights.size != self.region.shape.n_params:
+            raise RegionMismatch(f"job {self.job!r}: checkpoint {checkpoint.path} holds {weights.size:,} parameters, "
+                                 f"the job has {self.region.shape.n_params:,}")
+        self.region.weights[:] = weights
+        state, momentum = self.region.state, checkpoint.optimizer.get("momentum")
+        if state is not None and momentum is not None:
+            state[:] = momentum.numpy()
+        h.set("version", checkpoint.version)
+        h.set("applied", checkpoint.applied)
+        h.set("checkpointed_version", checkpoint.version)
+        h.set("init", INIT_READY)
+        log.info("job %r: resumed from %s at version %s", self.job, checkpoint.path, f"{checkpoint.version:,}")
 
     # ------------------------------------------------------------------ the apply loop
 
@@ -204,6 +238,8 @@ class Server:
         next_beat, spin_ns = 0, 0
         flowing = False  # the last look found a gradient: spin for the next one before sleeping
         while _native.load32(state_addr) == SERVING:
+            if _native.load32(self._hold_addr):
+                self._pause()
             learner = consumer.poll(spin_ns if flowing else 0)
             if learner < 0:
                 self._beat()
@@ -225,6 +261,8 @@ class Server:
         consumer = self._consumer
         drop_ns = int(self.options.drop_after * 1e9)
         while _native.load32(state_addr) == SERVING:
+            if _native.load32(self._hold_addr):
+                self._pause()
             members = self._members(drop_ns)
             taken: dict[int, Gradient] = {}
             while True:
@@ -245,6 +283,8 @@ class Server:
                     break
                 if any(consumer.tail(m) < consumer.head(m) for m in waiting):
                     continue
+                if _native.load32(self._hold_addr):
+                    self._pause()  # between rounds' updates the weights are whole
                 self._beat()
                 consumer.sleep(WAIT_SLICE)
             if taken:
@@ -269,6 +309,8 @@ class Server:
         deadline = time.monotonic() + grace
         consumer = self._consumer
         while True:
+            if _native.load32(self._hold_addr):
+                self._pause()
             learner = consumer.poll(0)
             if learner >= 0:
                 self._update([self._take(learner)])
@@ -323,6 +365,30 @@ class Server:
         if _native.load32(self._waiters_addr):
             _native.futex_wake(self._version_addr, 1 << 30)
 
+    def _pause(self) -> None:
+        """A checkpointer asked for a hold: stay between two updates until it lets go.
+
+        The server never waits on anyone for long: after HOLD_LIMIT seconds it takes the
+        hold back itself and goes on (the checkpointer sees the epoch moved and drops its
+        copy).
+        """
+        h = self.region.header
+        held_addr = h.addr("held")
+        _native.store32(held_addr, 1)
+        _native.futex_wake(held_addr, 1 << 30)
+        deadline = time.monotonic() + HOLD_LIMIT
+        while _native.load32(self._hold_addr):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                if h.cas("hold", 1, 0):
+                    log.warning("job %r: a checkpoint held the server for more than %g s: going on without it",
+                                self.job, HOLD_LIMIT)
+                break
+            _native.futex_wait(self._hold_addr, 1, min(WAIT_SLICE, left))
+            self._beat()
+        h.add("hold_epoch", 1)
+        _native.store32(held_addr, 0)
+
     def _beat(self) -> None:
         _native.store64(self._beat_addr, time.monotonic_ns())
 
@@ -353,6 +419,19 @@ class Server:
         torch.save(self.state_dict(), tmp)
         os.replace(tmp, path)
         log.info("job %r: saved weights of version %s to %s", self.job, f"{self.version:,}", path)
+
+    def write_checkpoint(self, folder: str, keep: int = 3):
+        """Write a checkpoint of the job now (between two updates: call it from the serving
+        thread, e.g. after `serve` returned) into `folder`, keeping the last `keep`; its path.
+
+        Raises:
+            CheckpointError: the folder cannot be written (nothing is left half-written).
+        """
+        from . import checkpoint
+
+        path = checkpoint.save(folder, checkpoint._copy(self.region), keep=keep)
+        self.region.header.set("checkpointed_version", self.version)
+        return path
 
     def close(self) -> None:
         """Mark the job stopped, wake every waiter, unlink and unmap the region."""

@@ -1,5 +1,6 @@
-"""Checkpoint files: plain PyTorch reads them, a damaged or partial one is never taken,
-a writer killed mid-write or out of space leaves the earlier checkpoints whole."""
+"""Checkpoints: plain PyTorch reads the files; a damaged or partial one is never taken; a
+writer killed mid-write or out of space leaves the earlier checkpoints whole; a checkpoint
+of a training job holds whole updates only; a resumed job applies nothing twice."""
 
 import logging
 import os
@@ -10,10 +11,14 @@ import time
 
 import pytest
 import torch
-from conftest import finish, read_line
 
+import gadei
+from conftest import communicate, finish, read_line, wait_for
 from gadei import checkpoint
 from gadei.checkpoint import Checkpoint, CheckpointError
+from gadei.region import Region, inspect
+from gadei.server import HOLD_LIMIT
+from worker import Flat
 
 
 def _model(seed: int = 0) -> torch.nn.Module:
@@ -147,3 +152,87 @@ def test_a_folder_that_cannot_be_written_is_a_clear_error(tmp_path):
     with pytest.raises(CheckpointError, match=r"job 'ckpt-test': cannot write checkpoint .*not-a-folder/sub/ckpt-000001.pt: Not a directory"):
         checkpoint.save(blocker / "sub", _checkpoint())
     assert blocker.read_text().startswith("a file")
+
+
+# --- taking a checkpoint of a running job ---------------------------------------------
+
+N = 2_000_000  # 8 MB of weights: an update takes long enough for a plain copy to overlap one
+
+
+def _whole(ckpt: Checkpoint) -> bool:
+    """Every weight is what `version` updates of gradient 1.0 at lr 0.125 make of 1.0."""
+    expected = 1.0 - 0.125 * ckpt.version
+    return all(bool((t == expected).all()) for t in ckpt.model.values())
+
+
+def _training(procs, job, mode):
+    server = procs.worker("serve", job, "--n", N, "--lr", 0.125, "--mode", mode, "--learners", 2, "--threads", 1)
+    read_line(server, 60)
+    learners = [procs.worker("push", job, "--n", N, "--steps", 10**9) for _ in range(2)]
+    for learner in learners:
+        read_line(learner, 60)
+        read_line(learner, 60)
+    return server
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_a_capture_while_training_holds_whole_updates_only(job, procs, mode):
+    _training(procs, job, mode)
+    with Region.attach(job) as region:
+        wait_for(lambda: region.header.get("version") > 5, 60, "updates to flow")
+        captured = [checkpoint.capture(region) for _ in range(15)]
+        plain = [checkpoint._copy(region) for _ in range(15)]  # no hold: the same copy, racing the server
+        assert region.header.get("hold") == 0 and region.header.get("held") == 0
+        after = region.header.get("version")
+    assert all(_whole(c) for c in captured), [c.version for c in captured if not _whole(c)]
+    assert len({c.version for c in captured}) > 1 and captured[-1].version <= after  # training went on between
+    assert not all(_whole(c) for c in plain), "plain copies never tore: the check above proves nothing"
+
+
+def test_the_server_goes_on_when_a_checkpointer_dies_holding_it(job, procs):
+    _training(procs, job, "async")
+    with Region.attach(job) as region:
+        h = region.header
+        wait_for(lambda: h.get("version") > 5, 60, "updates to flow")
+        epoch = h.get("hold_epoch")
+        assert h.cas("hold", 0, 1)  # asked for a hold and never let go, as a killed checkpointer would
+        wait_for(lambda: h.get("held") == 1, 10, "the server to pause")
+        paused_at = h.get("version")
+        wait_for(lambda: h.get("version") > paused_at, HOLD_LIMIT + 10, "the server to go on")
+        assert h.get("hold") == 0 and h.get("hold_epoch") == epoch + 1
+        assert _whole(checkpoint.capture(region))  # and the next checkpoint works
+
+
+def test_a_job_resumed_from_its_checkpoint_goes_on_where_it_stopped(job, procs, tmp_path):
+    """Nothing is applied twice or lost across a stop and a resume: the final weights are
+    exactly those of every step applied once."""
+    steps = []
+    for run, extra in enumerate((["--checkpoint-dir", tmp_path], ["--resume", tmp_path, "--checkpoint-dir", tmp_path])):
+        server = procs.worker("serve", job, "--n", 1000, "--lr", 0.125, "--learners", 2, *extra)
+        read_line(server, 60)
+        learner = procs.worker("push", job, "--n", 1000, "--steps", 40 + run)
+        steps.append(40 + run)
+        assert read_line(learner, 60) and read_line(learner, 60)  # attaching, attached
+        read_line(learner, 120)
+        finish(learner)
+        server.send_signal(signal.SIGTERM)
+        report = read_line(server, 60)
+        finish(server)
+        assert report["version"] == sum(steps) and report["wmin"] == report["wmax"] == 1.0 - 0.125 * sum(steps)
+        saved = checkpoint.latest(tmp_path)  # written at the clean stop
+        assert saved.version == saved.applied == sum(steps) and _whole(saved)
+    assert [p.name for p in checkpoint.listing(tmp_path)] == ["ckpt-000001.pt", "ckpt-000002.pt"]
+
+
+def test_resuming_from_a_checkpoint_of_another_model_is_refused_and_leaves_no_region(job, tmp_path):
+    checkpoint.save(tmp_path, _checkpoint())
+    with pytest.raises(CheckpointError, match=r"parameter 'weight' is missing"):
+        gadei.Server(job, model=Flat(100), resume=checkpoint.latest(tmp_path))
+    assert inspect(job) is None
+
+
+def test_serve_resume_without_a_valid_checkpoint_is_a_clear_error(job, procs, tmp_path):
+    (tmp_path / "ckpt-000001.pt").write_bytes(b"not a checkpoint")
+    out, err = communicate(procs.gadei("serve", job, "--params", 10, "--resume", tmp_path), 60)
+    assert f"--resume {tmp_path}: no checkpoint there that reads and verifies" in err
+    assert "skipping a bad checkpoint" in err

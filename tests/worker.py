@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 import gadei
+from gadei import checkpoint
 from gadei.layout import ACTIVE
 
 TABLE_ROWS, TABLE_WIDTH = 64, 16
@@ -91,12 +92,14 @@ def serve(args) -> int:
         args.job, model=MODELS[args.model](args.n, args.init), mode=args.mode, lr=args.lr, momentum=args.momentum,
         stale_lr=args.stale_lr, stale_bound=args.stale_bound, alpha=args.alpha, tau=args.tau,
         grad_dtype=args.grad_dtype, row_sparse=args.row_sparse, learners=args.learners, slots=args.slots,
-        threads=args.threads,
+        threads=args.threads, resume=checkpoint.latest(args.resume) if args.resume else None,
     )
     signal.signal(signal.SIGTERM, lambda *_: server.request_stop())
     print(json.dumps({"ready": os.getpid()}), flush=True)
     try:
         report = server.serve(grace=args.grace)
+        if args.checkpoint_dir:
+            server.write_checkpoint(args.checkpoint_dir)
         weights = server.weights()
         if args.dump:
             np.save(args.dump, weights)
@@ -229,6 +232,8 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--grace", type=float, default=5.0)
     p.add_argument("--dump")
+    p.add_argument("--checkpoint-dir")
+    p.add_argument("--resume")
     p.set_defaults(func=serve)
     p = sub.add_parser("push")
     p.add_argument("job")
