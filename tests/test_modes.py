@@ -16,9 +16,9 @@ import pytest
 import torch
 
 import gadei
-from conftest import finish, read_line
+from conftest import finish, read_line, wait_for
 from gadei.modes import AsyncSGD, Options
-from gadei.region import inspect
+from gadei.region import Region, inspect
 from worker import Flat, Tokens, token_data
 
 N = 20_000
@@ -109,6 +109,30 @@ def test_sync_is_single_process_sgd_on_the_joint_mini_batch(job, procs, tmp_path
         optimizer.step()
     expected = torch.cat([p.detach().view(-1) for p in model.parameters()]).numpy()
     np.testing.assert_allclose(np.load(dump), expected, rtol=2e-5, atol=2e-6)
+
+
+def test_sync_leaves_a_stalled_learner_out_and_takes_it_back(job, procs):
+    """A learner stopped longer than drop_after is left out of the rounds, the other goes on
+    alone, and once continued it rejoins; no round is corrupted: every round moves the weights
+    by lr x the mean gradient (1.0), so they stay exactly 1 - lr x version."""
+    server = _serve(procs, job, "--mode", "sync", "--learners", 2, "--drop-after", 1.0)
+    learners = [_learn(procs, job, "--steps", 10**9, "--wait-learners", 2) for _ in range(2)]
+    with Region.attach(job, readonly=True) as region:
+        version = lambda: region.header.get("version")  # noqa: E731
+        stalled = region.entry(1).get
+        wait_for(lambda: version() > 20, 60, "rounds with both learners")
+        learners[1].send_signal(signal.SIGSTOP)
+        alone_from = version()
+        wait_for(lambda: version() > alone_from + 50, 60, "rounds without the stalled learner")
+        learners[1].send_signal(signal.SIGCONT)
+        head = stalled("head")
+        wait_for(lambda: stalled("head") > head + 20, 60, "the continued learner to take part again")
+    report = _stop(server)
+    for learner in learners:
+        finish(learner)
+    assert report["heads"] == report["tails"] and report["applied"] == sum(report["heads"])
+    assert report["wmin"] == report["wmax"] == 1.0 - 0.125 * report["version"]
+    assert report["version"] < report["applied"]  # most rounds held both learners
 
 
 def test_elastic_follows_the_two_easgd_equations(job, procs, tmp_path):

@@ -90,7 +90,7 @@ def make_model() -> Flat:
 def serve(args) -> int:
     server = gadei.Server(
         args.job, model=MODELS[args.model](args.n, args.init), mode=args.mode, lr=args.lr, momentum=args.momentum,
-        stale_lr=args.stale_lr, stale_bound=args.stale_bound, alpha=args.alpha, tau=args.tau,
+        stale_lr=args.stale_lr, stale_bound=args.stale_bound, alpha=args.alpha, tau=args.tau, drop_after=args.drop_after,
         grad_dtype=args.grad_dtype, row_sparse=args.row_sparse, learners=args.learners, slots=args.slots,
         threads=args.threads, resume=checkpoint.latest(args.resume) if args.resume else None,
     )
@@ -231,6 +231,7 @@ def main(argv=None) -> int:
     p.add_argument("--slots", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--grace", type=float, default=5.0)
+    p.add_argument("--drop-after", type=float, default=10.0)
     p.add_argument("--dump")
     p.add_argument("--checkpoint-dir")
     p.add_argument("--resume")
