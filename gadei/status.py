@@ -191,7 +191,8 @@ def format_table(status: JobStatus, rate: Rates | None) -> str:
         + "".join(f", {k} {v:g}" for k, v in options.items()) + f"; {status.threads} kernel threads",
         f"  weights: {status.n_params:,} parameters ({status.n_params * 4 / 1e6:.1f} MB), {transport} gradients, "
         f"version {status.version:,}, {status.applied:,} gradients applied"
-        + (f", {rate.updates:,.1f} updates/s, {rate.bytes / 1e9:.2f} GB/s of gradients" if rate else ""),
+        + (f", {rate.updates:,.1f} updates/s, {rate.bytes / 1e9:.2f} GB/s of gradients" if rate else "")
+        + (f"; last checkpoint at version {status.checkpointed_version:,}" if status.checkpointed_version else ""),
         f"  learners: {len(status.learners)} of {status.capacity} entries, {status.slots} slots per ring",
     ]
     if status.learners:
