@@ -8,8 +8,9 @@ train    samples/s and test accuracy of the text CNN at mini-batch 1, 2 and 4: o
          + server against a plain single-process PyTorch loop, and two learners against
          PyTorch Hogwild with two processes (torch.multiprocessing, share_memory).
 transport  bytes per step and samples/s of float32, bfloat16 and row-sparse gradients
-         (text CNN, 20k x 128 embedding) at mini-batch 1, 2 and 4, and the test accuracy
-         each reaches on TREC and SST-2 with two learners after the same epochs.
+         (text CNN, 20k x 128 embedding, one learner + server) at mini-batch 1, 2 and 4.
+accuracy the test accuracy each of those transports reaches on TREC and SST-2 with two
+         learners after the same epochs (mean and range over seeds).
 modes    test accuracy and samples/s of async, sync and elastic with two learners on TREC
          after the same epochs.
 
@@ -419,7 +420,9 @@ def _shared_data(name: str) -> str | None:
 
 def _accuracy_runs(data: str, variants: dict, args, label: str) -> dict:
     """Two learners, mini-batch 2, lr 0.05, `--accuracy-epochs` epochs, once per seed for each
-    variant (Server options), interleaved; the median accuracy and samples/s of each."""
+    variant (Server options), interleaved; the mean, median and range of each one's test
+    accuracy over the seeds (the mean: seeds move the accuracy by a point or two either way,
+    and the median of a few such values jumps by as much), and its median samples/s."""
     epochs = 1 if args.quick else args.accuracy_epochs
     runs = {name: [] for name in variants}
     for repeat in range(args.repeats):
@@ -428,16 +431,27 @@ def _accuracy_runs(data: str, variants: dict, args, label: str) -> dict:
             runs[name].append(result)
             log.info("%s %s seed %d: accuracy %.3f, %.0f samples/s", label, name, repeat, result["test_accuracy"],
                      result["samples_per_s"])
-    return {name: {"test_accuracy": _median([r["test_accuracy"] for r in rs]),
+    return {name: {"test_accuracy": statistics.mean(r["test_accuracy"] for r in rs),
+                   "median_accuracy": _median([r["test_accuracy"] for r in rs]),
+                   "min_accuracy": min(r["test_accuracy"] for r in rs),
+                   "max_accuracy": max(r["test_accuracy"] for r in rs),
                    "samples_per_s": _median([r["samples_per_s"] for r in rs]),
                    "epochs": epochs, "runs": rs} for name, rs in runs.items()}
 
 
+def _accuracy_cell(m: dict, base: dict | None = None) -> str:
+    """'mean (min-max)' of a variant's test accuracy, and its difference from `base` in points."""
+    cell = f"{m['test_accuracy']:.1%} ({m['min_accuracy']:.1%}-{m['max_accuracy']:.1%})"
+    if base is not None:
+        cell += f" {100 * (m['test_accuracy'] - base['test_accuracy']):+.1f}"
+    return cell
+
+
 def bench_transport(args) -> dict:
-    """Bytes per step and samples/s of each transport; accuracy of each on TREC and SST-2."""
+    """Bytes per step and samples/s of each transport, one learner + server."""
     data = _default_data(args)
     batch_sizes = [2] if args.quick else [1, 2, 4]
-    out = {"speed": [], "accuracy": {}}
+    out = {"speed": []}
     rows = []
     for batch in batch_sizes:
         runs = {name: [] for name in TRANSPORTS}
@@ -458,22 +472,24 @@ def bench_transport(args) -> dict:
     print(f"\ntransport: text CNN, vocabulary {_VOCAB:,} x 128, one learner + server on {data}, {args.epochs} epoch(s), "
           f"lr 0.01; bytes per step (fewer than float32) and samples/s (ratio to float32), median of {args.repeats} runs")
     print(_table(("batch", *TRANSPORTS), rows))
+    return out
 
-    rows = []
+
+def bench_accuracy(args) -> dict:
+    """Test accuracy of each transport on TREC and SST-2 after the same epochs."""
+    out, rows = {}, []
     for name in ("trec", "sst2"):
-        spec = _shared_data(name) if not args.data or name == "trec" else None
+        spec = _shared_data(name)
         if spec is None or (args.quick and name != "trec"):
-            print(f"\ntransport accuracy: {name} skipped ({'quick run' if spec else 'not found under GADEI_DATA_DIR'})")
+            print(f"\naccuracy: {name} skipped ({'quick run' if spec else 'not found under GADEI_DATA_DIR'})")
             continue
-        med = _accuracy_runs(spec, TRANSPORTS, args, f"transport {name}")
-        out["accuracy"][name] = med
-        base = med["float32"]["test_accuracy"]
-        rows.append((name,) + tuple(f"{m['test_accuracy']:.1%} ({100 * (m['test_accuracy'] - base):+.1f})"
-                                    for m in med.values()))
+        med = _accuracy_runs(spec, TRANSPORTS, args, f"accuracy {name}")
+        out[name] = med
+        rows.append((name,) + tuple(_accuracy_cell(m, med["float32"]) for m in med.values()))
     if rows:
         epochs = 1 if args.quick else args.accuracy_epochs
-        print(f"\ntransport accuracy: two learners, batch 2, lr 0.05, {epochs} epoch(s); median test accuracy of "
-              f"{args.repeats} seeds (points from float32)")
+        print(f"\naccuracy: text CNN, two learners, batch 2, lr 0.05, {epochs} epoch(s); test accuracy, mean "
+              f"(min-max) of {args.repeats} seeds, and points from float32")
         print(_table(("data", *TRANSPORTS), rows))
     return out
 
@@ -489,15 +505,15 @@ def bench_modes(args) -> dict:
     med = _accuracy_runs(data, MODES, args, "modes")
     epochs = 1 if args.quick else args.accuracy_epochs
     print(f"\nmodes: text CNN on {data}, two learners, batch 2, lr 0.05, {epochs} epoch(s), mode defaults "
-          f"(elastic: alpha 0.1, tau 4); median of {args.repeats} seeds")
-    print(_table(("mode", "test accuracy", "samples/s", "updates"),
-                 [(name, f"{m['test_accuracy']:.1%}", f"{m['samples_per_s']:.0f}",
+          f"(elastic: alpha 0.1, tau 4); {args.repeats} seeds")
+    print(_table(("mode", "test accuracy: mean (min-max)", "median", "samples/s", "updates"),
+                 [(name, _accuracy_cell(m), f"{m['median_accuracy']:.1%}", f"{m['samples_per_s']:.0f}",
                    f"{_median([r['version'] for r in m['runs']]):,.0f}") for name, m in med.items()]))
     return med
 
 
 BENCHES = {"kernel": bench_kernel, "latency": bench_latency, "train": bench_train, "transport": bench_transport,
-           "modes": bench_modes}
+           "accuracy": bench_accuracy, "modes": bench_modes}
 
 
 def run_bench(args) -> int:
