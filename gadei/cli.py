@@ -177,6 +177,18 @@ def _shard(text: str) -> tuple[int, int]:
     return index, count
 
 
+def cmd_watchdog(args) -> int:
+    from gadei_watchdog import Settings, Watchdog
+
+    settings = Settings(checkpoint_dir=args.checkpoint_dir, every=args.every, keep=args.keep,
+                        interval=args.interval, max_missed=args.max_missed)
+    try:
+        settings.check()
+    except ValueError as err:
+        raise GadeiError(str(err)) from None
+    return Watchdog(args.job, settings).run()
+
+
 def cmd_status(args) -> int:
     from . import status
     from .region import Region, inspect, list_jobs
@@ -336,6 +348,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--torch-threads", type=int, default=1, help="PyTorch intra-op threads (default 1)")
     p.add_argument("--json", action="store_true", help="JSON lines instead of text")
     p.set_defaults(func=cmd_learn)
+
+    p = sub.add_parser("watchdog", help="watch a running job and checkpoint it every few seconds",
+                       description="Attach to a running job, report dead or hung learners and server, and take a "
+                       "checkpoint between two updates every --every seconds. Ends when the job stops (0) or its "
+                       "server dies (3).")
+    p.add_argument("job")
+    p.add_argument("--checkpoint-dir", required=True, help="where checkpoints go")
+    p.add_argument("--every", type=float, default=60.0, help="seconds between checkpoints (default 60)")
+    p.add_argument("--keep", type=int, default=3, help="checkpoints kept (default 3)")
+    p.add_argument("--interval", type=float, default=0.5, help="seconds between looks and beats (default 0.5)")
+    p.add_argument("--max-missed", type=int, default=20,
+                   help="beats a process may miss before it counts as hung (default 20)")
+    p.set_defaults(func=cmd_watchdog)
 
     p = sub.add_parser("status", help="show a job's learners, rates and staleness (read-only)")
     p.add_argument("job", nargs="?", help="the job (default: every job on this machine)")

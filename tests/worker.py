@@ -92,7 +92,7 @@ def serve(args) -> int:
         args.job, model=MODELS[args.model](args.n, args.init), mode=args.mode, lr=args.lr, momentum=args.momentum,
         stale_lr=args.stale_lr, stale_bound=args.stale_bound, alpha=args.alpha, tau=args.tau, drop_after=args.drop_after,
         grad_dtype=args.grad_dtype, row_sparse=args.row_sparse, learners=args.learners, slots=args.slots,
-        threads=args.threads, resume=checkpoint.latest(args.resume) if args.resume else None,
+        threads=args.threads, resume=checkpoint.latest(args.resume) if args.resume else None, replace=args.replace,
     )
     signal.signal(signal.SIGTERM, lambda *_: server.request_stop())
     print(json.dumps({"ready": os.getpid()}), flush=True)
@@ -235,6 +235,7 @@ def main(argv=None) -> int:
     p.add_argument("--dump")
     p.add_argument("--checkpoint-dir")
     p.add_argument("--resume")
+    p.add_argument("--replace", action="store_true")
     p.set_defaults(func=serve)
     p = sub.add_parser("push")
     p.add_argument("job")

@@ -1,0 +1,82 @@
+"""The watchdog with real processes: it checkpoints a training job every few seconds (whole
+updates only), reports dead and hung learners, refuses a second watchdog, ends with the job,
+and when the server is killed, says so and the job goes on from its last checkpoint."""
+
+import signal
+
+import numpy as np
+
+from conftest import communicate, read_line, wait_for
+from gadei import checkpoint
+from gadei.region import Region, inspect
+
+N = 200_000
+
+
+def _whole(ckpt) -> bool:
+    expected = 1.0 - 0.125 * ckpt.version
+    return all(bool((t == expected).all()) for t in ckpt.model.values())
+
+
+def _job(procs, job, learners=2, *extra):
+    server = procs.worker("serve", job, "--n", N, "--lr", 0.125, "--learners", learners, *extra)
+    read_line(server, 60)
+    pushers = [procs.worker("push", job, "--n", N, "--steps", 10**9) for _ in range(learners)]
+    for pusher in pushers:
+        read_line(pusher, 60)
+        read_line(pusher, 60)
+    return server, pushers
+
+
+def _watchdog(procs, job, folder):
+    dog = procs.gadei("watchdog", job, "--checkpoint-dir", folder, "--every", 0.3, "--interval", 0.1,
+                      "--max-missed", 10)
+    with Region.attach(job, readonly=True) as region:
+        wait_for(lambda: region.header.get("watchdog_pid") == dog.pid, 60, "the watchdog to register")
+    return dog
+
+
+def test_the_watchdog_checkpoints_a_training_job_and_ends_with_it(job, procs, tmp_path):
+    server, _ = _job(procs, job)
+    dog = _watchdog(procs, job, tmp_path)
+    wait_for(lambda: len(checkpoint.listing(tmp_path)) >= 3, 60, "three checkpoints")
+    second = procs.gadei("watchdog", job, "--checkpoint-dir", tmp_path)
+    _, err = communicate(second, 60)
+    assert second.returncode != 0 and f"already has a live watchdog (pid {dog.pid})" in err
+    server.send_signal(signal.SIGTERM)
+    read_line(server, 60)
+    communicate(dog, 60)
+    assert dog.returncode == 0
+    saved = [checkpoint.load(path) for path in checkpoint.listing(tmp_path)]
+    assert len(saved) == 3  # --keep 3
+    assert all(_whole(c) for c in saved) and [c.version for c in saved] == sorted(c.version for c in saved)
+    assert saved[-1].config["n_params"] == N and len(saved[-1].learners) == 2
+
+
+def test_the_watchdog_reports_dead_and_hung_learners_and_a_dead_server(job, procs, tmp_path):
+    server, (killed, stopped) = _job(procs, job, 2)
+    dog = _watchdog(procs, job, tmp_path)
+    killed.send_signal(signal.SIGKILL)
+    stopped.send_signal(signal.SIGSTOP)
+    wait_for(lambda: sum(1 for line in dog.err_lines if "learner" in line and "pid" in line) >= 2, 60,
+             "the watchdog to report both learners")
+    lines = [line for line in dog.err_lines if " learner " in line]
+    assert any(f"(pid {killed.pid}) is gone" in line for line in lines), lines
+    assert any(f"(pid {stopped.pid}) has not beaten" in line for line in lines), lines
+    wait_for(lambda: checkpoint.latest(tmp_path) is not None, 60, "a checkpoint")
+    stopped.send_signal(signal.SIGCONT)
+    server.send_signal(signal.SIGKILL)
+    server.wait()
+    _, err = communicate(dog, 60)
+    assert dog.returncode == 3 and f"gadei serve {job} --replace --resume {tmp_path}" in err
+    assert inspect(job).state == "leftover"
+
+    last = checkpoint.latest(tmp_path)
+    assert _whole(last)
+    resumed = procs.worker("serve", job, "--n", N, "--lr", 0.125, "--learners", 2, "--replace", "--resume", tmp_path)
+    read_line(resumed, 60)
+    with Region.attach(job, readonly=True) as region:
+        assert region.header.get("version") == last.version
+        assert np.all(region.weights == 1.0 - 0.125 * last.version)
+    resumed.send_signal(signal.SIGTERM)
+    read_line(resumed, 60)
