@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import signal
+import subprocess
 import sys
 import time
 
@@ -103,9 +104,12 @@ def cmd_serve(args) -> int:
         replace=args.replace,
         resume=resume,
     )
+    dog = None
     try:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: server.request_stop())
+        if args.checkpoint_dir and not args.no_watchdog:
+            dog = _start_watchdog(args)
         print(f"gadei: serving job {args.job!r} (pid {os.getpid()}); stop it with `gadei stop {args.job}`",
               file=sys.stderr, flush=True)
         report = server.serve(grace=args.grace)
@@ -118,7 +122,22 @@ def cmd_serve(args) -> int:
                    "version": report.version})
     finally:
         server.close()
+        if dog is not None:
+            try:
+                dog.wait(timeout=10)  # it sees the job stopped within one interval
+            except subprocess.TimeoutExpired:
+                dog.kill()
+                dog.wait()
     return 0
+
+
+def _start_watchdog(args) -> subprocess.Popen:
+    """The job's watchdog, in its own session (a Ctrl-C meant for the server does not reach
+    it, and it outlives a server that crashes, to restart it)."""
+    command = [sys.executable, "-m", "gadei_watchdog", args.job, "--checkpoint-dir", args.checkpoint_dir,
+               "--every", str(args.checkpoint_every), "--keep", str(args.keep),
+               "--restart", json.dumps(args.argv)]
+    return subprocess.Popen(command, start_new_session=True)
 
 
 def cmd_learn(args) -> int:
@@ -180,8 +199,16 @@ def _shard(text: str) -> tuple[int, int]:
 def cmd_watchdog(args) -> int:
     from gadei_watchdog import Settings, Watchdog
 
+    restart = None
+    if args.restart:
+        try:
+            restart = json.loads(args.restart)
+            assert isinstance(restart, list) and all(isinstance(a, str) for a in restart)
+        except (ValueError, AssertionError):
+            raise GadeiError(f"--restart {args.restart!r}: expected a JSON list of gadei arguments") from None
     settings = Settings(checkpoint_dir=args.checkpoint_dir, every=args.every, keep=args.keep,
-                        interval=args.interval, max_missed=args.max_missed)
+                        interval=args.interval, max_missed=args.max_missed, restart=restart,
+                        max_restarts=args.max_restarts, window=args.window)
     try:
         settings.check()
     except ValueError as err:
@@ -323,7 +350,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--replace", action="store_true", help="replace a region left behind by a crashed server")
     p.add_argument("--grace", type=float, default=5.0, help="seconds to wait for learners to leave on stop")
     p.add_argument("--save", help="write the final weights here (a state dict torch.load reads)")
-    p.add_argument("--checkpoint-dir", help="write a checkpoint here when the job stops cleanly")
+    p.add_argument("--checkpoint-dir", help="checkpoints go here: the job's watchdog takes one every "
+                   "--checkpoint-every seconds and restarts a crashed server from the newest; one more at clean stop")
+    p.add_argument("--checkpoint-every", type=float, default=60.0, help="seconds between checkpoints (default 60)")
+    p.add_argument("--no-watchdog", action="store_true", help="with --checkpoint-dir: no watchdog, only the "
+                   "checkpoint at clean stop")
     p.add_argument("--keep", type=int, default=3, help="checkpoints kept in --checkpoint-dir (default 3)")
     p.add_argument("--resume", metavar="DIR", help="go on from the newest valid checkpoint in DIR (weights, "
                    "version, momentum); the model must match")
@@ -360,6 +391,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--interval", type=float, default=0.5, help="seconds between looks and beats (default 0.5)")
     p.add_argument("--max-missed", type=int, default=20,
                    help="beats a process may miss before it counts as hung (default 20)")
+    p.add_argument("--restart", metavar="JSON", help="the gadei arguments that started the server, as a JSON "
+                   "list: when it dies, start it again with them plus --replace --resume (gadei serve passes this)")
+    p.add_argument("--max-restarts", type=int, default=3, help="restarts within --window before giving up (default 3)")
+    p.add_argument("--window", type=float, default=300.0, help="seconds of the restart window (default 300)")
     p.set_defaults(func=cmd_watchdog)
 
     p = sub.add_parser("status", help="show a job's learners, rates and staleness (read-only)")
@@ -406,7 +441,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv  # how this command was started (the watchdog restarts a server with it)
     _configure_logging()
     try:
         return args.func(args)

@@ -11,7 +11,9 @@
 
 Two more are read outside Python: GADEI_NO_OPENMP=1 at build time (setup.py builds the
 kernel serial) and GADEI_NO_AVX2=1 when gadei._native loads (the portable kernel even where
-the CPU has AVX2; the tests use it to check that path).
+the CPU has AVX2; the tests use it to check that path). GADEI_RESTARTS is gadei's own
+bookkeeping, not a setting: the times of a job's recent server restarts, which a
+watchdog hands to the server it restarts (and so to that server's watchdog).
 """
 
 import os

@@ -2,9 +2,12 @@
 updates only), reports dead and hung learners, refuses a second watchdog, ends with the job,
 and when the server is killed, says so and the job goes on from its last checkpoint."""
 
+import os
 import signal
+import time
 
 import numpy as np
+import psutil
 
 from conftest import communicate, read_line, wait_for
 from gadei import checkpoint
@@ -80,3 +83,71 @@ def test_the_watchdog_reports_dead_and_hung_learners_and_a_dead_server(job, proc
         assert np.all(region.weights == 1.0 - 0.125 * last.version)
     resumed.send_signal(signal.SIGTERM)
     read_line(resumed, 60)
+
+
+def _end_job_processes(job):
+    """Kill what a test leaves that is not its child (a restarted server and its watchdog)."""
+    for proc in psutil.process_iter(["cmdline"]):
+        if proc.pid != os.getpid() and job in (proc.info["cmdline"] or []):
+            proc.kill()
+
+
+def _ended(proc: psutil.Process) -> bool:
+    try:
+        return not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _served_by_another(job, pid):
+    found = inspect(job)
+    return found is not None and found.state == "running" and found.server_pid != pid and found.server_pid
+
+
+def test_gadei_serve_restarts_a_killed_server_from_its_last_checkpoint(job, procs, tmp_path):
+    try:
+        serve = procs.gadei("serve", job, "--params", N, "--lr", 0.125, "--learners", 2, "--checkpoint-dir", tmp_path,
+                            "--checkpoint-every", 0.3)
+        wait_for(lambda: (inspect(job) or None) and inspect(job).state == "running", 60, "the server")
+        pusher = procs.worker("push", job, "--n", N, "--steps", 10**9)
+        read_line(pusher, 60)
+        read_line(pusher, 60)
+        wait_for(lambda: (checkpoint.latest(tmp_path) or None) and checkpoint.latest(tmp_path).version > 0, 60,
+                 "a checkpoint of some training")
+        serve.send_signal(signal.SIGKILL)
+        serve.wait()
+        new_pid = wait_for(lambda: _served_by_another(job, serve.pid), 120, "the watchdog to restart the server")
+        restarted = psutil.Process(new_pid)
+        last = checkpoint.latest(tmp_path)
+        with Region.attach(job, readonly=True) as region:
+            version = region.header.get("version")
+            assert version == last.version and np.all(region.weights == -0.125 * version)  # the first learner uploaded 0
+            wait_for(lambda: region.header.get("watchdog_pid") != 0, 60, "the new server's watchdog")
+            dog = psutil.Process(region.header.get("watchdog_pid"))
+        assert any("restarting the server" in line for line in serve.err_lines)  # the old watchdog said so
+        out = procs.gadei("stop", job)
+        communicate(out, 60)
+        assert out.returncode == 0
+        for proc in (restarted, dog):  # not our children: wait until they are gone
+            wait_for(lambda: _ended(proc), 60, f"pid {proc.pid} to end")
+        assert inspect(job) is None
+    finally:
+        _end_job_processes(job)
+
+
+def test_the_watchdog_gives_up_after_too_many_restarts(job, procs, tmp_path):
+    recent = ",".join(str(time.time() - k) for k in range(3))
+    serve = procs.gadei("serve", job, "--params", 100, "--checkpoint-dir", tmp_path, "--checkpoint-every", 0.3,
+                        env={"GADEI_RESTARTS": recent})
+    wait_for(lambda: (inspect(job) or None) and inspect(job).state == "running", 60, "the server")
+    with Region.attach(job, readonly=True) as region:
+        wait_for(lambda: region.header.get("watchdog_pid") != 0, 60, "the watchdog")
+        dog = psutil.Process(region.header.get("watchdog_pid"))
+    serve.send_signal(signal.SIGKILL)
+    serve.wait()
+    try:
+        wait_for(lambda: _ended(dog), 60, "the watchdog to give up")
+    finally:
+        _end_job_processes(job)
+    assert inspect(job).state == "leftover"
+    assert any("gave up: the server was restarted 3 times within 300 s" in line for line in serve.err_lines)

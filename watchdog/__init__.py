@@ -11,19 +11,27 @@ seconds:
 - every `every` seconds takes a checkpoint between two updates (`gadei.checkpoint.capture`)
   and writes it crash safely, keeping the last `keep`, and records its version in the header.
 
-It ends when the job stops (0) or when the server is dead (3, with the command that resumes
-the job from the last checkpoint). Restarting crashed processes is not its job yet.
+It ends when the job stops (0). When the server is dead and the watchdog knows how it was
+started (`restart`, the arguments of `gadei serve`, which passes them), it starts it again
+with `--replace --resume CHECKPOINT_DIR`: the region is recreated from the newest valid
+checkpoint, and the new server starts a watchdog of its own, so this one ends (0) once the
+new server serves. Restarts are counted in GADEI_RESTARTS (inherited by the new server and
+its watchdog); after `max_restarts` within `window` seconds it gives up. Without `restart`,
+or when it gives up, it ends with 3 and logs the command that resumes the job.
 """
 
 import logging
 import os
+import signal
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 
 from gadei import _proc, checkpoint
 from gadei.errors import GadeiError
 from gadei.layout import ACTIVE, SERVING, STOPPED, STOPPING
-from gadei.region import Region
+from gadei.region import Region, inspect
 from gadei.ring import lease_owner
 
 log = logging.getLogger(__name__)
@@ -41,6 +49,9 @@ class Settings:
         keep: checkpoints kept.
         interval: seconds between two looks (and the watchdog's own beats).
         max_missed: beats a process may miss before it counts as hung.
+        restart: the `gadei` arguments that started the server, to start it again; None: do not.
+        max_restarts: restarts within `window` seconds before giving up.
+        window: seconds over which restarts are counted.
     """
 
     checkpoint_dir: str
@@ -48,6 +59,9 @@ class Settings:
     keep: int = 3
     interval: float = 0.5
     max_missed: int = 20
+    restart: list[str] | None = None
+    max_restarts: int = 3
+    window: float = 300.0
 
     def check(self) -> None:
         for name in ("every", "interval"):
@@ -97,9 +111,11 @@ class Watchdog:
                     return 0
                 problem = self._server_problem()
                 if problem:
-                    log.error("job %r: the server %s; go on from the last checkpoint with "
-                              "`gadei serve %s --replace --resume %s ...`", self.job, problem, self.job,
-                              self.settings.checkpoint_dir)
+                    log.error("job %r: the server %s", self.job, problem)
+                    if self.settings.restart and self._restart_server():
+                        return 0
+                    log.error("job %r: go on from the last checkpoint with `gadei serve %s --replace --resume %s "
+                              "...`", self.job, self.job, self.settings.checkpoint_dir)
                     return SERVER_DEAD
                 self._look_at_learners()
                 if state == SERVING and time.monotonic() >= next_checkpoint:
@@ -110,6 +126,47 @@ class Watchdog:
             if h.get("watchdog_pid") == os.getpid():
                 h.set("watchdog_pid", 0)
             self.region.close()
+
+    def _restart_server(self, timeout: float = 120.0) -> bool:
+        """Start the server again from the newest checkpoint; True once it serves."""
+        now = time.time()
+        history = [float(t) for t in os.environ.get("GADEI_RESTARTS", "").split(",") if t.strip()]
+        recent = [t for t in history if now - t < self.settings.window]
+        if len(recent) >= self.settings.max_restarts:
+            log.error("job %r: gave up: the server was restarted %d times within %g s", self.job, len(recent),
+                      self.settings.window)
+            return False
+        h = self.region.header
+        pid = h.get("server_pid")
+        if _proc.alive(pid, h.get("server_start")):  # hung, not gone: it must go before its region is replaced
+            os.kill(pid, signal.SIGKILL)
+            deadline = time.monotonic() + 10
+            while _proc.alive(pid, h.get("server_start")) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        folder = self.settings.checkpoint_dir
+        found = checkpoint.latest(folder)
+        args = [*self.settings.restart, "--replace"] + (["--resume", folder] if found else [])
+        env = {**os.environ, "GADEI_RESTARTS": ",".join(str(t) for t in [*recent, now])}
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, "server.log"), "ab") as out:
+            proc = subprocess.Popen([sys.executable, "-m", "gadei", *args], env=env, stdout=out,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+        log.warning("job %r: restarting the server (pid %d) %s; its output goes to %s", self.job, proc.pid,
+                    f"from checkpoint version {found.version:,}" if found else "from its initial weights (no "
+                    "checkpoint yet)", os.path.join(folder, "server.log"))
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found_now = inspect(self.job)
+            if found_now is not None and found_now.state == "running" and found_now.server_pid == proc.pid:
+                log.info("job %r: the restarted server serves", self.job)
+                return True
+            if proc.poll() is not None:
+                log.error("job %r: the restarted server exited with %d (see %s)", self.job, proc.returncode,
+                          os.path.join(folder, "server.log"))
+                return False
+            time.sleep(0.05)
+        log.error("job %r: the restarted server did not serve within %g s", self.job, timeout)
+        return False
 
     def checkpoint(self) -> None:
         """Take and write one checkpoint now; a failure is logged and the next one tried later."""
