@@ -104,6 +104,8 @@ def cmd_serve(args) -> int:
         replace=args.replace,
         resume=resume,
     )
+    restarts = [t for t in os.environ.get("GADEI_RESTARTS", "").split(",") if t.strip()]
+    server.region.header.set("restarts", len(restarts))  # this server is a watchdog's restart number n
     dog = None
     try:
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -155,6 +155,7 @@ HEADER, HEADER_BYTES = _record(
         ("hold", "u32"),
         ("held", "u32"),
         ("hold_epoch", "u64"),
+        ("restarts", "u32"),  # times a watchdog restarted this job's server (recent ones, in its window)
     ]
 )
 

@@ -61,6 +61,9 @@ class JobStatus:
     mode: str
     options: dict
     watchdog_pid: int
+    watchdog_alive: bool
+    watchdog_beat_age: float | None
+    restarts: int
     checkpointed_version: int
     learners: list[LearnerStatus]
 
@@ -149,6 +152,9 @@ def read(region: Region) -> JobStatus:
         mode=region.shape.mode,
         options=asdict(read_options(region)),
         watchdog_pid=h.get("watchdog_pid"),
+        watchdog_alive=_proc.alive(h.get("watchdog_pid"), h.get("watchdog_start")),
+        watchdog_beat_age=_age(h.get("watchdog_beat"), now) if h.get("watchdog_pid") else None,
+        restarts=h.get("restarts"),
         checkpointed_version=h.get("checkpointed_version"),
         learners=learners,
     )
@@ -191,10 +197,17 @@ def format_table(status: JobStatus, rate: Rates | None) -> str:
         + "".join(f", {k} {v:g}" for k, v in options.items()) + f"; {status.threads} kernel threads",
         f"  weights: {status.n_params:,} parameters ({status.n_params * 4 / 1e6:.1f} MB), {transport} gradients, "
         f"version {status.version:,}, {status.applied:,} gradients applied"
-        + (f", {rate.updates:,.1f} updates/s, {rate.bytes / 1e9:.2f} GB/s of gradients" if rate else "")
-        + (f"; last checkpoint at version {status.checkpointed_version:,}" if status.checkpointed_version else ""),
+        + (f", {rate.updates:,.1f} updates/s, {rate.bytes / 1e9:.2f} GB/s of gradients" if rate else ""),
         f"  learners: {len(status.learners)} of {status.capacity} entries, {status.slots} slots per ring",
     ]
+    if status.watchdog_pid or status.checkpointed_version or status.restarts:
+        dog = "none"
+        if status.watchdog_pid:
+            dog = f"pid {status.watchdog_pid} " + ("alive" if status.watchdog_alive else "GONE")
+            if status.watchdog_beat_age is not None:
+                dog += f", beat {status.watchdog_beat_age:.1f}s ago"
+        lines.insert(2, f"  watchdog: {dog}; last checkpoint at version {status.checkpointed_version:,}; "
+                        f"{status.restarts} server restarts")
     if status.learners:
         header = ("learner", "pid", "state", "pushes", "pushes/s", "samples/s", "applied", "in ring",
                   "stale mean/p50/max", "dropped", "pulled v", "retries", "beat")

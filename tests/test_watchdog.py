@@ -2,6 +2,7 @@
 updates only), reports dead and hung learners, refuses a second watchdog, ends with the job,
 and when the server is killed, says so and the job goes on from its last checkpoint."""
 
+import json
 import os
 import signal
 import time
@@ -9,7 +10,7 @@ import time
 import numpy as np
 import psutil
 
-from conftest import communicate, read_line, wait_for
+from conftest import communicate, finish, read_line, wait_for
 from gadei import checkpoint
 from gadei.region import Region, inspect
 
@@ -125,6 +126,12 @@ def test_gadei_serve_restarts_a_killed_server_from_its_last_checkpoint(job, proc
             wait_for(lambda: region.header.get("watchdog_pid") != 0, 60, "the new server's watchdog")
             dog = psutil.Process(region.header.get("watchdog_pid"))
         assert any("restarting the server" in line for line in serve.err_lines)  # the old watchdog said so
+        out, _ = finish(procs.gadei("status", job, "--json", "--interval", "0.1"))
+        status = json.loads(out.splitlines()[-1])
+        assert (status["restarts"], status["watchdog_pid"], status["watchdog_alive"]) == (1, dog.pid, True)
+        assert status["checkpointed_version"] >= last.version
+        text, _ = finish(procs.gadei("status", job, "--interval", "0.1"))
+        assert f"watchdog: pid {dog.pid} alive" in text and "1 server restarts" in text
         out = procs.gadei("stop", job)
         communicate(out, 60)
         assert out.returncode == 0
