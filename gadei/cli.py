@@ -430,10 +430,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="measure gadei against its alternatives, side by side")
     p.add_argument("what", nargs="*", default=["kernel", "latency", "train"],
                    help="kernel, latency, train, transport, accuracy, modes (default: the first three)")
-    p.add_argument("--repeats", type=int, default=5, help="repeated runs; medians are reported (default 5)")
+    p.add_argument("--repeats", type=int, default=5, help="repeated runs (for accuracy and modes: seeds 0..N-1); medians are reported, "
+                   "for accuracies the mean and range (default 5)")
     p.add_argument("--quick", action="store_true", help="fewer sizes and steps (a smoke run)")
     p.add_argument("--out", default="gadei-bench.json", help="where to save the figures as JSON")
-    p.add_argument("--data", default=None, help="train: data set (default: trec under GADEI_DATA_DIR or "
+    p.add_argument("--data", default=None, help="train, transport, modes: data set (default: trec under GADEI_DATA_DIR or "
                    "../shared/data, else generated)")
     p.add_argument("--epochs", type=int, default=1, help="train, transport: epochs per run (default 1)")
     p.add_argument("--accuracy-epochs", type=int, default=4,
