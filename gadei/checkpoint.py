@@ -113,6 +113,17 @@ class Checkpoint:
         return np.concatenate(parts) if parts else np.zeros(0, np.float32)
 
 
+def take(region, folder: str | os.PathLike, keep: int = 3, *, still: bool = False) -> Checkpoint:
+    """Capture the job's state between two updates, write it to `folder` (keeping the last
+    `keep`) and record its version in the region. `still`: nothing updates the region now
+    (the caller is the server, between two updates), so no hold is asked for. Raises
+    CheckpointError as `capture` and `save` do."""
+    taken = _copy(region) if still else capture(region)
+    save(folder, taken, keep=keep)
+    region.header.set("checkpointed_version", taken.version)
+    return taken
+
+
 _ENTRY_COUNTERS = ("head", "tail", "samples", "applied_samples", "pulls", "dropped", "discarded", "stale_sum",
                    "stale_max", "pull_retries")
 
@@ -212,7 +223,7 @@ def save(folder: str | os.PathLike, checkpoint: Checkpoint, keep: int = 3) -> Pa
             tmp.unlink()
         except OSError:
             pass
-        cause = err if isinstance(err, OSError) or writer is None else writer.error or err
+        cause = (writer.error if writer is not None else None) or err
         reason = cause.strerror if isinstance(cause, OSError) and cause.strerror else str(cause)
         raise CheckpointError(f"job {checkpoint.job!r}: cannot write checkpoint {path}: {reason}") from cause
     checkpoint.path = path

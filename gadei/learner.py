@@ -14,8 +14,8 @@ and the model keeps a private copy of the final weights.
 
 What `step` does depends on the job's mode (set by the server; see `gadei.modes`):
 async/consistent push and go on; with a staleness bound K they first check that the
-gradient cannot be applied more than K versions late (else it is dropped, counted, and the
-learner waits until it has caught up); sync waits for the round's new version; elastic
+gradient cannot be applied more than K versions late (else it is dropped and counted), and
+a learner that far behind waits until the server settled its own ring; sync waits for the round's new version; elastic
 takes a local SGD step and, every tau steps, exchanges weights with the centre.
 """
 
@@ -176,7 +176,8 @@ class Learner:
             raise JobStopped(f"job {self.job!r} was stopped")
         computed_on = self._pull.version()
         bound = self.options.stale_bound
-        if bound and self._late(computed_on) > bound:
+        ahead = self._ahead() if bound else 0
+        if bound and ahead - computed_on > bound:
             self._push.discard()  # applied now, it would be more than `bound` versions late
             self.entry.add("dropped", 1)
             published = False
@@ -191,25 +192,26 @@ class Learner:
         else:
             self._pull.between_steps()
         if bound:
-            self._catch_up(bound)
+            self._catch_up(ahead + published, bound)
         if self._pull.retries:
             self.entry.add("pull_retries", self._pull.retries)
             self._pull.retries = 0
 
-    def _late(self, computed_on: int) -> int:
-        """At most how many updates would be applied before a gradient published now.
+    def _ahead(self) -> int:
+        """The version a gradient published now may be applied at, at the latest.
 
-        Every gradient published before it (P, all rings) may be, and the server, taking the
-        rings round-robin, may apply one more from each of the other L - 1 attached rings
-        before it reaches this one: P + L - 1 - computed_on.
+        Every gradient published before it (P, all rings) may be applied first, and the
+        server, taking the rings round-robin, may apply one more from each of the other L - 1
+        attached rings before it reaches this one: P + L - 1. A gradient computed on version
+        v would be that minus v versions late.
         """
         heads = owned = 0
         for entry in self._entries:
             heads += entry.get("head")
             owned += entry.get("lease") >> 32 != 0
-        return heads + owned - 1 - computed_on
+        return heads + owned - 1
 
-    def _catch_up(self, bound: int) -> None:
+    def _catch_up(self, ahead: int, bound: int) -> None:
         """A learner too far behind blocks until the server settled (applied or discarded) what
         it published, then takes the newest weights.
 
@@ -217,7 +219,7 @@ class Learner:
         rings round-robin): waiting until the whole job had fewer gradients in flight could
         starve a slow learner behind fast ones that keep their rings full.
         """
-        if self._late(_native.load64(self._version_addr)) <= bound:
+        if ahead - _native.load64(self._version_addr) <= bound:  # `ahead` as of this step's push
             return
         self._producer.drain(self.timeout, self._waiting_on_server)
         self._pull.refresh()

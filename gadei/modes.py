@@ -121,9 +121,8 @@ class SlotFormat:
 
     def bytes_in(self, payload: int) -> int:
         """Gradient bytes the gradient at `payload` carries (what a learner moved into the slot)."""
-        dense = sum(length for _, length, _ in self.segments) * self.itemsize
         rows = sum(count * (8 + table.width * self.itemsize) for count, table in zip(self.rows_in(payload), self.tables))
-        return dense + rows
+        return self.dense_bytes + rows
 
     def discard(self, payload: int) -> None:
         """Hand the slot at `payload` back without applying it: dense area zeroed, no rows."""
@@ -187,7 +186,8 @@ class UpdateRule(ABC):
 
     @abstractmethod
     def apply(self, grads: list[Gradient]) -> None:
-        """Make one update of the weights from `grads` (one gradient, or a sync round) and hand their slots back."""
+        """Make one update of the weights from `grads` (one gradient, or a sync round), leaving
+        their slots ready for reuse (the server hands them back)."""
 
     @staticmethod
     @abstractmethod

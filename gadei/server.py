@@ -17,13 +17,14 @@ parameter count and the first learner to attach uploads its own model's paramete
 import logging
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from . import _native, _proc, params
 from .checkpoint import Checkpoint
+from .checkpoint import take as take_checkpoint
 from .env import settings
 from .errors import RegionMismatch
 from .layout import (
@@ -325,15 +326,17 @@ class Server:
             consumer.sleep(min(WAIT_SLICE, max(0.0, deadline - time.monotonic())))
 
     def _take(self, learner: int) -> Gradient:
-        """The oldest published gradient of `learner`'s ring (not yet handed back)."""
+        """The oldest published gradient of `learner`'s ring (not yet handed back), with the
+        staleness it will be applied at."""
         slot = self._consumer.tail(learner) % self.region.shape.slots
         header = self._slot_headers[learner][slot]
-        return Gradient(learner, self._payloads[learner][slot], header.get("version"), header.get("samples"))
+        computed_on = header.get("version")
+        # Only an update moves the version, and a taken gradient is applied by the next one.
+        staleness = max(0, _native.load64(self._version_addr) - computed_on)
+        return Gradient(learner, self._payloads[learner][slot], computed_on, header.get("samples"), staleness)
 
     def _update(self, grads: list[Gradient]) -> None:
         """One update from `grads`: apply, bump the version, record statistics, hand the slots back."""
-        version = _native.load64(self._version_addr)
-        grads = [replace(g, staleness=max(0, version - g.version)) for g in grads]
         bound = self.options.stale_bound
         if bound and any(g.staleness > bound for g in grads):
             for grad in [g for g in grads if g.staleness > bound]:
@@ -427,11 +430,7 @@ class Server:
         Raises:
             CheckpointError: the folder cannot be written (nothing is left half-written).
         """
-        from . import checkpoint
-
-        path = checkpoint.save(folder, checkpoint._copy(self.region), keep=keep)
-        self.region.header.set("checkpointed_version", self.version)
-        return path
+        return take_checkpoint(self.region, folder, keep=keep, still=True).path
 
     def close(self) -> None:
         """Mark the job stopped, wake every waiter, unlink and unmap the region."""

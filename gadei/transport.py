@@ -30,6 +30,7 @@ staging, copy streams) implement the same two interfaces.
 import logging
 import math
 import threading
+import time
 from abc import ABC, abstractmethod
 from typing import Callable, ClassVar
 
@@ -389,17 +390,29 @@ class Pull(ABC):
         """Copy the region's weights into `target`; the version they are (at least).
 
         In consistent mode the copy is retried until it was taken between two equal, even
-        readings of the server's seqlock, so it holds whole updates only.
+        readings of the server's seqlock, so it holds whole updates only. A seqlock left odd
+        for WAIT_SLICE is looked into: if the server died during that update, nothing will
+        change the weights any more and they are copied as they are (with a warning).
         """
         nbytes = self.region.shape.n_params * 4
+        odd_since = None
         while True:
             seq = _native.load64(self._seq_addr)
-            if seq & 1 and self.consistent:
-                _native.futex_wait(self._version_addr, _native.load64(self._version_addr) & _U32, 0.001)
-                continue
+            whole = self.consistent
+            if whole and seq & 1:
+                now = time.monotonic()
+                odd_since = odd_since or now
+                if now - odd_since < WAIT_SLICE or self.region.server_alive():
+                    if now - odd_since >= WAIT_SLICE:
+                        odd_since = now  # alive: look again after another slice
+                    _native.futex_wait(self._version_addr, _native.load64(self._version_addr) & _U32, 0.001)
+                    continue
+                log.warning("job %r: the server died during an update; copying the weights as they are",
+                            self.region.job)
+                whole = False
             version = _native.load64(self._version_addr)
             _native.copy(_addr(target), self.region.weights_addr, nbytes, 1)
-            if not self.consistent or _native.load64(self._seq_addr) == seq:
+            if not whole or _native.load64(self._seq_addr) == seq:
                 return version
             self.retries += 1
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import gadei
-from conftest import finish, read_line, wait_for
+from conftest import communicate, finish, read_line, wait_for
 from gadei.modes import AsyncSGD, Options
 from gadei.region import Region, inspect
 from worker import Flat, Tokens, token_data
@@ -174,6 +174,18 @@ def test_consistent_pulls_never_hold_half_an_update(job, procs, mode):
         assert result["torn"] == 0, result
     else:
         assert result["torn"] > 0, f"async pulls never tore in this setting, so the check proves nothing: {result}"
+
+
+def test_a_consistent_pull_does_not_wait_forever_on_a_server_that_died_mid_update(job, procs):
+    server = _serve(procs, job, "--mode", "consistent", "--learners", 2)
+    learner = _learn(procs, job, "--steps", 10**9)
+    server.send_signal(signal.SIGSTOP)
+    with Region.attach(job) as region:
+        region.header.add("seq", 1)  # odd: the server is inside an update, and dies there
+    server.send_signal(signal.SIGKILL)
+    server.wait()
+    _, err = communicate(learner, 60)  # it leaves (ServerGone) instead of waiting for the update to end
+    assert "ServerGone" in err and "the server died during an update; copying the weights as they are" in err
 
 
 @pytest.mark.parametrize("bound", [4, 0])

@@ -171,12 +171,10 @@ class Watchdog:
     def checkpoint(self) -> None:
         """Take and write one checkpoint now; a failure is logged and the next one tried later."""
         try:
-            taken = checkpoint.capture(self.region)
-            checkpoint.save(self.settings.checkpoint_dir, taken, keep=self.settings.keep)
+            checkpoint.take(self.region, self.settings.checkpoint_dir, keep=self.settings.keep)
         except GadeiError as err:
             log.error("job %r: no checkpoint this time: %s", self.job, err)
             return
-        self.region.header.set("checkpointed_version", taken.version)
         self.checkpoints += 1
 
     def _server_problem(self) -> str | None:
