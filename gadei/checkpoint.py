@@ -9,7 +9,9 @@ every checkpoint written there), that plain PyTorch reads without running pickle
 It holds the weights as a state dict (`model`), the version they are at and the gradients
 applied, the server's optimiser state (`optimizer`: the momentum buffer where the mode keeps
 one; EASGD's centre is the weights themselves), every learner's counters and the job's
-configuration (both JSON text), and a SHA-256 `checksum` over all of it.
+configuration (both JSON text), the progress of the learners a watchdog launched
+(`progress`: samples of each one's schedule that the weights hold, or "done"), and a SHA-256
+`checksum` over all of it.
 
 Writing is crash safe: the file is written under a temporary name, flushed and fsync'ed,
 renamed over its final name (atomic), and the folder is fsync'ed, so a crash at any instant
@@ -57,6 +59,8 @@ class Checkpoint:
         optimizer: the server's optimiser state, name -> float32 tensor (`momentum`).
         config: the job's configuration (shape, mode, options), JSON-compatible.
         learners: each learner entry's counters, JSON-compatible.
+        progress: for each learner the watchdog launched (by its number, as text): the
+            samples of its schedule whose gradients the weights hold, or "done".
         created: when it was taken (seconds since the epoch).
         path: the file it was read from or written to.
     """
@@ -68,6 +72,7 @@ class Checkpoint:
     optimizer: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     config: dict = dataclasses.field(default_factory=dict)
     learners: list[dict] = dataclasses.field(default_factory=list)
+    progress: dict[str, int | str] = dataclasses.field(default_factory=dict)
     created: float = dataclasses.field(default_factory=time.time)
     path: Path | None = None
 
@@ -84,7 +89,8 @@ class Checkpoint:
 
     def _meta(self) -> str:
         return json.dumps({"job": self.job, "version": self.version, "applied": self.applied,
-                           "config": self.config, "learners": self.learners, "created": self.created},
+                           "config": self.config, "learners": self.learners, "progress": self.progress,
+                           "created": self.created},
                           sort_keys=True)
 
     def to_dict(self) -> dict:
@@ -93,7 +99,7 @@ class Checkpoint:
             "format": FORMAT, "format_version": FORMAT_VERSION, "job": self.job, "version": self.version,
             "applied": self.applied, "created": self.created, "model": self.model, "optimizer": self.optimizer,
             "config": json.dumps(self.config, sort_keys=True), "learners": json.dumps(self.learners),
-            "checksum": self.checksum(),
+            "progress": json.dumps(self.progress, sort_keys=True), "checksum": self.checksum(),
         }
 
     def flat_weights(self, spec: list[tuple[str, tuple[int, ...]]]) -> np.ndarray:
@@ -113,22 +119,25 @@ class Checkpoint:
         return np.concatenate(parts) if parts else np.zeros(0, np.float32)
 
 
-def take(region, folder: str | os.PathLike, keep: int = 3, *, still: bool = False) -> Checkpoint:
+def take(region, folder: str | os.PathLike, keep: int = 3, *, still: bool = False, progress=None) -> Checkpoint:
     """Capture the job's state between two updates, write it to `folder` (keeping the last
     `keep`) and record its version in the region. `still`: nothing updates the region now
-    (the caller is the server, between two updates), so no hold is asked for. Raises
-    CheckpointError as `capture` and `save` do."""
-    taken = _copy(region) if still else capture(region)
+    (the caller is the server, between two updates), so no hold is asked for. `progress`:
+    called with the captured checkpoint (still under the hold) to fill its `progress`.
+    Raises CheckpointError as `capture` and `save` do."""
+    taken = _copy(region) if still else capture(region, progress=progress)
+    if still and progress is not None:
+        taken.progress = progress(taken)
     save(folder, taken, keep=keep)
     region.header.set("checkpointed_version", taken.version)
     return taken
 
 
-_ENTRY_COUNTERS = ("head", "tail", "samples", "applied_samples", "pulls", "dropped", "discarded", "stale_sum",
+_ENTRY_COUNTERS = ("pid", "head", "tail", "samples", "applied_samples", "pulls", "dropped", "discarded", "stale_sum",
                    "stale_max", "pull_retries")
 
 
-def capture(region, timeout: float = 5.0) -> Checkpoint:
+def capture(region, timeout: float = 5.0, progress=None) -> Checkpoint:
     """A whole copy of a job's state from its region, taken between two updates.
 
     With the server running, this asks it for a hold (it pauses between two updates, at
@@ -145,8 +154,14 @@ def capture(region, timeout: float = 5.0) -> Checkpoint:
     from .layout import SERVING, STOPPING
 
     h = region.header
+    def whole() -> Checkpoint:
+        copy = _copy(region)
+        if progress is not None:
+            copy.progress = progress(copy)
+        return copy
+
     if not (region.server_alive() and h.get("run_state") in (SERVING, STOPPING)):
-        return _copy(region)
+        return whole()
     if not h.cas("hold", 0, 1):
         raise CheckpointError(f"job {region.job!r}: another checkpoint is being taken")
     try:
@@ -160,7 +175,7 @@ def capture(region, timeout: float = 5.0) -> Checkpoint:
                                       f"{timeout:g} s")
             _native.futex_wait(h.addr("held"), 0, min(0.1, left))
         epoch = h.get("hold_epoch")
-        copy = _copy(region)
+        copy = whole()
         if not (_native.load32(h.addr("held")) and h.get("hold_epoch") == epoch):
             raise CheckpointError(f"job {region.job!r}: the server went on before the checkpoint copy was done")
         return copy
@@ -188,6 +203,7 @@ def _copy(region) -> Checkpoint:
         "sparse": [[t.offset, t.rows, t.width, t.max_rows] for t in shape.sparse],
         "spec": [[name, list(dims)] for name, dims in spec] if spec else None,
         "options": dataclasses.asdict(read_options(region)),
+        "resumed_applied": h.get("resumed_applied"),
     }
     return Checkpoint(job=region.job, version=version, applied=applied, model=model, optimizer=optimizer,
                       config=config, learners=learners)
@@ -313,7 +329,7 @@ def load(path: str | os.PathLike) -> Checkpoint:
         checkpoint = Checkpoint(job=data["job"], version=int(data["version"]), applied=int(data["applied"]),
                                 model=dict(data["model"]), optimizer=dict(data["optimizer"]),
                                 config=json.loads(data["config"]), learners=json.loads(data["learners"]),
-                                created=float(data["created"]), path=path)
+                                progress=json.loads(data.get("progress", "{}")), created=float(data["created"]), path=path)
     except (KeyError, TypeError, ValueError) as err:
         raise CheckpointError(f"checkpoint {path} lacks or garbles field {err}") from err
     if checkpoint.checksum() != data.get("checksum"):

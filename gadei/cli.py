@@ -70,6 +70,14 @@ def _factory_model(spec: str):
 def cmd_serve(args) -> int:
     from .server import Server
 
+    if args.adopt:
+        return _adopt(args)
+    if not (args.workload or args.model or args.params):
+        raise GadeiError("gadei serve: give the initial weights with --workload, --model or --params")
+    if args.learner and (not args.checkpoint_dir or args.no_watchdog):
+        raise GadeiError("--learner: launched learners are run by the job's watchdog; give --checkpoint-dir "
+                         "(and no --no-watchdog)")
+    learners = [_learner_args(text) for text in args.learner]
     model = None
     if args.workload:
         model = _workload_model(args)[3]
@@ -111,7 +119,7 @@ def cmd_serve(args) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: server.request_stop())
         if args.checkpoint_dir and not args.no_watchdog:
-            dog = _start_watchdog(args)
+            dog = _start_watchdog(args, learners)
         print(f"gadei: serving job {args.job!r} (pid {os.getpid()}); stop it with `gadei stop {args.job}`",
               file=sys.stderr, flush=True)
         report = server.serve(grace=args.grace)
@@ -126,20 +134,77 @@ def cmd_serve(args) -> int:
         server.close()
         if dog is not None:
             try:
-                dog.wait(timeout=10)  # it sees the job stopped within one interval
+                dog.wait(timeout=60)  # it sees the job stopped within one interval and reaps its learners
             except subprocess.TimeoutExpired:
                 dog.kill()
                 dog.wait()
     return 0
 
 
-def _start_watchdog(args) -> subprocess.Popen:
+def _start_watchdog(args, learners: list[list[str]]) -> subprocess.Popen:
     """The job's watchdog, in its own session (a Ctrl-C meant for the server does not reach
-    it, and it outlives a server that crashes, to restart it)."""
+    it, and it outlives a server that crashes, to restart it). It launches `learners`."""
+    restart, skip = [], False
+    for arg in args.argv:  # the server is restarted without the learners: the watchdog keeps those
+        if skip:
+            skip = False
+        elif arg == "--learner":
+            skip = True
+        elif not arg.startswith("--learner="):
+            restart.append(arg)
     command = [sys.executable, "-m", "gadei_watchdog", args.job, "--checkpoint-dir", args.checkpoint_dir,
-               "--every", str(args.checkpoint_every), "--keep", str(args.keep),
-               "--restart", json.dumps(args.argv)]
+               "--every", str(args.checkpoint_every), "--keep", str(args.keep), "--restart", json.dumps(restart),
+               "--interval", str(args.watch_interval), "--max-missed", str(args.max_missed),
+               "--max-restarts", str(args.max_restarts)]
+    if learners:
+        command += ["--learners", json.dumps(learners)]
     return subprocess.Popen(command, start_new_session=True)
+
+
+def _learner_args(text: str) -> list[str]:
+    """`--learner '--epochs 8 --shard 0/2'`: the arguments after `gadei learn JOB`, checked now."""
+    import shlex
+
+    try:
+        args = shlex.split(text)
+    except ValueError as err:
+        raise GadeiError(f"--learner {text!r}: {err}") from None
+    parser = build_parser()
+    try:
+        parsed = parser.parse_args(["learn", "JOB", *args])
+    except SystemExit:
+        raise GadeiError(f"--learner {text!r}: not arguments of `gadei learn` (see `gadei learn --help`)") from None
+    if parsed.start_at:
+        raise GadeiError(f"--learner {text!r}: --start-at is the watchdog's to set")
+    return args
+
+
+def _adopt(args) -> int:
+    """`gadei serve --adopt JOB`: a new watchdog takes over a running job whose watchdog died."""
+    from gadei_watchdog.launched import load_state
+
+    from .region import Region, inspect
+
+    found = inspect(args.job)
+    if found is None or found.state != "running":
+        raise GadeiError(f"job {args.job!r} has no running server to adopt" + (f" ({found.state})" if found else ""))
+    try:
+        load_state(args.job)
+    except FileNotFoundError:
+        raise GadeiError(f"job {args.job!r}: no watchdog state to adopt on this machine; start a watchdog with "
+                         f"`gadei watchdog {args.job} --checkpoint-dir DIR`") from None
+    dog = subprocess.Popen([sys.executable, "-m", "gadei_watchdog", args.job, "--adopt"], start_new_session=True)
+    deadline = time.monotonic() + 60
+    with Region.attach(args.job, readonly=True) as region:
+        while region.header.get("watchdog_pid") != dog.pid:
+            if dog.poll() is not None:
+                raise GadeiError(f"job {args.job!r}: the adopting watchdog exited with {dog.returncode}")
+            if time.monotonic() >= deadline:
+                dog.kill()
+                raise GadeiError(f"job {args.job!r}: the adopting watchdog did not register within 60 s")
+            time.sleep(0.05)
+    print(f"gadei: job {args.job!r} adopted by watchdog pid {dog.pid}", file=sys.stderr, flush=True)
+    return 0
 
 
 def cmd_learn(args) -> int:
@@ -152,13 +217,20 @@ def cmd_learn(args) -> int:
     from gadei_workloads.text import batches
 
     shard, shards = _shard(args.shard)
+    if args.start_at < 0:
+        raise GadeiError(f"--start-at {args.start_at}: must be >= 0")
+    per_epoch = len(range(shard, len(train), shards))
+    first_epoch, skip = divmod(args.start_at, per_epoch) if per_epoch else (args.epochs, 0)
     model.train()
     started = time.monotonic()
     samples = 0
     with Learner(model, args.job, pull=args.pull, push=args.push) as learner:
-        for epoch in range(args.epochs):
+        for epoch in range(first_epoch, args.epochs):
             epoch_start, loss_sum, steps = time.monotonic(), 0.0, 0
             for x, y in batches(train, args.batch, epoch=epoch, seed=args.seed, shard=shard, shards=shards):
+                if skip > 0:  # a restarted learner: these samples' gradients are in the weights already
+                    skip -= len(y)
+                    continue
                 loss = workload.loss(model, x, y)
                 loss.backward()
                 learner.step(samples=len(y))
@@ -208,9 +280,22 @@ def cmd_watchdog(args) -> int:
             assert isinstance(restart, list) and all(isinstance(a, str) for a in restart)
         except (ValueError, AssertionError):
             raise GadeiError(f"--restart {args.restart!r}: expected a JSON list of gadei arguments") from None
+    if args.adopt:
+        return Watchdog.adopt(args.job).run()
+    if not args.checkpoint_dir:
+        raise GadeiError("gadei watchdog: give --checkpoint-dir (or --adopt)")
+    learners = []
+    if args.learners:
+        try:
+            learners = json.loads(args.learners)
+            assert isinstance(learners, list) and all(isinstance(l, list) and all(isinstance(a, str) for a in l)
+                                                      for l in learners)
+        except (ValueError, AssertionError):
+            raise GadeiError(f"--learners {args.learners!r}: expected a JSON list of lists of arguments") from None
     settings = Settings(checkpoint_dir=args.checkpoint_dir, every=args.every, keep=args.keep,
                         interval=args.interval, max_missed=args.max_missed, restart=restart,
-                        max_restarts=args.max_restarts, window=args.window)
+                        max_restarts=args.max_restarts, window=args.window, learners=learners,
+                        backoff=args.backoff, log_dir=args.log_dir)
     try:
         settings.check()
     except ValueError as err:
@@ -321,7 +406,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "`gadei stop JOB`, SIGTERM or Ctrl-C. Initial weights come from --workload or --model "
                        "(deterministic for a seed), or, with --params, from the first learner that attaches.")
     p.add_argument("job")
-    init = p.add_mutually_exclusive_group(required=True)
+    p.add_argument("--adopt", action="store_true", help="start a new watchdog that takes over the running JOB "
+                   "(its old watchdog died), with the old one's settings and launched learners; nothing else")
+    init = p.add_mutually_exclusive_group()
     init.add_argument("--workload", help="build the initial model of this built-in workload (textcnn)")
     init.add_argument("--model", help="MODULE:CALLABLE returning the initial torch.nn.Module")
     init.add_argument("--params", type=int, help="only the parameter count; the first learner uploads weights")
@@ -360,6 +447,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep", type=int, default=3, help="checkpoints kept in --checkpoint-dir (default 3)")
     p.add_argument("--resume", metavar="DIR", help="go on from the newest valid checkpoint in DIR (weights, "
                    "version, momentum); the model must match")
+    p.add_argument("--watch-interval", type=float, default=0.5,
+                   help="the watchdog's seconds between looks and beats (default 0.5)")
+    p.add_argument("--max-missed", type=int, default=20, help="beats a process may miss before the watchdog "
+                   "counts it as hung (default 20)")
+    p.add_argument("--max-restarts", type=int, default=3, help="restarts of the server, and of each launched "
+                   "learner, within 300 s before the watchdog gives up (default 3)")
+    p.add_argument("--learner", action="append", default=[], metavar="ARGS",
+                   help="with --checkpoint-dir: the watchdog launches a learner `gadei learn JOB ARGS` (one "
+                   "quoted string; repeat for more), restarts it where it was if it dies, and stops the job "
+                   "when every launched learner is done")
     p.add_argument("--json", action="store_true", help="print a JSON line when stopped")
     p.set_defaults(func=cmd_serve)
 
@@ -379,15 +476,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how gradients reach the ring: publish (default), thread, weights (elastic, the default there)")
     p.add_argument("--eval", action="store_true", help="evaluate on the test set after every epoch")
     p.add_argument("--torch-threads", type=int, default=1, help="PyTorch intra-op threads (default 1)")
+    p.add_argument("--start-at", type=int, default=0, metavar="SAMPLES",
+                   help="skip this many samples of the schedule (epochs x shard): a restarted learner goes on "
+                   "where its gradients in the weights end (the watchdog sets it)")
     p.add_argument("--json", action="store_true", help="JSON lines instead of text")
     p.set_defaults(func=cmd_learn)
 
-    p = sub.add_parser("watchdog", help="watch a running job and checkpoint it every few seconds",
+    p = sub.add_parser("watchdog", help="watch a running job, checkpoint it, restart what dies",
                        description="Attach to a running job, report dead or hung learners and server, and take a "
-                       "checkpoint between two updates every --every seconds. Ends when the job stops (0) or its "
-                       "server dies (3).")
+                       "checkpoint between two updates every --every seconds; launch --learners and restart them "
+                       "when they die; restart a dead server (--restart). Ends when the job stops (0; 4 when it "
+                       "gave up on a launched learner) or its server is dead for good (3).")
     p.add_argument("job")
-    p.add_argument("--checkpoint-dir", required=True, help="where checkpoints go")
+    p.add_argument("--adopt", action="store_true", help="take over from this job's dead watchdog: its settings "
+                   "and launched learners (as `gadei serve --adopt JOB`, in the foreground)")
+    p.add_argument("--checkpoint-dir", help="where checkpoints go (required unless --adopt)")
     p.add_argument("--every", type=float, default=60.0, help="seconds between checkpoints (default 60)")
     p.add_argument("--keep", type=int, default=3, help="checkpoints kept (default 3)")
     p.add_argument("--interval", type=float, default=0.5, help="seconds between looks and beats (default 0.5)")
@@ -397,6 +500,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "list: when it dies, start it again with them plus --replace --resume (gadei serve passes this)")
     p.add_argument("--max-restarts", type=int, default=3, help="restarts within --window before giving up (default 3)")
     p.add_argument("--window", type=float, default=300.0, help="seconds of the restart window (default 300)")
+    p.add_argument("--learners", metavar="JSON", help="learners to launch and keep running: a JSON list of "
+                   "argument lists of `gadei learn JOB` (gadei serve --learner passes this)")
+    p.add_argument("--backoff", type=float, default=1.0,
+                   help="seconds before a dead learner's first restart, doubling with each (default 1)")
+    p.add_argument("--log-dir", help="where launched processes write their logs (default: --checkpoint-dir)")
     p.set_defaults(func=cmd_watchdog)
 
     p = sub.add_parser("status", help="show a job's learners, rates and staleness (read-only)")

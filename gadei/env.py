@@ -8,12 +8,13 @@
 | GADEI_SERVER_TIMEOUT | seconds without a server heartbeat before a waiting learner gives up | 30 |
 | GADEI_LOG | log level of the command-line tools (DEBUG, INFO, WARNING) | INFO |
 | GADEI_DATA_DIR | folder of the shared text data sets (tests, `gadei learn --data trec`) | ../shared/data |
+| GADEI_RUNTIME_DIR | this user's folder for gadei's runtime files (a watchdog's state, for `gadei serve --adopt`) | $XDG_RUNTIME_DIR/gadei, else /tmp/gadei-UID |
 
 Two more are read outside Python: GADEI_NO_OPENMP=1 at build time (setup.py builds the
 kernel serial) and GADEI_NO_AVX2=1 when gadei._native loads (the portable kernel even where
 the CPU has AVX2; the tests use it to check that path). GADEI_RESTARTS is gadei's own
 bookkeeping, not a setting: the times of a job's recent server restarts, which a
-watchdog hands to the server it restarts (and so to that server's watchdog).
+watchdog hands to the server it restarts (the server shows their count in `gadei status`).
 """
 
 import os
@@ -55,3 +56,24 @@ def settings() -> Settings:
         log_level=os.environ.get("GADEI_LOG", "INFO").upper(),
         data_dir=os.environ.get("GADEI_DATA_DIR") or None,
     )
+
+
+def runtime_dir() -> str:
+    """This user's folder for gadei's runtime files, created (mode 0700) if missing.
+
+    Raises:
+        PermissionError: the folder belongs to another user or others may write to it (a
+            file there could be planted by them).
+    """
+    import stat
+
+    folder = os.environ.get("GADEI_RUNTIME_DIR")
+    if not folder:
+        xdg = os.environ.get("XDG_RUNTIME_DIR")
+        folder = os.path.join(xdg, "gadei") if xdg else f"/tmp/gadei-{os.getuid()}"
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    info = os.stat(folder)
+    if info.st_uid != os.getuid() or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise PermissionError(f"gadei runtime folder {folder} belongs to uid {info.st_uid} or others may write "
+                              f"to it (mode {stat.S_IMODE(info.st_mode):o}); set GADEI_RUNTIME_DIR to a folder of yours")
+    return folder

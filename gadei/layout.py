@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 MAGIC = 0x31304945_44414701  # bytes b"\x01GADEI01" in little-endian order
-LAYOUT_VERSION = 3
+LAYOUT_VERSION = 4
 PAGE = 4096
 LINE = 64
 NAME_BYTES = 64
@@ -54,8 +54,11 @@ RUN_STATES = MappingProxyType({CREATED: "created", SERVING: "serving", STOPPING:
 INIT_EMPTY, INIT_WRITING, INIT_READY = 0, 1, 2
 
 # Learner entry states (the entry's `state` field; ownership itself is the `lease` word).
-FREE, CLAIMING, ACTIVE, LEAVING = 0, 1, 2, 3
-ENTRY_STATES = MappingProxyType({FREE: "free", CLAIMING: "claiming", ACTIVE: "active", LEAVING: "leaving"})
+# DEAD: the watchdog found the owner gone without leaving; the next learner that claims
+# the entry takes it over.
+FREE, CLAIMING, ACTIVE, LEAVING, DEAD = 0, 1, 2, 3, 4
+ENTRY_STATES = MappingProxyType({FREE: "free", CLAIMING: "claiming", ACTIVE: "active", LEAVING: "leaving",
+                                 DEAD: "dead"})
 
 _SPARSE_ENTRY = 32  # offset u64, rows u64, width u32, max_rows u32, reserved u64
 _SIZES = {"u32": 4, "u64": 8, "f64": 8, "name": NAME_BYTES, "hist": 8 * HIST_BUCKETS, "sparse": _SPARSE_ENTRY * MAX_SPARSE}
@@ -156,6 +159,7 @@ HEADER, HEADER_BYTES = _record(
         ("held", "u32"),
         ("hold_epoch", "u64"),
         ("restarts", "u32"),  # times a watchdog restarted this job's server (recent ones, in its window)
+        ("resumed_applied", "u64"),  # `applied` of the checkpoint this region was resumed from (0: none)
     ]
 )
 
@@ -163,7 +167,7 @@ ENTRY, ENTRY_BYTES = _record(
     [
         # owner learner writes
         ("lease", "u64"),  # owner pid << 32 | claims; changed only by compare-and-swap
-        ("state", "u32"),  # FREE, CLAIMING, ACTIVE or LEAVING, for people and the watchdog
+        ("state", "u32"),  # FREE, CLAIMING, ACTIVE, LEAVING or DEAD, for people and the watchdog
         ("pid", "u32"),
         ("start", "f64"),
         ("beat", "u64"),

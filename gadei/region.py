@@ -33,6 +33,7 @@ from .errors import (
     GadeiTimeout,
     JobRunning,
     LeftoverRegion,
+    RegionError,
     RegionMismatch,
     RegionNotFound,
 )
@@ -348,6 +349,19 @@ class Region:
             shm = posix_ipc.SharedMemory(name, flags=posix_ipc.O_CREX, mode=0o600, size=lay.total)
         except posix_ipc.ExistentialError as err:
             raise JobRunning(f"job {job!r}: another server created {name} at the same moment") from err
+        try:
+            # tmpfs hands out pages when they are first touched: reserve them all now, so a full
+            # /dev/shm is a clear error here and never a SIGBUS in the middle of training.
+            os.posix_fallocate(shm.fd, 0, lay.total)
+        except OSError as err:
+            shm.close_fd()
+            shm.unlink()
+            free = os.statvfs(SHM_DIR)
+            raise RegionError(
+                f"job {job!r}: cannot reserve {lay.total / 1e6:,.1f} MB for the region in {SHM_DIR} "
+                f"({err.strerror}; {free.f_bavail * free.f_frsize / 1e6:,.1f} MB free there): free space in "
+                f"{SHM_DIR} (`gadei clean` removes leftovers) or make it larger"
+            ) from None
         stat = os.fstat(shm.fd)
         opened = _Opened(shm, stat.st_size, stat.st_uid, stat.st_ino)
         try:

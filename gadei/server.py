@@ -197,6 +197,7 @@ class Server:
             state[:] = momentum.numpy()
         h.set("version", checkpoint.version)
         h.set("applied", checkpoint.applied)
+        h.set("resumed_applied", checkpoint.applied)
         h.set("checkpointed_version", checkpoint.version)
         h.set("init", INIT_READY)
         log.info("job %r: resumed from %s at version %s", self.job, checkpoint.path, f"{checkpoint.version:,}")

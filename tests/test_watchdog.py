@@ -110,6 +110,9 @@ def test_gadei_serve_restarts_a_killed_server_from_its_last_checkpoint(job, proc
         serve = procs.gadei("serve", job, "--params", N, "--lr", 0.125, "--learners", 2, "--checkpoint-dir", tmp_path,
                             "--checkpoint-every", 0.3)
         wait_for(lambda: (inspect(job) or None) and inspect(job).state == "running", 60, "the server")
+        with Region.attach(job, readonly=True) as region:
+            wait_for(lambda: region.header.get("watchdog_pid") != 0, 60, "the watchdog")
+            dog = psutil.Process(region.header.get("watchdog_pid"))
         pusher = procs.worker("push", job, "--n", N, "--steps", 10**9)
         read_line(pusher, 60)
         read_line(pusher, 60)
@@ -123,9 +126,10 @@ def test_gadei_serve_restarts_a_killed_server_from_its_last_checkpoint(job, proc
         with Region.attach(job, readonly=True) as region:
             version = region.header.get("version")
             assert version == last.version and np.all(region.weights == -0.125 * version)  # the first learner uploaded 0
-            wait_for(lambda: region.header.get("watchdog_pid") != 0, 60, "the new server's watchdog")
-            dog = psutil.Process(region.header.get("watchdog_pid"))
-        assert any("restarting the server" in line for line in serve.err_lines)  # the old watchdog said so
+            assert region.header.get("resumed_applied") == last.applied
+            # the same watchdog goes on watching the new region
+            wait_for(lambda: region.header.get("watchdog_pid") == dog.pid, 60, "the watchdog to register again")
+        assert any("restarting the server" in line for line in serve.err_lines)
         out, _ = finish(procs.gadei("status", job, "--json", "--interval", "0.1"))
         status = json.loads(out.splitlines()[-1])
         assert (status["restarts"], status["watchdog_pid"], status["watchdog_alive"]) == (1, dog.pid, True)

@@ -1,23 +1,31 @@
-"""The watchdog of one job: it watches the server and learners through the region and keeps
-checkpoints of the job (installed as `gadei_watchdog`; run it with `gadei watchdog JOB`).
+"""The watchdog of one job: it watches the server and learners through the region, keeps
+checkpoints of the job, and restarts what dies (installed as `gadei_watchdog`; run it with
+`gadei watchdog JOB`, or let `gadei serve --checkpoint-dir DIR` start it).
 
-It attaches to a running job (so a new watchdog can take over a job whose watchdog died),
-registers its pid, start time and heartbeat in the region header, and every `interval`
-seconds:
+It attaches to a running job, registers its pid, start time and heartbeat in the region
+header (refusing to run beside another live watchdog), and every `interval` seconds:
 - beats;
 - judges the server and each learner by pid plus process start time (pid reuse cannot fool
   it) and by heartbeat: a process is dead when it is gone, or hung after `interval *
-  max_missed` seconds without a beat; it reports each death once;
-- every `every` seconds takes a checkpoint between two updates (`gadei.checkpoint.capture`)
-  and writes it crash safely, keeping the last `keep`, and records its version in the header.
+  max_missed` seconds without a beat. It reports each once; the entry of a learner that
+  died without leaving is marked dead (its published gradients are still applied, its
+  half-written slot is never published, and the next learner that claims the ring takes it);
+- starts, watches and restarts the learners it launched (`learners`, see `launched.py`): a
+  learner that dies is started again where the gradients it published end, after a
+  back-off that doubles (`backoff` seconds, at most 30) up to `max_restarts` within
+  `window`, then given up and reported. When all of them died at once, a checkpoint is
+  taken first and they go on from it. When all are done, it stops the job;
+- every `every` seconds takes a checkpoint between two updates (`gadei.checkpoint.capture`),
+  with each launched learner's progress, and writes it crash safely, keeping the last `keep`.
 
-It ends when the job stops (0). When the server is dead and the watchdog knows how it was
-started (`restart`, the arguments of `gadei serve`, which passes them), it starts it again
-with `--replace --resume CHECKPOINT_DIR`: the region is recreated from the newest valid
-checkpoint, and the new server starts a watchdog of its own, so this one ends (0) once the
-new server serves. Restarts are counted in GADEI_RESTARTS (inherited by the new server and
-its watchdog); after `max_restarts` within `window` seconds it gives up. Without `restart`,
-or when it gives up, it ends with 3 and logs the command that resumes the job.
+A dead or hung server (`restart`: the arguments of `gadei serve`, which passes them): the
+watchdog kills it if it still runs, kills the learners it launched, starts the server again
+with `--replace --no-watchdog --resume CHECKPOINT_DIR` (the region is recreated from the
+newest valid checkpoint; without one, from the initial weights), re-attaches, and starts
+the learners again from that checkpoint's progress. After `max_restarts` server restarts
+within `window` seconds it gives up (exit 3) and logs the command that resumes the job.
+
+It ends when the job stops: 0, or 4 when it had given up on some launched learner.
 """
 
 import logging
@@ -26,17 +34,20 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 
-from gadei import _proc, checkpoint
-from gadei.errors import GadeiError
-from gadei.layout import ACTIVE, SERVING, STOPPED, STOPPING
+from gadei import _native, _proc, checkpoint
+from gadei.errors import GadeiError, RegionNotFound
+from gadei.layout import ACTIVE, DEAD, SERVING, STOPPED, STOPPING
 from gadei.region import Region, inspect
 from gadei.ring import lease_owner
 
+from .launched import Launched, Learners, load_state, remove_state, save_state
+
 log = logging.getLogger(__name__)
 
-SERVER_DEAD = 3  # exit code: the server died or hung
+SERVER_DEAD = 3  # exit code: the server died or hung and was not (or could not be) restarted
+LEARNERS_FAILED = 4  # exit code: the job ended after the watchdog gave up on a launched learner
 
 
 @dataclass
@@ -44,14 +55,18 @@ class Settings:
     """How a watchdog watches.
 
     Attributes:
-        checkpoint_dir: where checkpoints go.
+        checkpoint_dir: where checkpoints (and, by default, the restarted processes' logs) go.
         every: seconds between two checkpoints.
         keep: checkpoints kept.
         interval: seconds between two looks (and the watchdog's own beats).
         max_missed: beats a process may miss before it counts as hung.
         restart: the `gadei` arguments that started the server, to start it again; None: do not.
-        max_restarts: restarts within `window` seconds before giving up.
+        max_restarts: restarts of the server, and of each launched learner, within `window`
+            seconds before giving up.
         window: seconds over which restarts are counted.
+        learners: the arguments after `gadei learn JOB` of each learner to launch.
+        backoff: seconds before the first restart of a learner (doubling with each).
+        log_dir: where launched processes write their output (default: checkpoint_dir).
     """
 
     checkpoint_dir: str
@@ -62,120 +77,168 @@ class Settings:
     restart: list[str] | None = None
     max_restarts: int = 3
     window: float = 300.0
+    learners: list[list[str]] = field(default_factory=list)
+    backoff: float = 1.0
+    log_dir: str | None = None
 
     def check(self) -> None:
-        for name in ("every", "interval"):
+        for name in ("every", "interval", "window"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"watchdog {name} must be positive seconds, not {getattr(self, name)!r}")
-        for name in ("keep", "max_missed"):
+        if self.backoff < 0:
+            raise ValueError(f"watchdog backoff must be >= 0 seconds, not {self.backoff!r}")
+        for name in ("keep", "max_missed", "max_restarts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"watchdog {name} must be at least 1, not {getattr(self, name)!r}")
 
 
 class Watchdog:
-    """Watches one job; `run()` until the job stops or its server dies."""
+    """Watches one job; `run()` until the job stops (or its server is dead for good).
 
-    def __init__(self, job: str, settings: Settings):
+    Args:
+        job: the job's name.
+        settings: how to watch.
+        adopted: the launched learners of a watchdog that died (`Watchdog.adopt`).
+    """
+
+    def __init__(self, job: str, settings: Settings, adopted: list[Launched] | None = None):
         settings.check()
         self.job, self.settings = job, settings
-        self.region = Region.attach(job)
-        self._dead: set[tuple[int, int]] = set()  # (learner, pid) already reported
+        self.log_dir = settings.log_dir or settings.checkpoint_dir
+        table = adopted if adopted is not None else [Launched(i, list(a)) for i, a in enumerate(settings.learners)]
+        self.learners = Learners(job, table, self.log_dir, max_restarts=settings.max_restarts,
+                                 window=settings.window, backoff=settings.backoff)
+        self._restarts = [float(t) for t in os.environ.get("GADEI_RESTARTS", "").split(",") if t.strip()]
+        self._server: subprocess.Popen | None = None  # a server this watchdog restarted
+        self._reported: set[tuple[int, int]] = set()  # (learner entry, pid) reported dead or hung
         self.checkpoints = 0
+        self.region = Region.attach(job)
         try:
             self._register()
         except BaseException:
             self.region.close()
             raise
 
+    @classmethod
+    def adopt(cls, job: str) -> "Watchdog":
+        """A watchdog that takes over `job` from one that died, with its settings and learners.
+
+        Raises:
+            GadeiError: no watchdog of this job left its state on this machine.
+        """
+        try:
+            saved, table = load_state(job)
+        except FileNotFoundError:
+            raise GadeiError(f"job {job!r}: no watchdog state to adopt (it was never watched on this machine, "
+                             f"or its watchdog ended with it); start one with `gadei watchdog {job} "
+                             "--checkpoint-dir DIR`") from None
+        return cls(job, Settings(**saved), adopted=table)
+
     def _register(self) -> None:
         h = self.region.header
         pid, started = h.get("watchdog_pid"), h.get("watchdog_start")
-        if pid and _proc.alive(pid, started):
+        if pid and pid != os.getpid() and _proc.alive(pid, started):
             raise GadeiError(f"job {self.job!r} already has a live watchdog (pid {pid})")
         h.set("watchdog_start", _proc.start_time())
         h.set("watchdog_beat", time.monotonic_ns())
         h.set("watchdog_pid", os.getpid())
-        log.info("job %r: watchdog watching; checkpoints every %g s to %s", self.job, self.settings.every,
-                 self.settings.checkpoint_dir)
+        log.info("job %r: watchdog watching; checkpoints every %g s to %s%s", self.job, self.settings.every,
+                 self.settings.checkpoint_dir,
+                 f"; {len(self.learners.table)} learners launched" if self.learners.table else "")
+
+    def _save(self) -> None:
+        try:
+            save_state(self.job, asdict(self.settings), self.learners.table)
+        except OSError as err:
+            log.warning("job %r: cannot save the watchdog's state (for --adopt): %s", self.job, err)
+
+    # ------------------------------------------------------------------ the loop
 
     def run(self) -> int:
-        """Watch until the job stops (0) or its server is dead (SERVER_DEAD)."""
-        h = self.region.header
+        """Watch until the job stops (0, or LEARNERS_FAILED) or its server is dead for good (SERVER_DEAD)."""
         next_checkpoint = time.monotonic() + self.settings.every
+        self.learners.start_all()
+        self._save()
+        stopping = False
         try:
             while True:
+                h = self.region.header
                 h.set("watchdog_beat", time.monotonic_ns())
                 state = h.get("run_state")
                 if state == STOPPED:
-                    log.info("job %r stopped; the watchdog ends after %d checkpoints", self.job, self.checkpoints)
-                    return 0
+                    return self._ended()
                 problem = self._server_problem()
                 if problem:
                     log.error("job %r: the server %s", self.job, problem)
                     if self.settings.restart and self._restart_server():
-                        return 0
+                        next_checkpoint = time.monotonic() + self.settings.every
+                        continue
+                    self.learners.kill_all()
                     log.error("job %r: go on from the last checkpoint with `gadei serve %s --replace --resume %s "
                               "...`", self.job, self.job, self.settings.checkpoint_dir)
                     return SERVER_DEAD
                 self._look_at_learners()
+                if state == SERVING:
+                    self._supervise()
+                    if not stopping and self.learners.finished:
+                        stopping = True
+                        self._stop_job()
                 if state == SERVING and time.monotonic() >= next_checkpoint:
                     self.checkpoint()
                     next_checkpoint = time.monotonic() + self.settings.every
                 time.sleep(self.settings.interval)
         finally:
+            h = self.region.header
             if h.get("watchdog_pid") == os.getpid():
                 h.set("watchdog_pid", 0)
             self.region.close()
 
-    def _restart_server(self, timeout: float = 120.0) -> bool:
-        """Start the server again from the newest checkpoint; True once it serves."""
-        now = time.time()
-        history = [float(t) for t in os.environ.get("GADEI_RESTARTS", "").split(",") if t.strip()]
-        recent = [t for t in history if now - t < self.settings.window]
-        if len(recent) >= self.settings.max_restarts:
-            log.error("job %r: gave up: the server was restarted %d times within %g s", self.job, len(recent),
-                      self.settings.window)
-            return False
+    def _ended(self) -> int:
+        log.info("job %r stopped; the watchdog ends after %d checkpoints", self.job, self.checkpoints)
+        self.learners.reap(timeout=30.0)
+        if self._server is not None:
+            try:
+                self._server.wait(timeout=60.0)  # it writes its last checkpoint, then exits
+            except subprocess.TimeoutExpired:
+                log.warning("job %r: the server (pid %d) did not exit; killing it", self.job, self._server.pid)
+                self._server.kill()
+                self._server.wait()
+        remove_state(self.job)
+        if self.learners.failed:
+            log.error("job %r ended without learners %s (given up)", self.job, self.learners.failed)
+            return LEARNERS_FAILED
+        return 0
+
+    def _stop_job(self) -> None:
         h = self.region.header
-        pid = h.get("server_pid")
-        if _proc.alive(pid, h.get("server_start")):  # hung, not gone: it must go before its region is replaced
-            os.kill(pid, signal.SIGKILL)
-            deadline = time.monotonic() + 10
-            while _proc.alive(pid, h.get("server_start")) and time.monotonic() < deadline:
-                time.sleep(0.05)
-        folder = self.settings.checkpoint_dir
-        found = checkpoint.latest(folder)
-        args = [*self.settings.restart, "--replace"] + (["--resume", folder] if found else [])
-        env = {**os.environ, "GADEI_RESTARTS": ",".join(str(t) for t in [*recent, now])}
-        os.makedirs(folder, exist_ok=True)
-        with open(os.path.join(folder, "server.log"), "ab") as out:
-            proc = subprocess.Popen([sys.executable, "-m", "gadei", *args], env=env, stdout=out,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
-        log.warning("job %r: restarting the server (pid %d) %s; its output goes to %s", self.job, proc.pid,
-                    f"from checkpoint version {found.version:,}" if found else "from its initial weights (no "
-                    "checkpoint yet)", os.path.join(folder, "server.log"))
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            found_now = inspect(self.job)
-            if found_now is not None and found_now.state == "running" and found_now.server_pid == proc.pid:
-                log.info("job %r: the restarted server serves", self.job)
-                return True
-            if proc.poll() is not None:
-                log.error("job %r: the restarted server exited with %d (see %s)", self.job, proc.returncode,
-                          os.path.join(folder, "server.log"))
-                return False
-            time.sleep(0.05)
-        log.error("job %r: the restarted server did not serve within %g s", self.job, timeout)
-        return False
+        why = "every launched learner finished" if not self.learners.failed else \
+            f"no launched learner is left (gave up on {self.learners.failed})"
+        log.info("job %r: %s; stopping the job", self.job, why)
+        h.cas("run_state", SERVING, STOPPING)
+        _native.add32(h.addr("doorbell"), 1)
+        _native.futex_wake(h.addr("doorbell"), 1)
+
+    def _supervise(self) -> None:
+        """Launched learners: notice deaths, restart them; all dead at once: checkpoint first."""
+        died, changed = self.learners.look(self.region)
+        if died and len(died) > 1 and not any(l.running for l in self.learners.table):
+            log.warning("job %r: all launched learners died; checkpointing the server's weights before they go on",
+                        self.job)
+            self.checkpoint()
+        if changed:
+            self._save()
 
     def checkpoint(self) -> None:
         """Take and write one checkpoint now; a failure is logged and the next one tried later."""
         try:
-            checkpoint.take(self.region, self.settings.checkpoint_dir, keep=self.settings.keep)
+            checkpoint.take(self.region, self.settings.checkpoint_dir, keep=self.settings.keep,
+                            progress=self.learners.progress if self.learners.table else None)
         except GadeiError as err:
             log.error("job %r: no checkpoint this time: %s", self.job, err)
             return
         self.checkpoints += 1
+
+    # ------------------------------------------------------------------ the server
 
     def _server_problem(self) -> str | None:
         h = self.region.header
@@ -186,28 +249,94 @@ class Watchdog:
             return f"pid {h.get('server_pid')} has not beaten for {silent:.1f} s (hung)"
         return None
 
+    def _restart_server(self, timeout: float = 120.0) -> bool:
+        """Start the server again from the newest checkpoint; True once it serves and the
+        launched learners go on."""
+        now = time.time()
+        recent = [t for t in self._restarts if now - t < self.settings.window]
+        if len(recent) >= self.settings.max_restarts:
+            log.error("job %r: gave up: the server was restarted %d times within %g s", self.job, len(recent),
+                      self.settings.window)
+            return False
+        h = self.region.header
+        pid, started = h.get("server_pid"), h.get("server_start")
+        if _proc.alive(pid, started):  # hung, not gone: it must go before its region is replaced
+            os.kill(pid, signal.SIGKILL)
+            deadline = time.monotonic() + 10
+            while _proc.alive(pid, started) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        if self._server is not None:
+            self._server.wait()  # reap the one we restarted before
+        self.learners.kill_all()
+        folder = self.settings.checkpoint_dir
+        found = checkpoint.latest(folder)
+        args = [*self.settings.restart, "--replace", "--no-watchdog"] + (["--resume", folder] if found else [])
+        self._restarts = [*recent, now]
+        env = {**os.environ, "GADEI_RESTARTS": ",".join(str(t) for t in self._restarts)}
+        os.makedirs(self.log_dir, exist_ok=True)
+        server_log = os.path.join(self.log_dir, "server.log")
+        with open(server_log, "ab") as out:
+            proc = subprocess.Popen([sys.executable, "-m", "gadei", *args], env=env, stdout=out,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        self._server = proc
+        log.warning("job %r: restarting the server (pid %d) %s; its output goes to %s", self.job, proc.pid,
+                    f"from checkpoint version {found.version:,}" if found else "from its initial weights (no "
+                    "checkpoint yet)", server_log)
+        deadline = time.monotonic() + timeout
+        while True:
+            now_found = inspect(self.job)
+            if now_found is not None and now_found.state == "running" and now_found.server_pid == proc.pid:
+                break
+            if proc.poll() is not None:
+                log.error("job %r: the restarted server exited with %d (see %s)", self.job, proc.returncode,
+                          server_log)
+                return False
+            if time.monotonic() >= deadline:
+                log.error("job %r: the restarted server did not serve within %g s", self.job, timeout)
+                return False
+            time.sleep(0.05)
+        self.region.close()
+        try:
+            self.region = Region.attach(self.job)
+        except (RegionNotFound, GadeiError) as err:
+            log.error("job %r: cannot attach to the restarted server's region: %s", self.job, err)
+            return False
+        self._register()
+        self._reported.clear()
+        self.learners.resume(found.progress if found else {})
+        self.learners.start_all()
+        self._save()
+        log.info("job %r: the restarted server serves", self.job)
+        return True
+
+    # ------------------------------------------------------------------ every learner
+
     def _look_at_learners(self) -> None:
+        """Report each learner (launched or not) that died or hangs, once; mark the dead."""
         limit_ns = self.settings.interval * self.settings.max_missed * 1e9
         for i in range(self.region.shape.capacity):
             entry = self.region.entry(i)
             pid = lease_owner(entry.get("lease"))
-            if pid == 0 or entry.get("state") != ACTIVE or (i, pid) in self._dead:
+            if pid == 0 or entry.get("state") != ACTIVE:
                 continue
+            silent_ns = time.monotonic_ns() - entry.get("beat")
             if not _proc.alive(pid, entry.get("start")):
-                why = "is gone"
-            elif time.monotonic_ns() - entry.get("beat") > limit_ns:
-                why = f"has not beaten for {(time.monotonic_ns() - entry.get('beat')) / 1e9:.1f} s"
-            else:
-                continue
-            self._dead.add((i, pid))
-            log.warning("job %r: learner %d (pid %d) %s; its ring goes to the next learner that attaches",
-                        self.job, i, pid, why)
+                if entry.cas("state", ACTIVE, DEAD):
+                    log.warning("job %r: learner entry %d (pid %d) is gone; the entry is marked dead and its ring "
+                                "goes to the next learner that attaches", self.job, i, pid)
+                self._reported.discard((i, pid))
+            elif silent_ns > limit_ns:
+                if (i, pid) not in self._reported:
+                    self._reported.add((i, pid))
+                    log.warning("job %r: learner entry %d (pid %d) has not beaten for %.1f s (hung)", self.job, i, pid,
+                                silent_ns / 1e9)
+            elif (i, pid) in self._reported:
+                self._reported.discard((i, pid))
+                log.info("job %r: learner entry %d (pid %d) beats again", self.job, i, pid)
 
 
 def main(argv=None) -> int:
     """`python -m gadei_watchdog JOB ...`: the same as `gadei watchdog JOB ...`."""
     from gadei.cli import main as gadei_main
-
-    import sys
 
     return gadei_main(["watchdog", *(sys.argv[1:] if argv is None else argv)])
