@@ -123,13 +123,24 @@ def cmd_serve(args) -> int:
         print(f"gadei: serving job {args.job!r} (pid {os.getpid()}); stop it with `gadei stop {args.job}`",
               file=sys.stderr, flush=True)
         report = server.serve(grace=args.grace)
+        code = 0
         if args.checkpoint_dir:
-            server.write_checkpoint(args.checkpoint_dir, keep=args.keep)
+            from .checkpoint import CheckpointError
+
+            try:
+                server.write_checkpoint(args.checkpoint_dir, keep=args.keep)
+            except CheckpointError as err:  # the weights still go to --save
+                print(f"gadei: error: no checkpoint at stop: {err}", file=sys.stderr, flush=True)
+                code = 1
         if args.save:
             server.save(args.save)
         if args.json:
+            h, entries = server.region.header, [server.region.entry(i) for i in range(server.region.shape.capacity)]
             _emit({"event": "stopped", "job": args.job, "applied": report.applied, "seconds": report.seconds,
-                   "version": report.version})
+                   "version": report.version, "applied_total": h.get("applied"),
+                   "resumed_applied": h.get("resumed_applied"),
+                   "published": sum(e.get("head") for e in entries),
+                   "discarded": sum(e.get("discarded") for e in entries)})
     finally:
         server.close()
         if dog is not None:
@@ -138,7 +149,7 @@ def cmd_serve(args) -> int:
             except subprocess.TimeoutExpired:
                 dog.kill()
                 dog.wait()
-    return 0
+    return code
 
 
 def _start_watchdog(args, learners: list[list[str]]) -> subprocess.Popen:
@@ -156,6 +167,8 @@ def _start_watchdog(args, learners: list[list[str]]) -> subprocess.Popen:
                "--every", str(args.checkpoint_every), "--keep", str(args.keep), "--restart", json.dumps(restart),
                "--interval", str(args.watch_interval), "--max-missed", str(args.max_missed),
                "--max-restarts", str(args.max_restarts)]
+    if args.log_dir:
+        command += ["--log-dir", args.log_dir]
     if learners:
         command += ["--learners", json.dumps(learners)]
     return subprocess.Popen(command, start_new_session=True)
@@ -189,11 +202,16 @@ def _adopt(args) -> int:
     if found is None or found.state != "running":
         raise GadeiError(f"job {args.job!r} has no running server to adopt" + (f" ({found.state})" if found else ""))
     try:
-        load_state(args.job)
+        saved, _ = load_state(args.job)
     except FileNotFoundError:
         raise GadeiError(f"job {args.job!r}: no watchdog state to adopt on this machine; start a watchdog with "
                          f"`gadei watchdog {args.job} --checkpoint-dir DIR`") from None
-    dog = subprocess.Popen([sys.executable, "-m", "gadei_watchdog", args.job, "--adopt"], start_new_session=True)
+    folder = saved.get("log_dir") or saved["checkpoint_dir"]
+    os.makedirs(folder, exist_ok=True)
+    out_path = os.path.join(folder, "watchdog.log")
+    with open(out_path, "ab") as out:  # detached: it must not hold this command's output open
+        dog = subprocess.Popen([sys.executable, "-m", "gadei_watchdog", args.job, "--adopt"], stdout=out,
+                               stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 60
     with Region.attach(args.job, readonly=True) as region:
         while region.header.get("watchdog_pid") != dog.pid:
@@ -203,7 +221,8 @@ def _adopt(args) -> int:
                 dog.kill()
                 raise GadeiError(f"job {args.job!r}: the adopting watchdog did not register within 60 s")
             time.sleep(0.05)
-    print(f"gadei: job {args.job!r} adopted by watchdog pid {dog.pid}", file=sys.stderr, flush=True)
+    print(f"gadei: job {args.job!r} adopted by watchdog pid {dog.pid}; its log: {out_path}", file=sys.stderr,
+          flush=True)
     return 0
 
 
@@ -453,6 +472,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "counts it as hung (default 20)")
     p.add_argument("--max-restarts", type=int, default=3, help="restarts of the server, and of each launched "
                    "learner, within 300 s before the watchdog gives up (default 3)")
+    p.add_argument("--log-dir", help="where the watchdog's launched learners and restarted servers write their "
+                   "logs (default: --checkpoint-dir)")
     p.add_argument("--learner", action="append", default=[], metavar="ARGS",
                    help="with --checkpoint-dir: the watchdog launches a learner `gadei learn JOB ARGS` (one "
                    "quoted string; repeat for more), restarts it where it was if it dies, and stops the job "

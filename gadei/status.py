@@ -66,6 +66,7 @@ class JobStatus:
     restarts: int
     checkpointed_version: int
     learners: list[LearnerStatus]
+    launched: list[dict] = field(default_factory=list)  # the watchdog's launched learners (see `_launched`)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -157,7 +158,25 @@ def read(region: Region) -> JobStatus:
         restarts=h.get("restarts"),
         checkpointed_version=h.get("checkpointed_version"),
         learners=learners,
+        launched=_launched(region.job),
     )
+
+
+def _launched(job: str) -> list[dict]:
+    """The learners the job's watchdog launched, as its saved state says: number, pid, state
+    (running, waiting for a restart, done, given up), restarts and where it (re)started."""
+    try:
+        from gadei_watchdog.launched import load_state
+
+        _, table = load_state(job)
+    except (OSError, ValueError, KeyError, TypeError, ImportError):
+        return []
+    out = []
+    for l in table:
+        state = "given up" if l.failed else "done" if l.done else "running" if l.pid else "waiting"
+        out.append({"number": l.number, "pid": l.pid, "state": state, "restarts": len(l.restarts),
+                    "start_at": l.start_at})
+    return out
 
 
 @dataclass
@@ -208,6 +227,10 @@ def format_table(status: JobStatus, rate: Rates | None) -> str:
                 dog += f", beat {status.watchdog_beat_age:.1f}s ago"
         lines.insert(2, f"  watchdog: {dog}; last checkpoint at version {status.checkpointed_version:,}; "
                         f"{status.restarts} server restarts")
+    if status.launched:
+        lines.append("  launched by the watchdog: " + "; ".join(
+            f"{l['number']} {l['state']}" + (f" (pid {l['pid']})" if l["pid"] else "")
+            + (f", {l['restarts']} restarts" if l["restarts"] else "") for l in status.launched))
     if status.learners:
         header = ("learner", "pid", "state", "pushes", "pushes/s", "samples/s", "applied", "in ring",
                   "stale mean/p50/max", "dropped", "pulled v", "retries", "beat")

@@ -137,10 +137,25 @@ def read_line(proc: subprocess.Popen, timeout: float) -> dict:
             return json.loads(line)
 
 
+def pytest_addoption(parser):
+    parser.addoption("--soak", action="store_true",
+                     help="also run the long opt-in tests (marked soak: the rest of the fault-injection suite)")
+
+
 def pytest_configure(config):
     config.addinivalue_line(
         "markers", "slow: end-to-end training runs of a few minutes (in the default suite; -m 'not slow' skips them)"
     )
+    config.addinivalue_line("markers", "soak: long runs, skipped unless --soak is given")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--soak"):
+        return
+    skip = pytest.mark.skip(reason="a long soak run: give --soak to run it")
+    for item in items:
+        if "soak" in item.keywords:
+            item.add_marker(skip)
 
 
 @pytest.fixture

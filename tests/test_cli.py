@@ -94,3 +94,34 @@ def test_serve_a_model_factory_and_save_the_final_weights(job, procs, tmp_path):
     assert list(state) == ["weight", "bias"]
     assert state["weight"].shape == (993,) and state["bias"].shape == (7,)
     assert torch.all(state["weight"] == 2.0 - 0.5 * 4) and torch.all(state["bias"] == 0.0)
+
+
+def test_launched_learners_are_checked_before_anything_starts(job, procs, tmp_path):
+    cases = [
+        (["--learner", "--epochs 1"], "give --checkpoint-dir"),
+        (["--checkpoint-dir", tmp_path, "--no-watchdog", "--learner", "--epochs 1"], "give --checkpoint-dir"),
+        (["--checkpoint-dir", tmp_path, "--learner", "--epochs one"], "not arguments of `gadei learn`"),
+        (["--checkpoint-dir", tmp_path, "--learner", "--epochs 1 --start-at 5"], "--start-at is the watchdog's"),
+        (["--checkpoint-dir", tmp_path, "--learner", "--epochs 'unclosed"], "No closing quotation"),
+    ]
+    for extra, message in cases:
+        serve = procs.gadei("serve", job, "--params", 100, *extra)
+        _, err = communicate(serve, 60)
+        assert serve.returncode == 2 and message in err, (extra, err)
+        assert inspect(job) is None
+    adopt = procs.gadei("serve", "--adopt", job)
+    _, err = communicate(adopt, 60)
+    assert adopt.returncode == 2 and f"job {job!r} has no running server to adopt" in err
+
+
+def test_the_runtime_folder_must_be_ours_and_private(tmp_path, monkeypatch):
+    import pytest
+
+    from gadei.env import runtime_dir
+
+    folder = tmp_path / "run"
+    monkeypatch.setenv("GADEI_RUNTIME_DIR", str(folder))
+    assert runtime_dir() == str(folder) and (folder.stat().st_mode & 0o777) == 0o700
+    folder.chmod(0o777)
+    with pytest.raises(PermissionError, match="others may write"):
+        runtime_dir()

@@ -183,7 +183,7 @@ class Learners:
             return False, None
         # Not our child (adopted): a learner that left gave its ring back; one that died did not.
         owns = any(lease_owner(region.entry(i).get("lease")) == l.pid for i in range(region.shape.capacity))
-        return True, (None if owns or l.entry < 0 else 0)
+        return True, (None if owns else 0)
 
     def _track(self, l: Launched, region) -> None:
         if l.entry < 0 or lease_owner(region.entry(l.entry).get("lease")) != l.pid:
@@ -201,9 +201,17 @@ class Learners:
         if l.entry >= 0:
             entry = region.entry(l.entry)
             if lease_owner(entry.get("lease")) == l.pid:
-                published = max(published, entry.get("samples"))
-                if entry.cas("state", ACTIVE, DEAD):
-                    log.debug("job %r: learner entry %d marked dead", self.job, l.entry)
+                entry.cas("state", ACTIVE, DEAD)
+                # The server applies what the dead learner published; once its ring is empty,
+                # applied_samples is exactly the samples it contributed (its samples counter may
+                # miss the last step: it counts after publishing).
+                deadline = time.monotonic() + 2.0
+                while entry.get("tail") != entry.get("head") and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                if entry.get("tail") == entry.get("head") and lease_owner(entry.get("lease")) == l.pid:
+                    published = entry.get("applied_samples")
+                else:
+                    published = max(published, entry.get("samples"))
         l.start_at += published
         l.proc, l.pid, l.started, l.entry, l.seen = None, 0, 0.0, -1, 0
         recent = [t for t in l.restarts if now - t < self.window]

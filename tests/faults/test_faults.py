@@ -1,0 +1,54 @@
+"""The fast subset of the fault-injection suite (the full randomized one: `python
+tests/faults/run.py`; see harness.py for what each scenario does and checks).
+
+Each test runs a real job (server, watchdog, three launched learners training the text CNN
+on TREC), injects one fault and checks that the job finishes with every mini-batch of its
+schedule in the weights once, the exactly-once ledger, the lost progress, nothing left
+behind, and test accuracy within 3 points of the mean of two fault-free runs of the same
+seed: a guard against damage (a restart from the initial weights, gradients applied twice),
+not a noise test. Same-seed Hogwild runs of this job end 84-88% on TREC (see README), so
+one run against another would fail on noise alone; the full suite compares each
+scenario's mean over its runs.
+"""
+
+import random
+
+import pytest
+
+import harness
+
+FAST = [name for name, s in harness.SCENARIOS.items() if s.fast]
+SLOW = [name for name, s in harness.SCENARIOS.items() if not s.fast]
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    if not (harness.data_dir() / "trec").is_dir():
+        pytest.skip(f"the TREC data set is not at {harness.data_dir() / 'trec'} (set GADEI_DATA_DIR)")
+    harness.set_subreaper(True)  # orphans of killed watchdogs and servers come to us to be reaped
+    yield tmp_path_factory.mktemp("faults")
+    harness.set_subreaper(False)
+    harness.reap_orphans()
+
+
+def _run(name: str, workdir, seed: int = 0):
+    scenario = harness.SCENARIOS[name]
+    if scenario.needs_unshare:
+        why_not = harness.can_unshare()
+        if why_not:
+            pytest.skip(f"{name} needs a private mount namespace: {why_not}")
+    outcome = harness.run_scenario(scenario, harness.Settings(seed=seed), workdir, tolerance=3.0, references=2,
+                                   rng=random.Random(f"{name}-{seed}"))
+    assert outcome.passed, "\n".join(outcome.problems)
+    return outcome
+
+
+@pytest.mark.parametrize("name", FAST)
+def test_a_job_survives(name, workdir):
+    _run(name, workdir)
+
+
+@pytest.mark.soak
+@pytest.mark.parametrize("name", SLOW)
+def test_a_job_survives_more(name, workdir):
+    _run(name, workdir)
