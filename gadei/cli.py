@@ -72,7 +72,7 @@ def cmd_serve(args) -> int:
 
     if args.adopt:
         return _adopt(args)
-    if not (args.workload or args.model or args.params):
+    if args.workload is None and args.model is None and args.params is None:
         raise GadeiError("gadei serve: give the initial weights with --workload, --model or --params")
     if args.learner and (not args.checkpoint_dir or args.no_watchdog):
         raise GadeiError("--learner: launched learners are run by the job's watchdog; give --checkpoint-dir "
@@ -149,6 +149,10 @@ def cmd_serve(args) -> int:
             except subprocess.TimeoutExpired:
                 dog.kill()
                 dog.wait()
+            if dog.returncode == 4:  # gadei_watchdog.LEARNERS_FAILED
+                print(f"gadei: error: job {args.job!r} ended without some launched learners: the watchdog gave "
+                      f"up on them (see their logs in {args.log_dir or args.checkpoint_dir})", file=sys.stderr)
+                code = 1
     return code
 
 
@@ -582,8 +586,8 @@ def main(argv=None) -> int:
     except GadeiError as err:
         print(f"gadei: error: {err}", file=sys.stderr)
         return 2
-    except ValueError as err:  # bad values found after parsing (data specs, env variables)
-        print(f"gadei: error: {err}", file=sys.stderr)
+    except (ValueError, FileNotFoundError, PermissionError) as err:  # bad values found after parsing (data
+        print(f"gadei: error: {err}", file=sys.stderr)  # specs, env variables), missing or unreadable files
         return 2
     except KeyboardInterrupt:
         return 130

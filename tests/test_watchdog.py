@@ -162,3 +162,16 @@ def test_the_watchdog_gives_up_after_too_many_restarts(job, procs, tmp_path):
         _end_job_processes(job)
     assert inspect(job).state == "leftover"
     assert any("gave up: the server was restarted 3 times within 300 s" in line for line in serve.err_lines)
+
+
+def test_a_launched_learner_that_keeps_failing_is_given_up_and_the_job_ends(job, procs, tmp_path):
+    serve = procs.gadei("serve", job, "--params", 1000, "--checkpoint-dir", tmp_path, "--checkpoint-every", 60,
+                        "--max-restarts", 1, "--learner", f"--data trec:{tmp_path}/no-such-folder --epochs 1")
+    _, err = communicate(serve, 120)
+    assert serve.returncode == 1, err
+    assert "launched learner 0 exited with 2 after 0 samples of its schedule; starting it again in 1 s" in err
+    assert "gave up on it: it died 2 times within 300 s" in err
+    assert "ended without some launched learners" in err
+    said = (tmp_path / "learner-0.log").read_text()
+    assert said.count("gadei: error: TREC file") == 2 and "Traceback" not in said  # both runs said why, plainly
+    assert inspect(job) is None

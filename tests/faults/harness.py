@@ -23,6 +23,7 @@ server are reparented to it and reaped, never left as zombies.
 
 import ctypes
 import json
+import logging
 import os
 import random
 import shutil
@@ -311,6 +312,7 @@ class Fault:
     problems: list[str] = field(default_factory=list)  # found while injecting
     resume: object = None  # the checkpoint a server restart resumes from
     after_recovery: object = None  # called once recovered: a list of problems
+    stops_nothing: bool = False  # training never stopped (a failing checkpoint write): no recovery time
     wall: float = field(default_factory=time.time)  # the fault's wall-clock time (checkpoints record that)
 
 
@@ -384,8 +386,15 @@ def kill_server(job: Job, rng: random.Random) -> Fault:
 
 def _resume_point(job: Job):
     """The checkpoint a restart will resume from (the newest that verifies; nothing writes
-    checkpoints while the server is dead), read right after the fault."""
-    return checkpoint.latest(job.ckpt)
+    checkpoints while the server is dead), read right after the fault. (Quietly: the
+    restart itself warns about a bad one.)"""
+    quiet = logging.getLogger("gadei.checkpoint")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        return checkpoint.latest(job.ckpt)
+    finally:
+        quiet.setLevel(level)
 
 
 def _adopt(job: Job, old: int) -> None:
@@ -491,7 +500,7 @@ def _folder_whole(job: Job) -> list[str]:
 def checkpoint_folder_full(job: Job, rng: random.Random) -> Fault:
     # The folder (a 12 MB tmpfs) holds two checkpoints of the 5 MB model; the third write fails.
     wait_until(lambda: "No space left on device" in job.logs(), 120, "a checkpoint write to fail for space")
-    return Fault(time.monotonic(), lambda: True, expect_serve_rc=1, problems=_folder_whole(job),
+    return Fault(time.monotonic(), lambda: True, expect_serve_rc=1, problems=_folder_whole(job), stops_nothing=True,
                  expect_in_logs=["no checkpoint this time", "No space left on device"])
 
 
@@ -503,7 +512,7 @@ def checkpoint_folder_read_only(job: Job, rng: random.Random) -> Fault:
         raise Failed(f"cannot remount the checkpoint folder read-only: {remount.stderr.strip()}")
     at = time.monotonic()
     wait_until(lambda: "Read-only file system" in job.logs(), 60, "a checkpoint write to fail")
-    return Fault(at, lambda: True, expect_serve_rc=1, problems=_folder_whole(job),
+    return Fault(at, lambda: True, expect_serve_rc=1, problems=_folder_whole(job), stops_nothing=True,
                  expect_in_logs=["no checkpoint this time", "Read-only file system"])
 
 
@@ -605,7 +614,7 @@ def run_scenario(scenario: Scenario, settings: Settings, workdir: Path, *, toler
             wait_until(lambda: fault.recovered() or over(), 300, "the job to recover")
             if not fault.recovered():
                 raise Failed("the job ended without the recovery being seen")
-            outcome.recovery_s = time.monotonic() - fault.at
+            outcome.recovery_s = None if fault.stops_nothing else time.monotonic() - fault.at
             if fault.after_recovery is not None:
                 fault.problems += fault.after_recovery()
         job.wait_done()

@@ -17,6 +17,8 @@ import pytest
 
 import harness
 
+pytestmark = pytest.mark.slow
+
 FAST = [name for name, s in harness.SCENARIOS.items() if s.fast]
 SLOW = [name for name, s in harness.SCENARIOS.items() if not s.fast]
 
