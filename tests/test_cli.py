@@ -125,3 +125,20 @@ def test_the_runtime_folder_must_be_ours_and_private(tmp_path, monkeypatch):
     folder.chmod(0o777)
     with pytest.raises(PermissionError, match="others may write"):
         runtime_dir()
+
+
+def test_clean_removes_a_dead_watchdogs_state_once_its_job_is_gone(job, procs, tmp_path):
+    env = {"GADEI_RUNTIME_DIR": str(tmp_path / "run")}
+    server = procs.gadei("serve", job, "--params", 100, env=env)
+    wait_for(lambda: inspect(job) is not None and inspect(job).state == "running", 60, "the server")
+    (tmp_path / "run").mkdir(mode=0o700, exist_ok=True)
+    state = tmp_path / "run" / f"{job}.watchdog.json"
+    state.write_text("{}")
+    finish(procs.gadei("clean", job, env=env))
+    assert state.exists()  # the job still runs: a new watchdog may adopt it
+    finish(procs.gadei("stop", job))
+    finish(server)
+    out, _ = finish(procs.gadei("clean", job, "--dry-run", env=env))
+    assert "would remove the dead watchdog's state" in out and state.exists()
+    finish(procs.gadei("clean", job, env=env))
+    assert not state.exists()
