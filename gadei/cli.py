@@ -550,7 +550,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-missed", type=int, default=20,
                    help="beats a process may miss before it counts as hung (default 20)")
     p.add_argument("--restart", metavar="JSON", help="the gadei arguments that started the server, as a JSON "
-                   "list: when it dies, start it again with them plus --replace --resume (gadei serve passes this)")
+                   "list: when it dies, start it again with them plus --replace --no-watchdog --resume (gadei serve passes this)")
     p.add_argument("--max-restarts", type=int, default=3, help="restarts within --window before giving up (default 3)")
     p.add_argument("--window", type=float, default=300.0, help="seconds of the restart window (default 300)")
     p.add_argument("--learners", metavar="JSON", help="learners to launch and keep running: a JSON list of "
