@@ -425,6 +425,12 @@ def _clean_watchdog_states(args) -> None:
         print(f"{job}: removed the dead watchdog's state {path}")
 
 
+def cmd_run(args) -> int:
+    from .run import run_job
+
+    return run_job(args.jobfile, quiet=args.quiet)
+
+
 def cmd_demo(args) -> int:
     from .demo import run_demo
 
@@ -512,6 +518,15 @@ def build_parser() -> argparse.ArgumentParser:
                    "when every launched learner is done")
     p.add_argument("--json", action="store_true", help="print a JSON line when stopped")
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("run", help="run a job file in the foreground: server, watchdog, learners, outputs",
+                       description="Check a job file and its data (any problem is refused before anything "
+                       "starts), fill in the defaults, run the job with a watchdog that restarts what crashes, "
+                       "print progress, and leave the model, label and vocabulary maps, metrics.jsonl, "
+                       "checkpoints and logs in its output folder. See the README's Job files section.")
+    p.add_argument("jobfile", help="the job's TOML file")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("learn", help="train a built-in workload as one learner of a job",
                        description="Attach to a served job and train a built-in workload on one shard of "

@@ -223,6 +223,45 @@ def _encode_split(
     return encode(train, "train"), encode(test, "test")
 
 
+def encode_split(
+    train: list[tuple[list[str], str]],
+    test: list[tuple[list[str], str]],
+    *,
+    name: str,
+    test_source: str,
+    max_size: int = 20000,
+    min_count: int = 1,
+) -> tuple[TextDataset, TextDataset]:
+    """(train, test) datasets from (tokens, label) rows: vocabulary and label map from train.
+
+    Raises:
+        ValueError: a test label does not occur in train (naming ``test_source``).
+    """
+    return _encode_split(train, test, name=name, test_source=test_source, max_size=max_size, min_count=min_count)
+
+
+def hold_out(
+    rows: list[tuple[list[str], str]], fraction: float, seed: int
+) -> tuple[list[tuple[list[str], str]], list[tuple[list[str], str]]]:
+    """Splits ``rows`` into (train, held-out test): ``fraction`` of each label, at least one,
+    chosen with ``seed`` (the same split in every process); a label with a single sample
+    stays in train."""
+    rng = np.random.default_rng([seed, 7919])
+    by_label: dict[str, list[int]] = {}
+    for i, (_, label) in enumerate(rows):
+        by_label.setdefault(label, []).append(i)
+    held: set[int] = set()
+    for label in sorted(by_label):
+        members = by_label[label]
+        if len(members) < 2:
+            continue
+        k = max(1, int(round(fraction * len(members))))
+        held.update(members[j] for j in rng.permutation(len(members))[:k])
+    train = [row for i, row in enumerate(rows) if i not in held]
+    test = [row for i, row in enumerate(rows) if i in held]
+    return train, test
+
+
 def _read_rows(path: Path, encoding: str, kind: str, expected: str, parse) -> list[tuple[list[str], str]]:
     """Reads one sample per line: ``parse(line) -> (text, label)`` or None where the line is
     not of the form ``expected``; returns (tokens, label) pairs. ``kind`` names the file in errors."""
@@ -465,7 +504,8 @@ def load(spec: str) -> tuple[TextDataset, TextDataset]:
 
     Args:
         spec: One of ``"generated"``, ``"generated:SEED"``, ``"trec:FOLDER"`` (6 coarse
-            labels), ``"trec-fine:FOLDER"`` (50 fine labels) or ``"sst2:FOLDER"``.
+            labels), ``"trec-fine:FOLDER"`` (50 fine labels), ``"sst2:FOLDER"`` or
+            ``"job:JOBFILE"`` (the ``[data]`` of a job file, see ``gadei.jobfile``).
 
     Returns:
         ``(train, test)``.
@@ -486,9 +526,13 @@ def load(spec: str) -> tuple[TextDataset, TextDataset]:
         return load_trec(arg, fine=kind == "trec-fine")
     if kind == "sst2" and arg:
         return load_sst2(arg)
+    if kind == "job" and arg:  # the [data] of a job file (gadei run passes this to its processes)
+        from gadei import jobfile
+
+        return jobfile.load_data(jobfile.load(arg))
     raise ValueError(
         f"data spec {spec!r} is not understood; use 'generated', 'generated:SEED', "
-        "'trec:FOLDER', 'trec-fine:FOLDER' or 'sst2:FOLDER'"
+        "'trec:FOLDER', 'trec-fine:FOLDER', 'sst2:FOLDER' or 'job:JOBFILE'"
     )
 
 

@@ -1,0 +1,333 @@
+"""Job files: a training job as a TOML file, parsed (standard library `tomllib`) into a typed,
+validated `Job` before anything starts.
+
+    [job]
+    name = "trec"                 # the job's name (its region is gadei-<name>)
+    workload = "textcnn"          # built-in workload
+
+    [data]
+    train = "trec/TREC.train"     # a file; per-label: a list of files, or a folder
+    test = "trec/TREC.test"       # optional: without it, `holdout` of train is held out
+    format = "trec"               # csv, tsv, jsonl, label-text, trec, per-label
+    text_column = "text"          # csv/tsv/jsonl: the column (key) of the text
+    label_column = "label"        # csv/tsv/jsonl: the column (key) of the label
+    encoding = "utf-8"
+    fallback_encoding = "latin-1" # optional: read a file that is not `encoding` with this
+    holdout = 0.1                 # share of train held out as the test set when there is none
+
+    [train]
+    learners = 2
+    mode = "async"                # async, consistent, sync, elastic
+    batch = 2                     # default: 2 below 10k samples, 4 up to 100k, 32 above
+    lr = 0.01
+    epochs = 10
+    seed = 0
+
+    [checkpoint]
+    interval = 60                 # seconds
+    keep = 3
+
+    [output]
+    folder = "runs/trec"          # default: runs/<name> next to the job file
+
+Relative paths are taken from the job file's folder. Every refusal (`JobFileError`) names
+the file, the field, the value and what is allowed: an unknown section or key (with the
+closest known one), a wrong type or range, a file that does not exist. Data problems
+(empty data, a label column that is not there, fewer than two labels, a file that does not
+decode) are found by `load_data`, also before anything starts.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import os
+import tomllib
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from .errors import GadeiError
+
+MODES = ("async", "consistent", "sync", "elastic")
+FORMATS = ("csv", "tsv", "jsonl", "label-text", "trec", "per-label")
+MAX_LEARNERS = 64
+
+
+class JobFileError(GadeiError, ValueError):
+    """A job file that cannot run as written (the message says where and why)."""
+
+
+@dataclass(frozen=True)
+class Data:
+    train: tuple[Path, ...]
+    test: tuple[Path, ...] | None = None
+    format: str = "csv"
+    text_column: str = "text"
+    label_column: str = "label"
+    encoding: str = "utf-8"
+    fallback_encoding: str | None = None
+    holdout: float = 0.1
+
+
+@dataclass(frozen=True)
+class Train:
+    learners: int = 2
+    mode: str = "async"
+    batch: int | None = None  # None: chosen from the data set's size (`with_defaults`)
+    lr: float = 0.01
+    epochs: int = 10
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    interval: float = 60.0
+    keep: int = 3
+
+
+@dataclass(frozen=True)
+class Job:
+    """A job as its file says (paths absolute); `with_defaults` fills what depends on the data."""
+
+    name: str
+    workload: str
+    data: Data
+    train: Train = field(default_factory=Train)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    output: Path = Path("runs")
+    path: Path | None = None
+
+    def with_defaults(self, samples: int) -> tuple["Job", list[str]]:
+        """The job with the size-dependent defaults chosen for `samples` training samples,
+        and a line per choice (for people)."""
+        chosen = []
+        train = self.train
+        if train.batch is None:
+            batch = default_batch(samples)
+            train = replace(train, batch=batch)
+            chosen.append(f"batch = {batch} (default for {samples:,} training samples: 2 below 10,000, 4 up to "
+                          "100,000, 32 above)")
+        return replace(self, train=train), chosen
+
+    def to_toml(self) -> str:
+        """The job as TOML, every field written (the job as run)."""
+        def value(v) -> str:
+            if isinstance(v, (tuple, list)):
+                return "[" + ", ".join(value(x) for x in v) + "]"
+            if isinstance(v, Path):
+                return value(str(v))
+            if isinstance(v, str):
+                return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+            if isinstance(v, bool):
+                return "true" if v else "false"
+            return repr(v)
+
+        sections = {
+            "job": {"name": self.name, "workload": self.workload},
+            "data": asdict(self.data),
+            "train": asdict(self.train),
+            "checkpoint": asdict(self.checkpoint),
+            "output": {"folder": self.output},
+        }
+        lines = []
+        for section, fields in sections.items():
+            lines.append(f"[{section}]")
+            lines += [f"{key} = {value(v)}" for key, v in fields.items() if v is not None]
+            lines.append("")
+        return "\n".join(lines)
+
+
+def default_batch(samples: int) -> int:
+    """DESIGN.md's conservative mini-batch: 2 below 10k samples, 4 up to 100k, 32 above."""
+    return 2 if samples < 10_000 else 4 if samples <= 100_000 else 32
+
+
+# ------------------------------------------------------------------ parsing
+
+# key -> (kind, required): kinds are checked by _value below
+_SCHEMA = {
+    "job": {"name": ("name", True), "workload": ("workload", True)},
+    "data": {"train": ("paths", True), "test": ("paths", False), "format": ("format", True),
+             "text_column": ("text", False), "label_column": ("text", False), "encoding": ("text", False),
+             "fallback_encoding": ("text", False), "holdout": ("fraction", False)},
+    "train": {"learners": ("learners", False), "mode": ("mode", False), "batch": ("positive_int", False),
+              "lr": ("positive_float", False), "epochs": ("positive_int", False), "seed": ("seed", False)},
+    "checkpoint": {"interval": ("positive_float", False), "keep": ("positive_int", False)},
+    "output": {"folder": ("text", False)},
+}
+
+
+def load(path: str | os.PathLike) -> Job:
+    """Parse and check the job file at `path`.
+
+    Raises:
+        JobFileError: the file is missing or not TOML, or a section, key or value is not
+            allowed (the message names the file, the field, the value and what is allowed).
+    """
+    path = Path(path).resolve()
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except OSError as err:
+        raise JobFileError(f"job file {str(path)!r}: {err.strerror}") from None
+    except UnicodeDecodeError as err:
+        raise JobFileError(f"job file {path}: not UTF-8 text (byte {err.start})") from None
+    except tomllib.TOMLDecodeError as err:
+        raise JobFileError(f"job file {path}: not valid TOML: {err}") from None
+    return parse(raw, path)
+
+
+def parse(raw: dict, path: Path) -> Job:
+    """Check a parsed job file (`path` names it in errors and anchors relative paths)."""
+    where = path.name
+    for section in raw:
+        if section not in _SCHEMA:
+            raise JobFileError(f"{where}: unknown section [{section}]{_close(section, _SCHEMA)}; allowed: "
+                               f"{', '.join(f'[{s}]' for s in _SCHEMA)}")
+        if not isinstance(raw[section], dict):
+            raise JobFileError(f"{where}: {section} must be a section ([{section}]), not a value")
+    values: dict[str, dict] = {}
+    for section, keys in _SCHEMA.items():
+        given = raw.get(section, {})
+        for key in given:
+            if key not in keys:
+                raise JobFileError(f"{where}: [{section}] unknown key {key!r}{_close(key, keys)}; allowed: "
+                                   f"{', '.join(keys)}")
+        values[section] = {}
+        for key, (kind, required) in keys.items():
+            if key not in given:
+                if required:
+                    raise JobFileError(f"{where}: [{section}] {key} is missing; it is required")
+                continue
+            values[section][key] = _value(where, section, key, kind, given[key], path.parent)
+    job = values["job"]
+    data = dict(values["data"])
+    _check_data_files(where, data)
+    output = values["output"].get("folder")
+    output = _absolute(output, path.parent) if output else path.parent / "runs" / job["name"]
+    return Job(name=job["name"], workload=job["workload"], data=Data(**data), train=Train(**values["train"]),
+               checkpoint=Checkpoint(**values["checkpoint"]), output=output, path=path)
+
+
+def _close(word: str, known) -> str:
+    match = difflib.get_close_matches(word, list(known), n=1)
+    return f" (did you mean {match[0]!r}?)" if match else ""
+
+
+def _type_name(value) -> str:
+    return {str: "a string", bool: "a boolean", int: "an integer", float: "a number", list: "a list",
+            dict: "a table"}.get(type(value), type(value).__name__)
+
+
+def _value(where: str, section: str, key: str, kind: str, value, base: Path):
+    field_ = f"{where}: [{section}] {key} = {value!r}"
+
+    def refuse(allowed: str):
+        raise JobFileError(f"{field_} is {_type_name(value)}; allowed: {allowed}")
+
+    if kind in ("text", "name", "workload", "format", "mode"):
+        if not isinstance(value, str) or not value.strip():
+            refuse("a non-empty string")
+        if kind == "name":
+            from .region import check_job_name
+
+            try:
+                check_job_name(value)
+            except GadeiError as err:
+                raise JobFileError(f"{field_}: {err}") from None
+        if kind == "workload":
+            from gadei_workloads import WORKLOADS
+
+            if value not in WORKLOADS:
+                raise JobFileError(f"{field_}: unknown workload{_close(value, WORKLOADS)}; allowed: "
+                                   f"{', '.join(sorted(WORKLOADS))}")
+        choices = {"format": FORMATS, "mode": MODES}.get(kind)
+        if choices and value not in choices:
+            raise JobFileError(f"{field_}: not a {kind}{_close(value, choices)}; allowed: {', '.join(choices)}")
+        return value
+    if kind == "paths":
+        items = value if isinstance(value, list) else [value]
+        if not items or not all(isinstance(v, str) and v.strip() for v in items):
+            refuse("a path (string) or, for per-label, a list of paths or a folder")
+        return tuple(_absolute(v, base) for v in items)
+    if kind in ("positive_int", "learners", "seed"):
+        if isinstance(value, bool) or not isinstance(value, int):
+            refuse("an integer")
+        low, high = {"learners": (1, MAX_LEARNERS), "seed": (0, 2**32 - 1)}.get(kind, (1, 10**9))
+        if not low <= value <= high:
+            raise JobFileError(f"{field_} is out of range; allowed: {low} to {high:,}")
+        return value
+    if kind in ("positive_float", "fraction"):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            refuse("a number")
+        value = float(value)
+        if kind == "fraction" and not 0.0 < value < 0.5:
+            raise JobFileError(f"{field_} is out of range; allowed: more than 0 and less than 0.5")
+        if kind == "positive_float" and not (value > 0 and math.isfinite(value)):
+            raise JobFileError(f"{field_} is out of range; allowed: a number above 0")
+        return value
+    raise AssertionError(kind)
+
+
+def _absolute(path: str, base: Path) -> Path:
+    p = Path(os.path.expanduser(path))
+    return p if p.is_absolute() else (base / p).resolve()
+
+
+def _check_data_files(where: str, data: dict) -> None:
+    per_label = data["format"] == "per-label"
+    for key in ("train", "test"):
+        paths = data.get(key)
+        if paths is None:
+            continue
+        if per_label and len(paths) == 1 and paths[0].is_dir():
+            files = tuple(sorted(p for p in paths[0].iterdir() if p.is_file() and not p.name.startswith(".")))
+            if len(files) < 2:
+                raise JobFileError(f"{where}: [data] {key} = {str(paths[0])!r}: a per-label folder needs one file per "
+                                   f"label (at least two), it holds {len(files)}")
+            data[key] = paths = files
+        if not per_label and len(paths) != 1:
+            raise JobFileError(f"{where}: [data] {key}: format {data['format']!r} reads one file, not "
+                               f"{len(paths)}; only per-label takes a list")
+        for p in paths:
+            if not p.exists():
+                raise JobFileError(f"{where}: [data] {key} = {str(p)!r}: no such file")
+            if not p.is_file():
+                raise JobFileError(f"{where}: [data] {key} = {str(p)!r}: not a file")
+
+
+# ------------------------------------------------------------------ the data
+
+
+def load_data(job: Job):
+    """The job's (train, test) datasets: vocabulary and labels from train, test from its
+    file or held out of train with the job's seed.
+
+    Raises:
+        JobFileError: a data file does not parse, is empty, lacks a column, or the training
+            set has fewer than two labels (names the file and line where there is one).
+    """
+    from gadei_workloads.files import DataError, read
+    from gadei_workloads.text import encode_split, hold_out
+
+    d = job.data
+    options = dict(text_column=d.text_column, label_column=d.label_column, encoding=d.encoding,
+                   fallback=d.fallback_encoding)
+    try:
+        train = read(list(d.train), d.format, **options)
+        test = read(list(d.test), d.format, **options) if d.test else None
+    except DataError as err:
+        raise JobFileError(f"{job.path.name if job.path else 'job'}: [data]: {err}") from None
+    labels = sorted({label for _, label in train})
+    if len(labels) < 2:
+        raise JobFileError(f"[data] train: {len(train):,} samples but only the label {labels[0]!r}; a classifier "
+                           "needs at least two labels")
+    source = f"job {job.name}"
+    if test is None:
+        train, test = hold_out(train, d.holdout, job.train.seed)
+        test_source = f"{source}: held-out {d.holdout:.0%} of train"
+    else:
+        test_source = ", ".join(map(str, d.test))
+    try:
+        return encode_split(train, test, name=source, test_source=test_source)
+    except ValueError as err:
+        raise JobFileError(f"[data] test: {err}") from None

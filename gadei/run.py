@@ -1,0 +1,161 @@
+"""`gadei run job.toml`: one job from its job file, in the foreground, with a live progress line.
+
+Everything that can be wrong with the job file and its data is found before anything
+starts (`gadei.jobfile`). Then the job runs as `gadei serve` with a watchdog that launches
+the learners (`--learner`), so a crashed learner or server is restarted from its last
+checkpoint (see the README's Checkpoints section). The output folder gets:
+
+    job.toml        the job as run, with the defaults filled in (its processes read this one)
+    labels.json     label names, index = the model's output
+    vocab.json      the vocabulary (`gadei_workloads.text.Vocab.from_json` reads it)
+    model.pt        the final weights, a state dict plain `torch.load(weights_only=True)` reads
+    metrics.jsonl   one JSON line per epoch: loss, test accuracy, samples/s, staleness, seconds
+    checkpoints/    crash-safe checkpoints, the last `keep`
+    logs/           the server's and watchdog's log (serve.log) and each learner's
+"""
+
+import json
+import logging
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from . import jobfile
+from .errors import GadeiError
+
+log = logging.getLogger(__name__)
+
+
+def run_job(path: str, *, quiet: bool = False) -> int:
+    """Run the job file at `path` to its end; 0 when it finished and wrote its model."""
+    job = jobfile.load(path)
+    train, test = jobfile.load_data(job)
+    job, chosen = job.with_defaults(len(train))
+    out = job.output
+    if (out / "checkpoints").is_dir() and any((out / "checkpoints").iterdir()):
+        raise GadeiError(f"output folder {out} holds a previous run (checkpoints/); set another [output] folder "
+                         "or remove that one")
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    as_run = out / "job.toml"
+    as_run.write_text(job.to_toml())
+    (out / "labels.json").write_text(json.dumps(train.label_names, ensure_ascii=False))
+    (out / "vocab.json").write_text(json.dumps(train.vocab.to_json(), ensure_ascii=False))
+    t = job.train
+    print(f"gadei run: job {job.name}: {job.workload} on {len(train):,} training / {len(test):,} test samples, "
+          f"{train.n_labels} labels, vocabulary {len(train.vocab):,}; {t.learners} learners, {t.mode}, "
+          f"mini-batch {t.batch}, lr {t.lr:g}, {t.epochs} epochs, seed {t.seed}", flush=True)
+    for line in chosen:
+        print(f"  chose {line}", flush=True)
+    print(f"  output: {out}", flush=True)
+
+    spec = f"job:{as_run}"
+    learner = ["--data", spec, "--seed", str(t.seed), "--epochs", str(t.epochs), "--batch", str(t.batch), "--json"]
+    command = [sys.executable, "-m", "gadei", "serve", job.name, "--workload", job.workload, "--data", spec,
+               "--seed", str(t.seed), "--lr", str(t.lr), "--mode", t.mode, "--learners", str(t.learners),
+               "--checkpoint-dir", str(out / "checkpoints"), "--checkpoint-every", str(job.checkpoint.interval),
+               "--keep", str(job.checkpoint.keep), "--log-dir", str(out / "logs"), "--save", str(out / "model.pt"),
+               "--json"]
+    for i in range(t.learners):
+        extra = ["--shard", f"{i}/{t.learners}"] + (["--eval"] if i == 0 else [])
+        command.append("--learner=" + " ".join(_quote(a) for a in [*learner, *extra]))
+    started = time.monotonic()
+    with open(out / "logs" / "serve.log", "ab") as serve_log:
+        serve = subprocess.Popen(command, stdout=serve_log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    try:
+        _follow(job, serve, len(train), started, quiet)
+    except KeyboardInterrupt:
+        print("\ngadei run: stopping the job (Ctrl-C)", flush=True)
+        serve.send_signal(signal.SIGTERM)
+    code = serve.wait()
+    metrics = _write_metrics(out)
+    elapsed = time.monotonic() - started
+    if code != 0 or not (out / "model.pt").exists():
+        print(f"gadei run: job {job.name} failed (serve exited {code}); see {out / 'logs'}", file=sys.stderr)
+        return 1
+    last = metrics[-1] if metrics else {}
+    accuracy = f", test accuracy {last['test_accuracy']:.2%}" if "test_accuracy" in last else ""
+    print(f"gadei run: job {job.name} done in {elapsed:.0f} s{accuracy}; model {out / 'model.pt'}", flush=True)
+    return 0
+
+
+def _quote(arg: str) -> str:
+    import shlex
+
+    return shlex.quote(arg)
+
+
+def _follow(job, serve: subprocess.Popen, train_size: int, started: float, quiet: bool) -> None:
+    """Print a progress line every 2 s until the job's server exits: epochs done (updates x
+    mini-batch over the training set), the last evaluated epoch's loss and accuracy,
+    samples/s, version, ETA."""
+    from . import status
+    from .region import Region
+
+    before = None
+    width = 0
+    while serve.poll() is None:
+        time.sleep(2.0 if before is not None else 0.2)
+        try:
+            with Region.attach(job.name, readonly=True) as region:
+                now = status.read(region)
+        except GadeiError:
+            continue
+        if before is None or quiet:
+            before = now
+            continue
+        rate = status.rates(before, now)
+        samples_per_s = sum(rate.samples.values())
+        epoch = _last_epoch(job.output)
+        done = min(job.train.epochs * train_size, now.version * job.train.batch)
+        left = (job.train.epochs * train_size - done) / samples_per_s if samples_per_s > 0 else float("nan")
+        line = (f"  epoch {done / train_size:.2f}/{job.train.epochs}"
+                + (f"; after epoch {epoch['epoch']}: loss {epoch['loss']:.3f}" if "loss" in epoch else "")
+                + (f", test accuracy {epoch['test_accuracy']:.1%}" if "test_accuracy" in epoch else "")
+                + f", {samples_per_s:,.0f} samples/s, version {now.version:,}"
+                + (f", ETA {left:.0f} s" if left == left else "")
+                + f", {time.monotonic() - started:.0f} s")
+        if sys.stdout.isatty():
+            print("\r" + line.ljust(width), end="", flush=True)
+            width = len(line)
+        else:
+            print(line, flush=True)
+        before = now
+    if sys.stdout.isatty():
+        print(flush=True)
+
+
+def _epoch_records(out: Path) -> list[dict]:
+    """The evaluating learner's epoch records (learner 0 writes JSON lines to its log)."""
+    path = out / "logs" / "learner-0.log"
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except FileNotFoundError:
+        return []
+    records = []
+    for line in lines:
+        if line.startswith('{"event": "epoch"'):
+            try:
+                records.append(json.loads(line))
+            except ValueError:
+                pass
+    return records
+
+
+def _last_epoch(out: Path) -> dict:
+    records = _epoch_records(out)
+    return records[-1] if records else {}
+
+
+def _write_metrics(out: Path) -> list[dict]:
+    """metrics.jsonl: per epoch of the evaluating learner (a restarted one's epochs replace the
+    lost ones)."""
+    by_epoch: dict[int, dict] = {}
+    for record in _epoch_records(out):
+        by_epoch[record["epoch"]] = {k: v for k, v in record.items() if k not in ("event", "job", "learner")}
+    metrics = [by_epoch[e] for e in sorted(by_epoch)]
+    with open(out / "metrics.jsonl", "w") as handle:
+        for record in metrics:
+            handle.write(json.dumps(record) + "\n")
+    return metrics

@@ -1,0 +1,211 @@
+"""Job files: parsing, defaults, every refusal (before anything starts), every data format on
+small files, and `gadei run` end to end on TREC."""
+
+import json
+import textwrap
+
+import pytest
+import torch
+
+from conftest import communicate, data_dir
+from gadei import jobfile
+from gadei.jobfile import JobFileError
+from gadei.region import inspect
+
+GOOD = """
+[job]
+name = "{name}"
+workload = "textcnn"
+
+[data]
+train = "train.csv"
+format = "csv"
+label_column = "category"
+"""
+
+
+def _csv(folder, rows, name="train.csv", header="text,category"):
+    path = folder / name
+    path.write_text(header + "\n" + "\n".join(rows) + "\n")
+    return path
+
+
+def _job(folder, body, name="job.toml"):
+    path = folder / name
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+@pytest.fixture
+def small(tmp_path):
+    _csv(tmp_path, [f'"sentence number {i}, about {"dogs" if i % 2 else "cats"}",{"dog" if i % 2 else "cat"}'
+                    for i in range(40)])
+    return tmp_path
+
+
+def test_a_job_file_parses_with_defaults_and_writes_itself_back(small):
+    job = jobfile.load(_job(small, GOOD.format(name="pets")))
+    assert job.name == "pets" and job.data.train == (small / "train.csv",) and job.data.test is None
+    assert (job.train.learners, job.train.mode, job.train.batch, job.train.lr) == (2, "async", None, 0.01)
+    assert job.output == small / "runs" / "pets"
+    train, test = jobfile.load_data(job)
+    assert train.label_names == ["cat", "dog"] and len(train) == 36 and len(test) == 4  # 10% of each label held out
+    filled, chosen = job.with_defaults(len(train))
+    assert filled.train.batch == 2 and "batch = 2" in chosen[0]
+    again = jobfile.load(_job(small, filled.to_toml(), "as-run.toml"))
+    assert again == jobfile.Job(**{**filled.__dict__, "path": again.path})
+
+
+@pytest.mark.parametrize("samples, batch", [(9_999, 2), (10_000, 4), (100_000, 4), (100_001, 32)])
+def test_the_default_mini_batch_follows_the_data_set_size(samples, batch):
+    assert jobfile.default_batch(samples) == batch
+
+
+@pytest.mark.parametrize("edit, message", [
+    (("[train]\nlerners = 2\n", None), "[train] unknown key 'lerners' (did you mean 'learners'?); allowed: learners"),
+    (("[trian]\n", None), "unknown section [trian] (did you mean 'train'?)"),
+    (("[train]\nlearners = \"2\"\n", None), "[train] learners = '2' is a string; allowed: an integer"),
+    (("[train]\nlearners = 0\n", None), "[train] learners = 0 is out of range; allowed: 1 to 64"),
+    (("[train]\nlr = -0.1\n", None), "[train] lr = -0.1 is out of range; allowed: a number above 0"),
+    (("[train]\nepochs = 1.5\n", None), "[train] epochs = 1.5 is a number; allowed: an integer"),
+    (("[train]\nmode = \"hogwild\"\n", None), "[train] mode = 'hogwild': not a mode; allowed: async, consistent"),
+    (("[data2]\n", None), "unknown section [data2] (did you mean 'data'?)"),
+    ((None, ("train = \"train.csv\"", "train = \"missing.csv\"")), "[data] train = '"),
+    ((None, ("format = \"csv\"", "format = \"xml\"")), "[data] format = 'xml': not a format; allowed: csv, tsv"),
+    ((None, ("workload = \"textcnn\"", "workload = \"textcnm\"")), "unknown workload (did you mean 'textcnn'?)"),
+    ((None, ("name = \"pets\"", "name = \"my job\"")), "[job] name = 'my job': job name 'my job' is not allowed"),
+    ((None, ("[job]\n", "[job]\nowner = 1\n")), "[job] unknown key 'owner'"),
+    ((None, ("name = \"pets\"\n", "")), "[job] name is missing; it is required"),
+    ((None, ("[data]", "[data]\nholdout = 0.7")), "[data] holdout = 0.7 is out of range"),
+    ((None, ("train = \"train.csv\"", "train = [\"train.csv\", \"train.csv\"]")), "format 'csv' reads one file"),
+    ((None, ("[job]", "[job\n")), "not valid TOML"),
+])
+def test_a_bad_job_file_is_refused_naming_field_value_and_what_is_allowed(small, edit, message):
+    append, swap = edit
+    body = textwrap.dedent(GOOD.format(name="pets"))
+    if swap:
+        assert swap[0] in body
+        body = body.replace(swap[0], swap[1], 1)
+    if append:
+        body += append
+    with pytest.raises(JobFileError) as err:
+        jobfile.load(_job(small, body))
+    assert message in str(err.value) and "job.toml" in str(err.value)
+
+
+@pytest.mark.parametrize("rows, header, message", [
+    ([], "text,category", "no samples"),
+    (["hello,cat"], "text,label", "[data] label_column = 'category' is not a column of its header (columns: 'text', 'label')"),
+    ([f"sentence {i},cat" for i in range(5)], "text,category", "only the label 'cat'; a classifier needs at least two"),
+    (["hello,"], "text,category", "train.csv:2: empty label in column 'category'"),
+])
+def test_bad_data_is_refused_before_anything_starts(small, rows, header, message):
+    _csv(small, rows, header=header)
+    job = jobfile.load(_job(small, GOOD.format(name="pets")))
+    with pytest.raises(JobFileError) as err:
+        jobfile.load_data(job)
+    assert message in str(err.value)
+
+
+def test_a_file_that_does_not_decode_names_its_byte_and_the_fallback_reads_it(small):
+    (small / "train.csv").write_bytes(b"text,category\ncaf\xe9 au lait,drink\ntea,drink\nbread,food\nrice,food\n")
+    job = jobfile.load(_job(small, GOOD.format(name="pets")))
+    with pytest.raises(JobFileError, match=r"is not utf-8 \(byte 17: invalid continuation byte\); set \[data\] encoding"):
+        jobfile.load_data(job)
+    job = jobfile.load(_job(small, GOOD.format(name="pets") + 'fallback_encoding = "latin-1"\n'))
+    train, test = jobfile.load_data(job)
+    assert len(train) + len(test) == 4
+    from gadei_workloads.files import read
+
+    rows = read(list(job.data.train), "csv", label_column="category", fallback="latin-1")
+    assert rows[0] == (["cafe", "au", "lait"], "drink")  # decoded as Latin-1 (the tokenizer folds accents)
+
+
+def _format_job(folder, fmt, train, extra=""):
+    return jobfile.load(_job(folder, f"""
+        [job]
+        name = "f"
+        workload = "textcnn"
+        [data]
+        train = {json.dumps(train)}
+        format = "{fmt}"
+        {extra}
+    """))
+
+
+def test_every_data_format_reads_the_same_samples(tmp_path):
+    samples = [("the cat sat", "cat"), ("a dog ran, far", "dog"), ("cats purr\tsoftly", "cat"), ("dogs bark", "dog")]
+    (tmp_path / "a.csv").write_text("label,text\n" + "".join(f'{l},"{t}"\n' for t, l in samples))
+    (tmp_path / "a.tsv").write_text("text\tlabel\n" + "".join(f"{t.replace(chr(9), ' ')}\t{l}\n" for t, l in samples))
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": t, "label": l}) + "\n" for t, l in samples))
+    (tmp_path / "a.txt").write_text("".join(f"{l} {t}\n" for t, l in samples))
+    (tmp_path / "a.trec").write_text("".join(f"{l}:x {t}\n" for t, l in samples))
+    folder = tmp_path / "per-label"
+    folder.mkdir()
+    for label in ("cat", "dog"):
+        (folder / f"{label}.txt").write_text("".join(f"{t}\n" for t, l in samples if l == label))
+    jobs = [_format_job(tmp_path, "csv", "a.csv"), _format_job(tmp_path, "tsv", "a.tsv"),
+            _format_job(tmp_path, "jsonl", "a.jsonl"), _format_job(tmp_path, "label-text", "a.txt"),
+            _format_job(tmp_path, "trec", "a.trec"), _format_job(tmp_path, "per-label", "per-label"),
+            _format_job(tmp_path, "per-label", ["per-label/cat.txt", "per-label/dog.txt"])]
+    read = []
+    for job in jobs:
+        from gadei_workloads.files import read as read_rows
+
+        rows = read_rows(list(job.data.train), job.data.format)
+        read.append(sorted((" ".join(toks), label) for toks, label in rows))
+    assert all(r == read[0] for r in read), read
+    assert len(read[0]) == 4
+
+
+def test_a_per_label_file_names_its_label():
+    from pathlib import Path
+
+    from gadei_workloads.files import label_of_file
+
+    assert [label_of_file(Path(n)) for n in ("positive.txt", "custrev.pos", "subj.objective", "neg")] == \
+        ["positive", "pos", "objective", "neg"]
+
+
+@pytest.mark.slow
+def test_gadei_run_trains_a_job_file_and_leaves_its_outputs(tmp_path, procs):
+    trec = data_dir() / "trec"
+    if not trec.is_dir():
+        pytest.skip(f"TREC is not at {trec}")
+    name = f"run-{tmp_path.name[-20:]}".replace("_", "-")
+    path = _job(tmp_path, f"""
+        [job]
+        name = "{name}"
+        workload = "textcnn"
+        [data]
+        train = "{trec / 'TREC.train'}"
+        test = "{trec / 'TREC.test'}"
+        format = "trec"
+        encoding = "latin-1"
+        [train]
+        learners = 2
+        epochs = 2
+        lr = 0.05
+        [checkpoint]
+        interval = 5
+        [output]
+        folder = "out"
+    """)
+    run = procs.gadei("run", path)
+    out, err = communicate(run, 600)
+    assert run.returncode == 0, out + err
+    assert "chose batch = 2 (default for 5,452 training samples" in out and "done in" in out
+    folder = tmp_path / "out"
+    for name_ in ("job.toml", "labels.json", "vocab.json", "model.pt", "metrics.jsonl"):
+        assert (folder / name_).exists(), name_
+    metrics = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    assert [m["epoch"] for m in metrics] == [1, 2] and metrics[-1]["test_accuracy"] > 0.8
+    state = torch.load(folder / "model.pt", weights_only=True)
+    assert json.loads((folder / "labels.json").read_text()) == ["ABBR", "DESC", "ENTY", "HUM", "LOC", "NUM"]
+    assert state["out.weight"].shape[0] == 6
+    vocab = json.loads((folder / "vocab.json").read_text())["tokens"]
+    assert state["embedding.weight"].shape[0] == len(vocab)
+    assert inspect(name) is None
+    again = procs.gadei("run", path)  # the folder holds a run: refused, nothing started
+    _, err = communicate(again, 60)
+    assert again.returncode == 2 and "holds a previous run" in err
