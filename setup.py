@@ -82,12 +82,12 @@ setup(
     description="A shared-memory scale-up parameter server for deep-learning training",
     long_description=open("README.md", encoding="utf-8").read() if os.path.exists("README.md") else "",
     long_description_content_type="text/markdown",
-    python_requires=">=3.10",
+    python_requires=">=3.11",  # tomllib (job files)
     packages=["gadei", "gadei_workloads", "gadei_watchdog"],
     package_dir={"gadei": "gadei", "gadei_workloads": "workloads", "gadei_watchdog": "watchdog"},
     ext_modules=[native],
     cmdclass={"build_ext": BuildExt},
-    install_requires=["torch>=2.1", "numpy>=1.24", "posix_ipc>=1.1", "psutil>=5.9"],
+    install_requires=["torch>=2.1", "numpy>=1.24", "posix_ipc>=1.1", "psutil>=5.9", "matplotlib>=3.7"],
     extras_require={"test": ["pytest>=7"]},
     entry_points={"console_scripts": ["gadei = gadei.cli:main"]},
 )

@@ -431,6 +431,14 @@ def cmd_run(args) -> int:
     return run_job(args.jobfile, quiet=args.quiet)
 
 
+def cmd_predict(args) -> int:
+    from .run import predict
+
+    for label, probability in predict(args.run_dir, args.text, top=args.top):
+        print(f"{probability:7.2%}  {label}")
+    return 0
+
+
 def cmd_demo(args) -> int:
     from .demo import run_demo
 
@@ -527,6 +535,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("jobfile", help="the job's TOML file")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("predict", help="the top labels of a finished run's model for a text",
+                       description="Load the model, label and vocabulary maps of a `gadei run` output folder "
+                       "and print the most likely labels of TEXT with their probabilities.")
+    p.add_argument("run_dir", help="a `gadei run` output folder")
+    p.add_argument("text")
+    p.add_argument("--top", type=int, default=3, help="labels to print (default 3)")
+    p.set_defaults(func=cmd_predict)
 
     p = sub.add_parser("learn", help="train a built-in workload as one learner of a job",
                        description="Attach to a served job and train a built-in workload on one shard of "

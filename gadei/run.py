@@ -9,7 +9,8 @@ checkpoint (see the README's Checkpoints section). The output folder gets:
     labels.json     label names, index = the model's output
     vocab.json      the vocabulary (`gadei_workloads.text.Vocab.from_json` reads it)
     model.pt        the final weights, a state dict plain `torch.load(weights_only=True)` reads
-    metrics.jsonl   one JSON line per epoch: loss, test accuracy, samples/s, staleness, seconds
+    metrics.jsonl   one JSON line per epoch: loss, test accuracy, samples/s, seconds
+    accuracy.png    test accuracy against epochs and against time
     checkpoints/    crash-safe checkpoints, the last `keep`
     logs/           the server's and watchdog's log (serve.log) and each learner's
 """
@@ -70,6 +71,8 @@ def run_job(path: str, *, quiet: bool = False) -> int:
         serve.send_signal(signal.SIGTERM)
     code = serve.wait()
     metrics = _write_metrics(out)
+    if metrics:
+        plot(metrics, out / "accuracy.png", job.name)
     elapsed = time.monotonic() - started
     if code != 0 or not (out / "model.pt").exists():
         print(f"gadei run: job {job.name} failed (serve exited {code}); see {out / 'logs'}", file=sys.stderr)
@@ -159,3 +162,58 @@ def _write_metrics(out: Path) -> list[dict]:
         for record in metrics:
             handle.write(json.dumps(record) + "\n")
     return metrics
+
+
+def plot(metrics: list[dict], path: Path, title: str) -> None:
+    """accuracy.png: test accuracy against epochs and against seconds since the start."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no screen
+    import matplotlib.pyplot as plt
+
+    epochs = [m["epoch"] for m in metrics if "test_accuracy" in m]
+    accuracy = [100 * m["test_accuracy"] for m in metrics if "test_accuracy" in m]
+    seconds, total = [], 0.0
+    for m in metrics:
+        total += m.get("epoch_seconds", 0.0)
+        if "test_accuracy" in m:
+            seconds.append(total)
+    fig, (by_epoch, by_time) = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    by_epoch.plot(epochs, accuracy, marker="o")
+    by_epoch.set_xlabel("epoch")
+    by_epoch.set_ylabel("test accuracy (%)")
+    by_time.plot(seconds, accuracy, marker="o")
+    by_time.set_xlabel("seconds of training")
+    for axes in (by_epoch, by_time):
+        axes.grid(True, alpha=0.3)
+    fig.suptitle(f"gadei job {title}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def predict(run_dir: str, text: str, top: int = 3) -> list[tuple[str, float]]:
+    """The `top` labels of the model in a `gadei run` output folder for `text`, with
+    probabilities (plain PyTorch: the model file is a state dict)."""
+    import torch
+    from gadei_workloads import get
+    from gadei_workloads.text import Vocab, tokenize
+
+    folder = Path(run_dir)
+    try:
+        job = jobfile.load(folder / "job.toml")
+        labels = json.loads((folder / "labels.json").read_text())
+        vocab = Vocab.from_json(json.loads((folder / "vocab.json").read_text()))
+        state = torch.load(folder / "model.pt", weights_only=True)
+    except FileNotFoundError as err:
+        raise GadeiError(f"{run_dir} is not a finished `gadei run` folder: {err.filename} is missing") from None
+    workload = get(job.workload)
+    model = workload.build_from_maps(len(vocab), len(labels), job.train.seed)
+    model.load_state_dict(state)
+    model.eval()
+    ids = vocab.encode(tokenize(text)) or [vocab.encode(["<unk>"])[0]]
+    x = torch.tensor([ids + [0] * max(0, 5 - len(ids))])
+    with torch.no_grad():
+        probs = torch.softmax(model(x), dim=-1)[0]
+    best = torch.topk(probs, min(top, len(labels)))
+    return [(labels[i], float(p)) for p, i in zip(best.values.tolist(), best.indices.tolist())]

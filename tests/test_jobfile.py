@@ -196,7 +196,7 @@ def test_gadei_run_trains_a_job_file_and_leaves_its_outputs(tmp_path, procs):
     assert run.returncode == 0, out + err
     assert "chose batch = 2 (default for 5,452 training samples" in out and "done in" in out
     folder = tmp_path / "out"
-    for name_ in ("job.toml", "labels.json", "vocab.json", "model.pt", "metrics.jsonl"):
+    for name_ in ("job.toml", "labels.json", "vocab.json", "model.pt", "metrics.jsonl", "accuracy.png"):
         assert (folder / name_).exists(), name_
     metrics = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
     assert [m["epoch"] for m in metrics] == [1, 2] and metrics[-1]["test_accuracy"] > 0.8
@@ -206,6 +206,9 @@ def test_gadei_run_trains_a_job_file_and_leaves_its_outputs(tmp_path, procs):
     vocab = json.loads((folder / "vocab.json").read_text())["tokens"]
     assert state["embedding.weight"].shape[0] == len(vocab)
     assert inspect(name) is None
+    predicted = procs.gadei("predict", folder, "How far is it from Denver to Aspen ?")
+    out, _ = communicate(predicted, 60)
+    assert predicted.returncode == 0 and out.splitlines()[0].split()[-1] == "NUM", out
     again = procs.gadei("run", path)  # the folder holds a run: refused, nothing started
     _, err = communicate(again, 60)
     assert again.returncode == 2 and "holds a previous run" in err

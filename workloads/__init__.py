@@ -33,6 +33,8 @@ class Workload:
             seed gives bit-identical parameters in every process.
         loss: ``(model, x, y) -> scalar loss`` to minimise.
         evaluate: ``(model, dataset) -> accuracy`` in ``[0, 1]``.
+        build_from_maps: ``(vocab_size, n_labels, seed) -> model``: the same model from
+            the saved vocabulary and label maps (``gadei predict``), without the data.
     """
 
     name: str
@@ -42,6 +44,7 @@ class Workload:
     build_model: Callable[[TextDataset, int], nn.Module]
     loss: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
     evaluate: Callable[[nn.Module, TextDataset], float]
+    build_from_maps: Callable[[int, int, int], nn.Module]
 
 
 def _build_textcnn(train: TextDataset, seed: int) -> nn.Module:
@@ -61,6 +64,7 @@ WORKLOADS: dict[str, Workload] = {
         build_model=_build_textcnn,
         loss=_cross_entropy,
         evaluate=text.accuracy,
+        build_from_maps=lambda vocab_size, n_labels, seed: build_textcnn(vocab_size, n_labels, seed=seed),
     ),
 }
 
