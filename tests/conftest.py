@@ -158,6 +158,21 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _runtime_dir(tmp_path_factory):
+    """Watchdogs keep their state in GADEI_RUNTIME_DIR: the suite's go to a folder of its own
+    (every child inherits it), never into the user's."""
+    folder = tmp_path_factory.mktemp("runtime")
+    folder.chmod(0o700)
+    saved = os.environ.get("GADEI_RUNTIME_DIR")
+    os.environ["GADEI_RUNTIME_DIR"] = str(folder)
+    yield folder
+    if saved is None:
+        os.environ.pop("GADEI_RUNTIME_DIR", None)
+    else:
+        os.environ["GADEI_RUNTIME_DIR"] = saved
+
+
 @pytest.fixture
 def job():
     """A job name no other test (or test run) uses; its region is removed afterwards."""
