@@ -330,15 +330,24 @@ def cmd_status(args) -> int:
     from . import status
     from .region import Region, inspect, list_jobs
 
+    queued = _daemon_jobs(args.job)
+    if queued:
+        if args.json:
+            _emit({"event": "daemon-jobs", "jobs": queued})
+        else:
+            from .daemon import format_jobs
+
+            print(format_jobs(queued))
     jobs = [args.job] if args.job else list_jobs()
     if not jobs:
-        print("no gadei jobs on this machine", file=sys.stderr)
+        if not queued:
+            print("no gadei jobs on this machine", file=sys.stderr)
         return 0
     while True:
         for job in jobs:
             found = inspect(job)
             if found is None:
-                if args.job:
+                if args.job and not queued:
                     raise GadeiError(f"job {job!r} has no region")
                 continue  # it stopped since we listed it
             if found.state in ("foreign", "other-user"):
@@ -355,6 +364,48 @@ def cmd_status(args) -> int:
                 print(status.format_table(after, rate) + ("" if found.state == "running" else "  (LEFTOVER: server gone)"))
         if not args.watch:
             return 0
+
+
+def _daemon_jobs(job: str | None) -> list[dict]:
+    """The daemon's job records (all, or `job`'s), [] when no daemon runs or it has no such job."""
+    from .daemon import request, socket_path
+
+    try:
+        answer = request(socket_path(), {"op": "status", "job": job}, timeout=5)
+    except (OSError, ValueError):
+        return []
+    return answer.get("jobs", []) if answer.get("ok") else []
+
+
+def cmd_daemon(args) -> int:
+    from .daemon import Daemon
+
+    Daemon(max_jobs=args.max_jobs).serve_forever()
+    return 0
+
+
+def cmd_submit(args) -> int:
+    from .daemon import client
+
+    job = client({"op": "submit", "jobfile": os.path.abspath(args.jobfile)})["job"]
+    print(f"gadei: job {job['name']} queued; output in {job['output']}; `gadei status {job['name']}`, "
+          f"`gadei logs {job['name']}`, `gadei cancel {job['name']}`")
+    return 0
+
+
+def cmd_cancel(args) -> int:
+    from .daemon import client
+
+    job = client({"op": "cancel", "job": args.job})["job"]
+    print(f"gadei: job {job['name']} {job['state']}: {job['message']}")
+    return 0
+
+
+def cmd_logs(args) -> int:
+    from .daemon import client
+
+    print(client({"op": "logs", "job": args.job, "lines": args.lines})["text"])
+    return 0
 
 
 def cmd_stop(args) -> int:
@@ -536,6 +587,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.set_defaults(func=cmd_run)
 
+    p = sub.add_parser("daemon", help="run queued job files for this user (training as a service)",
+                       description="Accept job files from `gadei submit` on a Unix socket in this user's runtime "
+                       "folder (mode 0600; another user's request is refused by its peer uid), queue them and run up "
+                       "to --max-jobs at once with `gadei run`. Job records are kept on disk: a restarted daemon "
+                       "knows every job's state and output, and finds jobs that ran on without it.")
+    p.add_argument("--max-jobs", type=int, default=1, help="jobs run at once (default 1)")
+    p.set_defaults(func=cmd_daemon)
+
+    p = sub.add_parser("submit", help="queue a job file with the daemon (checked first)")
+    p.add_argument("jobfile")
+    p.set_defaults(func=cmd_submit)
+
+    p = sub.add_parser("cancel", help="cancel a queued or running daemon job (its checkpoints and logs stay)")
+    p.add_argument("job")
+    p.set_defaults(func=cmd_cancel)
+
+    p = sub.add_parser("logs", help="the last lines of a daemon job's logs")
+    p.add_argument("job")
+    p.add_argument("--lines", type=int, default=50, help="lines per log (default 50)")
+    p.set_defaults(func=cmd_logs)
+
     p = sub.add_parser("predict", help="the top labels of a finished run's model for a text",
                        description="Load the model, label and vocabulary maps of a `gadei run` output folder "
                        "and print the most likely labels of TEXT with their probabilities.")
@@ -591,7 +663,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-dir", help="where launched processes write their logs (default: --checkpoint-dir)")
     p.set_defaults(func=cmd_watchdog)
 
-    p = sub.add_parser("status", help="show a job's learners, rates and staleness (read-only)")
+    p = sub.add_parser("status", help="the daemon's jobs, and each running job's learners, rates and staleness")
     p.add_argument("job", nargs="?", help="the job (default: every job on this machine)")
     p.add_argument("--interval", type=float, default=0.5, help="seconds between the two samples of a rate")
     p.add_argument("--watch", action="store_true", help="repeat until interrupted")

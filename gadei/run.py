@@ -64,11 +64,16 @@ def run_job(path: str, *, quiet: bool = False) -> int:
     started = time.monotonic()
     with open(out / "logs" / "serve.log", "ab") as serve_log:
         serve = subprocess.Popen(command, stdout=serve_log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    def stop(*_):
+        raise KeyboardInterrupt  # SIGTERM (gadei cancel) stops the job as Ctrl-C does
+
+    signal.signal(signal.SIGTERM, stop)
     try:
         _follow(job, serve, len(train), started, quiet)
     except KeyboardInterrupt:
-        print("\ngadei run: stopping the job (Ctrl-C)", flush=True)
+        print("\ngadei run: stopping the job", flush=True)
         serve.send_signal(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the job is stopping: let it finish
     code = serve.wait()
     metrics = _write_metrics(out)
     if metrics:

@@ -160,17 +160,20 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True, scope="session")
 def _runtime_dir(tmp_path_factory):
-    """Watchdogs keep their state in GADEI_RUNTIME_DIR: the suite's go to a folder of its own
-    (every child inherits it), never into the user's."""
+    """Watchdogs keep their state in GADEI_RUNTIME_DIR, the daemon its job records in
+    GADEI_STATE_DIR: the suite's go to folders of its own (every child inherits them), never
+    into the user's."""
     folder = tmp_path_factory.mktemp("runtime")
     folder.chmod(0o700)
-    saved = os.environ.get("GADEI_RUNTIME_DIR")
+    saved = {name: os.environ.get(name) for name in ("GADEI_RUNTIME_DIR", "GADEI_STATE_DIR")}
     os.environ["GADEI_RUNTIME_DIR"] = str(folder)
+    os.environ["GADEI_STATE_DIR"] = str(tmp_path_factory.mktemp("state"))
     yield folder
-    if saved is None:
-        os.environ.pop("GADEI_RUNTIME_DIR", None)
-    else:
-        os.environ["GADEI_RUNTIME_DIR"] = saved
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 @pytest.fixture
