@@ -240,7 +240,7 @@ def test_model_output_shape_and_short_input_error():
 
 
 def test_registry_and_training_learns_generated_data():
-    with pytest.raises(ValueError, match="known: textcnn"):
+    with pytest.raises(ValueError, match="known: lstm, textcnn"):
         gadei_workloads.get("resnet")
     workload = gadei_workloads.get("textcnn")
     train, test = text.generate_topics(seed=1, n_train=1500, n_test=300)
@@ -260,3 +260,31 @@ def test_registry_and_training_learns_generated_data():
         torch.set_num_threads(threads)
     assert model.training  # evaluate restores the mode
     assert acc > 0.6, f"one epoch on generated data reached only {acc:.3f} (chance 0.17)"
+
+
+def test_the_lstm_is_deterministic_by_seed_ignores_padding_and_learns_generated_data():
+    from gadei_workloads import build_lstm
+
+    a, b = build_lstm(60, 4, seed=3), build_lstm(60, 4, seed=3)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    a.eval()
+    x = torch.tensor([[5, 6, 7]])
+    padded = torch.tensor([[5, 6, 7, 0, 0, 0]])
+    assert torch.allclose(a(x), a(padded), atol=1e-6)  # padding (after the words) changes nothing
+    workload = gadei_workloads.get("lstm")
+    train, test = text.generate_topics(seed=1, n_train=1500, n_test=300)
+    model = workload.build_model(train, 0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    torch.manual_seed(0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for epoch in range(2):
+            for x, y in batches(train, 8, epoch=epoch, seed=0):
+                optimizer.zero_grad(set_to_none=True)
+                workload.loss(model, x, y).backward()
+                optimizer.step()
+        acc = workload.evaluate(model, test)
+    finally:
+        torch.set_num_threads(threads)
+    assert acc > 0.6, f"two epochs on generated data reached only {acc:.3f} (chance 0.17)"

@@ -15,9 +15,11 @@ from torch import nn
 
 from . import text
 from .text import TextDataset
+from .lstm import LSTMClassifier, build_lstm
 from .textcnn import TextCNN, build_textcnn
 
-__all__ = ["WORKLOADS", "Workload", "TextCNN", "TextDataset", "build_textcnn", "get", "text"]
+__all__ = ["WORKLOADS", "Workload", "LSTMClassifier", "TextCNN", "TextDataset", "build_lstm", "build_textcnn", "get",
+           "text"]
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,10 @@ def _build_textcnn(train: TextDataset, seed: int) -> nn.Module:
     return build_textcnn(len(train.vocab), train.n_labels, seed=seed)
 
 
+def _build_lstm(train: TextDataset, seed: int) -> nn.Module:
+    return build_lstm(len(train.vocab), train.n_labels, seed=seed)
+
+
 def _cross_entropy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(model(x), y)
 
@@ -65,6 +71,16 @@ WORKLOADS: dict[str, Workload] = {
         loss=_cross_entropy,
         evaluate=text.accuracy,
         build_from_maps=lambda vocab_size, n_labels, seed: build_textcnn(vocab_size, n_labels, seed=seed),
+    ),
+    "lstm": Workload(
+        name="lstm",
+        description="bidirectional LSTM sentence classifier (max over time)",
+        default_data="generated",
+        load_data=text.load,
+        build_model=_build_lstm,
+        loss=_cross_entropy,
+        evaluate=text.accuracy,
+        build_from_maps=lambda vocab_size, n_labels, seed: build_lstm(vocab_size, n_labels, seed=seed),
     ),
 }
 
