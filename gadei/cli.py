@@ -237,7 +237,7 @@ def cmd_learn(args) -> int:
 
     torch.set_num_threads(args.torch_threads)
     workload, train, test, model = _workload_model(args)
-    from gadei_workloads.text import batches
+    batches = workload.batches
 
     shard, shards = _shard(args.shard)
     if args.start_at < 0:
@@ -506,7 +506,7 @@ def cmd_bench(args) -> int:
 
 
 def _add_workload(p, required: bool) -> None:
-    p.add_argument("--workload", required=required, help="built-in workload (textcnn, lstm)")
+    p.add_argument("--workload", required=required, help="built-in workload (textcnn, lstm, mlp)")
     p.add_argument("--data", help="data set: 'generated', 'generated:SEED', 'trec:FOLDER', 'sst2:FOLDER', or "
                    "'trec' / 'sst2' (under GADEI_DATA_DIR); default: the workload's generated set")
     p.add_argument("--seed", type=int, default=0, help="seed of the model's initial weights and the data order")
@@ -525,7 +525,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--adopt", action="store_true", help="start a new watchdog that takes over the running JOB "
                    "(its old watchdog died), with the old one's settings and launched learners; nothing else")
     init = p.add_mutually_exclusive_group()
-    init.add_argument("--workload", help="build the initial model of this built-in workload (textcnn, lstm)")
+    init.add_argument("--workload", help="build the initial model of this built-in workload (textcnn, lstm, mlp)")
     init.add_argument("--model", help="MODULE:CALLABLE returning the initial torch.nn.Module")
     init.add_argument("--params", type=int, help="only the parameter count; the first learner uploads weights")
     p.add_argument("--data", help="data set the workload's model is sized for (see `gadei learn --help`)")

@@ -8,7 +8,7 @@ validated `Job` before anything starts.
     [data]
     train = "trec/TREC.train"     # a file; per-label: a list of files, or a folder
     test = "trec/TREC.test"       # optional: without it, `holdout` of train is held out
-    format = "trec"               # csv, tsv, jsonl, label-text, trec, per-label
+    format = "trec"               # csv, tsv, jsonl, label-text, trec, per-label; numeric: npz, csv
     text_column = "text"          # csv/tsv/jsonl: the column (key) of the text
     label_column = "label"        # csv/tsv/jsonl: the column (key) of the label
     encoding = "utf-8"
@@ -49,7 +49,8 @@ from pathlib import Path
 from .errors import GadeiError
 
 MODES = ("async", "consistent", "sync", "elastic")
-FORMATS = ("csv", "tsv", "jsonl", "label-text", "trec", "per-label")
+FORMATS = ("csv", "tsv", "jsonl", "label-text", "trec", "per-label", "npz")
+NUMERIC_FORMATS = ("csv", "npz")
 MAX_LEARNERS = 64
 
 
@@ -201,6 +202,13 @@ def parse(raw: dict, path: Path) -> Job:
             values[section][key] = _value(where, section, key, kind, given[key], path.parent)
     job = values["job"]
     data = dict(values["data"])
+    from gadei_workloads import get
+
+    numeric = get(job["workload"]).kind == "numeric"
+    allowed = NUMERIC_FORMATS if numeric else tuple(f for f in FORMATS if f != "npz")
+    if data["format"] not in allowed:
+        raise JobFileError(f"{where}: [data] format = {data['format']!r}: workload {job['workload']!r} reads "
+                           f"{'numeric feature vectors' if numeric else 'text'}; allowed: {', '.join(allowed)}")
     _check_data_files(where, data)
     output = values["output"].get("folder")
     output = _absolute(output, path.parent) if output else path.parent / "runs" / job["name"]
@@ -310,6 +318,10 @@ def load_data(job: Job):
     from gadei_workloads.text import encode_split, hold_out
 
     d = job.data
+    from gadei_workloads import get
+
+    if get(job.workload).kind == "numeric":
+        return _load_arrays(job)
     options = dict(text_column=d.text_column, label_column=d.label_column, encoding=d.encoding,
                    fallback=d.fallback_encoding)
     try:
@@ -331,3 +343,27 @@ def load_data(job: Job):
         return encode_split(train, test, name=source, test_source=test_source)
     except ValueError as err:
         raise JobFileError(f"[data] test: {err}") from None
+
+
+def _load_arrays(job: Job):
+    """(train, test) ArrayDatasets of a numeric job (see gadei_workloads.numeric)."""
+    from gadei_workloads.files import DataError
+    from gadei_workloads.numeric import hold_out, make_split, read_arrays
+
+    d = job.data
+    where = job.path.name if job.path else "job"
+    try:
+        train = read_arrays(d.train[0], d.format, d.label_column, d.encoding, d.fallback_encoding)
+        test = read_arrays(d.test[0], d.format, d.label_column, d.encoding, d.fallback_encoding) if d.test else None
+        labels = sorted(set(train[1]))
+        if len(labels) < 2:
+            raise DataError(f"train: {len(train[1]):,} samples but only the label {labels[0]!r}; a classifier "
+                            "needs at least two labels")
+        if test is None:
+            train, test = hold_out(train, d.holdout, job.train.seed)
+            source = f"job {job.name}: held-out {d.holdout:.0%} of train"
+        else:
+            source = str(d.test[0])
+        return make_split(train, test, name=f"job {job.name}", test_source=source)
+    except DataError as err:
+        raise JobFileError(f"{where}: [data]: {err}") from None

@@ -7,7 +7,8 @@ checkpoint (see the README's Checkpoints section). The output folder gets:
 
     job.toml        the job as run, with the defaults filled in (its processes read this one)
     labels.json     label names, index = the model's output
-    vocab.json      the vocabulary (`gadei_workloads.text.Vocab.from_json` reads it)
+    vocab.json      the vocabulary (`gadei_workloads.text.Vocab.from_json` reads it); numeric
+                    workloads: features.json (feature count, training mean and std)
     model.pt        the final weights, a state dict plain `torch.load(weights_only=True)` reads
     metrics.jsonl   one JSON line per epoch: loss, test accuracy, samples/s, seconds
     accuracy.png    test accuracy against epochs and against time
@@ -42,17 +43,23 @@ def run_job(path: str, *, quiet: bool = False) -> int:
     as_run = out / "job.toml"
     as_run.write_text(job.to_toml())
     (out / "labels.json").write_text(json.dumps(train.label_names, ensure_ascii=False))
-    (out / "vocab.json").write_text(json.dumps(train.vocab.to_json(), ensure_ascii=False))
+    if train.vocab is not None:
+        (out / "vocab.json").write_text(json.dumps(train.vocab.to_json(), ensure_ascii=False))
+    else:  # numeric features: predict standardises with the training set's statistics
+        (out / "features.json").write_text(json.dumps({"features": train.features, "mean": train.mean.tolist(),
+                                                       "std": train.std.tolist()}))
     t = job.train
     print(f"gadei run: job {job.name}: {job.workload} on {len(train):,} training / {len(test):,} test samples, "
-          f"{train.n_labels} labels, vocabulary {len(train.vocab):,}; {t.learners} learners, {t.mode}, "
+          f"{train.n_labels} labels, " + (f"vocabulary {len(train.vocab):,}" if train.vocab is not None else
+                                          f"{train.features} features") + f"; {t.learners} learners, {t.mode}, "
           f"mini-batch {t.batch}, lr {t.lr:g}, {t.epochs} epochs, seed {t.seed}", flush=True)
     for line in chosen:
         print(f"  chose {line}", flush=True)
     print(f"  output: {out}", flush=True)
 
     spec = f"job:{as_run}"
-    learner = ["--data", spec, "--seed", str(t.seed), "--epochs", str(t.epochs), "--batch", str(t.batch), "--json"]
+    learner = ["--workload", job.workload, "--data", spec, "--seed", str(t.seed), "--epochs", str(t.epochs),
+               "--batch", str(t.batch), "--json"]
     command = [sys.executable, "-m", "gadei", "serve", job.name, "--workload", job.workload, "--data", spec,
                "--seed", str(t.seed), "--lr", str(t.lr), "--mode", t.mode, "--learners", str(t.learners),
                "--checkpoint-dir", str(out / "checkpoints"), "--checkpoint-every", str(job.checkpoint.interval),
@@ -198,8 +205,10 @@ def plot(metrics: list[dict], path: Path, title: str) -> None:
 
 
 def predict(run_dir: str, text: str, top: int = 3) -> list[tuple[str, float]]:
-    """The `top` labels of the model in a `gadei run` output folder for `text`, with
-    probabilities (plain PyTorch: the model file is a state dict)."""
+    """The `top` labels of the model in a `gadei run` output folder for `text` (a sentence;
+    for a numeric workload, the features separated by commas), with probabilities (plain
+    PyTorch: the model file is a state dict)."""
+    import numpy as np
     import torch
     from gadei_workloads import get
     from gadei_workloads.text import Vocab, tokenize
@@ -208,16 +217,29 @@ def predict(run_dir: str, text: str, top: int = 3) -> list[tuple[str, float]]:
     try:
         job = jobfile.load(folder / "job.toml")
         labels = json.loads((folder / "labels.json").read_text())
-        vocab = Vocab.from_json(json.loads((folder / "vocab.json").read_text()))
         state = torch.load(folder / "model.pt", weights_only=True)
+        workload = get(job.workload)
+        if workload.kind == "numeric":
+            stats = json.loads((folder / "features.json").read_text())
+        else:
+            vocab = Vocab.from_json(json.loads((folder / "vocab.json").read_text()))
     except FileNotFoundError as err:
         raise GadeiError(f"{run_dir} is not a finished `gadei run` folder: {err.filename} is missing") from None
-    workload = get(job.workload)
-    model = workload.build_from_maps(len(vocab), len(labels), job.train.seed)
+    if workload.kind == "numeric":
+        try:
+            values = np.array([float(v) for v in text.replace(",", " ").split()], dtype=np.float64)
+        except ValueError:
+            raise GadeiError(f"{text!r}: give the {stats['features']} features as numbers separated by commas") from None
+        if values.size != stats["features"]:
+            raise GadeiError(f"{text!r}: {values.size} features, the model takes {stats['features']}")
+        x = torch.from_numpy(((values - np.array(stats["mean"])) / np.array(stats["std"])).astype(np.float32))[None]
+        model = workload.build_from_maps(stats["features"], len(labels), job.train.seed)
+    else:
+        ids = vocab.encode(tokenize(text)) or [vocab.encode(["<unk>"])[0]]
+        x = torch.tensor([ids + [0] * max(0, 5 - len(ids))])
+        model = workload.build_from_maps(len(vocab), len(labels), job.train.seed)
     model.load_state_dict(state)
     model.eval()
-    ids = vocab.encode(tokenize(text)) or [vocab.encode(["<unk>"])[0]]
-    x = torch.tensor([ids + [0] * max(0, 5 - len(ids))])
     with torch.no_grad():
         probs = torch.softmax(model(x), dim=-1)[0]
     best = torch.topk(probs, min(top, len(labels)))

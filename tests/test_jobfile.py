@@ -212,3 +212,81 @@ def test_gadei_run_trains_a_job_file_and_leaves_its_outputs(tmp_path, procs):
     again = procs.gadei("run", path)  # the folder holds a run: refused, nothing started
     _, err = communicate(again, 60)
     assert again.returncode == 2 and "holds a previous run" in err
+
+
+def _blobs(n=600, features=8, labels=3, seed=0):
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    centres = rng.normal(0, 4, (labels, features))
+    y = rng.integers(0, labels, n)
+    x = (centres[y] + rng.normal(0, 1, (n, features))) * 10 + 100  # far from 0 and wide: standardising matters
+    return x, np.array([f"class-{v}" for v in y])
+
+
+def _numeric_job(folder, train, fmt, extra=""):
+    return jobfile.load(_job(folder, f"""
+        [job]
+        name = "blobs"
+        workload = "mlp"
+        [data]
+        train = "{train}"
+        format = "{fmt}"
+        {extra}
+    """))
+
+
+def test_numeric_data_reads_the_same_from_npz_and_csv_and_bad_cells_are_named(tmp_path):
+    import numpy as np
+
+    x, y = _blobs(40)
+    np.savez(tmp_path / "d.npz", x=x, y=y)
+    header = ",".join([f"f{i}" for i in range(x.shape[1])] + ["label"])
+    (tmp_path / "d.csv").write_text(header + "\n" + "".join(",".join(map(repr, row)) + f",{label}\n"
+                                                         for row, label in zip(x.tolist(), y)))
+    a = jobfile.load_data(_numeric_job(tmp_path, "d.npz", "npz"))
+    b = jobfile.load_data(_numeric_job(tmp_path, "d.csv", "csv"))
+    for da, db in zip(a, b):
+        assert np.allclose(da.x, db.x) and (da.labels == db.labels).all() and da.label_names == db.label_names
+    assert abs(float(a[0].x.mean())) < 0.2  # standardised with train's statistics
+    (tmp_path / "bad.csv").write_text(header + "\n" + ",".join(["1"] * 3 + ["oops"] + ["1"] * 4) + ",a\n")
+    with pytest.raises(JobFileError, match=r"bad.csv:2: column 'f3' holds 'oops', not a number"):
+        jobfile.load_data(_numeric_job(tmp_path, "bad.csv", "csv"))
+    with pytest.raises(JobFileError, match=r"workload 'mlp' reads numeric feature vectors; allowed: csv, npz"):
+        _numeric_job(tmp_path, "d.csv", "jsonl")
+    np.savez(tmp_path / "wrong.npz", features=x)
+    with pytest.raises(JobFileError, match=r"needs arrays 'x' .* and 'y'"):
+        jobfile.load_data(_numeric_job(tmp_path, "wrong.npz", "npz"))
+
+
+@pytest.mark.slow
+def test_gadei_run_trains_the_mlp_on_numeric_data_and_predicts(tmp_path, procs):
+    import numpy as np
+
+    x, y = _blobs(900)
+    np.savez(tmp_path / "blobs.npz", x=x, y=y)
+    name = f"mlp-{tmp_path.name[-20:]}".replace("_", "-")
+    path = _job(tmp_path, f"""
+        [job]
+        name = "{name}"
+        workload = "mlp"
+        [data]
+        train = "blobs.npz"
+        format = "npz"
+        holdout = 0.2
+        [train]
+        learners = 2
+        epochs = 4
+        lr = 0.05
+        [output]
+        folder = "out"
+    """)
+    run = procs.gadei("run", path)
+    out, err = communicate(run, 300)
+    assert run.returncode == 0, out + err
+    metrics = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert metrics[-1]["test_accuracy"] > 0.9, metrics
+    sample = ",".join(map(str, x[0]))
+    predicted = procs.gadei("predict", tmp_path / "out", sample, "--top", 1)
+    out, err = communicate(predicted, 60)
+    assert predicted.returncode == 0 and out.split()[-1] == y[0], out + err

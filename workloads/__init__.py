@@ -13,13 +13,14 @@ from typing import Callable
 import torch
 from torch import nn
 
-from . import text
-from .text import TextDataset
+from . import numeric, text
 from .lstm import LSTMClassifier, build_lstm
+from .numeric import build_mlp
+from .text import TextDataset
 from .textcnn import TextCNN, build_textcnn
 
-__all__ = ["WORKLOADS", "Workload", "LSTMClassifier", "TextCNN", "TextDataset", "build_lstm", "build_textcnn", "get",
-           "text"]
+__all__ = ["WORKLOADS", "Workload", "LSTMClassifier", "TextCNN", "TextDataset", "build_lstm", "build_mlp",
+           "build_textcnn", "get", "numeric", "text"]
 
 
 @dataclass(frozen=True)
@@ -35,8 +36,12 @@ class Workload:
             seed gives bit-identical parameters in every process.
         loss: ``(model, x, y) -> scalar loss`` to minimise.
         evaluate: ``(model, dataset) -> accuracy`` in ``[0, 1]``.
-        build_from_maps: ``(vocab_size, n_labels, seed) -> model``: the same model from
-            the saved vocabulary and label maps (``gadei predict``), without the data.
+        build_from_maps: ``(size, n_labels, seed) -> model``: the same model from the
+            saved maps (``gadei predict``), without the data; size is the vocabulary's
+            (text) or the feature count (numeric).
+        kind: ``"text"`` (sentences: the text formats) or ``"numeric"`` (feature vectors:
+            npz or numeric csv).
+        batches: ``(dataset, batch, epoch=, seed=, shard=, shards=) -> (x, y)`` mini-batches.
     """
 
     name: str
@@ -47,6 +52,8 @@ class Workload:
     loss: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
     evaluate: Callable[[nn.Module, TextDataset], float]
     build_from_maps: Callable[[int, int, int], nn.Module]
+    kind: str = "text"
+    batches: Callable = text.batches
 
 
 def _build_textcnn(train: TextDataset, seed: int) -> nn.Module:
@@ -55,6 +62,16 @@ def _build_textcnn(train: TextDataset, seed: int) -> nn.Module:
 
 def _build_lstm(train: TextDataset, seed: int) -> nn.Module:
     return build_lstm(len(train.vocab), train.n_labels, seed=seed)
+
+
+def _build_mlp(train, seed: int) -> nn.Module:
+    return build_mlp(train.features, train.n_labels, seed=seed)
+
+
+def _numeric_data(spec: str):
+    if not spec.startswith("job:"):
+        raise ValueError(f"data spec {spec!r}: the mlp workload reads the data of a job file ('job:JOBFILE')")
+    return text.load(spec)
 
 
 def _cross_entropy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -81,6 +98,18 @@ WORKLOADS: dict[str, Workload] = {
         loss=_cross_entropy,
         evaluate=text.accuracy,
         build_from_maps=lambda vocab_size, n_labels, seed: build_lstm(vocab_size, n_labels, seed=seed),
+    ),
+    "mlp": Workload(
+        name="mlp",
+        description="multi-layer perceptron for numeric feature vectors (npz or numeric csv)",
+        default_data="job:",
+        load_data=_numeric_data,
+        build_model=_build_mlp,
+        loss=_cross_entropy,
+        evaluate=numeric.accuracy,
+        build_from_maps=lambda features, n_labels, seed: build_mlp(features, n_labels, seed=seed),
+        kind="numeric",
+        batches=numeric.batches,
     ),
 }
 
