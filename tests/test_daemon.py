@@ -83,7 +83,9 @@ def test_submit_status_cancel_and_a_restarted_daemon_knows_every_job(tmp_path, p
     assert _jobs(procs, daemon_env)[long]["state"] == "cancelled"
     wait_for(lambda: inspect(long) is None, 60, "the cancelled job's region to go")
     assert checkpoint.latest(out / "checkpoints") is not None and (out / "logs" / "serve.log").exists()
-    assert not [p for p in psutil.process_iter(["cmdline"]) if long in (p.info["cmdline"] or [])]
+    wait_for(lambda: not [p for p in psutil.process_iter(["cmdline", "status"])
+                          if long in (p.info["cmdline"] or []) and p.info["status"] != psutil.STATUS_ZOMBIE],
+             60, "the cancelled job's processes to end")
 
     daemon.terminate()  # the running job goes on without the daemon
     communicate(daemon, 60)
