@@ -353,7 +353,14 @@ def cmd_status(args) -> int:
             if found.state in ("foreign", "other-user"):
                 print(f"job {job}: {found.state}: {found.problem}")
                 continue
-            with Region.attach(job, readonly=True) as region:
+            try:
+                region = Region.attach(job, readonly=True)
+            except GadeiError as err:  # e.g. a region its server is still creating
+                if args.job:
+                    raise
+                print(f"job {job}: {err}", file=sys.stderr)
+                continue
+            with region:
                 before = status.read(region)
                 time.sleep(args.interval)
                 after = status.read(region)
