@@ -9,7 +9,7 @@ a checkpoint folder that is full or read-only; a /dev/shm too small for the regi
 `run_scenario` then checks what the system promises:
 
 - the job finishes (every launched learner done, the server stopped cleanly);
-- test accuracy within `tolerance` points of the fault-free run with the same seed and epochs;
+- test accuracy near fault-free runs with the same seed and epochs (see `run_scenario`);
 - the exactly-once ledger of the last server: applied since its resume = published -
   discarded (a half-written slot of a killed learner is never published), and the final
   version counts each mini-batch of the schedule once (every gradient in the weights once);
@@ -570,8 +570,8 @@ _references: dict[tuple, list[float]] = {}
 def reference_accuracy(settings: Settings, workdir: Path, runs: int = 1) -> list[float]:
     """Test accuracies of `runs` fault-free runs with these settings (cached per settings).
 
-    Hogwild is not deterministic: runs of the same seed end a point or so apart, so the
-    suite compares with their mean."""
+    Hogwild is not deterministic: runs of the same seed end points apart, so the suite
+    compares with their median."""
     key = tuple(sorted(settings.__dict__.items()))
     done = _references.setdefault(key, [])
     while len(done) < runs:
@@ -589,15 +589,16 @@ def reference_accuracy(settings: Settings, workdir: Path, runs: int = 1) -> list
 
 
 def run_scenario(scenario: Scenario, settings: Settings, workdir: Path, *, tolerance: float = 3.0,
-                 references: int = 2, rng: random.Random | None = None) -> Outcome:
+                 references: int = 3, rng: random.Random | None = None) -> Outcome:
     """Run one job with one fault injected and check every promise; never raises for a failed check.
 
-    `tolerance`: accuracy points this run may be from the mean of `references` fault-free
-    runs (a guard against damage; `run.py` checks each scenario's mean within 1 point)."""
+    `tolerance`: accuracy points this run may be from the median of `references` fault-free
+    runs (a guard against damage; `run.py` also compares the median of all faulted runs).
+    Medians: a fault-free run now and then ends several points low (82.6% against 86-88%)."""
     rng = rng or random.Random(settings.seed)
     reference = None
     if not scenario.shm_tmpfs_mb:
-        reference = statistics.mean(reference_accuracy(settings, workdir, references))
+        reference = statistics.median(reference_accuracy(settings, workdir, references))
     name = f"faults-{scenario.name}-{os.getpid()}-{rng.randrange(10**8)}"
     job = Job(name, workdir / name, settings, ckpt_tmpfs_mb=scenario.ckpt_tmpfs_mb,
               shm_tmpfs_mb=scenario.shm_tmpfs_mb)
@@ -697,7 +698,7 @@ def _check(job: Job, fault: Fault, outcome: Outcome, reference: float | None, to
 
 
 def table(outcomes: list[Outcome]) -> str:
-    rows = [("scenario", "runs", "passed", "median recovery s", "mean accuracy", "vs fault-free")]
+    rows = [("scenario", "runs", "passed", "median recovery s", "mean accuracy", "vs fault-free median")]
     for name in dict.fromkeys(o.scenario for o in outcomes):
         runs = [o for o in outcomes if o.scenario == name]
         rec = [o.recovery_s for o in runs if o.recovery_s is not None]
@@ -706,6 +707,6 @@ def table(outcomes: list[Outcome]) -> str:
         rows.append((name, str(len(runs)), str(sum(o.passed for o in runs)),
                      f"{statistics.median(rec):.2f}" if rec else "-",
                      f"{statistics.mean(acc):.1f}%" if acc else "-",
-                     f"{statistics.mean(acc) - statistics.mean(ref):+.1f}" if acc and ref else "-"))
+                     f"{statistics.mean(acc) - statistics.median(ref):+.1f}" if acc and ref else "-"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows)

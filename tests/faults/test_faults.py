@@ -4,11 +4,11 @@ tests/faults/run.py`; see harness.py for what each scenario does and checks).
 Each test runs a real job (server, watchdog, three launched learners training the text CNN
 on TREC), injects one fault and checks that the job finishes with every mini-batch of its
 schedule in the weights once, the exactly-once ledger, the lost progress, nothing left
-behind, and test accuracy within 3 points of the mean of two fault-free runs of the same
-seed: a guard against damage (a restart from the initial weights, gradients applied twice),
-not a noise test. Same-seed Hogwild runs of this job end 84-88% on TREC (see README), so
-one run against another would fail on noise alone; the full suite compares each
-scenario's mean over its runs.
+behind, and test accuracy within 3 points of the median of three fault-free runs of the
+same seed: a guard against damage (a restart from the initial weights, gradients applied
+twice), not a noise test. Same-seed Hogwild runs of this job ended between 82.6% and 88.0%
+on TREC here (19 runs), so one run against another would fail on noise alone; the full
+suite also compares the median of all faulted runs.
 """
 
 import random
@@ -39,7 +39,7 @@ def _run(name: str, workdir, seed: int = 0):
         why_not = harness.can_unshare()
         if why_not:
             pytest.skip(f"{name} needs a private mount namespace: {why_not}")
-    outcome = harness.run_scenario(scenario, harness.Settings(seed=seed), workdir, tolerance=3.0, references=2,
+    outcome = harness.run_scenario(scenario, harness.Settings(seed=seed), workdir, tolerance=3.0, references=3,
                                    rng=random.Random(f"{name}-{seed}"))
     assert outcome.passed, "\n".join(outcome.problems)
     return outcome
