@@ -240,7 +240,7 @@ def test_model_output_shape_and_short_input_error():
 
 
 def test_registry_and_training_learns_generated_data():
-    with pytest.raises(ValueError, match="known: lstm, textcnn"):
+    with pytest.raises(ValueError, match="known: lstm, mlp, textcnn"):
         gadei_workloads.get("resnet")
     workload = gadei_workloads.get("textcnn")
     train, test = text.generate_topics(seed=1, n_train=1500, n_test=300)
