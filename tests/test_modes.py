@@ -182,6 +182,9 @@ def test_a_consistent_pull_does_not_wait_forever_on_a_server_that_died_mid_updat
     server.send_signal(signal.SIGSTOP)
     with Region.attach(job) as region:
         region.header.add("seq", 1)  # odd: the server is inside an update, and dies there
+        # and a version the pull thread has not copied yet, so that it does try to copy (without
+        # one it may never look, and the learner meets the dead server elsewhere first)
+        region.header.add("version", 1)
     server.send_signal(signal.SIGKILL)
     server.wait()
     _, err = communicate(learner, 60)  # it leaves (ServerGone) instead of waiting for the update to end
