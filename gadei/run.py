@@ -18,6 +18,7 @@ checkpoint (see the README's Checkpoints section). The output folder gets:
 
 import json
 import logging
+import shlex
 import signal
 import subprocess
 import sys
@@ -67,7 +68,7 @@ def run_job(path: str, *, quiet: bool = False) -> int:
                "--json"]
     for i in range(t.learners):
         extra = ["--shard", f"{i}/{t.learners}"] + (["--eval"] if i == 0 else [])
-        command.append("--learner=" + " ".join(_quote(a) for a in [*learner, *extra]))
+        command.append("--learner=" + " ".join(shlex.quote(a) for a in [*learner, *extra]))
     started = time.monotonic()
     with open(out / "logs" / "serve.log", "ab") as serve_log:
         serve = subprocess.Popen(command, stdout=serve_log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
@@ -93,12 +94,6 @@ def run_job(path: str, *, quiet: bool = False) -> int:
     accuracy = f", test accuracy {last['test_accuracy']:.2%}" if "test_accuracy" in last else ""
     print(f"gadei run: job {job.name} done in {elapsed:.0f} s{accuracy}; model {out / 'model.pt'}", flush=True)
     return 0
-
-
-def _quote(arg: str) -> str:
-    import shlex
-
-    return shlex.quote(arg)
 
 
 def _follow(job, serve: subprocess.Popen, train_size: int, started: float, quiet: bool) -> None:
@@ -235,9 +230,9 @@ def predict(run_dir: str, text: str, top: int = 3) -> list[tuple[str, float]]:
         x = torch.from_numpy(((values - np.array(stats["mean"])) / np.array(stats["std"])).astype(np.float32))[None]
         model = workload.build_from_maps(stats["features"], len(labels), job.train.seed)
     else:
-        ids = vocab.encode(tokenize(text)) or [vocab.encode(["<unk>"])[0]]
-        x = torch.tensor([ids + [0] * max(0, 5 - len(ids))])
         model = workload.build_from_maps(len(vocab), len(labels), job.train.seed)
+        ids = vocab.encode(tokenize(text)) or [vocab.encode(["<unk>"])[0]]
+        x = torch.tensor([ids + [0] * max(0, getattr(model, "min_len", 1) - len(ids))])  # the widest filter
     model.load_state_dict(state)
     model.eval()
     with torch.no_grad():

@@ -242,22 +242,7 @@ def test_model_output_shape_and_short_input_error():
 def test_registry_and_training_learns_generated_data():
     with pytest.raises(ValueError, match="known: lstm, mlp, textcnn"):
         gadei_workloads.get("resnet")
-    workload = gadei_workloads.get("textcnn")
-    train, test = text.generate_topics(seed=1, n_train=1500, n_test=300)
-    model = workload.build_model(train, 0)
-    model.train()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    torch.manual_seed(0)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny steps: extra threads only contend on a busy machine
-    try:
-        for x, y in batches(train, 8, epoch=0, seed=0):
-            optimizer.zero_grad(set_to_none=True)
-            workload.loss(model, x, y).backward()
-            optimizer.step()
-        acc = workload.evaluate(model, test)
-    finally:
-        torch.set_num_threads(threads)
+    model, acc = _train_on_generated("textcnn", epochs=1, lr=0.1)
     assert model.training  # evaluate restores the mode
     assert acc > 0.6, f"one epoch on generated data reached only {acc:.3f} (chance 0.17)"
 
@@ -271,20 +256,26 @@ def test_the_lstm_is_deterministic_by_seed_ignores_padding_and_learns_generated_
     x = torch.tensor([[5, 6, 7]])
     padded = torch.tensor([[5, 6, 7, 0, 0, 0]])
     assert torch.allclose(a(x), a(padded), atol=1e-6)  # padding (after the words) changes nothing
-    workload = gadei_workloads.get("lstm")
+    _, acc = _train_on_generated("lstm", epochs=2, lr=0.5)
+    assert acc > 0.6, f"two epochs on generated data reached only {acc:.3f} (chance 0.17)"
+
+
+def _train_on_generated(name: str, epochs: int, lr: float):
+    """(model, test accuracy) after `epochs` of plain SGD, mini-batch 8, on generated topics."""
+    workload = gadei_workloads.get(name)
     train, test = text.generate_topics(seed=1, n_train=1500, n_test=300)
     model = workload.build_model(train, 0)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    model.train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     torch.manual_seed(0)
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(1)  # tiny steps: extra threads only contend on a busy machine
     try:
-        for epoch in range(2):
+        for epoch in range(epochs):
             for x, y in batches(train, 8, epoch=epoch, seed=0):
                 optimizer.zero_grad(set_to_none=True)
                 workload.loss(model, x, y).backward()
                 optimizer.step()
-        acc = workload.evaluate(model, test)
+        return model, workload.evaluate(model, test)
     finally:
         torch.set_num_threads(threads)
-    assert acc > 0.6, f"two epochs on generated data reached only {acc:.3f} (chance 0.17)"

@@ -32,13 +32,11 @@ class Workload:
         description: One line for people.
         default_data: Data spec used when the job names none (needs no files).
         load_data: ``spec -> (train, test)``, see :func:`.text.load`.
-        build_model: ``(train, seed) -> model``, sized from the training set; the same
-            seed gives bit-identical parameters in every process.
         loss: ``(model, x, y) -> scalar loss`` to minimise.
         evaluate: ``(model, dataset) -> accuracy`` in ``[0, 1]``.
-        build_from_maps: ``(size, n_labels, seed) -> model``: the same model from the
-            saved maps (``gadei predict``), without the data; size is the vocabulary's
-            (text) or the feature count (numeric).
+        build_from_maps: ``(size, n_labels, seed) -> model``; size is the vocabulary's
+            (text) or the feature count (numeric). ``gadei predict`` builds from the saved
+            maps with it, :meth:`build_model` from the training set.
         kind: ``"text"`` (sentences: the text formats) or ``"numeric"`` (feature vectors:
             npz or numeric csv).
         batches: ``(dataset, batch, epoch=, seed=, shard=, shards=) -> (x, y)`` mini-batches.
@@ -48,24 +46,17 @@ class Workload:
     description: str
     default_data: str
     load_data: Callable[[str], tuple[TextDataset, TextDataset]]
-    build_model: Callable[[TextDataset, int], nn.Module]
     loss: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
     evaluate: Callable[[nn.Module, TextDataset], float]
     build_from_maps: Callable[[int, int, int], nn.Module]
     kind: str = "text"
     batches: Callable = text.batches
 
-
-def _build_textcnn(train: TextDataset, seed: int) -> nn.Module:
-    return build_textcnn(len(train.vocab), train.n_labels, seed=seed)
-
-
-def _build_lstm(train: TextDataset, seed: int) -> nn.Module:
-    return build_lstm(len(train.vocab), train.n_labels, seed=seed)
-
-
-def _build_mlp(train, seed: int) -> nn.Module:
-    return build_mlp(train.features, train.n_labels, seed=seed)
+    def build_model(self, train, seed: int) -> nn.Module:
+        """The model sized from the training set; the same seed gives bit-identical
+        parameters in every process."""
+        size = train.features if self.kind == "numeric" else len(train.vocab)
+        return self.build_from_maps(size, train.n_labels, seed)
 
 
 def _numeric_data(spec: str):
@@ -84,7 +75,6 @@ WORKLOADS: dict[str, Workload] = {
         description="Kim 2014 sentence CNN (CNN-rand) for text classification",
         default_data="generated",
         load_data=text.load,
-        build_model=_build_textcnn,
         loss=_cross_entropy,
         evaluate=text.accuracy,
         build_from_maps=lambda vocab_size, n_labels, seed: build_textcnn(vocab_size, n_labels, seed=seed),
@@ -94,7 +84,6 @@ WORKLOADS: dict[str, Workload] = {
         description="bidirectional LSTM sentence classifier (max over time)",
         default_data="generated",
         load_data=text.load,
-        build_model=_build_lstm,
         loss=_cross_entropy,
         evaluate=text.accuracy,
         build_from_maps=lambda vocab_size, n_labels, seed: build_lstm(vocab_size, n_labels, seed=seed),
@@ -104,7 +93,6 @@ WORKLOADS: dict[str, Workload] = {
         description="multi-layer perceptron for numeric feature vectors (npz or numeric csv)",
         default_data="job:",
         load_data=_numeric_data,
-        build_model=_build_mlp,
         loss=_cross_entropy,
         evaluate=numeric.accuracy,
         build_from_maps=lambda features, n_labels, seed: build_mlp(features, n_labels, seed=seed),

@@ -305,7 +305,6 @@ class Fault:
     recovered: object = None  # predicate: the job is whole again
     restarted_server: bool = False  # the checkpoint a restart resumes from must be recent
     lost_intervals: int = 1  # checkpoint intervals of progress the scenario may lose
-    learners_killed: int = 0
     expect_in_logs: list[str] = field(default_factory=list)
     expect_serve_rc: int = 0
     refused: bool = False  # the job is refused at start (nothing runs, nothing is checked but the error)
@@ -347,7 +346,7 @@ def kill_learner(job: Job, rng: random.Random) -> Fault:
             return [f"gadei status --json printed no launched learners: {shown.stdout[-500:]} {shown.stderr[-500:]}"]
         restarted = [l for l in launched if l["restarts"] == 1 and l["state"] == "running"]
         return [] if len(restarted) == 1 else [f"gadei status does not show the restart: {launched}"]
-    return Fault(time.monotonic(), _all_learners_back(job, {victim}, before), learners_killed=1,
+    return Fault(time.monotonic(), _all_learners_back(job, {victim}, before),
                  after_recovery=status_shows_it, expect_in_logs=["was killed by signal 9", "starting it again"])
 
 
@@ -357,7 +356,7 @@ def kill_learners(job: Job, rng: random.Random) -> Fault:
     victims = rng.sample(sorted(before), max(2, job.s.learners - 1))
     for pid in victims:
         _kill(pid)
-    return Fault(time.monotonic(), _all_learners_back(job, set(victims), before), learners_killed=len(victims))
+    return Fault(time.monotonic(), _all_learners_back(job, set(victims), before))
 
 
 def kill_all_learners(job: Job, rng: random.Random) -> Fault:
@@ -365,7 +364,7 @@ def kill_all_learners(job: Job, rng: random.Random) -> Fault:
     victims = job.learner_pids()
     for pid in victims:
         _kill(pid)
-    return Fault(time.monotonic(), _all_learners_back(job, set(victims), set(victims)), learners_killed=len(victims),
+    return Fault(time.monotonic(), _all_learners_back(job, set(victims), set(victims)),
                  expect_in_logs=["all launched learners died"])
 
 
