@@ -13,6 +13,10 @@ accuracy the test accuracy each of those transports reaches on TREC and SST-2 wi
          learners after the same epochs (mean and range over seeds).
 modes    test accuracy and samples/s of async, sync and elastic with two learners on TREC
          after the same epochs.
+bridge   the MPI bridge's exchange (time, GB/s, bytes on the wire) against one blocking
+         MPI_Allreduce of the whole model, unbucketed, in buckets sized from the measured
+         latency and per-byte cost, and each with float16 on the wire; models of --sizes MB,
+         --ranks ranks started with mpiexec on this machine.
 
 Every figure is the median of `--repeats` runs, the methods interleaved within each run so
 that the machine's noise falls on all of them alike; ratios are of the medians. The tables
@@ -249,8 +253,7 @@ def _train_worker(kind, rank, world, batch, epochs, seed, lr, data, vocab, job, 
         for x, y in batches(train, batch, epoch=epoch, seed=seed, shard=rank, shards=world):
             if learner is None:
                 optimizer.zero_grad(set_to_none=True)
-            loss = workload.loss(model, x, y)
-            loss.backward()
+            workload.backward(model, workload.loss(model, x, y), lr)
             if learner is None:
                 optimizer.step()
             else:
@@ -512,8 +515,39 @@ def bench_modes(args) -> dict:
     return med
 
 
+# ------------------------------------------------------------------ bridge
+
+
+def bench_bridge(args) -> dict:
+    """The MPI bridge's exchange against one MPI_Allreduce of the whole model, under mpiexec.
+
+    Starts `--ranks` ranks of `python -m gadei.bridge` on this machine; each size is one
+    model of that many MB of float32.
+    """
+    import subprocess
+    import sys
+
+    from .bridge import local_mpiexec
+
+    sizes = args.sizes or ("1,4" if args.quick else "1,16,64,256")
+    argv, env = local_mpiexec(args.ranks, sys.executable, "-m", "gadei.bridge", sizes, str(args.repeats))
+    done = subprocess.run(argv, env={**os.environ, **env}, capture_output=True, text=True, timeout=3600)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("BENCH ")]
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"bench bridge: mpiexec exited {done.returncode}:\n{done.stderr[-3000:]}")
+    result = json.loads(lines[0][len("BENCH "):])
+    link = result["link"]
+    print(f"\nbridge: {result['ranks']} ranks on this machine; link alpha {link['alpha'] * 1e6:.1f} us per message, "
+          f"beta {link['beta'] * 1e9:.3f} ns per byte: auto buckets of {result['bucket_bytes'] / MB:.2f} MB "
+          f"(median of {result['repeats']}, the slowest rank's)")
+    print(_table(["model MB", "exchange", "ms", "GB/s", "wire MB/rank", "x MPI_Allreduce"],
+                 [(f"{r['model_mb']:g}", r["variant"], f"{r['seconds'] * 1e3:.2f}", f"{r['bytes_per_s'] / 1e9:.2f}",
+                   f"{r['wire_bytes'] / MB:.1f}", f"{r['vs_allreduce']:.2f}") for r in result["rows"]]))
+    return result
+
+
 BENCHES = {"kernel": bench_kernel, "latency": bench_latency, "train": bench_train, "transport": bench_transport,
-           "accuracy": bench_accuracy, "modes": bench_modes}
+           "accuracy": bench_accuracy, "modes": bench_modes, "bridge": bench_bridge}
 
 
 def run_bench(args) -> int:

@@ -337,12 +337,16 @@ def load(path: str | os.PathLike) -> Checkpoint:
     return checkpoint
 
 
-def latest(folder: str | os.PathLike) -> Checkpoint | None:
+def latest(folder: str | os.PathLike, *, with_progress: bool = False) -> Checkpoint | None:
     """The newest checkpoint in `folder` that verifies; one that does not is skipped with a
-    warning for the one before. None if there is none."""
+    warning for the one before. `with_progress`: only one that says how far each launched
+    learner got (a watchdog's; the server's own stop checkpoint does not). None if there is none."""
     for path in reversed(listing(folder)):
         try:
-            return load(path)
+            found = load(path)
         except CheckpointError as err:
             log.warning("skipping a bad checkpoint: %s", err)
+            continue
+        if found.progress or not with_progress:
+            return found
     return None

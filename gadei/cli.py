@@ -87,9 +87,12 @@ def cmd_serve(args) -> int:
     if args.resume:
         from . import checkpoint
 
-        resume = checkpoint.latest(args.resume)
-        if resume is None:
-            raise GadeiError(f"--resume {args.resume}: no checkpoint there that reads and verifies")
+        if os.path.isfile(args.resume):
+            resume = checkpoint.load(args.resume)
+        else:
+            resume = checkpoint.latest(args.resume)
+            if resume is None:
+                raise GadeiError(f"--resume {args.resume}: no checkpoint there that reads and verifies")
     server = Server(
         args.job,
         model=model,
@@ -119,7 +122,7 @@ def cmd_serve(args) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: server.request_stop())
         if args.checkpoint_dir and not args.no_watchdog:
-            dog = _start_watchdog(args, learners)
+            dog = _start_watchdog(args, learners, resume.progress if resume is not None else None)
         print(f"gadei: serving job {args.job!r} (pid {os.getpid()}); stop it with `gadei stop {args.job}`",
               file=sys.stderr, flush=True)
         report = server.serve(grace=args.grace)
@@ -156,9 +159,10 @@ def cmd_serve(args) -> int:
     return code
 
 
-def _start_watchdog(args, learners: list[list[str]]) -> subprocess.Popen:
+def _start_watchdog(args, learners: list[list[str]], progress: dict | None) -> subprocess.Popen:
     """The job's watchdog, in its own session (a Ctrl-C meant for the server does not reach
-    it, and it outlives a server that crashes, to restart it). It launches `learners`."""
+    it, and it outlives a server that crashes, to restart it). It launches `learners`, from
+    `progress` (a resumed checkpoint's) when there is one."""
     restart, skip = [], False
     for arg in args.argv:  # the server is restarted without the learners: the watchdog keeps those
         if skip:
@@ -175,6 +179,8 @@ def _start_watchdog(args, learners: list[list[str]]) -> subprocess.Popen:
         command += ["--log-dir", args.log_dir]
     if learners:
         command += ["--learners", json.dumps(learners)]
+        if progress:
+            command += ["--progress", json.dumps(progress)]
     return subprocess.Popen(command, start_new_session=True)
 
 
@@ -248,23 +254,27 @@ def cmd_learn(args) -> int:
     started = time.monotonic()
     samples = 0
     with Learner(model, args.job, pull=args.pull, push=args.push) as learner:
+        staleness = _Staleness(learner.region)
         for epoch in range(first_epoch, args.epochs):
-            epoch_start, loss_sum, steps = time.monotonic(), 0.0, 0
+            epoch_start, loss_sum, steps, seen, correct = time.monotonic(), 0.0, 0, 0, 0
             for x, y in batches(train, args.batch, epoch=epoch, seed=args.seed, shard=shard, shards=shards):
                 if skip > 0:  # a restarted learner: these samples' gradients are in the weights already
                     skip -= len(y)
                     continue
-                loss = workload.loss(model, x, y)
-                loss.backward()
+                loss, right = workload.loss_and_correct(model, x, y)
+                workload.backward(model, loss, learner.lr)
                 learner.step(samples=len(y))
                 loss_sum += loss.item()
                 steps += 1
                 samples += len(y)
+                seen += len(y)
+                correct += right
             record = {
                 "event": "epoch", "job": args.job, "learner": learner.learner_id, "epoch": epoch + 1,
-                "loss": loss_sum / max(1, steps), "steps": steps,
+                "loss": loss_sum / max(1, steps), "train_accuracy": correct / max(1, seen), "steps": steps,
                 "samples_per_s": steps and (samples / (time.monotonic() - started)),
                 "epoch_seconds": time.monotonic() - epoch_start, "version": learner.version,
+                **staleness.since_last(),
             }
             if args.eval:
                 learner.refresh()
@@ -272,6 +282,36 @@ def cmd_learn(args) -> int:
                 model.train()
             _report(args, record)
     return 0
+
+
+class _Staleness:
+    """The job's gradient staleness (versions between the weights a gradient was computed on
+    and the version it was applied at), over every learner of the region, between two calls.
+    Counted per ring owner, so a learner that leaves or is restarted does not skew it."""
+
+    def __init__(self, region):
+        self.region = region
+        self.last = self._counts()
+
+    def _counts(self) -> dict[tuple[int, int], tuple[float, int, int]]:
+        from . import status
+
+        return {(l.learner, l.pid): (l.stale_mean * l.applied, l.applied, l.stale_max)
+                for l in status.read(self.region).learners}
+
+    def since_last(self) -> dict:
+        """`staleness_mean` of the gradients applied since the last call (all learners) and
+        `staleness_max`, the largest any of them had."""
+        now = self._counts()
+        stale = applied = most = 0
+        for owner, (total, count, top) in now.items():
+            before_total, before_count, before_top = self.last.get(owner, (0.0, 0, 0))
+            if count > before_count:
+                stale += total - before_total
+                applied += count - before_count
+                most = max(most, top)  # the owner's largest ever; its new gradients are among them
+        self.last = now
+        return {"staleness_mean": round(stale / applied, 3) if applied else 0.0, "staleness_max": most}
 
 
 def _report(args, record: dict) -> None:
@@ -323,7 +363,16 @@ def cmd_watchdog(args) -> int:
         settings.check()
     except ValueError as err:
         raise GadeiError(str(err)) from None
-    return Watchdog(args.job, settings).run()
+    progress = {}
+    if args.progress:
+        try:
+            progress = json.loads(args.progress)
+            assert isinstance(progress, dict)
+        except (ValueError, AssertionError):
+            raise GadeiError(f"--progress {args.progress!r}: expected a checkpoint's progress, a JSON object") from None
+    dog = Watchdog(args.job, settings)
+    dog.learners.resume(progress)
+    return dog.run()
 
 
 def cmd_status(args) -> int:
@@ -394,7 +443,7 @@ def cmd_daemon(args) -> int:
 def cmd_submit(args) -> int:
     from .daemon import client
 
-    job = client({"op": "submit", "jobfile": os.path.abspath(args.jobfile)})["job"]
+    job = client({"op": "submit", "jobfile": os.path.abspath(args.jobfile), "resume": args.resume})["job"]
     print(f"gadei: job {job['name']} queued; output in {job['output']}; `gadei status {job['name']}`, "
           f"`gadei logs {job['name']}`, `gadei cancel {job['name']}`")
     return 0
@@ -486,7 +535,7 @@ def _clean_watchdog_states(args) -> None:
 def cmd_run(args) -> int:
     from .run import run_job
 
-    return run_job(args.jobfile, quiet=args.quiet)
+    return run_job(args.jobfile, quiet=args.quiet, resume=args.resume)
 
 
 def cmd_predict(args) -> int:
@@ -501,6 +550,23 @@ def cmd_demo(args) -> int:
     from .demo import run_demo
 
     return run_demo(args)
+
+
+def cmd_bridge(args) -> int:
+    from .bridge import Options, main as bridge_main
+
+    bucket = None if args.bucket_mb == "auto" else _number_arg("--bucket-mb", args.bucket_mb)
+    options = Options(strategy=args.strategy, interval=args.interval, every=args.every, alpha=args.alpha,
+                      bucket_mb=bucket, float16=args.float16, timeout=args.timeout,
+                      checkpoint_dir=args.checkpoint_dir, json=args.json)
+    return bridge_main(args.job, options, per_rank=args.job_per_rank)
+
+
+def _number_arg(name: str, text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise GadeiError(f"{name} {text!r}: expected a number or 'auto'") from None
 
 
 def cmd_bench(args) -> int:
@@ -568,8 +634,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-watchdog", action="store_true", help="with --checkpoint-dir: no watchdog, only the "
                    "checkpoint at clean stop")
     p.add_argument("--keep", type=int, default=3, help="checkpoints kept in --checkpoint-dir (default 3)")
-    p.add_argument("--resume", metavar="DIR", help="go on from the newest valid checkpoint in DIR (weights, "
-                   "version, momentum); the model must match")
+    p.add_argument("--resume", metavar="DIR|FILE", help="go on from the newest valid checkpoint in DIR, or from "
+                   "the checkpoint FILE (weights, version, momentum; launched learners from its progress); the "
+                   "model must match")
     p.add_argument("--watch-interval", type=float, default=0.5,
                    help="the watchdog's seconds between looks and beats (default 0.5)")
     p.add_argument("--max-missed", type=int, default=20, help="beats a process may miss before the watchdog "
@@ -592,6 +659,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "checkpoints and logs in its output folder. See the README's Job files section.")
     p.add_argument("jobfile", help="the job's TOML file")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.add_argument("--resume", action="store_true", help="go on with the run in the job's output folder (one that "
+                   "was cancelled, failed, or ended early) from its newest checkpoint that records the learners' "
+                   "progress; only [train] epochs may differ from that run's job.toml")
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("daemon", help="run queued job files for this user (training as a service)",
@@ -604,6 +674,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("submit", help="queue a job file with the daemon (checked first)")
     p.add_argument("jobfile")
+    p.add_argument("--resume", action="store_true", help="go on with the (cancelled or failed) run in the job's "
+                   "output folder, as `gadei run --resume`")
     p.set_defaults(func=cmd_submit)
 
     p = sub.add_parser("cancel", help="cancel a queued or running daemon job (its checkpoints and logs stay)")
@@ -667,6 +739,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "argument lists of `gadei learn JOB` (gadei serve --learner passes this)")
     p.add_argument("--backoff", type=float, default=1.0,
                    help="seconds before a dead learner's first restart, doubling with each (default 1)")
+    p.add_argument("--progress", metavar="JSON", help="how far each launched learner got, from the checkpoint the "
+                   "server resumed from: they start there (gadei serve --resume passes this)")
     p.add_argument("--log-dir", help="where launched processes write their logs (default: --checkpoint-dir)")
     p.set_defaults(func=cmd_watchdog)
 
@@ -698,9 +772,36 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save", help="write the trained weights here")
     p.set_defaults(func=cmd_demo)
 
+    p = sub.add_parser("bridge", help="one MPI rank per node: join the nodes' jobs into one (average, elastic, gossip)",
+                       description="Run under `mpiexec --enable-recovery --runtime-options error-nonzero-status=false "
+                       "-n NODES gadei bridge JOB ...`, one rank per node. Each rank attaches to its node's job like a "
+                       "learner (serve it with one learner entry to spare, async, consistent or elastic mode, float32 "
+                       "dense gradients, no momentum or staleness options) and exchanges the weights with the other "
+                       "nodes; the move is applied by the local server as one update. If a peer does not answer within "
+                       "--timeout, average and elastic end every rank's exchanges (exit 3, after a checkpoint with "
+                       "--checkpoint-dir) and gossip stops pairing with it; the local jobs keep training.")
+    p.add_argument("job", help="the local job; '{rank}' in it is replaced by this rank's number")
+    p.add_argument("--strategy", choices=("average", "elastic", "gossip"), default="average",
+                   help="average: allreduce of the deltas, every node ends an exchange with the mean model; elastic: "
+                   "nodes pulled towards a global centre with moving rate --alpha; gossip: average with one random "
+                   "peer at a time, even ranks asking, odd ranks answering (default average)")
+    when = p.add_mutually_exclusive_group()
+    when.add_argument("--interval", type=int, metavar="N", help="exchange after N local versions (default 100)")
+    when.add_argument("--every", type=float, metavar="S", help="exchange every S seconds instead")
+    p.add_argument("--alpha", type=float, help="elastic: moving rate (default 0.9 / nodes)")
+    p.add_argument("--bucket-mb", default="auto", metavar="B|auto", help="megabytes per message; 0: the whole model "
+                   "in one; auto (default): sized from the measured latency and per-byte cost")
+    p.add_argument("--float16", action="store_true", help="float16 on the wire, float32 sums")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds any wait on a peer may last (default 60)")
+    p.add_argument("--job-per-rank", action="store_true", help="rank r attaches to job JOB-r (nodes simulated on "
+                   "one machine)")
+    p.add_argument("--checkpoint-dir", help="average/elastic: when a peer is lost, write a checkpoint of the local job here")
+    p.add_argument("--json", action="store_true", help="JSON lines on stdout: ready, one per exchange, ended")
+    p.set_defaults(func=cmd_bridge)
+
     p = sub.add_parser("bench", help="measure gadei against its alternatives, side by side")
     p.add_argument("what", nargs="*", default=["kernel", "latency", "train"],
-                   help="kernel, latency, train, transport, accuracy, modes (default: the first three)")
+                   help="kernel, latency, train, transport, accuracy, modes, bridge (default: the first three)")
     p.add_argument("--repeats", type=int, default=5, help="repeated runs (for accuracy and modes: seeds 0..N-1); medians are reported, "
                    "for accuracies the mean and range (default 5)")
     p.add_argument("--quick", action="store_true", help="fewer sizes and steps (a smoke run)")
@@ -710,6 +811,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--epochs", type=int, default=1, help="train, transport: epochs per run (default 1)")
     p.add_argument("--accuracy-epochs", type=int, default=4,
                    help="accuracy, modes: epochs per run (default 4)")
+    p.add_argument("--sizes", help="bridge: model sizes in MB, comma-separated (default 1,16,64,256; --quick 1,4)")
+    p.add_argument("--ranks", type=int, default=2, help="bridge: MPI ranks started on this machine (default 2)")
     p.set_defaults(func=cmd_bench)
     return parser
 

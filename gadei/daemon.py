@@ -69,6 +69,7 @@ class Record:
     pid_start: float = 0.0
     returncode: int | None = None
     message: str = ""
+    resume: bool = False  # go on with the run its output folder holds (`gadei run --resume`)
 
     @property
     def log(self) -> str:
@@ -123,20 +124,26 @@ class Daemon:
 
     # ------------------------------------------------------------------ requests
 
-    def submit(self, path: str) -> Record:
-        """Check a job file and its data now, then queue it. Raises GadeiError saying why not."""
+    def submit(self, path: str, resume: bool = False) -> Record:
+        """Check a job file and its data now, then queue it; `resume`: to go on with the run in
+        its output folder. Raises GadeiError saying why not."""
         job = jobfile.load(path)
         with self.lock:
             old = self.records.get(job.name)
             if old is not None and old.state in LIVE:
                 raise GadeiError(f"job {job.name!r} is already {old.state}; cancel it first or give the job "
                                  "another [job] name")
-        jobfile.load_data(job)  # a data problem is the submitter's to hear, not the log's
+        train, _ = jobfile.load_data(job)  # a data problem is the submitter's to hear, not the log's
         checkpoints = job.output / "checkpoints"
-        if checkpoints.is_dir() and any(checkpoints.iterdir()):
-            raise GadeiError(f"output folder {job.output} holds a previous run (checkpoints/); set another "
-                             "[output] folder or remove that one")
-        record = Record(name=job.name, jobfile=str(job.path), output=str(job.output), submitted=time.time())
+        if resume:
+            from .run import resume_point
+
+            resume_point(job.with_defaults(len(train))[0], remove_model=False)  # refused now, not in the log
+        elif checkpoints.is_dir() and any(checkpoints.iterdir()):
+            raise GadeiError(f"output folder {job.output} holds a previous run (checkpoints/); go on with it with "
+                             "`gadei submit --resume`, or set another [output] folder, or remove that one")
+        record = Record(name=job.name, jobfile=str(job.path), output=str(job.output), submitted=time.time(),
+                        resume=resume)
         with self.lock:
             self.records[job.name] = record
             self._save(record)
@@ -194,7 +201,8 @@ class Daemon:
     def _start(self, record: Record) -> None:
         os.makedirs(os.path.dirname(record.log), exist_ok=True)
         with open(record.log, "ab") as out:
-            proc = subprocess.Popen([sys.executable, "-m", "gadei", "run", record.jobfile, "--quiet"], stdout=out,
+            proc = subprocess.Popen([sys.executable, "-m", "gadei", "run", record.jobfile, "--quiet"]
+                                    + (["--resume"] if record.resume else []), stdout=out,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         self.procs[record.name] = proc
         record.state, record.pid, record.started = RUNNING, proc.pid, time.time()
@@ -281,7 +289,7 @@ class Daemon:
             req = json.loads(line)
             op = req.get("op")
             if op == "submit":
-                record = self.submit(req["jobfile"])
+                record = self.submit(req["jobfile"], resume=bool(req.get("resume")))
                 return {"ok": True, "job": asdict(record)}
             if op == "status":
                 with self.lock:

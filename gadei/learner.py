@@ -238,6 +238,11 @@ class Learner:
             _native.add32(self._waiters_addr, -1)
         self._on_slice()
 
+    @property
+    def lr(self) -> float:
+        """The learning rate the server applies this job's gradients with."""
+        return self.options.lr
+
     def refresh(self) -> None:
         """Copy the latest weights into the model now (e.g. before evaluating)."""
         self._pull.refresh()

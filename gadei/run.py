@@ -10,7 +10,11 @@ checkpoint (see the README's Checkpoints section). The output folder gets:
     vocab.json      the vocabulary (`gadei_workloads.text.Vocab.from_json` reads it); numeric
                     workloads: features.json (feature count, training mean and std)
     model.pt        the final weights, a state dict plain `torch.load(weights_only=True)` reads
-    metrics.jsonl   one JSON line per epoch: loss, test accuracy, samples/s, seconds
+    result.json     the final model's test accuracy (evaluated on the whole test set at the
+                    end), whether the run finished, its seconds
+    metrics.jsonl   one JSON line per epoch of learner 0: loss, train accuracy (its own mini-batches,
+                    with dropout, as it trained), test accuracy, samples/s, seconds, and the
+                    staleness of the job's gradients (mean over the epoch, max so far)
     accuracy.png    test accuracy against epochs and against time
     checkpoints/    crash-safe checkpoints, the last `keep`
     logs/           the server's and watchdog's log (serve.log) and each learner's
@@ -31,15 +35,19 @@ from .errors import GadeiError
 log = logging.getLogger(__name__)
 
 
-def run_job(path: str, *, quiet: bool = False) -> int:
-    """Run the job file at `path` to its end; 0 when it finished and wrote its model."""
+def run_job(path: str, *, quiet: bool = False, resume: bool = False) -> int:
+    """Run the job file at `path` to its end; 0 when it finished and wrote its model.
+    `resume`: go on with the run its output folder holds (see `_resume_from`)."""
     job = jobfile.load(path)
     train, test = jobfile.load_data(job)
     job, chosen = job.with_defaults(len(train))
     out = job.output
-    if (out / "checkpoints").is_dir() and any((out / "checkpoints").iterdir()):
-        raise GadeiError(f"output folder {out} holds a previous run (checkpoints/); set another [output] folder "
-                         "or remove that one")
+    found = None
+    if resume:
+        found = resume_point(job)
+    elif (out / "checkpoints").is_dir() and any((out / "checkpoints").iterdir()):
+        raise GadeiError(f"output folder {out} holds a previous run (checkpoints/); go on with it with "
+                         "`gadei run --resume`, or set another [output] folder, or remove that one")
     (out / "logs").mkdir(parents=True, exist_ok=True)
     as_run = out / "job.toml"
     as_run.write_text(job.to_toml())
@@ -57,6 +65,10 @@ def run_job(path: str, *, quiet: bool = False) -> int:
     for line in chosen:
         print(f"  chose {line}", flush=True)
     print(f"  output: {out}", flush=True)
+    if found is not None:
+        print(f"  resuming from {found.path.name} (version {found.version:,}, progress "
+              + ", ".join(f"learner {k}: {v if v == 'done' else f'{v:,} samples'}" for k, v in
+                          sorted(found.progress.items())) + ")", flush=True)
 
     spec = f"job:{as_run}"
     learner = ["--workload", job.workload, "--data", spec, "--seed", str(t.seed), "--epochs", str(t.epochs),
@@ -65,7 +77,7 @@ def run_job(path: str, *, quiet: bool = False) -> int:
                "--seed", str(t.seed), "--lr", str(t.lr), "--mode", t.mode, "--learners", str(t.learners),
                "--checkpoint-dir", str(out / "checkpoints"), "--checkpoint-every", str(job.checkpoint.interval),
                "--keep", str(job.checkpoint.keep), "--log-dir", str(out / "logs"), "--save", str(out / "model.pt"),
-               "--json"]
+               "--json"] + (["--resume", str(found.path)] if found is not None else [])
     for i in range(t.learners):
         extra = ["--shard", f"{i}/{t.learners}"] + (["--eval"] if i == 0 else [])
         command.append("--learner=" + " ".join(shlex.quote(a) for a in [*learner, *extra]))
@@ -79,8 +91,12 @@ def run_job(path: str, *, quiet: bool = False) -> int:
     try:
         _follow(job, serve, len(train), started, quiet)
     except KeyboardInterrupt:
+        interrupted = True
         print("\ngadei run: stopping the job", flush=True)
+        _checkpoint_progress(job)
         serve.send_signal(signal.SIGTERM)
+    else:
+        interrupted = False
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the job is stopping: let it finish
     code = serve.wait()
     metrics = _write_metrics(out)
@@ -90,10 +106,89 @@ def run_job(path: str, *, quiet: bool = False) -> int:
     if code != 0 or not (out / "model.pt").exists():
         print(f"gadei run: job {job.name} failed (serve exited {code}); see {out / 'logs'}", file=sys.stderr)
         return 1
-    last = metrics[-1] if metrics else {}
-    accuracy = f", test accuracy {last['test_accuracy']:.2%}" if "test_accuracy" in last else ""
+    result = _result(job, train, test, out, elapsed, finished=not interrupted)
+    accuracy = f", test accuracy {result['test_accuracy']:.2%}"
+    if interrupted:
+        last = metrics[-1] if metrics else {}
+        print(f"gadei run: job {job.name} stopped after {elapsed:.0f} s (epoch {last.get('epoch', 0)} of "
+              f"{job.train.epochs}{accuracy}); its weights so far are in {out / 'model.pt'}; go on with "
+              f"`gadei run --resume {job.path}`", flush=True)
+        return 130  # as a shell reports a Ctrl-C'd command
     print(f"gadei run: job {job.name} done in {elapsed:.0f} s{accuracy}; model {out / 'model.pt'}", flush=True)
     return 0
+
+
+def _result(job: jobfile.Job, train, test, out: Path, seconds: float, finished: bool) -> dict:
+    """result.json: the final model's test accuracy (evaluated here, on the whole test set),
+    the version it is, and the run's seconds (this run's, since a resume)."""
+    import torch
+    from gadei_workloads import get
+
+    workload = get(job.workload)
+    model = workload.build_model(train, job.train.seed)
+    model.load_state_dict(torch.load(out / "model.pt", weights_only=True))
+    result = {"job": job.name, "finished": finished, "test_accuracy": workload.evaluate(model, test),
+              "test_samples": len(test), "seconds": round(seconds, 1), "learners": job.train.learners,
+              "epochs": job.train.epochs}
+    (out / "result.json").write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+def resume_point(job: jobfile.Job, *, remove_model: bool = True):
+    """The checkpoint a resumed run goes on from: the newest one of its output folder that says
+    how far each learner got (a watchdog's periodic or final-stage one; the server's own stop
+    checkpoint does not, so up to one checkpoint interval is trained again). The folder's
+    job.toml must be this job with at most more epochs: the learners' schedules (data,
+    shards, mini-batch, seed) must be the ones the progress counts in."""
+    from . import checkpoint
+
+    out = job.output
+    as_run = out / "job.toml"
+    if not as_run.is_file():
+        raise GadeiError(f"--resume: {out} holds no run to go on with (no job.toml)")
+    before = jobfile.load(as_run)
+    changed = [f"[{section}] {key}" for section in ("data", "train")
+               for key, value in vars(getattr(before, section)).items()
+               if (section, key) != ("train", "epochs") and getattr(getattr(job, section), key) != value]
+    changed += [f"[job] {key}" for key in ("name", "workload") if getattr(job, key) != getattr(before, key)]
+    if changed:
+        raise GadeiError(f"--resume: the job differs from the run in {out} in " + ", ".join(changed)
+                         + " (only [train] epochs may change); run it with another [output] folder instead")
+    found = checkpoint.latest(out / "checkpoints", with_progress=True)
+    if found is None:
+        raise GadeiError(f"--resume: no checkpoint in {out / 'checkpoints'} that verifies and records the learners' "
+                         "progress")
+    if remove_model and (out / "model.pt").exists():
+        (out / "model.pt").unlink()  # the resumed run writes its own final weights
+    return found
+
+
+def _checkpoint_progress(job: jobfile.Job, attempts: int = 5) -> None:
+    """Before a stop: a checkpoint that records how far each launched learner got (from the
+    watchdog's saved table and the learners' rings, under the server's hold), so that
+    `gadei run --resume` goes on from here; the server's own stop checkpoint cannot say."""
+    from gadei_watchdog.launched import Learners, load_state
+
+    from . import checkpoint
+    from .region import Region
+
+    try:
+        _, table = load_state(job.name)
+        region = Region.attach(job.name)
+    except (FileNotFoundError, GadeiError):
+        return  # no watchdog or no job (yet): nothing to record
+    with region:
+        learners = Learners(job.name, table, str(job.output / "logs"), max_restarts=1, window=1.0, backoff=0.0)
+        for _ in range(attempts):
+            try:
+                taken = checkpoint.take(region, job.output / "checkpoints", keep=job.checkpoint.keep,
+                                        progress=learners.progress)
+                print(f"gadei run: checkpoint {taken.path.name} at version {taken.version:,} (resume with "
+                      f"`gadei run --resume {job.path}`)", flush=True)
+                return
+            except checkpoint.CheckpointError as err:  # e.g. the watchdog's is being taken: try again
+                log.warning("checkpoint before stopping: %s", err)
+                time.sleep(0.2)
 
 
 def _follow(job, serve: subprocess.Popen, train_size: int, started: float, quiet: bool) -> None:

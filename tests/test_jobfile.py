@@ -2,12 +2,13 @@
 small files, and `gadei run` end to end on TREC."""
 
 import json
+import signal
 import textwrap
 
 import pytest
 import torch
 
-from conftest import communicate, data_dir
+from conftest import communicate, data_dir, wait_for
 from gadei import jobfile
 from gadei.jobfile import JobFileError
 from gadei.region import inspect
@@ -52,8 +53,15 @@ def test_a_job_file_parses_with_defaults_and_writes_itself_back(small):
     assert train.label_names == ["cat", "dog"] and len(train) == 36 and len(test) == 4  # 10% of each label held out
     filled, chosen = job.with_defaults(len(train))
     assert filled.train.batch == 2 and "batch = 2" in chosen[0]
+    assert filled.train.epochs == 20 and "epochs = 20" in chosen[1]
     again = jobfile.load(_job(small, filled.to_toml(), "as-run.toml"))
     assert again == jobfile.Job(**{**filled.__dict__, "path": again.path})
+
+
+@pytest.mark.parametrize("samples, batch, epochs", [(36, 2, 20), (5_452, 2, 20), (6_920, 2, 18), (10_003, 4, 20),
+                                                    (100_000, 4, 3), (40_000, 4, 6), (1_000_000, 32, 3)])
+def test_the_default_epochs_make_about_60000_updates_between_3_and_20(samples, batch, epochs):
+    assert jobfile.default_epochs(samples, batch) == epochs
 
 
 @pytest.mark.parametrize("samples, batch", [(9_999, 2), (10_000, 4), (100_000, 4), (100_001, 32)])
@@ -212,6 +220,74 @@ def test_gadei_run_trains_a_job_file_and_leaves_its_outputs(tmp_path, procs):
     again = procs.gadei("run", path)  # the folder holds a run: refused, nothing started
     _, err = communicate(again, 60)
     assert again.returncode == 2 and "holds a previous run" in err
+
+
+@pytest.mark.slow
+def test_a_stopped_run_goes_on_with_resume_and_trains_each_mini_batch_once(tmp_path, procs):
+    trec = data_dir() / "trec"
+    if not trec.is_dir():
+        pytest.skip(f"TREC is not at {trec}")
+    name = f"resume-{tmp_path.name[-20:]}".replace("_", "-")
+    body = f"""
+        [job]
+        name = "{name}"
+        workload = "textcnn"
+        [data]
+        train = "{trec / 'TREC.train'}"
+        test = "{trec / 'TREC.test'}"
+        format = "trec"
+        encoding = "latin-1"
+        [train]
+        learners = 2
+        epochs = {{epochs}}
+        lr = {{lr}}
+        [checkpoint]
+        interval = 600
+        [output]
+        folder = "out"
+    """
+    path = _job(tmp_path, body.format(epochs=1, lr=0.05))
+    run = procs.gadei("run", path, "--quiet")
+
+    def version():
+        from gadei.region import Region
+
+        try:
+            with Region.attach(name, readonly=True) as region:
+                return region.header.get("version")
+        except Exception:
+            return 0
+    wait_for(lambda: version() >= 300, 120, "the job to make 300 updates")
+    run.send_signal(signal.SIGINT)  # Ctrl-C: checkpoint with the learners' progress, then stop
+    out, err = communicate(run, 120)
+    assert run.returncode == 130 and "stopped after" in out and "--resume" in out, out + err
+    folder = tmp_path / "out"
+    stopped = json.loads((folder / "result.json").read_text())
+    assert not stopped["finished"]
+    assert inspect(name) is None
+
+    changed = _job(tmp_path, body.format(epochs=2, lr=0.1))  # another lr: the schedules' maths differ
+    refused = procs.gadei("run", changed, "--resume")
+    _, err = communicate(refused, 60)
+    assert refused.returncode == 2 and "[train] lr" in err and "only [train] epochs may change" in err, err
+
+    longer = _job(tmp_path, body.format(epochs=2, lr=0.05))  # more epochs may be asked for
+    resumed = procs.gadei("run", longer, "--resume", "--quiet")
+    out, err = communicate(resumed, 600)
+    assert resumed.returncode == 0 and "resuming from" in out and "done in" in out, out + err
+    events = [json.loads(line) for line in (folder / "logs" / "serve.log").read_text().splitlines()
+              if line.startswith('{"event": "stopped"')]
+    first, last = events[0], events[-1]
+    # every mini-batch of two epochs of each learner's shard is in the weights once: what the
+    # first run applied before the progress checkpoint is not trained again, nothing is skipped
+    steps = 2 * sum(-(-len(range(i, 5452, 2)) // 2) for i in range(2))
+    assert last["version"] == steps, (first, last)
+    assert 0 < last["resumed_applied"] <= first["version"]
+    assert last["resumed_applied"] + last["applied"] == steps
+    assert json.loads((folder / "result.json").read_text())["finished"]
+    metrics = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    assert [m["epoch"] for m in metrics] == [1, 2] and all("staleness_mean" in m and "train_accuracy" in m
+                                                           for m in metrics)
 
 
 def _blobs(n=600, features=8, labels=3, seed=0):

@@ -32,7 +32,7 @@ class Workload:
         description: One line for people.
         default_data: Data spec used when the job names none (needs no files).
         load_data: ``spec -> (train, test)``, see :func:`.text.load`.
-        loss: ``(model, x, y) -> scalar loss`` to minimise.
+        criterion: ``(logits, y) -> scalar loss`` to minimise (:meth:`loss` runs the model).
         evaluate: ``(model, dataset) -> accuracy`` in ``[0, 1]``.
         build_from_maps: ``(size, n_labels, seed) -> model``; size is the vocabulary's
             (text) or the feature count (numeric). ``gadei predict`` builds from the saved
@@ -46,11 +46,30 @@ class Workload:
     description: str
     default_data: str
     load_data: Callable[[str], tuple[TextDataset, TextDataset]]
-    loss: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+    criterion: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     evaluate: Callable[[nn.Module, TextDataset], float]
     build_from_maps: Callable[[int, int, int], nn.Module]
     kind: str = "text"
     batches: Callable = text.batches
+
+    def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The mini-batch's loss (the model in its current mode)."""
+        return self.criterion(model(x), y)
+
+    def loss_and_correct(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """The mini-batch's loss and how many of its samples the same forward pass got right
+        (the training accuracy a learner reports, at no extra cost)."""
+        logits = model(x)
+        return self.criterion(logits, y), int((logits.argmax(dim=1) == y).sum())
+
+    def backward(self, model: nn.Module, loss: torch.Tensor, lr: float) -> None:
+        """``loss.backward()``, then the model's constraints as gradient corrections for an
+        update ``w -= lr * g`` (a model with ``constrain_grads``, such as the text CNN's
+        max-norm; see :meth:`.TextCNN.constrain_grads`)."""
+        loss.backward()
+        constrain = getattr(model, "constrain_grads", None)
+        if constrain is not None:
+            constrain(lr)
 
     def build_model(self, train, seed: int) -> nn.Module:
         """The model sized from the training set; the same seed gives bit-identical
@@ -65,8 +84,6 @@ def _numeric_data(spec: str):
     return text.load(spec)
 
 
-def _cross_entropy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return nn.functional.cross_entropy(model(x), y)
 
 
 WORKLOADS: dict[str, Workload] = {
@@ -75,7 +92,7 @@ WORKLOADS: dict[str, Workload] = {
         description="Kim 2014 sentence CNN (CNN-rand) for text classification",
         default_data="generated",
         load_data=text.load,
-        loss=_cross_entropy,
+        criterion=nn.functional.cross_entropy,
         evaluate=text.accuracy,
         build_from_maps=lambda vocab_size, n_labels, seed: build_textcnn(vocab_size, n_labels, seed=seed),
     ),
@@ -84,7 +101,7 @@ WORKLOADS: dict[str, Workload] = {
         description="bidirectional LSTM sentence classifier (max over time)",
         default_data="generated",
         load_data=text.load,
-        loss=_cross_entropy,
+        criterion=nn.functional.cross_entropy,
         evaluate=text.accuracy,
         build_from_maps=lambda vocab_size, n_labels, seed: build_lstm(vocab_size, n_labels, seed=seed),
     ),
@@ -93,7 +110,7 @@ WORKLOADS: dict[str, Workload] = {
         description="multi-layer perceptron for numeric feature vectors (npz or numeric csv)",
         default_data="job:",
         load_data=_numeric_data,
-        loss=_cross_entropy,
+        criterion=nn.functional.cross_entropy,
         evaluate=numeric.accuracy,
         build_from_maps=lambda features, n_labels, seed: build_mlp(features, n_labels, seed=seed),
         kind="numeric",

@@ -69,7 +69,7 @@ def train_run(
         for x, y in batches(train, batch_size, epoch=epoch, seed=seed):
             optimizer.zero_grad(set_to_none=True)
             loss = workload.loss(model, x, y)
-            loss.backward()
+            workload.backward(model, loss, lr)
             optimizer.step()
             loss_sum += loss.item()
             steps += 1

@@ -30,6 +30,10 @@ class TextCNN(nn.Module):
         widths: Convolution widths, one filter bank per width.
         filters: Filters per width.
         dropout: Dropout probability before the output layer.
+        max_norm: Kim's constraint: each row of the output layer's weights is kept at L2
+            norm at most this (0: none). In a parameter server the learner cannot rescale
+            the shared weights, so :meth:`constrain_grads` adds the rescaling to the
+            gradient, as the correction the server's ``w -= lr * g`` then applies.
         sparse_grad: Make the embedding's gradient sparse (only the rows of the batch's
             tokens). Same SGD maths; at small mini-batches it saves almost all the work of
             the embedding's backward pass. A gadei learner adds it into the dense ring slot
@@ -47,6 +51,7 @@ class TextCNN(nn.Module):
         widths: Sequence[int] = (3, 4, 5),
         filters: int = 100,
         dropout: float = 0.5,
+        max_norm: float = 3.0,
         sparse_grad: bool = True,
     ):
         super().__init__()
@@ -57,7 +62,10 @@ class TextCNN(nn.Module):
                 raise ValueError(f"TextCNN: {name} must be >= 1, got {value}")
         if not 0 <= dropout < 1:
             raise ValueError(f"TextCNN: dropout must be in [0, 1), got {dropout}")
+        if max_norm < 0:
+            raise ValueError(f"TextCNN: max_norm must be >= 0, got {max_norm}")
         self.min_len = max(widths)
+        self.max_norm = max_norm
         self.embedding = nn.Embedding(vocab_size, embed_dim, padding_idx=0, sparse=sparse_grad)
         self.convs = nn.ModuleList(nn.Conv1d(embed_dim, filters, w) for w in widths)
         self.dropout = nn.Dropout(dropout)
@@ -84,6 +92,19 @@ class TextCNN(nn.Module):
         h = self.embedding(x).transpose(1, 2)  # [B, E, L]
         pooled = [torch.relu(conv(h)).amax(dim=2) for conv in self.convs]
         return self.out(self.dropout(torch.cat(pooled, dim=1)))
+
+
+    @torch.no_grad()
+    def constrain_grads(self, lr: float) -> None:
+        """Adds to the output layer's gradient the step that brings each of its weight rows
+        back to norm :attr:`max_norm` (Kim 2014's max-norm constraint): applied with ``w -=
+        lr * g`` it is the projection followed by the gradient step. Call it after
+        ``backward()`` with the learning rate the update will use."""
+        if not self.max_norm or self.out.weight.grad is None:
+            return
+        w = self.out.weight
+        scale = (self.max_norm / w.norm(dim=1, keepdim=True).clamp(min=1e-12)).clamp(max=1.0)
+        w.grad.add_(w * (1.0 - scale), alpha=1.0 / lr)
 
 
 def build_textcnn(vocab_size: int, n_labels: int, seed: int = 0, **kw) -> TextCNN:
