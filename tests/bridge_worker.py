@@ -1,0 +1,114 @@
+"""Processes the bridge tests start.
+
+    python tests/bridge_worker.py serve JOB [JOB ...] [--n N] [--mode M] [--lr LR] [--learners L]
+        Several jobs' servers in one process (one thread each: the nodes of a simulated
+        cluster cost one Python start, not one each). Job k's weights start as N(0, 1)
+        draws of seed k (the first job seed 0, the next 1, ...). Prints {"ready": pid}; on
+        SIGTERM stops every job and prints {"stopped": [applied per job]}.
+
+    mpiexec -n R python tests/bridge_worker.py wire N
+        Every rank sums seeded vectors of N float32 with the bridge's wire in each
+        configuration (whole, buckets, float16, both) and a gossip-style swap with a
+        neighbour, and prints one JSON line: its largest error against the exact float64
+        sum, and a checksum of each result (equal on every rank where it must be).
+"""
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+
+import numpy as np
+import torch
+
+
+class Vector(torch.nn.Module):
+    """One parameter of n values drawn from N(0, 1) with `seed`."""
+
+    def __init__(self, n: int, seed: int):
+        super().__init__()
+        values = np.random.default_rng(seed).standard_normal(n).astype(np.float32)
+        self.weight = torch.nn.Parameter(torch.from_numpy(values))
+
+
+def serve(args) -> int:
+    import gadei
+
+    servers = [gadei.Server(job, model=Vector(args.n, seed), mode=args.mode, lr=args.lr, learners=args.learners,
+                            threads=1, spin_us=0) for seed, job in enumerate(args.jobs)]
+    reports = [None] * len(servers)
+
+    def run(i):
+        reports[i] = servers[i].serve(grace=2.0)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(servers))]
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    for thread in threads:
+        thread.start()
+    print(json.dumps({"ready": os.getpid()}), flush=True)
+    stop.wait()
+    for server in servers:
+        server.request_stop()
+    for thread in threads:
+        thread.join(30)
+    print(json.dumps({"stopped": [r.applied if r else None for r in reports]}), flush=True)
+    for server in servers:
+        server.close()
+    return 0
+
+
+def wire(args) -> int:
+    from gadei.bridge import Link, Wire, mpi
+
+    MPI = mpi()
+    comm = MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    n = args.n
+    vectors = [np.random.default_rng(100 + r).standard_normal(n).astype(np.float32) for r in range(size)]
+    exact = np.sum(np.array(vectors, dtype=np.float64), axis=0)
+    bucket = Link(alpha=2e-5, beta=1e-9).bucket_bytes()  # what auto picks on a fast link: 0.37 MB
+    configs = {"whole": (0, False), "buckets": (bucket, False), "small-buckets": (4096 * 4, False),
+               "float16": (0, True), "buckets+float16": (bucket, True)}
+    out = {"rank": rank, "bucket_bytes": bucket, "error": {}, "checksum": {}, "bytes": {}}
+    for name, (bucket_bytes, half) in configs.items():
+        w = Wire(comm, bucket_bytes, half, timeout=60)
+        result = np.empty(n, dtype=np.float32)
+        w.allreduce_sum(vectors[rank], result)
+        out["error"][name] = float(np.abs(result - exact).max())
+        out["checksum"][name] = float(np.sum(result.astype(np.float64) * np.arange(n)))
+        out["bytes"][name] = w.sent
+    # a swap with the neighbour (ranks 0<->1, 2<->3, ...): each receives the other's vector
+    peer = rank ^ 1
+    if peer < size:
+        for name, (bucket_bytes, half) in configs.items():
+            w = Wire(comm, bucket_bytes, half, timeout=60)
+            got = np.empty(n, dtype=np.float32)
+            w.swap(peer, vectors[rank], got, 30, 30, what="test swap")
+            out["error"][f"swap-{name}"] = float(np.abs(got - vectors[peer]).max())
+    print(json.dumps(out), flush=True)
+    MPI.Finalize()
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("serve")
+    p.add_argument("jobs", nargs="+")
+    p.add_argument("--n", type=int, default=10_000)
+    p.add_argument("--mode", default="async")
+    p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--learners", type=int, default=2)
+    p.set_defaults(func=serve)
+    p = sub.add_parser("wire")
+    p.add_argument("n", type=int)
+    p.set_defaults(func=wire)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

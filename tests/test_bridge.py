@@ -1,0 +1,444 @@
+"""The MPI bridge with real processes: nodes simulated on one machine, each a job with its
+own region, joined by bridge ranks that mpiexec starts (rank r attaches to job JOB-r).
+
+- The wire: bucketed and float16 sums and swaps match the float32 sum (within float16's
+  rounding), and every rank gets the same sum.
+- The contract, for each strategy (and average against consistent- and elastic-mode jobs,
+  and with three nodes, buckets and float16): with nothing training, every node ends with
+  the mean of the nodes' initial weights (average: the same model on every node), the
+  local server applied every move the bridge published exactly once, and the bridges end
+  cleanly when the jobs stop.
+- A killed rank does not hang the others: average ends on every other rank within the
+  timeout, with a checkpoint, while the jobs keep serving; gossip goes on without it.
+- gossip with one rank slowed 10x (stopped 90 % of the time) keeps the others' exchange rate.
+- Jobs whose update rule would distort the bridge's move are refused.
+- (slow) each strategy trains the text CNN on TREC to within a point of one node doing the
+  same total work.
+
+Skipped, with the reason, where mpi4py is missing or mpiexec cannot start two ranks.
+"""
+
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+
+import gadei
+from conftest import data_dir, finish, json_lines, read_line, wait_for
+from gadei.bridge import BridgeError, LocalNode, local_mpiexec
+from gadei.layout import SERVING
+from gadei.region import Region, inspect, remove
+
+HERE = Path(__file__).resolve().parent
+WORKER = HERE / "bridge_worker.py"
+N = 100_003  # parameters of each node's model (0.4 MB: several 0.05 MB buckets)
+_EXEC = "import os, sys; os.execv(sys.argv[1], sys.argv[1:])"  # the child becomes mpiexec (same pid)
+
+
+@pytest.fixture(scope="module")
+def mpi_env(tmp_path_factory):
+    """The environment mpiexec runs in here, after checking that it starts two ranks at all.
+
+    Open MPI's shared-memory segments go to a folder of the test run's own, so a killed
+    rank leaves nothing in /dev/shm.
+    """
+    if importlib.util.find_spec("mpi4py") is None:
+        pytest.skip("mpi4py is not installed (pip install 'gadei[mpi]')")
+    try:
+        argv, extra = local_mpiexec(2, sys.executable, "-c", "from mpi4py import MPI; print(MPI.COMM_WORLD.Get_size())")
+    except BridgeError as err:
+        pytest.skip(str(err))
+    env = {**os.environ, **extra, "OMPI_MCA_btl_sm_backing_directory": str(tmp_path_factory.mktemp("mpi-sm"))}
+    try:
+        done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        pytest.skip("mpiexec did not start two ranks within 120 s")
+    if done.returncode != 0 or done.stdout.split() != ["2", "2"]:
+        pytest.skip(f"mpiexec cannot start two ranks here (exit {done.returncode}): {done.stderr.strip()[-500:]}")
+    return extra | {"OMPI_MCA_btl_sm_backing_directory": env["OMPI_MCA_btl_sm_backing_directory"]}
+
+
+class Ranks:
+    """One mpiexec of bridge ranks and the JSON lines they printed."""
+
+    def __init__(self, procs, env: dict, nodes: int, job: str, options):
+        argv, _ = local_mpiexec(nodes, sys.executable, "-m", "gadei", "bridge", job, "--job-per-rank", "--json",
+                                *map(str, options))
+        self.nodes = nodes
+        self.proc = procs.start("-c", _EXEC, *argv, env=env)
+        self.events: list[dict] = []
+
+    def _pump(self) -> None:
+        while not self.proc.lines.empty():
+            self.events += json_lines(self.proc.lines.get())
+
+    def of(self, kind: str, rank: int | None = None) -> list[dict]:
+        self._pump()
+        return [e for e in self.events if e.get("event") == kind and (rank is None or e["rank"] == rank)]
+
+    def wait(self, predicate, timeout: float, what: str):
+        def look():
+            if self.proc.poll() is not None:
+                self._pump()
+                if not predicate():
+                    pytest.fail(f"mpiexec ended (rc {self.proc.returncode}) before {what}:\n"
+                                f"{''.join(self.proc.err_lines)[-3000:]}")
+            return predicate()
+        return wait_for(look, timeout, what, interval=0.05)
+
+    def ready(self) -> dict[int, dict]:
+        self.wait(lambda: len(self.of("ready")) == self.nodes, 120, "every bridge rank to be ready")
+        return {e["rank"]: e for e in self.of("ready")}
+
+    def ended(self) -> dict[int, dict]:
+        return {e["rank"]: e for e in self.of("ended")}
+
+    def finish(self, timeout: float) -> dict[int, dict]:
+        """Wait for mpiexec to exit; the ranks' `ended` lines."""
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"mpiexec did not exit within {timeout} s:\n{''.join(self.proc.err_lines)[-3000:]}")
+        for reader in self.proc.readers:
+            reader.join(10)
+        return self.ended()
+
+    def log(self) -> str:
+        return "".join(self.proc.err_lines)
+
+    def reap(self) -> None:
+        """End mpiexec (SIGTERM: it ends its ranks) and any rank left behind."""
+        pids = [e["pid"] for e in self.of("ready")]
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                pass
+        for pid in pids:
+            try:
+                rank = psutil.Process(pid)
+                if "bridge" in " ".join(rank.cmdline()):
+                    rank.kill()
+                    rank.wait(10)
+            except (psutil.NoSuchProcess, psutil.TimeoutExpired):
+                pass
+
+
+@pytest.fixture
+def bridges(procs, mpi_env, job):
+    """Start bridge ranks: bridges(nodes, *options) -> Ranks for jobs JOB-0 .. JOB-(nodes-1)."""
+    started: list[Ranks] = []
+
+    def start(nodes: int, *options) -> Ranks:
+        ranks = Ranks(procs, mpi_env, nodes, job, options)
+        started.append(ranks)
+        return ranks
+
+    yield start
+    for ranks in started:
+        ranks.reap()
+    for r in range(4):
+        if inspect(f"{job}-{r}") is not None:
+            remove(f"{job}-{r}")
+
+
+def _serve(procs, job: str, nodes: int, *options):
+    """One process serving JOB-0 .. JOB-(nodes-1); job r's weights start as N(0, 1) draws of seed r."""
+    server = procs.start(WORKER, "serve", *[f"{job}-{r}" for r in range(nodes)], "--n", N, *options)
+    read_line(server, 120)
+    return server
+
+
+def _stop(server) -> list[int]:
+    """Stop every job of a `_serve` process; the gradients each server applied."""
+    server.send_signal(signal.SIGTERM)
+    stopped = read_line(server, 60)["stopped"]
+    finish(server)
+    return stopped
+
+
+def _initial(nodes: int) -> np.ndarray:
+    return np.array([np.random.default_rng(r).standard_normal(N).astype(np.float32) for r in range(nodes)])
+
+
+def _weights(job: str) -> np.ndarray:
+    with Region.attach(job, readonly=True) as region:
+        return np.array(region.weights, copy=True)
+
+
+def _mpi_run(mpi_env, nodes: int, *command, timeout: float = 120) -> list[dict]:
+    argv, _ = local_mpiexec(nodes, sys.executable, *map(str, command))
+    done = subprocess.run(argv, env={**os.environ, **mpi_env}, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json_lines(done.stdout)
+
+
+# ------------------------------------------------------------------ the wire
+
+
+def test_bucketed_and_float16_sums_match_the_float32_sum(mpi_env):
+    n = 300_001  # 1.2 MB: several auto buckets, 74 small ones, and a short last one
+    results = _mpi_run(mpi_env, 3, WORKER, "wire", n)
+    assert sorted(r["rank"] for r in results) == [0, 1, 2]
+    largest = max(float(np.abs(np.random.default_rng(100 + r).standard_normal(n).astype(np.float32)).max())
+                  for r in range(3))
+    for result in results:
+        errors = result["error"]
+        for name in ("whole", "buckets", "small-buckets"):
+            assert errors[name] <= 2e-6, result  # float32 rounding of a sum of three
+        for name in ("float16", "buckets+float16"):
+            assert errors[name] <= 3 * largest * 2**-11, result  # each addend rounded to float16
+            assert errors[name] > 0, result  # it did travel as float16
+        if "swap-whole" in errors:
+            assert errors["swap-whole"] == errors["swap-buckets"] == errors["swap-small-buckets"] == 0
+            assert 0 < errors["swap-float16"] <= largest * 2**-11
+        assert result["bytes"]["float16"] < result["bytes"]["whole"]
+    for name in results[0]["checksum"]:  # every rank holds the same sum, bit for bit
+        assert len({r["checksum"][name] for r in results}) == 1, name
+
+
+# ------------------------------------------------------------------ the contract of every strategy
+
+
+@pytest.mark.parametrize(
+    "strategy, mode, nodes, options",
+    [
+        ("average", "async", 2, ["--bucket-mb", "0"]),
+        ("average", "consistent", 3, ["--bucket-mb", "0.05", "--float16"]),
+        ("average", "elastic", 2, []),
+        ("elastic", "async", 2, ["--bucket-mb", "0.05"]),
+        ("gossip", "async", 2, []),
+    ],
+)
+def test_every_strategy_brings_the_nodes_to_their_mean_through_the_ring(job, procs, bridges, strategy, mode, nodes,
+                                                                        options):
+    server = _serve(procs, job, nodes, "--mode", mode)
+    ranks = bridges(nodes, "--strategy", strategy, "--every", 0.1, "--timeout", 20, *options)
+    ranks.ready()
+    ranks.wait(lambda: all(len(ranks.of("exchange", r)) >= 3 for r in range(nodes)), 120,
+               "three exchanges on every rank")
+    weights = np.array([_weights(f"{job}-{r}") for r in range(nodes)])
+    mean = _initial(nodes).mean(axis=0)
+    tolerance = 4.5 * 2**-11 if "--float16" in options else 1e-5
+    assert np.abs(weights - mean).max() <= tolerance
+    # the same model on every node, up to the rounding of w - lr * ((w - t) / lr) in the server's kernel
+    assert np.abs(weights - weights[0]).max() <= 1e-6
+    applied = _stop(server)
+    ended = ranks.finish(60)
+    assert sorted(ended) == list(range(nodes)), ranks.log()[-3000:]
+    for r, end in ended.items():
+        assert end["reason"].startswith(("the local job stopped", "the exchanges ended", "no peers left")), end
+        assert end["lost"] == []
+        assert applied[r] == end["published"] >= end["moves"] >= 3  # each move applied exactly once
+    assert ranks.proc.returncode == 0
+
+
+# ------------------------------------------------------------------ failures
+
+
+def test_a_killed_rank_ends_average_on_the_others_within_the_timeout(job, procs, bridges, tmp_path):
+    timeout = 3.0
+    server = _serve(procs, job, 3)
+    ranks = bridges(3, "--strategy", "average", "--every", 0.1, "--timeout", timeout,
+                    "--checkpoint-dir", tmp_path / "checkpoints-{rank}")
+    ready = ranks.ready()
+    ranks.wait(lambda: all(len(ranks.of("exchange", r)) >= 2 for r in range(3)), 120, "two exchanges on every rank")
+    os.kill(ready[1]["pid"], signal.SIGKILL)
+    killed = time.monotonic()
+    ranks.wait(lambda: {0, 2} <= set(ranks.ended()), timeout + 30, "the other ranks to end")
+    assert time.monotonic() - killed <= timeout + 15  # the timeout, and the time to notice it on a busy machine
+    ended = ranks.finish(30)
+    for r in (0, 2):
+        assert ended[r]["reason"] == "peer lost", ended[r]
+        assert Path(ended[r]["checkpoint"]).parent == tmp_path / f"checkpoints-{r}"
+        assert Path(ended[r]["checkpoint"]).exists()
+    assert "goes on training on its own" in ranks.log()
+    for r in range(3):  # every node's job is still served
+        with Region.attach(f"{job}-{r}", readonly=True) as region:
+            assert region.header.get("run_state") == SERVING and region.server_alive()
+    _stop(server)
+
+
+def test_gossip_goes_on_without_a_killed_rank(job, procs, bridges):
+    server = _serve(procs, job, 3)
+    ranks = bridges(3, "--strategy", "gossip", "--every", 0.05, "--timeout", 5)
+    ready = ranks.ready()
+    ranks.wait(lambda: len(ranks.of("exchange", 2)) >= 2 and len(ranks.of("exchange", 0)) >= 2, 120,
+               "both active ranks to exchange")
+    os.kill(ready[2]["pid"], signal.SIGKILL)  # an active rank; 0 and the passive 1 go on
+    before = len(ranks.of("exchange", 0))
+    ranks.wait(lambda: len(ranks.of("exchange", 0)) >= before + 10, 60, "rank 0 to go on exchanging")
+    _stop(server)
+    ended = ranks.finish(60)
+    for r in (0, 1):
+        assert ended[r]["reason"] in ("the local job stopped", "no peers left"), ended[r]
+
+
+def test_gossip_with_a_rank_slowed_tenfold_keeps_the_others_exchange_rate(job, procs, bridges):
+    """Ranks 0 and 2 ask, 1 and 3 answer. Rank 3 is then stopped 90 % of the time (SIGSTOP
+    90 ms, SIGCONT 10 ms): the askers pass it over for rank 1, so no other rank's exchanges
+    per second fall by more than 20 %."""
+    nodes, window, pace = 4, 4.0, 0.1
+    server = _serve(procs, job, nodes)
+    ranks = bridges(nodes, "--strategy", "gossip", "--every", pace, "--timeout", 30)
+    ready = ranks.ready()
+    ranks.wait(lambda: all(len(ranks.of("exchange", r)) >= 5 for r in range(nodes)), 120,
+               "five exchanges on every rank")
+
+    def rates(start: float, end: float) -> list[float]:
+        return [sum(start <= e["t"] < end for e in ranks.of("exchange", r)) / (end - start) for r in range(nodes)]
+
+    calm_start = time.time()
+    wait_for(lambda: time.time() >= calm_start + window, window + 5, "the unslowed window")
+    calm_end = time.time()
+    stop = threading.Event()
+
+    def slow_down(pid: int) -> None:
+        while not stop.is_set():
+            os.kill(pid, signal.SIGSTOP)
+            stop.wait(0.09)
+            os.kill(pid, signal.SIGCONT)
+            stop.wait(0.01)
+
+    slower = threading.Thread(target=slow_down, args=(ready[3]["pid"],))
+    slower.start()
+    try:
+        wait_for(lambda: time.time() >= calm_end + 1 + window, window + 6, "the slowed window")
+    finally:
+        stop.set()
+        slower.join()
+        os.kill(ready[3]["pid"], signal.SIGCONT)
+    slow_start = calm_end + 1  # a second for the askers to learn who is slow
+    wait_for(lambda: all(any(e["t"] >= slow_start + window for e in ranks.of("exchange", r)) for r in (0, 1, 2)),
+             30, "the exchanges of the slowed window to be printed")
+    calm, slowed = rates(calm_start, calm_end), rates(slow_start, slow_start + window)
+    for r in (0, 1, 2):
+        assert slowed[r] >= 0.8 * calm[r], (calm, slowed)
+    assert slowed[3] < 0.5 * calm[3], f"rank 3 was not slowed, so the test proves nothing: {calm} {slowed}"
+    _stop(server)
+    ranks.finish(60)
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"momentum": 0.9}, "momentum 0.9: the momentum buffer would repeat"),
+        ({"mode": "sync"}, "sync mode"),
+        ({"stale_lr": True}, "staleness-aware"),
+        ({"grad_dtype": "float16"}, "float16 rings"),
+    ],
+)
+def test_jobs_whose_update_rule_would_distort_the_move_are_refused(job, options, message):
+    from bridge_worker import Vector
+
+    with gadei.Server(job, model=Vector(100, 0), learners=2, **options) as server:
+        with pytest.raises(BridgeError, match=message):
+            LocalNode(job, attach_timeout=5)
+        assert all(server.region.entry(i).get("lease") == 0 for i in range(2))  # no ring left claimed
+
+
+# ------------------------------------------------------------------ training (slow)
+
+EPOCHS, BATCH, LR, SEED = 3, 8, 0.1, 0
+# Model averaging divides each node's progress among the nodes: with two nodes at lr 2 x LR,
+# the average moves as one node applying every gradient at LR. Elastic moves keep the sum of
+# the nodes and the centre, so three shares (two nodes, the centre) divide it: 3 x LR.
+NODE_LR = {"average": 2 * LR, "gossip": 2 * LR, "elastic": 3 * LR}
+
+
+def _trec() -> str:
+    folder = data_dir() / "trec"
+    if not (folder / "TREC.train").exists():
+        pytest.skip(f"TREC is not at {folder} (set GADEI_DATA_DIR)")
+    return f"trec:{folder}"
+
+
+def _accuracy(jobs: list[str]) -> float:
+    """Test accuracy of the mean of the jobs' weights (for one job: its weights)."""
+    from gadei import params
+    from gadei_workloads import get
+
+    workload = get("textcnn")
+    train, test = workload.load_data(_trec())
+    model = workload.build_model(train, SEED)
+    weights, spec = [], None
+    for name in jobs:
+        with Region.attach(name, readonly=True) as region:
+            weights.append(np.array(region.weights, copy=True))
+            spec = region.read_spec()
+    model.load_state_dict(params.state_dict(spec, np.mean(weights, axis=0).astype(np.float32)))
+    return workload.evaluate(model, test)
+
+
+def _node(name: str, learners: int, shards: list[str], tmp: Path, lr: float):
+    from gadei.launch import LocalJob
+
+    data = _trec()
+    serve = ["--workload", "textcnn", "--data", data, "--seed", str(SEED), "--lr", str(lr), "--learners",
+             str(learners + 1)]
+    learn = [["--data", data, "--seed", str(SEED), "--epochs", str(EPOCHS), "--batch", str(BATCH), "--shard", shard]
+             for shard in shards]
+    return LocalJob(name, serve, learn, log_dir=tmp / name)
+
+
+def _one_node(name: str, tmp: Path) -> float:
+    with _node(name, 2, ["0/2", "1/2"], tmp, LR) as one:
+        one.start()
+        assert one.wait_learners(600) == [0, 0], one.log("learner-0")[-3000:]
+        accuracy = _accuracy([one.job])
+        one.stop()
+    return accuracy
+
+
+def _two_nodes(job: str, bridges, strategy: str, tmp: Path) -> float:
+    nodes = [_node(f"{job}-{r}", 1, [f"{r}/2"], tmp / strategy, NODE_LR[strategy]) for r in range(2)]
+    try:
+        for node in nodes:
+            node.start_server()
+        ranks = bridges(2, "--strategy", strategy, "--every", 0.25, "--timeout", 60)
+        ranks.ready()
+        for node in nodes:
+            node.start_learners()
+        for node in nodes:
+            assert node.wait_learners(600) == [0], node.log("learner-0")[-3000:]
+        # an exchange once both are done (average then leaves the nodes equal)
+        done = {r: len(ranks.of("exchange", r)) for r in range(2)}
+        ranks.wait(lambda: all(len(ranks.of("exchange", r)) > done[r] + 1 for r in range(2)), 120,
+                   "an exchange after training")
+        accuracy = _accuracy([node.job for node in nodes])
+        for node in nodes:
+            node.stop()
+        ranks.finish(60)
+    finally:
+        for node in nodes:
+            node.close()
+    return accuracy
+
+
+@pytest.mark.slow
+def test_each_strategy_trains_trec_as_well_as_one_node_doing_the_same_work(job, procs, bridges, tmp_path):
+    """One node with two learners (shards 0/2 and 1/2) against two nodes of one learner each
+    (shard r/2 on node r) joined by each strategy, the same epochs: the same total work. The
+    hybrid job's model is the mean of its nodes' final weights (average: every node's).
+
+    One Hogwild run's accuracy moves by several points from run to run with the same seed
+    (19 runs of the fault suite's similar job ended between 82.6 % and 88.0 %; two runs of
+    this one ended at 80.4 % and 87.0 %), more than the point the strategies must be within.
+    So the one-node figure is the mean of two runs, each strategy must be within 3 points of
+    it, and the strategies' mean within 1."""
+    baseline = [_one_node(f"{job}-one{i}", tmp_path) for i in range(2)]
+    results = {strategy: _two_nodes(job, bridges, strategy, tmp_path) for strategy in NODE_LR}
+    one = sum(baseline) / len(baseline)
+    print(f"\nTREC test accuracy after {EPOCHS} epochs: one node {baseline}, two nodes {results}")
+    for strategy, accuracy in results.items():
+        assert accuracy >= one - 0.03, (baseline, results)
+    assert sum(results.values()) / len(results) >= one - 0.01, (baseline, results)
