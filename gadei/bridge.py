@@ -17,7 +17,8 @@ its ring, as an update the server applies once like any other:
 so the learners' progress during the exchange is kept, the server applies every update
 exactly once, and it never waits for the bridge. The bridge waits until its update was
 applied before it copies the weights again. Jobs whose server would distort the move are
-refused: momentum (the move would be repeated by the momentum buffer), a staleness-aware
+refused: momentum (the move would be repeated by the momentum buffer), the adagrad optimizer
+(it scales each weight's step), a staleness-aware
 learning rate or staleness bound (it would be scaled or dropped), sync mode (the bridge
 would be a member of every round), row-sparse tables and float16/bfloat16 rings.
 
@@ -366,6 +367,8 @@ class LocalNode:
             why = "sync mode: the bridge would be a member of every round"
         elif self.mode != "elastic" and o.momentum:
             why = f"momentum {o.momentum:g}: the momentum buffer would repeat the bridge's move"
+        elif o.optimizer != "sgd":
+            why = f"the {o.optimizer} optimizer scales each weight's step, so the bridge's move would not land as sent"
         elif self.mode != "elastic" and (o.stale_lr or o.stale_bound):
             why = "a staleness-aware learning rate or bound would scale or drop the bridge's move"
         elif shape.grad_dtype != "float32":
@@ -374,7 +377,7 @@ class LocalNode:
             why = "row-sparse tables: the move changes every row"
         if why:
             raise BridgeError(f"job {self.job!r} cannot be bridged: {why}; serve it in async, consistent or elastic mode "
-                              "with float32 dense gradients, no momentum and no staleness options")
+                              "with float32 dense gradients, the sgd optimizer, no momentum and no staleness options")
 
     @property
     def n(self) -> int:

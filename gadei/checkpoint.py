@@ -56,7 +56,8 @@ class Checkpoint:
         version: the weights' version (updates applied to them, ever).
         applied: gradients the server applied, ever.
         model: the weights, parameter name -> float32 tensor (a state dict).
-        optimizer: the server's optimiser state, name -> float32 tensor (`momentum`).
+        optimizer: the server's optimiser state, name -> float32 tensor (`momentum`, or
+            `adagrad_sums`).
         config: the job's configuration (shape, mode, options), JSON-compatible.
         learners: each learner entry's counters, JSON-compatible.
         progress: for each learner the watchdog launched (by its number, as text): the
@@ -187,13 +188,14 @@ def capture(region, timeout: float = 5.0, progress=None) -> Checkpoint:
 def _copy(region) -> Checkpoint:
     """The job's state as it is in `region` now (whole only while nothing updates it)."""
     from . import params
-    from .modes import read_options
+    from .modes import read_options, state_name
 
     h, shape = region.header, region.shape
     version, applied = h.get("version"), h.get("applied")
     weights = np.array(region.weights, dtype=np.float32, copy=True)
     state = region.state
-    optimizer = {"momentum": torch.from_numpy(np.array(state, copy=True))} if state is not None else {}
+    optimizer = {state_name(read_options(region)): torch.from_numpy(np.array(state, copy=True))} \
+        if state is not None else {}
     spec = region.read_spec()
     model = params.state_dict(spec, weights) if spec else {"weights": torch.from_numpy(weights)}
     learners = [{name: region.entry(i).get(name) for name in _ENTRY_COUNTERS} for i in range(shape.capacity)]

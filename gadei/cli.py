@@ -100,6 +100,7 @@ def cmd_serve(args) -> int:
         mode=args.mode,
         lr=args.lr,
         momentum=args.momentum,
+        optimizer=args.optimizer,
         stale_lr=args.stale_lr,
         stale_bound=args.stale_bound,
         alpha=args.alpha,
@@ -262,7 +263,7 @@ def cmd_learn(args) -> int:
                     skip -= len(y)
                     continue
                 loss, right = workload.loss_and_correct(model, x, y)
-                workload.backward(model, loss, learner.lr)
+                workload.backward(model, loss, learner.constraint_lr)
                 learner.step(samples=len(y))
                 loss_sum += loss.item()
                 steps += 1
@@ -608,6 +609,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "update), sync (SSGD rounds), elastic (EASGD)")
     p.add_argument("--lr", type=float, default=0.01, help="learning rate (default 0.01)")
     p.add_argument("--momentum", type=float, default=0.0, help="momentum kept by the server (default 0: none)")
+    p.add_argument("--optimizer", choices=("sgd", "adagrad"), default="sgd",
+                   help="the server's update: sgd (w -= lr g) or adagrad (per weight, lr divided by the root of "
+                   "the sum of its squared gradients; async, consistent, sync) (default sgd)"),
     p.add_argument("--stale-lr", action="store_true", help="async/consistent: divide lr by each gradient's staleness")
     p.add_argument("--stale-bound", type=int, default=0,
                    help="async/consistent: no gradient applied more than K versions late (default 0: no bound)")
@@ -635,7 +639,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "checkpoint at clean stop")
     p.add_argument("--keep", type=int, default=3, help="checkpoints kept in --checkpoint-dir (default 3)")
     p.add_argument("--resume", metavar="DIR|FILE", help="go on from the newest valid checkpoint in DIR, or from "
-                   "the checkpoint FILE (weights, version, momentum; launched learners from its progress); the "
+                   "the checkpoint FILE (weights, version, momentum or Adagrad sums; launched learners from its progress); the "
                    "model must match")
     p.add_argument("--watch-interval", type=float, default=0.5,
                    help="the watchdog's seconds between looks and beats (default 0.5)")

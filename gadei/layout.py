@@ -11,8 +11,8 @@ region is, in order (each section page-aligned):
     learner table `capacity` entries of ENTRY_BYTES, each split into lines by writer
                   (learner-owned head, server-owned tail, staleness histogram)
     weights       n_params float32 (in elastic mode: the centre variable)
-    state         n_params float32 of server optimiser state (the momentum buffer), only
-                  when the job uses momentum
+    state         n_params float32 of server optimiser state (the momentum buffer, or
+                  Adagrad's sums of squared gradients), only when the job uses one
     rings         per learner: `slots` slot headers (one cache line each), then `slots`
                   page-aligned payloads
 
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 MAGIC = 0x31304945_44414701  # bytes b"\x01GADEI01" in little-endian order
-LAYOUT_VERSION = 4
+LAYOUT_VERSION = 5
 PAGE = 4096
 LINE = 64
 NAME_BYTES = 64
@@ -111,6 +111,7 @@ HEADER, HEADER_BYTES = _record(
         _LINE_BREAK,
         # the job's options, written once by the creator
         ("momentum", "f64"),
+        ("optimizer", "u32"),  # 0: sgd; 1: adagrad (the state array holds the sums of squared gradients)
         ("stale_lr", "u32"),  # 1: divide the learning rate by each gradient's staleness
         ("stale_bound", "u32"),  # 0: none; K: no gradient is applied more than K versions stale
         ("alpha", "f64"),  # elastic moving rate

@@ -243,6 +243,13 @@ class Learner:
         """The learning rate the server applies this job's gradients with."""
         return self.options.lr
 
+    @property
+    def constraint_lr(self) -> float | None:
+        """The learning rate a model's constraint correction may count on (the server applies
+        ``w -= lr * g`` exactly), or None where the update is not that (Adagrad scales each
+        weight's step, so a correction would not be a projection)."""
+        return self.options.lr if self.options.optimizer == "sgd" and not self.options.momentum else None
+
     def refresh(self) -> None:
         """Copy the latest weights into the model now (e.g. before evaluating)."""
         self._pull.refresh()

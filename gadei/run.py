@@ -60,7 +60,7 @@ def run_job(path: str, *, quiet: bool = False, resume: bool = False) -> int:
     t = job.train
     print(f"gadei run: job {job.name}: {job.workload} on {len(train):,} training / {len(test):,} test samples, "
           f"{train.n_labels} labels, " + (f"vocabulary {len(train.vocab):,}" if train.vocab is not None else
-                                          f"{train.features} features") + f"; {t.learners} learners, {t.mode}, "
+                                          f"{train.features} features") + f"; {t.learners} learners, {t.mode}, {t.optimizer}, "
           f"mini-batch {t.batch}, lr {t.lr:g}, {t.epochs} epochs, seed {t.seed}", flush=True)
     for line in chosen:
         print(f"  chose {line}", flush=True)
@@ -74,7 +74,8 @@ def run_job(path: str, *, quiet: bool = False, resume: bool = False) -> int:
     learner = ["--workload", job.workload, "--data", spec, "--seed", str(t.seed), "--epochs", str(t.epochs),
                "--batch", str(t.batch), "--json"]
     command = [sys.executable, "-m", "gadei", "serve", job.name, "--workload", job.workload, "--data", spec,
-               "--seed", str(t.seed), "--lr", str(t.lr), "--mode", t.mode, "--learners", str(t.learners),
+               "--seed", str(t.seed), "--lr", str(t.lr), "--mode", t.mode, "--optimizer", t.optimizer,
+               "--learners", str(t.learners),
                "--checkpoint-dir", str(out / "checkpoints"), "--checkpoint-every", str(job.checkpoint.interval),
                "--keep", str(job.checkpoint.keep), "--log-dir", str(out / "logs"), "--save", str(out / "model.pt"),
                "--json"] + (["--resume", str(found.path)] if found is not None else [])

@@ -36,7 +36,7 @@ from .layout import (
     STOPPING,
     Shape,
 )
-from .modes import RULES, Gradient, Options, make_rule, write_options
+from .modes import RULES, Gradient, Options, make_rule, state_name, write_options
 from .region import Region
 from .ring import WAIT_SLICE, Consumer, owner_alive
 
@@ -67,7 +67,7 @@ class Server:
         n_params: instead of `model`: the number of parameters; the first learner to
             attach uploads its model's parameters as the initial weights.
         mode: the update rule: 'async', 'consistent', 'sync' or 'elastic' (see `gadei.modes`).
-        lr, momentum, stale_lr, stale_bound, alpha, tau, drop_after: the mode's options
+        lr, momentum, optimizer, stale_lr, stale_bound, alpha, tau, drop_after: the mode's options
             (see `gadei.modes.Options`).
         grad_dtype: element type of gradients in the rings: 'float32', 'float16' or 'bfloat16'.
         row_sparse: embedding tables (nn.Embedding, nn.EmbeddingBag) travel as the rows a
@@ -93,6 +93,7 @@ class Server:
         mode: str = "async",
         lr: float = 0.01,
         momentum: float = 0.0,
+        optimizer: str = "sgd",
         stale_lr: bool = False,
         stale_bound: int = 0,
         alpha: float = 0.1,
@@ -112,7 +113,7 @@ class Server:
             raise ValueError("give the server either a model or n_params, not both or neither")
         if mode not in RULES:
             raise ValueError(f"mode {mode!r} is not one of {sorted(RULES)}")
-        self.options = Options(lr=lr, momentum=momentum, stale_lr=stale_lr, stale_bound=stale_bound, alpha=alpha,
+        self.options = Options(lr=lr, momentum=momentum, optimizer=optimizer, stale_lr=stale_lr, stale_bound=stale_bound, alpha=alpha,
                                tau=tau, drop_after=drop_after)
         self.options.check(mode, learners)
         env = settings()
@@ -132,7 +133,7 @@ class Server:
             raise ValueError(f"job {job!r}: row_sparse needs the model (serve it with --workload or --model), "
                              "not only --params")
         shape = Shape(n_params=int(n_params), grad_dtype=grad_dtype, capacity=learners, slots=slots, mode=mode,
-                      state_array=momentum > 0, sparse=sparse)
+                      state_array=momentum > 0 or optimizer == "adagrad", sparse=sparse)
         self.region = Region.create(job, shape, replace=replace)
         self.job = job
         self.mode = mode
@@ -192,9 +193,12 @@ class Server:
             raise RegionMismatch(f"job {self.job!r}: checkpoint {checkpoint.path} holds {weights.size:,} parameters, "
                                  f"the job has {self.region.shape.n_params:,}")
         self.region.weights[:] = weights
-        state, momentum = self.region.state, checkpoint.optimizer.get("momentum")
-        if state is not None and momentum is not None:
-            state[:] = momentum.numpy()
+        state, kept = self.region.state, checkpoint.optimizer.get(state_name(self.options))
+        if state is not None and kept is not None:
+            state[:] = kept.numpy()
+        elif state is not None:
+            log.warning("job %r: checkpoint %s holds no %s (it was taken with other options); they start from zero",
+                        self.job, checkpoint.path, state_name(self.options))
         h.set("version", checkpoint.version)
         h.set("applied", checkpoint.applied)
         h.set("resumed_applied", checkpoint.applied)

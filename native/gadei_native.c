@@ -321,6 +321,51 @@ py_momentum(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
+/* adagrad(w, s, g, n, lr, eps, clear, threads, dtype): s += g^2; w -= lr g / (sqrt(s) + eps). */
+static PyObject *
+py_adagrad(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    uint64_t n, clear;
+    int64_t threads, dtype;
+    double lr, eps;
+    if (gd_nargs("adagrad", nargs, 9) < 0) return NULL;
+    GD_ADDR(args[0], w);
+    GD_ADDR(args[1], s);
+    GD_ADDR(args[2], g);
+    if (gd_arg_u64(args[3], &n) < 0 || gd_arg_f64(args[4], &lr) < 0 || gd_arg_f64(args[5], &eps) < 0 ||
+        gd_arg_u64(args[6], &clear) < 0 || gd_arg_i64(args[7], &threads) < 0 || gd_arg_i64(args[8], &dtype) < 0)
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    gd_adagrad((float *)(uintptr_t)w_raw, (float *)(uintptr_t)s_raw, (void *)(uintptr_t)g_raw, (int)dtype,
+               (size_t)n, (float)lr, (float)eps, (int)clear, (int)threads);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* adagrad_rows(w, s, n_rows, width, idx, rows, count, lr, eps, dtype) -> indices out of range. */
+static PyObject *
+py_adagrad_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    uint64_t n_rows, width, count;
+    int64_t dtype, bad;
+    double lr, eps;
+    if (gd_nargs("adagrad_rows", nargs, 10) < 0) return NULL;
+    GD_ADDR(args[0], w);
+    GD_ADDR(args[1], s);
+    if (gd_arg_u64(args[2], &n_rows) < 0 || gd_arg_u64(args[3], &width) < 0) return NULL;
+    GD_ADDR(args[4], idx);
+    GD_ADDR(args[5], rows);
+    if (gd_arg_u64(args[6], &count) < 0 || gd_arg_f64(args[7], &lr) < 0 || gd_arg_f64(args[8], &eps) < 0 ||
+        gd_arg_i64(args[9], &dtype) < 0)
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    bad = gd_adagrad_rows((float *)(uintptr_t)w_raw, (float *)(uintptr_t)s_raw, (size_t)n_rows, (size_t)width,
+                          (const int64_t *)(uintptr_t)idx_raw, (const void *)(uintptr_t)rows_raw, (int)dtype,
+                          (size_t)count, (float)lr, (float)eps);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLongLong(bad);
+}
+
 /* sgd_rows(w, v, n_rows, width, idx, rows, count, lr, dtype) -> indices out of range. */
 static PyObject *
 py_sgd_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
@@ -438,6 +483,10 @@ static PyMethodDef gd_methods[] = {
     GD_FAST("poll_rings", gd_poll_rings, "poll_rings(table, count, stride, head_off, tail_off, start, spin_ns) -> index or -1"),
     GD_FAST("sgd", py_sgd, "sgd(w, g, n, lr, clear, threads[, dtype]): w -= lr * g in place"),
     GD_FAST("momentum", py_momentum, "momentum(w, v, g, n, lr, mu, clear, threads, dtype): v = mu v + g; w -= lr v"),
+    GD_FAST("adagrad", py_adagrad, "adagrad(w, s, g, n, lr, eps, clear, threads, dtype): s += g^2; "
+            "w -= lr g / (sqrt(s) + eps)"),
+    GD_FAST("adagrad_rows", py_adagrad_rows, "adagrad_rows(w, s, n_rows, width, idx, rows, count, lr, eps, dtype) "
+            "-> bad indices"),
     GD_FAST("sgd_rows", py_sgd_rows, "sgd_rows(w, v, n_rows, width, idx, rows, count, lr, dtype) -> bad indices"),
     GD_FAST("elastic", py_elastic, "elastic(c, w, n, alpha, threads): c += alpha (w - c)"),
     GD_FAST("plain_sgd", py_plain_sgd, "plain_sgd(w, g, n, lr, threads): the reference loop for benchmarks"),

@@ -5,6 +5,7 @@
 #include "kernels.h"
 
 #include <stdlib.h>
+#include <math.h>
 #include <string.h>
 
 #ifdef _OPENMP
@@ -331,6 +332,98 @@ gd_momentum(float *w, float *v, void *g, int dtype, size_t n, float lr, float mu
     size_t item = gd_itemsize(dtype);
     GD_PARALLEL(w, n, threads, lo, hi,
                 gd_momentum_span(w + lo, v + lo, g ? (char *)g + lo * item : NULL, dtype, hi - lo, lr, mu, clear));
+}
+
+/* ------------------------------------------------------------------ adagrad */
+
+/* One element of Adagrad; a zero gradient changes nothing (so it is skipped, exactly). */
+static inline void
+gd_adagrad_one(float *w, float *s, float g, float lr, float eps)
+{
+    if (g != 0.0f) {
+        *s += g * g;
+        *w -= lr * g / (sqrtf(*s) + eps);
+    }
+}
+
+static void
+gd_adagrad_span(float *restrict w, float *restrict s, void *restrict g, int dtype, size_t n, float lr, float eps,
+                int clear)
+{
+    for (size_t i = 0; i < n; i++) gd_adagrad_one(w + i, s + i, gd_load(g, dtype, i), lr, eps);
+    if (clear) memset(g, 0, n * gd_itemsize(dtype));
+}
+
+#if GD_X86
+/* Eight elements of Adagrad, the same IEEE operations in the same order as gd_adagrad_one
+ * (so the results are bit-identical); lanes whose gradient is zero keep w and s. */
+__attribute__((target("avx2,f16c"))) static inline void
+gd_adagrad8(float *w, float *s, __m256 g, __m256 vlr, __m256 veps)
+{
+    __m256 touched = _mm256_cmp_ps(g, _mm256_setzero_ps(), _CMP_NEQ_UQ);
+    __m256 s0 = _mm256_loadu_ps(s), w0 = _mm256_load_ps(w);
+    __m256 s1 = _mm256_add_ps(s0, _mm256_mul_ps(g, g));
+    __m256 step = _mm256_div_ps(_mm256_mul_ps(vlr, g), _mm256_add_ps(_mm256_sqrt_ps(s1), veps));
+    _mm256_storeu_ps(s, _mm256_blendv_ps(s0, s1, touched));
+    _mm256_store_ps(w, _mm256_blendv_ps(w0, _mm256_sub_ps(w0, step), touched));
+}
+
+/* As gd_sgd_avx2: lines of 16 zero gradient elements (most of an embedding table's) are skipped. */
+__attribute__((target("avx2,f16c"))) static void
+gd_adagrad_avx2(float *restrict w, float *restrict s, void *restrict g, int dtype, size_t n, float lr, float eps,
+                int clear)
+{
+    size_t i = gd_peel(w, n);
+    gd_adagrad_span(w, s, g, dtype, i, lr, eps, clear);
+    const __m256 vlr = _mm256_set1_ps(lr), veps = _mm256_set1_ps(eps);
+    for (; i + 16 <= n; i += 16) {
+        __m256 g0, g1;
+        if (!gd_load16(g, dtype, i, &g0, &g1)) continue;
+        gd_adagrad8(w + i, s + i, g0, vlr, veps);
+        gd_adagrad8(w + i + 8, s + i + 8, g1, vlr, veps);
+        if (clear) gd_clear16(g, dtype, i);
+    }
+    gd_adagrad_span(w + i, s + i, (char *)g + i * gd_itemsize(dtype), dtype, n - i, lr, eps, clear);
+}
+#endif
+
+static void
+gd_adagrad_any(float *w, float *s, void *g, int dtype, size_t n, float lr, float eps, int clear)
+{
+#if GD_X86
+    if (gd_avx2) {
+        gd_adagrad_avx2(w, s, g, dtype, n, lr, eps, clear);
+        return;
+    }
+#endif
+    gd_adagrad_span(w, s, g, dtype, n, lr, eps, clear);
+}
+
+void
+gd_adagrad(float *w, float *s, void *g, int dtype, size_t n, float lr, float eps, int clear, int threads)
+{
+    size_t item = gd_itemsize(dtype);
+    GD_PARALLEL(w, n, threads, lo, hi, gd_adagrad_any(w + lo, s + lo, (char *)g + lo * item, dtype, hi - lo, lr,
+                                                      eps, clear));
+}
+
+int64_t
+gd_adagrad_rows(float *w, float *s, size_t n_rows, size_t width, const int64_t *idx, const void *rows, int dtype,
+                size_t count, float lr, float eps)
+{
+    int64_t bad = 0;
+    size_t item = gd_itemsize(dtype);
+    for (size_t r = 0; r < count; r++) {
+        int64_t row = idx[r];
+        if (row < 0 || (size_t)row >= n_rows) {
+            bad++;
+            continue;
+        }
+        float *wr = w + (size_t)row * width, *sr = s + (size_t)row * width;
+        const void *gr = (const char *)rows + r * width * item;
+        for (size_t j = 0; j < width; j++) gd_adagrad_one(wr + j, sr + j, gd_load(gr, dtype, j), lr, eps);
+    }
+    return bad;
 }
 
 /* ------------------------------------------------------------------ rows, elastic, plain, copy */

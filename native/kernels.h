@@ -37,6 +37,13 @@ void gd_momentum(float *w, float *v, void *g, int dtype, size_t n, float lr, flo
 int64_t gd_sgd_rows(float *w, float *v, size_t n_rows, size_t width, const int64_t *idx, const void *rows,
                     int dtype, size_t count, float lr);
 
+/* Adagrad: where g[i] != 0, s[i] += g[i]^2; w[i] -= lr * g[i] / (sqrt(s[i]) + eps); with clear, g[i] = 0. */
+void gd_adagrad(float *w, float *s, void *g, int dtype, size_t n, float lr, float eps, int clear, int threads);
+
+/* Row-sparse Adagrad on a table (rows and indices as gd_sgd_rows; s is the table's sums). */
+int64_t gd_adagrad_rows(float *w, float *s, size_t n_rows, size_t width, const int64_t *idx, const void *rows,
+                        int dtype, size_t count, float lr, float eps);
+
 /* c[i] += alpha * (w[i] - c[i]): the elastic centre moving towards one learner's weights. */
 void gd_elastic(float *c, const float *w, size_t n, float alpha, int threads);
 

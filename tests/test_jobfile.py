@@ -53,15 +53,18 @@ def test_a_job_file_parses_with_defaults_and_writes_itself_back(small):
     assert train.label_names == ["cat", "dog"] and len(train) == 36 and len(test) == 4  # 10% of each label held out
     filled, chosen = job.with_defaults(len(train))
     assert filled.train.batch == 2 and "batch = 2" in chosen[0]
-    assert filled.train.epochs == 20 and "epochs = 20" in chosen[1]
+    assert filled.train.optimizer == "adagrad" and "optimizer = adagrad" in chosen[1]
+    assert filled.train.epochs == 20 and "epochs = 20" in chosen[2]
     again = jobfile.load(_job(small, filled.to_toml(), "as-run.toml"))
     assert again == jobfile.Job(**{**filled.__dict__, "path": again.path})
 
 
-@pytest.mark.parametrize("samples, batch, epochs", [(36, 2, 20), (5_452, 2, 20), (6_920, 2, 18), (10_003, 4, 20),
-                                                    (100_000, 4, 3), (40_000, 4, 6), (1_000_000, 32, 3)])
-def test_the_default_epochs_make_about_60000_updates_between_3_and_20(samples, batch, epochs):
-    assert jobfile.default_epochs(samples, batch) == epochs
+@pytest.mark.parametrize("samples, batch, optimizer, epochs", [
+    (36, 2, "adagrad", 20), (5_452, 2, "adagrad", 12), (6_920, 2, "adagrad", 9), (10_003, 4, "adagrad", 12),
+    (5_452, 2, "sgd", 20), (6_920, 2, "sgd", 18), (40_000, 4, "sgd", 6), (100_000, 4, "adagrad", 3),
+    (1_000_000, 32, "sgd", 3)])
+def test_the_default_epochs_make_a_fixed_number_of_updates_between_3_and_20(samples, batch, optimizer, epochs):
+    assert jobfile.default_epochs(samples, batch, optimizer) == epochs
 
 
 @pytest.mark.parametrize("samples, batch", [(9_999, 2), (10_000, 4), (100_000, 4), (100_001, 32)])
@@ -77,6 +80,9 @@ def test_the_default_mini_batch_follows_the_data_set_size(samples, batch):
     (("[train]\nlr = -0.1\n", None), "[train] lr = -0.1 is out of range; allowed: a number above 0"),
     (("[train]\nepochs = 1.5\n", None), "[train] epochs = 1.5 is a number; allowed: an integer"),
     (("[train]\nmode = \"hogwild\"\n", None), "[train] mode = 'hogwild': not a mode; allowed: async, consistent"),
+    (("[train]\noptimizer = \"adam\"\n", None), "[train] optimizer = 'adam': not an optimizer; allowed: adagrad, sgd"),
+    (("[train]\noptimizer = \"adagrad\"\nmode = \"elastic\"\n", None),
+     "[train] optimizer = 'adagrad' with mode = 'elastic': elastic learners take their own local steps"),
     (("[data2]\n", None), "unknown section [data2] (did you mean 'data'?)"),
     ((None, ("train = \"train.csv\"", "train = \"missing.csv\"")), "[data] train = '"),
     ((None, ("format = \"csv\"", "format = \"xml\"")), "[data] format = 'xml': not a format; allowed: csv, tsv"),

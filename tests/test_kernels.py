@@ -17,7 +17,7 @@ import torch
 
 from gadei import _native
 from gadei.layout import DTYPE_CODES
-from gadei.modes import AsyncSGD, ElasticAveraging, Options, SyncSGD, rows_reference
+from gadei.modes import ADAGRAD_EPS, AsyncSGD, ElasticAveraging, Options, SyncSGD, rows_reference
 
 SIZES = [1, 7, 8, 15, 16, 17, 31, 33, 64, 65, 1000, 4099, 65535, 65537, 131075, (1 << 20) + 13]
 THREADS = [1, 2, 3]
@@ -120,6 +120,47 @@ def test_momentum_kernel_matches_reference(n, threads, dtype):
     _native.momentum(w.ctypes.data, v.ctypes.data, 0, n, 0.1, 0.9, 0, threads, DTYPE_CODES[dtype])
     np.testing.assert_array_equal(w, w_ref)
     np.testing.assert_array_equal(v, v_ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("n", [1, 33, 4099, 131075])
+def test_adagrad_kernel_matches_reference(n, threads, dtype):
+    w, g32 = weights_and_gradient(n, n + 2)
+    s = np.abs(np.random.default_rng(n).standard_normal(n)).astype(np.float32)
+    s[: n // 3] = 0.0  # a weight's first step: lr * g / |g|
+    g = to_wire(g32, dtype)
+    w_ref, s_ref = w.copy(), s.copy()
+    for _ in range(2):  # the second step sees the first one's sums
+        AsyncSGD.reference(w_ref, [from_wire(g, dtype)], Options(lr=0.1, optimizer="adagrad"), s_ref)
+        _native.adagrad(w.ctypes.data, s.ctypes.data, g.ctypes.data, n, 0.1, ADAGRAD_EPS, 0, threads,
+                        DTYPE_CODES[dtype])
+        np.testing.assert_array_equal(w, w_ref)
+        np.testing.assert_array_equal(s, s_ref)
+    _native.adagrad(w.ctypes.data, s.ctypes.data, g.ctypes.data, n, 0.1, ADAGRAD_EPS, 1, threads, DTYPE_CODES[dtype])
+    assert not bits(g).any()  # clear: the slot is zero again
+    zero_g = from_wire(to_wire(g32, dtype), dtype) == 0
+    first = s_ref == 0
+    assert np.all(s[zero_g & first] == 0)  # a zero gradient leaves its weight's sum alone
+
+
+def test_adagrad_rows_update_only_the_rows_a_gradient_carries():
+    rows_n, width, lr = 20, 9, 0.5
+    rng = np.random.default_rng(3)
+    table = rng.standard_normal((rows_n, width)).astype(np.float32)
+    sums = np.zeros((rows_n, width), np.float32)
+    indices = np.array([4, 11, 4, -1], dtype=np.int64)  # row 4 twice, one index out of the table
+    rows = rng.standard_normal((4, width)).astype(np.float32)
+    t_ref, s_ref = table.copy(), sums.copy()
+    for i, row in zip(indices[:3], rows[:3]):
+        s_ref[i] += row * row
+        t_ref[i] -= np.float32(lr) * row / (np.sqrt(s_ref[i]) + np.float32(ADAGRAD_EPS))
+    bad = _native.adagrad_rows(table.ctypes.data, sums.ctypes.data, rows_n, width, indices.ctypes.data,
+                               rows.ctypes.data, 4, lr, ADAGRAD_EPS, DTYPE_CODES["float32"])
+    assert bad == 1
+    np.testing.assert_array_equal(table, t_ref)
+    np.testing.assert_array_equal(sums, s_ref)
+    assert np.count_nonzero(sums.any(axis=1)) == 2
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

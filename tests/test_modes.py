@@ -58,6 +58,8 @@ def _stop(server):
         ("sync", []),
         ("sync", ["--grad-dtype", "float16", "--row-sparse"]),
         ("sync", ["--momentum", "0.9", "--grad-dtype", "bfloat16"]),
+        ("async", ["--optimizer", "adagrad", "--row-sparse", "--grad-dtype", "float16"]),
+        ("sync", ["--optimizer", "adagrad", "--grad-dtype", "bfloat16"]),
         ("elastic", ["--tau", "4"]),
     ],
 )
@@ -239,6 +241,30 @@ def test_momentum_matches_its_reference(job):
         server.close()
 
 
+def test_adagrad_matches_its_reference_and_its_sums_survive_a_checkpoint(job, tmp_path):
+    server, learner = _in_process_job(job, lr=0.5, optimizer="adagrad")
+    try:
+        grads = [np.full(100, v, np.float32) for v in (1.0, -2.0, 0.5, 3.0)]
+        for g in grads:
+            _push(server, learner, float(g[0]), server.version)
+        w, s = np.ones(100, np.float32), np.zeros(100, np.float32)
+        AsyncSGD.reference(w, grads, Options(lr=0.5, optimizer="adagrad"), s)
+        np.testing.assert_array_equal(server.weights(), w)
+        np.testing.assert_array_equal(server.region.state, s)  # 1 + 4 + 0.25 + 9
+        from gadei import checkpoint
+
+        assert set(checkpoint.load(server.write_checkpoint(str(tmp_path))).optimizer) == {"adagrad_sums"}
+    finally:
+        learner.close()
+        server.close()
+
+    with gadei.Server(job, model=Flat(100, 1.0), learners=1, lr=0.5, optimizer="adagrad",
+                      resume=checkpoint.latest(tmp_path)) as again:
+        np.testing.assert_array_equal(again.region.state, s)
+        np.testing.assert_array_equal(again.weights(), w)
+        assert again.region.header.get("optimizer") == 1
+
+
 def test_staleness_aware_learning_rate_divides_by_staleness(job):
     server, learner = _in_process_job(job, lr=1.0, stale_lr=True)
     try:
@@ -262,6 +288,9 @@ def test_options_a_mode_cannot_use_are_refused(job):
         ("elastic", {"grad_dtype": "float16"}, "elastic mode pushes whole float32 weights"),
         ("async", {"stale_bound": 2}, "stale_bound 2 is below the 8 learner rings"),
         ("async", {"momentum": 1.5}, "momentum must be in"),
+        ("async", {"optimizer": "adam"}, "optimizer must be one of sgd, adagrad"),
+        ("async", {"optimizer": "adagrad", "momentum": 0.9}, "momentum applies to the sgd optimizer"),
+        ("elastic", {"optimizer": "adagrad"}, "adagrad optimizer applies to async, consistent and sync"),
     ]:
         with pytest.raises(ValueError, match=message):
             gadei.Server(job, model=Flat(100), mode=mode, **options)

@@ -90,6 +90,7 @@ def make_model() -> Flat:
 def serve(args) -> int:
     server = gadei.Server(
         args.job, model=MODELS[args.model](args.n, args.init), mode=args.mode, lr=args.lr, momentum=args.momentum,
+        optimizer=args.optimizer,
         stale_lr=args.stale_lr, stale_bound=args.stale_bound, alpha=args.alpha, tau=args.tau, drop_after=args.drop_after,
         grad_dtype=args.grad_dtype, row_sparse=args.row_sparse, learners=args.learners, slots=args.slots,
         threads=args.threads, resume=checkpoint.latest(args.resume) if args.resume else None, replace=args.replace,
@@ -221,6 +222,7 @@ def main(argv=None) -> int:
     p.add_argument("--init", type=float, default=1.0)
     p.add_argument("--mode", default="async")
     p.add_argument("--momentum", type=float, default=0.0)
+    p.add_argument("--optimizer", default="sgd")
     p.add_argument("--stale-lr", action="store_true")
     p.add_argument("--stale-bound", type=int, default=0)
     p.add_argument("--alpha", type=float, default=0.5)

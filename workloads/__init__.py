@@ -62,13 +62,14 @@ class Workload:
         logits = model(x)
         return self.criterion(logits, y), int((logits.argmax(dim=1) == y).sum())
 
-    def backward(self, model: nn.Module, loss: torch.Tensor, lr: float) -> None:
+    def backward(self, model: nn.Module, loss: torch.Tensor, lr: float | None) -> None:
         """``loss.backward()``, then the model's constraints as gradient corrections for an
         update ``w -= lr * g`` (a model with ``constrain_grads``, such as the text CNN's
-        max-norm; see :meth:`.TextCNN.constrain_grads`)."""
+        max-norm; see :meth:`.TextCNN.constrain_grads`). ``lr`` None: the update is not
+        plain SGD (Adagrad, momentum) and no correction is added."""
         loss.backward()
         constrain = getattr(model, "constrain_grads", None)
-        if constrain is not None:
+        if constrain is not None and lr is not None:
             constrain(lr)
 
     def build_model(self, train, seed: int) -> nn.Module:
