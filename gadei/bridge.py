@@ -3,11 +3,13 @@
     node A: server + learners  <-- region -->  bridge rank 0  <== MPI ==>  bridge rank 1  <-- region -->  node B
 
 Each node runs its own server and learners. Its bridge (`mpiexec -n NODES gadei bridge JOB
-...`) attaches to the local region like a learner: it claims a ring, beats its entry and
-never holds anything the server needs. Every `interval` local versions (or `every`
-seconds) it copies the local weights w, exchanges with the other nodes as its `Strategy`
-says, and gets a target t the local model should move to. It writes the move back through
-its ring, as an update the server applies once like any other:
+...`, or a thread of each rank of `mpiexec -n NODES gadei run job.toml` with a [bridge]
+section, which also runs the node's job: `Background`) attaches to the local region like a
+learner: it claims a ring, beats its entry and never holds anything the server needs.
+Every `interval` local versions (or `every` seconds) it copies the local weights w,
+exchanges with the other nodes as its `Strategy` says, and gets a target t the local model
+should move to. It writes the move back through its ring, as an update the server applies
+once like any other:
 
     async / consistent:  the slot holds g = (w - t) / lr, and the server's w -= lr g
                          leaves t + (whatever the learners added since w was copied)
@@ -55,6 +57,7 @@ import random
 import shutil
 import statistics
 import sys
+import threading
 import time
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
@@ -72,6 +75,7 @@ from .ring import WAIT_SLICE, claim
 
 log = logging.getLogger(__name__)
 
+DEFAULT_INTERVAL = 100  # local versions between exchanges when neither interval nor every is given
 PEER_LOST = 3  # exit code: a peer did not answer in time and average/elastic ended the exchanges
 MPIEXEC_OPTIONS = ("--enable-recovery", "--runtime-options", "error-nonzero-status=false")
 MB = 1 << 20
@@ -952,16 +956,19 @@ class Bridge:
         job: the local job's name.
         options: how to exchange.
         comm: the communicator (default: MPI.COMM_WORLD).
+        on_event: called with each record (ready, exchange, ended; with "rank") as it happens,
+            besides the JSON line `options.json` prints.
     """
 
-    def __init__(self, job: str, options: Options, comm=None):
+    def __init__(self, job: str, options: Options, comm=None, on_event=None):
         MPI = mpi()
+        self.on_event = on_event
         self.comm = comm or MPI.COMM_WORLD
         self.comm.Set_errhandler(MPI.ERRORS_RETURN)
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
         options.check(self.size)
         if options.interval is None and options.every is None:
-            options.interval = 100
+            options.interval = DEFAULT_INTERVAL
         self.options = options
         self.job = job
         self.node = LocalNode(job)
@@ -969,8 +976,11 @@ class Bridge:
         self.clean = False  # after run(): MPI may be finalised (no peer lost, nothing in flight)
 
     def _emit(self, record: dict) -> None:
+        record = {**record, "rank": self.rank}
+        if self.on_event is not None:
+            self.on_event(record)
         if self.options.json:
-            print(json.dumps({**record, "rank": self.rank}), flush=True)
+            print(json.dumps(record), flush=True)
 
     def run(self) -> Report:
         """Exchange until the local job stops, every peer left, or a peer is lost (PEER_LOST)."""
@@ -1081,26 +1091,106 @@ def job_name(job: str, rank: int, per_rank: bool) -> str:
 
 
 def main(job: str, options: Options, per_rank: bool = False) -> int:
-    """`gadei bridge`: run this rank's bridge and end the process the way MPI needs.
-
-    Returns the exit code after MPI_Finalize when every peer is known to have gone cleanly;
-    otherwise (a lost peer, requests left in flight) the process exits here without
-    finalising, so no wait on a dead peer can hang it.
-    """
+    """`gadei bridge`: run this rank's bridge and end the process the way MPI needs (`finalize`)."""
     MPI = mpi()
     rank = MPI.COMM_WORLD.Get_rank()
     if options.checkpoint_dir:
         options.checkpoint_dir = options.checkpoint_dir.replace("{rank}", str(rank))
     bridge = Bridge(job_name(job, rank, per_rank), options)
     report = bridge.run()
-    code = PEER_LOST if report.reason == "peer lost" else 0
-    if bridge.clean:
-        MPI.Finalize()
+    return finalize(bridge.clean, PEER_LOST if report.reason == "peer lost" else 0)
+
+
+def finalize(clean: bool, code: int) -> int:
+    """End this rank's MPI: `code` after MPI_Finalize when every peer is known to have gone
+    cleanly (`Bridge.clean`); otherwise (a lost peer, requests left in flight) the process
+    exits here with `code` without finalising, so no wait on a dead peer can hang it."""
+    if clean:
+        mpi().Finalize()
         return code
     sys.stdout.flush()
     sys.stderr.flush()
     logging.shutdown()
     os._exit(code)
+
+
+# ------------------------------------------------------------------ a rank that also runs its node's job
+
+# Set by the launchers in every rank they start: Open MPI's mpiexec, and PMI launchers (MPICH's Hydra, Slurm)
+_SIZE_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+# Their variables that make a process an MPI rank: the processes a rank starts are not ranks
+_RANK_PREFIXES = ("OMPI_", "PMIX_", "PMI_", "PRTE_")
+
+
+def launched_ranks() -> int:
+    """How many ranks the MPI launcher started this process among (1: not under a launcher).
+    Read from the launcher's environment, so a process that runs alone never loads MPI."""
+    for name in _SIZE_VARIABLES:
+        try:
+            return max(1, int(os.environ[name]))
+        except (KeyError, ValueError):
+            continue
+    return 1
+
+
+def child_environment() -> dict[str, str]:
+    """This process's environment without the launcher's variables: for the processes a rank
+    starts (its node's server and learners), which must not take themselves for ranks."""
+    return {k: v for k, v in os.environ.items() if not k.startswith(_RANK_PREFIXES)}
+
+
+class Background:
+    """One rank's bridge in a thread of a process that runs its node's job (`gadei run` under
+    mpiexec): it attaches once the job serves, exchanges until the job stops, and keeps the
+    `Report` (None when the job never served) and whether MPI may be finalised (`clean`).
+
+    Args:
+        job: the local job's name.
+        options: how to exchange.
+        ended: true once the local job's server process is gone (no wait for it to serve then).
+        on_event: as `Bridge`'s.
+        wait: seconds to wait for the job to serve.
+    """
+
+    def __init__(self, job: str, options: Options, *, ended, on_event=None, wait: float = 300.0):
+        self.job, self.options, self.ended, self.on_event, self.wait = job, options, ended, on_event, wait
+        self.report: Report | None = None
+        self.error: str | None = None  # why the bridge did not run
+        self.clean = False
+        self._thread = threading.Thread(target=self._run, name=f"bridge {job}", daemon=True)
+
+    def start(self) -> "Background":
+        self._thread.start()
+        return self
+
+    def join(self, timeout: float) -> bool:
+        """Wait up to `timeout` seconds for the bridge to end; whether it did."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def _serving(self) -> bool:
+        try:
+            with Region.attach(self.job, readonly=True) as region:
+                return region.header.get("run_state") == SERVING
+        except GadeiError:
+            return False
+
+    def _run(self) -> None:
+        deadline = time.monotonic() + self.wait
+        while not self._serving():
+            if self.ended() or time.monotonic() >= deadline:
+                self.error = (f"job {self.job!r} " + ("ended before it served" if self.ended() else
+                                                      f"did not serve within {self.wait:g} s"))
+                log.error("bridge: %s; the other nodes will count this one as lost", self.error)
+                return
+            time.sleep(0.05)
+        try:
+            bridge = Bridge(self.job, self.options, on_event=self.on_event)
+            self.report = bridge.run()
+            self.clean = bridge.clean
+        except GadeiError as err:  # the job stopped before the bridge attached, or cannot be bridged
+            self.error = str(err)
+            log.error("bridge: %s; the other nodes will count this one as lost", err)
 
 
 # ------------------------------------------------------------------ starting ranks on this machine

@@ -664,7 +664,11 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Check a job file and its data (any problem is refused before anything "
                        "starts), fill in the defaults, run the job with a watchdog that restarts what crashes, "
                        "print progress, and leave the model, label and vocabulary maps, metrics.jsonl, "
-                       "checkpoints and logs in its output folder. See the README's Job files section.")
+                       "checkpoints and logs in its output folder. See the README's Job files section. A job "
+                       "file with a [bridge] section run as `mpiexec -n NODES gadei run JOB.toml` runs one node per "
+                       "rank: rank R runs job NAME-rR in FOLDER/node-R with one ring more for the bridge, which it "
+                       "runs itself once its job serves (see the README's Across nodes section); alone, or as one "
+                       "rank, the file runs on one node.")
     p.add_argument("jobfile", help="the job's TOML file")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.add_argument("--resume", action="store_true", help="go on with the run in the job's output folder (one that "

@@ -31,6 +31,15 @@ validated `Job` before anything starts.
     [output]
     folder = "runs/trec"          # default: runs/<name> next to the job file
 
+    [bridge]                      # optional: under `mpiexec -n NODES gadei run`, join the nodes' jobs
+    strategy = "average"          # average, elastic, gossip (see gadei.bridge)
+    interval = 100                # exchange after this many local versions (default 100), or instead:
+    # every = 0.5                 # every this many seconds (not both)
+    # alpha = 0.45                # elastic only: moving rate (default 0.9 / nodes)
+    bucket_mb = "auto"            # megabytes per message, 0: the whole model in one, "auto" (default)
+    float16 = false               # float16 on the wire, float32 sums
+    timeout = 60                  # seconds any wait on a peer may last
+
 Relative paths are taken from the job file's folder. Every refusal (`JobFileError`) names
 the file, the field, the value and what is allowed: an unknown section or key (with the
 closest known one), a wrong type or range, a file that does not exist. Data problems
@@ -90,6 +99,19 @@ class Checkpoint:
 
 
 @dataclass(frozen=True)
+class Bridge:
+    """How the nodes of a job run under `mpiexec -n NODES gadei run` exchange (gadei.bridge.Options)."""
+
+    strategy: str = "average"
+    interval: int | None = None  # None (and no `every`): the bridge's default, every 100 local versions
+    every: float | None = None
+    alpha: float | None = None  # None: 0.9 / nodes
+    bucket_mb: float | str = "auto"
+    float16: bool = False
+    timeout: float = 60.0
+
+
+@dataclass(frozen=True)
 class Job:
     """A job as its file says (paths absolute); `with_defaults` fills what depends on the data."""
 
@@ -99,6 +121,7 @@ class Job:
     train: Train = field(default_factory=Train)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     output: Path = Path("runs")
+    bridge: Bridge | None = None  # None: the job runs on one node
     path: Path | None = None
 
     def with_defaults(self, samples: int) -> tuple["Job", list[str]]:
@@ -112,16 +135,39 @@ class Job:
             chosen.append(f"batch = {batch} (default for {samples:,} training samples: 2 below 10,000, 4 up to "
                           "100,000, 32 above)")
         if train.optimizer is None:
-            optimizer = "sgd" if train.mode == "elastic" else "adagrad"
+            optimizer = "sgd" if train.mode == "elastic" or self.bridge is not None else "adagrad"
             train = replace(train, optimizer=optimizer)
-            chosen.append(f"optimizer = {optimizer} (default" + (": elastic learners take their own sgd steps)"
-                          if optimizer == "sgd" else ": per-weight steps, fast on sparse text features)"))
+            why = (": elastic learners take their own sgd steps)" if train.mode == "elastic" else
+                   ": with [bridge], the bridge's moves must land as sent)" if optimizer == "sgd" else
+                   ": per-weight steps, fast on sparse text features)")
+            chosen.append(f"optimizer = {optimizer} (default{why}")
         if train.epochs is None:
             epochs = default_epochs(samples, train.batch, train.optimizer)
             train = replace(train, epochs=epochs)
             chosen.append(f"epochs = {epochs} (default: about {UPDATES[train.optimizer]:,} updates of mini-batch "
                           f"{train.batch} over {samples:,} samples with {train.optimizer}, 3 to 20 epochs)")
-        return replace(self, train=train), chosen
+        bridge = self.bridge
+        if bridge is not None and bridge.interval is None and bridge.every is None:
+            from .bridge import DEFAULT_INTERVAL
+
+            bridge = replace(bridge, interval=DEFAULT_INTERVAL)
+        return replace(self, train=train, bridge=bridge), chosen
+
+    def for_node(self, node: int, nodes: int) -> "Job":
+        """The job of node `node` of `nodes` in a bridged run (`mpiexec -n NODES gadei run`): its
+        own job name `<name>-r<node>` and output folder `<folder>/node-<node>`, so that nodes
+        may share a machine (and a file system)."""
+        from .region import check_job_name
+
+        name = f"{self.name}-r{node}"
+        try:
+            check_job_name(name)
+        except GadeiError:
+            where = self.path.name if self.path else "job"
+            raise JobFileError(f"{where}: [job] name = {self.name!r}: node {node} of {nodes} runs it as {name!r}, "
+                               f"which is longer than a job name may be; allowed: up to {63 - (len(name) - len(self.name))} "
+                               "characters") from None
+        return replace(self, name=name, output=self.output / f"node-{node}")
 
     def to_toml(self) -> str:
         """The job as TOML, every field written (the job as run)."""
@@ -143,6 +189,8 @@ class Job:
             "checkpoint": asdict(self.checkpoint),
             "output": {"folder": self.output},
         }
+        if self.bridge is not None:
+            sections["bridge"] = asdict(self.bridge)
         lines = []
         for section, fields in sections.items():
             lines.append(f"[{section}]")
@@ -181,6 +229,9 @@ _SCHEMA = {
               "lr": ("positive_float", False), "epochs": ("positive_int", False), "seed": ("seed", False)},
     "checkpoint": {"interval": ("positive_float", False), "keep": ("positive_int", False)},
     "output": {"folder": ("text", False)},
+    "bridge": {"strategy": ("strategy", False), "interval": ("positive_int", False), "every": ("positive_float", False),
+               "alpha": ("rate", False), "bucket_mb": ("bucket", False), "float16": ("bool", False),
+               "timeout": ("positive_float", False)},
 }
 
 
@@ -240,10 +291,34 @@ def parse(raw: dict, path: Path) -> Job:
     if train.get("optimizer") == "adagrad" and train.get("mode") == "elastic":
         raise JobFileError(f"{where}: [train] optimizer = 'adagrad' with mode = 'elastic': elastic learners take "
                            "their own local steps; allowed with elastic: sgd")
+    bridge = _check_bridge(where, raw, values["bridge"], train)
     output = values["output"].get("folder")
     output = _absolute(output, path.parent) if output else path.parent / "runs" / job["name"]
     return Job(name=job["name"], workload=job["workload"], data=Data(**data), train=Train(**values["train"]),
-               checkpoint=Checkpoint(**values["checkpoint"]), output=output, path=path)
+               checkpoint=Checkpoint(**values["checkpoint"]), output=output, bridge=bridge, path=path)
+
+
+def _check_bridge(where: str, raw: dict, given: dict, train: dict) -> Bridge | None:
+    """The [bridge] section, or None without one. The bridge writes its move through a ring as
+    one update, so the job's update rule must apply it as sent (gadei.bridge.LocalNode)."""
+    if "bridge" not in raw:
+        return None
+    written = raw["bridge"]  # as the file has them, for the messages
+    if "interval" in given and "every" in given:
+        raise JobFileError(f"{where}: [bridge] interval = {written['interval']!r} and every = {written['every']!r}: "
+                           "exchange after versions or every seconds; allowed: one of them")
+    strategy = given.get("strategy", "average")
+    if "alpha" in given and strategy != "elastic":
+        raise JobFileError(f"{where}: [bridge] alpha = {written['alpha']!r} with strategy = {strategy!r}: alpha is the "
+                           "elastic strategy's moving rate; allowed: with strategy = 'elastic'")
+    if train.get("optimizer") == "adagrad":
+        raise JobFileError(f"{where}: [train] optimizer = 'adagrad' with a [bridge] section: adagrad scales each "
+                           "weight's step, so the bridge's moves would not land as sent; allowed with [bridge]: sgd "
+                           "(the default there)")
+    if train.get("mode") == "sync":
+        raise JobFileError(f"{where}: [train] mode = 'sync' with a [bridge] section: the bridge would be a member of "
+                           "every round; allowed with [bridge]: async, consistent, elastic")
+    return Bridge(**given)
 
 
 def _close(word: str, known) -> str:
@@ -262,7 +337,7 @@ def _value(where: str, section: str, key: str, kind: str, value, base: Path):
     def refuse(allowed: str):
         raise JobFileError(f"{field_} is {_type_name(value)}; allowed: {allowed}")
 
-    if kind in ("text", "name", "workload", "format", "mode", "optimizer"):
+    if kind in ("text", "name", "workload", "format", "mode", "optimizer", "strategy"):
         if not isinstance(value, str) or not value.strip():
             refuse("a non-empty string")
         if kind == "name":
@@ -279,6 +354,10 @@ def _value(where: str, section: str, key: str, kind: str, value, base: Path):
                 raise JobFileError(f"{field_}: unknown workload{_close(value, WORKLOADS)}; allowed: "
                                    f"{', '.join(sorted(WORKLOADS))}")
         choices = {"format": FORMATS, "mode": MODES, "optimizer": OPTIMIZERS}.get(kind)
+        if kind == "strategy":
+            from .bridge import STRATEGIES
+
+            choices = tuple(STRATEGIES)
         if choices and value not in choices:
             article = "an" if kind[0] in "aeiou" else "a"
             raise JobFileError(f"{field_}: not {article} {kind}{_close(value, choices)}; allowed: {', '.join(choices)}")
@@ -295,12 +374,24 @@ def _value(where: str, section: str, key: str, kind: str, value, base: Path):
         if not low <= value <= high:
             raise JobFileError(f"{field_} is out of range; allowed: {low} to {high:,}")
         return value
-    if kind in ("positive_float", "fraction"):
+    if kind == "bool":
+        if not isinstance(value, bool):
+            refuse("true or false")
+        return value
+    if kind == "bucket" and value == "auto":
+        return value
+    if kind in ("positive_float", "fraction", "rate", "bucket"):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            refuse("a number")
+            refuse('a number of megabytes (0: the whole model in one message) or "auto"' if kind == "bucket" else
+                   "a number")
         value = float(value)
         if kind == "fraction" and not 0.0 < value < 0.5:
             raise JobFileError(f"{field_} is out of range; allowed: more than 0 and less than 0.5")
+        if kind == "rate" and not 0.0 < value < 1.0:
+            raise JobFileError(f"{field_} is out of range; allowed: more than 0 and less than 1")
+        if kind == "bucket" and not (value >= 0 and math.isfinite(value)):
+            raise JobFileError(f'{field_} is out of range; allowed: 0 (the whole model in one message), a number of '
+                               'megabytes above 0, or "auto"')
         if kind == "positive_float" and not (value > 0 and math.isfinite(value)):
             raise JobFileError(f"{field_} is out of range; allowed: a number above 0")
         return value

@@ -18,6 +18,13 @@ checkpoint (see the README's Checkpoints section). The output folder gets:
     accuracy.png    test accuracy against epochs and against time
     checkpoints/    crash-safe checkpoints, the last `keep`
     logs/           the server's and watchdog's log (serve.log) and each learner's
+
+Across nodes: a job with a [bridge] section started as `mpiexec -n NODES gadei run job.toml`
+runs on each rank as that node's job (`_Node`): job `<name>-r<rank>`, output folder
+`<folder>/node-<rank>` (the files above, and node.json: the node, the node count and its
+learners' shards; logs/bridge.log: the bridge's JSON lines; result.json's "bridge": what it
+did), one ring more than learners for the bridge, which this process runs in a thread
+once its job serves, and learner i trains shard rank*L + i of NODES*L.
 """
 
 import json
@@ -27,6 +34,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from . import jobfile
@@ -37,33 +45,78 @@ log = logging.getLogger(__name__)
 
 def run_job(path: str, *, quiet: bool = False, resume: bool = False) -> int:
     """Run the job file at `path` to its end; 0 when it finished and wrote its model.
-    `resume`: go on with the run its output folder holds (see `_resume_from`)."""
+    `resume`: go on with the run its output folder holds (see `resume_point`).
+
+    A job with a [bridge] section started as more than one MPI rank (`mpiexec -n NODES gadei
+    run job.toml`) runs as node `rank` of NODES (`_Node`); alone, or as one rank, it runs as
+    any job on one node."""
     job = jobfile.load(path)
+    node = _Node.launched(job)
+    if node is None:
+        return _run(_prepare(job, resume, None), quiet)
+    return node.run(job, quiet=quiet, resume=resume)
+
+
+@dataclass
+class _Prepared:
+    """A checked job (defaults filled in), its data, what was chosen for it, the checkpoint it
+    resumes from; its output folder holds the job as run and the maps."""
+
+    job: jobfile.Job
+    train: object
+    test: object
+    chosen: list[str]
+    found: object = None
+
+
+def _prepare(job: jobfile.Job, resume: bool, node: "_Node | None") -> _Prepared:
+    """Everything that can be refused, before anything starts; the output folder's job.toml and maps."""
+    if node is not None:
+        job = job.for_node(node.rank, node.size)
     train, test = jobfile.load_data(job)
     job, chosen = job.with_defaults(len(train))
     out = job.output
     found = None
     if resume:
-        found = resume_point(job)
+        found = resume_point(job, nodes=node.size if node else 1)
     elif (out / "checkpoints").is_dir() and any((out / "checkpoints").iterdir()):
         raise GadeiError(f"output folder {out} holds a previous run (checkpoints/); go on with it with "
                          "`gadei run --resume`, or set another [output] folder, or remove that one")
     (out / "logs").mkdir(parents=True, exist_ok=True)
-    as_run = out / "job.toml"
-    as_run.write_text(job.to_toml())
+    (out / "job.toml").write_text(job.to_toml())
     (out / "labels.json").write_text(json.dumps(train.label_names, ensure_ascii=False))
     if train.vocab is not None:
         (out / "vocab.json").write_text(json.dumps(train.vocab.to_json(), ensure_ascii=False))
     else:  # numeric features: predict standardises with the training set's statistics
         (out / "features.json").write_text(json.dumps({"features": train.features, "mean": train.mean.tolist(),
                                                        "std": train.std.tolist()}))
+    if node is not None:
+        (out / "node.json").write_text(json.dumps({"node": node.rank, "nodes": node.size,
+                                                   "shards": node.shards(job.train.learners)}) + "\n")
+    return _Prepared(job, train, test, chosen, found)
+
+
+def _run(prepared: _Prepared, quiet: bool, node: "_Node | None" = None) -> int:
+    """Start the job's server, watchdog and learners (and the node's bridge), follow it to its
+    end, write the outputs; the exit code."""
+    job, train, test, found = prepared.job, prepared.train, prepared.test, prepared.found
+    out = job.output
+    as_run = out / "job.toml"
     t = job.train
     print(f"gadei run: job {job.name}: {job.workload} on {len(train):,} training / {len(test):,} test samples, "
           f"{train.n_labels} labels, " + (f"vocabulary {len(train.vocab):,}" if train.vocab is not None else
                                           f"{train.features} features") + f"; {t.learners} learners, {t.mode}, {t.optimizer}, "
           f"mini-batch {t.batch}, lr {t.lr:g}, {t.epochs} epochs, seed {t.seed}", flush=True)
-    for line in chosen:
+    for line in prepared.chosen:
         print(f"  chose {line}", flush=True)
+    if node is not None:
+        b = job.bridge
+        print(f"  node {node.rank} of {node.size}: learners' shards {', '.join(node.shards(t.learners))}; bridge "
+              f"{b.strategy}, " + (f"every {b.every:g} s" if b.every is not None else f"every {b.interval} versions")
+              + f", buckets {b.bucket_mb if b.bucket_mb == 'auto' else f'{b.bucket_mb:g} MB'}"
+              + (", float16" if b.float16 else "") + f", timeout {b.timeout:g} s", flush=True)
+    elif job.bridge is not None:
+        print("  one node, so no bridge ([bridge] joins the nodes of `mpiexec -n NODES gadei run`)", flush=True)
     print(f"  output: {out}", flush=True)
     if found is not None:
         print(f"  resuming from {found.path.name} (version {found.version:,}, progress "
@@ -73,33 +126,43 @@ def run_job(path: str, *, quiet: bool = False, resume: bool = False) -> int:
     spec = f"job:{as_run}"
     learner = ["--workload", job.workload, "--data", spec, "--seed", str(t.seed), "--epochs", str(t.epochs),
                "--batch", str(t.batch), "--json"]
+    rings = t.learners + (1 if node is not None else 0)  # a bridged node's bridge takes a ring of its own
     command = [sys.executable, "-m", "gadei", "serve", job.name, "--workload", job.workload, "--data", spec,
                "--seed", str(t.seed), "--lr", str(t.lr), "--mode", t.mode, "--optimizer", t.optimizer,
-               "--learners", str(t.learners),
+               "--learners", str(rings),
                "--checkpoint-dir", str(out / "checkpoints"), "--checkpoint-every", str(job.checkpoint.interval),
                "--keep", str(job.checkpoint.keep), "--log-dir", str(out / "logs"), "--save", str(out / "model.pt"),
                "--json"] + (["--resume", str(found.path)] if found is not None else [])
-    for i in range(t.learners):
-        extra = ["--shard", f"{i}/{t.learners}"] + (["--eval"] if i == 0 else [])
+    shards = node.shards(t.learners) if node is not None else [f"{i}/{t.learners}" for i in range(t.learners)]
+    for i, shard in enumerate(shards):
+        extra = ["--shard", shard] + (["--eval"] if i == 0 else [])
         command.append("--learner=" + " ".join(shlex.quote(a) for a in [*learner, *extra]))
     started = time.monotonic()
     with open(out / "logs" / "serve.log", "ab") as serve_log:
-        serve = subprocess.Popen(command, stdout=serve_log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        serve = subprocess.Popen(command, stdout=serve_log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                 env=node.child_environment() if node is not None else None)
+    bridge = node.start_bridge(job, serve) if node is not None else None
+
     def stop(*_):
         raise KeyboardInterrupt  # SIGTERM (gadei cancel) stops the job as Ctrl-C does
 
     signal.signal(signal.SIGTERM, stop)
     try:
-        _follow(job, serve, len(train), started, quiet)
+        if node is None:
+            _follow(job, serve, len(train), started, quiet)
+        else:  # the progress of this node's share of each epoch
+            _follow(job, serve, len(train) / node.size, started, quiet, f"node {node.rank}: ")
     except KeyboardInterrupt:
         interrupted = True
-        print("\ngadei run: stopping the job", flush=True)
+        print(f"\ngadei run: stopping the job {job.name}", flush=True)
         _checkpoint_progress(job)
         serve.send_signal(signal.SIGTERM)
     else:
         interrupted = False
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the job is stopping: let it finish
     code = serve.wait()
+    if bridge is not None:
+        node.stop_bridge(bridge)
     metrics = _write_metrics(out)
     if metrics:
         plot(metrics, out / "accuracy.png", job.name)
@@ -107,7 +170,8 @@ def run_job(path: str, *, quiet: bool = False, resume: bool = False) -> int:
     if code != 0 or not (out / "model.pt").exists():
         print(f"gadei run: job {job.name} failed (serve exited {code}); see {out / 'logs'}", file=sys.stderr)
         return 1
-    result = _result(job, train, test, out, elapsed, finished=not interrupted)
+    result = _result(job, train, test, out, elapsed, finished=not interrupted,
+                     bridge=node.summary(bridge) if node is not None else None)
     accuracy = f", test accuracy {result['test_accuracy']:.2%}"
     if interrupted:
         last = metrics[-1] if metrics else {}
@@ -119,9 +183,149 @@ def run_job(path: str, *, quiet: bool = False, resume: bool = False) -> int:
     return 0
 
 
-def _result(job: jobfile.Job, train, test, out: Path, seconds: float, finished: bool) -> dict:
+class _Node:
+    """This process as node `rank` of `size` of a bridged job: rank r of `mpiexec -n NODES
+    gadei run job.toml` runs its own node's job (`Job.for_node`) with one ring more than
+    learners, for the bridge, which this process runs in a thread (`gadei.bridge.Background`)
+    once its job serves. Learner i of node r trains shard r*L + i of NODES*L, so the nodes
+    together see each sample once per epoch: the work of one node with NODES*L learners."""
+
+    def __init__(self, comm, options):
+        self.comm, self.options = comm, options
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self.clean = False  # MPI may be finalised: no request in flight, no peer lost
+
+    @classmethod
+    def launched(cls, job: jobfile.Job) -> "_Node | None":
+        """This node, when the job has a [bridge] and the MPI launcher started more than one rank
+        (only then is MPI loaded)."""
+        if job.bridge is None:
+            return None
+        from . import bridge
+
+        if bridge.launched_ranks() < 2:
+            return None
+        b = job.bridge
+        options = bridge.Options(strategy=b.strategy, interval=b.interval, every=b.every, alpha=b.alpha,
+                                 bucket_mb=None if b.bucket_mb == "auto" else float(b.bucket_mb),
+                                 float16=b.float16, timeout=b.timeout)
+        MPI = bridge.mpi()
+        comm = MPI.COMM_WORLD
+        comm.Set_errhandler(MPI.ERRORS_RETURN)
+        options.check(comm.Get_size())
+        return cls(comm, options)
+
+    def shards(self, learners: int) -> list[str]:
+        return [f"{self.rank * learners + i}/{self.size * learners}" for i in range(learners)]
+
+    def child_environment(self) -> dict:
+        from .bridge import child_environment
+
+        return child_environment()
+
+    def run(self, job: jobfile.Job, *, quiet: bool, resume: bool) -> int:
+        """Prepare this node's job, agree with the other nodes that every one could (and that
+        their schedules fit together), run it with its bridge, and end MPI."""
+        from .bridge import finalize
+
+        try:
+            prepared = _prepare(job, resume, self)
+        except Exception:  # the others must not wait for this node into their timeout
+            self._agree(None)
+            raise
+        self._agree(prepared)
+        code = _run(prepared, quiet, self)
+        return finalize(self.clean, code)
+
+    def _agree(self, prepared: _Prepared | None) -> None:
+        """Every rank says whether it is ready and what its schedule is; all start, or none.
+
+        Raises:
+            GadeiError: another rank could not prepare its job, their schedules differ (the
+                shards would not cover the data once), or a rank did not answer in time.
+        """
+        import numpy as np
+
+        from .bridge import LinkDown, mpi, wait_all
+
+        MPI = mpi()
+        t = prepared.job.train if prepared else None
+        mine = np.array([1, t.learners, t.epochs, t.batch, t.seed, len(prepared.train)] if prepared else [0] * 6,
+                        dtype=np.int64)
+        low, high = np.empty_like(mine), np.empty_like(mine)
+        try:
+            wait_all([self.comm.Iallreduce(mine, low, op=MPI.MIN), self.comm.Iallreduce(mine, high, op=MPI.MAX)],
+                     time.monotonic() + self.options.timeout, "the nodes agreeing to start")
+        except LinkDown as err:
+            self.clean = False
+            raise GadeiError(f"node {self.rank}: {err}; not starting (is every rank running `gadei run` on the same "
+                             "job file?)") from None
+        self.clean = True
+        if not low[0]:
+            self._end()
+            if prepared is None:
+                return  # this node's own error follows
+            raise GadeiError(f"node {self.rank}: another node could not prepare its job (see its error); nothing "
+                             "started")
+        names = ("[train] learners", "[train] epochs", "[train] batch", "[train] seed", "training samples")
+        differ = [f"{name} {lo} to {hi}" for name, lo, hi in zip(names, low[1:], high[1:]) if lo != hi]
+        if differ:
+            self._end()
+            raise GadeiError(f"node {self.rank}: the nodes' jobs differ in " + ", ".join(differ) + "; the learners' "
+                             "shards would not cover the data once: run the same job file (and data) on every node")
+
+    def _end(self) -> None:
+        """MPI ends here (no job started): every rank knows, nothing is in flight."""
+        from .bridge import mpi
+
+        mpi().Finalize()
+
+    def start_bridge(self, job: jobfile.Job, serve: subprocess.Popen):
+        """This node's bridge, in a thread: it attaches once the job serves, its events go to
+        logs/bridge.log (JSON lines)."""
+        from .bridge import Background
+
+        events = open(job.output / "logs" / "bridge.log", "a")
+
+        def on_event(record: dict) -> None:
+            events.write(json.dumps(record) + "\n")
+            events.flush()
+
+        self._events = events
+        return Background(job.name, self.options, ended=lambda: serve.poll() is not None, on_event=on_event).start()
+
+    def stop_bridge(self, bridge) -> None:
+        """After the local job ended: wait for the bridge to leave the exchanges (the others
+        learn it at the next one, within a quarter of the timeout)."""
+        if not bridge.join(self.options.timeout + 30):
+            log.error("node %d: the bridge did not end within %g s after the job", self.rank, self.options.timeout + 30)
+        self.clean = bridge.clean and bridge.report is not None
+        self._events.close()
+        report = bridge.report
+        if report is not None:
+            print(f"gadei run: node {self.rank}: bridge {report.strategy}: {report.exchanges:,} exchanges, "
+                  f"{report.published:,} moves, {report.bytes_sent / (1 << 20):,.1f} MB sent; {report.reason}"
+                  + (f"; lost ranks {report.lost}" if report.lost else ""), flush=True)
+        else:
+            print(f"gadei run: node {self.rank}: no bridge ran: {bridge.error}", file=sys.stderr, flush=True)
+
+    def summary(self, bridge) -> dict:
+        """result.json's "bridge": this node, and what its bridge did."""
+        from dataclasses import asdict
+
+        record = {"node": self.rank, "nodes": self.size, "strategy": self.options.strategy}
+        if bridge.report is not None:
+            record.update({k: v for k, v in asdict(bridge.report).items() if k not in ("rank", "job", "strategy")})
+        else:
+            record["reason"] = f"no bridge ran: {bridge.error}"
+        return record
+
+
+def _result(job: jobfile.Job, train, test, out: Path, seconds: float, finished: bool,
+            bridge: dict | None = None) -> dict:
     """result.json: the final model's test accuracy (evaluated here, on the whole test set),
-    the version it is, and the run's seconds (this run's, since a resume)."""
+    the version it is, and the run's seconds (this run's, since a resume); for a node of a
+    bridged run, what its bridge did."""
     import torch
     from gadei_workloads import get
 
@@ -131,16 +335,19 @@ def _result(job: jobfile.Job, train, test, out: Path, seconds: float, finished: 
     result = {"job": job.name, "finished": finished, "test_accuracy": workload.evaluate(model, test),
               "test_samples": len(test), "seconds": round(seconds, 1), "learners": job.train.learners,
               "epochs": job.train.epochs}
+    if bridge is not None:
+        result["bridge"] = bridge
     (out / "result.json").write_text(json.dumps(result, indent=1) + "\n")
     return result
 
 
-def resume_point(job: jobfile.Job, *, remove_model: bool = True):
+def resume_point(job: jobfile.Job, *, remove_model: bool = True, nodes: int = 1):
     """The checkpoint a resumed run goes on from: the newest one of its output folder that says
     how far each learner got (a watchdog's periodic or final-stage one; the server's own stop
     checkpoint does not, so up to one checkpoint interval is trained again). The folder's
     job.toml must be this job with at most more epochs: the learners' schedules (data,
-    shards, mini-batch, seed) must be the ones the progress counts in."""
+    shards, mini-batch, seed) must be the ones the progress counts in; a bridged node's
+    folder (node.json) must come from a run of as many `nodes`, whose shards these are."""
     from . import checkpoint
 
     out = job.output
@@ -155,6 +362,13 @@ def resume_point(job: jobfile.Job, *, remove_model: bool = True):
     if changed:
         raise GadeiError(f"--resume: the job differs from the run in {out} in " + ", ".join(changed)
                          + " (only [train] epochs may change); run it with another [output] folder instead")
+    try:
+        before_nodes = json.loads((out / "node.json").read_text())["nodes"]
+    except FileNotFoundError:
+        before_nodes = 1
+    if before_nodes != nodes:
+        raise GadeiError(f"--resume: the run in {out} ran on {before_nodes} node(s), this one on {nodes}: the learners' "
+                         "shards would differ; go on with as many MPI ranks, or run it with another [output] folder")
     found = checkpoint.latest(out / "checkpoints", with_progress=True)
     if found is None:
         raise GadeiError(f"--resume: no checkpoint in {out / 'checkpoints'} that verifies and records the learners' "
@@ -192,10 +406,13 @@ def _checkpoint_progress(job: jobfile.Job, attempts: int = 5) -> None:
                 time.sleep(0.2)
 
 
-def _follow(job, serve: subprocess.Popen, train_size: int, started: float, quiet: bool) -> None:
+def _follow(job, serve: subprocess.Popen, train_size: float, started: float, quiet: bool, label: str = "") -> None:
     """Print a progress line every 2 s until the job's server exits: epochs done (updates x
-    mini-batch over the training set), the last evaluated epoch's loss and accuracy,
-    samples/s, version, ETA."""
+    mini-batch over the training set, or a bridged node's share of it), the last evaluated
+    epoch's loss and accuracy, samples/s, version, ETA. On a terminal the line is rewritten
+    in place, unless `label` (a bridged node's, which starts its lines) says that other
+    ranks write to the same terminal (mpiexec gives each rank one)."""
+    overwrite = sys.stdout.isatty() and not label
     from . import status
     from .region import Region
 
@@ -216,19 +433,19 @@ def _follow(job, serve: subprocess.Popen, train_size: int, started: float, quiet
         epoch = _last_epoch(job.output)
         done = min(job.train.epochs * train_size, now.version * job.train.batch)
         left = (job.train.epochs * train_size - done) / samples_per_s if samples_per_s > 0 else float("nan")
-        line = (f"  epoch {done / train_size:.2f}/{job.train.epochs}"
+        line = (f"  {label}epoch {done / train_size:.2f}/{job.train.epochs}"
                 + (f"; after epoch {epoch['epoch']}: loss {epoch['loss']:.3f}" if "loss" in epoch else "")
                 + (f", test accuracy {epoch['test_accuracy']:.1%}" if "test_accuracy" in epoch else "")
                 + f", {samples_per_s:,.0f} samples/s, version {now.version:,}"
                 + (f", ETA {left:.0f} s" if left == left else "")
                 + f", {time.monotonic() - started:.0f} s")
-        if sys.stdout.isatty():
+        if overwrite:
             print("\r" + line.ljust(width), end="", flush=True)
             width = len(line)
         else:
             print(line, flush=True)
         before = now
-    if sys.stdout.isatty():
+    if overwrite:
         print(flush=True)
 
 

@@ -1,0 +1,306 @@
+"""A bridged job from one job file: the [bridge] section (parsed, written back, every
+refusal), the node a rank runs (its job name, folder and shards), and one real
+`mpiexec -n 2 gadei run job.toml` on TREC: two nodes on this machine, each a job with one
+learner and a bridge rank in its `gadei run` process.
+
+The mpiexec tests are skipped, with the reason, where mpi4py is missing or mpiexec cannot
+start two ranks (test_bridge.py's `mpi_env`).
+"""
+
+import json
+import os
+import sys
+import textwrap
+
+import psutil
+import pytest
+import test_bridge
+
+from conftest import communicate, data_dir
+from gadei import jobfile
+from gadei.bridge import child_environment, launched_ranks, local_mpiexec
+from gadei.errors import GadeiError
+from gadei.jobfile import JobFileError
+from gadei.region import inspect, remove
+from test_bridge import _EXEC
+
+mpi_env = test_bridge.mpi_env  # the fixture: mpiexec's environment here, or a skip with the reason
+
+BASE = """
+[job]
+name = "pets"
+workload = "textcnn"
+
+[data]
+train = "train.csv"
+format = "csv"
+label_column = "category"
+"""
+
+
+@pytest.fixture
+def small(tmp_path):
+    rows = [f'"sentence number {i}, about {"dogs" if i % 2 else "cats"}",{"dog" if i % 2 else "cat"}' for i in range(40)]
+    (tmp_path / "train.csv").write_text("text,category\n" + "\n".join(rows) + "\n")
+    return tmp_path
+
+
+def _load(folder, body: str, name: str = "job.toml") -> jobfile.Job:
+    path = folder / name
+    path.write_text(textwrap.dedent(body))
+    return jobfile.load(path)
+
+
+# ------------------------------------------------------------------ the [bridge] section
+
+
+def test_a_bridge_section_parses_makes_sgd_the_default_and_writes_itself_back(small):
+    job = _load(small, BASE + """
+        [bridge]
+        strategy = "elastic"
+        every = 0.5
+        alpha = 0.3
+        bucket_mb = 2
+        float16 = true
+        timeout = 20
+    """)
+    assert job.bridge == jobfile.Bridge(strategy="elastic", every=0.5, alpha=0.3, bucket_mb=2.0, float16=True,
+                                        timeout=20.0)
+    filled, chosen = job.with_defaults(36)
+    assert filled.train.optimizer == "sgd" and "optimizer = sgd (default: with [bridge]" in chosen[1]
+    again = _load(small, filled.to_toml(), "as-run.toml")
+    assert again == jobfile.Job(**{**filled.__dict__, "path": again.path})
+    assert "[bridge]" in filled.to_toml() and "[bridge]" not in _load(small, BASE).with_defaults(36)[0].to_toml()
+
+    plain = _load(small, BASE + "[bridge]\n").with_defaults(36)[0]  # an empty section: the bridge's defaults
+    assert plain.bridge == jobfile.Bridge(strategy="average", interval=100, bucket_mb="auto", timeout=60.0)
+    assert 'bucket_mb = "auto"' in plain.to_toml()
+    assert _load(small, BASE).with_defaults(36)[0].train.optimizer == "adagrad"  # without [bridge]: as before
+
+
+@pytest.mark.parametrize("section, message", [
+    ('stratgy = "average"', "[bridge] unknown key 'stratgy' (did you mean 'strategy'?); allowed: strategy, interval, "
+                            "every, alpha, bucket_mb, float16, timeout"),
+    ('strategy = "averge"', "[bridge] strategy = 'averge': not a strategy (did you mean 'average'?); allowed: "
+                            "average, elastic, gossip"),
+    ("strategy = 1", "[bridge] strategy = 1 is an integer; allowed: a non-empty string"),
+    ("interval = 0", "[bridge] interval = 0 is out of range; allowed: 1 to 1,000,000,000"),
+    ("interval = 1.5", "[bridge] interval = 1.5 is a number; allowed: an integer"),
+    ("every = -1", "[bridge] every = -1 is out of range; allowed: a number above 0"),
+    ("interval = 10\nevery = 2", "[bridge] interval = 10 and every = 2: exchange after versions or every seconds; "
+                                 "allowed: one of them"),
+    ('strategy = "elastic"\nalpha = 1.5', "[bridge] alpha = 1.5 is out of range; allowed: more than 0 and less than 1"),
+    ("alpha = 0.5", "[bridge] alpha = 0.5 with strategy = 'average': alpha is the elastic strategy's moving rate; "
+                    "allowed: with strategy = 'elastic'"),
+    ('bucket_mb = "big"', "[bridge] bucket_mb = 'big' is a string; allowed: a number of megabytes (0: the whole model "
+                          'in one message) or "auto"'),
+    ("bucket_mb = -1", "[bridge] bucket_mb = -1 is out of range; allowed: 0 (the whole model in one message)"),
+    ('float16 = "yes"', "[bridge] float16 = 'yes' is a string; allowed: true or false"),
+    ("float16 = 1", "[bridge] float16 = 1 is an integer; allowed: true or false"),
+    ("timeout = 0", "[bridge] timeout = 0 is out of range; allowed: a number above 0"),
+])
+def test_a_bad_bridge_section_is_refused_naming_field_value_and_what_is_allowed(small, section, message):
+    with pytest.raises(JobFileError) as err:
+        _load(small, BASE + "[bridge]\n" + section + "\n")
+    assert message in str(err.value) and "job.toml" in str(err.value)
+
+
+@pytest.mark.parametrize("train, message", [
+    ('optimizer = "adagrad"', "[train] optimizer = 'adagrad' with a [bridge] section: adagrad scales each weight's "
+                              "step, so the bridge's moves would not land as sent; allowed with [bridge]: sgd"),
+    ('mode = "sync"', "[train] mode = 'sync' with a [bridge] section: the bridge would be a member of every round; "
+                      "allowed with [bridge]: async, consistent, elastic"),
+])
+def test_a_job_the_bridge_cannot_move_is_refused_before_anything_starts(small, train, message):
+    with pytest.raises(JobFileError) as err:
+        _load(small, BASE + "[train]\n" + train + "\n[bridge]\n")
+    assert message in str(err.value) and "job.toml" in str(err.value)
+    _load(small, BASE + "[train]\n" + train + "\n")  # without [bridge] the same job is fine
+
+
+def test_bridge_must_be_a_section(small):
+    with pytest.raises(JobFileError, match=r"job.toml: bridge must be a section \(\[bridge\]\), not a value"):
+        _load(small, "bridge = 3\n" + BASE)
+
+
+# ------------------------------------------------------------------ the node a rank runs
+
+
+def test_each_node_has_its_own_job_name_and_folder_and_the_shards_cover_the_data(small):
+    from gadei.run import _Node
+
+    job = _load(small, BASE + "[train]\nlearners = 3\n[bridge]\n")
+    node = job.for_node(1, 2)
+    assert (node.name, node.output) == ("pets-r1", small / "runs" / "pets" / "node-1")
+
+    class Comm:
+        def __init__(self, rank):
+            self.rank = rank
+
+        def Get_rank(self):
+            return self.rank
+
+        def Get_size(self):
+            return 2
+
+    shards = [_Node(Comm(r), None).shards(3) for r in range(2)]
+    assert shards == [["0/6", "1/6", "2/6"], ["3/6", "4/6", "5/6"]]
+
+    long = _load(small, BASE.replace('"pets"', '"' + "p" * 61 + '"') + "[bridge]\n")
+    with pytest.raises(JobFileError, match=r"\[job\] name = 'p{61}': node 1 of 2 runs it as 'p{61}-r1', which is "
+                                           r"longer than a job name may be; allowed: up to 60 characters"):
+        long.for_node(1, 2)
+
+
+def test_only_a_launcher_of_more_than_one_rank_makes_a_node(small, monkeypatch):
+    from gadei.run import _Node
+
+    for name in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    job = _load(small, BASE + "[bridge]\n")
+    assert launched_ranks() == 1 and _Node.launched(job) is None  # plain `gadei run`: MPI is never loaded
+    monkeypatch.setenv("PMI_SIZE", "1")
+    assert launched_ranks() == 1 and _Node.launched(job) is None
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "4")
+    assert launched_ranks() == 4 and _Node.launched(_load(small, BASE)) is None  # no [bridge]: as before
+    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "1")
+    monkeypatch.setenv("PMIX_RANK", "1")
+    assert not any(k.startswith(("OMPI_", "PMIX_", "PMI_")) for k in child_environment())
+    assert child_environment()["PATH"] == os.environ["PATH"]
+
+
+def test_a_node_goes_on_only_with_as_many_nodes_as_made_its_shards(small):
+    from gadei.run import resume_point
+
+    job = _load(small, BASE + "[bridge]\n").for_node(0, 3).with_defaults(36)[0]
+    job.output.mkdir(parents=True)
+    (job.output / "job.toml").write_text(job.to_toml())
+    (job.output / "node.json").write_text(json.dumps({"node": 0, "nodes": 3, "shards": ["0/6", "1/6"]}))
+    with pytest.raises(GadeiError, match=r"ran on 3 node\(s\), this one on 2: the learners' shards would differ"):
+        resume_point(job, nodes=2)
+    with pytest.raises(GadeiError, match="no checkpoint"):  # as many nodes: on to the checkpoints
+        resume_point(job, nodes=3)
+
+
+# ------------------------------------------------------------------ mpiexec -n 2 gadei run job.toml
+
+
+def _leftovers(names: list[str]) -> list[str]:
+    """Processes whose command line names one of the jobs (gadei run, serve, watchdog, learners)."""
+    found = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        line = " ".join(proc.info["cmdline"] or [])
+        if any(name in line for name in names) and proc.pid != os.getpid():
+            found.append(f"{proc.pid}: {line[:200]}")
+    return found
+
+
+def _kill(names: list[str]) -> None:
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        if any(name in " ".join(proc.info["cmdline"] or []) for name in names) and proc.pid != os.getpid():
+            try:
+                proc.kill()
+                proc.wait(10)
+            except (psutil.NoSuchProcess, psutil.TimeoutExpired):
+                pass
+    for name in names:
+        if inspect(name) is not None:
+            remove(name)
+
+
+def _mpiexec_run(procs, mpi_env, path, nodes: int = 2):
+    argv, _ = local_mpiexec(nodes, sys.executable, "-m", "gadei", "run", str(path))
+    return procs.start("-c", _EXEC, *argv, env=mpi_env)
+
+
+def test_when_one_node_cannot_start_none_does(small, procs, mpi_env):
+    name = f"refuse-{small.name[-12:]}".replace("_", "-")
+    path = small / "job.toml"
+    path.write_text(textwrap.dedent(BASE.replace('"pets"', f'"{name}"') + "[bridge]\ntimeout = 60\n"))
+    held = small / "runs" / name / "node-1" / "checkpoints"
+    held.mkdir(parents=True)
+    (held / "ckpt-000001.pt").write_bytes(b"a previous run")
+    run = _mpiexec_run(procs, mpi_env, path)
+    try:
+        out, err = communicate(run, 300)
+        assert "node-1 holds a previous run" in err, out + err
+        assert "node 0: another node could not prepare its job (see its error); nothing started" in err, out + err
+        assert "serving job" not in out + err and not (small / "runs" / name / "node-0" / "logs" / "serve.log").exists()
+        assert _leftovers([f"{name}-r0", f"{name}-r1"]) == []
+    finally:
+        _kill([f"{name}-r0", f"{name}-r1"])
+
+
+@pytest.mark.slow
+def test_mpiexec_runs_one_job_file_as_two_bridged_nodes(tmp_path, procs, mpi_env):
+    """Two nodes of one learner each, average every 100 versions: the same total work as one
+    node with two learners (each mini-batch of two epochs trained once, by one of them)."""
+    trec = data_dir() / "trec"
+    if not (trec / "TREC.train").exists():
+        pytest.skip(f"TREC is not at {trec} (set GADEI_DATA_DIR)")
+    name = f"bridged-{tmp_path.name[-12:]}".replace("_", "-")
+    jobs = [f"{name}-r{r}" for r in range(2)]
+    path = tmp_path / "job.toml"
+    path.write_text(textwrap.dedent(f"""
+        [job]
+        name = "{name}"
+        workload = "textcnn"
+        [data]
+        train = "{trec / 'TREC.train'}"
+        test = "{trec / 'TREC.test'}"
+        format = "trec"
+        encoding = "latin-1"
+        [train]
+        learners = 1
+        epochs = 2
+        lr = 0.1
+        [output]
+        folder = "out"
+        [bridge]
+        strategy = "average"
+        interval = 100
+        bucket_mb = 0
+        timeout = 60
+    """))
+    run = _mpiexec_run(procs, mpi_env, path)
+    try:
+        out, err = communicate(run, 900)
+        assert run.returncode == 0, (out + err)[-5000:]
+        for job in jobs:
+            assert f"gadei run: job {job} done in" in out, (out + err)[-5000:]
+        steps, published, exchanges, accuracy = 0, [], [], []
+        for r in range(2):
+            folder = tmp_path / "out" / f"node-{r}"
+            for file in ("job.toml", "node.json", "model.pt", "result.json", "metrics.jsonl", "accuracy.png"):
+                assert (folder / file).exists(), (folder, file)
+            assert json.loads((folder / "node.json").read_text()) == {"node": r, "nodes": 2, "shards": [f"{r}/2"]}
+            assert jobfile.load(folder / "job.toml").name == jobs[r]
+            result = json.loads((folder / "result.json").read_text())
+            assert result["finished"] and result["test_accuracy"] > 0.75, result
+            accuracy.append(result["test_accuracy"])
+            bridge = result["bridge"]
+            assert bridge["node"] == r and bridge["lost"] == [] and bridge["reason"] != "peer lost", bridge
+            assert bridge["published"] == bridge["moves"] >= 1  # each move applied before the next exchange
+            published.append(bridge["published"])
+            exchanges.append(bridge["exchanges"])
+            events = [json.loads(line) for line in (folder / "logs" / "bridge.log").read_text().splitlines()]
+            assert events[0]["event"] == "ready" and events[-1]["event"] == "ended"
+            assert sum(e["event"] == "exchange" for e in events) == bridge["exchanges"]
+            stopped = [json.loads(line) for line in (folder / "logs" / "serve.log").read_text().splitlines()
+                       if line.startswith('{"event": "stopped"')]
+            assert len(stopped) == 1, stopped  # no server restart
+            steps += stopped[0]["version"] - bridge["published"]  # the learners' own updates
+            metrics = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+            assert [m["epoch"] for m in metrics] == [1, 2]
+        # each node's final model is one Hogwild SGD model of mini-batch 2, a few points apart from
+        # run to run and from the other node's (82-86 % here): the nodes together must pass 80 %
+        assert sum(accuracy) / 2 > 0.8, accuracy
+        # average is collective: both nodes took part in every exchange
+        assert exchanges[0] == exchanges[1], exchanges
+        # shards 0/2 and 1/2: between them every mini-batch of two epochs, once
+        schedule = 2 * sum(-(-len(range(k, 5452, 2)) // 2) for k in range(2))
+        assert steps == schedule, (steps, schedule, published)
+        assert all(inspect(job) is None for job in jobs)
+        assert _leftovers(jobs) == []
+    finally:
+        _kill(jobs)
