@@ -7,9 +7,14 @@ with one, for the same default epochs. The accuracy is that of the final model o
 whole test set (`result.json`). Two learners must reach the target and lose at most one
 point to one learner (async Hogwild updates from stale weights must not cost accuracy).
 
-TREC runs in the default suite (slow: about five minutes here); SST-2 and banking77 take
-about ten minutes each on a 2-core machine and run with `--soak`.
+Hogwild runs are not deterministic: on SST-2, same-seed runs with two learners ended
+between 77.6% and 79.2%. So each side is the median over SEEDS (the job's seed: initial
+weights, data order, dropout), and the comparison is of those medians. TREC runs in the
+default suite with two seeds (about seven minutes here); SST-2 and banking77 run with
+`--soak`, three seeds each (about ten and twenty minutes on a 2-core machine).
 """
+
+import statistics
 
 import json
 
@@ -17,6 +22,7 @@ import pytest
 
 from conftest import communicate, data_dir
 
+SEEDS = {"trec": (0, 1), "sst2": (0, 1, 2), "banking77": (0, 1, 2)}
 CASES = {
     "trec": (0.85, """
         [data]
@@ -41,18 +47,18 @@ CASES = {
 }
 
 
-def _run(procs, folder, case: str, learners: int) -> dict:
-    name = f"acc-{case}-{learners}-{folder.parent.name[-12:]}".replace("_", "-")
-    path = folder / f"{case}-{learners}.toml"
+def _run(procs, folder, case: str, learners: int, seed: int) -> dict:
+    name = f"acc-{case}-{learners}-{seed}-{folder.parent.name[-12:]}".replace("_", "-")
+    path = folder / f"{case}-{learners}-{seed}.toml"
     folder.mkdir(parents=True, exist_ok=True)
     path.write_text(f'[job]\nname = "{name}"\nworkload = "textcnn"\n'
                     + "\n".join(line.strip() for line in CASES[case][1].format(d=data_dir()).splitlines())
-                    + f'\n[train]\nlearners = {learners}\n[output]\nfolder = "out-{learners}"\n')
+                    + f'\n[train]\nlearners = {learners}\nseed = {seed}\n[output]\nfolder = "out-{learners}-{seed}"\n')
     run = procs.gadei("run", path, "--quiet")
     out, err = communicate(run, 1800)
     assert run.returncode == 0, out + err
     assert "chose epochs" in out, out
-    result = json.loads((folder / f"out-{learners}" / "result.json").read_text())
+    result = json.loads((folder / f"out-{learners}-{seed}" / "result.json").read_text())
     assert result["finished"] and result["learners"] == learners
     return result
 
@@ -66,11 +72,12 @@ def test_a_job_with_default_settings_reaches_its_accuracy_with_two_learners_as_w
     target, _ = CASES[case]
     if not (data_dir() / case).is_dir():
         pytest.skip(f"{case} is not at {data_dir() / case} (set GADEI_DATA_DIR)")
-    two = _run(procs, tmp_path / case, case, learners=2)
-    one = _run(procs, tmp_path / case, case, learners=1)
-    report = f"{case}: two learners {two['test_accuracy']:.2%} in {two['seconds']} s, one {one['test_accuracy']:.2%} " \
-             f"in {one['seconds']} s, {two['epochs']} epochs"
+    runs = {n: [_run(procs, tmp_path / case, case, learners=n, seed=seed) for seed in SEEDS[case]] for n in (2, 1)}
+    median = {n: statistics.median(r["test_accuracy"] for r in rs) for n, rs in runs.items()}
+    report = f"{case}, {runs[2][0]['epochs']} epochs, seeds {SEEDS[case]}: " + "; ".join(
+        f"{'two learners' if n == 2 else 'one learner'} median {median[n]:.2%} ("
+        + ", ".join(f"{r['test_accuracy']:.2%} in {r['seconds']:.0f} s" for r in rs) + ")" for n, rs in runs.items())
     print(report)
-    assert two["epochs"] == one["epochs"], report
-    assert two["test_accuracy"] >= target, report
-    assert two["test_accuracy"] >= one["test_accuracy"] - 0.01, report
+    assert len({r["epochs"] for rs in runs.values() for r in rs}) == 1, report  # the same epochs on both sides
+    assert median[2] >= target, report
+    assert median[2] >= median[1] - 0.01, report
