@@ -74,6 +74,7 @@ class JobStatus:
 
 _RELEVANT = {  # which options a mode uses, for the status line
     "momentum": lambda mode: mode != "elastic",
+    "optimizer": lambda mode: mode != "elastic",  # shown when not the plain "sgd"
     "stale_lr": lambda mode: mode in ("async", "consistent"),
     "stale_bound": lambda mode: mode in ("async", "consistent"),
     "alpha": lambda mode: mode == "elastic",
@@ -209,7 +210,7 @@ def format_table(status: JobStatus, rate: Rates | None) -> str:
     server = f"pid {status.server_pid} " + ("alive" if status.server_alive else "GONE")
     if status.server_beat_age is not None:
         server += f", beat {status.server_beat_age:.1f}s ago"
-    options = {k: v for k, v in status.options.items() if k != "lr" and v and _RELEVANT[k](status.mode)}
+    options = {k: v for k, v in status.options.items() if k != "lr" and v and v != "sgd" and _RELEVANT[k](status.mode)}
     transport = status.grad_dtype + (f" + {status.row_sparse_tables} row-sparse tables" if status.row_sparse_tables else "")
     lines = [
         f"job {status.job}: {status.run_state}; server {server}; mode {status.mode}, lr {status.lr:g}"
