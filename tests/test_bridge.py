@@ -285,8 +285,9 @@ def test_gossip_goes_on_without_a_killed_rank(job, procs, bridges):
 
 def test_gossip_with_a_rank_slowed_tenfold_keeps_the_others_exchange_rate(job, procs, bridges):
     """Ranks 0 and 2 ask, 1 and 3 answer. Rank 3 is then stopped 90 % of the time (SIGSTOP
-    90 ms, SIGCONT 10 ms): the askers pass it over for rank 1, so no other rank's exchanges
-    per second fall by more than 20 %."""
+    900 ms, SIGCONT 100 ms: a period much longer than the 0.1 s exchange pace, or a
+    10 ms waking would still fit one exchange per 0.1 s): the askers pass it over for rank
+    1, so no other rank's exchanges per second fall by more than 20 %."""
     nodes, window, pace = 4, 4.0, 0.1
     server = _serve(procs, job, nodes)
     ranks = bridges(nodes, "--strategy", "gossip", "--every", pace, "--timeout", 30)
@@ -305,9 +306,9 @@ def test_gossip_with_a_rank_slowed_tenfold_keeps_the_others_exchange_rate(job, p
     def slow_down(pid: int) -> None:
         while not stop.is_set():
             os.kill(pid, signal.SIGSTOP)
-            stop.wait(0.09)
+            stop.wait(0.9)
             os.kill(pid, signal.SIGCONT)
-            stop.wait(0.01)
+            stop.wait(0.1)
 
     slower = threading.Thread(target=slow_down, args=(ready[3]["pid"],))
     slower.start()
