@@ -239,11 +239,6 @@ class Learner:
         self._on_slice()
 
     @property
-    def lr(self) -> float:
-        """The learning rate the server applies this job's gradients with."""
-        return self.options.lr
-
-    @property
     def constraint_lr(self) -> float | None:
         """The learning rate a model's constraint correction may count on (the server applies
         ``w -= lr * g`` exactly), or None where the update is not that (Adagrad scales each
