@@ -8,21 +8,18 @@ section, which also runs the node's job: `Background`) attaches to the local reg
 learner: it claims a ring, beats its entry and never holds anything the server needs.
 Every `interval` local versions (or `every` seconds) it copies the local weights w,
 exchanges with the other nodes as its `Strategy` says, and gets a target t the local model
-should move to. It writes the move back through its ring, as an update the server applies
-once like any other:
+should move to. It writes the move back through its ring as one slot of kind MOVE holding
+w - t, which the server applies exactly once like any other slot but as it is, outside the
+job's update rule: w -= (w - t) (the centre, in elastic mode), with no learning rate,
+momentum, optimizer state (adagrad's sums), staleness scaling or bound. That leaves
 
-    async / consistent:  the slot holds g = (w - t) / lr, and the server's w -= lr g
-                         leaves t + (whatever the learners added since w was copied)
-    elastic:             the slot holds w' = w + (t - w) / alpha, and the server's
-                         c += alpha (w' - c) leaves the centre at t + (1 - alpha) (c - w)
+    t + (whatever the learners added since w was copied)
 
 so the learners' progress during the exchange is kept, the server applies every update
-exactly once, and it never waits for the bridge. The bridge waits until its update was
-applied before it copies the weights again. Jobs whose server would distort the move are
-refused: momentum (the move would be repeated by the momentum buffer), the adagrad optimizer
-(it scales each weight's step), a staleness-aware
-learning rate or staleness bound (it would be scaled or dropped), sync mode (the bridge
-would be a member of every round), row-sparse tables and float16/bfloat16 rings.
+exactly once, and it never waits for the bridge. The bridge waits until its move was
+applied before it copies the weights again. Jobs it cannot move are refused: sync mode (the
+bridge would be a member of every round), row-sparse tables and float16/bfloat16 rings (the
+move changes every weight and must travel as float32).
 
 Strategies (one interface, `Strategy`):
     average  allreduce of the deltas since the last exchange; every node ends the exchange
@@ -68,7 +65,7 @@ import numpy as np
 from . import _native
 from .env import settings
 from .errors import GadeiError, GadeiTimeout, JobStopped, ServerGone
-from .layout import SERVING
+from .layout import MOVE, SERVING
 from .modes import read_options
 from .region import Region
 from .ring import WAIT_SLICE, claim
@@ -366,22 +363,16 @@ class LocalNode:
                  self.mode, f"{shape.n_params:,}")
 
     def _check(self, shape) -> None:
-        o, why = self.options, None
+        why = None
         if self.mode == "sync":
             why = "sync mode: the bridge would be a member of every round"
-        elif self.mode != "elastic" and o.momentum:
-            why = f"momentum {o.momentum:g}: the momentum buffer would repeat the bridge's move"
-        elif o.optimizer != "sgd":
-            why = f"the {o.optimizer} optimizer scales each weight's step, so the bridge's move would not land as sent"
-        elif self.mode != "elastic" and (o.stale_lr or o.stale_bound):
-            why = "a staleness-aware learning rate or bound would scale or drop the bridge's move"
         elif shape.grad_dtype != "float32":
             why = f"{shape.grad_dtype} rings: the move must travel as float32"
         elif shape.sparse:
             why = "row-sparse tables: the move changes every row"
         if why:
             raise BridgeError(f"job {self.job!r} cannot be bridged: {why}; serve it in async, consistent or elastic mode "
-                              "with float32 dense gradients, the sgd optimizer, no momentum and no staleness options")
+                              "with float32 dense gradients")
 
     @property
     def n(self) -> int:
@@ -437,14 +428,8 @@ class LocalNode:
         """
         self.producer.wait_space(self._on_slice)
         slot = self.region.dense(self.producer.learner, self.producer.slot)
-        if self.mode == "elastic":  # c += alpha (w' - c) with w' = seen + (target - seen) / alpha
-            np.subtract(target, seen, out=slot)
-            slot *= np.float32(1.0 / self.options.alpha)
-            slot += seen
-        else:  # w -= lr g with g = (seen - target) / lr
-            np.subtract(seen, target, out=slot)
-            slot *= np.float32(1.0 / self.options.lr)
-        self.producer.publish(self.version(), self.published, 0)
+        np.subtract(seen, target, out=slot)  # the server's w -= slot leaves target + the learners' progress since
+        self.producer.publish(self.version(), self.published, 0, kind=MOVE)
         self.published += 1
         if not self.producer.drain(self.timeout, self._drainable):
             self._on_slice()

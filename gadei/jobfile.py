@@ -135,10 +135,9 @@ class Job:
             chosen.append(f"batch = {batch} (default for {samples:,} training samples: 2 below 10,000, 4 up to "
                           "100,000, 32 above)")
         if train.optimizer is None:
-            optimizer = "sgd" if train.mode == "elastic" or self.bridge is not None else "adagrad"
+            optimizer = "sgd" if train.mode == "elastic" else "adagrad"
             train = replace(train, optimizer=optimizer)
             why = (": elastic learners take their own sgd steps)" if train.mode == "elastic" else
-                   ": with [bridge], the bridge's moves must land as sent)" if optimizer == "sgd" else
                    ": per-weight steps, fast on sparse text features)")
             chosen.append(f"optimizer = {optimizer} (default{why}")
         if train.epochs is None:
@@ -300,7 +299,8 @@ def parse(raw: dict, path: Path) -> Job:
 
 def _check_bridge(where: str, raw: dict, given: dict, train: dict) -> Bridge | None:
     """The [bridge] section, or None without one. The bridge writes its move through a ring as
-    one update, so the job's update rule must apply it as sent (gadei.bridge.LocalNode)."""
+    one slot, which the server applies as sent outside the update rule; sync rounds cannot
+    take it (gadei.bridge.LocalNode)."""
     if "bridge" not in raw:
         return None
     written = raw["bridge"]  # as the file has them, for the messages
@@ -311,10 +311,6 @@ def _check_bridge(where: str, raw: dict, given: dict, train: dict) -> Bridge | N
     if "alpha" in given and strategy != "elastic":
         raise JobFileError(f"{where}: [bridge] alpha = {written['alpha']!r} with strategy = {strategy!r}: alpha is the "
                            "elastic strategy's moving rate; allowed: with strategy = 'elastic'")
-    if train.get("optimizer") == "adagrad":
-        raise JobFileError(f"{where}: [train] optimizer = 'adagrad' with a [bridge] section: adagrad scales each "
-                           "weight's step, so the bridge's moves would not land as sent; allowed with [bridge]: sgd "
-                           "(the default there)")
     if train.get("mode") == "sync":
         raise JobFileError(f"{where}: [train] mode = 'sync' with a [bridge] section: the bridge would be a member of "
                            "every round; allowed with [bridge]: async, consistent, elastic")

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 MAGIC = 0x31304945_44414701  # bytes b"\x01GADEI01" in little-endian order
-LAYOUT_VERSION = 5
+LAYOUT_VERSION = 6
 PAGE = 4096
 LINE = 64
 NAME_BYTES = 64
@@ -201,8 +201,10 @@ SLOT, SLOT_HEADER_BYTES = _record(
         ("version", "u64"),  # the weights version the gradient was computed on
         ("step", "u64"),  # the learner's step number
         ("samples", "u64"),  # samples in the mini-batch
+        ("kind", "u64"),  # GRADIENT, or MOVE (a bridge's move: w -= payload, outside the update rule)
     ]
 )
+GRADIENT, MOVE = 0, 1  # slot kinds
 
 
 @dataclass(frozen=True)

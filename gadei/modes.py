@@ -107,6 +107,9 @@ class Gradient:
         version: the weights version it was computed on.
         samples: mini-batch size it was computed from.
         staleness: updates applied since `version`, when it is applied.
+        move: a bridge's move (slot kind MOVE): the weights move by -payload, whatever the
+            update rule (no learning rate, momentum, optimizer state, staleness scaling or
+            bound), so that the move lands as the bridge computed it.
     """
 
     learner: int
@@ -114,6 +117,7 @@ class Gradient:
     version: int
     samples: int
     staleness: int = 0
+    move: bool = False
 
 
 class SlotFormat:
@@ -218,6 +222,11 @@ class UpdateRule(ABC):
     def apply(self, grads: list[Gradient]) -> None:
         """Make one update of the weights from `grads` (one gradient, or a sync round), leaving
         their slots ready for reuse (the server hands them back)."""
+
+    def move(self, grad: Gradient) -> None:
+        """Apply a bridge's move: w -= payload (the centre, in elastic mode), clearing the slot.
+        The bridge only attaches to jobs whose slots are dense float32 (gadei.bridge)."""
+        self.format.sgd(self.weights, grad.payload, 1.0)
 
     @staticmethod
     @abstractmethod

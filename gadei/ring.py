@@ -29,7 +29,7 @@ import psutil
 
 from . import _native, _proc
 from .errors import CapacityError, GadeiTimeout
-from .layout import ACTIVE, CLAIMING, ENTRY, ENTRY_BYTES, FREE, HIST_BUCKETS
+from .layout import ACTIVE, CLAIMING, ENTRY, ENTRY_BYTES, FREE, GRADIENT, HIST_BUCKETS
 from .region import Region
 
 log = logging.getLogger(__name__)
@@ -107,12 +107,16 @@ class Producer:
         """True when slot `self.slot` is free (consumed by the server, or never used)."""
         return self.head - _native.load64(self._tail_addr) < self.slots
 
-    def publish(self, version: int, step: int, samples: int) -> None:
-        """Hand slot `self.slot` (payload already written) to the server, and ring if it sleeps."""
+    def publish(self, version: int, step: int, samples: int, kind: int = GRADIENT) -> None:
+        """Hand slot `self.slot` (payload already written) to the server, and ring if it sleeps.
+
+        `kind`: GRADIENT (applied by the job's update rule) or MOVE (a bridge's move of the
+        weights by -payload, applied as it is: see `gadei.bridge.LocalNode.move`)."""
         slot = self.region.slot_header(self.learner, self.slot)
         slot.set("version", version)
         slot.set("step", step)
         slot.set("samples", samples)
+        slot.set("kind", kind)
         self.head += 1
         _native.store64(self._head_addr, self.head)  # publishes payload and slot header
         if _native.load32(self._sleeping_addr):

@@ -31,6 +31,7 @@ from .layout import (
     ACTIVE,
     HIST_BUCKETS,
     INIT_READY,
+    MOVE,
     SERVING,
     STOPPED,
     STOPPING,
@@ -338,24 +339,28 @@ class Server:
         computed_on = header.get("version")
         # Only an update moves the version, and a taken gradient is applied by the next one.
         staleness = max(0, _native.load64(self._version_addr) - computed_on)
-        return Gradient(learner, self._payloads[learner][slot], computed_on, header.get("samples"), staleness)
+        return Gradient(learner, self._payloads[learner][slot], computed_on, header.get("samples"), staleness,
+                        move=header.get("kind") == MOVE)
 
     def _update(self, grads: list[Gradient]) -> None:
         """One update from `grads`: apply, bump the version, record statistics, hand the slots back."""
         bound = self.options.stale_bound
-        if bound and any(g.staleness > bound for g in grads):
-            for grad in [g for g in grads if g.staleness > bound]:
+        if bound and any(g.staleness > bound and not g.move for g in grads):
+            for grad in [g for g in grads if g.staleness > bound and not g.move]:
                 self.rule.format.discard(grad.payload)  # later than the bound: never applied
                 self._entries[grad.learner].add("discarded", 1)
                 self._consumer.release(grad.learner, self._consumer.tail(grad.learner))
-            grads = [g for g in grads if g.staleness <= bound]
+            grads = [g for g in grads if g.staleness <= bound or g.move]
             if not grads:
                 return
         moved = sum(self.rule.format.bytes_in(g.payload) for g in grads)
         if self.rule.seqlock:
             _native.add64(self._seq_addr, 1)  # odd: an update is running
         try:
-            self.rule.apply(grads)
+            for grad in grads:
+                if grad.move:  # a bridge's move lands as sent, outside the update rule
+                    self.rule.move(grad)
+            self.rule.apply([g for g in grads if not g.move])
             _native.add64(self._version_addr, 1)
         finally:
             if self.rule.seqlock:

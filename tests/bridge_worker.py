@@ -36,8 +36,9 @@ class Vector(torch.nn.Module):
 def serve(args) -> int:
     import gadei
 
+    rule = {"optimizer": args.optimizer, "momentum": args.momentum}
     servers = [gadei.Server(job, model=Vector(args.n, seed), mode=args.mode, lr=args.lr, learners=args.learners,
-                            threads=1, spin_us=0) for seed, job in enumerate(args.jobs)]
+                            threads=1, spin_us=0, **rule) for seed, job in enumerate(args.jobs)]
     reports = [None] * len(servers)
 
     def run(i):
@@ -102,6 +103,8 @@ def main(argv=None) -> int:
     p.add_argument("--mode", default="async")
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--learners", type=int, default=2)
+    p.add_argument("--optimizer", default="sgd")
+    p.add_argument("--momentum", type=float, default=0.0)
     p.set_defaults(func=serve)
     p = sub.add_parser("wire")
     p.add_argument("n", type=int)

@@ -265,6 +265,41 @@ def test_adagrad_matches_its_reference_and_its_sums_survive_a_checkpoint(job, tm
         assert again.region.header.get("optimizer") == 1
 
 
+@pytest.mark.parametrize("mode, options", [
+    ("async", {"optimizer": "adagrad"}),
+    ("async", {"momentum": 0.9}),
+    ("consistent", {"stale_lr": True, "stale_bound": 2}),
+    ("elastic", {}),
+])
+def test_a_move_slot_lands_as_sent_whatever_the_update_rule(job, mode, options):
+    """A bridge's move (slot kind MOVE) is w -= payload: no lr, momentum, adagrad sums,
+    staleness scaling or bound; gradients around it still go through the rule."""
+    from gadei.layout import MOVE
+
+    server, learner = _in_process_job(job, lr=0.5, mode=mode, **options)
+    try:
+        if mode != "elastic":
+            _push(server, learner, 1.0, server.version)  # a gradient first, so the state is not zero
+        state = np.array(server.region.state, copy=True) if server.region.state is not None else None
+        before = server.weights().copy()
+        move = np.linspace(-3.0, 3.0, 100, dtype=np.float32)
+        producer = learner._producer
+        slot = server.region.dense(producer.learner, producer.slot)
+        slot[:] = move
+        producer.publish(0, 0, 0, kind=MOVE)  # computed on version 0: stale beyond the bound
+        version = server.version
+        server._update([server._take(0)])
+        assert server.version == version + 1
+        np.testing.assert_array_equal(server.weights(), before - move)
+        if state is not None:
+            np.testing.assert_array_equal(server.region.state, state)  # momentum buffer / adagrad sums untouched
+        assert not np.any(server.region.dense(producer.learner, producer.slot))  # the slot was cleared
+        assert server.region.entry(0).get("discarded") == 0
+    finally:
+        learner.close()
+        server.close()
+
+
 def test_staleness_aware_learning_rate_divides_by_staleness(job):
     server, learner = _in_process_job(job, lr=1.0, stale_lr=True)
     try:
