@@ -251,6 +251,7 @@ def test_mpiexec_runs_one_job_file_as_two_bridged_nodes(tmp_path, procs, mpi_env
         [train]
         learners = 1
         epochs = 2
+        optimizer = "sgd"
         lr = 0.1
         [output]
         folder = "out"
