@@ -8,6 +8,7 @@ the README for the data flow; the public API is `Server`, `Learner` and the erro
 from .errors import (
     BadJobName,
     CapacityError,
+    DeviceError,
     ForeignOwner,
     ForeignRegion,
     GadeiError,
@@ -28,6 +29,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BadJobName",
     "CapacityError",
+    "DeviceError",
     "ForeignOwner",
     "ForeignRegion",
     "GadeiError",

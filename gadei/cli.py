@@ -240,10 +240,13 @@ def _adopt(args) -> int:
 def cmd_learn(args) -> int:
     import torch
 
+    from .device import resolve
     from .learner import Learner
 
+    device = resolve(args.device)  # a CUDA device on a machine without one fails here, before the data loads
     torch.set_num_threads(args.torch_threads)
     workload, train, test, model = _workload_model(args)
+    model.to(device)
     batches = workload.batches
 
     shard, shards = _shard(args.shard)
@@ -258,7 +261,7 @@ def cmd_learn(args) -> int:
     model.train()
     started = time.monotonic()
     samples = 0
-    with Learner(model, args.job, pull=args.pull, push=args.push) as learner:
+    with Learner(model, args.job, pull=args.pull, push=args.push, device=device) as learner:
         staleness = _Staleness(learner.region)
         for epoch in range(first_epoch, args.epochs):
             epoch_start, loss_sum, steps, seen, correct = time.monotonic(), 0.0, 0, 0, 0
@@ -266,6 +269,7 @@ def cmd_learn(args) -> int:
                 if skip > 0:  # a restarted learner: these samples' gradients are in the weights already
                     skip -= len(y)
                     continue
+                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
                 loss, right = workload.loss_and_correct(model, x, y)
                 workload.backward(model, loss, learner.constraint_lr)
                 learner.step(samples=len(y))
@@ -716,10 +720,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--epochs", type=int, default=1, help="passes over this learner's shard (default 1)")
     p.add_argument("--batch", type=int, default=2, help="mini-batch size (default 2)")
     p.add_argument("--shard", default="0/1", help="INDEX/COUNT: this learner's share of the data (default 0/1)")
-    p.add_argument("--pull", choices=("view", "copy", "local"), default=None,
+    p.add_argument("--device", default="cpu", help="where this learner trains: cpu (default), cuda or cuda:N "
+                   "(device transports: staging on the GPU, copy streams, a page-locked region)")
+    p.add_argument("--pull", choices=("view", "copy", "local", "device"), default=None,
                    help="how weights reach the model: view (shared, Hogwild), copy (pull thread) or local "
                    "(elastic); default: the job's mode decides (view; copy when consistent; local when elastic)")
-    p.add_argument("--push", choices=("publish", "thread", "weights"), default=None,
+    p.add_argument("--push", choices=("publish", "thread", "weights", "device"), default=None,
                    help="how gradients reach the ring: publish (default), thread, weights (elastic, the default there)")
     p.add_argument("--eval", action="store_true", help="evaluate on the test set after every epoch")
     p.add_argument("--torch-threads", type=int, default=1, help="PyTorch intra-op threads (default 1)")

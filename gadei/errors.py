@@ -55,3 +55,7 @@ class ServerGone(GadeiError):
 
 class GadeiTimeout(GadeiError, TimeoutError):
     """A wait passed its deadline; the message says how long and for what."""
+
+
+class DeviceError(GadeiError, ValueError):
+    """A device a learner or job asks for that this machine cannot give (e.g. CUDA without a GPU)."""

@@ -27,6 +27,7 @@ import psutil
 import torch
 
 from . import _native, _proc, params
+from . import device as _device
 from .env import settings
 from .errors import GadeiTimeout, JobStopped, RegionMismatch, ServerGone
 from .layout import INIT_EMPTY, INIT_READY, INIT_WRITING, LEAVING, RUN_STATES, SERVING, STOPPED
@@ -42,7 +43,7 @@ class Learner:
     """One learner of a job: trains `model` against the job's shared weights.
 
     Args:
-        model: a PyTorch module with float32 CPU parameters, built like the job's model.
+        model: a PyTorch module with float32 parameters, built like the job's model.
         job: the job name.
         pull: 'view' (the parameters are views of the shared weights: Hogwild, no copies)
             or 'copy' (a pull thread copies new weights, swapped in between steps, so the
@@ -51,17 +52,26 @@ class Learner:
         push: 'publish' (`.grad` are views of the ring slot: no copies) or 'thread' (private
             gradients and a push thread that writes them into the ring). Default: 'publish',
             and 'weights' in elastic mode.
+        device: where the model trains: 'cpu', 'cuda' or 'cuda:N' (the model is moved there),
+            default the device of the model's first parameter. A CUDA learner uses the device
+            transports (pull and push 'device': staging buffers on the GPU, copy streams, a
+            page-locked region); a CPU learner may choose them too. CUDA on a machine without
+            it raises DeviceError at once.
         timeout: seconds to wait for the job's region and initial weights (default:
             GADEI_ATTACH_TIMEOUT).
         upload: upload this model's parameters when the region holds no weights yet.
     """
 
     def __init__(self, model: torch.nn.Module, job: str, *, pull: str | None = None, push: str | None = None,
-                 timeout: float | None = None, upload: bool = True):
+                 device: str | torch.device | None = None, timeout: float | None = None, upload: bool = True):
         if pull is not None and pull not in PULLS:
             raise ValueError(f"pull={pull!r} is not one of {sorted(PULLS)}")
         if push is not None and push not in PUSHES:
             raise ValueError(f"push={push!r} is not one of {sorted(PUSHES)}")
+        if device is None:
+            first = next(model.parameters(), None)
+            device = first.device if first is not None else "cpu"
+        self.device = _device.resolve(device)  # DeviceError now, before anything is attached
         self.model = model
         self.job = job
         self.pull_mode = pull
@@ -79,7 +89,9 @@ class Learner:
 
     def attach(self) -> "Learner":
         """Attach to the job, check the model, claim a ring; `with Learner(...)` calls this."""
-        params.check_model(self.job, self.model)
+        if any(p.device != self.device for p in self.model.parameters()):
+            self.model.to(self.device)
+        params.check_model(self.job, self.model, self.device)
         spec = params.spec_of(self.model)
         region = Region.attach(self.job, wait=self.timeout)
         self.region = region
@@ -90,7 +102,8 @@ class Learner:
             region.expect(n_params=params.count(spec))
             self.mode = region.shape.mode
             self.options = read_options(region)
-            self.pull_mode, self.push_mode = _transports(self.job, self.mode, self.pull_mode, self.push_mode)
+            self.pull_mode, self.push_mode = _transports(self.job, self.mode, self.pull_mode, self.push_mode,
+                                                         self.device)
             self._ensure_weights(spec)
             renamed = params.compare(self.job, spec, region.read_spec(), region.shape.n_params)
             if renamed:
@@ -111,13 +124,13 @@ class Learner:
             self._push.bind()
             self._version_addr = h.addr("version")
             self._waiters_addr = h.addr("version_waiters")
-            helpers = (self.push_mode == "thread") + (self.pull_mode == "copy")
+            helpers = (self.push_mode in ("thread", "device")) + (self.pull_mode in ("copy", "device"))
             self.entry.set("threads", torch.get_num_threads() + helpers)
         except BaseException:
             self._teardown(drain=False)
             raise
-        log.info("job %r: learner %d attached (pid %d, pull %s, push %s)", self.job, self.learner_id,
-                 os.getpid(), self.pull_mode, self.push_mode)
+        log.info("job %r: learner %d attached (pid %d, %s, pull %s, push %s)", self.job, self.learner_id,
+                 os.getpid(), self.device, self.pull_mode, self.push_mode)
         return self
 
     def _ensure_weights(self, spec) -> None:
@@ -318,21 +331,33 @@ class Learner:
 
 
 
-# The transports each mode allows, the default first.
+# The transports each mode allows a CPU learner, the default first.
 _ALLOWED = {
     "async": (("view", "copy"), ("publish", "thread")),
     "consistent": (("copy",), ("publish", "thread")),
     "sync": (("view", "copy"), ("publish", "thread")),
     "elastic": (("local",), ("weights",)),
 }
+# A learner on a GPU: its model is not in shared memory, so only the device transports reach it.
+# (A CPU learner may choose them too in these modes: their threads with synchronous copies.)
+_ALLOWED_GPU = {mode: (("device",), ("device",)) for mode in ("async", "consistent", "sync")}
 
 
-def _transports(job: str, mode: str, pull: str | None, push: str | None) -> tuple[str, str]:
-    """The (pull, push) a learner uses in `mode`; ValueError for a choice the mode cannot honour."""
-    pulls, pushes = _ALLOWED[mode]
+def _transports(job: str, mode: str, pull: str | None, push: str | None,
+                device: torch.device = torch.device("cpu")) -> tuple[str, str]:
+    """The (pull, push) a learner on `device` uses in `mode`; RegionMismatch for a choice the
+    mode (or the device) cannot honour."""
+    if device.type != "cpu" and mode not in _ALLOWED_GPU:
+        raise RegionMismatch(f"job {job!r} runs in {mode} mode, which GPU learners do not support yet (elastic "
+                             f"learners keep a local model and push weights); train this learner on the CPU, not {device}")
+    pulls, pushes = (_ALLOWED_GPU if device.type != "cpu" else _ALLOWED)[mode]
     pull, push = pull or pulls[0], push or pushes[0]
+    if device.type == "cpu" and mode in _ALLOWED_GPU:  # accepted, not listed (tests)
+        pulls, pushes = pulls + ("device",) * (pull == "device"), pushes + ("device",) * (push == "device")
     why = {"consistent": "consistent reads need copies taken inside the seqlock",
            "elastic": "elastic learners train a local model and push weights"}.get(mode, "")
+    if device.type != "cpu":
+        why = f"a model on {device} is reached through device staging buffers"
     if pull not in pulls:
         raise RegionMismatch(f"job {job!r} runs in {mode} mode: pull must be one of {list(pulls)}, not {pull!r} ({why})")
     if push not in pushes:

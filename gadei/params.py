@@ -41,14 +41,16 @@ def count(spec: Spec) -> int:
     return sum(math.prod(shape) for _, shape in spec)
 
 
-def check_model(job: str, model: torch.nn.Module) -> None:
-    """Raise RegionMismatch unless every parameter is a float32 CPU tensor."""
+def check_model(job: str, model: torch.nn.Module, device: torch.device | None = None) -> None:
+    """Raise RegionMismatch unless every parameter is a float32 tensor on `device` (default: the CPU)."""
+    device = torch.device("cpu") if device is None else device
     for name, p in model.named_parameters():
         if p.dtype != torch.float32:
             raise RegionMismatch(f"job {job!r}: parameter {name!r} is {p.dtype}; gadei holds float32 weights")
-        if p.device.type != "cpu":
+        if p.device != device:
             raise RegionMismatch(
-                f"job {job!r}: parameter {name!r} is on {p.device}; this version of gadei trains CPU models"
+                f"job {job!r}: parameter {name!r} is on {p.device}, not on {device}: the whole model must be on "
+                "the device it trains on (a Learner's device=, else its first parameter's; a Server's model: the CPU)"
             )
 
 

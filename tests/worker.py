@@ -4,7 +4,8 @@
                                      [--slots S] [--init V] [--mode M] [--grad-dtype D]
                                      [--row-sparse] [--momentum MU] [--dump FILE] ...
     python tests/worker.py push JOB --value V --steps K [--model flat|table] [--pull P]
-                                    [--push P] [--slow] [--delay S] [--n N]
+                                    [--push P] [--slow] [--delay S] [--n N] [--device D]
+                                    [--jitter SEED] [--max-jitter S] [--vary]
 
 Models: `Flat(n)` has two parameters, (n - 7) weights and 7 biases; `Table(n)` has an
 embedding table of 64 rows x 16 (1,024 weights) followed by n - 1,024 biases, so a job can
@@ -12,7 +13,10 @@ send the table's gradient as rows. A pushing learner writes the value V into eve
 of each dense gradient and, for the table, into rows 0..7 with row 0 named twice (so the
 server must add repeated rows), K times; with --slow it writes dense gradients in 64 chunks
 with a busy pause between them (so that a SIGKILL lands mid-write), with --delay it sleeps
-that long per step. It prints JSON lines: {"attaching"}, {"attached"}, then {"learner",
+that long per step, with --jitter it sleeps a random 0 to --max-jitter seconds (half of the
+times) in its train loop and at each injection point of the device transports' train, push
+and pull threads (`gadei.device.set_injector`), --device puts the model there, and with --vary step k's gradient is V * (1 + k % 3) (so a
+gradient overwritten by the next one is seen in the sums). It prints JSON lines: {"attaching"}, {"attached"}, then {"learner",
 "pushed", "dropped", "version", "weight0"}. The server prints {"ready"} and, when stopped,
 its counters; with --dump it saves the final weights (NumPy .npy).
 """
@@ -20,9 +24,12 @@ its counters; with --dump it saves the final weights (NumPy .npy).
 import argparse
 import json
 import os
+import random
 import signal
 import sys
 import time
+
+import threading
 
 import numpy as np
 import torch
@@ -128,9 +135,9 @@ def _busy(seconds: float) -> None:
 def _gradient(p: torch.nn.Parameter, value: float, slow: bool, table: bool) -> None:
     """Write the step's gradient of `p` (into the ring slot itself when .grad is one)."""
     if table:  # a sparse gradient naming rows 0..7, row 0 twice
-        index = torch.tensor([TOUCHED])
-        p.grad = torch.sparse_coo_tensor(index, torch.full((len(TOUCHED), TABLE_WIDTH), value), p.shape,
-                                         check_invariants=True)
+        index = torch.tensor([TOUCHED], device=p.device)
+        p.grad = torch.sparse_coo_tensor(index, torch.full((len(TOUCHED), TABLE_WIDTH), value, device=p.device),
+                                         p.shape, check_invariants=True)
         return
     if p.grad is None:
         p.grad = torch.zeros_like(p)
@@ -147,22 +154,44 @@ def push(args) -> int:
     table_params = {id(model.embedding.weight)} if args.model == "table" else set()
     params = list(model.parameters())
     pushed = dropped = 0
-    learner = gadei.Learner(model, args.job, pull=args.pull, push=args.push, timeout=30)
+    learner = gadei.Learner(model, args.job, pull=args.pull, push=args.push, device=args.device, timeout=30)
+    jitter = _jitter(args.jitter, args.max_jitter) if args.jitter is not None else None
+    if jitter is not None:
+        from gadei import device
+
+        device.set_injector(jitter)
     print(json.dumps({"attaching": os.getpid()}), flush=True)
     with learner:  # a stopped job ends the block quietly
         print(json.dumps({"attached": learner.learner_id}), flush=True)
         _await_learners(learner, args.wait_learners)
-        for _ in range(args.steps):
+        for step in range(args.steps):
+            value = args.value * (1 + step % 3) if args.vary else args.value
             if args.delay:
                 time.sleep(args.delay)
+            if jitter is not None:
+                jitter("train")
             for p in params:
-                _gradient(p, args.value, args.slow, id(p) in table_params)
+                _gradient(p, value, args.slow, id(p) in table_params)
             learner.step(samples=1)
             pushed += 1
             dropped = learner.entry.get("dropped")
     print(json.dumps({"learner": learner.learner_id, "pushed": pushed, "dropped": dropped,
                       "version": learner.version, "weight0": params[-1].view(-1)[0].item()}), flush=True)
     return 0
+
+
+def _jitter(seed: int, most: float):
+    """An injector: half of the calls sleep a random 0..`most` seconds (each thread its own draws)."""
+    local = threading.local()
+
+    def injector(point: str) -> None:
+        rng = getattr(local, "rng", None)
+        if rng is None:
+            rng = local.rng = random.Random(f"{seed}-{threading.current_thread().name}")
+        if rng.random() < 0.5:
+            time.sleep(rng.random() * most)
+
+    return injector
 
 
 def _await_learners(learner, count: int, timeout: float = 60.0) -> None:
@@ -250,6 +279,10 @@ def main(argv=None) -> int:
     p.add_argument("--slow", action="store_true")
     p.add_argument("--delay", type=float, default=0.0)
     p.add_argument("--wait-learners", type=int, default=0)
+    p.add_argument("--device", default=None)
+    p.add_argument("--jitter", type=int, default=None)
+    p.add_argument("--max-jitter", type=float, default=0.002)
+    p.add_argument("--vary", action="store_true")
     p.set_defaults(func=push)
     p = sub.add_parser("read")
     p.add_argument("job")

@@ -162,12 +162,13 @@ def accuracy(model: nn.Module, dataset: ArrayDataset, batch_size: int = 1024) ->
     was_training = model.training
     model.eval()
     correct = 0
+    device = next(model.parameters()).device
     try:
         with torch.no_grad():
             for start in range(0, len(dataset), batch_size):
-                x = torch.from_numpy(dataset.x[start: start + batch_size])
+                x = torch.from_numpy(dataset.x[start: start + batch_size]).to(device)
                 y = torch.from_numpy(dataset.labels[start: start + batch_size])
-                correct += int((model(x).argmax(dim=1) == y).sum())
+                correct += int((model(x).argmax(dim=1).cpu() == y).sum())
     finally:
         model.train(was_training)
     return correct / max(1, len(dataset))

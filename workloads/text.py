@@ -596,10 +596,11 @@ def accuracy(model: nn.Module, dataset: TextDataset, batch_size: int = 256) -> f
     was_training = model.training
     model.eval()
     correct = 0
+    device = next(model.parameters()).device
     try:
         with torch.no_grad():
             for x, y in batches(dataset, batch_size, epoch=0, seed=0):
-                correct += int((model(x).argmax(dim=1) == y).sum())
+                correct += int((model(x.to(device)).argmax(dim=1).cpu() == y).sum())
     finally:
         model.train(was_training)
     return correct / len(dataset) if len(dataset) else float("nan")
