@@ -65,7 +65,7 @@ import numpy as np
 from . import _native
 from .env import settings
 from .errors import GadeiError, GadeiTimeout, JobStopped, ServerGone
-from .layout import MOVE, SERVING
+from .layout import MOVE, SERVING, STOPPED
 from .modes import read_options
 from .region import Region
 from .ring import WAIT_SLICE, claim
@@ -359,6 +359,7 @@ class LocalNode:
             self.region.close()
             raise
         self.published = 0  # moves handed to the server (it applies each once, also while it stops)
+        self._released = False
         log.info("job %r: bridge attached as learner entry %d (%s mode, %s parameters)", job, self.producer.learner,
                  self.mode, f"{shape.n_params:,}")
 
@@ -439,6 +440,28 @@ class LocalNode:
         self.beat()
         return self.serving()
 
+    def finished(self, wait: float) -> bool:
+        """After the job stopped: True when it stopped because every launched learner finished
+        (its watchdog says so) and every move reached the weights. Gives the ring back (so
+        the stopping server need not wait for it) and waits up to `wait` seconds for the
+        server to have stopped: the weights are then final, and stay readable here."""
+        h = self.region.header
+        if not h.get("finished"):
+            return False
+        applied = self.producer.drain(wait, self.server_alive)
+        self._release()
+        deadline = time.monotonic() + wait
+        while h.get("run_state") != STOPPED:
+            if time.monotonic() >= deadline or not self.server_alive():
+                return False
+            time.sleep(0.01)
+        return applied
+
+    def _release(self) -> None:
+        if not self._released:
+            self._released = True
+            self.producer.release()
+
     def checkpoint(self, folder: str) -> str | None:
         """Write a checkpoint of the job into `folder`; its path, None when it could not."""
         from .checkpoint import CheckpointError, take
@@ -452,8 +475,9 @@ class LocalNode:
     def close(self) -> None:
         """Give the ring back (after the server applied what it holds) and detach."""
         try:
-            self.producer.drain(min(self.timeout, 5.0), self.serving)
-            self.producer.release()
+            if not self._released:
+                self.producer.drain(min(self.timeout, 5.0), self.serving)
+                self._release()
         finally:
             self.region.close()
 
@@ -474,6 +498,7 @@ class Options:
         float16: float16 on the wire, float32 accumulation.
         timeout: seconds any MPI wait may last before the peer counts as lost.
         checkpoint_dir: average/elastic write a checkpoint of the local job here when they end on a lost peer.
+        save: average/elastic: once every node finished, write the model they agreed on here.
         json: print JSON lines (one per exchange and one at the end) on stdout.
     """
 
@@ -485,6 +510,7 @@ class Options:
     float16: bool = False
     timeout: float = 60.0
     checkpoint_dir: str | None = None
+    save: str | None = None
     json: bool = False
 
     def check(self, nodes: int) -> None:
@@ -513,15 +539,21 @@ class Ended(Exception):
     """The exchanges are over for every rank (one of them left)."""
 
 
+LEAVING = 1e6  # an exchange's flag from a rank that leaves now; a finished one sends 1
+
+
 class Strategy(ABC):
     """How the nodes' models are combined.
 
     The bridge loop asks `ready(due)` whether to exchange now (`due`: the local schedule
-    says so), and then calls `exchange(w, leaving)` with a copy of the local weights; it
-    returns the target the local model moves to, or None (no move this time). `leaving`:
-    the local job has stopped and this rank is about to go. Collective strategies take
-    every rank into every exchange and raise Ended when any rank leaves; `leave()` says
-    goodbye where a strategy needs to.
+    says so), and then calls `exchange(w, leaving, finished)` with a copy of the local
+    weights; it returns the target the local model moves to, or None (no move this time).
+    `leaving`: the local job has stopped and this rank is about to go. `finished`: the
+    local job finished its schedule; the rank keeps taking part with its final weights
+    (moved to each target in memory) until every node finished: that exchange is `final`,
+    its target the job's model, the same on every node. Collective strategies take every
+    rank into every exchange and raise Ended when any rank leaves; `leave()` says goodbye
+    where a strategy needs to.
 
     Args:
         comm: the MPI communicator (one rank per node).
@@ -541,6 +573,7 @@ class Strategy(ABC):
         self.n = n
         self.lost: list[int] = []  # peers given up on
         self.peer = None  # the partner of the last exchange (gossip)
+        self.final = False  # the last exchange was the final one: every node had finished
 
     def ready(self, due: bool) -> bool:
         return due
@@ -551,7 +584,7 @@ class Strategy(ABC):
         return False
 
     @abstractmethod
-    def exchange(self, weights: np.ndarray, leaving: bool) -> np.ndarray | None:
+    def exchange(self, weights: np.ndarray, leaving: bool, finished: bool = False) -> np.ndarray | None:
         """One exchange from the local weights; the target, or None."""
 
     def leave(self) -> None:
@@ -571,17 +604,20 @@ class _Collective(Strategy):
         self._send = np.empty(self.n + 1, dtype=np.float32)
         self._sum = np.empty(self.n + 1, dtype=np.float32)
 
-    def _allreduce(self, vector: np.ndarray, leaving: bool) -> np.ndarray:
-        """The sum over ranks of `vector`; Ended if any rank is leaving; PeerLost on timeout."""
+    def _allreduce(self, vector: np.ndarray, leaving: bool, finished: bool) -> np.ndarray:
+        """The sum over ranks of `vector`; Ended if any rank is leaving; PeerLost on timeout;
+        `final` set when every rank has finished."""
         self._send[: self.n] = vector
-        self._send[self.n] = 1.0 if leaving else 0.0
+        self._send[self.n] = LEAVING if leaving else 1.0 if finished else 0.0
         try:
             self.wire.allreduce_sum(self._send, self._sum, what=f"{self.name} exchange")
         except GadeiTimeout as err:
             self.lost = [r for r in range(self.size) if r != self.rank]
             raise PeerLost(f"{self.name}: a peer did not take part in the exchange: {err}", self.lost) from None
-        if self._sum[self.n] > 0:
-            raise Ended(f"{int(self._sum[self.n])} rank(s) left")
+        flag = float(self._sum[self.n])
+        if flag >= LEAVING:
+            raise Ended(f"{int(flag // LEAVING)} rank(s) left")
+        self.final = flag == self.size
         return self._sum[: self.n]
 
 
@@ -601,9 +637,9 @@ class Average(_Collective):
         super().__init__(*args)
         self.reference: np.ndarray | None = None
 
-    def exchange(self, weights, leaving):
+    def exchange(self, weights, leaving, finished=False):
         delta = weights if self.reference is None else weights - self.reference
-        total = self._allreduce(delta, leaving)
+        total = self._allreduce(delta, leaving, finished)
         mean = total * np.float32(1.0 / self.size)
         if self.reference is None:
             self.reference = mean.copy()
@@ -619,7 +655,8 @@ class Elastic(_Collective):
         node i:  w_i <- w_i - alpha d_i
         centre:  c   <- c + alpha sum_i d_i
 
-    The first exchange sets c to the mean of the weights and moves every node there.
+    The first exchange sets c to the mean of the weights and moves every node there; the
+    final one (every node finished) moves every node to the centre, the job's model.
     alpha defaults to 0.9 / N (EASGD's beta = N alpha = 0.9).
     """
 
@@ -630,15 +667,15 @@ class Elastic(_Collective):
         self.alpha = np.float32(self.options.alpha or 0.9 / self.size)
         self.centre: np.ndarray | None = None
 
-    def exchange(self, weights, leaving):
+    def exchange(self, weights, leaving, finished=False):
         if self.centre is None:
-            total = self._allreduce(weights, leaving)
+            total = self._allreduce(weights, leaving, finished)
             self.centre = total * np.float32(1.0 / self.size)
             return self.centre
         delta = weights - self.centre
-        total = self._allreduce(delta, leaving)
+        total = self._allreduce(delta, leaving, finished)
         self.centre += self.alpha * total
-        return weights - self.alpha * delta
+        return self.centre if self.final else weights - self.alpha * delta
 
 
 class Gossip(Strategy):
@@ -682,6 +719,10 @@ class Gossip(Strategy):
     @property
     def clean(self) -> bool:
         return not self._abandoned
+
+    def abandon(self) -> None:
+        """Requests were left in flight (MPI may not be finalised)."""
+        self._abandoned = True
 
     # -- control messages
 
@@ -731,7 +772,7 @@ class Gossip(Strategy):
                 self._request = got
         return self._request is not None
 
-    def exchange(self, weights, leaving):
+    def exchange(self, weights, leaving, finished=False):
         return self._ask(weights) if self.active else self._serve(weights)
 
     def _patience(self) -> float:
@@ -959,6 +1000,8 @@ class Bridge:
         self.node = LocalNode(job)
         self.report = Report(rank=self.rank, job=job, strategy=options.strategy)
         self.clean = False  # after run(): MPI may be finalised (no peer lost, nothing in flight)
+        self.final: np.ndarray | None = None  # after run(): the job's model when every node finished (collective)
+        self._spec = None
 
     def _emit(self, record: dict) -> None:
         record = {**record, "rank": self.rank}
@@ -992,33 +1035,52 @@ class Bridge:
         schedule = _Schedule(o.interval, o.every, idle)
         weights = np.empty(node.n, dtype=np.float32)
         broken = False
+        final: np.ndarray | None = None  # a finished job's last weights, moved to each target here
         self.report.reason = "the local job stopped"
         try:
             while not strategy.done:
-                node.beat()
-                leaving = broken or not node.serving()
+                leaving = False
+                if final is None:
+                    node.beat()
+                    leaving = broken or not node.serving()
+                    if leaving and strategy.collective and node.finished(o.timeout / 4):
+                        final, leaving = np.empty_like(weights), False
+                        node.snapshot(final)
+                        log.info("bridge rank %d: job %r finished; taking part with its final weights until every "
+                                 "node has finished", self.rank, self.job)
                 if leaving and not strategy.collective:
                     break
-                if not strategy.ready(schedule.due(node.version()) or leaving):
+                if not strategy.ready(final is not None or schedule.due(node.version()) or leaving):
                     time.sleep(0.001)
                     continue
                 began = time.monotonic()
-                seen = node.snapshot(weights)
-                target = strategy.exchange(weights, leaving)
+                if final is None:
+                    seen = node.snapshot(weights)
+                else:
+                    seen = node.version()
+                    weights[:] = final
+                target = strategy.exchange(weights, leaving, final is not None)
                 took = time.monotonic() - began
                 if target is not None:
                     self.report.exchanges += 1
                     self.report.exchange_seconds += took
-                    if not leaving:
+                    if final is not None:
+                        final[:] = target
+                    elif not leaving:
                         try:
                             node.move(target, weights)
                             self.report.moves += 1
                         except (JobStopped, ServerGone, GadeiTimeout) as err:
-                            # the others learn it at the next exchange (collective) or from BYE
+                            # finished (the next look tells) or not: then the others learn it at
+                            # the next exchange (collective) or from BYE
                             log.warning("bridge rank %d: %s", self.rank, err)
-                            broken = True
+                            broken = not isinstance(err, JobStopped)
                     self._emit({"event": "exchange", "n": self.report.exchanges, "t": time.time(), "seconds": took,
-                                "version": seen, "peer": strategy.peer})
+                                "version": seen, "peer": strategy.peer, "final": strategy.final})
+                if strategy.final:
+                    self.final, self._spec = final, node.region.read_spec()
+                    self.report.reason = "every node finished"
+                    break
                 schedule.exchanged(node.version())
             else:
                 self.report.reason = "no peers left"
@@ -1036,7 +1098,54 @@ class Bridge:
             self.report.published = node.published
         if self.report.reason != "peer lost":
             strategy.leave()
+            if not strategy.collective:
+                self._final_average(strategy, weights, broken)
         return self._finish(started, strategy)
+
+    def _final_average(self, strategy: Strategy, weights: np.ndarray, broken: bool) -> None:
+        """gossip: once the local job finished, one allreduce of every node's final weights
+        (each node waits up to the timeout for the others to finish): their mean is the job's
+        model. Skipped when a peer was lost or the local job did not finish."""
+        node = self.node
+        while not broken and node.serving():  # no peers left, but the local job still trains
+            node.beat()
+            time.sleep(WAIT_SLICE)
+        if broken or strategy.lost or not node.finished(self.options.timeout / 4):
+            return
+        node.snapshot(weights)
+        log.info("bridge rank %d: job %r finished; averaging the nodes' final weights", self.rank, self.job)
+        total = np.empty_like(weights)
+        began = time.monotonic()
+        try:
+            strategy.wire.allreduce_sum(weights, total, what="the final average")
+        except GadeiTimeout as err:
+            strategy.abandon()
+            log.warning("bridge rank %d: no final average (%s): the model of job %r is its own", self.rank, err,
+                        self.job)
+            return
+        total *= np.float32(1.0 / self.size)
+        self.final, self._spec = total, node.region.read_spec()
+        self.report.exchanges += 1
+        self.report.exchange_seconds += time.monotonic() - began
+        self.report.reason = "every node finished"
+        self._emit({"event": "exchange", "n": self.report.exchanges, "t": time.time(),
+                    "seconds": time.monotonic() - began, "version": node.version(), "peer": None, "final": True})
+
+    def save_final(self, path: str) -> bool:
+        """Write the job's model of the final exchange (every node finished) to `path` as the
+        state dict `torch.load(path, weights_only=True)` reads, like `gadei serve --save`;
+        False when there was no final exchange."""
+        if self.final is None:
+            return False
+        import torch
+
+        from . import params
+
+        tmp = f"{path}.tmp{os.getpid()}"
+        torch.save(params.state_dict(self._spec, self.final), tmp)
+        os.replace(tmp, path)
+        log.info("bridge rank %d: saved the model every node agreed on to %s", self.rank, path)
+        return True
 
     def _lost(self, why: str, peers: list[int]) -> None:
         self.report.reason = "peer lost"
@@ -1083,6 +1192,10 @@ def main(job: str, options: Options, per_rank: bool = False) -> int:
         options.checkpoint_dir = options.checkpoint_dir.replace("{rank}", str(rank))
     bridge = Bridge(job_name(job, rank, per_rank), options)
     report = bridge.run()
+    if options.save:
+        if not bridge.save_final(options.save.replace("{rank}", str(rank))):
+            log.warning("bridge rank %d: no model saved to %s: the exchanges ended before every node finished (%s)",
+                        rank, options.save, report.reason)
     return finalize(bridge.clean, PEER_LOST if report.reason == "peer lost" else 0)
 
 
@@ -1140,6 +1253,8 @@ class Background:
     def __init__(self, job: str, options: Options, *, ended, on_event=None, wait: float = 300.0):
         self.job, self.options, self.ended, self.on_event, self.wait = job, options, ended, on_event, wait
         self.report: Report | None = None
+        self.bridge: Bridge | None = None  # once attached (its `save_final` after the run)
+        self.last_event = time.monotonic()  # when the bridge last said something (ready, an exchange)
         self.error: str | None = None  # why the bridge did not run
         self.clean = False
         self._thread = threading.Thread(target=self._run, name=f"bridge {job}", daemon=True)
@@ -1170,7 +1285,13 @@ class Background:
                 return
             time.sleep(0.05)
         try:
-            bridge = Bridge(self.job, self.options, on_event=self.on_event)
+            def on_event(record: dict) -> None:
+                self.last_event = time.monotonic()
+                if self.on_event is not None:
+                    self.on_event(record)
+
+            bridge = Bridge(self.job, self.options, on_event=on_event)
+            self.bridge = bridge
             self.report = bridge.run()
             self.clean = bridge.clean
         except GadeiError as err:  # the job stopped before the bridge attached, or cannot be bridged

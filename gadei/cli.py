@@ -567,7 +567,7 @@ def cmd_bridge(args) -> int:
     bucket = None if args.bucket_mb == "auto" else _number_arg("--bucket-mb", args.bucket_mb)
     options = Options(strategy=args.strategy, interval=args.interval, every=args.every, alpha=args.alpha,
                       bucket_mb=bucket, float16=args.float16, timeout=args.timeout,
-                      checkpoint_dir=args.checkpoint_dir, json=args.json)
+                      checkpoint_dir=args.checkpoint_dir, save=args.save, json=args.json)
     return bridge_main(args.job, options, per_rank=args.job_per_rank)
 
 
@@ -794,8 +794,11 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Run under `mpiexec --enable-recovery --runtime-options error-nonzero-status=false "
                        "-n NODES gadei bridge JOB ...`, one rank per node. Each rank attaches to its node's job like a "
                        "learner (serve it with one learner entry to spare, async, consistent or elastic mode, float32 "
-                       "dense gradients, no momentum or staleness options) and exchanges the weights with the other "
-                       "nodes; the move is applied by the local server as one update. If a peer does not answer within "
+                       "dense gradients) and exchanges the weights with the other nodes; the local server applies the "
+                       "move once, as sent, outside its update rule. A node whose job finished (its watchdog stopped it "
+                       "after every launched learner finished) takes part with its final weights until every node "
+                       "finished (gossip: joins a final average), and that is the job's model (--save). If a "
+                       "peer does not answer within "
                        "--timeout, average and elastic end every rank's exchanges (exit 3, after a checkpoint with "
                        "--checkpoint-dir) and gossip stops pairing with it; the local jobs keep training.")
     p.add_argument("job", help="the local job; '{rank}' in it is replaced by this rank's number")
@@ -814,6 +817,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--job-per-rank", action="store_true", help="rank r attaches to job JOB-r (nodes simulated on "
                    "one machine)")
     p.add_argument("--checkpoint-dir", help="average/elastic: when a peer is lost, write a checkpoint of the local job here")
+    p.add_argument("--save", metavar="PATH", help="once every node's job finished, write the model they agreed on here "
+                   "(average, elastic: the last exchange's; gossip: the mean of the final weights); '{rank}' is "
+                   "replaced by this rank's number")
     p.add_argument("--json", action="store_true", help="JSON lines on stdout: ready, one per exchange, ended")
     p.set_defaults(func=cmd_bridge)
 

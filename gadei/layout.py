@@ -152,6 +152,7 @@ HEADER, HEADER_BYTES = _record(
         ("watchdog_start", "f64"),
         ("watchdog_beat", "u64"),
         ("checkpointed_version", "u64"),
+        ("finished", "u32"),  # 1: the watchdog stopped the job because every launched learner finished
         _LINE_BREAK,
         # checkpoint hold: a checkpointer sets hold (0 -> 1), the server pauses between two
         # updates and says so in held until hold is 0 again or HOLD_LIMIT passed; each pause

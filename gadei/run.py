@@ -162,7 +162,7 @@ def _run(prepared: _Prepared, quiet: bool, node: "_Node | None" = None) -> int:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the job is stopping: let it finish
     code = serve.wait()
     if bridge is not None:
-        node.stop_bridge(bridge)
+        node.stop_bridge(bridge, out / "model.pt")
     metrics = _write_metrics(out)
     if metrics:
         plot(metrics, out / "accuracy.png", job.name)
@@ -294,16 +294,27 @@ class _Node:
         self._events = events
         return Background(job.name, self.options, ended=lambda: serve.poll() is not None, on_event=on_event).start()
 
-    def stop_bridge(self, bridge) -> None:
+    def stop_bridge(self, bridge, model: Path) -> None:
         """After the local job ended: wait for the bridge to leave the exchanges (the others
-        learn it at the next one, within a quarter of the timeout)."""
-        if not bridge.join(self.options.timeout + 30):
-            log.error("node %d: the bridge did not end within %g s after the job", self.rank, self.options.timeout + 30)
+        learn it at the next one, within a quarter of the timeout), or, when the job finished,
+        for every node to finish (average, elastic: it takes part with its final weights
+        meanwhile, as long as the exchanges go on), and write the model they agreed on into
+        `model`."""
+        quiet = self.options.timeout + 30
+        while not bridge.join(1.0):
+            if time.monotonic() - bridge.last_event > quiet:
+                log.error("node %d: the bridge made no exchange for %g s after the job ended; not waiting for it",
+                          self.rank, quiet)
+                break
         self.clean = bridge.clean and bridge.report is not None
         self._events.close()
         report = bridge.report
         if report is not None:
             print(f"gadei run: node {self.rank}: bridge {report.strategy}: {report.exchanges:,} exchanges, "
+        if bridge.bridge is not None and bridge.bridge.final is not None:
+            bridge.bridge.save_final(str(model))
+            print(f"gadei run: node {self.rank}: every node finished; {model} holds the model they agreed on",
+                  flush=True)
                   f"{report.published:,} moves, {report.bytes_sent / (1 << 20):,.1f} MB sent; {report.reason}"
                   + (f"; lost ranks {report.lost}" if report.lost else ""), flush=True)
         else:

@@ -54,7 +54,7 @@ def _load(folder, body: str, name: str = "job.toml") -> jobfile.Job:
 # ------------------------------------------------------------------ the [bridge] section
 
 
-def test_a_bridge_section_parses_makes_sgd_the_default_and_writes_itself_back(small):
+def test_a_bridge_section_parses_keeps_the_adagrad_default_and_writes_itself_back(small):
     job = _load(small, BASE + """
         [bridge]
         strategy = "elastic"
@@ -278,22 +278,27 @@ def test_mpiexec_runs_one_job_file_as_two_bridged_nodes(tmp_path, procs, mpi_env
             assert result["finished"] and result["test_accuracy"] > 0.75, result
             accuracy.append(result["test_accuracy"])
             bridge = result["bridge"]
-            assert bridge["node"] == r and bridge["lost"] == [] and bridge["reason"] != "peer lost", bridge
+            assert bridge["node"] == r and bridge["lost"] == [] and bridge["reason"] == "every node finished", bridge
             assert bridge["published"] == bridge["moves"] >= 1  # each move applied before the next exchange
             published.append(bridge["published"])
             exchanges.append(bridge["exchanges"])
             events = [json.loads(line) for line in (folder / "logs" / "bridge.log").read_text().splitlines()]
             assert events[0]["event"] == "ready" and events[-1]["event"] == "ended"
             assert sum(e["event"] == "exchange" for e in events) == bridge["exchanges"]
+            assert events[-2]["event"] == "exchange" and events[-2]["final"], events[-2]
+            assert "every node finished; " in out and "holds the model they agreed on" in out
             stopped = [json.loads(line) for line in (folder / "logs" / "serve.log").read_text().splitlines()
                        if line.startswith('{"event": "stopped"')]
             assert len(stopped) == 1, stopped  # no server restart
             steps += stopped[0]["version"] - bridge["published"]  # the learners' own updates
             metrics = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
             assert [m["epoch"] for m in metrics] == [1, 2]
-        # each node's final model is one Hogwild SGD model of mini-batch 2, a few points apart from
-        # run to run and from the other node's (82-86 % here): the nodes together must pass 80 %
-        assert sum(accuracy) / 2 > 0.8, accuracy
+        # the last exchange came once both nodes had finished: both hold the model they agreed on
+        import torch
+
+        models = [torch.load(tmp_path / "out" / f"node-{r}" / "model.pt", weights_only=True) for r in range(2)]
+        assert all(torch.equal(models[0][k], models[1][k]) for k in models[0]), "the nodes' models differ"
+        assert accuracy[0] == accuracy[1] > 0.8, accuracy
         # average is collective: both nodes took part in every exchange
         assert exchanges[0] == exchanges[1], exchanges
         # shards 0/2 and 1/2: between them every mini-batch of two epochs, once
@@ -303,3 +308,76 @@ def test_mpiexec_runs_one_job_file_as_two_bridged_nodes(tmp_path, procs, mpi_env
         assert _leftovers(jobs) == []
     finally:
         _kill(jobs)
+
+
+# ------------------------------------------------------------------ accuracy against one node (slow)
+
+SEEDS = (0, 1, 2)
+ACCURACY_EPOCHS = 6
+
+
+def _trec_job(path, name: str, learners: int, seed: int, strategy: str | None) -> None:
+    trec = data_dir() / "trec"
+    if not (trec / "TREC.train").exists():
+        pytest.skip(f"TREC is not at {trec} (set GADEI_DATA_DIR)")
+    bridge = f'[bridge]\nstrategy = "{strategy}"\ntimeout = 60\n' if strategy else ""
+    path.write_text(textwrap.dedent(f"""
+        [job]
+        name = "{name}"
+        workload = "textcnn"
+        [data]
+        train = "{trec / 'TREC.train'}"
+        test = "{trec / 'TREC.test'}"
+        format = "trec"
+        encoding = "latin-1"
+        [train]
+        learners = {learners}
+        epochs = {ACCURACY_EPOCHS}
+        seed = {seed}
+        [output]
+        folder = "{path.parent / 'out'}"
+    """) + bridge)
+
+
+def _job_accuracy(procs, mpi_env, folder, strategy: str | None, seed: int) -> float:
+    """Test accuracy of one TREC run from a job file (the defaults: adagrad, lr 0.01, mini-batch
+    2): one node with two learners (strategy None), or `mpiexec -n 2 gadei run` of two nodes
+    with one learner each joined by `strategy` (the model the nodes agreed on at the end)."""
+    folder.mkdir()
+    name = f"acc-{strategy or 'one'}-{seed}-{folder.parent.name[-10:]}".replace("_", "-")
+    path = folder / "job.toml"
+    _trec_job(path, name, 1 if strategy else 2, seed, strategy)
+    jobs = [f"{name}-r{r}" for r in range(2)] if strategy else [name]
+    try:
+        if strategy:
+            run = _mpiexec_run(procs, mpi_env, path)
+        else:
+            run = procs.start("-m", "gadei", "run", str(path), "--quiet")
+        out, err = communicate(run, 900)
+        assert run.returncode == 0, (out + err)[-5000:]
+        results = [json.loads(p.read_text()) for p in sorted((folder / "out").rglob("result.json"))]
+        assert len(results) == len(jobs) and all(r["finished"] for r in results), results
+        if strategy:
+            assert all(r["bridge"]["reason"] == "every node finished" for r in results), results
+            assert results[0]["test_accuracy"] == results[1]["test_accuracy"], results  # one model
+        return results[0]["test_accuracy"]
+    finally:
+        _kill(jobs)
+
+
+@pytest.mark.slow
+def test_each_strategy_trains_trec_as_well_as_one_node_doing_the_same_work(tmp_path, procs, mpi_env):
+    """Two nodes of one learner each (shards 0/2 and 1/2) joined by each strategy against one
+    node with two learners, the same epochs of the same data: the same total work, at the
+    job file's defaults. The medians over three seeds must be within a point: one Hogwild run
+    moves by a point or two from seed to seed (one node: 88.6, 90.0, 89.4 % here)."""
+    import statistics
+
+    accuracy = {}
+    for strategy in (None, "average", "elastic", "gossip"):
+        accuracy[strategy or "one node"] = [_job_accuracy(procs, mpi_env, tmp_path / f"{strategy}-{seed}", strategy,
+                                                          seed) for seed in SEEDS]
+    medians = {k: statistics.median(v) for k, v in accuracy.items()}
+    print(f"\nTREC test accuracy after {ACCURACY_EPOCHS} epochs, seeds {SEEDS}: {accuracy}; medians {medians}")
+    for strategy in ("average", "elastic", "gossip"):
+        assert medians[strategy] >= medians["one node"] - 0.01, (strategy, accuracy)

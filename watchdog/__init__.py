@@ -214,6 +214,8 @@ class Watchdog:
         why = "every launched learner finished" if not self.learners.failed else \
             f"no launched learner is left (gave up on {self.learners.failed})"
         log.info("job %r: %s; stopping the job", self.job, why)
+        if not self.learners.failed:
+            h.set("finished", 1)  # before the stop, so whoever sees it stopping can tell why (a bridge's last exchange)
         h.cas("run_state", SERVING, STOPPING)
         _native.add32(h.addr("doorbell"), 1)
         _native.futex_wake(h.addr("doorbell"), 1)
