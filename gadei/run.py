@@ -297,9 +297,8 @@ class _Node:
     def stop_bridge(self, bridge, model: Path) -> None:
         """After the local job ended: wait for the bridge to leave the exchanges (the others
         learn it at the next one, within a quarter of the timeout), or, when the job finished,
-        for every node to finish (average, elastic: it takes part with its final weights
-        meanwhile, as long as the exchanges go on), and write the model they agreed on into
-        `model`."""
+        for every node to finish (it takes part with its final weights meanwhile, as long as
+        the exchanges go on), and write the model they agreed on into `model`."""
         quiet = self.options.timeout + 30
         while not bridge.join(1.0):
             if time.monotonic() - bridge.last_event > quiet:
@@ -307,14 +306,14 @@ class _Node:
                           self.rank, quiet)
                 break
         self.clean = bridge.clean and bridge.report is not None
-        self._events.close()
-        report = bridge.report
-        if report is not None:
-            print(f"gadei run: node {self.rank}: bridge {report.strategy}: {report.exchanges:,} exchanges, "
         if bridge.bridge is not None and bridge.bridge.final is not None:
             bridge.bridge.save_final(str(model))
             print(f"gadei run: node {self.rank}: every node finished; {model} holds the model they agreed on",
                   flush=True)
+        self._events.close()
+        report = bridge.report
+        if report is not None:
+            print(f"gadei run: node {self.rank}: bridge {report.strategy}: {report.exchanges:,} exchanges, "
                   f"{report.published:,} moves, {report.bytes_sent / (1 << 20):,.1f} MB sent; {report.reason}"
                   + (f"; lost ranks {report.lost}" if report.lost else ""), flush=True)
         else:
