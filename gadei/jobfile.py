@@ -23,6 +23,7 @@ validated `Job` before anything starts.
     lr = 0.01
     epochs = 20                   # default: about 30,000 updates with adagrad, 60,000 with sgd (3 to 20)
     seed = 0
+    devices = "cpu"               # "cpu", "auto" (every visible GPU, else the CPU) or "cuda:0,cuda:1": learners round-robin
 
     [checkpoint]
     interval = 60                 # seconds
@@ -56,6 +57,7 @@ import tomllib
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from . import device
 from .errors import GadeiError
 
 MODES = ("async", "consistent", "sync", "elastic")
@@ -90,6 +92,7 @@ class Train:
     lr: float = 0.01
     epochs: int | None = None  # None: chosen from the data set's size and the mini-batch
     seed: int = 0
+    devices: str = "cpu"  # where learners train, round-robin: "cpu", "auto" (`with_defaults`) or "cuda:0,cuda:1"
 
 
 @dataclass(frozen=True)
@@ -145,6 +148,10 @@ class Job:
             train = replace(train, epochs=epochs)
             chosen.append(f"epochs = {epochs} (default: about {UPDATES[train.optimizer]:,} updates of mini-batch "
                           f"{train.batch} over {samples:,} samples with {train.optimizer}, 3 to 20 epochs)")
+        devices, line = device.choose(device.parse_devices(train.devices))
+        if line is not None:
+            train = replace(train, devices=",".join(devices))
+            chosen.append(line)
         bridge = self.bridge
         if bridge is not None and bridge.interval is None and bridge.every is None:
             from .bridge import DEFAULT_INTERVAL
@@ -225,7 +232,8 @@ _SCHEMA = {
              "fallback_encoding": ("text", False), "holdout": ("fraction", False)},
     "train": {"learners": ("learners", False), "mode": ("mode", False), "optimizer": ("optimizer", False),
               "batch": ("positive_int", False),
-              "lr": ("positive_float", False), "epochs": ("positive_int", False), "seed": ("seed", False)},
+              "lr": ("positive_float", False), "epochs": ("positive_int", False), "seed": ("seed", False),
+              "devices": ("devices", False)},
     "checkpoint": {"interval": ("positive_float", False), "keep": ("positive_int", False)},
     "output": {"folder": ("text", False)},
     "bridge": {"strategy": ("strategy", False), "interval": ("positive_int", False), "every": ("positive_float", False),
@@ -357,6 +365,17 @@ def _value(where: str, section: str, key: str, kind: str, value, base: Path):
         if choices and value not in choices:
             article = "an" if kind[0] in "aeiou" else "a"
             raise JobFileError(f"{field_}: not {article} {kind}{_close(value, choices)}; allowed: {', '.join(choices)}")
+        return value
+    if kind == "devices":
+        if not isinstance(value, str):
+            refuse('"cpu", "auto" or a comma-separated list of devices such as "cuda:0,cuda:1"')
+        try:
+            for name in device.parse_devices(value):
+                if name != "auto":
+                    device.resolve(name)  # CUDA on a machine without it fails here, before anything starts
+        except (ValueError, GadeiError) as err:
+            raise JobFileError(f'{field_}: {err}; allowed: "cpu", "auto" (every visible GPU, else the CPU) or '
+                               'devices such as "cuda:0,cuda:1" (learners are spread over them round-robin)') from None
         return value
     if kind == "paths":
         items = value if isinstance(value, list) else [value]

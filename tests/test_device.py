@@ -1,0 +1,326 @@
+"""GPU learners (issue 6): the device transports, device choice and their refusals.
+
+The device push and pull run three threads per learner (train, push, pull) with one-item
+hand-offs between them. On a CPU "device" they run the same code with synchronous copies
+and no streams, which is how this suite checks their thread logic on machines without a
+GPU: real server and learner processes, random delays injected in each of the three
+threads, and the exactly-once contract of tests/test_exactly_once.py (final weights bit
+for bit, counters). The same tests on CUDA devices, and the GPU-only cases (GPU and CPU
+learners in one job, more learners than GPUs), are skipped where no GPU is visible.
+"""
+
+import signal
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+import gadei
+from conftest import communicate, finish, read_line, wait_for
+from gadei import device, jobfile
+from gadei.jobfile import JobFileError
+from gadei.region import Region
+from test_exactly_once import LR, N, STEPS, VALUES
+from worker import TABLE_ROWS, TABLE_WIDTH, TOUCHED, Flat
+
+GPUS = device.cuda_count()
+NO_GPU = f"needs a CUDA GPU: torch {torch.__version__} sees none on this machine"
+cuda = pytest.mark.skipif(GPUS == 0, reason=NO_GPU)
+no_cuda = pytest.mark.skipif(GPUS > 0, reason="checks the refusal on a machine without CUDA; this one has a GPU")
+DEADLINE = 120  # seconds a learner may take for its pushes; far above what they need, far below a hang
+
+
+def _exactly_once(job, procs, tmp_path, devices, *, slots=2, grad_dtype="float32", model="flat",
+                  row_sparse=False, mode="async", jitter=None):
+    """One learner per entry of `devices` pushes STEPS known gradients through the device
+    transports, each step's different (V, 2V, 3V, V, ...: a gradient overwritten by the next
+    one while it is copied changes the sums); the final weights and counters must hold each
+    of them once."""
+    values = [VALUES[i % len(VALUES)] for i in range(len(devices))]
+    dump = tmp_path / "weights.npy"
+    server = procs.worker("serve", job, "--model", model, "--n", N, "--lr", LR, "--learners", len(devices),
+                          "--slots", slots, "--grad-dtype", grad_dtype, "--mode", mode,
+                          *(["--row-sparse"] if row_sparse else []), "--dump", dump)
+    read_line(server, 60)
+    learners = [
+        procs.worker("push", job, "--model", model, "--n", N, "--value", v, "--steps", STEPS, "--pull", "device",
+                     "--push", "device", "--device", d, "--vary",
+                     *(["--jitter", jitter * 100 + i] if jitter is not None else []))
+        for i, (v, d) in enumerate(zip(values, devices))
+    ]
+    for learner in learners:
+        read_line(learner, 60)  # attaching
+        read_line(learner, 60)  # attached
+    done = [read_line(l, DEADLINE) for l in learners]
+    for learner in learners:
+        finish(learner)
+    assert [d["pushed"] for d in done] == [STEPS] * len(devices)
+
+    server.send_signal(signal.SIGTERM)
+    report = read_line(server, 60)
+    finish(server)
+    expected = _expected(model, sum(v * (1 + k % 3) for v in values for k in range(STEPS)))
+    np.testing.assert_array_equal(np.load(dump), expected)
+    assert report["applied"] == report["version"] == STEPS * len(devices)
+    assert report["heads"] == report["tails"] and sum(report["heads"]) == STEPS * len(devices)
+    itemsize = 4 if grad_dtype == "float32" else 2
+    dense = N - TABLE_ROWS * TABLE_WIDTH if row_sparse else N
+    per_gradient = dense * itemsize + (len(set(TOUCHED)) * (8 + TABLE_WIDTH * itemsize) if row_sparse else 0)
+    assert report["applied_bytes"] == per_gradient * STEPS * len(devices)
+    # each learner left with the final weights (or those of the version it last saw) in its model
+    final = float(expected[-TABLE_ROWS * TABLE_WIDTH if model == "table" else -1])  # the last parameter's first
+    assert all(d["weight0"] == final or d["version"] < report["version"] for d in done)
+
+
+def _expected(model: str, total: float) -> np.ndarray:
+    """Initial weights 1 minus lr times `total` (every gradient element's sum); a table's
+    touched rows only (row 0 twice per gradient)."""
+    if model == "flat":
+        return np.full(N, 1.0 - LR * total, dtype=np.float32)
+    table = np.ones((TABLE_ROWS, TABLE_WIDTH), dtype=np.float32)
+    for row in TOUCHED:
+        table[row] -= LR * total
+    return np.concatenate([np.full(N - table.size, 1.0 - LR * total, dtype=np.float32), table.ravel()])  # bias first
+
+
+# ------------------------------------------------------------------ the three-thread hand-off
+
+STRESS = [  # (slots, gradient transport, model, row-sparse, mode): every slot format, a full ring, consistent pulls
+    (1, "float32", "flat", False, "async"),
+    (2, "float16", "flat", False, "async"),
+    (2, "bfloat16", "table", True, "async"),
+    (1, "float32", "flat", False, "consistent"),
+]
+
+
+@pytest.mark.parametrize("dev", ["cpu", pytest.param("cuda", marks=cuda)])
+@pytest.mark.parametrize("seed, case", list(enumerate(STRESS)))
+def test_random_delays_in_the_train_push_and_pull_threads_neither_deadlock_nor_lose_a_gradient(
+        job, procs, tmp_path, dev, seed, case):
+    slots, grad_dtype, model, row_sparse, mode = case
+    _exactly_once(job, procs, tmp_path, [dev] * len(VALUES), slots=slots, grad_dtype=grad_dtype, model=model,
+                  row_sparse=row_sparse, mode=mode, jitter=seed)
+
+
+@pytest.mark.parametrize("dev", ["cpu", pytest.param("cuda", marks=cuda)])
+def test_stopping_the_job_mid_push_ends_every_learner_and_applies_what_was_published(job, procs, dev):
+    server = procs.worker("serve", job, "--n", N, "--lr", LR, "--learners", 3, "--slots", 1)
+    read_line(server, 60)
+    learners = [procs.worker("push", job, "--n", N, "--value", 1, "--steps", 10**6, "--pull", "device",
+                             "--push", "device", "--device", dev, "--jitter", i, "--max-jitter", 0.005)
+                for i in range(3)]
+    for learner in learners:
+        read_line(learner, 60)
+        read_line(learner, 60)
+    with Region.attach(job, readonly=True) as region:
+        wait_for(lambda: region.header.get("applied") >= 60, 60, "60 gradients applied")
+    server.send_signal(signal.SIGTERM)
+    report = read_line(server, 60)
+    finish(server)
+    done = [read_line(l, 30) for l in learners]  # each with-block ended quietly on JobStopped
+    for learner in learners:
+        finish(learner, 30)
+    assert report["heads"] == report["tails"]  # everything published was applied
+    assert report["applied"] == report["version"] == sum(report["heads"])
+    assert sum(d["pushed"] for d in done) >= report["applied"]  # a staged gradient may be dropped, none invented
+
+
+@pytest.mark.parametrize("dev", ["cpu", pytest.param("cuda", marks=cuda)])
+def test_a_killed_server_ends_every_device_learner_with_server_gone(job, procs, dev):
+    server = procs.worker("serve", job, "--n", N, "--lr", LR, "--learners", 2, "--slots", 1)
+    read_line(server, 60)
+    learners = [procs.worker("push", job, "--n", N, "--value", 1, "--steps", 10**6, "--pull", "device",
+                             "--push", "device", "--device", dev, "--jitter", i) for i in range(2)]
+    for learner in learners:
+        read_line(learner, 60)
+        read_line(learner, 60)
+    with Region.attach(job, readonly=True) as region:
+        wait_for(lambda: region.header.get("applied") >= 20, 60, "20 gradients applied")
+    server.send_signal(signal.SIGKILL)
+    for learner in learners:
+        _, err = communicate(learner, 60)  # the push thread's wait for ring space notices, the train thread raises
+        assert learner.returncode != 0 and "ServerGone" in err and "is gone" in err, err[-2000:]
+
+
+# ------------------------------------------------------------------ GPU learners (skipped without a GPU)
+
+
+@cuda
+def test_gpu_learners_apply_every_gradient_exactly_once(job, procs, tmp_path):
+    _exactly_once(job, procs, tmp_path, ["cuda:0"] * 3)
+
+
+@cuda
+def test_gpu_learners_convert_to_16_bits_on_the_device_and_send_table_rows(job, procs, tmp_path):
+    _exactly_once(job, procs, tmp_path, ["cuda:0"] * 3, grad_dtype="bfloat16", model="table", row_sparse=True)
+
+
+@cuda
+def test_gpu_and_cpu_learners_train_one_job(job, procs, tmp_path):
+    _exactly_once(job, procs, tmp_path, ["cuda:0", "cpu", "cuda:0"])
+
+
+@cuda
+def test_more_learners_than_gpus_share_them(job, procs, tmp_path):
+    gpus = tuple(f"cuda:{i}" for i in range(GPUS))
+    _exactly_once(job, procs, tmp_path, device.spread(gpus, 2 * GPUS + 1))
+
+
+@cuda
+def test_a_gpu_learner_page_locks_the_region_and_unlocks_it_when_it_leaves(job):
+    from test_learner import _Serving
+
+    model = Flat(N, 0.0)
+    with _Serving(job, model=Flat(N, 1.0), lr=LR):
+        with gadei.Learner(model, job, device="cuda:0") as learner:
+            assert (learner.pull_mode, learner.push_mode) == ("device", "device")
+            assert torch.from_numpy(learner.region.weights).is_pinned()
+            for _ in range(3):
+                for p in model.parameters():
+                    p.grad = torch.ones_like(p)
+                learner.step()
+        assert model.weight.device.type == "cuda"
+
+
+@cuda
+def test_a_gpu_learner_refuses_elastic_mode_by_name(job):
+    from test_learner import _Serving
+
+    with _Serving(job, model=Flat(100, 1.0), mode="elastic"):
+        with pytest.raises(gadei.RegionMismatch, match="elastic mode, which GPU learners do not support"):
+            gadei.Learner(Flat(100, 0.0), job, device="cuda:0").attach()
+
+
+# ------------------------------------------------------------------ device choice and refusals
+
+
+@no_cuda
+def test_a_learner_asking_for_cuda_without_a_gpu_fails_at_once_saying_so(job):
+    with pytest.raises(gadei.DeviceError, match="no usable CUDA GPU"):
+        gadei.Learner(Flat(100, 0.0), job, device="cuda:0")  # before any region is looked for
+
+
+@no_cuda
+def test_gadei_learn_with_a_cuda_device_without_a_gpu_fails_at_once_saying_so(job, procs):
+    learn = procs.gadei("learn", job, "--device", "cuda:0")
+    _, err = communicate(learn, 60)
+    assert learn.returncode == 2 and "device 'cuda:0'" in err and "no usable CUDA GPU" in err, err
+
+
+def test_a_bad_device_name_is_refused(job):
+    with pytest.raises(gadei.DeviceError, match="not a device; allowed: cpu, cuda, cuda:N"):
+        gadei.Learner(Flat(100, 0.0), job, device="gpu0")
+
+
+def test_a_cpu_learner_may_use_the_device_transports_but_not_in_elastic_mode(job):
+    from test_learner import _Serving
+
+    with _Serving(job, model=Flat(100, 1.0), mode="elastic"):
+        with pytest.raises(gadei.RegionMismatch, match="pull must be one of"):
+            gadei.Learner(Flat(100, 0.0), job, pull="device", push="device").attach()
+
+
+def test_learners_are_spread_round_robin_over_the_devices():
+    assert device.spread(("cuda:0", "cuda:1"), 5) == ["cuda:0", "cuda:1", "cuda:0", "cuda:1", "cuda:0"]
+    assert device.spread(("cpu",), 2) == ["cpu", "cpu"]
+
+
+GOOD = """
+[job]
+name = "pets"
+workload = "textcnn"
+
+[data]
+train = "train.csv"
+format = "csv"
+label_column = "category"
+
+[train]
+learners = 3
+"""
+
+
+@pytest.fixture
+def small(tmp_path):
+    rows = [f'"sentence {i} about {"dogs" if i % 2 else "cats"}",{"dog" if i % 2 else "cat"}' for i in range(40)]
+    (tmp_path / "train.csv").write_text("text,category\n" + "\n".join(rows) + "\n")
+    return tmp_path
+
+
+def _load(folder, devices_line: str):
+    path = folder / "job.toml"
+    path.write_text(textwrap.dedent(GOOD) + devices_line + "\n")
+    return jobfile.load(path)
+
+
+def test_a_job_trains_on_the_cpu_unless_its_file_says_otherwise(small):
+    job = _load(small, "")
+    assert job.train.devices == "cpu"
+    filled, chosen = job.with_defaults(40)
+    assert filled.train.devices == "cpu" and not any("devices" in line for line in chosen)
+
+
+@no_cuda
+def test_auto_devices_choose_the_cpu_without_a_gpu_and_say_so(small):
+    filled, chosen = _load(small, 'devices = "auto"').with_defaults(40)
+    assert filled.train.devices == "cpu"
+    assert any(line.startswith("devices = cpu (auto: no CUDA GPU is visible") for line in chosen), chosen
+    again = jobfile.load(_write(small, filled.to_toml()))
+    assert again.train.devices == "cpu"
+
+
+@cuda
+def test_auto_devices_choose_every_visible_gpu(small):
+    filled, chosen = _load(small, 'devices = "auto"').with_defaults(40)
+    assert filled.train.devices == ",".join(f"cuda:{i}" for i in range(GPUS))
+    assert any("auto: every visible CUDA GPU" in line for line in chosen)
+
+
+def _write(folder, text):
+    path = folder / "as-run.toml"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("line, message", [
+    ("devices = 2", 'devices = 2 is an integer; allowed: "cpu", "auto"'),
+    ('devices = "gpu"', "[train] devices = 'gpu': 'gpu' is not a device"),
+    ('devices = "cuda:0,cuda:0"', "cuda:0 named twice"),
+    ('devices = "auto,cpu"', "'auto' stands alone"),
+    ('devices = ""', "'' is not a device"),
+    ('device = "cpu"', "unknown key 'device' (did you mean 'devices'?)"),
+])
+def test_a_bad_devices_field_is_refused_naming_file_field_and_what_is_allowed(small, line, message):
+    with pytest.raises(JobFileError) as refused:
+        _load(small, line)
+    text = str(refused.value)
+    assert text.startswith("job.toml: [train] ") and message in text, text
+
+
+@no_cuda
+def test_a_job_asking_for_a_gpu_on_a_machine_without_one_is_refused_before_it_starts(small):
+    with pytest.raises(JobFileError) as refused:
+        _load(small, 'devices = "cpu,cuda:0"')
+    text = str(refused.value)
+    assert text.startswith("job.toml: [train] devices = 'cpu,cuda:0'") and "no usable CUDA GPU" in text, text
+
+
+@cuda
+@pytest.mark.slow
+def test_gadei_run_spreads_the_learners_over_the_listed_devices(small, procs):
+    """A job with GPU and CPU learners, more learners than GPUs: each learner trains where
+    `devices` put it (its log says so) and the job ends with its model."""
+    name = f"dev-{small.name[-20:]}".replace("_", "-")
+    path = small / "job.toml"
+    path.write_text(textwrap.dedent(GOOD).replace('name = "pets"', f'name = "{name}"')
+                    + 'devices = "cuda:0,cpu"\nepochs = 2\n[output]\nfolder = "out"\n')
+    run = procs.gadei("run", path)
+    out, err = communicate(run, 600)
+    assert run.returncode == 0, out + err
+    assert "learners' devices: 0: cuda:0, 1: cpu, 2: cuda:0" in out, out
+    logs = small / "out" / "logs"
+    assert "cuda:0, pull device, push device" in (logs / "learner-0.log").read_text()
+    assert "cpu, pull view, push publish" in (logs / "learner-1.log").read_text()
+    assert "cuda:0, pull device, push device" in (logs / "learner-2.log").read_text()
+    assert (small / "out" / "model.pt").exists()
