@@ -37,7 +37,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import jobfile
+from . import device, jobfile
 from .errors import GadeiError
 
 log = logging.getLogger(__name__)
@@ -134,8 +134,12 @@ def _run(prepared: _Prepared, quiet: bool, node: "_Node | None" = None) -> int:
                "--keep", str(job.checkpoint.keep), "--log-dir", str(out / "logs"), "--save", str(out / "model.pt"),
                "--json"] + (["--resume", str(found.path)] if found is not None else [])
     shards = node.shards(t.learners) if node is not None else [f"{i}/{t.learners}" for i in range(t.learners)]
+    devices = device.spread(tuple(t.devices.split(",")), t.learners)
+    if set(devices) != {"cpu"}:
+        print("  learners' devices: " + ", ".join(f"{i}: {d}" for i, d in enumerate(devices)), flush=True)
     for i, shard in enumerate(shards):
-        extra = ["--shard", shard] + (["--eval"] if i == 0 else [])
+        extra = ["--shard", shard] + (["--eval"] if i == 0 else []) + (["--device", devices[i]]
+                                                                        if devices[i] != "cpu" else [])
         command.append("--learner=" + " ".join(shlex.quote(a) for a in [*learner, *extra]))
     started = time.monotonic()
     with open(out / "logs" / "serve.log", "ab") as serve_log:
@@ -365,13 +369,15 @@ def resume_point(job: jobfile.Job, *, remove_model: bool = True, nodes: int = 1)
     if not as_run.is_file():
         raise GadeiError(f"--resume: {out} holds no run to go on with (no job.toml)")
     before = jobfile.load(as_run)
+    free = {("train", "epochs"), ("train", "devices")}  # neither changes a learner's schedule
     changed = [f"[{section}] {key}" for section in ("data", "train")
                for key, value in vars(getattr(before, section)).items()
-               if (section, key) != ("train", "epochs") and getattr(getattr(job, section), key) != value]
+               if (section, key) not in free and getattr(getattr(job, section), key) != value]
     changed += [f"[job] {key}" for key in ("name", "workload") if getattr(job, key) != getattr(before, key)]
     if changed:
         raise GadeiError(f"--resume: the job differs from the run in {out} in " + ", ".join(changed)
-                         + " (only [train] epochs may change); run it with another [output] folder instead")
+                         + " (only [train] epochs may change, and [train] devices); run it with another [output] "
+                         "folder instead")
     try:
         before_nodes = json.loads((out / "node.json").read_text())["nodes"]
     except FileNotFoundError:
