@@ -17,6 +17,9 @@ bridge   the MPI bridge's exchange (time, GB/s, bytes on the wire) against one b
          MPI_Allreduce of the whole model, unbucketed, in buckets sized from the measured
          latency and per-byte cost, and each with float16 on the wire; models of --sizes MB,
          --ranks ranks started with mpiexec on this machine.
+gpu      GPU learners (gadei.bench_gpu): per-step time of one GPU learner + server against a
+         plain PyTorch GPU loop, samples/s and GPU busy fraction with 1-8 learners on one GPU,
+         the transports' copy bandwidth against pinned copies; needs CUDA (--device).
 
 Every figure is the median of `--repeats` runs, the methods interleaved within each run so
 that the machine's noise falls on all of them alike; ratios are of the medians. The tables
@@ -546,8 +549,14 @@ def bench_bridge(args) -> dict:
     return result
 
 
+def bench_gpu(args) -> dict:
+    from .bench_gpu import bench_gpu as run
+
+    return run(args)
+
+
 BENCHES = {"kernel": bench_kernel, "latency": bench_latency, "train": bench_train, "transport": bench_transport,
-           "accuracy": bench_accuracy, "modes": bench_modes, "bridge": bench_bridge}
+           "accuracy": bench_accuracy, "modes": bench_modes, "bridge": bench_bridge, "gpu": bench_gpu}
 
 
 def run_bench(args) -> int:

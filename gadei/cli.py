@@ -825,7 +825,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="measure gadei against its alternatives, side by side")
     p.add_argument("what", nargs="*", default=["kernel", "latency", "train"],
-                   help="kernel, latency, train, transport, accuracy, modes, bridge (default: the first three)")
+                   help="kernel, latency, train, transport, accuracy, modes, bridge, gpu (default: the first three)")
     p.add_argument("--repeats", type=int, default=5, help="repeated runs (for accuracy and modes: seeds 0..N-1); medians are reported, "
                    "for accuracies the mean and range (default 5)")
     p.add_argument("--quick", action="store_true", help="fewer sizes and steps (a smoke run)")
@@ -837,6 +837,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="accuracy, modes: epochs per run (default 4)")
     p.add_argument("--sizes", help="bridge: model sizes in MB, comma-separated (default 1,16,64,256; --quick 1,4)")
     p.add_argument("--ranks", type=int, default=2, help="bridge: MPI ranks started on this machine (default 2)")
+    p.add_argument("--device", default="cuda:0", help="gpu: the GPU measured (default cuda:0; cpu: a smoke run of "
+                   "the harness, figures meaningless)")
     p.set_defaults(func=cmd_bench)
     return parser
 
