@@ -114,7 +114,9 @@ def _run(prepared: _Prepared, quiet: bool, node: "_Node | None" = None) -> int:
         print(f"  node {node.rank} of {node.size}: learners' shards {', '.join(node.shards(t.learners))}; bridge "
               f"{b.strategy}, " + (f"every {b.every:g} s" if b.every is not None else f"every {b.interval} versions")
               + f", buckets {b.bucket_mb if b.bucket_mb == 'auto' else f'{b.bucket_mb:g} MB'}"
-              + (", float16" if b.float16 else "") + f", timeout {b.timeout:g} s", flush=True)
+              + (", float16" if b.float16 else "") + f", timeout {b.timeout:g} s; lr {node.lr(job):g} per node"
+              + ("" if b.node_lr else f" (lr {t.lr:g} x {node.size} nodes: each exchange averages the nodes' progress)"),
+              flush=True)
     elif job.bridge is not None:
         print("  one node, so no bridge ([bridge] joins the nodes of `mpiexec -n NODES gadei run`)", flush=True)
     print(f"  output: {out}", flush=True)
@@ -128,7 +130,8 @@ def _run(prepared: _Prepared, quiet: bool, node: "_Node | None" = None) -> int:
                "--batch", str(t.batch), "--json"]
     rings = t.learners + (1 if node is not None else 0)  # a bridged node's bridge takes a ring of its own
     command = [sys.executable, "-m", "gadei", "serve", job.name, "--workload", job.workload, "--data", spec,
-               "--seed", str(t.seed), "--lr", str(t.lr), "--mode", t.mode, "--optimizer", t.optimizer,
+               "--seed", str(t.seed), "--lr", str(node.lr(job) if node is not None else t.lr), "--mode", t.mode,
+               "--optimizer", t.optimizer,
                "--learners", str(rings),
                "--checkpoint-dir", str(out / "checkpoints"), "--checkpoint-every", str(job.checkpoint.interval),
                "--keep", str(job.checkpoint.keep), "--log-dir", str(out / "logs"), "--save", str(out / "model.pt"),
@@ -221,6 +224,13 @@ class _Node:
 
     def shards(self, learners: int) -> list[str]:
         return [f"{self.rank * learners + i}/{self.size * learners}" for i in range(learners)]
+
+    def lr(self, job: jobfile.Job) -> float:
+        """The rate each node serves at: [bridge] node_lr, or [train] lr x nodes. [train] lr is one
+        node's rate, and every strategy averages (an exchange gives each node's progress since
+        the last one a share 1/N of the joint model), so N nodes step at N x lr each (the
+        linear scaling rule of data-parallel SGD)."""
+        return job.bridge.node_lr or job.train.lr * self.size
 
     def child_environment(self) -> dict:
         from .bridge import child_environment

@@ -63,9 +63,10 @@ def test_a_bridge_section_parses_keeps_the_adagrad_default_and_writes_itself_bac
         bucket_mb = 2
         float16 = true
         timeout = 20
+        node_lr = 0.05
     """)
     assert job.bridge == jobfile.Bridge(strategy="elastic", every=0.5, alpha=0.3, bucket_mb=2.0, float16=True,
-                                        timeout=20.0)
+                                        timeout=20.0, node_lr=0.05)
     filled, chosen = job.with_defaults(36)
     assert filled.train.optimizer == "adagrad"  # the bridge's moves land outside the update rule
     again = _load(small, filled.to_toml(), "as-run.toml")
@@ -98,6 +99,7 @@ def test_a_bridge_section_parses_keeps_the_adagrad_default_and_writes_itself_bac
     ('float16 = "yes"', "[bridge] float16 = 'yes' is a string; allowed: true or false"),
     ("float16 = 1", "[bridge] float16 = 1 is an integer; allowed: true or false"),
     ("timeout = 0", "[bridge] timeout = 0 is out of range; allowed: a number above 0"),
+    ("node_lr = -0.1", "[bridge] node_lr = -0.1 is out of range; allowed: a number above 0"),
 ])
 def test_a_bad_bridge_section_is_refused_naming_field_value_and_what_is_allowed(small, section, message):
     with pytest.raises(JobFileError) as err:
@@ -260,11 +262,13 @@ def test_mpiexec_runs_one_job_file_as_two_bridged_nodes(tmp_path, procs, mpi_env
         interval = 100
         bucket_mb = 0
         timeout = 60
+        node_lr = 0.1
     """))
     run = _mpiexec_run(procs, mpi_env, path)
     try:
         out, err = communicate(run, 900)
         assert run.returncode == 0, (out + err)[-5000:]
+        assert out.count("lr 0.1 per node") == 2, out[-5000:]
         for job in jobs:
             assert f"gadei run: job {job} done in" in out, (out + err)[-5000:]
         steps, published, exchanges, accuracy = 0, [], [], []
@@ -358,6 +362,7 @@ def _job_accuracy(procs, mpi_env, folder, strategy: str | None, seed: int) -> fl
         results = [json.loads(p.read_text()) for p in sorted((folder / "out").rglob("result.json"))]
         assert len(results) == len(jobs) and all(r["finished"] for r in results), results
         if strategy:
+            assert out.count("lr 0.02 per node (lr 0.01 x 2 nodes") == 2, out[-3000:]  # the job's lr, scaled
             assert all(r["bridge"]["reason"] == "every node finished" for r in results), results
             assert results[0]["test_accuracy"] == results[1]["test_accuracy"], results  # one model
         return results[0]["test_accuracy"]
