@@ -244,6 +244,51 @@ def test_every_strategy_brings_the_nodes_to_their_mean_through_the_ring(job, pro
     assert ranks.proc.returncode == 0
 
 
+def _finish_job(job: str) -> None:
+    """Stop `job` the way its watchdog does once every launched learner finished."""
+    from gadei import _native
+    from gadei.layout import STOPPING
+
+    with Region.attach(job) as region:
+        h = region.header
+        h.set("finished", 1)
+        h.cas("run_state", SERVING, STOPPING)
+        _native.add32(h.addr("doorbell"), 1)
+        _native.futex_wake(h.addr("doorbell"), 1)
+
+
+@pytest.mark.parametrize("strategy", ["average", "elastic", "gossip"])
+def test_nodes_that_finished_end_with_one_model_which_every_rank_saves(job, procs, bridges, strategy, tmp_path):
+    """A node whose job finished keeps its part (average, elastic: the others go on exchanging
+    with it) until every node finished; then every rank has the same model (average, gossip:
+    the mean of the nodes; elastic: the centre, also their mean with nothing training) and
+    --save writes it. The servers apply nothing after they stopped."""
+    import torch
+
+    server = _serve(procs, job, 2)
+    ranks = bridges(2, "--strategy", strategy, "--every", 0.1, "--timeout", 20, "--save", tmp_path / "model-{rank}.pt")
+    ranks.ready()
+    ranks.wait(lambda: all(len(ranks.of("exchange", r)) >= 2 for r in range(2)), 120, "two exchanges on every rank")
+    _finish_job(f"{job}-0")
+    if strategy != "gossip":  # rank 1 keeps exchanging: rank 0 takes part with its final weights
+        seen = len(ranks.of("exchange", 1))
+        ranks.wait(lambda: len(ranks.of("exchange", 1)) >= seen + 3, 60, "exchanges after node 0 finished")
+        assert not ranks.of("ended")
+    _finish_job(f"{job}-1")
+    ended = ranks.finish(60)
+    assert sorted(ended) == [0, 1], ranks.log()[-3000:]
+    for r, end in ended.items():
+        assert end["reason"] == "every node finished" and end["lost"] == [], end
+    assert ranks.proc.returncode == 0
+    finals = [e for r in range(2) for e in ranks.of("exchange", r) if e["final"]]
+    assert len(finals) == 2, finals
+    models = [torch.load(tmp_path / f"model-{r}.pt", weights_only=True) for r in range(2)]
+    weights = [np.concatenate([t.numpy().ravel() for t in m.values()]) for m in models]
+    np.testing.assert_array_equal(weights[0], weights[1])
+    assert np.abs(weights[0] - _initial(2).mean(axis=0)).max() <= 1e-5
+    _stop(server)
+
+
 # ------------------------------------------------------------------ failures
 
 
