@@ -37,6 +37,16 @@ latency alpha and per-byte cost beta (MG-WFBP's merging: a bucket is large enoug
 alpha is at most 5 % of its transfer time), optionally as float16 with float32
 accumulation (an allgather of float16 buckets summed in rank order, the same on every rank).
 
+End: when the local job finished (its watchdog stopped it after every launched learner
+finished, and says so in the header `finished`), the bridge gives its ring back so the
+server can stop, and reads the final weights. average and elastic keep taking part in the
+exchanges with them (moved to each target in memory; nothing more reaches the stopped
+server) until every rank finished: that exchange is `final` and its target the job's model,
+the same on every rank (average: the agreed model; elastic: the centre). gossip says BYE
+and joins one allreduce of the final weights (up to `timeout` for the others): their mean.
+`Bridge.save_final` writes it (`gadei bridge --save`; `gadei run` into each node's
+model.pt). A job stopped otherwise leaves the exchanges at once.
+
 Failure: every MPI wait polls non-blocking requests against a deadline (`timeout`). When a
 peer does not answer in time, average and elastic end the exchange for everyone (each
 surviving rank logs it, writes a checkpoint of its job with `checkpoint_dir`, exits
