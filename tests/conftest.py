@@ -28,6 +28,24 @@ def data_dir() -> Path:
     return Path(os.environ.get("GADEI_DATA_DIR") or HERE.parent.parent / "shared" / "data")
 
 
+def trec_job(name: str, output="out", **sections: dict) -> str:
+    """The text of a job file that trains the text CNN on TREC (the calling test is skipped
+    where TREC is missing); `sections` adds sections, e.g. train={"learners": 2, "lr": 0.05}."""
+    trec = data_dir() / "trec"
+    if not (trec / "TREC.train").is_file():
+        pytest.skip(f"TREC is not at {trec} (set GADEI_DATA_DIR)")
+    body = {"job": {"name": name, "workload": "textcnn"},
+            "data": {"train": str(trec / "TREC.train"), "test": str(trec / "TREC.test"), "format": "trec",
+                     "encoding": "latin-1"},
+            **sections, "output": {"folder": str(output)}}
+
+    def value(v) -> str:
+        return json.dumps(v) if isinstance(v, str) else str(v).lower() if isinstance(v, bool) else repr(v)
+
+    return "\n".join(f"[{section}]\n" + "".join(f"{k} = {value(v)}\n" for k, v in keys.items())
+                     for section, keys in body.items())
+
+
 def wait_for(predicate, timeout: float, what: str, interval: float = 0.01):
     """Poll `predicate` until it returns something truthy; fail the test after `timeout` s."""
     deadline = time.monotonic() + timeout

@@ -16,7 +16,7 @@ import psutil
 import pytest
 import test_bridge
 
-from conftest import communicate, data_dir
+from conftest import communicate, trec_job
 from gadei import jobfile
 from gadei.bridge import child_environment, launched_ranks, local_mpiexec
 from gadei.errors import GadeiError
@@ -235,35 +235,12 @@ def test_when_one_node_cannot_start_none_does(small, procs, mpi_env):
 def test_mpiexec_runs_one_job_file_as_two_bridged_nodes(tmp_path, procs, mpi_env):
     """Two nodes of one learner each, average every 100 versions: the same total work as one
     node with two learners (each mini-batch of two epochs trained once, by one of them)."""
-    trec = data_dir() / "trec"
-    if not (trec / "TREC.train").exists():
-        pytest.skip(f"TREC is not at {trec} (set GADEI_DATA_DIR)")
     name = f"bridged-{tmp_path.name[-12:]}".replace("_", "-")
     jobs = [f"{name}-r{r}" for r in range(2)]
     path = tmp_path / "job.toml"
-    path.write_text(textwrap.dedent(f"""
-        [job]
-        name = "{name}"
-        workload = "textcnn"
-        [data]
-        train = "{trec / 'TREC.train'}"
-        test = "{trec / 'TREC.test'}"
-        format = "trec"
-        encoding = "latin-1"
-        [train]
-        learners = 1
-        epochs = 2
-        optimizer = "sgd"
-        lr = 0.1
-        [output]
-        folder = "out"
-        [bridge]
-        strategy = "average"
-        interval = 100
-        bucket_mb = 0
-        timeout = 60
-        node_lr = 0.1
-    """))
+    path.write_text(trec_job(name, train={"learners": 1, "epochs": 2, "optimizer": "sgd", "lr": 0.1},
+                             bridge={"strategy": "average", "interval": 100, "bucket_mb": 0, "timeout": 60,
+                                     "node_lr": 0.1}))
     run = _mpiexec_run(procs, mpi_env, path)
     try:
         out, err = communicate(run, 900)
@@ -321,26 +298,9 @@ ACCURACY_EPOCHS = 6
 
 
 def _trec_job(path, name: str, learners: int, seed: int, strategy: str | None) -> None:
-    trec = data_dir() / "trec"
-    if not (trec / "TREC.train").exists():
-        pytest.skip(f"TREC is not at {trec} (set GADEI_DATA_DIR)")
-    bridge = f'[bridge]\nstrategy = "{strategy}"\ntimeout = 60\n' if strategy else ""
-    path.write_text(textwrap.dedent(f"""
-        [job]
-        name = "{name}"
-        workload = "textcnn"
-        [data]
-        train = "{trec / 'TREC.train'}"
-        test = "{trec / 'TREC.test'}"
-        format = "trec"
-        encoding = "latin-1"
-        [train]
-        learners = {learners}
-        epochs = {ACCURACY_EPOCHS}
-        seed = {seed}
-        [output]
-        folder = "{path.parent / 'out'}"
-    """) + bridge)
+    bridge = {"bridge": {"strategy": strategy, "timeout": 60}} if strategy else {}
+    path.write_text(trec_job(name, path.parent / "out", train={"learners": learners, "epochs": ACCURACY_EPOCHS,
+                                                               "seed": seed}, **bridge))
 
 
 def _job_accuracy(procs, mpi_env, folder, strategy: str | None, seed: int) -> float:

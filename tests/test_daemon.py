@@ -10,7 +10,7 @@ import textwrap
 import psutil
 import pytest
 
-from conftest import communicate, data_dir, finish, wait_for
+from conftest import communicate, data_dir, finish, trec_job, wait_for
 from gadei import checkpoint
 from gadei.region import inspect
 
@@ -23,26 +23,9 @@ def daemon_env(tmp_path):
 
 
 def _jobfile(folder, name, epochs, interval=2):
-    trec = data_dir() / "trec"
     path = folder / f"{name}.toml"
-    path.write_text(textwrap.dedent(f"""
-        [job]
-        name = "{name}"
-        workload = "textcnn"
-        [data]
-        train = "{trec / 'TREC.train'}"
-        test = "{trec / 'TREC.test'}"
-        format = "trec"
-        encoding = "latin-1"
-        [train]
-        learners = 2
-        epochs = {epochs}
-        lr = 0.05
-        [checkpoint]
-        interval = {interval}
-        [output]
-        folder = "out-{name}"
-    """))
+    path.write_text(trec_job(name, f"out-{name}", train={"learners": 2, "epochs": epochs, "lr": 0.05},
+                             checkpoint={"interval": interval}))
     return path
 
 

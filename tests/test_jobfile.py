@@ -8,7 +8,7 @@ import textwrap
 import pytest
 import torch
 
-from conftest import communicate, data_dir, wait_for
+from conftest import communicate, trec_job, wait_for
 from gadei import jobfile
 from gadei.jobfile import JobFileError
 from gadei.region import inspect
@@ -183,28 +183,8 @@ def test_a_per_label_file_names_its_label():
 
 @pytest.mark.slow
 def test_gadei_run_trains_a_job_file_and_leaves_its_outputs(tmp_path, procs):
-    trec = data_dir() / "trec"
-    if not trec.is_dir():
-        pytest.skip(f"TREC is not at {trec}")
     name = f"run-{tmp_path.name[-20:]}".replace("_", "-")
-    path = _job(tmp_path, f"""
-        [job]
-        name = "{name}"
-        workload = "textcnn"
-        [data]
-        train = "{trec / 'TREC.train'}"
-        test = "{trec / 'TREC.test'}"
-        format = "trec"
-        encoding = "latin-1"
-        [train]
-        learners = 2
-        epochs = 2
-        lr = 0.05
-        [checkpoint]
-        interval = 5
-        [output]
-        folder = "out"
-    """)
+    path = _job(tmp_path, trec_job(name, train={"learners": 2, "epochs": 2, "lr": 0.05}, checkpoint={"interval": 5}))
     run = procs.gadei("run", path)
     out, err = communicate(run, 600)
     assert run.returncode == 0, out + err
@@ -230,29 +210,12 @@ def test_gadei_run_trains_a_job_file_and_leaves_its_outputs(tmp_path, procs):
 
 @pytest.mark.slow
 def test_a_stopped_run_goes_on_with_resume_and_trains_each_mini_batch_once(tmp_path, procs):
-    trec = data_dir() / "trec"
-    if not trec.is_dir():
-        pytest.skip(f"TREC is not at {trec}")
     name = f"resume-{tmp_path.name[-20:]}".replace("_", "-")
-    body = f"""
-        [job]
-        name = "{name}"
-        workload = "textcnn"
-        [data]
-        train = "{trec / 'TREC.train'}"
-        test = "{trec / 'TREC.test'}"
-        format = "trec"
-        encoding = "latin-1"
-        [train]
-        learners = 2
-        epochs = {{epochs}}
-        lr = {{lr}}
-        [checkpoint]
-        interval = 600
-        [output]
-        folder = "out"
-    """
-    path = _job(tmp_path, body.format(epochs=1, lr=0.05))
+
+    def body(epochs: int, lr: float) -> str:
+        return trec_job(name, train={"learners": 2, "epochs": epochs, "lr": lr}, checkpoint={"interval": 600})
+
+    path = _job(tmp_path, body(epochs=1, lr=0.05))
     run = procs.gadei("run", path, "--quiet")
 
     def version():
@@ -274,12 +237,12 @@ def test_a_stopped_run_goes_on_with_resume_and_trains_each_mini_batch_once(tmp_p
     assert not stopped["finished"]
     assert inspect(name) is None
 
-    changed = _job(tmp_path, body.format(epochs=2, lr=0.1))  # another lr: the schedules' maths differ
+    changed = _job(tmp_path, body(epochs=2, lr=0.1))  # another lr: the schedules' maths differ
     refused = procs.gadei("run", changed, "--resume")
     _, err = communicate(refused, 60)
     assert refused.returncode == 2 and "[train] lr" in err and "only [train] epochs may change" in err, err
 
-    longer = _job(tmp_path, body.format(epochs=2, lr=0.05))  # more epochs may be asked for
+    longer = _job(tmp_path, body(epochs=2, lr=0.05))  # more epochs may be asked for
     resumed = procs.gadei("run", longer, "--resume", "--quiet")
     out, err = communicate(resumed, 600)
     assert resumed.returncode == 0 and "resuming from" in out and "done in" in out, out + err
