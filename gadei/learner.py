@@ -84,6 +84,7 @@ class Learner:
         self._last_pulled = 0
         self.region: Region | None = None
         self._push = self._pull = self._producer = None
+        self._forward_hook = None
 
     # ------------------------------------------------------------------ attach
 
@@ -119,6 +120,10 @@ class Learner:
             self._pull = PULLS[self.pull_mode](region, parameters, spec, self._record_pull,
                                                consistent=self.mode == "consistent")
             self._pull.start()
+            if self.pull_mode == "view":
+                # A forward pass reads the weights as they are when it runs: the version then is the
+                # one its gradient is computed on (not the one at the last step, or at attach).
+                self._forward_hook = self.model.register_forward_pre_hook(self._forward_starts)
             self._push = PUSHES[self.push_mode](region, self._producer, parameters, spec, self._on_slice,
                                                 self.options)
             self._push.bind()
@@ -290,10 +295,17 @@ class Learner:
         """
         self._teardown(drain=True)
 
+    def _forward_starts(self, *_) -> None:
+        if self._pull is not None:
+            self._pull.between_steps()
+
     def _teardown(self, drain: bool) -> None:
         if self.region is None:
             return
         region, self.region = self.region, None
+        if self._forward_hook is not None:
+            self._forward_hook.remove()
+            self._forward_hook = None
         try:
             # Order matters: publish what the push thread holds, wait until the server applied
             # everything this learner published, and only then take the final weights.

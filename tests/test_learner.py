@@ -81,6 +81,24 @@ def test_backward_accumulates_straight_into_the_ring_slot(job):
         np.testing.assert_array_equal(server.weights(), [-1.0, -2.0, -3.0, -4.0])
 
 
+def test_a_view_learners_gradient_counts_as_computed_on_the_version_its_forward_pass_read(job):
+    """Updates applied between attach (or the last step) and the forward pass are in the
+    weights that pass reads: the gradient is not stale by them (staleness 0, not 5)."""
+    model, other = Flat(100, 0.0), Flat(100, 0.0)
+    with _Serving(job, model=Flat(100, 0.0), lr=0.5, learners=2) as server:
+        with gadei.Learner(model, job) as learner, gadei.Learner(other, job) as busy:
+            for _ in range(5):  # another learner's updates after this one attached
+                for p in other.parameters():
+                    p.grad.fill_(1.0)
+                busy.step()
+            wait_for(lambda: server.version == 5, 10, "the other learner's 5 updates")
+            model(torch.ones(1)).sum().backward()
+            learner.step()
+            wait_for(lambda: server.version == 6, 10, "this learner's update")
+            entry = server.region.entry(learner.learner_id)
+            assert entry.get("stale_max") == 0 and entry.get("stale_sum") == 0
+
+
 def test_a_full_learner_table_is_refused_naming_the_owners(job, procs):
     with _Serving(job, model=Flat(100), learners=1):
         holder = procs.worker("push", job, "--n", 100, "--steps", 10**9, "--slow")
