@@ -494,14 +494,21 @@ class CopyPull(Pull):
         if not self._ready:
             return
         with self._cond:
-            if self._staged_version > self._version:
-                self._model_buf, self._staging = self._staging, self._model_buf
-                self._model_views, self._staging_views = self._staging_views, self._model_views
-                self._bind(self._model_buf, self._model_views)
-                self._version = self._staged_version
-                self.on_pull(self._version)
+            self._swap_in()
             self._ready = False
             self._cond.notify_all()
+
+    def _swap_in(self) -> bool:
+        """Under the condition: make the staged weights the model's (a pointer swap) when they
+        are newer; whether they were."""
+        if self._staged_version <= self._version:
+            return False
+        self._model_buf, self._staging = self._staging, self._model_buf
+        self._model_views, self._staging_views = self._staging_views, self._model_views
+        self._bind(self._model_buf, self._model_views)
+        self._version = self._staged_version
+        self.on_pull(self._version)
+        return True
 
     def _run(self) -> None:
         while True:
@@ -785,15 +792,9 @@ class DevicePull(CopyPull):
             return
         _device.inject("train.swap")
         with self._cond:
-            if self._staged_version > self._version:
-                self._model_buf, self._staging = self._staging, self._model_buf
-                self._model_views, self._staging_views = self._staging_views, self._model_views
-                self._bind(self._model_buf, self._model_views)
-                self._version = self._staged_version
-                self.on_pull(self._version)
-                if self.cuda:  # kernels queued on the old weights still read them
-                    self._released = torch.cuda.Event()
-                    self._released.record(torch.cuda.current_stream(self.device))
+            if self._swap_in() and self.cuda:  # kernels queued on the old weights still read them
+                self._released = torch.cuda.Event()
+                self._released.record(torch.cuda.current_stream(self.device))
             self._ready = False
             self._cond.notify_all()
 
