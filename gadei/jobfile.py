@@ -40,7 +40,7 @@ validated `Job` before anything starts.
     bucket_mb = "auto"            # megabytes per message, 0: the whole model in one, "auto" (default)
     float16 = false               # float16 on the wire, float32 sums
     timeout = 60                  # seconds any wait on a peer may last
-    # node_lr = 0.02              # each node's lr (default: [train] lr x nodes, since exchanges average)
+    # node_lr = 0.02              # each node's lr (default: [train] lr x nodes, elastic x (nodes + 1))
 
 Relative paths are taken from the job file's folder. Every refusal (`JobFileError`) names
 the file, the field, the value and what is allowed: an unknown section or key (with the
@@ -113,7 +113,7 @@ class Bridge:
     bucket_mb: float | str = "auto"
     float16: bool = False
     timeout: float = 60.0
-    node_lr: float | None = None  # None: [train] lr x nodes (gadei.run: each exchange averages the nodes' progress)
+    node_lr: float | None = None  # None: [train] lr x nodes, elastic x (nodes + 1) (gadei.run._Node.lr)
 
 
 @dataclass(frozen=True)

@@ -115,7 +115,9 @@ def _run(prepared: _Prepared, quiet: bool, node: "_Node | None" = None) -> int:
               f"{b.strategy}, " + (f"every {b.every:g} s" if b.every is not None else f"every {b.interval} versions")
               + f", buckets {b.bucket_mb if b.bucket_mb == 'auto' else f'{b.bucket_mb:g} MB'}"
               + (", float16" if b.float16 else "") + f", timeout {b.timeout:g} s; lr {node.lr(job):g} per node"
-              + ("" if b.node_lr else f" (lr {t.lr:g} x {node.size} nodes: each exchange averages the nodes' progress)"),
+              + ("" if b.node_lr else f" (lr {t.lr:g} x {node.shares(job)}: "
+                 + (f"{node.size} nodes and the centre share" if b.strategy == "elastic" else
+                    f"{node.size} nodes average") + " each node's progress)"),
               flush=True)
     elif job.bridge is not None:
         print("  one node, so no bridge ([bridge] joins the nodes of `mpiexec -n NODES gadei run`)", flush=True)
@@ -225,12 +227,17 @@ class _Node:
     def shards(self, learners: int) -> list[str]:
         return [f"{self.rank * learners + i}/{self.size * learners}" for i in range(learners)]
 
+    def shares(self, job: jobfile.Job) -> int:
+        """Among how many models each node's progress is shared: the N nodes' (average and
+        gossip average them), or N + 1 with elastic, whose moves keep the sum of the nodes'
+        weights and the centre."""
+        return self.size + (1 if job.bridge.strategy == "elastic" else 0)
+
     def lr(self, job: jobfile.Job) -> float:
-        """The rate each node serves at: [bridge] node_lr, or [train] lr x nodes. [train] lr is one
-        node's rate, and every strategy averages (an exchange gives each node's progress since
-        the last one a share 1/N of the joint model), so N nodes step at N x lr each (the
-        linear scaling rule of data-parallel SGD)."""
-        return job.bridge.node_lr or job.train.lr * self.size
+        """The rate each node serves at: [bridge] node_lr, or [train] lr x shares. [train] lr is
+        one node's rate; a node's progress counts 1/shares in the joint model, so each node
+        steps at shares x lr (the linear scaling rule of data-parallel SGD)."""
+        return job.bridge.node_lr or job.train.lr * self.shares(job)
 
     def child_environment(self) -> dict:
         from .bridge import child_environment
