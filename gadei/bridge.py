@@ -528,6 +528,8 @@ class Options:
             raise BridgeError(f"strategy {self.strategy!r} is not one of {sorted(STRATEGIES)}")
         if nodes < 2:
             raise BridgeError(f"the bridge runs on {nodes} rank: start one rank per node, `mpiexec -n NODES gadei bridge`")
+        if nodes > MAX_RANKS:
+            raise BridgeError(f"the bridge runs on {nodes} ranks: at most {MAX_RANKS}")
         if self.interval is not None and self.every is not None:
             raise BridgeError("give --interval or --every, not both")
         if self.interval is not None and self.interval < 1:
@@ -549,7 +551,11 @@ class Ended(Exception):
     """The exchanges are over for every rank (one of them left)."""
 
 
-LEAVING = 1e6  # an exchange's flag from a rank that leaves now; a finished one sends 1
+# An exchange's flag element: 1 from a rank whose job finished, LEAVING from one that leaves
+# now. Both are exact in float16 (--float16 sends the flag too) and their sums in float32, so
+# the sum tells how many finished (< LEAVING) and whether one left (>= LEAVING).
+LEAVING = 2048.0
+MAX_RANKS = int(LEAVING) - 1
 
 
 class Strategy(ABC):
