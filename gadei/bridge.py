@@ -76,7 +76,6 @@ from . import _native
 from .env import settings
 from .errors import GadeiError, GadeiTimeout, JobStopped, ServerGone
 from .layout import MOVE, SERVING, STOPPED
-from .modes import read_options
 from .region import Region
 from .ring import WAIT_SLICE, claim
 
@@ -349,7 +348,6 @@ class LocalNode:
         self.region = Region.attach(job, wait=self.timeout)
         try:
             shape = self.region.shape
-            self.options = read_options(self.region)
             self.mode = shape.mode
             self._check(shape)
             h = self.region.header
@@ -508,7 +506,7 @@ class Options:
         float16: float16 on the wire, float32 accumulation.
         timeout: seconds any MPI wait may last before the peer counts as lost.
         checkpoint_dir: average/elastic write a checkpoint of the local job here when they end on a lost peer.
-        save: average/elastic: once every node finished, write the model they agreed on here.
+        save: once every node's job finished, write the model they agreed on here.
         json: print JSON lines (one per exchange and one at the end) on stdout.
     """
 
@@ -1153,13 +1151,9 @@ class Bridge:
         False when there was no final exchange."""
         if self.final is None:
             return False
-        import torch
-
         from . import params
 
-        tmp = f"{path}.tmp{os.getpid()}"
-        torch.save(params.state_dict(self._spec, self.final), tmp)
-        os.replace(tmp, path)
+        params.save(params.state_dict(self._spec, self.final), path)
         log.info("bridge rank %d: saved the model every node agreed on to %s", self.rank, path)
         return True
 

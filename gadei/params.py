@@ -7,6 +7,7 @@ shared: each learner keeps its own.
 """
 
 import math
+import os
 
 import numpy as np
 import torch
@@ -97,6 +98,14 @@ def flatten_into(model: torch.nn.Module, flat: np.ndarray) -> None:
     with torch.no_grad():
         for view, p in zip(views(target, spec_of(model)), model.parameters()):
             view.copy_(p.detach())
+
+
+def save(state: dict[str, torch.Tensor], path: str) -> None:
+    """Write a state dict that `torch.load(path, weights_only=True)` reads, atomically (a
+    temporary file renamed over `path`)."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    torch.save(state, tmp)
+    os.replace(tmp, path)
 
 
 def state_dict(spec: Spec, flat: np.ndarray) -> dict[str, torch.Tensor]:

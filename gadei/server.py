@@ -345,8 +345,9 @@ class Server:
     def _update(self, grads: list[Gradient]) -> None:
         """One update from `grads`: apply, bump the version, record statistics, hand the slots back."""
         bound = self.options.stale_bound
-        if bound and any(g.staleness > bound and not g.move for g in grads):
-            for grad in [g for g in grads if g.staleness > bound and not g.move]:
+        late = [g for g in grads if g.staleness > bound and not g.move] if bound else None
+        if late:
+            for grad in late:
                 self.rule.format.discard(grad.payload)  # later than the bound: never applied
                 self._entries[grad.learner].add("discarded", 1)
                 self._consumer.release(grad.learner, self._consumer.tail(grad.learner))
@@ -428,9 +429,7 @@ class Server:
 
     def save(self, path: str) -> None:
         """Write the current weights as a state dict that `torch.load(path, weights_only=True)` reads."""
-        tmp = f"{path}.tmp{os.getpid()}"
-        torch.save(self.state_dict(), tmp)
-        os.replace(tmp, path)
+        params.save(self.state_dict(), path)
         log.info("job %r: saved weights of version %s to %s", self.job, f"{self.version:,}", path)
 
     def write_checkpoint(self, folder: str, keep: int = 3):
