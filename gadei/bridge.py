@@ -53,7 +53,12 @@ surviving rank logs it, writes a checkpoint of its job with `checkpoint_dir`, ex
 PEER_LOST); gossip stops pairing with that peer and goes on. The local job is never
 stopped by the bridge: the node keeps training. Run mpiexec with `--enable-recovery
 --runtime-options error-nonzero-status=false` so that Open MPI does not kill the surviving
-ranks when one dies (`MPIEXEC_OPTIONS`).
+ranks when one dies (`MPIEXEC_OPTIONS`). MPI_Finalize (the runtime's fence of every rank)
+can wait forever on a rank that died without any survivor noticing, so it is bounded by
+`timeout` too: a rank whose finalize does not return in time leaves without it (`finalize`).
+A passive gossip rank held by one asker for a quarter of the timeout answers the others'
+requests BUSY, so they try another peer and do not take it for lost while it waits out a
+dead asker.
 """
 
 import functools
@@ -89,8 +94,8 @@ _OVERHEAD = 0.05  # auto buckets: per-message latency at most this share of a bu
 _MIN_BUCKET, _MAX_BUCKET = 64 << 10, 64 << 20
 _INFLIGHT = 4  # buckets in flight at once
 _FLOAT16_MAX = 65504.0
-# gossip message tags; REQ, ACK, CANCEL and BYE carry [exchange id]
-_REQ, _ACK, _CANCEL, _BYE, _DATA, _REPLY = 11, 12, 13, 14, 20, 21
+# gossip message tags; REQ, ACK, CANCEL, BYE and BUSY carry [exchange id]
+_REQ, _ACK, _CANCEL, _BYE, _BUSY, _DATA, _REPLY = 11, 12, 13, 14, 15, 20, 21
 
 
 class BridgeError(GadeiError):
@@ -703,7 +708,9 @@ class Gossip(Strategy):
     Only active ranks ask, and a passive one serves one request at a time, so no cycle of
     waits can form. A peer that does not answer within the patience (a few times the usual
     answer time) is told CANCEL and another is tried; it is tried later first only after its
-    misses fade. A peer silent for the whole timeout is dropped, as is one that says BYE.
+    misses fade. A passive rank held by one asker for a quarter of the timeout (a slow one,
+    or one that died after the ACK) answers the others BUSY: they try another peer, and
+    count it alive. A peer silent for the whole timeout is dropped, as is one that says BYE.
     """
 
     name = "gossip"
@@ -720,6 +727,8 @@ class Gossip(Strategy):
         self._id = 0
         self._cancelled: dict[int, set[int]] = {r: set() for r in self.peers}
         self._request: tuple[int, int] | None = None  # (peer, id) a passive rank serves next
+        self._busy_with: int | None = None  # the asker a passive rank is serving, since when
+        self._busy_since = 0.0
         self._small: list = []  # control messages in flight
         self._abandoned = False
         self._out = np.empty(self.n, dtype=np.float32)
@@ -821,6 +830,10 @@ class Gossip(Strategy):
         answered = self._await_ack(peer, self._id, asked + self._patience())
         if answered is None:  # it left meanwhile
             return None
+        if answered is _BUSY:  # alive, serving another asker: it dropped this request
+            self._misses[peer] += 1.0
+            self._silent.pop(peer, None)
+            return None
         if not answered:
             self._post(peer, _CANCEL, self._id)
             self._misses[peer] += 1.0
@@ -836,8 +849,9 @@ class Gossip(Strategy):
         self.peer = peer
         return _mean(weights, other)
 
-    def _await_ack(self, peer: int, ident: int, deadline: float) -> bool | None:
-        """True once `peer` acknowledged `ident`, False at the deadline, None if it left."""
+    def _await_ack(self, peer: int, ident: int, deadline: float) -> bool | int | None:
+        """True once `peer` acknowledged `ident`, _BUSY when it declined it, False at the
+        deadline, None if it left."""
         started = time.monotonic()
         while True:
             got = self._take(peer, _ACK)
@@ -845,6 +859,9 @@ class Gossip(Strategy):
                 return True
             if got is not None:
                 continue  # an answer to a request given up on
+            while (busy := self._take(peer, _BUSY)) is not None:
+                if busy[1] == ident:
+                    return _BUSY
             self._read_control()
             if peer not in self.peers:
                 return None
@@ -863,15 +880,29 @@ class Gossip(Strategy):
             return None
         try:
             self._post(peer, _ACK, ident)
+            self._busy_with, self._busy_since = peer, time.monotonic()
             other = self._receive_then_reply(peer, ident, weights)
         except GadeiTimeout as err:
             self._abandoned = True
             self._drop(peer, str(err), lost=True)
             return None
+        finally:
+            self._busy_with = None
         if other is None:
             return None
         self.peer = peer
         return _mean(weights, other)
+
+    def _decline_others(self) -> None:
+        """Passive, while serving one asker: answer every other request BUSY (they go elsewhere)."""
+        while (got := self._take(mpi().ANY_SOURCE, _REQ)) is not None:
+            if got[0] in self.peers:
+                self._post(got[0], _BUSY, got[1])
+
+    def _on_poll(self) -> None:
+        self.wire.poll()
+        if self._busy_with is not None and time.monotonic() - self._busy_since >= self.options.timeout / 4:
+            self._decline_others()
 
     @_link_errors
     def _receive_then_reply(self, peer: int, ident: int, weights):
@@ -889,7 +920,7 @@ class Gossip(Strategy):
             now = time.monotonic()
             if now >= deadline:
                 raise GadeiTimeout(f"gossip: rank {peer} asked but sent nothing within {self.options.timeout:g} s")
-            self.wire.poll()
+            self._on_poll()
             _pause(now - started)
         return self._passive_swap(peer, weights)
 
@@ -906,7 +937,7 @@ class Gossip(Strategy):
         else:
             recvs = [[self._out[s], MPI.FLOAT] for s in slices]
         wait_all([self.comm.Irecv(buf, peer, _DATA) for buf in recvs], deadline, f"gossip with rank {peer}",
-                 wire.on_poll)
+                 self._on_poll)
         if wire.float16:
             _from16(incoming, self._out)
             wire._check16(weights)
@@ -914,7 +945,7 @@ class Gossip(Strategy):
         else:
             sends = [[weights[s], MPI.FLOAT] for s in slices]
         wait_all([self.comm.Isend(buf, peer, _REPLY) for buf in sends], deadline, f"gossip with rank {peer}",
-                 wire.on_poll)
+                 self._on_poll)
         wire.sent += sum(buf[0].nbytes for buf in sends)
         return self._out
 
@@ -1206,16 +1237,29 @@ def main(job: str, options: Options, per_rank: bool = False) -> int:
         if not bridge.save_final(options.save.replace("{rank}", str(rank))):
             log.warning("bridge rank %d: no model saved to %s: the exchanges ended before every node finished (%s)",
                         rank, options.save, report.reason)
-    return finalize(bridge.clean, PEER_LOST if report.reason == "peer lost" else 0)
+    return finalize(bridge.clean, PEER_LOST if report.reason == "peer lost" else 0, options.timeout)
 
 
-def finalize(clean: bool, code: int) -> int:
-    """End this rank's MPI: `code` after MPI_Finalize when every peer is known to have gone
-    cleanly (`Bridge.clean`); otherwise (a lost peer, requests left in flight) the process
-    exits here with `code` without finalising, so no wait on a dead peer can hang it."""
-    if clean:
-        mpi().Finalize()
-        return code
+def finalize(clean: bool, code: int, timeout: float) -> int:
+    """End this rank's MPI: `code` after MPI_Finalize when no peer is known to be lost
+    (`Bridge.clean`); otherwise (a lost peer, requests left in flight) the process exits here
+    with `code` without finalising, so no wait on a dead peer can hang it. Finalize itself
+    is given `timeout` seconds: it waits in the runtime's fence for every rank, and one that
+    died without any survivor noticing (killed between two gossip exchanges) never comes.
+    It blocks holding the GIL, so a native thread keeps that deadline (`exit_after`)."""
+    if not clean:
+        _exit(code)
+    MPI = mpi()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    _native.exit_after(float(timeout), code, f"gadei.bridge WARNING rank {MPI.COMM_WORLD.Get_rank()}: MPI_Finalize "
+                       f"did not return within {timeout:g} s (a rank died unnoticed?): leaving without it")
+    MPI.Finalize()
+    _native.exit_disarm()
+    return code
+
+
+def _exit(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     logging.shutdown()

@@ -256,7 +256,7 @@ class _Node:
             raise
         self._agree(prepared)
         code = _run(prepared, quiet, self)
-        return finalize(self.clean, code)
+        return finalize(self.clean, code, self.options.timeout)
 
     def _agree(self, prepared: _Prepared | None) -> None:
         """Every rank says whether it is ready and what its schedule is; all start, or none.

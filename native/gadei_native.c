@@ -8,14 +8,16 @@
  *
  * Python owns validation, types and errors; functions here take raw addresses inside a
  * mapping the caller keeps alive and trust their arguments. The kernels live in kernels.c;
- * this file holds the atomics, the waits and the Python bindings (py_ wrap a kernel, gd_
- * do the work themselves). Every loop runs with the GIL released.
+ * this file holds the atomics, the waits, a deadline for calls that hold the GIL
+ * (exit_after) and the Python bindings (py_ wrap a kernel, gd_ do the work themselves).
+ * Every loop runs with the GIL released.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
 #include <errno.h>
 #include <limits.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <stdint.h>
 #include <string.h>
@@ -455,6 +457,83 @@ py_zero(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
+/* ------------------------------------------------------------------ a deadline on a call that holds the GIL */
+
+/* exit_after arms a thread of its own that ends the process with `code` (after writing
+ * `message` to stderr) unless disarmed within `seconds`. It exists for calls that block while
+ * holding the GIL, where no Python thread could act: MPI_Finalize waiting in the runtime's
+ * fence for a rank that died. Each arming has its own generation; disarm ends them all. */
+static uint64_t gd_exit_generation;  /* the armed generation, 0 when disarmed */
+static uint64_t gd_exit_count;
+
+struct gd_exit_plan {
+    uint64_t generation;
+    double seconds;
+    int code;
+    char message[512];
+};
+
+static void *
+gd_exit_thread(void *arg)
+{
+    struct gd_exit_plan *plan = arg;
+    struct timespec wait = {(time_t)plan->seconds, (long)((plan->seconds - (double)(time_t)plan->seconds) * 1e9)};
+    while (nanosleep(&wait, &wait) != 0 && errno == EINTR) {
+    }
+    if (__atomic_load_n(&gd_exit_generation, __ATOMIC_ACQUIRE) == plan->generation) {
+        ssize_t unused = write(2, plan->message, strlen(plan->message));
+        (void)unused;
+        _exit(plan->code);
+    }
+    free(plan);
+    return NULL;
+}
+
+static PyObject *
+gd_exit_after(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    double seconds;
+    int code;
+    const char *message;
+    pthread_t thread;
+    pthread_attr_t attr;
+    if (gd_nargs("exit_after", nargs, 3) < 0) return NULL;
+    seconds = PyFloat_AsDouble(args[0]);
+    if (seconds == -1.0 && PyErr_Occurred()) return NULL;
+    code = PyLong_AsLong(args[1]) & 0xff;
+    if (code == -1 && PyErr_Occurred()) return NULL;
+    if (!(message = PyUnicode_AsUTF8(args[2]))) return NULL;
+    if (!(seconds >= 0.0 && seconds < 1e9)) {
+        PyErr_SetString(PyExc_ValueError, "exit_after: seconds must be in [0, 1e9)");
+        return NULL;
+    }
+    struct gd_exit_plan *plan = calloc(1, sizeof *plan);
+    if (!plan) return PyErr_NoMemory();
+    plan->generation = __atomic_add_fetch(&gd_exit_count, 1, __ATOMIC_ACQ_REL);
+    plan->seconds = seconds;
+    plan->code = code;
+    snprintf(plan->message, sizeof plan->message, "%s\n", message);
+    __atomic_store_n(&gd_exit_generation, plan->generation, __ATOMIC_RELEASE);
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    int err = pthread_create(&thread, &attr, gd_exit_thread, plan);
+    pthread_attr_destroy(&attr);
+    if (err) {
+        __atomic_store_n(&gd_exit_generation, 0, __ATOMIC_RELEASE);
+        free(plan);
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+gd_exit_disarm(PyObject *self, PyObject *unused)
+{
+    __atomic_store_n(&gd_exit_generation, 0, __ATOMIC_RELEASE);
+    Py_RETURN_NONE;
+}
+
 static PyObject *
 py_openmp(PyObject *self, PyObject *unused)
 {
@@ -492,6 +571,9 @@ static PyMethodDef gd_methods[] = {
     GD_FAST("plain_sgd", py_plain_sgd, "plain_sgd(w, g, n, lr, threads): the reference loop for benchmarks"),
     GD_FAST("copy", py_copy, "copy(dst, src, nbytes, threads)"),
     GD_FAST("zero", py_zero, "zero(addr, nbytes)"),
+    GD_FAST("exit_after", gd_exit_after, "exit_after(seconds, code, message): _exit(code) after seconds unless "
+            "disarmed (for calls that block holding the GIL)"),
+    {"exit_disarm", gd_exit_disarm, METH_NOARGS, "exit_disarm(): the armed exit_after does not happen"},
     {"openmp", py_openmp, METH_NOARGS, "openmp() -> (built with OpenMP, processors)"},
     {"kernel_isa", py_kernel_isa, METH_NOARGS, "kernel_isa() -> 'avx2' or 'generic'"},
     {NULL, NULL, 0, NULL},

@@ -11,6 +11,12 @@
         configuration (whole, buckets, float16, both) and a gossip-style swap with a
         neighbour, and prints one JSON line: its largest error against the exact float64
         sum, and a checksum of each result (equal on every rank where it must be).
+
+    mpiexec ... : -n 1 python tests/bridge_worker.py slow-asker N BUCKET_MB HOLD
+        The last rank speaks gossip's asking side to rank 1 by hand, with a model of N
+        float32 in buckets of BUCKET_MB: it asks, and once rank 1 acknowledged it prints
+        {"event": "acked", "n": k, "pid": ...}, keeps rank 1 waiting HOLD seconds, then sends
+        its weights and takes the answer; again and again, until killed.
 """
 
 import argparse
@@ -94,6 +100,36 @@ def wire(args) -> int:
     return 0
 
 
+def slow_asker(args) -> int:
+    import time
+
+    from gadei.bridge import _ACK, _BUSY, _DATA, _REPLY, _REQ, Wire, mpi
+
+    MPI = mpi()
+    comm = MPI.COMM_WORLD
+    comm.Set_errhandler(MPI.ERRORS_RETURN)
+    rank, passive = comm.Get_rank(), 1
+    wire = Wire(comm, int(args.bucket_mb * (1 << 20)) // 4 * 4, False, timeout=60)
+    weights = np.zeros(args.n, dtype=np.float32)
+    out = np.empty_like(weights)
+    answer = np.empty(1, dtype=np.int64)
+    for ident in range(1, 1 << 30):
+        comm.Send(np.array([ident], dtype=np.int64), passive, _REQ)
+        status = MPI.Status()
+        while True:  # ACK or BUSY for this request (answers to older ones are skipped)
+            comm.Recv(answer, passive, MPI.ANY_TAG, status)
+            if status.Get_tag() in (_ACK, _BUSY) and int(answer[0]) == ident:
+                break
+        if status.Get_tag() == _BUSY:
+            time.sleep(0.01)
+            continue
+        print(json.dumps({"event": "acked", "rank": rank, "n": ident, "pid": os.getpid(), "t": time.time()}),
+              flush=True)
+        time.sleep(args.hold)
+        wire.swap(passive, weights, out, _DATA, _REPLY, what="the slow asker's swap")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers(dest="command", required=True)
@@ -109,6 +145,11 @@ def main(argv=None) -> int:
     p = sub.add_parser("wire")
     p.add_argument("n", type=int)
     p.set_defaults(func=wire)
+    p = sub.add_parser("slow-asker")
+    p.add_argument("n", type=int)
+    p.add_argument("bucket_mb", type=float)
+    p.add_argument("hold", type=float)
+    p.set_defaults(func=slow_asker)
     args = parser.parse_args(argv)
     return args.func(args)
 

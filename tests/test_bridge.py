@@ -70,9 +70,11 @@ def mpi_env(tmp_path_factory):
 class Ranks:
     """One mpiexec of bridge ranks and the JSON lines they printed."""
 
-    def __init__(self, procs, env: dict, nodes: int, job: str, options):
+    def __init__(self, procs, env: dict, nodes: int, job: str, options, more: tuple = ()):
         argv, _ = local_mpiexec(nodes, sys.executable, "-m", "gadei", "bridge", job, "--job-per-rank", "--json",
                                 *map(str, options))
+        if more:  # ranks after the bridge's, running another program (mpiexec's ':')
+            argv += [":", "-n", "1", *map(str, more)]
         self.nodes = nodes
         self.proc = procs.start("-c", _EXEC, *argv, env=env)
         self.events: list[dict] = []
@@ -93,7 +95,10 @@ class Ranks:
                     pytest.fail(f"mpiexec ended (rc {self.proc.returncode}) before {what}:\n"
                                 f"{''.join(self.proc.err_lines)[-3000:]}")
             return predicate()
-        return wait_for(look, timeout, what, interval=0.05)
+        try:
+            return wait_for(look, timeout, what, interval=0.05)
+        except pytest.fail.Exception as failed:
+            pytest.fail(f"{failed}; the ranks printed:\n{''.join(self.proc.err_lines)[-3000:]}")
 
     def ready(self) -> dict[int, dict]:
         self.wait(lambda: len(self.of("ready")) == self.nodes, 120, "every bridge rank to be ready")
@@ -139,8 +144,8 @@ def bridges(procs, mpi_env, job):
     """Start bridge ranks: bridges(nodes, *options) -> Ranks for jobs JOB-0 .. JOB-(nodes-1)."""
     started: list[Ranks] = []
 
-    def start(nodes: int, *options) -> Ranks:
-        ranks = Ranks(procs, mpi_env, nodes, job, options)
+    def start(nodes: int, *options, more: tuple = ()) -> Ranks:
+        ranks = Ranks(procs, mpi_env, nodes, job, options, more)
         started.append(ranks)
         return ranks
 
@@ -328,6 +333,33 @@ def test_gossip_goes_on_without_a_killed_rank(job, procs, bridges):
     ended = ranks.finish(60)
     for r in (0, 1):
         assert ended[r]["reason"] in ("the local job stopped", "no peers left"), ended[r]
+
+
+def test_a_passive_rank_held_up_by_one_asker_stays_the_others_peer(job, procs, bridges):
+    """Rank 2 asks passive rank 1 by hand and holds each exchange half the timeout; rank 0
+    (active, its only peer rank 1) is answered BUSY meanwhile and never takes rank 1 for
+    lost. Then rank 2 dies right after an acknowledgement: rank 1 drops it after the
+    timeout, and rank 0 exchanges with rank 1 again."""
+    timeout = 3.0
+    server = _serve(procs, job, 2)
+    ranks = bridges(2, "--strategy", "gossip", "--every", 0.05, "--timeout", timeout, "--bucket-mb", 0.25,
+                    more=(sys.executable, WORKER, "slow-asker", N, 0.25, timeout / 2))
+    ranks.ready()
+    ranks.wait(lambda: len(ranks.of("acked", 2)) >= 1, 60, "rank 1 to take the slow asker's request")
+    ranks.wait(lambda: len(ranks.of("acked", 2)) >= 4, 4 * timeout + 30, "four held exchanges")
+    acked = ranks.of("acked", 2)
+    ranks.wait(lambda: len(ranks.of("acked", 2)) > len(acked), timeout + 30, "one more acknowledgement")
+    last = ranks.of("acked", 2)[-1]
+    os.kill(last["pid"], signal.SIGKILL)  # an asker that died after rank 1 acknowledged it
+    ranks.wait(lambda: "stops pairing with rank 2" in ranks.log(), timeout + 30, "rank 1 to drop the dead asker")
+    dropped = time.time()
+    ranks.wait(lambda: any(e["t"] > dropped and e["peer"] == 1 for e in ranks.of("exchange", 0)), 30,
+               "rank 0 to exchange with rank 1 again")
+    assert "rank 0 stops pairing with rank 1" not in ranks.log()
+    _stop(server)
+    ended = ranks.finish(60)
+    assert ended[0]["lost"] == [], ended[0]
+    assert ended[1]["lost"] == [2], ended[1]
 
 
 def test_gossip_with_a_rank_slowed_tenfold_keeps_the_others_exchange_rate(job, procs, bridges):

@@ -1,5 +1,7 @@
 """The native core: copies, atomics, futex waits and ring polling (the kernels: test_kernels.py)."""
 
+import subprocess
+import sys
 import threading
 import time
 
@@ -88,3 +90,19 @@ def test_built_with_openmp():
     built, processors = _native.openmp()
     assert built, "setup.py found no OpenMP: the kernel runs serial"
     assert processors >= 1
+
+
+def test_exit_after_ends_a_process_stuck_holding_the_gil_unless_disarmed():
+    """The deadline MPI_Finalize gets: a native thread, because the stuck call holds the GIL
+    (no Python thread could run: builtin sum over a range is one C call)."""
+    stuck = ("from gadei import _native\n"
+             "_native.exit_after(0.3, 7, 'gave up waiting')\n"
+             "sum(range(10**12))\n")  # one C call that keeps the GIL for hours, as the fence does
+    done = subprocess.run([sys.executable, "-c", stuck], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 7 and "gave up waiting" in done.stderr
+    disarmed = ("import time; from gadei import _native\n"
+                "_native.exit_after(0.2, 7, 'should not print'); _native.exit_disarm()\n"
+                "_native.exit_after(0.2, 8, 'nor this'); _native.exit_disarm()\n"
+                "time.sleep(0.6); print('lived')\n")
+    done = subprocess.run([sys.executable, "-c", disarmed], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "lived" and not done.stderr
