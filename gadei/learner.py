@@ -131,6 +131,7 @@ class Learner:
             self._waiters_addr = h.addr("version_waiters")
             helpers = (self.push_mode in ("thread", "device")) + (self.pull_mode in ("copy", "device"))
             self.entry.set("threads", torch.get_num_threads() + helpers)
+            self.entry.set("device", 0 if self.device.type == "cpu" else self.device.index + 1)
         except BaseException:
             self._teardown(drain=False)
             raise
@@ -194,7 +195,7 @@ class Learner:
             raise JobStopped(f"job {self.job!r} was stopped")
         computed_on = self._pull.version()
         bound = self.options.stale_bound
-        ahead = self._ahead() if bound else 0
+        ahead = self._ahead() + self._push.pending if bound else 0
         if bound and ahead - computed_on > bound:
             self._push.discard()  # applied now, it would be more than `bound` versions late
             self.entry.add("dropped", 1)
@@ -221,7 +222,8 @@ class Learner:
         Every gradient published before it (P, all rings) may be applied first, and the
         server, taking the rings round-robin, may apply one more from each of the other L - 1
         attached rings before it reaches this one: P + L - 1. A gradient computed on version
-        v would be that minus v versions late.
+        v would be that minus v versions late. (The caller adds the gradients its push thread
+        still holds, `Push.pending`: they reach the ring before this one.)
         """
         heads = owned = 0
         for entry in self._entries:

@@ -156,8 +156,13 @@ class SlotWriter:
             for p, target in zip(self.parameters, self._dense[slot]):
                 target.copy_(p)
 
+    def rows_area(self, slot: int, table: int) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """Where row-sparse table `table`'s rows go in `slot`: (address of the row count,
+        indices, rows); the count is stored last, once the rows are in."""
+        return self._areas[slot][table]
+
     def _write_rows(self, slot: int, param: int, table: int, grad: torch.Tensor) -> None:
-        count_addr, indices, rows = self._areas[slot][table]
+        count_addr, indices, rows = self.rows_area(slot, table)
         if grad.is_sparse:
             grad = grad.coalesce()
             index, values = grad.indices()[0], grad.values()
@@ -225,6 +230,12 @@ class Push(ABC):
     def push(self, version: int, step: int, samples: int) -> bool:
         """Hand over the gradient the model holds; False if it was not published (dropped)."""
 
+    @property
+    def pending(self) -> int:
+        """Gradients handed over and not yet published (a push thread's): they reach the ring
+        before the next one, so they count towards its staleness."""
+        return 0
+
     def discard(self) -> None:
         """Throw away the gradient the model holds (it is not to be published)."""
         for p in self.parameters:
@@ -286,6 +297,10 @@ class ThreadPush(Push):
     def bind(self) -> None:
         for p in self.parameters:
             p.grad = None  # backward allocates fresh gradients (as torch.optim's zero_grad does)
+
+    @property
+    def pending(self) -> int:
+        return int(self._item is not None)  # cleared once published
 
     def push(self, version: int, step: int, samples: int) -> bool:
         grads = [p.grad for p in self.parameters]
@@ -475,6 +490,7 @@ class CopyPull(Pull):
         self._model_views, self._staging_views = views(self._model_buf, self.spec), views(self._staging, self.spec)
         self._ready = False
         self._staged_version = 0
+        self._error: BaseException | None = None
         self._waiters_addr = self.region.header.addr("version_waiters")
         self.refresh()
         self._handoff = _Handoff(self._run, f"gadei-pull-{self.region.job}")
@@ -491,6 +507,8 @@ class CopyPull(Pull):
         self.on_pull(version)
 
     def between_steps(self) -> None:
+        if self._error is not None:
+            raise self._error
         if not self._ready:
             return
         with self._cond:
@@ -511,6 +529,14 @@ class CopyPull(Pull):
         return True
 
     def _run(self) -> None:
+        try:
+            self._pull_loop()
+        except BaseException as err:  # raised in the train thread at its next step
+            with self._cond:
+                self._error = err
+                self._cond.notify_all()
+
+    def _pull_loop(self) -> None:
         while True:
             with self._cond:
                 while self._ready and not self._handoff.closing:
@@ -521,10 +547,14 @@ class CopyPull(Pull):
             version = self._wait_version(known)
             if version == known:
                 continue
-            version = self._copy_weights(self._staging)
+            version = self._stage()
             with self._cond:
                 self._staged_version = version
                 self._ready = True
+
+    def _stage(self) -> int:
+        """Pull thread: the region's weights into the staging buffer; their version."""
+        return self._copy_weights(self._staging)
 
     def _wait_version(self, known: int) -> int:
         """The region's version once it differs from `known`, or `known` after WAIT_SLICE."""
@@ -622,6 +652,11 @@ class DevicePush(Push):
         for p in self.parameters:
             p.grad = None  # backward allocates fresh gradients; the staged ones are copies
 
+    @property
+    def pending(self) -> int:
+        with self._cond:
+            return len(self._staging) - len(self._free)  # a buffer is free again once published
+
     def push(self, version: int, step: int, samples: int) -> bool:
         _device.inject("train.stage")
         with self._cond:
@@ -704,7 +739,7 @@ class DevicePush(Push):
         nbytes = self._staging[buf].numel() * self._itemsize
         counts = []
         for table, index, values in rows:
-            count_addr, indices, area = self.writer._areas[slot][table]
+            count_addr, indices, area = self.writer.rows_area(slot, table)
             count = index.numel()
             indices[:count].copy_(index, non_blocking=self.cuda)
             area[:count].copy_(values, non_blocking=self.cuda)
@@ -767,7 +802,7 @@ class DevicePull(CopyPull):
         self._ready = False
         self._staged_version = 0
         self._released = None  # event: the train stream is done with the staging buffer (CUDA)
-        self._error: BaseException | None = None
+        self._error = None
         self._waiters_addr = self.region.header.addr("version_waiters")
         self.bytes = 0  # copied from the region to the device
         self.copy_seconds = 0.0
@@ -785,45 +820,27 @@ class DevicePull(CopyPull):
         self.copy_seconds += time.perf_counter() - started
         self.bytes += nbytes
 
-    def between_steps(self) -> None:
-        if self._error is not None:
-            raise self._error
-        if not self._ready:
-            return
+    def _swap_in(self) -> bool:
         _device.inject("train.swap")
-        with self._cond:
-            if self._swap_in() and self.cuda:  # kernels queued on the old weights still read them
-                self._released = torch.cuda.Event()
-                self._released.record(torch.cuda.current_stream(self.device))
-            self._ready = False
-            self._cond.notify_all()
+        swapped = super()._swap_in()
+        if swapped and self.cuda:  # kernels queued on the old weights still read them
+            self._released = torch.cuda.Event()
+            self._released.record(torch.cuda.current_stream(self.device))
+        return swapped
 
-    def _run(self) -> None:
-        try:
-            with _device.stream_context(self._stream):
-                while True:
-                    with self._cond:
-                        while self._ready and not self._handoff.closing:
-                            self._cond.wait(WAIT_SLICE)  # the train thread has not taken the last pull yet
-                        if self._handoff.closing:
-                            return
-                        known = max(self._version, self._staged_version)
-                        released = self._released
-                    version = self._wait_version(known)
-                    if version == known:
-                        continue
-                    _device.inject("pull.copy")
-                    if released is not None:
-                        self._stream.wait_event(released)
-                    version = self._copy_weights(self._staging)
-                    _device.inject("pull.staged")
-                    with self._cond:
-                        self._staged_version = version
-                        self._ready = True
-        except BaseException as err:  # raised in the train thread at its next step
-            with self._cond:
-                self._error = err
-                self._cond.notify_all()
+    def _pull_loop(self) -> None:
+        with _device.stream_context(self._stream):
+            super()._pull_loop()
+
+    def _stage(self) -> int:
+        """On the pull stream, once the train stream released the staging buffer (the event
+        recorded at the last swap: set before `_ready` was cleared, so seen here)."""
+        _device.inject("pull.copy")
+        if self._released is not None:
+            self._stream.wait_event(self._released)
+        version = self._copy_weights(self._staging)
+        _device.inject("pull.staged")
+        return version
 
     def finish(self) -> None:
         """Stop the pull thread; the model keeps a private device copy of the latest weights."""
