@@ -264,7 +264,9 @@ def cmd_learn(args) -> int:
     with Learner(model, args.job, pull=args.pull, push=args.push, device=device) as learner:
         staleness = _Staleness(learner.region)
         for epoch in range(first_epoch, args.epochs):
-            epoch_start, loss_sum, steps, seen, correct = time.monotonic(), 0.0, 0, 0, 0
+            epoch_start, steps, seen = time.monotonic(), 0, 0
+            loss_sum = torch.zeros((), device=device)  # summed on the device: no GPU wait per step
+            correct = torch.zeros((), dtype=torch.int64, device=device)
             for x, y in batches(train, args.batch, epoch=epoch, seed=args.seed, shard=shard, shards=shards):
                 if skip > 0:  # a restarted learner: these samples' gradients are in the weights already
                     skip -= len(y)
@@ -273,14 +275,14 @@ def cmd_learn(args) -> int:
                 loss, right = workload.loss_and_correct(model, x, y)
                 workload.backward(model, loss, learner.constraint_lr)
                 learner.step(samples=len(y))
-                loss_sum += loss.item()
+                loss_sum += loss.detach()
                 steps += 1
                 samples += len(y)
                 seen += len(y)
                 correct += right
             record = {
                 "event": "epoch", "job": args.job, "learner": learner.learner_id, "epoch": epoch + 1,
-                "loss": loss_sum / max(1, steps), "train_accuracy": correct / max(1, seen), "steps": steps,
+                "loss": loss_sum.item() / max(1, steps), "train_accuracy": correct.item() / max(1, seen), "steps": steps,
                 "samples_per_s": steps and (samples / (time.monotonic() - started)),
                 "epoch_seconds": time.monotonic() - epoch_start, "version": learner.version,
                 **staleness.since_last(),

@@ -56,11 +56,13 @@ class Workload:
         """The mini-batch's loss (the model in its current mode)."""
         return self.criterion(model(x), y)
 
-    def loss_and_correct(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, int]:
+    def loss_and_correct(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The mini-batch's loss and how many of its samples the same forward pass got right
-        (the training accuracy a learner reports, at no extra cost)."""
+        (the training accuracy a learner reports, at no extra cost), both 0-d tensors on the
+        model's device: reading them (`.item()`) would wait for the GPU, so a learner adds
+        them up there and reads the sums once an epoch."""
         logits = model(x)
-        return self.criterion(logits, y), int((logits.argmax(dim=1) == y).sum())
+        return self.criterion(logits, y), (logits.argmax(dim=1) == y).sum()
 
     def backward(self, model: nn.Module, loss: torch.Tensor, lr: float | None) -> None:
         """``loss.backward()``, then the model's constraints as gradient corrections for an
