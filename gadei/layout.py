@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 MAGIC = 0x31304945_44414701  # bytes b"\x01GADEI01" in little-endian order
-LAYOUT_VERSION = 6
+LAYOUT_VERSION = 7
 PAGE = 4096
 LINE = 64
 NAME_BYTES = 64
@@ -179,6 +179,7 @@ ENTRY, ENTRY_BYTES = _record(
         ("pulls", "u64"),
         ("samples", "u64"),
         ("threads", "u32"),  # cores the learner keeps busy (torch threads + push/pull threads)
+        ("device", "u32"),  # where its model is: 0 the CPU, k + 1 CUDA GPU k
         ("dropped", "u64"),  # gradients not published: they would have broken the staleness bound
         ("pull_retries", "u64"),  # consistent mode: copies retried because an update ran
         _LINE_BREAK,

@@ -35,6 +35,7 @@ class LearnerStatus:
     stale_max: int
     dropped: int  # gradients not applied for the staleness bound: not published, or discarded by the server
     pull_retries: int  # consistent copies taken again because an update ran during them
+    device: str  # where its model is: "cpu" or "cuda:N"
     stale_hist: list[int] = field(repr=False)
 
 
@@ -87,6 +88,11 @@ def _age(beat_ns: int, now_ns: int) -> float | None:
     return None if beat_ns == 0 else max(0.0, (now_ns - beat_ns) / 1e9)
 
 
+def device_name(code: int) -> str:
+    """A learner entry's `device` field as a name: 0 "cpu", k + 1 "cuda:k"."""
+    return "cpu" if code == 0 else f"cuda:{code - 1}"
+
+
 def _p50(hist: list[int]) -> int:
     """Median staleness estimated from the log2 histogram (the bucket's lower bound)."""
     total = sum(hist)
@@ -131,6 +137,7 @@ def read(region: Region) -> JobStatus:
                 stale_max=e.get("stale_max"),
                 dropped=e.get("dropped") + e.get("discarded"),
                 pull_retries=e.get("pull_retries"),
+                device=device_name(e.get("device")),
                 stale_hist=hist,
             )
         )
@@ -233,7 +240,7 @@ def format_table(status: JobStatus, rate: Rates | None) -> str:
             f"{l['number']} {l['state']}" + (f" (pid {l['pid']})" if l["pid"] else "")
             + (f", {l['restarts']} restarts" if l["restarts"] else "") for l in status.launched))
     if status.learners:
-        header = ("learner", "pid", "state", "pushes", "pushes/s", "samples/s", "applied", "in ring",
+        header = ("learner", "pid", "state", "device", "pushes", "pushes/s", "samples/s", "applied", "in ring",
                   "stale mean/p50/max", "dropped", "pulled v", "retries", "beat")
         rows = [header]
         for l in status.learners:
@@ -241,6 +248,7 @@ def format_table(status: JobStatus, rate: Rates | None) -> str:
                 str(l.learner),
                 str(l.pid) + ("" if l.alive else " (dead)"),
                 l.state,
+                l.device,
                 f"{l.pushes:,}",
                 f"{rate.pushes.get(l.learner, 0.0):,.1f}" if rate else "-",
                 f"{rate.samples.get(l.learner, 0.0):,.1f}" if rate else "-",
