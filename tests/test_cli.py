@@ -23,13 +23,14 @@ def test_serve_learn_status_stop(job, procs):
     assert status["run_state"] == "serving" and status["server_alive"]
     (entry,) = status["learners"]
     assert entry["pid"] == learner.pid and entry["alive"] and entry["state"] == "active"
+    assert entry["device"] == "cpu"
     assert entry["applied"] <= entry["pushes"] <= entry["applied"] + 2
     assert status["rates"]["pushes"][str(entry["learner"])] > 0
     assert status["rates"]["bytes"] > 0
     assert sum(entry["stale_hist"]) == entry["applied"]
 
     out, _ = finish(procs.gadei("status", job, "--interval", "0.2"))
-    assert f"job {job}: serving" in out and "pushes/s" in out and str(learner.pid) in out
+    assert f"job {job}: serving" in out and "pushes/s" in out and str(learner.pid) in out and " cpu " in out
 
     finish(procs.gadei("stop", job))
     assert inspect(job) is None  # a clean stop unlinks the region

@@ -11,6 +11,8 @@ learners in one job, more learners than GPUs), are skipped where no GPU is visib
 
 import signal
 import textwrap
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -18,7 +20,7 @@ import torch
 
 import gadei
 from conftest import communicate, finish, read_line, wait_for
-from gadei import device, jobfile
+from gadei import device, jobfile, status
 from gadei.jobfile import JobFileError
 from gadei.region import Region
 from test_exactly_once import LR, N, STEPS, VALUES
@@ -176,11 +178,64 @@ def test_a_gpu_learner_page_locks_the_region_and_unlocks_it_when_it_leaves(job):
         with gadei.Learner(model, job, device="cuda:0") as learner:
             assert (learner.pull_mode, learner.push_mode) == ("device", "device")
             assert torch.from_numpy(learner.region.weights).is_pinned()
+            (entry,) = status.read(learner.region).learners
+            assert entry.device == "cuda:0"  # what `gadei status` shows
             for _ in range(3):
                 for p in model.parameters():
                     p.grad = torch.ones_like(p)
                 learner.step()
         assert model.weight.device.type == "cuda"
+
+
+def test_gradients_the_push_thread_still_holds_count_towards_the_staleness_bound(job):
+    """Two gradients staged and held by the push thread (a copy that does not end) are ahead
+    of the next one: with stale_bound 1 the third, computed on the same version, is dropped
+    at once, where counting the ring alone would let it wait behind them to be applied too late."""
+    from test_learner import _Serving
+
+    release = threading.Event()
+    device.set_injector(lambda point: point == "push.copy" and release.wait(30))
+    try:
+        with _Serving(job, model=Flat(100, 1.0), lr=0.5, learners=1, stale_bound=1):
+            model = Flat(100, 0.0)
+            with gadei.Learner(model, job, pull="device", push="device", device="cpu") as learner:
+                for _ in range(2):
+                    for p in model.parameters():
+                        p.grad = torch.ones_like(p)
+                    learner.step()
+                assert learner._push.pending == 2 and learner.entry.get("dropped") == 0
+                for p in model.parameters():
+                    p.grad = torch.ones_like(p)
+                learner.step()  # computed on version 0, two gradients ahead of it
+                assert learner.entry.get("dropped") == 1
+                release.set()
+                wait_for(lambda: learner._push.pending == 0, 30, "the held gradients to be published")
+                assert learner.entry.get("head") == 2
+    finally:
+        release.set()
+        device.set_injector(None)
+
+
+def test_an_error_in_the_pull_thread_is_raised_in_the_train_thread(job):
+    from test_learner import _Serving
+
+    def fail(point):
+        if point == "pull.copy":
+            raise RuntimeError("injected pull failure")
+
+    device.set_injector(fail)
+    try:
+        with _Serving(job, model=Flat(100, 1.0), lr=0.5, learners=1):
+            model = Flat(100, 0.0)
+            with pytest.raises(RuntimeError, match="injected pull failure"):
+                with gadei.Learner(model, job, pull="device", push="device", device="cpu") as learner:
+                    deadline = time.monotonic() + 30
+                    while time.monotonic() < deadline:  # the server's version moves: the pull thread copies
+                        for p in model.parameters():
+                            p.grad = torch.ones_like(p)
+                        learner.step()
+    finally:
+        device.set_injector(None)
 
 
 @cuda
