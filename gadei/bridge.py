@@ -1245,7 +1245,8 @@ def finalize(clean: bool, code: int, timeout: float) -> int:
     (`Bridge.clean`); otherwise (a lost peer, requests left in flight) the process exits here
     with `code` without finalising, so no wait on a dead peer can hang it. Finalize itself
     is given `timeout` seconds: it waits in the runtime's fence for every rank, and one that
-    died without any survivor noticing (killed between two gossip exchanges) never comes.
+    died without any survivor noticing (killed between two gossip exchanges) never comes; a
+    gossip rank that left while the others still train waits that long for them at most.
     It blocks holding the GIL, so a native thread keeps that deadline (`exit_after`)."""
     if not clean:
         _exit(code)
@@ -1253,7 +1254,7 @@ def finalize(clean: bool, code: int, timeout: float) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     _native.exit_after(float(timeout), code, f"gadei.bridge WARNING rank {MPI.COMM_WORLD.Get_rank()}: MPI_Finalize "
-                       f"did not return within {timeout:g} s (a rank died unnoticed?): leaving without it")
+                       f"did not return within {timeout:g} s (a rank died unnoticed, or still runs): leaving without it")
     MPI.Finalize()
     _native.exit_disarm()
     return code
