@@ -727,8 +727,7 @@ class Gossip(Strategy):
         self._id = 0
         self._cancelled: dict[int, set[int]] = {r: set() for r in self.peers}
         self._request: tuple[int, int] | None = None  # (peer, id) a passive rank serves next
-        self._busy_with: int | None = None  # the asker a passive rank is serving, since when
-        self._busy_since = 0.0
+        self._busy_since: float | None = None  # since when a passive rank serves its asker
         self._small: list = []  # control messages in flight
         self._abandoned = False
         self._out = np.empty(self.n, dtype=np.float32)
@@ -880,14 +879,14 @@ class Gossip(Strategy):
             return None
         try:
             self._post(peer, _ACK, ident)
-            self._busy_with, self._busy_since = peer, time.monotonic()
+            self._busy_since = time.monotonic()
             other = self._receive_then_reply(peer, ident, weights)
         except GadeiTimeout as err:
             self._abandoned = True
             self._drop(peer, str(err), lost=True)
             return None
         finally:
-            self._busy_with = None
+            self._busy_since = None
         if other is None:
             return None
         self.peer = peer
@@ -901,7 +900,7 @@ class Gossip(Strategy):
 
     def _on_poll(self) -> None:
         self.wire.poll()
-        if self._busy_with is not None and time.monotonic() - self._busy_since >= self.options.timeout / 4:
+        if self._busy_since is not None and time.monotonic() - self._busy_since >= self.options.timeout / 4:
             self._decline_others()
 
     @_link_errors

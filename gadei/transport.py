@@ -486,16 +486,20 @@ class CopyPull(Pull):
 
     def start(self) -> None:
         n = self.region.shape.n_params
-        self._model_buf, self._staging = _flat(n), _flat(n)
+        self._model_buf, self._staging = self._buffer(n), self._buffer(n)
         self._model_views, self._staging_views = views(self._model_buf, self.spec), views(self._staging, self.spec)
         self._ready = False
         self._staged_version = 0
         self._error: BaseException | None = None
         self._waiters_addr = self.region.header.addr("version_waiters")
         self.refresh()
-        self._handoff = _Handoff(self._run, f"gadei-pull-{self.region.job}")
+        self._handoff = _Handoff(self._run, f"gadei-{self.name}-pull-{self.region.job}")
         self._cond = self._handoff.cond
         self._handoff.start()
+
+    def _buffer(self, n: int) -> torch.Tensor:
+        """One of the two weight buffers (the model's and the staging one)."""
+        return _flat(n)
 
     def version(self) -> int:
         return self._version
@@ -788,28 +792,20 @@ class DevicePull(CopyPull):
     name = "device"
 
     def start(self) -> None:
-        n = self.region.shape.n_params
         self.device = self.parameters[0].device
         self.cuda = self.device.type == "cuda"
         self._host = torch.from_numpy(self.region.weights)
         self._locked = _device.PageLock(self.region.job)
         if self.cuda:
-            self._locked.add(self.region.weights_addr, n * 4, "the weights")
+            self._locked.add(self.region.weights_addr, self.region.shape.n_params * 4, "the weights")
         self._stream = torch.cuda.Stream(self.device) if self.cuda else None
-        self._model_buf = torch.empty(n, dtype=torch.float32, device=self.device)
-        self._staging = torch.empty(n, dtype=torch.float32, device=self.device)
-        self._model_views, self._staging_views = views(self._model_buf, self.spec), views(self._staging, self.spec)
-        self._ready = False
-        self._staged_version = 0
         self._released = None  # event: the train stream is done with the staging buffer (CUDA)
-        self._error = None
-        self._waiters_addr = self.region.header.addr("version_waiters")
         self.bytes = 0  # copied from the region to the device
         self.copy_seconds = 0.0
-        self.refresh()
-        self._handoff = _Handoff(self._run, f"gadei-device-pull-{self.region.job}")
-        self._cond = self._handoff.cond
-        self._handoff.start()
+        super().start()
+
+    def _buffer(self, n: int) -> torch.Tensor:
+        return torch.empty(n, dtype=torch.float32, device=self.device)
 
     def _copy_into(self, target: torch.Tensor, nbytes: int) -> None:
         """On the calling thread's current stream (the pull thread's own, or the train stream)."""

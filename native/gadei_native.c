@@ -500,8 +500,9 @@ gd_exit_after(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (gd_nargs("exit_after", nargs, 3) < 0) return NULL;
     seconds = PyFloat_AsDouble(args[0]);
     if (seconds == -1.0 && PyErr_Occurred()) return NULL;
-    code = PyLong_AsLong(args[1]) & 0xff;
-    if (code == -1 && PyErr_Occurred()) return NULL;
+    long wanted = PyLong_AsLong(args[1]);
+    if (wanted == -1 && PyErr_Occurred()) return NULL;
+    code = (int)(wanted & 0xff);
     if (!(message = PyUnicode_AsUTF8(args[2]))) return NULL;
     if (!(seconds >= 0.0 && seconds < 1e9)) {
         PyErr_SetString(PyExc_ValueError, "exit_after: seconds must be in [0, 1e9)");
