@@ -165,7 +165,8 @@ def test_consistent_pulls_never_hold_half_an_update(job, procs, mode):
     n = 2_000_000  # an update takes about as long as a pull's copy
     server = _serve(procs, job, "--mode", mode, "--n", n, "--lr", 1.0, "--init", 0.0, "--learners", 2)
     pusher = _learn(procs, job, "--n", n, "--value", 1, "--steps", 10**9, "--delay", 0.003)
-    reader = procs.worker("read", job, "--n", n, "--pulls", 150)
+    # async: a loaded machine may apply few updates during 150 pulls, so pull on until one tore
+    reader = procs.worker("read", job, "--n", n, "--pulls", 150, *(["--until-torn", 60] if mode == "async" else []))
     read_line(reader, 60)
     result = read_line(reader, 120)
     finish(reader)

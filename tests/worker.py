@@ -205,13 +205,16 @@ def _await_learners(learner, count: int, timeout: float = 60.0) -> None:
 
 
 def read(args) -> int:
-    """Pull the weights `pulls` times (pull=copy); count pulls that hold two different values."""
+    """Pull the weights `pulls` times (pull=copy); count pulls that hold two different values.
+    With `until_torn`, go on pulling after that until one pull tore or that many seconds passed."""
     model = MODELS[args.model](args.n, 0.0)
-    torn = distinct = 0
+    torn = distinct = pulls = 0
+    deadline = time.monotonic() + args.until_torn
     with gadei.Learner(model, args.job, pull="copy", timeout=30) as learner:
         print(json.dumps({"attached": learner.learner_id}), flush=True)
         last = None
-        for _ in range(args.pulls):
+        while pulls < args.pulls or (args.until_torn and not torn and time.monotonic() < deadline):
+            pulls += 1
             learner.refresh()
             flat = torch.cat([p.detach().view(-1) for p in model.parameters()])
             low, high = flat.min().item(), flat.max().item()
@@ -220,7 +223,7 @@ def read(args) -> int:
             last = low
             time.sleep(args.delay)
         retries = learner.entry.get("pull_retries")
-    print(json.dumps({"torn": int(torn), "distinct": int(distinct), "retries": retries}), flush=True)
+    print(json.dumps({"torn": int(torn), "distinct": int(distinct), "retries": retries, "pulls": pulls}), flush=True)
     return 0
 
 
@@ -290,6 +293,7 @@ def main(argv=None) -> int:
     p.add_argument("--n", type=int, default=1000)
     p.add_argument("--pulls", type=int, default=100)
     p.add_argument("--delay", type=float, default=0.0)
+    p.add_argument("--until-torn", type=float, default=0.0)
     p.set_defaults(func=read)
     p = sub.add_parser("sync-train")
     p.add_argument("job")
