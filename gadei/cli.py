@@ -413,6 +413,9 @@ def cmd_status(args) -> int:
             if found.state in ("foreign", "other-user"):
                 print(f"job {job}: {found.state}: {found.problem}")
                 continue
+            if found.state == "starting":
+                print(f"job {job}: starting: server pid {found.server_pid} is still creating its region")
+                continue
             try:
                 region = Region.attach(job, readonly=True)
             except GadeiError as err:  # e.g. a region its server is still creating
@@ -494,7 +497,7 @@ def cmd_clean(args) -> int:
             if args.jobs:
                 print(f"{job}: no region")
             continue
-        if found.state == "running":
+        if found.state in ("running", "starting"):
             print(f"{job}: kept: served by live pid {found.server_pid} (use `gadei stop {job}`)")
             continue
         if found.state == "other-user":

@@ -40,9 +40,9 @@ def stop_job(job: str, timeout: float = 30.0) -> None:
     found = inspect(job)
     if found is None:
         raise RegionNotFound(f"job {job!r} has no region: nothing to stop")
-    if found.state != "running":
+    if found.state not in ("running", "starting"):
         raise GadeiError(f"job {job!r} has no live server ({found.state}); remove its region with `gadei clean {job}`")
-    with Region.attach(job) as region:
+    with Region.attach(job, wait=timeout) as region:  # a starting server is stopped once it serves
         region.header.cas("run_state", SERVING, STOPPING)
         doorbell = region.header.addr("doorbell")
         _native.add32(doorbell, 1)
@@ -50,7 +50,7 @@ def stop_job(job: str, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while True:
         now = inspect(job)
-        if now is None or now.state != "running":
+        if now is None or now.state not in ("running", "starting"):
             return
         if time.monotonic() >= deadline:
             raise GadeiTimeout(f"job {job!r}: server pid {found.server_pid} did not stop within {timeout:g} s")

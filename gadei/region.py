@@ -320,8 +320,10 @@ class Region:
     def create(cls, job: str, shape: Shape, *, replace: bool = False) -> "Region":
         """Create the region of `job` for `shape` (the server does this), pre-faulted and zeroed.
 
-        The identity fields are written, but not `magic`: the caller fills in the server
-        fields, weights and spec, then calls `publish()` so attachers see a complete region.
+        The identity fields and the calling process as the region's server are written, but
+        not `magic`: the caller fills in the other server fields, weights and spec, then calls
+        `publish()` so attachers see a complete region. Until then `inspect` reports the job as
+        'starting' (never as a leftover that `--replace` or `gadei clean` would remove).
 
         Raises:
             JobRunning: a live server already serves `job`.
@@ -334,6 +336,8 @@ class Region:
         if found is not None:
             if found.state == "running":
                 raise JobRunning(f"job {job!r} is already served by pid {found.server_pid} ({name})")
+            if found.state == "starting":
+                raise JobRunning(f"job {job!r}: server pid {found.server_pid} is creating {name}")
             if found.state == "leftover" and replace:
                 log.warning("job %r: replacing the region left behind by server pid %d", job, found.server_pid)
                 remove(job)
@@ -370,6 +374,8 @@ class Region:
             shm.close_fd()
         region = cls(job, opened, mm, shape, readonly=False)
         h = region.header
+        h.set("server_pid", os.getpid())  # first: from here on the region is this live server's
+        h.set("server_start", _proc.start_time())
         h.set("layout_version", LAYOUT_VERSION)
         h.set("header_bytes", HEADER_BYTES)
         h.set("region_bytes", lay.total)
@@ -533,9 +539,9 @@ def _trust(job: str, opened: _Opened, readonly: bool) -> Region:
 class Found:
     """What `inspect` found under a job's name.
 
-    state is 'running' (a live server), 'leftover' (its server is gone), 'foreign' (not a
-    gadei region, or one this version cannot read) or 'other-user'; problem says why for the
-    last two.
+    state is 'running' (a live server serves it), 'starting' (a live server is still creating
+    it: attach with a `wait`), 'leftover' (its server is gone), 'foreign' (not a gadei region,
+    or one this version cannot read) or 'other-user'; problem says why for the last two.
     """
 
     job: str
@@ -565,7 +571,10 @@ def inspect(job: str) -> Found | None:
             return Found(job, "foreign", problem=f"it is not a gadei region (magic {magic:#018x})", size=opened.size)
         if magic == MAGIC and version != LAYOUT_VERSION:
             return Found(job, "foreign", problem=f"it has layout version {version}, not {LAYOUT_VERSION}", size=opened.size)
-        state = "running" if _proc.alive(h["server_pid"], h["server_start"]) else "leftover"
+        if not _proc.alive(h["server_pid"], h["server_start"]):
+            state = "leftover"
+        else:
+            state = "running" if magic == MAGIC else "starting"
         return Found(job, state, server_pid=h["server_pid"], size=opened.size)
     finally:
         opened.shm.close_fd()

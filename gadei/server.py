@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import _native, _proc, params
+from . import _native, params
 from .checkpoint import Checkpoint
 from .checkpoint import take as take_checkpoint
 from .env import settings
@@ -139,9 +139,7 @@ class Server:
         self.job = job
         self.mode = mode
         try:
-            h = self.region.header
-            h.set("server_pid", os.getpid())
-            h.set("server_start", _proc.start_time())
+            h = self.region.header  # server_pid and server_start: written by Region.create
             h.set("server_beat", time.monotonic_ns())
             h.set("threads", self.threads)
             write_options(self.region, self.options)

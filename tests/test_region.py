@@ -121,6 +121,58 @@ def test_leftover_of_a_killed_server_is_detected_refused_replaced_and_cleaned(jo
     assert f"{job}: removed" in out and inspect(job) is None
 
 
+_CREATOR = """
+import json, signal, sys
+from gadei.layout import Shape
+from gadei.region import Region
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+region = Region.create(sys.argv[1], Shape(1000, capacity=2))  # as a server does, then it reads a checkpoint...
+print(json.dumps({"created": True}), flush=True)
+signal.sigwait({signal.SIGUSR1})
+region.publish()
+print(json.dumps({"published": True}), flush=True)
+signal.sigwait({signal.SIGUSR1})
+region.unlink()
+"""
+
+
+def test_a_region_its_server_is_still_creating_is_starting_kept_and_waited_for(job, procs):
+    """Between Region.create and publish (a server reading a large checkpoint on a loaded
+    machine: seconds) the job is 'starting': nothing takes it for a leftover, and nothing
+    that waits for a 'running' server attaches to half a region (a watchdog restarting a
+    server once did, and gave up on the job)."""
+    creator = procs.start("-c", _CREATOR, job)
+    read_line(creator, 60)
+    found = inspect(job)
+    assert (found.state, found.server_pid) == ("starting", creator.pid)
+    with pytest.raises(gadei.GadeiTimeout, match="did not finish creating it within 0 s"):
+        Region.attach(job)
+    with pytest.raises(gadei.JobRunning, match=f"server pid {creator.pid} is creating"):
+        gadei.Server(job, n_params=1000, replace=True)
+    out, _ = finish(procs.gadei("clean", job))
+    assert f"kept: served by live pid {creator.pid}" in out and os.path.exists(_path(job))
+    out, _ = finish(procs.gadei("status", job))
+    assert f"job {job}: starting: server pid {creator.pid} is still creating its region" in out
+    creator.send_signal(signal.SIGUSR1)
+    with Region.attach(job, readonly=True, wait=60) as region:  # waits for the publish
+        assert region.shape == Shape(1000, capacity=2)
+    assert inspect(job).state == "running"
+    creator.send_signal(signal.SIGUSR1)
+    finish(creator)
+    assert inspect(job) is None
+
+
+def test_a_server_killed_while_creating_its_region_leaves_a_leftover(job, procs):
+    creator = procs.start("-c", _CREATOR, job)
+    read_line(creator, 60)
+    creator.send_signal(signal.SIGKILL)
+    creator.wait()
+    assert (inspect(job).state, inspect(job).server_pid) == ("leftover", creator.pid)
+    with gadei.Server(job, n_params=10, replace=True):
+        assert inspect(job).state == "running"
+    assert inspect(job) is None
+
+
 def test_a_live_server_cannot_be_replaced(job):
     with gadei.Server(job, n_params=10):
         with pytest.raises(gadei.JobRunning, match=f"already served by pid {os.getpid()}"):
