@@ -379,14 +379,17 @@ def kill_server(job: Job, rng: random.Random) -> Fault:
     job.at_progress(rng.uniform(0.2, 0.6))
     pid = job.server_pid()
     _kill(pid)  # it applies gradients all the time while learners train: this lands in an update
-    return Fault(time.monotonic(), _new_server(job, pid), restarted_server=True, resume=_resume_point(job),
+    at, wall = time.monotonic(), time.time()
+    return Fault(at, _new_server(job, pid), restarted_server=True, resume=_resume_point(job, pid), wall=wall,
                  expect_in_logs=["restarting the server"])
 
 
-def _resume_point(job: Job):
-    """The checkpoint a restart will resume from (the newest that verifies; nothing writes
-    checkpoints while the server is dead), read right after the fault. (Quietly: the
-    restart itself warns about a bad one.)"""
+def _resume_point(job: Job, pid: int):
+    """The checkpoint a restart will resume from: the newest that verifies once the watchdog
+    noticed that server `pid` is gone. (A checkpoint the watchdog was writing at the fault,
+    of weights taken before it, lands until then; after it, nothing writes one until the
+    restarted server serves.) Quietly: the restart itself warns about a bad one."""
+    wait_until(lambda: f"the server pid {pid} is gone" in job.errors(), 60, "the watchdog to notice the dead server")
     quiet = logging.getLogger("gadei.checkpoint")
     level = quiet.level
     quiet.setLevel(logging.ERROR)
@@ -457,8 +460,9 @@ def corrupt_latest_checkpoint(job: Job, rng: random.Random) -> Fault:
         handle.write(bytes(b ^ 0xFF for b in chunk))
     pid = job.server_pid()
     _kill(pid)
-    return Fault(time.monotonic(), _new_server(job, pid), restarted_server=True, lost_intervals=2,
-                 resume=_resume_point(job),
+    at, wall = time.monotonic(), time.time()
+    return Fault(at, _new_server(job, pid), restarted_server=True, lost_intervals=2, resume=_resume_point(job, pid),
+                 wall=wall,
                  expect_in_logs=["skipping a bad checkpoint", "fails its checksum"])
 
 
