@@ -73,6 +73,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
+from enum import Enum
 from typing import ClassVar
 
 import numpy as np
@@ -96,6 +97,15 @@ _INFLIGHT = 4  # buckets in flight at once
 _FLOAT16_MAX = 65504.0
 # gossip message tags; REQ, ACK, CANCEL, BYE and BUSY carry [exchange id]
 _REQ, _ACK, _CANCEL, _BYE, _BUSY, _DATA, _REPLY = 11, 12, 13, 14, 15, 20, 21
+
+
+class _Answer(Enum):
+    """How a gossip peer answered one request."""
+
+    ACKED = "acknowledged it: the swap follows"
+    BUSY = "declined it: alive, but serving another asker"
+    SILENT = "no answer by the deadline"
+    LEFT = "left the job meanwhile"
 
 
 class BridgeError(GadeiError):
@@ -827,13 +837,13 @@ class Gossip(Strategy):
         asked = time.monotonic()
         self._post(peer, _REQ, self._id)
         answered = self._await_ack(peer, self._id, asked + self._patience())
-        if answered is None:  # it left meanwhile
+        if answered is _Answer.LEFT:
             return None
-        if answered is _BUSY:  # alive, serving another asker: it dropped this request
+        if answered is _Answer.BUSY:  # alive: try another, but do not count towards dropping it
             self._misses[peer] += 1.0
             self._silent.pop(peer, None)
             return None
-        if not answered:
+        if answered is _Answer.SILENT:
             self._post(peer, _CANCEL, self._id)
             self._misses[peer] += 1.0
             silent = self._silent.setdefault(peer, asked)
@@ -848,25 +858,24 @@ class Gossip(Strategy):
         self.peer = peer
         return _mean(weights, other)
 
-    def _await_ack(self, peer: int, ident: int, deadline: float) -> bool | int | None:
-        """True once `peer` acknowledged `ident`, _BUSY when it declined it, False at the
-        deadline, None if it left."""
+    def _await_ack(self, peer: int, ident: int, deadline: float) -> _Answer:
+        """How `peer` answered request `ident`, waiting for it until `deadline`."""
         started = time.monotonic()
         while True:
             got = self._take(peer, _ACK)
             if got is not None and got[1] == ident:
-                return True
+                return _Answer.ACKED
             if got is not None:
                 continue  # an answer to a request given up on
             while (busy := self._take(peer, _BUSY)) is not None:
                 if busy[1] == ident:
-                    return _BUSY
+                    return _Answer.BUSY
             self._read_control()
             if peer not in self.peers:
-                return None
+                return _Answer.LEFT
             now = time.monotonic()
             if now >= deadline:
-                return False
+                return _Answer.SILENT
             self.wire.poll()
             _pause(now - started)
 
