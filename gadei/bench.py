@@ -1,7 +1,8 @@
 """`gadei bench`: gadei measured side by side with its best alternative, in one run.
 
 kernel   the update kernel's GB/s against a plain in-place C loop and `torch.Tensor.add_`
-         on the same buffers, 1 MB to 256 MB, one thread and all threads.
+         on the same buffers, 1 MB to 256 MB, one thread and all threads; and the Adagrad
+         kernel against PyTorch's fused CPU Adagrad.
 latency  push-to-applied time of 1 MB and 16 MB gradients (a learner publishes, the server
          applies) against the time the copy and the update take on their own.
 train    samples/s and test accuracy of the text CNN at mini-batch 1, 2 and 4: one learner
@@ -107,7 +108,7 @@ def bench_kernel(args) -> dict:
     all_threads = os.cpu_count() or 1
     thread_counts = sorted({1, all_threads})
     lr = 0.01
-    rows, records = [], []
+    rows, records, adagrad_records = [], [], []
     torch_threads = torch.get_num_threads()
     try:
         for size in sizes:
@@ -134,16 +135,46 @@ def bench_kernel(args) -> dict:
                 records.append(record)
                 rows.append((f"{size} MB", threads, f"{gbs['gadei']:.1f}", f"{gbs['plain_c']:.1f}",
                              f"{gbs['torch_add_']:.1f}", f"{record['vs_plain_c']:.2f}x", f"{record['vs_torch']:.2f}x"))
-            # the fused variant the server runs (it also zeroes the gradient): one stream more
-            fused = _median([_time_it(lambda: _native.sgd(wa, ga, n, lr, 1, all_threads), 0.05)
-                             for _ in range(args.repeats)])
-            records[-1]["fused_clear_gb_per_s"] = 4 * n * 4 / fused / 1e9
+            adagrad_records.extend(_bench_adagrad(w, g, size, thread_counts, args))
     finally:
         torch.set_num_threads(torch_threads)
     print("\nkernel: w -= lr * g, GB/s counting 3 streams (read w, read g, write w); median of "
           f"{10 * args.repeats} interleaved samples")
     print(_table(("size", "threads", "gadei", "plain C", "torch add_", "gadei/plain", "gadei/torch"), rows))
-    return {"rows": records}
+    print("\nkernel: Adagrad (s += g^2; w -= lr g / (sqrt(s) + eps)), GB/s counting 5 streams (read w, s, g; "
+          f"write w, s), against torch.optim.Adagrad(fused=True).step(); median of {10 * args.repeats} interleaved "
+          "samples")
+    print(_table(("size", "threads", "gadei", "torch fused", "gadei/torch"),
+                 [(f"{r['size_mb']} MB", r["threads"], f"{r['gb_per_s']['gadei']:.1f}",
+                   f"{r['gb_per_s']['torch_fused']:.1f}", f"{r['vs_torch']:.2f}x") for r in adagrad_records]))
+    return {"rows": records, "adagrad": adagrad_records}
+
+
+def _bench_adagrad(w: np.ndarray, g: np.ndarray, size: int, thread_counts, args) -> list[dict]:
+    """The server's Adagrad kernel against PyTorch's fused CPU Adagrad on the same weights and
+    gradient (each keeps its own sums, both start at zero). The gradient must be dense: the
+    kernel skips zero elements, so a cleared one would time the skip."""
+    from .layout import DTYPE_CODES
+    from .modes import ADAGRAD_EPS
+
+    n, lr = w.size, 0.01
+    s = _aligned(n)
+    s[:] = 0.0
+    param = torch.nn.Parameter(torch.from_numpy(w), requires_grad=True)
+    param.grad = torch.from_numpy(g)
+    optimizer = torch.optim.Adagrad([param], lr=lr, eps=ADAGRAD_EPS, fused=True)
+    wa, sa, ga, f32 = w.ctypes.data, s.ctypes.data, g.ctypes.data, DTYPE_CODES["float32"]
+    records = []
+    for threads in thread_counts:
+        methods = {
+            "gadei": lambda: _native.adagrad(wa, sa, ga, n, lr, ADAGRAD_EPS, 0, threads, f32),
+            "torch_fused": optimizer.step,
+        }
+        torch.set_num_threads(threads)
+        seconds = _interleaved(methods, rounds=10 * args.repeats, min_seconds=0.002 if args.quick else 0.01)
+        gbs = {name: 5 * n * 4 / sec / 1e9 for name, sec in seconds.items()}
+        records.append({"size_mb": size, "threads": threads, "gb_per_s": gbs, "vs_torch": gbs["gadei"] / gbs["torch_fused"]})
+    return records
 
 
 # ------------------------------------------------------------------ latency
