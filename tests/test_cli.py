@@ -1,6 +1,7 @@
 """The `gadei` command end to end: serve, learn, status, stop, clean, with real processes."""
 
 import json
+import os
 
 import torch
 
@@ -143,3 +144,16 @@ def test_clean_removes_a_dead_watchdogs_state_once_its_job_is_gone(job, procs, t
     assert "would remove the dead watchdog's state" in out and state.exists()
     finish(procs.gadei("clean", job, env=env))
     assert not state.exists()
+
+
+def test_bench_kernel_reports_sgd_and_adagrad_against_torch(procs, tmp_path):
+    """A smoke run of `gadei bench kernel`: the tables and the JSON hold every size and thread
+    count, for both kernels (the figures themselves are for the README, not for a test)."""
+    out_file = tmp_path / "kernel.json"
+    out, _ = finish(procs.gadei("bench", "kernel", "--quick", "--repeats", "1", "--out", out_file), 300)
+    assert "gadei/torch" in out and "torch fused" in out
+    kernel = json.loads(out_file.read_text())["kernel"]
+    threads = sorted({1, os.cpu_count()})
+    for rows, methods in ((kernel["rows"], {"gadei", "plain_c", "torch_add_"}), (kernel["adagrad"], {"gadei", "torch_fused"})):
+        assert [(r["size_mb"], r["threads"]) for r in rows] == [(s, t) for s in (1, 16, 64) for t in threads]
+        assert all(set(r["gb_per_s"]) == methods and min(r["gb_per_s"].values()) > 0 for r in rows)
