@@ -323,7 +323,7 @@ class Region:
         The identity fields and the calling process as the region's server are written, but
         not `magic`: the caller fills in the other server fields, weights and spec, then calls
         `publish()` so attachers see a complete region. Until then `inspect` reports the job as
-        'starting' (never as a leftover that `--replace` or `gadei clean` would remove).
+        'starting', not as a leftover that `--replace` or `gadei clean` would remove.
 
         Raises:
             JobRunning: a live server already serves `job`.
@@ -349,10 +349,15 @@ class Region:
             else:
                 raise ForeignRegion(f"job {job!r}: {name} exists but {found.problem}; remove it with `gadei clean --force {job}`")
         lay = layout(shape)
+        started = _proc.start_time()
         try:
             shm = posix_ipc.SharedMemory(name, flags=posix_ipc.O_CREX, mode=0o600, size=lay.total)
         except posix_ipc.ExistentialError as err:
             raise JobRunning(f"job {job!r}: another server created {name} at the same moment") from err
+        # The creator is the region's server from (microseconds after) its creation, before the
+        # reservation below, which takes seconds for a large region: `inspect` does not take it
+        # for a leftover meanwhile. server_pid, run_state (0) and server_start in one write.
+        os.pwrite(shm.fd, struct.pack("<IId", os.getpid(), 0, started), HEADER["server_pid"].offset)
         try:
             # tmpfs hands out pages when they are first touched: reserve them all now, so a full
             # /dev/shm is a clear error here and never a SIGBUS in the middle of training.
@@ -374,8 +379,6 @@ class Region:
             shm.close_fd()
         region = cls(job, opened, mm, shape, readonly=False)
         h = region.header
-        h.set("server_pid", os.getpid())  # first: from here on the region is this live server's
-        h.set("server_start", _proc.start_time())
         h.set("layout_version", LAYOUT_VERSION)
         h.set("header_bytes", HEADER_BYTES)
         h.set("region_bytes", lay.total)
