@@ -418,7 +418,7 @@ def cmd_status(args) -> int:
                 continue
             try:
                 region = Region.attach(job, readonly=True)
-            except GadeiError as err:  # e.g. a region its server is still creating
+            except GadeiError as err:  # e.g. the job stopped since inspect looked
                 if args.job:
                     raise
                 print(f"job {job}: {err}", file=sys.stderr)

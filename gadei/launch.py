@@ -42,12 +42,12 @@ def stop_job(job: str, timeout: float = 30.0) -> None:
         raise RegionNotFound(f"job {job!r} has no region: nothing to stop")
     if found.state not in ("running", "starting"):
         raise GadeiError(f"job {job!r} has no live server ({found.state}); remove its region with `gadei clean {job}`")
+    deadline = time.monotonic() + timeout  # one deadline for both waits: the publish and the stop
     with Region.attach(job, wait=timeout) as region:  # a starting server is stopped once it serves
         region.header.cas("run_state", SERVING, STOPPING)
         doorbell = region.header.addr("doorbell")
         _native.add32(doorbell, 1)
         _native.futex_wake(doorbell, 1)
-    deadline = time.monotonic() + timeout
     while True:
         now = inspect(job)
         if now is None or now.state not in ("running", "starting"):

@@ -165,8 +165,9 @@ def test_a_region_its_server_is_still_creating_is_starting_kept_and_waited_for(j
     assert inspect(job) is None
 
 
-def test_a_large_region_being_reserved_is_never_taken_for_a_leftover(job, procs):
-    """Reserving and pre-faulting 640 MB takes a while; all along, the region is its creator's."""
+def test_a_large_region_being_reserved_is_its_creators_all_along(job, procs):
+    """Reserving and pre-faulting 640 MB takes a while; but for microseconds after its
+    creation, the region reads as its creator's all along (never as a leftover)."""
     creator = procs.start("-c", _CREATOR, job, 2**25)  # 128 MB of weights, 2 learners x 2 slots of 128 MB
     seen = collections.Counter()
     deadline = time.monotonic() + 120

@@ -209,9 +209,9 @@ def read(args) -> int:
     With `until_torn`, go on pulling after that until one pull tore or that many seconds passed."""
     model = MODELS[args.model](args.n, 0.0)
     torn = distinct = pulls = 0
-    deadline = time.monotonic() + args.until_torn
     with gadei.Learner(model, args.job, pull="copy", timeout=30) as learner:
         print(json.dumps({"attached": learner.learner_id}), flush=True)
+        deadline = time.monotonic() + args.until_torn
         last = None
         while pulls < args.pulls or (args.until_torn and not torn and time.monotonic() < deadline):
             pulls += 1
