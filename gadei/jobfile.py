@@ -9,8 +9,9 @@ validated `Job` before anything starts.
     train = "trec/TREC.train"     # a file; per-label: a list of files, or a folder
     test = "trec/TREC.test"       # optional: without it, `holdout` of train is held out
     format = "trec"               # csv, tsv, jsonl, label-text, trec, per-label; numeric: npz, csv
-    text_column = "text"          # csv/tsv/jsonl: the column (key) of the text
-    label_column = "label"        # csv/tsv/jsonl: the column (key) of the label
+    header = true                 # csv/tsv: the first row names the columns (false: none; columns by number)
+    text_column = "text"          # csv/tsv/jsonl: the column (key) of the text; a number is a position (1: the first)
+    label_column = "label"        # csv/tsv/jsonl: the column (key) of the label (header = false: 1, text 2)
     encoding = "utf-8"
     fallback_encoding = "latin-1" # optional: read a file that is not `encoding` with this
     holdout = 0.1                 # share of train held out as the test set when there is none
@@ -77,8 +78,9 @@ class Data:
     train: tuple[Path, ...]
     test: tuple[Path, ...] | None = None
     format: str = "csv"
-    text_column: str = "text"
-    label_column: str = "label"
+    header: bool = True
+    text_column: str | int = "text"  # a header name, or a position (1 = the first column)
+    label_column: str | int = "label"
     encoding: str = "utf-8"
     fallback_encoding: str | None = None
     holdout: float = 0.1
@@ -230,7 +232,8 @@ def default_epochs(samples: int, batch: int, optimizer: str = "adagrad") -> int:
 _SCHEMA = {
     "job": {"name": ("name", True), "workload": ("workload", True)},
     "data": {"train": ("paths", True), "test": ("paths", False), "format": ("format", True),
-             "text_column": ("text", False), "label_column": ("text", False), "encoding": ("text", False),
+             "header": ("bool", False), "text_column": ("column", False), "label_column": ("column", False),
+             "encoding": ("text", False),
              "fallback_encoding": ("text", False), "holdout": ("fraction", False)},
     "train": {"learners": ("learners", False), "mode": ("mode", False), "optimizer": ("optimizer", False),
               "batch": ("positive_int", False),
@@ -295,6 +298,7 @@ def parse(raw: dict, path: Path) -> Job:
     if data["format"] not in allowed:
         raise JobFileError(f"{where}: [data] format = {data['format']!r}: workload {job['workload']!r} reads "
                            f"{'numeric feature vectors' if numeric else 'text'}; allowed: {', '.join(allowed)}")
+    _check_columns(where, data, numeric)
     _check_data_files(where, data)
     train = values["train"]
     if train.get("optimizer") == "adagrad" and train.get("mode") == "elastic":
@@ -368,6 +372,15 @@ def _value(where: str, section: str, key: str, kind: str, value, base: Path):
             article = "an" if kind[0] in "aeiou" else "a"
             raise JobFileError(f"{field_}: not {article} {kind}{_close(value, choices)}; allowed: {', '.join(choices)}")
         return value
+    if kind == "column":
+        if isinstance(value, str) and value.strip():
+            return value
+        if isinstance(value, int) and not isinstance(value, bool):
+            if not 1 <= value <= 100_000:
+                raise JobFileError(f"{field_} is out of range; allowed: a column name, or a number from 1 (the first "
+                                   "column) to 100,000")
+            return value
+        refuse("a column name (string) or a column number (1 is the first)")
     if kind == "devices":
         if not isinstance(value, str):
             refuse('"cpu", "auto" or a comma-separated list of devices such as "cuda:0,cuda:1"')
@@ -420,6 +433,26 @@ def _absolute(path: str, base: Path) -> Path:
     return p if p.is_absolute() else (base / p).resolve()
 
 
+def _check_columns(where: str, data: dict, numeric: bool) -> None:
+    """Column options that fit the format: `header` is for csv/tsv; without a header, columns
+    are numbers (label 1 and text 2 unless given); jsonl names keys."""
+    fmt = data["format"]
+    if data.get("header") is False and fmt not in ("csv", "tsv"):
+        raise JobFileError(f"{where}: [data] header = {str(data['header']).lower()}: only csv and tsv files have a "
+                           f"header row, not format {fmt!r}")
+    if not data.get("header", True):
+        data.setdefault("label_column", 1)
+        if not numeric:
+            data.setdefault("text_column", 2)
+    for key in ("text_column", "label_column"):
+        value = data.get(key)
+        if isinstance(value, str) and not data.get("header", True):
+            raise JobFileError(f"{where}: [data] {key} = {value!r} names a column, but header = false; allowed: "
+                               "its number (1 is the first column)")
+        if isinstance(value, int) and fmt == "jsonl":
+            raise JobFileError(f"{where}: [data] {key} = {value}: jsonl names keys; allowed: a key (string)")
+
+
 def _check_data_files(where: str, data: dict) -> None:
     per_label = data["format"] == "per-label"
     for key in ("train", "test"):
@@ -445,9 +478,11 @@ def _check_data_files(where: str, data: dict) -> None:
 # ------------------------------------------------------------------ the data
 
 
-def load_data(job: Job):
+def load_data(job: Job, reports: list | None = None):
     """The job's (train, test) datasets: vocabulary and labels from train, test from its
-    file or held out of train with the job's seed.
+    file or held out of train with the job's seed. Each text file's
+    `gadei_workloads.files.FileReport` (lines read, samples kept, what was left out and why)
+    is appended to `reports`.
 
     Raises:
         JobFileError: a data file does not parse, is empty, lacks a column, or the training
@@ -460,9 +495,9 @@ def load_data(job: Job):
     from gadei_workloads import get
 
     if get(job.workload).kind == "numeric":
-        return _load_arrays(job)
-    options = dict(text_column=d.text_column, label_column=d.label_column, encoding=d.encoding,
-                   fallback=d.fallback_encoding)
+        return _load_arrays(job, reports)
+    options = dict(text_column=d.text_column, label_column=d.label_column, header=d.header, encoding=d.encoding,
+                   fallback=d.fallback_encoding, reports=reports)
     try:
         train = read(list(d.train), d.format, **options)
         test = read(list(d.test), d.format, **options) if d.test else None
@@ -484,7 +519,7 @@ def load_data(job: Job):
         raise JobFileError(f"[data] test: {err}") from None
 
 
-def _load_arrays(job: Job):
+def _load_arrays(job: Job, reports: list | None):
     """(train, test) ArrayDatasets of a numeric job (see gadei_workloads.numeric)."""
     from gadei_workloads.files import DataError
     from gadei_workloads.numeric import hold_out, make_split, read_arrays
@@ -492,8 +527,9 @@ def _load_arrays(job: Job):
     d = job.data
     where = job.path.name if job.path else "job"
     try:
-        train = read_arrays(d.train[0], d.format, d.label_column, d.encoding, d.fallback_encoding)
-        test = read_arrays(d.test[0], d.format, d.label_column, d.encoding, d.fallback_encoding) if d.test else None
+        options = dict(header=d.header, encoding=d.encoding, fallback=d.fallback_encoding, reports=reports)
+        train = read_arrays(d.train[0], d.format, d.label_column, **options)
+        test = read_arrays(d.test[0], d.format, d.label_column, **options) if d.test else None
         labels = sorted(set(train[1]))
         if len(labels) < 2:
             raise DataError(f"train: {len(train[1]):,} samples but only the label {labels[0]!r}; a classifier "

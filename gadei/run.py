@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import device, jobfile
+from ._proc import gadei_command
 from .errors import GadeiError
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,7 @@ class _Prepared:
     train: object
     test: object
     chosen: list[str]
+    read: list  # a gadei_workloads.files.FileReport per data file
     found: object = None
 
 
@@ -73,7 +75,8 @@ def _prepare(job: jobfile.Job, resume: bool, node: "_Node | None") -> _Prepared:
     """Everything that can be refused, before anything starts; the output folder's job.toml and maps."""
     if node is not None:
         job = job.for_node(node.rank, node.size)
-    train, test = jobfile.load_data(job)
+    read: list = []
+    train, test = jobfile.load_data(job, read)
     job, chosen = job.with_defaults(len(train))
     out = job.output
     found = None
@@ -93,7 +96,7 @@ def _prepare(job: jobfile.Job, resume: bool, node: "_Node | None") -> _Prepared:
     if node is not None:
         (out / "node.json").write_text(json.dumps({"node": node.rank, "nodes": node.size,
                                                    "shards": node.shards(job.train.learners)}) + "\n")
-    return _Prepared(job, train, test, chosen, found)
+    return _Prepared(job, train, test, chosen, read, found)
 
 
 def _run(prepared: _Prepared, quiet: bool, node: "_Node | None" = None) -> int:
@@ -107,6 +110,8 @@ def _run(prepared: _Prepared, quiet: bool, node: "_Node | None" = None) -> int:
           f"{train.n_labels} labels, " + (f"vocabulary {len(train.vocab):,}" if train.vocab is not None else
                                           f"{train.features} features") + f"; {t.learners} learners, {t.mode}, {t.optimizer}, "
           f"mini-batch {t.batch}, lr {t.lr:g}, {t.epochs} epochs, seed {t.seed}", flush=True)
+    for report in prepared.read:
+        print(f"  read {report}", flush=True)
     for line in prepared.chosen:
         print(f"  chose {line}", flush=True)
     if node is not None:
@@ -131,7 +136,7 @@ def _run(prepared: _Prepared, quiet: bool, node: "_Node | None" = None) -> int:
     learner = ["--workload", job.workload, "--data", spec, "--seed", str(t.seed), "--epochs", str(t.epochs),
                "--batch", str(t.batch), "--json"]
     rings = t.learners + (1 if node is not None else 0)  # a bridged node's bridge takes a ring of its own
-    command = [sys.executable, "-m", "gadei", "serve", job.name, "--workload", job.workload, "--data", spec,
+    command = [*gadei_command("serve", job.name), "--workload", job.workload, "--data", spec,
                "--seed", str(t.seed), "--lr", str(node.lr(job) if node is not None else t.lr), "--mode", t.mode,
                "--optimizer", t.optimizer,
                "--learners", str(rings),

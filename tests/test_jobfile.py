@@ -111,7 +111,7 @@ def test_a_bad_job_file_is_refused_naming_field_value_and_what_is_allowed(small,
     ([], "text,category", "no samples"),
     (["hello,cat"], "text,label", "[data] label_column = 'category' is not a column of its header (columns: 'text', 'label')"),
     ([f"sentence {i},cat" for i in range(5)], "text,category", "only the label 'cat'; a classifier needs at least two"),
-    (["hello,"], "text,category", "train.csv:2: empty label in column 'category'"),
+    (["hello,"], "text,category", "no samples (train.csv: 2 lines, 0 samples; left out: 1 row with a blank label (line 2))"),
 ])
 def test_bad_data_is_refused_before_anything_starts(small, rows, header, message):
     _csv(small, rows, header=header)
@@ -124,7 +124,7 @@ def test_bad_data_is_refused_before_anything_starts(small, rows, header, message
 def test_a_file_that_does_not_decode_names_its_byte_and_the_fallback_reads_it(small):
     (small / "train.csv").write_bytes(b"text,category\ncaf\xe9 au lait,drink\ntea,drink\nbread,food\nrice,food\n")
     job = jobfile.load(_job(small, GOOD.format(name="pets")))
-    with pytest.raises(JobFileError, match=r"is not utf-8 \(byte 17: invalid continuation byte\); set \[data\] encoding"):
+    with pytest.raises(JobFileError, match=r"is not utf-8 \(line 2, byte 17: invalid continuation byte\); set \[data\] encoding"):
         jobfile.load_data(job)
     job = jobfile.load(_job(small, GOOD.format(name="pets") + 'fallback_encoding = "latin-1"\n'))
     train, test = jobfile.load_data(job)

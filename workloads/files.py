@@ -1,20 +1,31 @@
-"""Users' labelled text files in the formats they upload, read into (tokens, label) rows.
+"""Users' labelled text files in the formats they upload, read exactly into (tokens, label)
+rows, or refused with the file and line of the problem; never silently changed.
 
 Formats (`format` of a job file's `[data]`):
 
 | format | one sample is | label from |
 |---|---|---|
-| `csv` | a row of a CSV file with a header (quoted fields may hold newlines) | column `label_column` |
-| `tsv` | a row of a tab-separated file with a header | column `label_column` |
+| `csv` | a row of a CSV file (RFC 4180 quoting; a quoted field may hold a few newlines) | column `label_column` |
+| `tsv` | a line of a tab-separated file (plain: a `"` is an ordinary character) | column `label_column` |
 | `jsonl` | one JSON object per line | key `label_column` |
 | `label-text` | a line `LABEL text...` (the first word is the label) | the first word |
 | `trec` | a line `COARSE:fine text...` | the coarse label |
 | `per-label` | a line of a file whose name is the label | the file name: `positive.txt` -> `positive`, `custrev.pos` -> `pos` |
 
-The text is `text_column` for csv/tsv/jsonl. Files are decoded with `encoding`; a file
-that does not decode is read with `fallback` when one is given, else refused with the
-byte offset. Lines are split on `\\n` only (Latin-1 files may hold byte 0x85, which
-`str.splitlines()` would take for a line break). Every refusal names the file and line.
+csv/tsv files have a header row naming the columns, or, with `header=False`, none: then
+columns are given by number (1 is the first). A column named by an integer is taken by
+position in either case.
+
+Lines end at `\\n`, `\\r\\n` or a lone `\\r`, and nowhere else (Latin-1 files may hold byte
+0x85, which `str.splitlines()` would take for a line break). A UTF-8 byte-order mark is
+dropped. A file is decoded with `encoding`; when it does not decode and `fallback` is given,
+only the lines that do not decode are read with `fallback` (the report counts them), so a
+file of mixed encodings keeps its UTF-8 lines intact. A file with a NUL byte is refused as
+binary, an empty file as empty.
+
+What is left out, and why, is counted in a `FileReport` per file (`gadei run` prints it):
+blank lines, rows whose text is empty, rows whose label is blank, a header row repeated
+inside the file. Everything else that does not read as the format says is refused.
 """
 
 from __future__ import annotations
@@ -23,6 +34,9 @@ import csv
 import io
 import json
 import logging
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .text import tokenize
@@ -31,51 +45,157 @@ log = logging.getLogger(__name__)
 
 FORMATS = ("csv", "tsv", "jsonl", "label-text", "trec", "per-label")
 Rows = list[tuple[list[str], str]]
+Column = str | int  # a header name, or a position (1 = the first column)
+
+# A quoted CSV field that spans more lines than this is taken for an unbalanced quote (the
+# longest one in banking77 spans 5): reading on would merge the rows after it into one.
+MAX_QUOTED_LINES = 50
+# Room for one field of a CSV file (the csv module's default is 128 KiB).
+MAX_FIELD_CHARS = 64 << 20
+_LINE_BREAK = re.compile("\r\n|\r|\n")
+_LINE_BREAK_BYTES = re.compile(b"(\r\n|\r|\n)")
+_PLURAL = {"blank line": "blank lines", "row with empty text": "rows with empty text",
+           "row with a blank label": "rows with a blank label", "row without text or label": "rows without text or label",
+           "repeated header row": "repeated header rows"}
 
 
 class DataError(ValueError):
     """A data file that cannot be read as the job says (the message names file and line)."""
 
 
-def decode(path: Path, encoding: str, fallback: str | None = None) -> str:
-    """The text of `path`; DataError when it is missing or does not decode."""
+@dataclass
+class FileReport:
+    """What reading one file found: its lines, the samples kept, and what was left out and why."""
+
+    path: Path
+    lines: int = 0
+    samples: int = 0
+    left_out: dict[str, list[int]] = field(default_factory=dict)  # reason -> line numbers
+    fallback: str | None = None  # the encoding the lines in `fallback_lines` were read with
+    fallback_lines: list[int] = field(default_factory=list)
+
+    def leave_out(self, reason: str, line: int) -> None:
+        self.left_out.setdefault(reason, []).append(line)
+
+    def __str__(self) -> str:
+        text = f"{self.path.name}: {self.lines:,} lines, {self.samples:,} samples"
+        if self.left_out:
+            text += "; left out: " + ", ".join(f"{len(at):,} {reason if len(at) == 1 else _PLURAL[reason]} "
+                                               f"({_lines(at)})" for reason, at in self.left_out.items())
+        if self.fallback_lines:
+            text += (f"; {len(self.fallback_lines):,} line{'' if len(self.fallback_lines) == 1 else 's'} read as "
+                     f"{self.fallback} ({_lines(self.fallback_lines)})")
+        return text
+
+
+def _lines(numbers: list[int], shown: int = 5) -> str:
+    head = ", ".join(map(str, numbers[:shown]))
+    return ("line " if len(numbers) == 1 else "lines ") + head + (", ..." if len(numbers) > shown else "")
+
+
+def decode(path: Path, encoding: str, fallback: str | None = None, report: FileReport | None = None) -> str:
+    """The text of `path`, BOM dropped; DataError when it is missing, empty, binary or does
+    not decode. With `fallback`, lines that are not `encoding` are read with it (counted in
+    `report`)."""
     try:
         raw = path.read_bytes()
     except OSError as err:
         raise DataError(f"data file {str(path)!r}: {err.strerror}") from None
     try:
-        return raw.decode(encoding)
-    except UnicodeDecodeError as err:
-        if fallback:
-            log.warning("%s is not %s (byte %d); reading it as %s", path, encoding, err.start, fallback)
-            try:
-                return raw.decode(fallback)
-            except UnicodeDecodeError as again:
-                err = again
-                encoding = fallback
-        raise DataError(f"data file {str(path)!r} is not {encoding} (byte {err.start:,}: {err.reason}); set "
-                        "[data] encoding, or fallback_encoding (e.g. \"latin-1\")") from None
+        ascii_compatible = "\n".encode(encoding) == b"\n"
     except LookupError:
         raise DataError(f"[data] encoding {encoding!r} is not a text encoding Python knows") from None
+    if not raw.strip():
+        raise DataError(f"data file {str(path)!r} is empty" + (f" ({len(raw)} bytes of white space)" if raw else ""))
+    if ascii_compatible and b"\0" in raw:
+        at = raw.index(b"\0")
+        line = _line_of(raw, at)
+        raise DataError(f"data file {str(path)!r} is binary, not text: a NUL byte on line {line} (byte {at:,})")
+    if raw.startswith(b"\xef\xbb\xbf") and encoding.lower().replace("_", "-") in ("utf-8", "utf8"):
+        raw = raw[3:]
+    try:
+        return raw.decode(encoding)
+    except UnicodeDecodeError as err:
+        line = _line_of(raw, err.start) if ascii_compatible else None
+        where = f"line {line}, byte {err.start:,}" if line else f"byte {err.start:,}"
+        if not fallback:
+            raise DataError(f"data file {str(path)!r} is not {encoding} ({where}: {err.reason}); set [data] encoding,"
+                            " or fallback_encoding (e.g. \"latin-1\")") from None
+        try:
+            "\n".encode(fallback)
+        except LookupError:
+            raise DataError(f"[data] fallback_encoding {fallback!r} is not a text encoding Python knows") from None
+    if not ascii_compatible:  # lines cannot be told apart in bytes: all or nothing
+        log.warning("%s is not %s; reading it as %s", path, encoding, fallback)
+        try:
+            return raw.decode(fallback)
+        except UnicodeDecodeError as err:
+            raise DataError(f"data file {str(path)!r} is neither {encoding} nor {fallback} (byte {err.start:,}: "
+                            f"{err.reason})") from None
+    parts = _LINE_BREAK_BYTES.split(raw)  # lines and, between them, their line breaks
+    for i in range(0, len(parts), 2):
+        try:
+            parts[i] = parts[i].decode(encoding)
+        except UnicodeDecodeError:
+            number = i // 2 + 1
+            try:
+                parts[i] = parts[i].decode(fallback)
+            except UnicodeDecodeError as err:
+                raise DataError(f"data file {str(path)!r}: line {number} is neither {encoding} nor {fallback} "
+                                f"({err.reason})") from None
+            if report is not None:
+                report.fallback = fallback
+                report.fallback_lines.append(number)
+    for i in range(1, len(parts), 2):
+        parts[i] = parts[i].decode("ascii")
+    log.warning("%s: some lines are not %s; read those as %s", path, encoding, fallback)
+    return "".join(parts)
 
 
-def read(paths: list[Path], fmt: str, *, text_column: str = "text", label_column: str = "label",
-         encoding: str = "utf-8", fallback: str | None = None) -> Rows:
+def _line_of(raw: bytes, at: int) -> int:
+    """The line number (from 1) of byte `at` of an ASCII-compatible file."""
+    return len(_LINE_BREAK_BYTES.findall(raw, 0, at)) + 1
+
+
+def split_lines(text: str) -> list[str]:
+    """The lines of `text`, split at \\n, \\r\\n and a lone \\r only; no empty last line."""
+    lines = _LINE_BREAK.split(text)
+    if lines and lines[-1] == "":
+        lines.pop()
+    return lines
+
+
+def read(paths: list[Path], fmt: str, **options) -> Rows:
+    """Every sample of `paths` as (tokens, label) rows: `read_texts` tokenized."""
+    return [(tokenize(text), label) for text, label in read_texts(paths, fmt, **options)]
+
+
+def read_texts(paths: list[Path], fmt: str, *, text_column: Column = "text", label_column: Column = "label",
+               header: bool = True, encoding: str = "utf-8", fallback: str | None = None,
+               reports: list[FileReport] | None = None) -> list[tuple[str, str]]:
     """Every sample of `paths` (one file, or for per-label one file per label) as
-    (tokens, label) rows. Raises DataError naming the file and line of the first problem."""
+    (text, label), the text exactly as the file holds it; each file's `FileReport` is
+    appended to `reports`. Raises DataError naming the file and line of the first problem."""
     if fmt not in FORMATS:
         raise DataError(f"format {fmt!r} is not one of {', '.join(FORMATS)}")
-    rows: Rows = []
+    rows: list[tuple[str, str]] = []
+    found: list[FileReport] = []
     for path in paths:
-        text = decode(path, encoding, fallback)
+        report = FileReport(path)
+        found.append(report)
+        text = decode(path, encoding, fallback, report)
         if fmt in ("csv", "tsv"):
-            rows += _table(path, text, "\t" if fmt == "tsv" else ",", text_column, label_column)
+            samples = _table(path, text, fmt, text_column, label_column, header, report)
         elif fmt == "jsonl":
-            rows += _jsonl(path, text, text_column, label_column)
+            samples = _jsonl(path, text, text_column, label_column, report)
         else:
-            rows += _lines(path, text, fmt)
+            samples = _line_format(path, text, fmt, report)
+        report.samples = len(samples)
+        rows += samples
+    if reports is not None:
+        reports += found
     if not rows:
-        raise DataError(f"{', '.join(map(str, paths))}: no samples")
+        raise DataError(f"{', '.join(map(str, paths))}: no samples ({'; '.join(map(str, found))})")
     return rows
 
 
@@ -85,12 +205,15 @@ def label_of_file(path: Path) -> str:
     return name.rsplit(".", 1)[-1] if "." in name else name
 
 
-def _lines(path: Path, text: str, fmt: str) -> Rows:
+def _line_format(path: Path, text: str, fmt: str, report: FileReport) -> list[tuple[str, str]]:
     rows = []
     file_label = label_of_file(path) if fmt == "per-label" else None
-    for lineno, line in enumerate(text.split("\n"), start=1):
+    lines = split_lines(text)
+    report.lines = len(lines)
+    for lineno, line in enumerate(lines, start=1):
         line = line.strip()
         if not line:
+            report.leave_out("blank line", lineno)
             continue
         if fmt == "per-label":
             sentence, label = line, file_label
@@ -102,41 +225,128 @@ def _lines(path: Path, text: str, fmt: str) -> Rows:
             if not label or not sentence.strip():
                 expected = "COARSE:fine text" if fmt == "trec" else "LABEL text"
                 raise DataError(f"{path}:{lineno}: expected {expected!r} ({fmt} format), got {line[:60]!r}")
-        rows.append((tokenize(sentence), label))
+        rows.append((sentence, label))
     return rows
 
 
-def _table(path: Path, text: str, delimiter: str, text_column: str, label_column: str) -> Rows:
-    reader = csv.DictReader(io.StringIO(text, newline=""), delimiter=delimiter)
-    header = reader.fieldnames or []
-    for kind, column in (("text_column", text_column), ("label_column", label_column)):
-        if column not in header:
-            raise DataError(f"{path}: [data] {kind} = {column!r} is not a column of its header (columns: "
-                            f"{', '.join(map(repr, header)) or 'none'})")
-    rows = []
+def table_rows(path: Path, text: str, fmt: str, report: FileReport) -> Iterator[tuple[int, list[str]]]:
+    """(line, fields) of each row of a csv or tsv file, blank lines counted in `report` and
+    skipped. TSV is plain: fields are split at tabs, a row ends at its line break. CSV keeps
+    RFC 4180 quoting, but a quoted field over MAX_QUOTED_LINES lines or to the end of the
+    file is refused: it is an unbalanced quote, and reading on would merge the rows after it."""
+    if fmt == "tsv":
+        lines = split_lines(text)
+        report.lines = len(lines)
+        for lineno, line in enumerate(lines, start=1):
+            if line.strip():
+                yield lineno, line.split("\t")
+            else:
+                report.leave_out("blank line", lineno)
+        return
+    if csv.field_size_limit() < MAX_FIELD_CHARS:
+        csv.field_size_limit(MAX_FIELD_CHARS)
+    reader = csv.reader(io.StringIO(text, newline=""), strict=True)
+    start = 1
     try:
-        for record in reader:
-            sentence, label = record.get(text_column), record.get(label_column)
-            if sentence is None or label is None:
-                raise DataError(f"{path}:{reader.line_num}: the row has fewer fields than the header")
-            if not sentence.strip() and not label.strip():
-                continue
-            if not label.strip():
-                raise DataError(f"{path}:{reader.line_num}: empty label in column {label_column!r}")
-            rows.append((tokenize(sentence), label.strip()))
+        for fields in reader:
+            span = reader.line_num - start + 1
+            if span > MAX_QUOTED_LINES:
+                raise DataError(f"{path}:{start}: a quoted field runs over {span:,} lines (to line {reader.line_num:,}"
+                                f"); is a quote unbalanced? (a quoted field may span at most {MAX_QUOTED_LINES} lines)")
+            if any(cell.strip() for cell in fields):
+                yield start, fields
+            else:
+                report.leave_out("blank line", start)
+            start = reader.line_num + 1
     except csv.Error as err:
-        raise DataError(f"{path}:{reader.line_num}: not {'TSV' if delimiter == chr(9) else 'CSV'}: {err}") from None
+        if "unexpected end of data" in str(err):
+            raise DataError(f"{path}:{start}: a quoted field starts on this line and runs to the end of the file; "
+                            "is a quote unbalanced?") from None
+        if "field larger than field limit" in str(err):
+            raise DataError(f"{path}:{start}: a field is longer than {MAX_FIELD_CHARS:,} characters") from None
+        raise DataError(f"{path}:{start}: not CSV: {err}") from None
+    report.lines = len(split_lines(text))
+
+
+def _table(path: Path, text: str, fmt: str, text_column: Column, label_column: Column, header: bool,
+           report: FileReport) -> list[tuple[str, str]]:
+    found = table_rows(path, text, fmt, report)
+    names: list[str] | None = None
+    if header:
+        first = next(found, None)
+        if first is None:
+            raise DataError(f"{path}: no header row")
+        names = [name.strip() for name in first[1]]
+    columns = {kind: column_index(path, names, kind, column)
+               for kind, column in (("text_column", text_column), ("label_column", label_column))}
+    width = len(names) if names else None
+    rows = []
+    for lineno, fields in found:
+        if width is None:
+            width = len(fields)
+            for kind, at in columns.items():
+                if at >= width:
+                    raise DataError(f"{path}: [data] {kind} = {at + 1}, but the first row has {width} columns")
+        while len(fields) > width and not fields[-1].strip():  # trailing delimiters: empty fields
+            fields.pop()
+        if len(fields) != width:
+            raise DataError(f"{path}:{lineno}: {len(fields)} fields, " + (f"the header has {width}" if names else
+                            f"the first row has {width}") + (" (a tab inside a text?)" if fmt == "tsv" and
+                                                              len(fields) > width else ""))
+        if names and [f.strip() for f in fields] == names:
+            report.leave_out("repeated header row", lineno)
+            continue
+        sentence, label = fields[columns["text_column"]], fields[columns["label_column"]].strip()
+        if not sentence.strip():
+            report.leave_out("row with empty text" if label else "row without text or label", lineno)
+        elif not label:
+            report.leave_out("row with a blank label", lineno)
+        else:
+            rows.append((sentence, label))
     return rows
 
 
-def _jsonl(path: Path, text: str, text_column: str, label_column: str) -> Rows:
+def column_index(path: Path, names: list[str] | None, kind: str, column: Column) -> int:
+    """The index of `column` (a header name, or a number from 1) in a row."""
+    if isinstance(column, int):
+        if names is not None and column > len(names):
+            raise DataError(f"{path}: [data] {kind} = {column}, but the header has {len(names)} columns")
+        return column - 1
+    if names is None:
+        raise DataError(f"{path}: [data] {kind} = {column!r} names a column, but header = false; give its "
+                        "number (1 is the first column)")
+    if column in names:
+        return names.index(column)
+    hint = ""
+    if _looks_like_data(names):
+        hint = ("; the first row looks like data, not a header: if the file has none, set [data] header = false "
+                "(columns are then given by number, 1 = the first)")
+    raise DataError(f"{path}: [data] {kind} = {column!r} is not a column of its header (columns: "
+                    f"{', '.join(repr(n[:40]) for n in names) or 'none'}){hint}")
+
+
+def _looks_like_data(names: list[str]) -> bool:
+    """A header row whose cells read like sentences, numbers or nothing is likely a data row."""
+    def datalike(name: str) -> bool:
+        return not name or len(name) > 40 or len(name.split()) > 3 or bool(re.fullmatch(r"[-+.\d]+", name))
+
+    return any(datalike(n) for n in names)
+
+
+def _jsonl(path: Path, text: str, text_column: Column, label_column: Column, report: FileReport) -> list[tuple[str, str]]:
+    for kind, key in (("text_column", text_column), ("label_column", label_column)):
+        if not isinstance(key, str):
+            raise DataError(f"[data] {kind} = {key!r}: jsonl names keys, not column numbers")
     rows = []
-    for lineno, line in enumerate(text.split("\n"), start=1):
+    lines = split_lines(text)
+    report.lines = len(lines)
+    for lineno, line in enumerate(lines, start=1):
         if not line.strip():
+            report.leave_out("blank line", lineno)
             continue
         try:
             record = json.loads(line)
-        except ValueError as err:
+        except (ValueError, RecursionError) as err:
             raise DataError(f"{path}:{lineno}: not a JSON object: {err}") from None
         if not isinstance(record, dict):
             raise DataError(f"{path}:{lineno}: a JSON line must be an object, not {type(record).__name__}")
@@ -144,8 +354,16 @@ def _jsonl(path: Path, text: str, text_column: str, label_column: str) -> Rows:
             if key not in record:
                 raise DataError(f"{path}:{lineno}: [data] {kind} = {key!r} is not a key of the object (keys: "
                                 f"{', '.join(map(repr, record)) or 'none'})")
-        label = record[label_column]
-        if isinstance(label, (dict, list)) or label is None or str(label).strip() == "":
+        label, sentence = record[label_column], record[text_column]
+        if isinstance(label, (dict, list)) or label is None:
             raise DataError(f"{path}:{lineno}: label {label!r} in {label_column!r} is not a plain value")
-        rows.append((tokenize(str(record[text_column])), str(label).strip()))
+        if isinstance(sentence, (dict, list)) or sentence is None:
+            raise DataError(f"{path}:{lineno}: text {str(sentence)[:40]!r} in {text_column!r} is not a plain value")
+        label, sentence = str(label).strip(), str(sentence)
+        if not sentence.strip():
+            report.leave_out("row with empty text" if label else "row without text or label", lineno)
+        elif not label:
+            report.leave_out("row with a blank label", lineno)
+        else:
+            rows.append((sentence, label))
     return rows

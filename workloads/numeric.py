@@ -1,17 +1,17 @@
 """Numeric-array classification: feature vectors in, labels out (the `mlp` workload).
 
 Data: an NPZ file with arrays `x` (samples x features, numbers) and `y` (one label per
-sample, numbers or strings), or a CSV file with a header whose `label_column` is the label
-and every other column a numeric feature. Features are standardised with the training
+sample, numbers or strings), or a CSV file whose `label_column` (a header name, or a number
+from 1 with or without a header) is the label and every other column a numeric feature. Features are standardised with the training
 set's mean and standard deviation (kept with the dataset, and in a run's `features.json`).
 The mini-batch order follows the text workloads' contract (see :func:`batches`).
 """
 
 from __future__ import annotations
 
-import csv
-import io
+import itertools
 import math
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .files import DataError, decode
+from .files import DataError, FileReport, column_index, decode, table_rows
 
 __all__ = ["ArrayDataset", "MLP", "accuracy", "batches", "build_mlp", "read_arrays"]
 
@@ -57,9 +57,10 @@ class ArrayDataset:
         return self.x.shape[1]
 
 
-def read_arrays(path: Path, fmt: str, label_column: str, encoding: str = "utf-8",
-                fallback: str | None = None) -> tuple[np.ndarray, list[str]]:
-    """(features [N, D] float64, label strings) of one file; DataError naming file and line."""
+def read_arrays(path: Path, fmt: str, label_column: str | int, header: bool = True, encoding: str = "utf-8",
+                fallback: str | None = None, reports: list[FileReport] | None = None) -> tuple[np.ndarray, list[str]]:
+    """(features [N, D] float64, label strings) of one file; DataError naming file and line.
+    A CSV file is read by the rules of `files.table_rows` (its FileReport goes to `reports`)."""
     if fmt == "npz":
         try:
             with np.load(path, allow_pickle=False) as data:
@@ -68,7 +69,7 @@ def read_arrays(path: Path, fmt: str, label_column: str, encoding: str = "utf-8"
                     raise DataError(f"{path}: an NPZ data file needs arrays 'x' (samples x features) and 'y' "
                                     f"(labels); it has {', '.join(data.files) or 'none'}")
                 x, y = np.asarray(data["x"]), np.asarray(data["y"])
-        except (OSError, ValueError) as err:
+        except (OSError, ValueError, EOFError, zipfile.BadZipFile) as err:
             raise DataError(f"{path}: not a readable NPZ file ({err})") from None
         if x.ndim != 2 or y.ndim != 1 or len(x) != len(y):
             raise DataError(f"{path}: 'x' must be samples x features and 'y' one label per sample; got shapes "
@@ -78,18 +79,22 @@ def read_arrays(path: Path, fmt: str, label_column: str, encoding: str = "utf-8"
         x = x.astype(np.float64)
         labels = [str(v) for v in y.tolist()]
     elif fmt == "csv":
-        reader = csv.reader(io.StringIO(decode(path, encoding, fallback), newline=""))
-        header = next(reader, None) or []
-        if label_column not in header:
-            raise DataError(f"{path}: [data] label_column = {label_column!r} is not a column of its header "
-                            f"(columns: {', '.join(map(repr, header)) or 'none'})")
-        at = header.index(label_column)
+        report = FileReport(path)
+        found = table_rows(path, decode(path, encoding, fallback, report), "csv", report)
+        first = next(found, None)
+        if first is None:
+            raise DataError(f"{path}: no samples")
+        names = [name.strip() for name in first[1]] if header else None
+        width = len(first[1])
+        at = column_index(path, names, "label_column", label_column)
+        if at >= width:
+            raise DataError(f"{path}: [data] label_column = {at + 1}, but the first row has {width} columns")
+        names = names or [f"column {i + 1}" for i in range(width)]
         rows, labels = [], []
-        for row in reader:
-            if not any(cell.strip() for cell in row):
-                continue
-            if len(row) != len(header):
-                raise DataError(f"{path}:{reader.line_num}: {len(row)} fields, the header has {len(header)}")
+        for lineno, row in (found if header else itertools.chain([first], found)):
+            if len(row) != width:
+                raise DataError(f"{path}:{lineno}: {len(row)} fields, the " + ("header" if header else "first row")
+                                + f" has {width}")
             values = []
             for column, cell in enumerate(row):
                 if column == at:
@@ -97,11 +102,14 @@ def read_arrays(path: Path, fmt: str, label_column: str, encoding: str = "utf-8"
                 try:
                     values.append(float(cell))
                 except ValueError:
-                    raise DataError(f"{path}:{reader.line_num}: column {header[column]!r} holds {cell!r}, not a "
+                    raise DataError(f"{path}:{lineno}: column {names[column]!r} holds {cell[:40]!r}, not a "
                                     "number (every column but the label is a feature)") from None
             rows.append(values)
             labels.append(row[at].strip())
-        x = np.array(rows, dtype=np.float64).reshape(len(rows), len(header) - 1)
+        x = np.array(rows, dtype=np.float64).reshape(len(rows), width - 1)
+        report.samples = len(rows)
+        if reports is not None:
+            reports.append(report)
     else:
         raise DataError(f"format {fmt!r}: numeric workloads read npz or csv")
     if len(labels) == 0:
