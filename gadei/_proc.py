@@ -1,8 +1,23 @@
-"""Process identity for liveness checks: a pid plus its start time, so pid reuse cannot fool us."""
+"""The processes gadei starts and watches: their command lines, and their identity for
+liveness checks (a pid plus its start time, so pid reuse cannot fool us)."""
 
 import os
+import sys
 
 import psutil
+
+
+def python_command(module: str, *args) -> list[str]:
+    """The command line that runs `python -m MODULE ARGS...` with this Python, on the installed
+    package whatever the working directory: `-P` keeps the working directory off `sys.path`,
+    where a source tree (a repository root after `pip install .`, whose `gadei/` has no
+    compiled `_native`) would be imported instead. Every process gadei starts is built here."""
+    return [sys.executable, "-P", "-m", module, *map(str, args)]
+
+
+def gadei_command(*args) -> list[str]:
+    """The command line that runs `gadei ARGS...` (the `gadei` command) with this Python."""
+    return python_command("gadei", *args)
 
 
 def start_time(pid: int | None = None) -> float:

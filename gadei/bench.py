@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from . import _native
+from ._proc import python_command
 from .env import settings
 
 log = logging.getLogger(__name__)
@@ -559,12 +560,11 @@ def bench_bridge(args) -> dict:
     model of that many MB of float32.
     """
     import subprocess
-    import sys
 
     from .bridge import local_mpiexec
 
     sizes = args.sizes or ("1,4" if args.quick else "1,16,64,256")
-    argv, env = local_mpiexec(args.ranks, sys.executable, "-m", "gadei.bridge", sizes, str(args.repeats))
+    argv, env = local_mpiexec(args.ranks, *python_command("gadei.bridge", sizes, args.repeats))
     done = subprocess.run(argv, env={**os.environ, **env}, capture_output=True, text=True, timeout=3600)
     lines = [line for line in done.stdout.splitlines() if line.startswith("BENCH ")]
     if done.returncode != 0 or not lines:

@@ -16,6 +16,7 @@ import time
 
 from . import __version__
 from .env import settings
+from ._proc import python_command
 from .errors import GadeiError
 
 log = logging.getLogger("gadei.cli")
@@ -172,7 +173,7 @@ def _start_watchdog(args, learners: list[list[str]], progress: dict | None) -> s
             skip = True
         elif not arg.startswith("--learner="):
             restart.append(arg)
-    command = [sys.executable, "-m", "gadei_watchdog", args.job, "--checkpoint-dir", args.checkpoint_dir,
+    command = [*python_command("gadei_watchdog", args.job), "--checkpoint-dir", args.checkpoint_dir,
                "--every", str(args.checkpoint_every), "--keep", str(args.keep), "--restart", json.dumps(restart),
                "--interval", str(args.watch_interval), "--max-missed", str(args.max_missed),
                "--max-restarts", str(args.max_restarts)]
@@ -221,7 +222,7 @@ def _adopt(args) -> int:
     os.makedirs(folder, exist_ok=True)
     out_path = os.path.join(folder, "watchdog.log")
     with open(out_path, "ab") as out:  # detached: it must not hold this command's output open
-        dog = subprocess.Popen([sys.executable, "-m", "gadei_watchdog", args.job, "--adopt"], stdout=out,
+        dog = subprocess.Popen(python_command("gadei_watchdog", args.job, "--adopt"), stdout=out,
                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 60
     with Region.attach(args.job, readonly=True) as region:

@@ -201,7 +201,7 @@ class Daemon:
     def _start(self, record: Record) -> None:
         os.makedirs(os.path.dirname(record.log), exist_ok=True)
         with open(record.log, "ab") as out:
-            proc = subprocess.Popen([sys.executable, "-m", "gadei", "run", record.jobfile, "--quiet"]
+            proc = subprocess.Popen(_proc.gadei_command("run", record.jobfile, "--quiet")
                                     + (["--resume"] if record.resume else []), stdout=out,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         self.procs[record.name] = proc

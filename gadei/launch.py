@@ -9,12 +9,12 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 from . import _native
+from ._proc import gadei_command
 from .errors import GadeiError, GadeiTimeout, JobRunning, RegionNotFound
 from .layout import SERVING, STOPPING
 from .region import Region, inspect, remove
@@ -22,11 +22,6 @@ from .region import Region, inspect, remove
 log = logging.getLogger(__name__)
 
 _POLL = 0.02
-
-
-def gadei_command(*args: str) -> list[str]:
-    """The command line that runs `gadei ARGS...` with this Python."""
-    return [sys.executable, "-m", "gadei", *args]
 
 
 def stop_job(job: str, timeout: float = 30.0) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from gadei._proc import gadei_command
 from gadei.region import inspect, remove
 
 HERE = Path(__file__).resolve().parent
@@ -65,8 +66,13 @@ class Procs:
         self.children: list[subprocess.Popen] = []
 
     def start(self, *args: str, env: dict | None = None) -> subprocess.Popen:
+        """`python ARGS...` with this Python."""
+        return self.spawn([sys.executable, *map(str, args)], env)
+
+    def spawn(self, argv: list[str], env: dict | None = None, cwd=None) -> subprocess.Popen:
         proc = subprocess.Popen(
-            [sys.executable, *map(str, args)],
+            argv,
+            cwd=cwd,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -88,8 +94,8 @@ class Procs:
     def worker(self, *args) -> subprocess.Popen:
         return self.start(WORKER, *args)
 
-    def gadei(self, *args, env: dict | None = None) -> subprocess.Popen:
-        return self.start("-m", "gadei", *args, env=env)
+    def gadei(self, *args, env: dict | None = None, cwd=None) -> subprocess.Popen:
+        return self.spawn(gadei_command(*args), env, cwd)
 
     def reap(self) -> None:
         for proc in self.children:

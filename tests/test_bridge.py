@@ -34,6 +34,7 @@ import pytest
 
 import gadei
 from conftest import finish, json_lines, read_line, wait_for
+from gadei._proc import gadei_command
 from gadei.bridge import BridgeError, LocalNode, local_mpiexec
 from gadei.layout import SERVING
 from gadei.region import Region, inspect, remove
@@ -71,7 +72,7 @@ class Ranks:
     """One mpiexec of bridge ranks and the JSON lines they printed."""
 
     def __init__(self, procs, env: dict, nodes: int, job: str, options, more: tuple = ()):
-        argv, _ = local_mpiexec(nodes, sys.executable, "-m", "gadei", "bridge", job, "--job-per-rank", "--json",
+        argv, _ = local_mpiexec(nodes, *gadei_command("bridge", job), "--job-per-rank", "--json",
                                 *map(str, options))
         if more:  # ranks after the bridge's, running another program (mpiexec's ':')
             argv += [":", "-n", "1", *map(str, more)]

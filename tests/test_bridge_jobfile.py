@@ -9,7 +9,6 @@ start two ranks (test_bridge.py's `mpi_env`).
 
 import json
 import os
-import sys
 import textwrap
 
 import psutil
@@ -18,6 +17,7 @@ import test_bridge
 
 from conftest import communicate, trec_job
 from gadei import jobfile
+from gadei._proc import gadei_command
 from gadei.bridge import child_environment, launched_ranks, local_mpiexec
 from gadei.errors import GadeiError
 from gadei.jobfile import JobFileError
@@ -209,7 +209,7 @@ def _kill(names: list[str]) -> None:
 
 
 def _mpiexec_run(procs, mpi_env, path, nodes: int = 2):
-    argv, _ = local_mpiexec(nodes, sys.executable, "-m", "gadei", "run", str(path))
+    argv, _ = local_mpiexec(nodes, *gadei_command("run", path))
     return procs.start("-c", _EXEC, *argv, env=mpi_env)
 
 
@@ -316,7 +316,7 @@ def _job_accuracy(procs, mpi_env, folder, strategy: str | None, seed: int) -> fl
         if strategy:
             run = _mpiexec_run(procs, mpi_env, path)
         else:
-            run = procs.start("-m", "gadei", "run", str(path), "--quiet")
+            run = procs.gadei("run", path, "--quiet")
         out, err = communicate(run, 900)
         assert run.returncode == 0, (out + err)[-5000:]
         results = [json.loads(p.read_text()) for p in sorted((folder / "out").rglob("result.json"))]

@@ -278,7 +278,7 @@ class Watchdog:
         os.makedirs(self.log_dir, exist_ok=True)
         server_log = os.path.join(self.log_dir, "server.log")
         with open(server_log, "ab") as out:
-            proc = subprocess.Popen([sys.executable, "-m", "gadei", *args], env=env, stdout=out,
+            proc = subprocess.Popen(_proc.gadei_command(*args), env=env, stdout=out,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         self._server = proc
         log.warning("job %r: restarting the server (pid %d) %s; its output goes to %s", self.job, proc.pid,

@@ -17,7 +17,6 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -111,7 +110,7 @@ class Learners:
 
     def start(self, l: Launched) -> None:
         os.makedirs(self.log_dir, exist_ok=True)
-        command = [sys.executable, "-m", "gadei", "learn", self.job, *l.args, "--start-at", str(l.start_at)]
+        command = _proc.gadei_command("learn", self.job, *l.args, "--start-at", l.start_at)
         with open(os.path.join(self.log_dir, f"learner-{l.number}.log"), "ab") as out:
             l.proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         l.pid, l.entry, l.seen, l.due = l.proc.pid, -1, 0, 0.0

@@ -30,7 +30,6 @@ import shutil
 import signal
 import statistics
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +37,7 @@ from pathlib import Path
 import psutil
 
 from gadei import checkpoint
+from gadei._proc import gadei_command
 from gadei.errors import GadeiError
 from gadei.region import Region, inspect, remove
 
@@ -132,7 +132,7 @@ class Job:
     def command(self) -> list[str]:
         s, data = self.s, f"trec:{data_dir() / 'trec'}"
         learner = f"--data {data} --seed {s.seed} --epochs {s.epochs} --batch {s.batch}"
-        command = [sys.executable, "-m", "gadei", "serve", self.name, "--workload", "textcnn", "--data", data,
+        command = [*gadei_command("serve", self.name), "--workload", "textcnn", "--data", data,
                    "--seed", str(s.seed), "--lr", str(s.lr), "--learners", str(s.learners), "--mode", s.mode,
                    "--checkpoint-dir", str(self.ckpt), "--checkpoint-every", str(s.every),
                    "--watch-interval", str(s.interval), "--max-missed", str(s.max_missed),
@@ -338,7 +338,7 @@ def kill_learner(job: Job, rng: random.Random) -> Fault:
     _kill(victim)
 
     def status_shows_it() -> list[str]:
-        shown = subprocess.run([sys.executable, "-m", "gadei", "status", job.name, "--json", "--interval", "0.1"],
+        shown = subprocess.run(gadei_command("status", job.name, "--json", "--interval", "0.1"),
                                capture_output=True, text=True, timeout=60)
         try:
             launched = json.loads(shown.stdout.splitlines()[-1])["launched"]
@@ -403,7 +403,7 @@ def _adopt(job: Job, old: int) -> None:
     wait_until(lambda: not psutil.pid_exists(old) or psutil.Process(old).status() == psutil.STATUS_ZOMBIE, 10,
                "the watchdog to die")
     reap_orphans(job)
-    adopt = subprocess.run([sys.executable, "-m", "gadei", "serve", "--adopt", job.name], capture_output=True,
+    adopt = subprocess.run(gadei_command("serve", "--adopt", job.name), capture_output=True,
                            text=True, timeout=120)
     if adopt.returncode != 0:
         raise Failed(f"gadei serve --adopt exited {adopt.returncode}: {adopt.stderr[-2000:]}")
