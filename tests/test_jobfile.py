@@ -4,6 +4,7 @@ small files, and `gadei run` end to end on TREC."""
 import json
 import signal
 import textwrap
+import tomllib
 
 import pytest
 import torch
@@ -93,6 +94,16 @@ def test_the_default_mini_batch_follows_the_data_set_size(samples, batch):
     ((None, ("[data]", "[data]\nholdout = 0.7")), "[data] holdout = 0.7 is out of range"),
     ((None, ("train = \"train.csv\"", "train = [\"train.csv\", \"train.csv\"]")), "format 'csv' reads one file"),
     ((None, ("[job]", "[job\n")), "not valid TOML"),
+    ((None, ("[data]", "[data]\nheader = false")), "[data] label_column = 'category' names a column, but header = "
+                                                 "false; allowed: its number (1 is the first column)"),
+    ((None, ("format = \"csv\"", "format = \"trec\"\nheader = false")),
+     "[data] header = false: only csv and tsv files have a header row, not format 'trec'"),
+    ((None, ("label_column = \"category\"", "label_column = 0")), "[data] label_column = 0 is out of range; allowed: "
+                                                                 "a column name, or a number from 1"),
+    ((None, ("label_column = \"category\"", "label_column = 1.5")), "[data] label_column = 1.5 is a number; allowed: "
+                                                                   "a column name (string) or a column number"),
+    ((None, ("format = \"csv\"\nlabel_column = \"category\"", "format = \"jsonl\"\nlabel_column = 2")),
+     "[data] label_column = 2: jsonl names keys; allowed: a key (string)"),
 ])
 def test_a_bad_job_file_is_refused_naming_field_value_and_what_is_allowed(small, edit, message):
     append, swap = edit
@@ -145,6 +156,16 @@ def _format_job(folder, fmt, train, extra=""):
         format = "{fmt}"
         {extra}
     """))
+
+
+def test_a_headerless_file_takes_columns_by_number_and_writes_them_back(tmp_path):
+    (tmp_path / "train.tsv").write_text("".join(f"{'dog' if i % 2 else 'cat'}\tsentence {i}\n" for i in range(20)))
+    job = _format_job(tmp_path, "tsv", "train.tsv", "header = false")
+    assert (job.data.header, job.data.label_column, job.data.text_column) == (False, 1, 2)
+    reports = []
+    train, test = jobfile.load_data(job, reports)
+    assert len(train) + len(test) == 20 and str(reports[0]) == "train.tsv: 20 lines, 20 samples"
+    assert jobfile.parse(tomllib.loads(job.to_toml()), job.path) == job  # job.toml as run reads back the same
 
 
 def test_every_data_format_reads_the_same_samples(tmp_path):
