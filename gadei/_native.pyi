@@ -1,0 +1,58 @@
+"""Typed stub of gadei._native (native/gadei_native.c): atomics, futex waits and update
+kernels on raw addresses of a gadei region.
+
+Every `addr` is an integer address inside a mapped region (the caller owns its bounds and
+alignment: 8 bytes for the 64-bit calls, 4 for the 32-bit ones). `dtype` is a code from
+`gadei.layout.DTYPE_CODES` (float32, float16, bfloat16 gradients); weights and optimizer
+state are float32. The kernels release the GIL and use up to `threads` OpenMP threads.
+"""
+
+# atomics (sequentially consistent)
+def load64(addr: int, /) -> int: ...
+def store64(addr: int, value: int, /) -> None: ...
+def add64(addr: int, delta: int, /) -> int:
+    """Add `delta`; the value before."""
+def cas64(addr: int, expected: int, desired: int, /) -> bool:
+    """Compare-and-swap; True when it swapped."""
+def load32(addr: int, /) -> int: ...
+def store32(addr: int, value: int, /) -> None: ...
+def add32(addr: int, delta: int, /) -> int: ...
+def cas32(addr: int, expected: int, desired: int, /) -> bool: ...
+
+# futex waits on a 32-bit word of a shared mapping
+def futex_wait(addr: int, expected: int, timeout_s: float, /) -> int:
+    """Sleep while the word holds `expected`: 0 when woken (or it already differed), 1 on time-out."""
+def futex_wake(addr: int, n: int, /) -> int:
+    """Wake up to `n` waiters; how many woke."""
+def poll_rings(table: int, count: int, stride: int, head_off: int, tail_off: int, start: int, spin_ns: int, /) -> int:
+    """The first ring from `start` (round-robin) whose head is past its tail, spinning up to
+    `spin_ns`; -1 when none."""
+
+# update kernels
+def sgd(w: int, g: int, n: int, lr: float, clear: int, threads: int, dtype: int = ..., /) -> None:
+    """w -= lr * g in place over n elements; with `clear`, g = 0 after."""
+def momentum(w: int, v: int, g: int, n: int, lr: float, mu: float, clear: int, threads: int, dtype: int, /) -> None:
+    """v = mu v + g; w -= lr v."""
+def adagrad(w: int, s: int, g: int, n: int, lr: float, eps: float, clear: int, threads: int, dtype: int, /) -> None:
+    """s += g^2; w -= lr g / (sqrt(s) + eps)."""
+def adagrad_rows(w: int, s: int, n_rows: int, width: int, idx: int, rows: int, count: int, lr: float, eps: float,
+                 dtype: int, /) -> int:
+    """Adagrad on `count` rows of a table (indices int64 at `idx`); how many indices were out of range."""
+def sgd_rows(w: int, v: int, n_rows: int, width: int, idx: int, rows: int, count: int, lr: float, dtype: int,
+             /) -> int:
+    """SGD on `count` rows of a table; how many indices were out of range."""
+def elastic(c: int, w: int, n: int, alpha: float, threads: int, /) -> None:
+    """c += alpha (w - c)."""
+def plain_sgd(w: int, g: int, n: int, lr: float, threads: int, /) -> None:
+    """The reference loop the benchmarks compare the kernel with."""
+def copy(dst: int, src: int, nbytes: int, threads: int, /) -> None: ...
+def zero(addr: int, nbytes: int, /) -> None: ...
+
+# process guards and build facts
+def exit_after(seconds: float, code: int, message: str, /) -> None:
+    """_exit(code) after `seconds`, printing `message`, unless disarmed (for calls that block holding the GIL)."""
+def exit_disarm() -> None: ...
+def openmp() -> tuple[bool, int]:
+    """(built with OpenMP, processors)."""
+def kernel_isa() -> str:
+    """'avx2' or 'generic': the update kernel chosen for this CPU when the module loaded."""
