@@ -365,9 +365,9 @@ def _value(where: str, section: str, key: str, kind: str, value, base: Path):
                                    f"{', '.join(sorted(WORKLOADS))}")
         choices = {"format": FORMATS, "mode": MODES, "optimizer": OPTIMIZERS}.get(kind)
         if kind == "strategy":
-            from .bridge import STRATEGIES
+            from .bridge.options import STRATEGY_NAMES
 
-            choices = tuple(STRATEGIES)
+            choices = STRATEGY_NAMES
         if choices and value not in choices:
             article = "an" if kind[0] in "aeiou" else "a"
             raise JobFileError(f"{field_}: not {article} {kind}{_close(value, choices)}; allowed: {', '.join(choices)}")

@@ -103,7 +103,8 @@ def wire(args) -> int:
 def slow_asker(args) -> int:
     import time
 
-    from gadei.bridge import _ACK, _BUSY, _DATA, _REPLY, _REQ, Wire, mpi
+    from gadei.bridge import Wire, mpi
+    from gadei.bridge.gossip import _ACK, _BUSY, _DATA, _REPLY, _REQ
 
     MPI = mpi()
     comm = MPI.COMM_WORLD

@@ -35,7 +35,7 @@ import pytest
 import gadei
 from conftest import finish, json_lines, read_line, wait_for
 from gadei._proc import gadei_command
-from gadei.bridge import BridgeError, LocalNode, local_mpiexec
+from gadei.bridge import STRATEGIES, STRATEGY_NAMES, BridgeError, LocalNode, local_mpiexec
 from gadei.layout import SERVING
 from gadei.region import Region, inspect, remove
 
@@ -424,3 +424,7 @@ def test_jobs_the_bridge_cannot_move_are_refused(job, options, message):
         with pytest.raises(BridgeError, match=message):
             LocalNode(job, attach_timeout=5)
         assert all(server.region.entry(i).get("lease") == 0 for i in range(2))  # no ring left claimed
+
+
+def test_the_option_names_are_the_strategies():
+    assert tuple(STRATEGIES) == STRATEGY_NAMES

@@ -1,0 +1,7 @@
+"""`python -m gadei.bridge SIZES REPEATS`: `gadei bench bridge`'s measurement under mpiexec."""
+
+import sys
+
+from .bench import main
+
+sys.exit(main(sys.argv[1:]))

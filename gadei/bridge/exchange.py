@@ -1,0 +1,324 @@
+"""One bridge rank's loop: its local job, its strategy, and the exchanges between them
+(`BridgeRank`); `main` for `gadei bridge`, and how a rank ends its MPI (`finalize`)."""
+
+import json
+import logging
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from .. import _native
+from ..errors import GadeiError, GadeiTimeout, JobStopped, ServerGone
+from ..ring import WAIT_SLICE
+from .gossip import Gossip
+from .mpi import LinkDown, PeerLost, mpi
+from .node import LocalNode
+from .options import DEFAULT_INTERVAL, Options
+from .strategies import Average, Elastic, Ended, Strategy
+from .wire import MB, Wire, measure_link
+
+log = logging.getLogger(__name__)
+
+
+PEER_LOST = 3  # exit code: a peer did not answer in time and average/elastic ended the exchanges
+
+
+STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in (Average, Elastic, Gossip)}
+
+
+@dataclass
+class Report:
+    """What one bridge rank did."""
+
+    rank: int
+    job: str
+    strategy: str
+    exchanges: int = 0
+    moves: int = 0  # moves the server applied while the bridge waited for them
+    published: int = 0  # moves handed to the server's ring (it applies every one exactly once)
+    seconds: float = 0.0
+    exchange_seconds: float = 0.0
+    bytes_sent: int = 0
+    reason: str = ""
+    lost: list[int] = field(default_factory=list)
+    checkpoint: str | None = None
+    bucket_bytes: int = 0
+
+    @property
+    def rate(self) -> float:
+        return self.exchanges / self.seconds if self.seconds > 0 else 0.0
+
+
+class _Schedule:
+    """When the next exchange is due: after `interval` versions, or `every` seconds after the
+    last one was due; collective strategies also join after `idle` seconds without one, so
+    that a node with nothing to train does not leave the others waiting into their timeout."""
+
+    def __init__(self, interval: int | None, every: float | None, idle: float | None):
+        self.interval, self.every, self.idle = interval, every, idle
+        self.version = 0
+        self.last = self.next = time.monotonic()
+
+    def due(self, version: int) -> bool:
+        now = time.monotonic()
+        if self.idle is not None and now - self.last >= self.idle:
+            return True
+        if self.every is not None:
+            return now >= self.next
+        return version - self.version >= self.interval
+
+    def exchanged(self, version: int) -> None:
+        now = time.monotonic()
+        self.version, self.last = version, now
+        if self.every is not None:
+            self.next = max(self.next + self.every, now - self.every)  # keep the pace; no burst to catch up
+
+
+class BridgeRank:
+    """One rank of the bridge: its local job, its strategy, and the loop between them.
+
+    Args:
+        job: the local job's name.
+        options: how to exchange.
+        comm: the communicator (default: MPI.COMM_WORLD).
+        on_event: called with each record (ready, exchange, ended; with "rank") as it happens,
+            besides the JSON line `options.json` prints.
+    """
+
+    def __init__(self, job: str, options: Options, comm=None, on_event=None):
+        MPI = mpi()
+        self.on_event = on_event
+        self.comm = comm or MPI.COMM_WORLD
+        self.comm.Set_errhandler(MPI.ERRORS_RETURN)
+        self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
+        options.check(self.size)
+        if options.interval is None and options.every is None:
+            options.interval = DEFAULT_INTERVAL
+        self.options = options
+        self.job = job
+        self.node = LocalNode(job)
+        self.report = Report(rank=self.rank, job=job, strategy=options.strategy)
+        self.clean = False  # after run(): MPI may be finalised (no peer lost, nothing in flight)
+        self.final: np.ndarray | None = None  # after run(): the job's model when every node finished (collective)
+        self._spec = None
+
+    def _emit(self, record: dict) -> None:
+        record = {**record, "rank": self.rank}
+        if self.on_event is not None:
+            self.on_event(record)
+        if self.options.json:
+            print(json.dumps(record), flush=True)
+
+    def run(self) -> Report:
+        """Exchange until the local job stops, every peer left, or a peer is lost (PEER_LOST)."""
+        o, node = self.options, self.node
+        started = time.monotonic()
+        try:
+            if o.bucket_mb is None:
+                link = measure_link(self.comm, o.timeout, on_poll=node.beat)
+                bucket = link.bucket_bytes()
+                log.info("bridge rank %d: link alpha %.1f us, beta %.3f ns/byte: buckets of %.2f MB", self.rank,
+                         link.alpha * 1e6, link.beta * 1e9, bucket / MB)
+            else:
+                link, bucket = None, int(o.bucket_mb * MB) // 4 * 4
+            wire = Wire(self.comm, bucket, o.float16, o.timeout, on_poll=node.beat)
+            strategy = STRATEGIES[o.strategy](self.comm, wire, o, node.n)
+        except GadeiTimeout as err:
+            self._lost(str(err), [r for r in range(self.size) if r != self.rank])
+            return self._finish(started, None)
+        self.report.bucket_bytes = bucket
+        self._emit({"event": "ready", "pid": os.getpid(), "job": self.job, "size": self.size,
+                    "strategy": o.strategy, "role": _role(strategy), "bucket_bytes": bucket,
+                    "link": asdict(link) if link else None})
+        idle = o.timeout / 4 if strategy.collective else None
+        schedule = _Schedule(o.interval, o.every, idle)
+        weights = np.empty(node.n, dtype=np.float32)
+        broken = False
+        final: np.ndarray | None = None  # a finished job's last weights, moved to each target here
+        self.report.reason = "the local job stopped"
+        try:
+            while not strategy.done:
+                leaving = False
+                if final is None:
+                    node.beat()
+                    leaving = broken or not node.serving()
+                    if leaving and strategy.collective and node.finished(o.timeout / 4):
+                        final, leaving = np.empty_like(weights), False
+                        node.snapshot(final)
+                        log.info("bridge rank %d: job %r finished; taking part with its final weights until every "
+                                 "node has finished", self.rank, self.job)
+                if leaving and not strategy.collective:
+                    break
+                if not strategy.ready(final is not None or schedule.due(node.version()) or leaving):
+                    time.sleep(0.001)
+                    continue
+                began = time.monotonic()
+                if final is None:
+                    seen = node.snapshot(weights)
+                else:
+                    seen = node.version()
+                    weights[:] = final
+                target = strategy.exchange(weights, leaving, final is not None)
+                took = time.monotonic() - began
+                if target is not None:
+                    self.report.exchanges += 1
+                    self.report.exchange_seconds += took
+                    if final is not None:
+                        final[:] = target
+                    elif not leaving:
+                        try:
+                            node.move(target, weights)
+                            self.report.moves += 1
+                        except (JobStopped, ServerGone, GadeiTimeout) as err:
+                            # finished (the next look tells) or not: then the others learn it at
+                            # the next exchange (collective) or from BYE
+                            log.warning("bridge rank %d: %s", self.rank, err)
+                            broken = not isinstance(err, JobStopped)
+                    self._emit({"event": "exchange", "n": self.report.exchanges, "t": time.time(), "seconds": took,
+                                "version": seen, "peer": strategy.peer, "final": strategy.final})
+                if strategy.final:
+                    self.final, self._spec = final, node.region.read_spec()
+                    self.report.reason = "every node finished"
+                    break
+                schedule.exchanged(node.version())
+            else:
+                self.report.reason = "no peers left"
+        except Ended as end:
+            self.report.reason = f"the exchanges ended: {end}"
+        except PeerLost as err:
+            self._lost(str(err), err.peers)
+        except LinkDown as err:  # MPI failed outside an exchange with a known peer
+            self._lost(str(err), [r for r in range(self.size) if r != self.rank])
+        except (JobStopped, ServerGone) as err:
+            self.report.reason = f"the local job ended: {err}"
+        finally:
+            self.report.lost = sorted(set(self.report.lost) | set(strategy.lost))
+            self.report.bytes_sent = wire.sent
+            self.report.published = node.published
+        if self.report.reason != "peer lost":
+            strategy.leave()
+            if not strategy.collective:
+                self._final_average(strategy, weights, broken)
+        return self._finish(started, strategy)
+
+    def _final_average(self, strategy: Strategy, weights: np.ndarray, broken: bool) -> None:
+        """gossip: once the local job finished, one allreduce of every node's final weights
+        (each node waits up to the timeout for the others to finish): their mean is the job's
+        model. Skipped when a peer was lost or the local job did not finish."""
+        node = self.node
+        while not broken and node.serving():  # no peers left, but the local job still trains
+            node.beat()
+            time.sleep(WAIT_SLICE)
+        if broken or strategy.lost or not node.finished(self.options.timeout / 4):
+            return
+        node.snapshot(weights)
+        log.info("bridge rank %d: job %r finished; averaging the nodes' final weights", self.rank, self.job)
+        total = np.empty_like(weights)
+        began = time.monotonic()
+        try:
+            strategy.wire.allreduce_sum(weights, total, what="the final average")
+        except GadeiTimeout as err:
+            strategy.abandon()
+            log.warning("bridge rank %d: no final average (%s): the model of job %r is its own", self.rank, err,
+                        self.job)
+            return
+        total *= np.float32(1.0 / self.size)
+        self.final, self._spec = total, node.region.read_spec()
+        self.report.exchanges += 1
+        self.report.exchange_seconds += time.monotonic() - began
+        self.report.reason = "every node finished"
+        self._emit({"event": "exchange", "n": self.report.exchanges, "t": time.time(),
+                    "seconds": time.monotonic() - began, "version": node.version(), "peer": None, "final": True})
+
+    def save_final(self, path: str) -> bool:
+        """Write the job's model of the final exchange (every node finished) to `path` as the
+        state dict `torch.load(path, weights_only=True)` reads, like `gadei serve --save`;
+        False when there was no final exchange."""
+        if self.final is None:
+            return False
+        from .. import params
+
+        params.save(params.state_dict(self._spec, self.final), path)
+        log.info("bridge rank %d: saved the model every node agreed on to %s", self.rank, path)
+        return True
+
+    def _lost(self, why: str, peers: list[int]) -> None:
+        self.report.reason = "peer lost"
+        self.report.lost = peers
+        log.error("bridge rank %d: %s; ending the exchanges: job %r goes on training on its own", self.rank, why,
+                  self.job)
+        if self.options.checkpoint_dir:
+            self.report.checkpoint = self.node.checkpoint(self.options.checkpoint_dir)
+            if self.report.checkpoint:
+                log.info("bridge rank %d: checkpoint of job %r written to %s", self.rank, self.job,
+                         self.report.checkpoint)
+
+    def _finish(self, started: float, strategy: Strategy | None) -> Report:
+        self.report.seconds = time.monotonic() - started
+        r = self.report
+        log.info("bridge rank %d: %d exchanges in %.1f s (%.1f/s), %.1f MB sent; %s%s", r.rank, r.exchanges, r.seconds,
+                 r.rate, r.bytes_sent / MB, r.reason, f"; lost ranks {r.lost}" if r.lost else "")
+        self._emit({"event": "ended", **asdict(r), "rate": r.rate})
+        try:
+            self.node.close()
+        except GadeiError as err:
+            log.warning("bridge rank %d: %s", self.rank, err)
+        self.clean = strategy is not None and strategy.clean and r.reason != "peer lost"
+        return r
+
+
+def _role(strategy: Strategy) -> str:
+    if isinstance(strategy, Gossip):
+        return "active" if strategy.active else "passive"
+    return "member"
+
+
+def job_name(job: str, rank: int, per_rank: bool) -> str:
+    """The local job of `rank`: JOB with {rank} filled in, or JOB-rank with `per_rank`."""
+    name = job.replace("{rank}", str(rank))
+    return f"{name}-{rank}" if per_rank else name
+
+
+def main(job: str, options: Options, per_rank: bool = False) -> int:
+    """`gadei bridge`: run this rank's bridge and end the process the way MPI needs (`finalize`)."""
+    MPI = mpi()
+    rank = MPI.COMM_WORLD.Get_rank()
+    if options.checkpoint_dir:
+        options.checkpoint_dir = options.checkpoint_dir.replace("{rank}", str(rank))
+    bridge = BridgeRank(job_name(job, rank, per_rank), options)
+    report = bridge.run()
+    if options.save:
+        if not bridge.save_final(options.save.replace("{rank}", str(rank))):
+            log.warning("bridge rank %d: no model saved to %s: the exchanges ended before every node finished (%s)",
+                        rank, options.save, report.reason)
+    return finalize(bridge.clean, PEER_LOST if report.reason == "peer lost" else 0, options.timeout)
+
+
+def finalize(clean: bool, code: int, timeout: float) -> int:
+    """End this rank's MPI: `code` after MPI_Finalize when no peer is known to be lost
+    (`BridgeRank.clean`); otherwise (a lost peer, requests left in flight) the process exits here
+    with `code` without finalising, so no wait on a dead peer can hang it. Finalize itself
+    is given `timeout` seconds: it waits in the runtime's fence for every rank, and one that
+    died without any survivor noticing (killed between two gossip exchanges) never comes; a
+    gossip rank that left while the others still train waits that long for them at most.
+    It blocks holding the GIL, so a native thread keeps that deadline (`exit_after`)."""
+    if not clean:
+        _exit(code)
+    MPI = mpi()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    _native.exit_after(float(timeout), code, f"gadei.bridge WARNING rank {MPI.COMM_WORLD.Get_rank()}: MPI_Finalize "
+                       f"did not return within {timeout:g} s (a rank died unnoticed, or still runs): leaving without it")
+    MPI.Finalize()
+    _native.exit_disarm()
+    return code
+
+
+def _exit(code: int) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(code)

@@ -1,0 +1,174 @@
+"""The node's job seen from its bridge rank: attach like a learner, copy the weights, write the
+move to a target back through the bridge's own ring as one MOVE slot."""
+
+import logging
+import time
+
+import numpy as np
+
+from .. import _native
+from ..env import settings
+from ..errors import GadeiError, GadeiTimeout, JobStopped, ServerGone
+from ..layout import MOVE, SERVING, STOPPED
+from ..region import Region
+from ..ring import WAIT_SLICE, claim
+from .mpi import BridgeError
+
+log = logging.getLogger(__name__)
+
+
+class LocalNode:
+    """This node's job seen from the bridge: copy its weights, move them to a target.
+
+    Attaches to the region like a learner and claims one ring (serve the job with one
+    learner more than it trains with). Raises BridgeError for a job whose update rule would
+    distort the move (see the module docstring).
+    """
+
+    def __init__(self, job: str, *, attach_timeout: float | None = None):
+        env = settings()
+        self.timeout = env.attach_timeout if attach_timeout is None else attach_timeout
+        self.job = job
+        self.region = Region.attach(job, wait=self.timeout)
+        try:
+            shape = self.region.shape
+            self.mode = shape.mode
+            self._check(shape)
+            h = self.region.header
+            self._server = (h.get("server_pid"), h.get("server_start"))
+            self._state_addr = h.addr("run_state")
+            self._version_addr = h.addr("version")
+            self._seq_addr = h.addr("seq")
+            self._server_beat_addr = h.addr("server_beat")
+            self._server_timeout_ns = int(env.server_timeout * 1e9)
+            if h.get("run_state") != SERVING:
+                raise JobStopped(f"job {job!r} is not serving")
+            self.producer = claim(self.region, drain_timeout=self.timeout, server_alive=self.server_alive)
+            self.entry = self.region.entry(self.producer.learner)
+            self.entry.set("threads", 1)
+            self._beat_addr = self.entry.addr("beat")
+        except BaseException:
+            self.region.close()
+            raise
+        self.published = 0  # moves handed to the server (it applies each once, also while it stops)
+        self._released = False
+        log.info("job %r: bridge attached as learner entry %d (%s mode, %s parameters)", job, self.producer.learner,
+                 self.mode, f"{shape.n_params:,}")
+
+    def _check(self, shape) -> None:
+        why = None
+        if self.mode == "sync":
+            why = "sync mode: the bridge would be a member of every round"
+        elif shape.grad_dtype != "float32":
+            why = f"{shape.grad_dtype} rings: the move must travel as float32"
+        elif shape.sparse:
+            why = "row-sparse tables: the move changes every row"
+        if why:
+            raise BridgeError(f"job {self.job!r} cannot be bridged: {why}; serve it in async, consistent or elastic mode "
+                              "with float32 dense gradients")
+
+    @property
+    def n(self) -> int:
+        return self.region.shape.n_params
+
+    def version(self) -> int:
+        return _native.load64(self._version_addr)
+
+    def beat(self) -> None:
+        _native.store64(self._beat_addr, time.monotonic_ns())
+
+    def server_alive(self) -> bool:
+        from .. import _proc
+
+        return _proc.alive(*self._server)
+
+    def serving(self) -> bool:
+        """True while the job serves and its server lives."""
+        return _native.load32(self._state_addr) == SERVING and self.server_alive()
+
+    def _on_slice(self) -> None:
+        self.beat()
+        if _native.load32(self._state_addr) != SERVING:
+            raise JobStopped(f"job {self.job!r} was stopped")
+        if not self.server_alive():
+            raise ServerGone(f"job {self.job!r}: server pid {self._server[0]} is gone")
+
+    def snapshot(self, out: np.ndarray) -> int:
+        """Copy the weights into `out`; the version they are. In consistent mode the copy
+        holds whole updates only (taken between two equal, even seqlock readings)."""
+        nbytes = self.n * 4
+        odd_since = None
+        while True:
+            seq = _native.load64(self._seq_addr)
+            whole = self.mode == "consistent"
+            if whole and seq & 1:
+                odd_since = odd_since or time.monotonic()
+                if time.monotonic() - odd_since < WAIT_SLICE or self.server_alive():
+                    time.sleep(0.0002)
+                    continue
+                whole = False  # the server died inside an update: nothing will finish it
+            version = self.version()
+            _native.copy(int(out.ctypes.data), self.region.weights_addr, nbytes, 1)
+            if not whole or _native.load64(self._seq_addr) == seq:
+                return version
+
+    def move(self, target: np.ndarray, seen: np.ndarray) -> None:
+        """Move the weights by (target - seen) through the ring; return once the server applied it.
+
+        Raises:
+            JobStopped, ServerGone: the job ended first (the move may be lost with it).
+            GadeiTimeout: the server did not apply it within the attach timeout.
+        """
+        self.producer.wait_space(self._on_slice)
+        slot = self.region.dense(self.producer.learner, self.producer.slot)
+        np.subtract(seen, target, out=slot)  # the server's w -= slot leaves target + the learners' progress since
+        self.producer.publish(self.version(), self.published, 0, kind=MOVE)
+        self.published += 1
+        if not self.producer.drain(self.timeout, self._drainable):
+            self._on_slice()
+            raise GadeiTimeout(f"job {self.job!r}: the server did not apply the bridge's update within {self.timeout:g} s")
+
+    def _drainable(self) -> bool:
+        self.beat()
+        return self.serving()
+
+    def finished(self, wait: float) -> bool:
+        """After the job stopped: True when it stopped because every launched learner finished
+        (its watchdog says so) and every move reached the weights. Gives the ring back (so
+        the stopping server need not wait for it) and waits up to `wait` seconds for the
+        server to have stopped: the weights are then final, and stay readable here."""
+        h = self.region.header
+        if not h.get("finished"):
+            return False
+        applied = self.producer.drain(wait, self.server_alive)
+        self._release()
+        deadline = time.monotonic() + wait
+        while h.get("run_state") != STOPPED:
+            if time.monotonic() >= deadline or not self.server_alive():
+                return False
+            time.sleep(0.01)
+        return applied
+
+    def _release(self) -> None:
+        if not self._released:
+            self._released = True
+            self.producer.release()
+
+    def checkpoint(self, folder: str) -> str | None:
+        """Write a checkpoint of the job into `folder`; its path, None when it could not."""
+        from ..checkpoint import CheckpointError, take
+
+        try:
+            return str(take(self.region, folder).path)
+        except (CheckpointError, GadeiError, OSError) as err:
+            log.error("job %r: no checkpoint written: %s", self.job, err)
+            return None
+
+    def close(self) -> None:
+        """Give the ring back (after the server applied what it holds) and detach."""
+        try:
+            if not self._released:
+                self.producer.drain(min(self.timeout, 5.0), self.serving)
+                self._release()
+        finally:
+            self.region.close()
