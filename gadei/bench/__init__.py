@@ -1,0 +1,62 @@
+"""`gadei bench`: gadei measured side by side with its best alternative, in one run.
+
+kernel   the update kernel's GB/s against a plain in-place C loop and `torch.Tensor.add_`
+         on the same buffers, 1 MB to 256 MB, one thread and all threads; and the Adagrad
+         kernel against PyTorch's fused CPU Adagrad.
+latency  push-to-applied time of 1 MB and 16 MB gradients (a learner publishes, the server
+         applies) against the time the copy and the update take on their own.
+train    samples/s and test accuracy of the text CNN at mini-batch 1, 2 and 4: one learner
+         + server against a plain single-process PyTorch loop, and two learners against
+         PyTorch Hogwild with two processes (torch.multiprocessing, share_memory).
+transport  bytes per step and samples/s of float32, bfloat16 and row-sparse gradients
+         (text CNN, 20k x 128 embedding, one learner + server) at mini-batch 1, 2 and 4.
+accuracy the test accuracy each of those transports reaches on TREC and SST-2 with two
+         learners after the same epochs (mean and range over seeds).
+modes    test accuracy and samples/s of async, sync and elastic with two learners on TREC
+         after the same epochs.
+bridge   the MPI bridge's exchange (time, GB/s, bytes on the wire) against one blocking
+         MPI_Allreduce of the whole model, unbucketed, in buckets sized from the measured
+         latency and per-byte cost, and each with float16 on the wire; models of --sizes MB,
+         --ranks ranks started with mpiexec on this machine.
+gpu      GPU learners (gadei.bench.gpu): per-step time of one GPU learner + server against a
+         plain PyTorch GPU loop, samples/s and GPU busy fraction with 1-8 learners on one GPU,
+         the transports' copy bandwidth against pinned copies; needs CUDA (--device).
+
+Every figure is the median of `--repeats` runs, the methods interleaved within each run so
+that the machine's noise falls on all of them alike; ratios are of the medians. The tables
+are printed and everything is saved as JSON (`--out`).
+"""
+
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from .. import _native
+from ..env import settings
+from .bridge import bench_bridge
+from .gpu import bench_gpu
+from .kernel import bench_kernel
+from .latency import bench_latency
+from .train import bench_accuracy, bench_modes, bench_train, bench_transport
+
+BENCHES = {"kernel": bench_kernel, "latency": bench_latency, "train": bench_train, "transport": bench_transport,
+           "accuracy": bench_accuracy, "modes": bench_modes, "bridge": bench_bridge, "gpu": bench_gpu}
+
+
+def run_bench(args) -> int:
+    unknown = [w for w in args.what if w not in BENCHES]
+    if unknown:
+        raise ValueError(f"unknown benchmark(s) {unknown}; choose from {sorted(BENCHES)}")
+    built, processors = _native.openmp()
+    out = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+                       "torch": torch.__version__, "openmp": built, "kernel_threads_default": settings().threads},
+           "repeats": args.repeats, "quick": args.quick, "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    for what in args.what:
+        out[what] = BENCHES[what](args)
+    Path(args.out).write_text(json.dumps(out, indent=2, default=float))
+    print(f"\nsaved to {args.out}")
+    return 0

@@ -1,0 +1,387 @@
+"""`gadei bench gpu`: GPU learners (the device transports) against a plain PyTorch GPU loop.
+
+step   per-step time of one GPU learner + server against a plain single-process PyTorch loop
+       (torch.optim.SGD) on the same GPU, model, data and mini-batch: the text CNN at
+       mini-batch 1, 2, 4 and 32, and a VGG-style image CNN (32x32 images) at 2 and 32. The
+       issue's target: within 1.1x of the plain loop, i.e. pushes and pulls hidden.
+share  samples/s of the text CNN (mini-batch 4) with 1, 2, 4 and 8 learner processes on one
+       GPU (over-subscription), against one plain loop, and the fraction of time the GPU was
+       busy (NVML utilisation sampled every 50 ms, through torch.cuda.utilization or
+       nvidia-smi).
+copy   bytes per second the learner's push thread (device -> region) and pull thread
+       (region -> device) moved while copying, in the `step` runs, against the bandwidth of
+       pinned-buffer copies of the same size measured here.
+
+Every figure is the median of `--repeats` runs, plain and gadei interleaved within each.
+Without CUDA it stops with a message; `--device cpu` runs the same harness on the CPU (a
+smoke run of the code: its figures say nothing about GPUs).
+"""
+
+import logging
+import os
+import shutil
+import subprocess
+import threading
+import time
+
+import torch
+from torch import nn
+
+from ..errors import DeviceError
+from .timing import median, table
+
+log = logging.getLogger(__name__)
+
+TEXT_BATCHES = (1, 2, 4, 32)
+IMAGE_BATCHES = (2, 32)
+SHARE_LEARNERS = (1, 2, 4, 8)
+SHARE_BATCH = 4
+LR = 0.01
+
+
+class VGGish(nn.Module):
+    """A VGG-style CNN for 32x32 RGB images: 3x3 convolutions in blocks of two, max-pooling, two
+    dense layers (about 2.5 M parameters)."""
+
+    def __init__(self, classes: int = 10):
+        super().__init__()
+        layers, width = [], 3
+        for out in (64, 128, 256):
+            layers += [nn.Conv2d(width, out, 3, padding=1), nn.ReLU(), nn.Conv2d(out, out, 3, padding=1), nn.ReLU(),
+                       nn.MaxPool2d(2)]
+            width = out
+        self.features = nn.Sequential(*layers)
+        self.classifier = nn.Sequential(nn.Flatten(), nn.Linear(256 * 4 * 4, 512), nn.ReLU(), nn.Linear(512, classes))
+
+    def forward(self, x):
+        return self.classifier(self.features(x))
+
+
+def build(model: str, seed: int = 0) -> nn.Module:
+    """The bench's models, the same parameters in every process for one seed (CPU)."""
+    if model == "vgg":
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return VGGish()
+    from gadei_workloads import build_textcnn
+
+    return build_textcnn(_text_data()[0], 6, seed=seed)
+
+
+def _text_data():
+    """(vocabulary size, the generated training set) of the text CNN runs."""
+    from gadei_workloads import get
+
+    train, _ = get("textcnn").load_data("generated")
+    return len(train.vocab), train
+
+
+def batches(model: str, batch: int, count: int, device: torch.device) -> list:
+    """`count` mini-batches on `device` (moved there beforehand: the loops time steps, not input)."""
+    if model == "vgg":
+        gen = torch.Generator().manual_seed(batch)
+        out = [(torch.randn(batch, 3, 32, 32, generator=gen), torch.randint(0, 10, (batch,), generator=gen))
+               for _ in range(count)]
+    else:
+        from gadei_workloads.text import batches as text_batches
+
+        _, train = _text_data()
+        out, epoch = [], 0
+        while len(out) < count:
+            out += list(text_batches(train, batch, epoch=epoch, seed=0))
+            epoch += 1
+        out = out[:count]
+    return [(x.to(device), y.to(device)) for x, y in out]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def plain_steps(model: nn.Module, data: list, warmup: int, device: torch.device) -> float:
+    """Seconds per step of a plain PyTorch loop (SGD) over `data` after `warmup` steps."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    start = None
+    for i, (x, y) in enumerate(data):
+        if i == warmup:
+            _sync(device)
+            start = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    _sync(device)
+    return (time.perf_counter() - start) / (len(data) - warmup)
+
+
+def gadei_steps(model: nn.Module, job: str, data: list, warmup: int, device: torch.device) -> dict:
+    """Seconds per step of one learner (device transports) over `data`, and its copy figures."""
+    from ..learner import Learner
+
+    learner = Learner(model, job, device=device, pull="device", push="device").attach()
+    try:
+        start = None
+        for i, (x, y) in enumerate(data):
+            if i == warmup:
+                _sync(device)
+                start = time.perf_counter()
+                push0, pull0 = _copies(learner)
+            nn.functional.cross_entropy(model(x), y).backward()
+            learner.step(samples=len(y))
+        _sync(device)
+        seconds = time.perf_counter() - start
+        push1, pull1 = _copies(learner)
+    finally:
+        learner.close()
+    steps = len(data) - warmup
+    return {"step_seconds": seconds / steps,
+            "push_bytes": push1[0] - push0[0], "push_copy_seconds": push1[1] - push0[1],
+            "pull_bytes": pull1[0] - pull0[0], "pull_copy_seconds": pull1[1] - pull0[1],
+            "moved_bytes_per_s": (push1[0] - push0[0] + pull1[0] - pull0[0]) / seconds}
+
+
+def _copies(learner) -> tuple[tuple[int, float], tuple[int, float]]:
+    push, pull = learner._push, learner._pull
+    return (push.bytes, push.copy_seconds), (pull.bytes, pull.copy_seconds)
+
+
+def _server_main(job: str, model: str, learners: int) -> None:
+    from ..server import Server
+
+    torch.set_num_threads(1)
+    server = Server(job, model=build(model), learners=learners, lr=LR)
+    try:
+        server.serve()
+    finally:
+        server.close()
+
+
+class _Job:
+    """A server process for `model` with room for `learners`; stopped and reaped on exit."""
+
+    def __init__(self, model: str, learners: int, timeout: float = 120.0):
+        import torch.multiprocessing as mp
+
+        from ..errors import GadeiTimeout, RegionNotFound
+        from ..region import Region
+
+        self.job = f"bench-gpu-{os.getpid()}-{time.monotonic_ns() % 10**9}"
+        self.proc = mp.get_context("spawn").Process(target=_server_main, args=(self.job, model, learners))
+        self.proc.start()
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                Region.attach(self.job, readonly=True).close()
+                return
+            except (RegionNotFound, GadeiTimeout):
+                pass
+            if not self.proc.is_alive() or time.monotonic() >= deadline:
+                self.proc.kill()
+                self.proc.join()
+                raise RuntimeError(f"bench job {self.job!r}: the server did not start (exit code {self.proc.exitcode})")
+            time.sleep(0.02)
+
+    def __enter__(self):
+        return self.job
+
+    def __exit__(self, *exc):
+        from ..launch import stop_job
+        from ..region import remove
+
+        try:
+            stop_job(self.job)
+        finally:
+            self.proc.join(30)
+            if self.proc.is_alive():
+                self.proc.kill()
+                self.proc.join()
+                remove(self.job)
+
+
+def bench_step(args, device: torch.device) -> dict:
+    steps, warmup = (30, 5) if args.quick else (300, 30)
+    cases = [("textcnn", b) for b in ((2,) if args.quick else TEXT_BATCHES)]
+    cases += [("vgg", b) for b in ((2,) if args.quick else IMAGE_BATCHES)]
+    rows = []
+    for model_name, batch in cases:
+        data = batches(model_name, batch, steps + warmup, device)
+        plain, runs = [], []
+        for _ in range(args.repeats):
+            plain.append(plain_steps(build(model_name).to(device), data, warmup, device))
+            with _Job(model_name, 1) as job:
+                runs.append(gadei_steps(build(model_name), job, data, warmup, device))
+        row = {"model": model_name, "batch": batch, "plain_step_ms": median(plain) * 1e3,
+               "gadei_step_ms": median([r["step_seconds"] for r in runs]) * 1e3,
+               "push_bytes_per_s": median([r["push_bytes"] / r["push_copy_seconds"] for r in runs
+                                            if r["push_copy_seconds"]]),
+               "pull_bytes_per_s": median([r["pull_bytes"] / r["pull_copy_seconds"] for r in runs
+                                            if r["pull_copy_seconds"]]),
+               "moved_bytes_per_s": median([r["moved_bytes_per_s"] for r in runs]),
+               "params": sum(p.numel() for p in build(model_name).parameters()), "runs": runs, "plain_runs": plain}
+        row["gadei_vs_plain"] = row["gadei_step_ms"] / row["plain_step_ms"]
+        log.info("gpu step %s batch %d: plain %.3f ms, gadei %.3f ms (%.2fx)", model_name, batch,
+                 row["plain_step_ms"], row["gadei_step_ms"], row["gadei_vs_plain"])
+        rows.append(row)
+    print(f"\ngpu step: ms per step on {device}, one learner + server against a plain PyTorch loop, median of "
+          f"{args.repeats} runs of {steps} steps (target: gadei/plain <= 1.1)")
+    print(table(("model", "batch", "params", "plain ms", "gadei ms", "gadei/plain"),
+                 [(r["model"], r["batch"], f"{r['params']:,}", f"{r['plain_step_ms']:.3f}", f"{r['gadei_step_ms']:.3f}",
+                   f"{r['gadei_vs_plain']:.2f}x") for r in rows]))
+    return {"rows": rows, "steps": steps, "warmup": warmup}
+
+
+def _share_worker(job: str, device: str, steps: int, warmup: int, barrier, queue) -> None:
+    torch.set_num_threads(1)
+    dev = torch.device(device)
+    data = batches("textcnn", SHARE_BATCH, steps + warmup, dev)
+    model = build("textcnn")
+    barrier.wait()
+    result = gadei_steps(model, job, data, warmup, dev)
+    queue.put(result)
+
+
+class _Busy:
+    """Samples the GPU's utilisation (NVML) every 50 ms on a thread, until stopped."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.samples, self.source = device, [], None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _read(self) -> float | None:
+        if self.source in (None, "torch"):
+            try:
+                value = torch.cuda.utilization(self.device)
+                self.source = "torch"
+                return value / 100
+            except Exception:  # no pynvml: ask nvidia-smi instead
+                self.source = "nvidia-smi"
+        if shutil.which("nvidia-smi") is None:
+            self.source = "none"
+            return None
+        out = subprocess.run(["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits",
+                              "-i", str(self.device.index or 0)], capture_output=True, text=True, timeout=5)
+        return float(out.stdout.strip()) / 100 if out.returncode == 0 and out.stdout.strip() else None
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.05) and self.source != "none":
+            value = self._read()
+            if value is not None:
+                self.samples.append(value)
+
+    def __enter__(self):
+        if self.device.type == "cuda":
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(10)
+
+    @property
+    def fraction(self) -> float | None:
+        return median(self.samples) if self.samples else None
+
+
+def bench_share(args, device: torch.device) -> dict:
+    import torch.multiprocessing as mp
+
+    steps, warmup = (20, 5) if args.quick else (300, 30)
+    counts = (1, 2) if args.quick else SHARE_LEARNERS
+    ctx = mp.get_context("spawn")
+    data = batches("textcnn", SHARE_BATCH, steps + warmup, device)
+    plain = median([SHARE_BATCH / plain_steps(build("textcnn").to(device), data, warmup, device)
+                     for _ in range(args.repeats)])
+    rows = []
+    for learners in counts:
+        rates, busy = [], []
+        for _ in range(args.repeats):
+            with _Job("textcnn", learners) as job:
+                barrier, queue = ctx.Barrier(learners), ctx.Queue()
+                procs = [ctx.Process(target=_share_worker, args=(job, str(device), steps, warmup, barrier, queue))
+                         for _ in range(learners)]
+                for p in procs:
+                    p.start()
+                with _Busy(device) as sampler:
+                    results = [queue.get(timeout=1800) for _ in procs]
+                for p in procs:
+                    p.join(60)
+                    if p.is_alive():
+                        p.kill()
+                        p.join()
+            # each learner's own rate, added: they ran side by side
+            rates.append(sum(SHARE_BATCH / r["step_seconds"] for r in results))
+            busy.append(sampler.fraction)
+        busy = [b for b in busy if b is not None]
+        rows.append({"learners": learners, "samples_per_s": median(rates), "vs_plain": median(rates) / plain,
+                     "gpu_busy": median(busy) if busy else None})
+    print(f"\ngpu share: text CNN, mini-batch {SHARE_BATCH}, learners on {device} (plain loop: {plain:,.0f} samples/s); "
+          f"median of {args.repeats}")
+    print(table(("learners", "samples/s", "x plain", "GPU busy"),
+                 [(r["learners"], f"{r['samples_per_s']:,.0f}", f"{r['vs_plain']:.2f}",
+                   "n/a" if r["gpu_busy"] is None else f"{r['gpu_busy']:.0%}") for r in rows]))
+    return {"plain_samples_per_s": plain, "rows": rows, "batch": SHARE_BATCH}
+
+
+def copy_bandwidth(nbytes: int, device: torch.device, repeats: int) -> dict:
+    """Bytes/s of pinned host <-> `device` copies of `nbytes` (the ceiling the transports can reach)."""
+    pin = device.type == "cuda"
+    host = torch.empty(nbytes // 4, dtype=torch.float32, pin_memory=pin)
+    dev = torch.empty(nbytes // 4, dtype=torch.float32, device=device)
+    out = {}
+    for name, (dst, src) in {"host_to_device": (dev, host), "device_to_host": (host, dev)}.items():
+        times = []
+        for _ in range(max(3, repeats)):
+            _sync(device)
+            start = time.perf_counter()
+            dst.copy_(src, non_blocking=pin)
+            _sync(device)
+            times.append(time.perf_counter() - start)
+        out[name] = nbytes / median(times)
+    return out
+
+
+def bench_copy(step: dict, device: torch.device, repeats: int) -> dict:
+    rows = []
+    for r in step["rows"]:
+        ceiling = copy_bandwidth(r["params"] * 4, device, repeats)
+        rows.append({"model": r["model"], "batch": r["batch"], "push_bytes_per_s": r["push_bytes_per_s"],
+                     "pull_bytes_per_s": r["pull_bytes_per_s"], "moved_bytes_per_s": r["moved_bytes_per_s"],
+                     "device_to_host_bytes_per_s": ceiling["device_to_host"],
+                     "host_to_device_bytes_per_s": ceiling["host_to_device"],
+                     "push_vs_d2h": r["push_bytes_per_s"] / ceiling["device_to_host"],
+                     "pull_vs_h2d": r["pull_bytes_per_s"] / ceiling["host_to_device"]})
+    print(f"\ngpu copy: GB/s of the push (device -> region) and pull (region -> device) copies while they ran, "
+          f"against pinned copies of the model's size on {device}; 'moved' is bytes over the whole run")
+    print(table(("model", "batch", "push", "D2H pinned", "push/D2H", "pull", "H2D pinned", "pull/H2D", "moved"),
+                 [(r["model"], r["batch"], f"{r['push_bytes_per_s'] / 1e9:.2f}",
+                   f"{r['device_to_host_bytes_per_s'] / 1e9:.2f}", f"{r['push_vs_d2h']:.2f}",
+                   f"{r['pull_bytes_per_s'] / 1e9:.2f}", f"{r['host_to_device_bytes_per_s'] / 1e9:.2f}",
+                   f"{r['pull_vs_h2d']:.2f}", f"{r['moved_bytes_per_s'] / 1e9:.2f}") for r in rows]))
+    return {"rows": rows}
+
+
+def bench_gpu(args) -> dict:
+    """The three GPU figures on `args.device` (default cuda:0)."""
+    from ..device import resolve
+
+    name = getattr(args, "device", None) or "cuda:0"
+    try:
+        device = resolve(name)
+    except DeviceError as err:
+        raise DeviceError(f"gadei bench gpu measures GPU learners: {err}. (`--device cpu` runs the harness on the "
+                          "CPU as a smoke run; its figures say nothing about GPUs)") from None
+    if device.type == "cpu":
+        print("gadei bench gpu --device cpu: a smoke run of the harness on the CPU; the figures say nothing about GPUs")
+        gpu = None
+    else:
+        props = torch.cuda.get_device_properties(device)
+        gpu = {"name": props.name, "memory_bytes": props.total_memory, "cuda": torch.version.cuda,
+               "count": torch.cuda.device_count()}
+        print(f"gadei bench gpu: {props.name} ({props.total_memory / 2**30:.0f} GiB), CUDA {torch.version.cuda}, "
+              f"torch {torch.__version__}")
+    step = bench_step(args, device)
+    share = bench_share(args, device)
+    copy = bench_copy(step, device, args.repeats)
+    return {"device": str(device), "gpu": gpu, "step": step, "share": share, "copy": copy}

@@ -1,0 +1,84 @@
+"""`gadei bench kernel`: the update kernels' GB/s against a plain C loop, `torch.Tensor.add_`
+and PyTorch's fused CPU Adagrad, on the same buffers."""
+
+import os
+
+import numpy as np
+import torch
+
+from .. import _native
+from .timing import MB, aligned, interleaved, table
+
+
+def bench_kernel(args) -> dict:
+    sizes = [1, 16, 64] if args.quick else [1, 4, 16, 32, 64, 128, 256]
+    all_threads = os.cpu_count() or 1
+    thread_counts = sorted({1, all_threads})
+    lr = 0.01
+    rows, records, adagrad_records = [], [], []
+    torch_threads = torch.get_num_threads()
+    try:
+        for size in sizes:
+            n = size * MB // 4
+            rng = np.random.default_rng(size)
+            # page-aligned, as a region's weights and slots are (NumPy's own are 16 bytes off)
+            w, g = aligned(n), aligned(n)
+            w[:] = rng.standard_normal(n, dtype=np.float32)
+            g[:] = rng.standard_normal(n, dtype=np.float32)
+            tw, tg = torch.from_numpy(w), torch.from_numpy(g)
+            wa, ga = w.ctypes.data, g.ctypes.data
+            moved = 3 * n * 4  # read w, read g, write w
+            for threads in thread_counts:
+                methods = {
+                    "gadei": lambda: _native.sgd(wa, ga, n, lr, 0, threads),
+                    "plain_c": lambda: _native.plain_sgd(wa, ga, n, lr, threads),
+                    "torch_add_": lambda: tw.add_(tg, alpha=-lr),
+                }
+                torch.set_num_threads(threads)
+                seconds = interleaved(methods, rounds=10 * args.repeats, min_seconds=0.002 if args.quick else 0.01)
+                gbs = {name: moved / s / 1e9 for name, s in seconds.items()}
+                record = {"size_mb": size, "threads": threads, "gb_per_s": gbs,
+                          "vs_plain_c": gbs["gadei"] / gbs["plain_c"], "vs_torch": gbs["gadei"] / gbs["torch_add_"]}
+                records.append(record)
+                rows.append((f"{size} MB", threads, f"{gbs['gadei']:.1f}", f"{gbs['plain_c']:.1f}",
+                             f"{gbs['torch_add_']:.1f}", f"{record['vs_plain_c']:.2f}x", f"{record['vs_torch']:.2f}x"))
+            adagrad_records.extend(_bench_adagrad(w, g, size, thread_counts, args))
+    finally:
+        torch.set_num_threads(torch_threads)
+    print("\nkernel: w -= lr * g, GB/s counting 3 streams (read w, read g, write w); median of "
+          f"{10 * args.repeats} interleaved samples")
+    print(table(("size", "threads", "gadei", "plain C", "torch add_", "gadei/plain", "gadei/torch"), rows))
+    print("\nkernel: Adagrad (s += g^2; w -= lr g / (sqrt(s) + eps)), GB/s counting 5 streams (read w, s, g; "
+          f"write w, s), against torch.optim.Adagrad(fused=True).step(); median of {10 * args.repeats} interleaved "
+          "samples")
+    print(table(("size", "threads", "gadei", "torch fused", "gadei/torch"),
+                 [(f"{r['size_mb']} MB", r["threads"], f"{r['gb_per_s']['gadei']:.1f}",
+                   f"{r['gb_per_s']['torch_fused']:.1f}", f"{r['vs_torch']:.2f}x") for r in adagrad_records]))
+    return {"rows": records, "adagrad": adagrad_records}
+
+
+def _bench_adagrad(w: np.ndarray, g: np.ndarray, size: int, thread_counts, args) -> list[dict]:
+    """The server's Adagrad kernel against PyTorch's fused CPU Adagrad on the same weights and
+    gradient (each keeps its own sums, both start at zero). The gradient must be dense: the
+    kernel skips zero elements, so a cleared one would time the skip."""
+    from ..layout import DTYPE_CODES
+    from ..modes import ADAGRAD_EPS
+
+    n, lr = w.size, 0.01
+    s = aligned(n)
+    s[:] = 0.0
+    param = torch.nn.Parameter(torch.from_numpy(w), requires_grad=True)
+    param.grad = torch.from_numpy(g)
+    optimizer = torch.optim.Adagrad([param], lr=lr, eps=ADAGRAD_EPS, fused=True)
+    wa, sa, ga, f32 = w.ctypes.data, s.ctypes.data, g.ctypes.data, DTYPE_CODES["float32"]
+    records = []
+    for threads in thread_counts:
+        methods = {
+            "gadei": lambda: _native.adagrad(wa, sa, ga, n, lr, ADAGRAD_EPS, 0, threads, f32),
+            "torch_fused": optimizer.step,
+        }
+        torch.set_num_threads(threads)
+        seconds = interleaved(methods, rounds=10 * args.repeats, min_seconds=0.002 if args.quick else 0.01)
+        gbs = {name: 5 * n * 4 / sec / 1e9 for name, sec in seconds.items()}
+        records.append({"size_mb": size, "threads": threads, "gb_per_s": gbs, "vs_torch": gbs["gadei"] / gbs["torch_fused"]})
+    return records

@@ -1,0 +1,75 @@
+"""`gadei bench latency`: push-to-applied time of a gradient against the copy and the update
+alone."""
+
+import os
+import time
+
+import numpy as np
+import torch
+
+from .. import _native
+from ..env import settings
+from .timing import MB, median, table, time_it
+
+
+def bench_latency(args) -> dict:
+    from ..launch import LocalJob
+    from ..learner import Learner
+
+    results = []
+    pushes = 50 if args.quick else 300
+    torch.set_num_threads(1)  # this learner computes nothing: leave the server its core
+    for size in (1, 16):
+        n = size * MB // 4
+        job = f"bench-latency-{os.getpid()}-{size}"
+        with LocalJob(job, ["--params", str(n), "--learners", "1"], []) as local:
+            local.start_server()
+            for push in ("publish", "thread"):
+                model = _Flat(n)
+                # pull=view: no pull thread, so the figure is the push path alone
+                with Learner(model, job, push=push, pull="view") as learner:
+                    tail_addr = learner.entry.addr("tail")
+                    for gap in (0.0, 0.005):
+                        samples = []
+                        for _ in range(pushes):
+                            if gap:
+                                _sleep(gap)
+                            target = learner._producer.head + 1
+                            start = time.perf_counter_ns()
+                            learner.step()
+                            while _native.load64(tail_addr) < target:
+                                time.sleep(0)  # lets a push thread have the GIL
+                            samples.append((time.perf_counter_ns() - start) / 1e3)
+                        results.append({"size_mb": size, "push": push, "gap_ms": gap * 1e3,
+                                        "median_us": median(samples), "p90_us": float(np.percentile(samples, 90))})
+            local.stop()
+        # the copy and the update on their own, on private buffers of the same size
+        src = np.ones(n, dtype=np.float32)
+        w, g = np.zeros(n, dtype=np.float32), np.zeros(n, dtype=np.float32)
+        threads = settings().threads
+        copy_s = median([time_it(lambda: _native.copy(g.ctypes.data, src.ctypes.data, n * 4, 1), 0.05)
+                          for _ in range(args.repeats)])
+        update_s = median([time_it(lambda: _native.sgd(w.ctypes.data, g.ctypes.data, n, 0.01, 1, threads), 0.05)
+                            for _ in range(args.repeats)])
+        for r in results:
+            if r["size_mb"] == size:
+                r["copy_plus_update_us"] = (copy_s + update_s) * 1e6
+                r["ratio"] = r["median_us"] / r["copy_plus_update_us"]
+    rows = [(f"{r['size_mb']} MB", r["push"], f"{r['gap_ms']:.0f} ms", f"{r['median_us']:.0f}", f"{r['p90_us']:.0f}",
+             f"{r['copy_plus_update_us']:.0f}", f"{r['ratio']:.2f}x") for r in results]
+    print(f"\nlatency: push (learner.step) to applied by the server, microseconds; {pushes} pushes each; "
+          "a 5 ms gap between pushes lets the server fall asleep on its doorbell")
+    print(table(("gradient", "push", "gap", "median", "p90", "copy+update alone", "ratio"), rows))
+    return {"rows": results}
+
+
+def _sleep(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        time.sleep(max(0.0, end - time.perf_counter()) / 2)
+
+
+class _Flat(torch.nn.Module):
+    def __init__(self, n: int):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(n))
