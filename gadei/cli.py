@@ -14,17 +14,13 @@ import subprocess
 import sys
 import time
 
-from . import __version__
-from .env import settings
+import gadei_watchdog.cli as watchdog_cli
+
+from . import __version__, console, data
 from ._proc import python_command
 from .errors import GadeiError
 
 log = logging.getLogger("gadei.cli")
-
-
-def _configure_logging() -> None:
-    level = getattr(logging, settings().log_level, logging.INFO)
-    logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
 
 
 def _emit(record: dict) -> None:
@@ -34,23 +30,12 @@ def _emit(record: dict) -> None:
 # ------------------------------------------------------------------ models and data
 
 
-def _data_spec(spec: str) -> str:
-    """Resolve the bare names of the shared data sets ('trec') against GADEI_DATA_DIR."""
-    name, _, rest = spec.partition(":")
-    if rest or name == "generated":
-        return spec
-    base = settings().data_dir
-    if base is None:
-        raise GadeiError(f"--data {spec!r}: give a folder ({name}:FOLDER) or set GADEI_DATA_DIR")
-    return f"{name}:{os.path.join(base, name)}"
-
-
 def _workload_model(args):
     """(workload, train, test, model) for --workload/--data/--seed."""
     from gadei_workloads import get
 
     workload = get(args.workload)
-    train, test = workload.load_data(_data_spec(args.data or workload.default_data))
+    train, test = data.load(workload, args.data or workload.default_data)
     return workload, train, test, workload.build_model(train, args.seed)
 
 
@@ -343,48 +328,6 @@ def _shard(text: str) -> tuple[int, int]:
     if not 0 <= index < count:
         raise GadeiError(f"--shard {text!r}: INDEX must be in 0..COUNT-1")
     return index, count
-
-
-def cmd_watchdog(args) -> int:
-    from gadei_watchdog import Settings, Watchdog
-
-    restart = None
-    if args.restart:
-        try:
-            restart = json.loads(args.restart)
-            assert isinstance(restart, list) and all(isinstance(a, str) for a in restart)
-        except (ValueError, AssertionError):
-            raise GadeiError(f"--restart {args.restart!r}: expected a JSON list of gadei arguments") from None
-    if args.adopt:
-        return Watchdog.adopt(args.job).run()
-    if not args.checkpoint_dir:
-        raise GadeiError("gadei watchdog: give --checkpoint-dir (or --adopt)")
-    learners = []
-    if args.learners:
-        try:
-            learners = json.loads(args.learners)
-            assert isinstance(learners, list) and all(isinstance(l, list) and all(isinstance(a, str) for a in l)
-                                                      for l in learners)
-        except (ValueError, AssertionError):
-            raise GadeiError(f"--learners {args.learners!r}: expected a JSON list of lists of arguments") from None
-    settings = Settings(checkpoint_dir=args.checkpoint_dir, every=args.every, keep=args.keep,
-                        interval=args.interval, max_missed=args.max_missed, restart=restart,
-                        max_restarts=args.max_restarts, window=args.window, learners=learners,
-                        backoff=args.backoff, log_dir=args.log_dir)
-    try:
-        settings.check()
-    except ValueError as err:
-        raise GadeiError(str(err)) from None
-    progress = {}
-    if args.progress:
-        try:
-            progress = json.loads(args.progress)
-            assert isinstance(progress, dict)
-        except (ValueError, AssertionError):
-            raise GadeiError(f"--progress {args.progress!r}: expected a checkpoint's progress, a JSON object") from None
-    dog = Watchdog(args.job, settings)
-    dog.learners.resume(progress)
-    return dog.run()
 
 
 def cmd_status(args) -> int:
@@ -741,32 +684,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="JSON lines instead of text")
     p.set_defaults(func=cmd_learn)
 
-    p = sub.add_parser("watchdog", help="watch a running job, checkpoint it, restart what dies",
-                       description="Attach to a running job, report dead or hung learners and server, and take a "
-                       "checkpoint between two updates every --every seconds; launch --learners and restart them "
-                       "when they die; restart a dead server (--restart). Ends when the job stops (0; 4 when it "
-                       "gave up on a launched learner) or its server is dead for good (3).")
-    p.add_argument("job")
-    p.add_argument("--adopt", action="store_true", help="take over from this job's dead watchdog: its settings "
-                   "and launched learners (as `gadei serve --adopt JOB`, in the foreground)")
-    p.add_argument("--checkpoint-dir", help="where checkpoints go (required unless --adopt)")
-    p.add_argument("--every", type=float, default=60.0, help="seconds between checkpoints (default 60)")
-    p.add_argument("--keep", type=int, default=3, help="checkpoints kept (default 3)")
-    p.add_argument("--interval", type=float, default=0.5, help="seconds between looks and beats (default 0.5)")
-    p.add_argument("--max-missed", type=int, default=20,
-                   help="beats a process may miss before it counts as hung (default 20)")
-    p.add_argument("--restart", metavar="JSON", help="the gadei arguments that started the server, as a JSON "
-                   "list: when it dies, start it again with them plus --replace --no-watchdog --resume (gadei serve passes this)")
-    p.add_argument("--max-restarts", type=int, default=3, help="restarts within --window before giving up (default 3)")
-    p.add_argument("--window", type=float, default=300.0, help="seconds of the restart window (default 300)")
-    p.add_argument("--learners", metavar="JSON", help="learners to launch and keep running: a JSON list of "
-                   "argument lists of `gadei learn JOB` (gadei serve --learner passes this)")
-    p.add_argument("--backoff", type=float, default=1.0,
-                   help="seconds before a dead learner's first restart, doubling with each (default 1)")
-    p.add_argument("--progress", metavar="JSON", help="how far each launched learner got, from the checkpoint the "
-                   "server resumed from: they start there (gadei serve --resume passes this)")
-    p.add_argument("--log-dir", help="where launched processes write their logs (default: --checkpoint-dir)")
-    p.set_defaults(func=cmd_watchdog)
+    p = sub.add_parser("watchdog", help=watchdog_cli.HELP, description=watchdog_cli.DESCRIPTION)
+    watchdog_cli.add_arguments(p)
+    p.set_defaults(func=watchdog_cli.command)
 
     p = sub.add_parser("status", help="the daemon's jobs, and each running job's learners, rates and staleness")
     p.add_argument("job", nargs="?", help="the job (default: every job on this machine)")
@@ -853,17 +773,7 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     args.argv = argv  # how this command was started (the watchdog restarts a server with it)
-    _configure_logging()
-    try:
-        return args.func(args)
-    except GadeiError as err:
-        print(f"gadei: error: {err}", file=sys.stderr)
-        return 2
-    except (ValueError, FileNotFoundError, PermissionError) as err:  # bad values found after parsing (data
-        print(f"gadei: error: {err}", file=sys.stderr)  # specs, env variables), missing or unreadable files
-        return 2
-    except KeyboardInterrupt:
-        return 130
+    return console.run(args.func, args)
 
 
 if __name__ == "__main__":

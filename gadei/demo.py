@@ -20,9 +20,9 @@ def run_demo(args) -> int:
     """Run the demo job described by the `gadei demo` arguments; 0 on success."""
     from gadei_workloads import get
 
-    from .cli import _data_spec
+    from . import data as specs
 
-    data = _data_spec(args.data)
+    data = specs.resolve(args.data)
     workload = get("textcnn")
     train, test = workload.load_data(data)
     job = f"demo-{int(time.time() * 1000) % 10**9}"

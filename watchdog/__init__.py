@@ -32,7 +32,6 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -335,10 +334,3 @@ class Watchdog:
             elif (i, pid) in self._reported:
                 self._reported.discard((i, pid))
                 log.info("job %r: learner entry %d (pid %d) beats again", self.job, i, pid)
-
-
-def main(argv=None) -> int:
-    """`python -m gadei_watchdog JOB ...`: the same as `gadei watchdog JOB ...`."""
-    from gadei.cli import main as gadei_main
-
-    return gadei_main(["watchdog", *(sys.argv[1:] if argv is None else argv)])

@@ -1,7 +1,7 @@
-"""`python -m gadei_watchdog JOB --checkpoint-dir DIR ...`"""
+"""`python -m gadei_watchdog JOB --checkpoint-dir DIR ...`: the same as `gadei watchdog JOB ...`."""
 
 import sys
 
-from . import main
+from .cli import main
 
 sys.exit(main())

@@ -504,8 +504,8 @@ def load(spec: str) -> tuple[TextDataset, TextDataset]:
 
     Args:
         spec: One of ``"generated"``, ``"generated:SEED"``, ``"trec:FOLDER"`` (6 coarse
-            labels), ``"trec-fine:FOLDER"`` (50 fine labels), ``"sst2:FOLDER"`` or
-            ``"job:JOBFILE"`` (the ``[data]`` of a job file, see ``gadei.jobfile``).
+            labels), ``"trec-fine:FOLDER"`` (50 fine labels) or ``"sst2:FOLDER"``
+            (``gadei.data`` adds ``"job:JOBFILE"``, the ``[data]`` of a job file).
 
     Returns:
         ``(train, test)``.
@@ -526,13 +526,9 @@ def load(spec: str) -> tuple[TextDataset, TextDataset]:
         return load_trec(arg, fine=kind == "trec-fine")
     if kind == "sst2" and arg:
         return load_sst2(arg)
-    if kind == "job" and arg:  # the [data] of a job file (gadei run passes this to its processes)
-        from gadei import jobfile
-
-        return jobfile.load_data(jobfile.load(arg))
     raise ValueError(
         f"data spec {spec!r} is not understood; use 'generated', 'generated:SEED', "
-        "'trec:FOLDER', 'trec-fine:FOLDER', 'sst2:FOLDER' or 'job:JOBFILE'"
+        "'trec:FOLDER', 'trec-fine:FOLDER' or 'sst2:FOLDER'"
     )
 
 

@@ -1,0 +1,28 @@
+"""How a gadei command runs in a terminal: logging set up once from GADEI_LOG_LEVEL, and a
+refusal shown as one line (`gadei: error: ...`, exit 2) instead of a traceback."""
+
+import logging
+import sys
+
+from .env import settings
+from .errors import GadeiError
+
+
+def configure_logging() -> None:
+    level = getattr(logging, settings().log_level, logging.INFO)
+    logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+
+
+def run(func, args, prog: str = "gadei") -> int:
+    """`func(args)`'s exit code; 2 with one line on stderr for what gadei refuses, 130 on Ctrl-C."""
+    configure_logging()
+    try:
+        return func(args)
+    except GadeiError as err:
+        print(f"{prog}: error: {err}", file=sys.stderr)
+        return 2
+    except (ValueError, FileNotFoundError, PermissionError) as err:  # bad values found after parsing (data
+        print(f"{prog}: error: {err}", file=sys.stderr)  # specs, env variables), missing or unreadable files
+        return 2
+    except KeyboardInterrupt:
+        return 130
