@@ -1,0 +1,52 @@
+"""A learner's transports: how its gradients reach its ring (push) and weights reach its model (pull).
+
+Each direction is one interface with several implementations, chosen per learner:
+
+push
+    `publish` (CPU default): where the job's gradients are float32, the model's `.grad`
+        tensors are views of the free ring slot, so backward accumulates straight into
+        shared memory and pushing is publishing the slot (two atomic stores). Row-sparse
+        tables and float16/bfloat16 gradients are written into the slot by the train thread
+        at `step()` (only the touched rows; a converting copy).
+    `thread` (the paper's push thread): backward writes private gradients; a push thread
+        writes the finished one into the free slot and publishes it while the train thread
+        goes on with the next step. One item in flight.
+    `weights` (elastic mode): local SGD steps on a private model; every tau steps the
+        model's weights go into the slot and the model moves towards the centre.
+    `device` (GPU learners; also runs on a CPU "device"): after backward the train thread
+        copies the gradients, on the model's device, into one of two device staging buffers
+        (converted there to the ring's float16/bfloat16) and goes on; a push thread copies
+        the staged gradient into the free slot on its own CUDA stream, waits for that
+        stream, and publishes.
+
+pull
+    `view` (default): the model's parameters are views of the region's weights (Hogwild,
+        no copies); the server's updates show up in the model as they happen.
+    `copy`: a pull thread copies the weights into a private staging buffer whenever the
+        server's version moved, and the train thread swaps it in between steps (a pointer
+        swap); at most one pull per step. In consistent mode the copy is taken inside the
+        server's seqlock, so it never holds half an update.
+    `local` (elastic mode): the model is private; it starts from the centre.
+    `device` (GPU learners; also runs on a CPU "device"): `copy` with device buffers: the
+        pull thread copies new weights from the (page-locked) region into a device staging
+        buffer on its own stream; the train thread swaps it in between steps.
+
+The package: `slot` (`SlotWriter`), `handoff`, `push`, `pull`, and `device` (both directions
+for a model on a device). `SlotWriter` is the one place that knows a slot's format (the device push lays its staging
+buffer out as a slot's dense area and hands table rows to the writer's areas).
+
+Every hand-off between the train thread and a push or pull thread holds at most one item,
+every wait on it is cut into WAIT_SLICE pieces that look for an error or a shutdown, and
+an error in a helper thread is raised in the train thread at its next step.
+"""
+
+from .device import DevicePull, DevicePush
+from .pull import CopyPull, LocalPull, Pull, ViewPull
+from .push import ElasticPush, PublishPush, Push, ThreadPush
+from .slot import TORCH_DTYPES, SlotWriter
+
+PUSHES: dict[str, type[Push]] = {cls.name: cls for cls in (PublishPush, ThreadPush, ElasticPush, DevicePush)}
+PULLS: dict[str, type[Pull]] = {cls.name: cls for cls in (ViewPull, CopyPull, LocalPull, DevicePull)}
+
+__all__ = ["PULLS", "PUSHES", "TORCH_DTYPES", "CopyPull", "DevicePull", "DevicePush", "ElasticPush", "LocalPull",
+           "PublishPush", "Pull", "Push", "SlotWriter", "ThreadPush", "ViewPull"]
