@@ -1,9 +1,13 @@
-"""Baseline for the textcnn workload: plain single-process SGD, accuracy and step time.
+"""Baseline for the textcnn workload: one process, accuracy and step time.
 
 The figures the parameter server is compared against: test accuracy after each epoch,
-seconds per epoch and milliseconds per step, for given data, batch size, learning rate
-and seeds. Run it as ``python -m gadei_workloads.measure_textcnn --data trec:FOLDER``
+seconds per epoch and milliseconds per step, for given data, batch size, learning rate,
+optimizer and seeds. Run it as ``python -m gadei_workloads.measure_textcnn --data trec:FOLDER``
 (the package must be installed); ``--steps N`` times N steps without evaluating.
+``--optimizer adagrad`` trains with the update a job file's server applies by default
+(``s += g²; w -= lr g / (√s + 1e-10)``, torch's Adagrad with the same epsilon); ``sgd``
+(the default) is plain SGD with the text CNN's max-norm constraint. ``--data job:JOBFILE``
+reads the ``[data]`` of a job file, as ``gadei run`` does (e.g. banking77's CSV files).
 
 Examples::
 
@@ -12,6 +16,10 @@ Examples::
     python -m gadei_workloads.measure_textcnn --data generated --lr 0.05 --epochs 3
     python -m gadei_workloads.measure_textcnn --data trec:../shared/data/trec \
         --batch-size 4 --steps 500
+    python -m gadei_workloads.measure_textcnn --data sst2:../shared/data/sst2 \
+        --optimizer adagrad --batch-size 2 --epochs 5
+    python -m gadei_workloads.measure_textcnn --data job:docs/examples/banking77.toml \
+        --optimizer adagrad --batch-size 4 --epochs 8
 """
 
 from __future__ import annotations
@@ -42,35 +50,45 @@ def train_run(
     epochs: int,
     embed_dim: int = 128,
     max_steps: int | None = None,
+    optimizer: str = "sgd",
 ) -> list[dict]:
-    """Trains one model with plain SGD and returns one record per epoch.
+    """Trains one model in one process and returns one record per epoch.
 
     Args:
         train: Training set.
         test: Test set (evaluated after every epoch unless ``max_steps`` is set).
         seed: Model initialisation, dropout and data-order seed.
         batch_size: Samples per step.
-        lr: SGD learning rate (no momentum, no weight decay).
+        lr: Learning rate (no momentum, no weight decay).
         epochs: Epochs to run.
         embed_dim: Embedding width.
         max_steps: Stop after this many steps in all and skip evaluation (timing only).
+        optimizer: ``"sgd"`` (with the text CNN's max-norm constraint) or ``"adagrad"``
+            (the job files' default server update; no max-norm, as in a job).
 
     Returns:
         Records with ``seed, epoch, steps, seconds, ms_per_step, test_acc, loss``.
     """
     workload = get("textcnn")
     model = build_textcnn(len(train.vocab), train.n_labels, seed=seed, embed_dim=embed_dim)
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    if optimizer == "adagrad":  # the server's rule: s += g²; w -= lr g / (√s + 1e-10)
+        step_rule = torch.optim.Adagrad(model.parameters(), lr=lr, eps=1e-10)
+        constrain_lr = None  # max-norm as a gradient correction holds for plain SGD only
+    elif optimizer == "sgd":
+        step_rule = torch.optim.SGD(model.parameters(), lr=lr)
+        constrain_lr = lr
+    else:
+        raise ValueError(f"optimizer {optimizer!r}: allowed: sgd, adagrad")
     torch.manual_seed(seed)  # dropout masks
     records, done = [], 0
     for epoch in range(epochs):
         steps, loss_sum = 0, 0.0
         start = time.perf_counter()
         for x, y in batches(train, batch_size, epoch=epoch, seed=seed):
-            optimizer.zero_grad(set_to_none=True)
+            step_rule.zero_grad(set_to_none=True)
             loss = workload.loss(model, x, y)
-            workload.backward(model, loss, lr)
-            optimizer.step()
+            workload.backward(model, loss, constrain_lr)
+            step_rule.step()
             loss_sum += loss.item()
             steps += 1
             done += 1
@@ -79,7 +97,7 @@ def train_run(
         seconds = time.perf_counter() - start
         timing_only = max_steps is not None
         record = {
-            "seed": seed, "batch_size": batch_size, "lr": lr, "embed_dim": embed_dim,
+            "seed": seed, "batch_size": batch_size, "lr": lr, "optimizer": optimizer, "embed_dim": embed_dim,
             "epoch": epoch + 1, "steps": steps, "seconds": round(seconds, 3),
             "ms_per_step": round(1000 * seconds / max(steps, 1), 3),
             "loss": round(loss_sum / max(steps, 1), 4),
@@ -117,6 +135,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--data", default="generated", help="data spec, e.g. trec:FOLDER")
     parser.add_argument("--batch-size", type=int, default=2)
     parser.add_argument("--lr", type=float, default=0.01)
+    parser.add_argument("--optimizer", choices=("sgd", "adagrad"), default="sgd",
+                        help="sgd (max-norm constraint kept) or adagrad (the job files' default)")
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--embed-dim", type=int, default=128)
@@ -134,13 +154,14 @@ def main(argv: list[str] | None = None) -> None:
     )
     logger.info("%s: %d train, %d test, %d labels, vocab %d; model %d parameters",
                 args.data, len(train), len(test), train.n_labels, len(train.vocab), n_params)
-    logger.info("batch %d, lr %g, embed %d, threads %d",
-                args.batch_size, args.lr, args.embed_dim, args.threads)
+    logger.info("batch %d, lr %g, optimizer %s, embed %d, threads %d",
+                args.batch_size, args.lr, args.optimizer, args.embed_dim, args.threads)
     records = []
     for seed in args.seeds:
         records += train_run(
             train, test, seed=seed, batch_size=args.batch_size, lr=args.lr,
             epochs=args.epochs, embed_dim=args.embed_dim, max_steps=args.steps,
+            optimizer=args.optimizer,
         )
     _summary(records)
     if args.json is not None:
