@@ -296,14 +296,18 @@ def _table(path: Path, text: str, fmt: str, text_column: Column, label_column: C
         if names and [f.strip() for f in fields] == names:
             report.leave_out("repeated header row", lineno)
             continue
-        sentence, label = fields[columns["text_column"]], fields[columns["label_column"]].strip()
-        if not sentence.strip():
-            report.leave_out("row with empty text" if label else "row without text or label", lineno)
-        elif not label:
-            report.leave_out("row with a blank label", lineno)
-        else:
-            rows.append((sentence, label))
+        _keep(rows, report, lineno, fields[columns["text_column"]], fields[columns["label_column"]].strip())
     return rows
+
+
+def _keep(rows: list, report: FileReport, lineno: int, sentence: str, label: str) -> None:
+    """Add the sample of line `lineno`, or count in `report` why it is left out."""
+    if not sentence.strip():
+        report.leave_out("row with empty text" if label else "row without text or label", lineno)
+    elif not label:
+        report.leave_out("row with a blank label", lineno)
+    else:
+        rows.append((sentence, label))
 
 
 def column_index(path: Path, names: list[str] | None, kind: str, column: Column) -> int:
@@ -359,11 +363,5 @@ def _jsonl(path: Path, text: str, text_column: Column, label_column: Column, rep
             raise DataError(f"{path}:{lineno}: label {label!r} in {label_column!r} is not a plain value")
         if isinstance(sentence, (dict, list)) or sentence is None:
             raise DataError(f"{path}:{lineno}: text {str(sentence)[:40]!r} in {text_column!r} is not a plain value")
-        label, sentence = str(label).strip(), str(sentence)
-        if not sentence.strip():
-            report.leave_out("row with empty text" if label else "row without text or label", lineno)
-        elif not label:
-            report.leave_out("row with a blank label", lineno)
-        else:
-            rows.append((sentence, label))
+        _keep(rows, report, lineno, str(sentence), str(label).strip())
     return rows
