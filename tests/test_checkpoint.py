@@ -125,11 +125,21 @@ _WRITER = textwrap.dedent("""
 
 def test_a_writer_killed_mid_write_leaves_whole_checkpoints_only(tmp_path, procs):
     checkpoint.save(tmp_path, _checkpoint(1))
-    writer = procs.start("-c", _WRITER, tmp_path, "loop")
-    assert read_line(writer, 60)["version"] == 101  # one whole checkpoint written, more under way
-    time.sleep(random.uniform(0.0, 0.05))  # a moment somewhere inside a later write
-    writer.send_signal(signal.SIGKILL)
-    writer.wait()
+
+    def writing() -> list[str]:
+        return [name for name in os.listdir(tmp_path) if ".tmp" in name]
+
+    deadline = time.monotonic() + 120
+    while True:  # until a kill lands inside a write: its temporary file is left behind
+        writer = procs.start("-c", _WRITER, tmp_path, "loop")
+        assert read_line(writer, 60)["version"] == 101  # one whole checkpoint written, more under way
+        wait_for(writing, 60, "a checkpoint write under way")
+        time.sleep(random.uniform(0.0, 0.01))  # a moment somewhere inside that write
+        writer.send_signal(signal.SIGKILL)
+        writer.wait()
+        if writing():
+            break
+        assert time.monotonic() < deadline, "no kill landed inside a write within 120 s"
     found = checkpoint.latest(tmp_path)
     assert found is not None and found.version >= 101 and found.job == "killed"
     for path in checkpoint.listing(tmp_path):

@@ -53,7 +53,7 @@ def test_learn_evaluates_and_reports_epochs(job, procs):
     finish(learner)
     assert [first["epoch"], second["epoch"]] == [1, 2]
     assert second["version"] > first["version"] > 0
-    assert 0.0 <= first["test_accuracy"] <= 1.0 and second["loss"] < first["loss"]
+    assert second["test_accuracy"] > 2 / 6 and second["loss"] < first["loss"]  # six labels: twice chance
     finish(procs.gadei("stop", job))
     finish(server)
 

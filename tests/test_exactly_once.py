@@ -84,6 +84,8 @@ def test_every_gradient_is_applied_exactly_once(job, procs, tmp_path, pull, push
     dense = N - TABLE_ROWS * TABLE_WIDTH if row_sparse else N
     per_gradient = dense * itemsize + (len(set(TOUCHED)) * (8 + TABLE_WIDTH * itemsize) if row_sparse else 0)
     assert report["applied_bytes"] == per_gradient * STEPS * len(VALUES)
-    # each learner ended with the final weights in its model
     final = float(expected_weights(model)[-TABLE_ROWS * TABLE_WIDTH if model == "table" else -1])
-    assert all(d["weight0"] == final or d["version"] < report["version"] for d in done)
+    # each learner left with the weights of the version it last saw in its model: the last to
+    # leave saw every gradient applied, so it holds exactly the final weights
+    assert max(d["version"] for d in done) == report["version"]
+    assert all(d["weight0"] == final for d in done if d["version"] == report["version"])
