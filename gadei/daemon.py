@@ -11,28 +11,41 @@ a daemon that is restarted knows every job's state and output. Jobs run in sessi
 their own: a daemon that stops or dies leaves them running, and the next one finds them
 again by pid and start time (or, if they ended meanwhile, by the model they left).
 
-Protocol: one JSON object per line each way. Requests: {"op": "submit", "jobfile": PATH},
-{"op": "status", "job": NAME or null}, {"op": "cancel", "job": NAME}, {"op": "logs", "job":
-NAME, "lines": N}. Answers: {"ok": true, ...} or {"ok": false, "error": MESSAGE}.
+One daemon per state folder: it holds an exclusive `flock` on `daemon.lock` there (and on
+`daemon.sock.lock` beside its socket) for its whole life, so a second daemon is refused at
+once, even beside a stopped one, and a daemon only ever removes its own socket.
+
+Protocol: one JSON object per line each way. Requests: {"op": "submit", "jobfile": PATH,
+"resume": BOOL}, {"op": "status", "job": NAME or null}, {"op": "cancel", "job": NAME},
+{"op": "logs", "job": NAME, "lines": N}, {"op": "stop"}. Answers: {"ok": true, ...} or {"ok":
+false, "error": MESSAGE}. One thread serves every connection (`_Loop`, a selector): a request
+is at most MAX_REQUEST bytes and must arrive within REQUEST_TIMEOUT, at most MAX_CONNECTIONS
+are open at once, and every request, however malformed, gets an answer; WORKERS threads
+compute the answers. A job that cannot start is marked failed with the reason, and the queue
+goes on.
 """
 
+import fcntl
 import json
 import logging
 import os
+import queue
+import resource
+import selectors
 import signal
 import socket
-import socketserver
 import struct
 import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from . import _proc, jobfile
 from .env import runtime_dir
-from .errors import GadeiError
+from .errors import GadeiError, GadeiTimeout
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +97,9 @@ class Daemon:
             raise GadeiError(f"--max-jobs {max_jobs}: must be at least 1")
         self.max_jobs, self.poll = max_jobs, poll
         self.folder = state_dir()
+        # One daemon per state folder, for its whole life: a second one (even beside a stopped
+        # first) is refused here, before it reads or writes a record.
+        self._locks = [_lock(self.folder / "daemon.lock", f"state folder {self.folder}")]
         self.lock = threading.Lock()
         self.records: dict[str, Record] = {}
         self.procs: dict[str, subprocess.Popen] = {}
@@ -171,12 +187,18 @@ class Daemon:
         with self.lock:
             record = self._get(name)
         parts = []
-        for path in [record.log, *sorted(Path(record.output, "logs").glob("learner-*.log"))]:
+        try:
+            learners = sorted(Path(record.output, "logs").glob("learner-*.log"))
+        except OSError:
+            learners = []
+        for path in [record.log, *learners]:
             try:
-                text = Path(path).read_text(errors="replace").splitlines()
-            except FileNotFoundError:
+                text = _tail(path, lines)
+            except (FileNotFoundError, NotADirectoryError):
                 continue
-            parts.append(f"==> {path} <==\n" + "\n".join(text[-lines:]))
+            except OSError as err:
+                text = f"(unreadable: {err.strerror})"
+            parts.append(f"==> {path} <==\n" + text)
         return "\n".join(parts) if parts else f"job {name!r} has no logs yet"
 
     def _get(self, name: str) -> Record:
@@ -195,12 +217,25 @@ class Daemon:
                 running = sum(r.state == RUNNING or (r.state == CANCELLED and r.pid) for r in self.records.values())
                 queued = sorted((r for r in self.records.values() if r.state == QUEUED), key=lambda r: r.submitted)
                 for record in queued[: max(0, self.max_jobs - running)]:
-                    self._start(record)
+                    try:
+                        self._start(record)
+                    except Exception as err:  # this job cannot start; the queue goes on with the next
+                        reason = _reason(err)
+                        log.warning("job %s could not start: %s", record.name, reason)
+                        try:
+                            self._finish(record, FAILED, None, f"could not start: {reason}")
+                        except OSError as save_err:  # the record stays queued in memory only: drop it
+                            log.error("job %s: cannot save its record (%s); forgetting it", record.name, save_err)
+                            self.records.pop(record.name, None)
             self._stop.wait(self.poll)
 
     def _start(self, record: Record) -> None:
-        os.makedirs(os.path.dirname(record.log), exist_ok=True)
-        with open(record.log, "ab") as out:
+        logs = os.path.dirname(record.log)
+        if os.path.lexists(record.output) and not os.path.isdir(record.output):
+            raise GadeiError(f"output folder {record.output} is not a folder")
+        os.makedirs(logs, mode=0o700, exist_ok=True)  # private until `gadei run` applies the job's [output] private
+        fd = os.open(record.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        with open(fd, "ab") as out:
             proc = subprocess.Popen([sys.executable, "-m", "gadei", "run", record.jobfile, "--quiet"]
                                     + (["--resume"] if record.resume else []), stdout=out,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
@@ -237,97 +272,475 @@ class Daemon:
     # ------------------------------------------------------------------ the socket
 
     def serve_forever(self) -> None:
+        """Serve requests on the socket until SIGTERM, SIGINT or a `stop` request.
+
+        Raises:
+            DaemonRunning: another daemon holds this state folder's (or this socket's) lock.
+        """
         path = socket_path()
-        if os.path.exists(path):
-            try:
-                request(path, {"op": "status", "job": None}, timeout=2)
-                raise GadeiError(f"a gadei daemon already listens on {path}")
-            except (ConnectionRefusedError, FileNotFoundError, socket.timeout):
-                os.unlink(path)  # a dead daemon's socket
-        daemon = self
+        try:
+            self._locks.append(_lock(Path(path + ".lock"), f"socket {path}"))
+            self._serve(path)
+        finally:
+            self.close()
 
-        class Handler(socketserver.StreamRequestHandler):
-            def handle(self):
-                pid, uid, _ = struct.unpack("3i", self.connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                                                            struct.calcsize("3i")))
-                if uid != os.getuid():
-                    log.warning("refused a request from uid %d (pid %d)", uid, pid)
-                    answer = {"ok": False, "error": f"this gadei daemon serves uid {os.getuid()} only; a request "
-                              f"from uid {uid} is refused"}
-                else:
-                    answer = daemon.answer(self.rfile.readline())
-                self.wfile.write((json.dumps(answer) + "\n").encode())
+    def close(self) -> None:
+        """Let go of the locks (they also go when the process ends)."""
+        while self._locks:
+            os.close(self._locks.pop())
 
+    def _serve(self, path: str) -> None:
+        _raise_fd_limit(MAX_CONNECTIONS + 64)
+        try:
+            os.unlink(path)  # a dead daemon's socket: we hold the lock, so nobody else's
+        except FileNotFoundError:
+            pass
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old_umask = os.umask(0o177)  # the socket is created 0600
         try:
-            server = socketserver.ThreadingUnixStreamServer(path, Handler)
+            listener.bind(path)
         finally:
             os.umask(old_umask)
         os.chmod(path, 0o600)
-        server.daemon_threads = True
+        listener.listen(BACKLOG)
+        listener.setblocking(False)
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._answers: queue.SimpleQueue = queue.SimpleQueue()
+        self._pool = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="gadei-daemon-request")
         runner = threading.Thread(target=self.run_queue, name="gadei-daemon-runner", daemon=True)
         runner.start()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: threading.Thread(target=server.shutdown, daemon=True).start())
+        previous = {sig: signal.signal(sig, lambda *_: self.stop()) for sig in (signal.SIGTERM, signal.SIGINT)}
         log.info("gadei daemon (pid %d) listening on %s; %d jobs at once; job records in %s", os.getpid(), path,
                  self.max_jobs, self.folder / "jobs")
-        print(f"gadei daemon: listening on {path}", file=sys.stderr, flush=True)
+        print(f"gadei daemon: listening on {path}; stop it with `gadei daemon stop`", file=sys.stderr, flush=True)
         try:
-            server.serve_forever(poll_interval=0.2)
+            _Loop(self, listener).run()
         finally:
             self._stop.set()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            self._pool.shutdown(wait=False, cancel_futures=True)
             runner.join(5)
-            server.server_close()
+            listener.close()
             try:
                 os.unlink(path)
             except FileNotFoundError:
                 pass
+            self._wake_r.close()
+            self._wake_w.close()
             log.info("gadei daemon stopped; running jobs go on and the next daemon finds them")
 
+    def stop(self) -> None:
+        """Ask the loop to end (a signal handler, a `stop` request)."""
+        self._stop.set()
+        wake = getattr(self, "_wake_w", None)
+        if wake is not None:
+            try:
+                wake.send(b"x")
+            except OSError:
+                pass  # the loop has wake-ups to read already, or is gone
+
     def answer(self, line: bytes) -> dict:
+        """The answer to one request line: {"ok": true, ...} or {"ok": false, "error": ...}; never raises."""
         try:
-            req = json.loads(line)
-            op = req.get("op")
+            req = _check_request(line)
+            op = req["op"]
             if op == "submit":
-                record = self.submit(req["jobfile"], resume=bool(req.get("resume")))
+                record = self.submit(req["jobfile"], resume=req.get("resume", False))
                 return {"ok": True, "job": asdict(record)}
             if op == "status":
                 with self.lock:
                     self._reap()
-                    if req.get("job"):
+                    if req.get("job") is not None:
                         return {"ok": True, "jobs": [asdict(self._get(req["job"]))]}
                     return {"ok": True, "jobs": [asdict(r) for r in sorted(self.records.values(),
                                                                             key=lambda r: r.submitted)]}
             if op == "cancel":
                 return {"ok": True, "job": asdict(self.cancel(req["job"]))}
             if op == "logs":
-                return {"ok": True, "text": self.logs(req["job"], int(req.get("lines", 50)))}
-            return {"ok": False, "error": f"unknown request {op!r}"}
-        except (GadeiError, ValueError, KeyError, TypeError) as err:
-            return {"ok": False, "error": str(err) if not isinstance(err, KeyError) else f"missing field {err}"}
+                return {"ok": True, "text": self.logs(req["job"], req.get("lines", 50))}
+            if op == "stop":
+                log.info("stop requested")
+                self.stop()
+                return {"ok": True, "pid": os.getpid()}
+            raise AssertionError(op)
+        except GadeiError as err:
+            return {"ok": False, "error": str(err)}
+        except Exception as err:  # a bug must cost one request its answer, never the daemon
+            log.exception("request %.200r failed", line)
+            return {"ok": False, "error": f"the daemon failed on this request: {type(err).__name__}: {err}"}
+
+
+def _reason(err: Exception) -> str:
+    if isinstance(err, OSError) and err.strerror:
+        return f"{err.filename}: {err.strerror}" if err.filename else err.strerror
+    return str(err) or type(err).__name__
+
+
+LOG_TAIL_BYTES = 4 << 20  # the most of one log a `logs` answer carries
+
+
+def _tail(path, lines: int) -> str:
+    """The last `lines` lines of the file at `path`, from at most its last LOG_TAIL_BYTES."""
+    with open(path, "rb") as handle:
+        size = os.fstat(handle.fileno()).st_size
+        handle.seek(max(0, size - LOG_TAIL_BYTES))
+        data = handle.read(LOG_TAIL_BYTES)
+    return "\n".join(data.decode(errors="replace").splitlines()[-lines:])
+
+
+# ------------------------------------------------------------------ requests on the wire
+
+MAX_REQUEST = 64 * 1024  # bytes of one request line (a submit names a job file, it does not carry it)
+REQUEST_TIMEOUT = 10.0  # seconds a client has to send its request, and to take its answer
+MAX_CONNECTIONS = 512  # open at once; past it, the one that waited longest without a request is closed
+BACKLOG = 1024  # connections the kernel queues before the loop accepts them
+WORKERS = 4  # threads that answer requests (a submit reads the job's data)
+
+_FIELDS = {  # op -> field -> (check, required)
+    "submit": {"jobfile": ("path", True), "resume": ("bool", False)},
+    "status": {"job": ("job_or_null", False)},
+    "cancel": {"job": ("job", True)},
+    "logs": {"job": ("job", True), "lines": ("lines", False)},
+    "stop": {},
+}
+MAX_LINES = 100_000
+
+
+class BadRequest(GadeiError, ValueError):
+    """A request the daemon does not take (the message says which field and why)."""
+
+
+def _check_request(line: bytes) -> dict:
+    """The request in `line`, checked: a JSON object with a known `op` and its known fields,
+    of the right types and ranges. Raises BadRequest saying what is wrong."""
+    try:
+        req = json.loads(line, parse_constant=_no_constant)
+    except RecursionError:
+        raise BadRequest("request: JSON nested too deeply") from None
+    except (ValueError, UnicodeDecodeError) as err:
+        raise BadRequest(f"request: not JSON ({err})") from None
+    if not isinstance(req, dict):
+        raise BadRequest(f"request: a JSON object is expected, not {type(req).__name__} ({_short(req)})")
+    op = req.get("op")
+    if op not in _FIELDS:
+        raise BadRequest(f"request: op = {_short(op)} is unknown; allowed: {', '.join(_FIELDS)}")
+    fields = _FIELDS[op]
+    for key in req:
+        if key != "op" and key not in fields:
+            raise BadRequest(f"request {op!r}: unknown field {_short(key)}; allowed: {', '.join(fields) or 'none'}")
+    for key, (check, required) in fields.items():
+        if key not in req:
+            if required:
+                raise BadRequest(f"request {op!r}: the field {key!r} is missing")
+            continue
+        value, where = req[key], f"request {op!r}: {key} = {_short(req[key])}"
+        if check == "bool" and not isinstance(value, bool):
+            raise BadRequest(f"{where}: true or false is expected")
+        if check == "lines" and (isinstance(value, bool) or not isinstance(value, int)
+                                 or not 1 <= value <= MAX_LINES):
+            raise BadRequest(f"{where}: an integer from 1 to {MAX_LINES:,} is expected")
+        if check == "path" and (not isinstance(value, str) or not value or "\0" in value or len(value) > 4096
+                                or not os.path.isabs(value)):
+            raise BadRequest(f"{where}: an absolute path (a string of up to 4,096 characters) is expected")
+        if check in ("job", "job_or_null") and not (value is None and check == "job_or_null"):
+            if not isinstance(value, str) or not value or len(value) > 255:
+                raise BadRequest(f"{where}: a job name is expected")
+    return req
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not allowed")
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+class _Conn:
+    """One client: its socket, what it sent so far, the answer still to send, its deadline."""
+
+    __slots__ = ("sock", "uid", "pid", "inbox", "outbox", "deadline", "waiting", "accepted")
+
+    def __init__(self, sock: socket.socket, now: float):
+        self.sock = sock
+        self.inbox = bytearray()
+        self.outbox = b""
+        self.accepted = now
+        self.deadline = now + REQUEST_TIMEOUT
+        self.waiting = True  # for its request (False once it is complete: answered or being answered)
+        self.pid, self.uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                                     struct.calcsize("3i")))
+
+
+class _Loop:
+    """One thread serves every client: non-blocking sockets, a buffer and a deadline per
+    connection, a bounded number of them; complete requests go to a small pool of threads,
+    whose answers come back through a socket pair that wakes the loop."""
+
+    def __init__(self, daemon: Daemon, listener: socket.socket):
+        self.daemon, self.listener = daemon, listener
+        self.selector = selectors.DefaultSelector()
+        self.conns: dict[int, _Conn] = {}  # fd -> connection, oldest first
+
+    def run(self) -> None:
+        d = self.daemon
+        self.selector.register(self.listener, selectors.EVENT_READ, "accept")
+        self.selector.register(d._wake_r, selectors.EVENT_READ, "wake")
+        try:
+            while not d._stop.is_set():
+                now = time.monotonic()
+                nearest = min((c.deadline for c in self.conns.values()), default=now + 1.0)
+                for key, events in self.selector.select(timeout=min(1.0, max(0.0, nearest - now))):
+                    if key.data == "accept":
+                        self._accept()
+                    elif key.data == "wake":
+                        self._woken()
+                    elif events & selectors.EVENT_READ:
+                        self._read(key.data)
+                    elif events & selectors.EVENT_WRITE:
+                        self._write(key.data)
+                self._expire()
+            self._flush_answers(REQUEST_TIMEOUT / 10)  # e.g. the answer to `stop`
+        finally:
+            for conn in list(self.conns.values()):
+                self._close(conn)
+            self.selector.close()
+
+    def _accept(self) -> None:
+        for _ in range(BACKLOG):
+            try:
+                sock, _ = self.listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as err:  # e.g. EMFILE: the rest wait in the backlog
+                log.warning("cannot accept a connection: %s", err)
+                return
+            sock.setblocking(False)
+            if len(self.conns) >= MAX_CONNECTIONS:
+                self._evict()
+            conn = _Conn(sock, time.monotonic())
+            self.conns[sock.fileno()] = conn
+            if conn.uid != os.getuid():
+                log.warning("refused a request from uid %d (pid %d)", conn.uid, conn.pid)
+                self._reply(conn, {"ok": False, "error": f"this gadei daemon serves uid {os.getuid()} only; a "
+                                   f"request from uid {conn.uid} is refused"})
+            else:
+                self.selector.register(sock, selectors.EVENT_READ, conn)
+
+    def _evict(self) -> None:
+        """Make room: close the connection that waited longest without sending its request."""
+        for conn in self.conns.values():
+            if conn.waiting and not conn.outbox:
+                log.warning("%d connections open: closing the oldest idle one (pid %d, %.1f s without a request)",
+                            len(self.conns), conn.pid, time.monotonic() - conn.accepted)
+                self._close(conn)
+                return
+        oldest = next(iter(self.conns.values()))
+        self._close(oldest)
+
+    def _read(self, conn: _Conn) -> None:
+        try:
+            chunk = conn.sock.recv(65536)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:  # reset by the client: nothing to answer
+            self._close(conn)
+            return
+        if not chunk:
+            if conn.inbox:
+                log.debug("pid %d hung up in the middle of a request", conn.pid)
+            self._close(conn)
+            return
+        conn.inbox += chunk
+        end = conn.inbox.find(b"\n")
+        if end < 0 and len(conn.inbox) <= MAX_REQUEST:
+            return
+        self.selector.unregister(conn.sock)
+        conn.waiting = False
+        if end < 0 or end > MAX_REQUEST:
+            log.warning("pid %d sent a request of over %d bytes: refused", conn.pid, MAX_REQUEST)
+            self._reply(conn, {"ok": False, "error": f"request: over {MAX_REQUEST:,} bytes without a newline; a "
+                               "request is one JSON object on one line"})
+            return
+        line = bytes(conn.inbox[:end])
+        conn.inbox = bytearray()
+        conn.deadline = float("inf")  # being answered; the answer gets its own deadline
+        future = self.daemon._pool.submit(self.daemon.answer, line)
+        future.add_done_callback(lambda f, fd=conn.sock.fileno(), c=conn: self._answered(fd, c, f))
+
+    def _answered(self, fd: int, conn: _Conn, future) -> None:  # a pool thread
+        if future.cancelled():
+            return
+        self.daemon._answers.put((fd, conn, future.result()))
+        try:
+            self.daemon._wake_w.send(b"a")
+        except OSError:
+            pass  # full: the loop has wake-ups to read already
+
+    def _woken(self) -> None:
+        try:
+            while self.daemon._wake_r.recv(4096):
+                pass
+        except (BlockingIOError, InterruptedError):
+            pass
+        self._take_answers()
+
+    def _take_answers(self) -> None:
+        while True:
+            try:
+                fd, conn, answer = self.daemon._answers.get_nowait()
+            except queue.Empty:
+                return
+            if self.conns.get(fd) is conn:  # still connected (not closed and the descriptor reused)
+                self._reply(conn, answer)
+
+    def _flush_answers(self, timeout: float) -> None:
+        """Before the loop ends: send the answers that are ready (bounded by `timeout`)."""
+        deadline = time.monotonic() + timeout
+        self._take_answers()
+        while any(c.outbox for c in self.conns.values()) and time.monotonic() < deadline:
+            for key, events in self.selector.select(timeout=max(0.0, deadline - time.monotonic())):
+                if isinstance(key.data, _Conn) and events & selectors.EVENT_WRITE:
+                    self._write(key.data)
+
+    def _reply(self, conn: _Conn, answer: dict) -> None:
+        conn.outbox = (json.dumps(answer) + "\n").encode()
+        conn.waiting = False
+        conn.deadline = time.monotonic() + REQUEST_TIMEOUT
+        try:
+            self.selector.register(conn.sock, selectors.EVENT_WRITE, conn)
+        except KeyError:
+            self.selector.modify(conn.sock, selectors.EVENT_WRITE, conn)
+        self._write(conn)
+
+    def _write(self, conn: _Conn) -> None:
+        try:
+            sent = conn.sock.send(conn.outbox)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:  # the client hung up before its answer: nothing to tell it
+            log.debug("pid %d hung up before its answer", conn.pid)
+            self._close(conn)
+            return
+        conn.outbox = conn.outbox[sent:]
+        if not conn.outbox:
+            self._close(conn)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for conn in [c for c in self.conns.values() if c.deadline <= now]:
+            if conn.waiting:
+                log.warning("pid %d sent no complete request within %g s: closed", conn.pid, REQUEST_TIMEOUT)
+                self.selector.unregister(conn.sock)
+                self._reply(conn, {"ok": False, "error": f"request: not complete within {REQUEST_TIMEOUT:g} s"})
+                if conn.sock.fileno() in self.conns and conn.outbox:  # it does not read: do not wait for it
+                    self._close(conn)
+            else:
+                log.warning("pid %d did not take its answer within %g s: closed", conn.pid, REQUEST_TIMEOUT)
+                self._close(conn)
+
+    def _close(self, conn: _Conn) -> None:
+        fd = conn.sock.fileno()
+        if fd < 0:
+            return
+        try:
+            self.selector.unregister(conn.sock)
+        except (KeyError, ValueError):
+            pass
+        self.conns.pop(fd, None)
+        conn.sock.close()
+
+
+def _lock(path: Path, what: str) -> int:
+    """Hold an exclusive lock on `path` for this process's life (the descriptor); the holder's
+    pid is written in it. Raises DaemonRunning when another process holds it."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise DaemonRunning(f"a gadei daemon (pid {holder}) already serves {what}; stop it with `gadei daemon "
+                            f"stop`, or give this one another GADEI_STATE_DIR and GADEI_RUNTIME_DIR") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def _raise_fd_limit(wanted: int) -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        new = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+        if new < wanted:
+            log.warning("at most %d open files (ulimit -n): fewer than %d connections may be open at once", new,
+                        MAX_CONNECTIONS)
+
+
+class DaemonRunning(GadeiError):
+    """Another daemon already serves this state folder or socket."""
 
 
 def request(path: str | None, message: dict, timeout: float = 30.0) -> dict:
-    """Send one request to the daemon; its answer. Raises GadeiError when no daemon listens."""
+    """Send one request to the daemon; its answer, within `timeout` seconds in all.
+
+    A full listen backlog (EAGAIN) is waited out until the deadline, and a refused connection
+    (a daemon restarting) for up to 2 s of it.
+
+    Raises:
+        FileNotFoundError, ConnectionRefusedError: no daemon listens on `path`.
+        GadeiTimeout: no answer within `timeout`.
+    """
     path = path or socket_path()
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        sock.settimeout(timeout)
-        sock.connect(path)
-        sock.sendall((json.dumps(message) + "\n").encode())
-        data = b""
-        while not data.endswith(b"\n"):
-            chunk = sock.recv(65536)
-            if not chunk:
-                break
-            data += chunk
+    deadline = time.monotonic() + timeout
+    refused_until = time.monotonic() + min(2.0, timeout)
+    pause = 0.005
+    while True:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(max(0.001, deadline - time.monotonic()))
+            sock.connect(path)
+            break
+        except (BlockingIOError, InterruptedError, ConnectionRefusedError) as err:
+            sock.close()
+            now = time.monotonic()
+            if isinstance(err, ConnectionRefusedError) and now >= refused_until:
+                raise
+            if now >= deadline:
+                raise GadeiTimeout(f"the gadei daemon on {path} did not take the connection within {timeout:g} s "
+                                   "(its listen backlog stayed full)") from None
+            time.sleep(min(pause, max(0.0, deadline - now)))
+            pause = min(0.1, pause * 2)
+        except BaseException:
+            sock.close()
+            raise
+    with sock:
+        try:
+            sock.sendall((json.dumps(message) + "\n").encode())
+            data = b""
+            while not data.endswith(b"\n"):
+                sock.settimeout(max(0.001, deadline - time.monotonic()))
+                chunk = sock.recv(65536)
+                if not chunk:
+                    break
+                data += chunk
+        except socket.timeout:
+            raise GadeiTimeout(f"the gadei daemon on {path} did not answer within {timeout:g} s (is it stopped?)") \
+                from None
+    if not data:
+        raise GadeiError(f"the gadei daemon on {path} closed the connection without an answer")
     return json.loads(data)
 
 
-def client(message: dict) -> dict:
+def client(message: dict, timeout: float = 30.0) -> dict:
     """`request` for the command line: a clear error when no daemon runs, or it refused."""
     path = socket_path()
     try:
-        answer = request(path, message)
+        answer = request(path, message, timeout)
     except (FileNotFoundError, ConnectionRefusedError):
         raise GadeiError(f"no gadei daemon listens on {path}; start one with `gadei daemon`") from None
     except PermissionError:
@@ -335,6 +748,53 @@ def client(message: dict) -> dict:
     if not answer.get("ok"):
         raise GadeiError(answer.get("error", "the daemon refused"))
     return answer
+
+
+def stop(timeout: float = 30.0) -> int:
+    """`gadei daemon stop`: ask the daemon to stop and wait until it has; its pid.
+
+    Raises:
+        GadeiError: no daemon runs.
+        GadeiTimeout: it did not end within `timeout`.
+    """
+    pid = client({"op": "stop"}, timeout)["pid"]
+    deadline = time.monotonic() + timeout
+    while _proc_running(pid):
+        if time.monotonic() >= deadline:
+            raise GadeiTimeout(f"the gadei daemon (pid {pid}) did not stop within {timeout:g} s")
+        time.sleep(0.05)
+    return pid
+
+
+def _proc_running(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def systemd_unit() -> str:
+    """A systemd user unit that runs this gadei's daemon (`gadei daemon systemd-unit` prints it)."""
+    env = "".join(f"Environment={name}={os.environ[name]}\n" for name in ("GADEI_STATE_DIR", "GADEI_RUNTIME_DIR")
+                  if os.environ.get(name))
+    return (
+        "[Unit]\n"
+        "Description=gadei daemon: queued training jobs of %u\n"
+        "Documentation=file://" + str(Path(__file__).resolve().parent.parent / "docs" / "daemon.md") + "\n\n"
+        "[Service]\n"
+        "Type=simple\n"
+        f"ExecStart={sys.executable} -m gadei daemon run\n"
+        f"ExecStop={sys.executable} -m gadei daemon stop\n"
+        "Restart=on-failure\n"
+        "RestartSec=5\n"
+        "UMask=0077\n"
+        "KillMode=process\n"  # jobs run in sessions of their own: stopping the daemon leaves them running
+        + env +
+        "\n[Install]\n"
+        "WantedBy=default.target\n"
+    )
 
 
 def format_jobs(jobs: list[dict]) -> str:

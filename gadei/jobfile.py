@@ -253,7 +253,7 @@ def load(path: str | os.PathLike) -> Job:
     """
     path = Path(path).resolve()
     try:
-        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+        raw = tomllib.loads(_read_job_file(path).decode("utf-8"))
     except OSError as err:
         raise JobFileError(f"job file {str(path)!r}: {err.strerror}") from None
     except UnicodeDecodeError as err:
@@ -261,6 +261,26 @@ def load(path: str | os.PathLike) -> Job:
     except tomllib.TOMLDecodeError as err:
         raise JobFileError(f"job file {path}: not valid TOML: {err}") from None
     return parse(raw, path)
+
+
+MAX_JOB_FILE = 1 << 20  # bytes: a job file names its data, it does not hold it
+
+
+def _read_job_file(path: Path) -> bytes:
+    """The bytes of the job file at `path`: a regular file of at most MAX_JOB_FILE bytes (a
+    device such as /dev/zero, a FIFO or a huge file is refused, never read without end)."""
+    import stat
+
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO must not block the open
+    with open(fd, "rb") as handle:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise JobFileError(f"job file {str(path)!r}: not a regular file")
+        data = handle.read(MAX_JOB_FILE + 1)
+    if len(data) > MAX_JOB_FILE:
+        raise JobFileError(f"job file {str(path)!r}: {info.st_size:,} bytes, more than a job file may be "
+                           f"({MAX_JOB_FILE:,}); it names its data files, it does not hold them")
+    return data
 
 
 def parse(raw: dict, path: Path) -> Job:
