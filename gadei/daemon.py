@@ -599,12 +599,15 @@ class _Loop:
                 self._reply(conn, answer)
 
     def _flush_answers(self, timeout: float) -> None:
-        """Before the loop ends: send the answers that are ready (bounded by `timeout`)."""
+        """Before the loop ends: send the answers being computed or ready (bounded by `timeout`)."""
         deadline = time.monotonic() + timeout
         self._take_answers()
-        while any(c.outbox for c in self.conns.values()) and time.monotonic() < deadline:
+        while (any(c.outbox or c.deadline == float("inf") for c in self.conns.values())
+               and time.monotonic() < deadline):
             for key, events in self.selector.select(timeout=max(0.0, deadline - time.monotonic())):
-                if isinstance(key.data, _Conn) and events & selectors.EVENT_WRITE:
+                if key.data == "wake":
+                    self._woken()
+                elif isinstance(key.data, _Conn) and events & selectors.EVENT_WRITE:
                     self._write(key.data)
 
     def _reply(self, conn: _Conn, answer: dict) -> None:
