@@ -157,3 +157,48 @@ def test_bench_kernel_reports_sgd_and_adagrad_against_torch(procs, tmp_path):
     for rows, methods in ((kernel["rows"], {"gadei", "plain_c", "torch_add_"}), (kernel["adagrad"], {"gadei", "torch_fused"})):
         assert [(r["size_mb"], r["threads"]) for r in rows] == [(s, t) for s in (1, 16, 64) for t in threads]
         assert all(set(r["gb_per_s"]) == methods and min(r["gb_per_s"].values()) > 0 for r in rows)
+
+
+def test_status_shows_every_mode_and_optimizer(procs):
+    """`gadei status JOB` for a job of every mode and optimizer (adagrad, the job files' default,
+    failed with "Unknown format code 'g'"), and with the sgd options that show."""
+    import uuid
+
+    cases = {"async-adagrad": ["--mode", "async", "--optimizer", "adagrad"],
+             "consistent-adagrad": ["--mode", "consistent", "--optimizer", "adagrad"],
+             "sync-adagrad": ["--mode", "sync", "--optimizer", "adagrad"],
+             "async-sgd": ["--mode", "async", "--momentum", "0.9", "--stale-lr", "--stale-bound", "8"],
+             "consistent-sgd": ["--mode", "consistent"],
+             "sync-sgd": ["--mode", "sync", "--drop-after", "5"],
+             "elastic-sgd": ["--mode", "elastic", "--alpha", "0.2", "--tau", "3"]}
+    tag = uuid.uuid4().hex[:8]
+    jobs = {case: f"test-{tag}-{case}" for case in cases}
+    try:
+        servers = [procs.gadei("serve", jobs[case], "--params", 100, "--threads", 1, *extra)
+                   for case, extra in cases.items()]
+        for job in jobs.values():
+            wait_for(lambda: (inspect(job) is not None and inspect(job).state == "running")
+                     or any(s.poll() is not None for s in servers), 60, f"{job}'s server")
+        assert all(s.poll() is None for s in servers), [s.err_lines for s in servers if s.poll() is not None]
+        status = {case: procs.gadei("status", job, "--interval", "0.05") for case, job in jobs.items()}
+        shown = {}
+        for case, proc in status.items():
+            out, err = communicate(proc, 120)
+            assert proc.returncode == 0 and "Traceback" not in err, (case, err)
+            shown[case] = out.splitlines()[0]
+        for case in ("async-adagrad", "consistent-adagrad", "sync-adagrad"):
+            assert ", optimizer adagrad" in shown[case], shown[case]
+        assert "momentum 0.9, stale_lr on, stale_bound 8;" in shown["async-sgd"], shown["async-sgd"]
+        assert "drop_after 5;" in shown["sync-sgd"] and "alpha 0.2, tau 3;" in shown["elastic-sgd"], shown
+        for case, job in jobs.items():
+            assert f"job {job}: serving" in shown[case] and f"mode {case.split('-')[0]}" in shown[case], shown[case]
+        for job in jobs.values():
+            finish(procs.gadei("stop", job))
+        for server in servers:
+            finish(server)
+    finally:
+        from gadei.region import remove
+
+        for job in jobs.values():
+            if inspect(job) is not None:
+                remove(job)
