@@ -244,8 +244,9 @@ _SCHEMA = {
 }
 
 
-def load(path: str | os.PathLike) -> Job:
-    """Parse and check the job file at `path`.
+def load(path: str | os.PathLike, *, data_files: bool = True) -> Job:
+    """Parse and check the job file at `path`; `data_files`: also that its data files exist
+    (a run folder's job.toml is read without them by `gadei predict`).
 
     Raises:
         JobFileError: the file is missing or not TOML, or a section, key or value is not
@@ -260,7 +261,7 @@ def load(path: str | os.PathLike) -> Job:
         raise JobFileError(f"job file {path}: not UTF-8 text (byte {err.start})") from None
     except tomllib.TOMLDecodeError as err:
         raise JobFileError(f"job file {path}: not valid TOML: {err}") from None
-    return parse(raw, path)
+    return parse(raw, path, data_files=data_files)
 
 
 MAX_JOB_FILE = 1 << 20  # bytes: a job file names its data, it does not hold it
@@ -283,8 +284,9 @@ def _read_job_file(path: Path) -> bytes:
     return data
 
 
-def parse(raw: dict, path: Path) -> Job:
-    """Check a parsed job file (`path` names it in errors and anchors relative paths)."""
+def parse(raw: dict, path: Path, *, data_files: bool = True) -> Job:
+    """Check a parsed job file (`path` names it in errors and anchors relative paths);
+    `data_files`: also that its data files exist."""
     where = path.name
     for section in raw:
         if section not in _SCHEMA:
@@ -315,7 +317,8 @@ def parse(raw: dict, path: Path) -> Job:
     if data["format"] not in allowed:
         raise JobFileError(f"{where}: [data] format = {data['format']!r}: workload {job['workload']!r} reads "
                            f"{'numeric feature vectors' if numeric else 'text'}; allowed: {', '.join(allowed)}")
-    _check_data_files(where, data)
+    if data_files:
+        _check_data_files(where, data)
     train = values["train"]
     if train.get("optimizer") == "adagrad" and train.get("mode") == "elastic":
         raise JobFileError(f"{where}: [train] optimizer = 'adagrad' with mode = 'elastic': elastic learners take "

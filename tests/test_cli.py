@@ -202,3 +202,57 @@ def test_status_shows_every_mode_and_optimizer(procs):
         for job in jobs.values():
             if inspect(job) is not None:
                 remove(job)
+
+
+def _run_folder(tmp_path):
+    """A `gadei run` output folder as the run leaves it (job.toml, maps, model.pt of the initial
+    weights), for a small CSV data set; (folder, the data file)."""
+    from gadei import jobfile
+    from gadei.run import _prepare
+    from gadei_workloads import get
+
+    data = tmp_path / "data.csv"
+    rows = ["text,label"] + [f"how many {w} are there,NUM" for w in ("cats", "dogs", "cars")] + \
+        [f"who is the {w},HUM" for w in ("king", "queen", "boss")]
+    data.write_text("\n".join(rows) + "\n")
+    path = tmp_path / "job.toml"
+    path.write_text(f'[job]\nname = "p"\nworkload = "textcnn"\n[data]\ntrain = "{data}"\nformat = "csv"\n'
+                    f'holdout = 0.3\n[output]\nfolder = "{tmp_path / "out"}"\n')
+    prepared = _prepare(jobfile.load(path), False, None)
+    model = get("textcnn").build_model(prepared.train, prepared.job.train.seed)
+    torch.save(model.state_dict(), tmp_path / "out" / "model.pt")
+    return tmp_path / "out", data
+
+
+def test_predict_needs_only_the_output_folder_and_names_a_bad_model_file(procs, tmp_path):
+    """A run folder handed to someone else (its training data gone) still predicts; a crafted,
+    truncated or random model.pt is an error that names the file, never a traceback."""
+    import pickle
+
+    folder, data = _run_folder(tmp_path)
+    data.unlink()
+    out, _ = finish(procs.gadei("predict", folder, "how many birds", "--top", 2))
+    assert sorted(line.split()[-1] for line in out.splitlines()) == ["HUM", "NUM"], out
+
+    model = folder / "model.pt"
+    good = model.read_bytes()
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("echo owned",))
+
+    crafted = {"global": lambda: torch.save({"x": Evil()}, model),
+               "pickle": lambda: model.write_bytes(pickle.dumps(Evil())),
+               "truncated": lambda: model.write_bytes(good[: len(good) // 2]),
+               "random": lambda: model.write_bytes(os.urandom(4096)),
+               "empty": lambda: model.write_bytes(b""),
+               "not tensors": lambda: torch.save({"x": 1}, model),
+               "other shapes": lambda: torch.save({"embedding.weight": torch.zeros(2, 2)}, model)}
+    for case, write in crafted.items():
+        write()
+        predicted = procs.gadei("predict", folder, "how many birds")
+        out, err = communicate(predicted, 60)
+        assert predicted.returncode == 2 and "Traceback" not in err and "owned" not in out, (case, err)
+        assert f"gadei: error: {model}: " in err and "weights_only" not in err, (case, err)
+        if case == "global":
+            assert "it names code (" in err and "nothing was run" in err, err
