@@ -143,7 +143,10 @@ class Daemon:
     def submit(self, path: str, resume: bool = False) -> Record:
         """Check a job file and its data now, then queue it; `resume`: to go on with the run in
         its output folder. Raises GadeiError saying why not."""
+        from .region import check_name_free
+
         job = jobfile.load(path)
+        check_name_free(job.name)  # a squatted region name is the submitter's to hear, not the log's
         with self.lock:
             old = self.records.get(job.name)
             if old is not None and old.state in LIVE:

@@ -31,6 +31,8 @@ validated `Job` before anything starts.
 
     [output]
     folder = "runs/trec"          # default: runs/<name> next to the job file
+    private = true                # the folder 0700 and its files 0600 whatever the umask (default);
+                                  # false: as the umask of `gadei run` (or of the daemon) makes them
 
     [bridge]                      # optional: under `mpiexec -n NODES gadei run`, join the nodes' jobs
     strategy = "average"          # average, elastic, gossip (see gadei.bridge)
@@ -126,6 +128,7 @@ class Job:
     train: Train = field(default_factory=Train)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     output: Path = Path("runs")
+    private: bool = True  # [output] private: the output folder 0700 and its files 0600, whatever the umask
     bridge: Bridge | None = None  # None: the job runs on one node
     path: Path | None = None
 
@@ -195,7 +198,7 @@ class Job:
             "data": asdict(self.data),
             "train": asdict(self.train),
             "checkpoint": asdict(self.checkpoint),
-            "output": {"folder": self.output},
+            "output": {"folder": self.output, "private": self.private},
         }
         if self.bridge is not None:
             sections["bridge"] = asdict(self.bridge)
@@ -237,7 +240,7 @@ _SCHEMA = {
               "lr": ("positive_float", False), "epochs": ("positive_int", False), "seed": ("seed", False),
               "devices": ("devices", False)},
     "checkpoint": {"interval": ("positive_float", False), "keep": ("positive_int", False)},
-    "output": {"folder": ("text", False)},
+    "output": {"folder": ("text", False), "private": ("bool", False)},
     "bridge": {"strategy": ("strategy", False), "interval": ("positive_int", False), "every": ("positive_float", False),
                "alpha": ("rate", False), "bucket_mb": ("bucket", False), "float16": ("bool", False),
                "timeout": ("positive_float", False), "node_lr": ("positive_float", False)},
@@ -327,7 +330,8 @@ def parse(raw: dict, path: Path, *, data_files: bool = True) -> Job:
     output = values["output"].get("folder")
     output = _absolute(output, path.parent) if output else path.parent / "runs" / job["name"]
     return Job(name=job["name"], workload=job["workload"], data=Data(**data), train=Train(**values["train"]),
-               checkpoint=Checkpoint(**values["checkpoint"]), output=output, bridge=bridge, path=path)
+               checkpoint=Checkpoint(**values["checkpoint"]), output=output,
+               private=values["output"].get("private", True), bridge=bridge, path=path)
 
 
 def _check_bridge(where: str, raw: dict, given: dict, train: dict) -> Bridge | None:

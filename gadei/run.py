@@ -29,6 +29,7 @@ once its job serves, and learner i trains shard rank*L + i of NODES*L.
 
 import json
 import logging
+import os
 import pickle
 import re
 import shlex
@@ -74,8 +75,11 @@ class _Prepared:
 
 def _prepare(job: jobfile.Job, resume: bool, node: "_Node | None") -> _Prepared:
     """Everything that can be refused, before anything starts; the output folder's job.toml and maps."""
+    from .region import check_name_free
+
     if node is not None:
         job = job.for_node(node.rank, node.size)
+    check_name_free(job.name)  # another user's (or a foreign) object in the region's place: say whose, now
     train, test = jobfile.load_data(job)
     job, chosen = job.with_defaults(len(train))
     out = job.output
@@ -85,6 +89,7 @@ def _prepare(job: jobfile.Job, resume: bool, node: "_Node | None") -> _Prepared:
     elif (out / "checkpoints").is_dir() and any((out / "checkpoints").iterdir()):
         raise GadeiError(f"output folder {out} holds a previous run (checkpoints/); go on with it with "
                          "`gadei run --resume`, or set another [output] folder, or remove that one")
+    _output_modes(job)
     (out / "logs").mkdir(parents=True, exist_ok=True)
     (out / "job.toml").write_text(job.to_toml())
     (out / "labels.json").write_text(json.dumps(train.label_names, ensure_ascii=False))
@@ -97,6 +102,38 @@ def _prepare(job: jobfile.Job, resume: bool, node: "_Node | None") -> _Prepared:
         (out / "node.json").write_text(json.dumps({"node": node.rank, "nodes": node.size,
                                                    "shards": node.shards(job.train.learners)}) + "\n")
     return _Prepared(job, train, test, chosen, found)
+
+
+def _output_modes(job: jobfile.Job) -> None:
+    """Make the output folder private ([output] private, the default): this process and every
+    process it starts (server, watchdog, learners: the model, checkpoints, logs, metrics) create
+    files 0600 and folders 0700 whatever the umask it was given, and what an earlier run or
+    the daemon left there (logs/run.log) is closed the same way. With private = false the
+    umask decides, and what the daemon created private is opened up to it."""
+    import stat
+
+    out = job.output
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
+        raise GadeiError(f"output folder {out} is not a folder" + (" (a symbolic link)" if out.is_symlink() else ""))
+    if job.private:
+        os.umask(0o077)
+        dir_mode, file_mode = 0o700, 0o600
+    else:
+        mask = os.umask(0o077)
+        os.umask(mask)
+        dir_mode, file_mode = 0o777 & ~mask, 0o666 & ~mask
+    out.mkdir(parents=True, exist_ok=True)
+    if out.stat().st_uid != os.geteuid():
+        raise GadeiError(f"output folder {out} belongs to uid {out.stat().st_uid}, not to you (uid {os.geteuid()})")
+    folders = [out] + [p for p in (out / "logs", out / "checkpoints") if p.is_dir() and not p.is_symlink()]
+    for folder in folders:
+        os.chmod(folder, dir_mode)
+        if folder == out and not job.private:
+            continue  # an earlier private run's files stay as they were
+        for entry in folder.iterdir():
+            info = entry.lstat()
+            if stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid():
+                os.chmod(entry, file_mode if job.private else (stat.S_IMODE(info.st_mode) | file_mode))
 
 
 def _run(prepared: _Prepared, quiet: bool, node: "_Node | None" = None) -> int:

@@ -256,3 +256,91 @@ def test_predict_needs_only_the_output_folder_and_names_a_bad_model_file(procs, 
         assert f"gadei: error: {model}: " in err and "weights_only" not in err, (case, err)
         if case == "global":
             assert "it names code (" in err and "nothing was run" in err, err
+
+
+def _tiny_job(tmp_path, name: str, extra: str = "") -> "os.PathLike":
+    data = tmp_path / "tiny.csv"
+    rows = ["text,label"] + [f"how many {w} are there,NUM" for w in ("cats", "dogs", "cars", "ants")] + \
+        [f"who is the {w},HUM" for w in ("king", "queen", "boss", "chef")]
+    data.write_text("\n".join(rows) + "\n")
+    path = tmp_path / f"{name}.toml"
+    path.write_text(f'[job]\nname = "{name}"\nworkload = "textcnn"\n[data]\ntrain = "{data}"\nformat = "csv"\n'
+                    f'holdout = 0.25\n[train]\nlearners = 1\nepochs = 2\n[checkpoint]\ninterval = 0.5\n'
+                    f'[output]\nfolder = "{tmp_path / name}"\n{extra}')
+    return path
+
+
+def _modes(folder) -> dict[str, int]:
+    return {str(p.relative_to(folder)): p.stat().st_mode & 0o777 for p in [folder, *folder.rglob("*")]}
+
+
+def test_run_outputs_are_private_whatever_the_umask(procs, tmp_path, job):
+    """Under a umask of 022 the output folder, model, checkpoints, logs and metrics of a run
+    are still 0700/0600 (another local user read them all); [output] private = false leaves
+    them to the umask."""
+    old = os.umask(0o022)
+    try:
+        run = procs.gadei("run", _tiny_job(tmp_path, job), "--quiet")
+        finish(run, 300)
+    finally:
+        os.umask(old)
+    modes = _modes(tmp_path / job)
+    for name in ("model.pt", "job.toml", "labels.json", "vocab.json", "metrics.jsonl", "result.json",
+                 "logs/serve.log", "logs/learner-0.log"):
+        assert modes.pop(name) == 0o600, name
+    assert any(name.startswith("checkpoints/") for name in modes)
+    assert all(mode == (0o700 if (tmp_path / job / name).is_dir() else 0o600) for name, mode in modes.items()), modes
+
+    from gadei import jobfile
+    from gadei.run import _output_modes
+
+    (tmp_path / "open" / "logs").mkdir(parents=True, mode=0o700)
+    (tmp_path / "open" / "logs" / "run.log").touch(mode=0o600)  # as the daemon leaves them
+    old = os.umask(0o022)
+    try:
+        _output_modes(jobfile.load(_tiny_job(tmp_path, "open", "private = false\n")))
+    finally:
+        os.umask(old)
+    assert _modes(tmp_path / "open") == {".": 0o755, "logs": 0o755, "logs/run.log": 0o644}
+
+
+def test_a_squatted_region_name_is_a_clear_error_naming_its_owner(procs, tmp_path, job):
+    """Another user's object, or a symbolic link, in /dev/shm under the job's region name: `gadei
+    run` refuses before anything starts and `gadei serve`, `learn` and `status` say whose it is,
+    in one line each; a link is never followed."""
+    import pytest
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root to make an object of another user")
+    path = f"/dev/shm/gadei-{job}"
+    target = tmp_path / "target"
+    cases = [("object", "belongs to uid 65534 (nobody)"),
+             ("link", f"it is a symbolic link (to '{target}') made by uid 65534"),
+             ("own link", f"it is a symbolic link (to '{target}') made by uid 0")]
+    jobfile = _tiny_job(tmp_path, job)
+    try:
+        for case, message in cases:
+            if case == "object":
+                with open(path, "w"):
+                    pass
+            else:
+                os.symlink(target, path)
+            os.lchown(path, 0 if case == "own link" else 65534, 0 if case == "own link" else 65534)
+            commands = {"object": [("run", jobfile), ("serve", job, "--params", 10), ("status", job)],
+                        "link": [("run", jobfile), ("learn", job)],
+                        "own link": [("serve", job, "--params", 10)]}[case]
+            started = [procs.gadei(*args) for args in commands]
+            for args, proc in zip(commands, started):
+                out, err = communicate(proc, 120)
+                assert "Traceback" not in err, (case, args, err)
+                if args[0] == "status":
+                    assert proc.returncode == 0 and message in out, (case, out)
+                    continue
+                assert proc.returncode == 2 and message in err, (case, args, err)
+                if args[0] in ("run", "serve"):
+                    assert ("cannot be used on this machine" if case != "own link" else "gadei clean --force") in err
+            assert not target.exists() and not (tmp_path / job).exists()  # nothing followed the link, nothing ran
+            os.unlink(path)
+    finally:
+        if os.path.lexists(path):
+            os.unlink(path)
