@@ -442,7 +442,7 @@ def _daemon_jobs(job: str | None) -> list[dict]:
 
     try:
         answer = request(socket_path(), {"op": "status", "job": job}, timeout=5)
-    except (OSError, ValueError):
+    except (OSError, ValueError, GadeiError):  # no daemon, a stopped one (timeout), or one that hung up
         return []
     return answer.get("jobs", []) if answer.get("ok") else []
 
