@@ -215,22 +215,30 @@ class Daemon:
     def run_queue(self) -> None:
         """Start queued jobs while fewer than max_jobs run; notice the ones that ended."""
         while not self._stop.is_set():
-            with self.lock:
-                self._reap()
-                running = sum(r.state == RUNNING or (r.state == CANCELLED and r.pid) for r in self.records.values())
-                queued = sorted((r for r in self.records.values() if r.state == QUEUED), key=lambda r: r.submitted)
-                for record in queued[: max(0, self.max_jobs - running)]:
-                    try:
-                        self._start(record)
-                    except Exception as err:  # this job cannot start; the queue goes on with the next
-                        reason = _reason(err)
-                        log.warning("job %s could not start: %s", record.name, reason)
-                        try:
-                            self._finish(record, FAILED, None, f"could not start: {reason}")
-                        except OSError as save_err:  # the record stays queued in memory only: drop it
-                            log.error("job %s: cannot save its record (%s); forgetting it", record.name, save_err)
-                            self.records.pop(record.name, None)
+            try:
+                self._run_once()
+            except Exception:  # e.g. a record that cannot be saved (disk full): log it, the loop goes on
+                log.exception("the runner failed; trying again in %g s", self.poll)
             self._stop.wait(self.poll)
+
+    def _run_once(self) -> None:
+        """One look: reap the jobs that ended, start queued ones; a job that cannot start is
+        failed with the reason and the next one is started instead."""
+        with self.lock:
+            self._reap()
+            running = sum(r.state == RUNNING or (r.state == CANCELLED and r.pid) for r in self.records.values())
+            queued = sorted((r for r in self.records.values() if r.state == QUEUED), key=lambda r: r.submitted)
+            for record in queued[: max(0, self.max_jobs - running)]:
+                try:
+                    self._start(record)
+                except Exception as err:  # this job cannot start; the queue goes on with the next
+                    reason = _reason(err)
+                    log.warning("job %s could not start: %s", record.name, reason)
+                    try:
+                        self._finish(record, FAILED, None, f"could not start: {reason}")
+                    except OSError as save_err:  # the record stays queued in memory only: drop it
+                        log.error("job %s: cannot save its record (%s); forgetting it", record.name, save_err)
+                        self.records.pop(record.name, None)
 
     def _start(self, record: Record) -> None:
         logs = os.path.dirname(record.log)
@@ -527,12 +535,7 @@ class _Loop:
                 self._evict()
             conn = _Conn(sock, time.monotonic())
             self.conns[sock.fileno()] = conn
-            if conn.uid != os.getuid():
-                log.warning("refused a request from uid %d (pid %d)", conn.uid, conn.pid)
-                self._reply(conn, {"ok": False, "error": f"this gadei daemon serves uid {os.getuid()} only; a "
-                                   f"request from uid {conn.uid} is refused"})
-            else:
-                self.selector.register(sock, selectors.EVENT_READ, conn)
+            self.selector.register(sock, selectors.EVENT_READ, conn)  # another uid's too: it hears why, after
 
     def _evict(self) -> None:
         """Make room: close the connection that waited longest without sending its request."""
@@ -568,6 +571,11 @@ class _Loop:
             log.warning("pid %d sent a request of over %d bytes: refused", conn.pid, MAX_REQUEST)
             self._reply(conn, {"ok": False, "error": f"request: over {MAX_REQUEST:,} bytes without a newline; a "
                                "request is one JSON object on one line"})
+            return
+        if conn.uid != os.getuid():
+            log.warning("refused a request from uid %d (pid %d)", conn.uid, conn.pid)
+            self._reply(conn, {"ok": False, "error": f"this gadei daemon serves uid {os.getuid()} only; a request "
+                               f"from uid {conn.uid} is refused"})
             return
         line = bytes(conn.inbox[:end])
         conn.inbox = bytearray()

@@ -160,48 +160,41 @@ def test_bench_kernel_reports_sgd_and_adagrad_against_torch(procs, tmp_path):
 
 
 def test_status_shows_every_mode_and_optimizer(procs):
-    """`gadei status JOB` for a job of every mode and optimizer (adagrad, the job files' default,
-    failed with "Unknown format code 'g'"), and with the sgd options that show."""
+    """The status of a job of every mode and optimizer (adagrad, the job files' default, failed
+    with "Unknown format code 'g'"), with the sgd options that show; `gadei status JOB` itself
+    for an adagrad job."""
     import uuid
 
-    cases = {"async-adagrad": ["--mode", "async", "--optimizer", "adagrad"],
-             "consistent-adagrad": ["--mode", "consistent", "--optimizer", "adagrad"],
-             "sync-adagrad": ["--mode", "sync", "--optimizer", "adagrad"],
-             "async-sgd": ["--mode", "async", "--momentum", "0.9", "--stale-lr", "--stale-bound", "8"],
-             "consistent-sgd": ["--mode", "consistent"],
-             "sync-sgd": ["--mode", "sync", "--drop-after", "5"],
-             "elastic-sgd": ["--mode", "elastic", "--alpha", "0.2", "--tau", "3"]}
+    from gadei import status
+    from gadei.region import Region
+    from gadei.server import Server
+
+    cases = {"async-adagrad": dict(mode="async", optimizer="adagrad"),
+             "consistent-adagrad": dict(mode="consistent", optimizer="adagrad"),
+             "sync-adagrad": dict(mode="sync", optimizer="adagrad"),
+             "async-sgd": dict(mode="async", momentum=0.9, stale_lr=True, stale_bound=8),
+             "consistent-sgd": dict(mode="consistent"),
+             "sync-sgd": dict(mode="sync", drop_after=5.0),
+             "elastic-sgd": dict(mode="elastic", alpha=0.2, tau=3)}
     tag = uuid.uuid4().hex[:8]
-    jobs = {case: f"test-{tag}-{case}" for case in cases}
+    servers = {}
     try:
-        servers = [procs.gadei("serve", jobs[case], "--params", 100, "--threads", 1, *extra)
-                   for case, extra in cases.items()]
-        for job in jobs.values():
-            wait_for(lambda: (inspect(job) is not None and inspect(job).state == "running")
-                     or any(s.poll() is not None for s in servers), 60, f"{job}'s server")
-        assert all(s.poll() is None for s in servers), [s.err_lines for s in servers if s.poll() is not None]
-        status = {case: procs.gadei("status", job, "--interval", "0.05") for case, job in jobs.items()}
+        for case, options in cases.items():
+            servers[case] = Server(f"test-{tag}-{case}", n_params=100, threads=1, **options)
         shown = {}
-        for case, proc in status.items():
-            out, err = communicate(proc, 120)
-            assert proc.returncode == 0 and "Traceback" not in err, (case, err)
-            shown[case] = out.splitlines()[0]
+        for case, server in servers.items():
+            with Region.attach(server.region.job, readonly=True) as region:
+                shown[case] = status.format_table(status.read(region), None).splitlines()[0]
+            assert f"mode {cases[case]['mode']}, lr 0.01" in shown[case], shown[case]
         for case in ("async-adagrad", "consistent-adagrad", "sync-adagrad"):
             assert ", optimizer adagrad" in shown[case], shown[case]
         assert "momentum 0.9, stale_lr on, stale_bound 8;" in shown["async-sgd"], shown["async-sgd"]
         assert "drop_after 5;" in shown["sync-sgd"] and "alpha 0.2, tau 3;" in shown["elastic-sgd"], shown
-        for case, job in jobs.items():
-            assert f"job {job}: serving" in shown[case] and f"mode {case.split('-')[0]}" in shown[case], shown[case]
-        for job in jobs.values():
-            finish(procs.gadei("stop", job))
-        for server in servers:
-            finish(server)
+        out, err = finish(procs.gadei("status", f"test-{tag}-async-adagrad", "--interval", "0.05"))
+        assert "mode async, lr 0.01, optimizer adagrad;" in out and "Traceback" not in err, out + err
     finally:
-        from gadei.region import remove
-
-        for job in jobs.values():
-            if inspect(job) is not None:
-                remove(job)
+        for server in servers.values():
+            server.close()
 
 
 def _run_folder(tmp_path):
