@@ -338,14 +338,19 @@ def test_a_job_that_cannot_start_is_failed_and_the_queue_goes_on(tmp_path, procs
     (state / "blocked.json").write_text(json.dumps(record))
     name = f"d{os.getpid()}-next"
     daemon = _start_daemon(procs, daemon_env)
-    finish(procs.gadei("submit", _jobfile(tmp_path, name, epochs=50), env=daemon_env))
-    jobs = wait_for(lambda: (lambda j: j[name]["state"] != "queued" and j)(_jobs(procs, daemon_env)), 60,
-                    "the second job to start")
-    assert jobs["blocked"]["state"] == "failed"
-    assert jobs["blocked"]["message"] == f"could not start: output folder {blocked} is not a folder"
-    assert jobs[name]["state"] == "running"
-    finish(procs.gadei("cancel", name, env=daemon_env))
-    wait_for(lambda: _jobs(procs, daemon_env)[name]["pid"] == 0, 120, "the cancelled job to end")
+    path = _sock(daemon_env)
+
+    def jobs() -> dict:
+        return {j["name"]: j for j in request(path, {"op": "status", "job": None}, timeout=10)["jobs"]}
+
+    submitted = request(path, {"op": "submit", "jobfile": str(_jobfile(tmp_path, name, epochs=50))}, timeout=60)
+    assert submitted["ok"], submitted
+    now = wait_for(lambda: (lambda j: j[name]["state"] != "queued" and j)(jobs()), 60, "the second job to start")
+    assert now["blocked"]["state"] == "failed"
+    assert now["blocked"]["message"] == f"could not start: output folder {blocked} is not a folder"
+    assert now[name]["state"] == "running"
+    assert request(path, {"op": "cancel", "job": name}, timeout=10)["ok"]
+    wait_for(lambda: jobs()[name]["pid"] == 0, 120, "the cancelled job to end")
     finish(procs.gadei("daemon", "stop", env=daemon_env))
     communicate(daemon, 30)
     _no_traceback(daemon)
