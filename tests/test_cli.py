@@ -221,6 +221,7 @@ def test_predict_needs_only_the_output_folder_and_names_a_bad_model_file(procs, 
     """A run folder handed to someone else (its training data gone) still predicts; a crafted,
     truncated or random model.pt is an error that names the file, never a traceback."""
     import pickle
+    import random
 
     folder, data = _run_folder(tmp_path)
     data.unlink()
@@ -237,7 +238,9 @@ def test_predict_needs_only_the_output_folder_and_names_a_bad_model_file(procs, 
     crafted = {"global": lambda: torch.save({"x": Evil()}, model),
                "pickle": lambda: model.write_bytes(pickle.dumps(Evil())),
                "truncated": lambda: model.write_bytes(good[: len(good) // 2]),
-               "random": lambda: model.write_bytes(os.urandom(4096)),
+               **{f"random {seed}": lambda seed=seed: model.write_bytes(random.Random(seed).randbytes(4096))
+                  for seed in range(20)},
+               "random pickle-ish": lambda: model.write_bytes(b"\x80\x02" + random.Random(1).randbytes(4096)),
                "empty": lambda: model.write_bytes(b""),
                "not tensors": lambda: torch.save({"x": 1}, model),
                "other shapes": lambda: torch.save({"embedding.weight": torch.zeros(2, 2)}, model)}
