@@ -492,10 +492,25 @@ class _Loop:
     connection, a bounded number of them; complete requests go to a small pool of threads,
     whose answers come back through a socket pair that wakes the loop."""
 
+    WARN_EVERY = 60.0  # seconds between two warnings of one kind: a flood of bad clients must not flood the log
+
     def __init__(self, daemon: Daemon, listener: socket.socket):
         self.daemon, self.listener = daemon, listener
         self.selector = selectors.DefaultSelector()
         self.conns: dict[int, _Conn] = {}  # fd -> connection, oldest first
+        self._warned: dict[str, list] = {}  # message -> [time of the last warning, warnings held back since]
+
+    def _warn(self, message: str, *args) -> None:
+        """log.warning, at most once every WARN_EVERY seconds per message; the next one says how
+        many were held back."""
+        now = time.monotonic()
+        last = self._warned.setdefault(message, [-self.WARN_EVERY, 0])
+        if now - last[0] < self.WARN_EVERY:
+            last[1] += 1
+            return
+        held = f" ({last[1]} more like it in the last {now - last[0]:.0f} s)" if last[1] else ""
+        last[0], last[1] = now, 0
+        log.warning(message + held, *args)
 
     def run(self) -> None:
         d = self.daemon
@@ -528,7 +543,7 @@ class _Loop:
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as err:  # e.g. EMFILE: the rest wait in the backlog
-                log.warning("cannot accept a connection: %s", err)
+                self._warn("cannot accept a connection: %s", err)
                 return
             sock.setblocking(False)
             if len(self.conns) >= MAX_CONNECTIONS:
@@ -541,7 +556,7 @@ class _Loop:
         """Make room: close the connection that waited longest without sending its request."""
         for conn in self.conns.values():
             if conn.waiting and not conn.outbox:
-                log.warning("%d connections open: closing the oldest idle one (pid %d, %.1f s without a request)",
+                self._warn("%d connections open: closing the oldest idle one (pid %d, %.1f s without a request)",
                             len(self.conns), conn.pid, time.monotonic() - conn.accepted)
                 self._close(conn)
                 return
@@ -568,12 +583,12 @@ class _Loop:
         self.selector.unregister(conn.sock)
         conn.waiting = False
         if end < 0 or end > MAX_REQUEST:
-            log.warning("pid %d sent a request of over %d bytes: refused", conn.pid, MAX_REQUEST)
+            self._warn("pid %d sent a request of over %d bytes: refused", conn.pid, MAX_REQUEST)
             self._reply(conn, {"ok": False, "error": f"request: over {MAX_REQUEST:,} bytes without a newline; a "
                                "request is one JSON object on one line"})
             return
         if conn.uid != os.getuid():
-            log.warning("refused a request from uid %d (pid %d)", conn.uid, conn.pid)
+            self._warn("refused a request from uid %d (pid %d)", conn.uid, conn.pid)
             self._reply(conn, {"ok": False, "error": f"this gadei daemon serves uid {os.getuid()} only; a request "
                                f"from uid {conn.uid} is refused"})
             return
@@ -648,13 +663,13 @@ class _Loop:
         now = time.monotonic()
         for conn in [c for c in self.conns.values() if c.deadline <= now]:
             if conn.waiting:
-                log.warning("pid %d sent no complete request within %g s: closed", conn.pid, REQUEST_TIMEOUT)
+                self._warn("pid %d sent no complete request within %g s: closed", conn.pid, REQUEST_TIMEOUT)
                 self.selector.unregister(conn.sock)
                 self._reply(conn, {"ok": False, "error": f"request: not complete within {REQUEST_TIMEOUT:g} s"})
                 if conn.sock.fileno() in self.conns and conn.outbox:  # it does not read: do not wait for it
                     self._close(conn)
             else:
-                log.warning("pid %d did not take its answer within %g s: closed", conn.pid, REQUEST_TIMEOUT)
+                self._warn("pid %d did not take its answer within %g s: closed", conn.pid, REQUEST_TIMEOUT)
                 self._close(conn)
 
     def _close(self, conn: _Conn) -> None:
