@@ -386,15 +386,23 @@ def _daemon_jobs(job: str | None) -> list[dict]:
 
     try:
         answer = request(socket_path(), {"op": "status", "job": job}, timeout=5)
-    except (OSError, ValueError):
+    except (OSError, ValueError, GadeiError):  # no daemon, a stopped one (timeout), or one that hung up
         return []
     return answer.get("jobs", []) if answer.get("ok") else []
 
 
 def cmd_daemon(args) -> int:
-    from .daemon import Daemon
+    from . import daemon
 
-    Daemon(max_jobs=args.max_jobs).serve_forever()
+    if args.action == "stop":
+        pid = daemon.stop(timeout=args.timeout)
+        print(f"gadei: daemon (pid {pid}) stopped; running jobs go on and the next daemon finds them",
+              file=sys.stderr)
+        return 0
+    if args.action == "systemd-unit":
+        print(daemon.systemd_unit(), end="")
+        return 0
+    daemon.Daemon(max_jobs=args.max_jobs).serve_forever()
     return 0
 
 
@@ -633,8 +641,14 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Accept job files from `gadei submit` on a Unix socket in this user's runtime "
                        "folder (mode 0600; another user's request is refused by its peer uid), queue them and run up "
                        "to --max-jobs at once with `gadei run`. Job records are kept on disk: a restarted daemon "
-                       "knows every job's state and output, and finds jobs that ran on without it.")
+                       "knows every job's state and output, and finds jobs that ran on without it. One daemon per "
+                       "state folder (a lock). See docs/daemon.md.")
+    p.add_argument("action", nargs="?", choices=("run", "stop", "systemd-unit"), default="run",
+                   help="run: serve in the foreground until `gadei daemon stop`, SIGTERM or Ctrl-C (default); "
+                   "stop: stop the running daemon and wait until it has; systemd-unit: print a systemd user unit "
+                   "that runs it")
     p.add_argument("--max-jobs", type=int, default=1, help="jobs run at once (default 1)")
+    p.add_argument("--timeout", type=float, default=30.0, help="stop: seconds to wait for it (default 30)")
     p.set_defaults(func=cmd_daemon)
 
     p = sub.add_parser("submit", help="queue a job file with the daemon (checked first)")

@@ -32,6 +32,8 @@ validated `Job` before anything starts.
 
     [output]
     folder = "runs/trec"          # default: runs/<name> next to the job file
+    private = true                # the folder 0700 and its files 0600 whatever the umask (default);
+                                  # false: as the umask of `gadei run` (or of the daemon) makes them
 
     [bridge]                      # optional: under `mpiexec -n NODES gadei run`, join the nodes' jobs
     strategy = "average"          # average, elastic, gossip (see gadei.bridge)
@@ -128,6 +130,7 @@ class Job:
     train: Train = field(default_factory=Train)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     output: Path = Path("runs")
+    private: bool = True  # [output] private: the output folder 0700 and its files 0600, whatever the umask
     bridge: Bridge | None = None  # None: the job runs on one node
     path: Path | None = None
 
@@ -197,7 +200,7 @@ class Job:
             "data": asdict(self.data),
             "train": asdict(self.train),
             "checkpoint": asdict(self.checkpoint),
-            "output": {"folder": self.output},
+            "output": {"folder": self.output, "private": self.private},
         }
         if self.bridge is not None:
             sections["bridge"] = asdict(self.bridge)
@@ -240,15 +243,16 @@ _SCHEMA = {
               "lr": ("positive_float", False), "epochs": ("positive_int", False), "seed": ("seed", False),
               "devices": ("devices", False)},
     "checkpoint": {"interval": ("positive_float", False), "keep": ("positive_int", False)},
-    "output": {"folder": ("text", False)},
+    "output": {"folder": ("text", False), "private": ("bool", False)},
     "bridge": {"strategy": ("strategy", False), "interval": ("positive_int", False), "every": ("positive_float", False),
                "alpha": ("rate", False), "bucket_mb": ("bucket", False), "float16": ("bool", False),
                "timeout": ("positive_float", False), "node_lr": ("positive_float", False)},
 }
 
 
-def load(path: str | os.PathLike) -> Job:
-    """Parse and check the job file at `path`.
+def load(path: str | os.PathLike, *, data_files: bool = True) -> Job:
+    """Parse and check the job file at `path`; `data_files`: also that its data files exist
+    (a run folder's job.toml is read without them by `gadei predict`).
 
     Raises:
         JobFileError: the file is missing or not TOML, or a section, key or value is not
@@ -256,18 +260,39 @@ def load(path: str | os.PathLike) -> Job:
     """
     path = Path(path).resolve()
     try:
-        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+        raw = tomllib.loads(_read_job_file(path).decode("utf-8"))
     except OSError as err:
         raise JobFileError(f"job file {str(path)!r}: {err.strerror}") from None
     except UnicodeDecodeError as err:
         raise JobFileError(f"job file {path}: not UTF-8 text (byte {err.start})") from None
     except tomllib.TOMLDecodeError as err:
         raise JobFileError(f"job file {path}: not valid TOML: {err}") from None
-    return parse(raw, path)
+    return parse(raw, path, data_files=data_files)
 
 
-def parse(raw: dict, path: Path) -> Job:
-    """Check a parsed job file (`path` names it in errors and anchors relative paths)."""
+MAX_JOB_FILE = 1 << 20  # bytes: a job file names its data, it does not hold it
+
+
+def _read_job_file(path: Path) -> bytes:
+    """The bytes of the job file at `path`: a regular file of at most MAX_JOB_FILE bytes (a
+    device such as /dev/zero, a FIFO or a huge file is refused, never read without end)."""
+    import stat
+
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO must not block the open
+    with open(fd, "rb") as handle:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise JobFileError(f"job file {str(path)!r}: not a regular file")
+        data = handle.read(MAX_JOB_FILE + 1)
+    if len(data) > MAX_JOB_FILE:
+        raise JobFileError(f"job file {str(path)!r}: {info.st_size:,} bytes, more than a job file may be "
+                           f"({MAX_JOB_FILE:,}); it names its data files, it does not hold them")
+    return data
+
+
+def parse(raw: dict, path: Path, *, data_files: bool = True) -> Job:
+    """Check a parsed job file (`path` names it in errors and anchors relative paths);
+    `data_files`: also that its data files exist."""
     where = path.name
     for section in raw:
         if section not in _SCHEMA:
@@ -299,7 +324,8 @@ def parse(raw: dict, path: Path) -> Job:
         raise JobFileError(f"{where}: [data] format = {data['format']!r}: workload {job['workload']!r} reads "
                            f"{'numeric feature vectors' if numeric else 'text'}; allowed: {', '.join(allowed)}")
     _check_columns(where, data, numeric)
-    _check_data_files(where, data)
+    if data_files:
+        _check_data_files(where, data)
     train = values["train"]
     if train.get("optimizer") == "adagrad" and train.get("mode") == "elastic":
         raise JobFileError(f"{where}: [train] optimizer = 'adagrad' with mode = 'elastic': elastic learners take "
@@ -308,7 +334,8 @@ def parse(raw: dict, path: Path) -> Job:
     output = values["output"].get("folder")
     output = _absolute(output, path.parent) if output else path.parent / "runs" / job["name"]
     return Job(name=job["name"], workload=job["workload"], data=Data(**data), train=Train(**values["train"]),
-               checkpoint=Checkpoint(**values["checkpoint"]), output=output, bridge=bridge, path=path)
+               checkpoint=Checkpoint(**values["checkpoint"]), output=output,
+               private=values["output"].get("private", True), bridge=bridge, path=path)
 
 
 def _check_bridge(where: str, raw: dict, given: dict, train: dict) -> Bridge | None:

@@ -12,6 +12,7 @@ count, gradient dtype). A region whose server process is gone is a leftover: `se
 refuses to reuse it unless told to replace it, and `gadei clean` removes it.
 """
 
+import errno
 import json
 import logging
 import mmap
@@ -156,9 +157,27 @@ class _Opened:
     inode: int
 
 
+class _SymlinkSquat(ForeignRegion):
+    """The region's name in SHM_DIR is a symbolic link (shm_open never follows one)."""
+
+    def __init__(self, path: str, problem: str, uid: int):
+        super().__init__(f"{path}: {problem}")
+        self.problem, self.uid = problem, uid
+
+
 def _open(name: str, readonly: bool) -> _Opened:
     try:
         shm = posix_ipc.SharedMemory(name, read_only=readonly)
+    except OSError as err:  # shm_open opens with O_NOFOLLOW: ELOOP is a symbolic link in the region's place
+        if err.errno != errno.ELOOP:
+            raise
+        path = os.path.join(SHM_DIR, name.lstrip("/"))
+        try:
+            info, target = os.lstat(path), os.readlink(path)
+        except OSError:
+            raise _SymlinkSquat(path, "it is a symbolic link, which gadei never follows", -1) from None
+        raise _SymlinkSquat(path, f"it is a symbolic link (to {target!r}) made by {_user(info.st_uid)}, which gadei "
+                            "never follows", info.st_uid) from None
     except posix_ipc.PermissionsError as err:
         path = os.path.join(SHM_DIR, name.lstrip("/"))
         try:
@@ -347,7 +366,7 @@ class Region:
                     f"not running; remove it with `gadei clean {job}` or serve with --replace"
                 )
             else:
-                raise ForeignRegion(f"job {job!r}: {name} exists but {found.problem}; remove it with `gadei clean --force {job}`")
+                check_name_free(job, found)
         lay = layout(shape)
         started = _proc.start_time()
         try:
@@ -563,6 +582,8 @@ def inspect(job: str) -> Found | None:
         return None
     except ForeignOwner as err:
         return Found(job, "other-user", problem=str(err))
+    except _SymlinkSquat as err:
+        return Found(job, "foreign" if err.uid == os.geteuid() else "other-user", problem=err.problem)
     try:
         if opened.uid != os.geteuid():
             return Found(job, "other-user", problem=f"it belongs to {_user(opened.uid)}", size=opened.size)
@@ -581,6 +602,26 @@ def inspect(job: str) -> Found | None:
         return Found(job, state, server_pid=h["server_pid"], size=opened.size)
     finally:
         opened.shm.close_fd()
+
+
+def check_name_free(job: str, found: "Found | None" = None) -> None:
+    """Refuse a job name that another user's object, or an object that is not a gadei region,
+    holds in SHM_DIR (a squatted name): `gadei run` and `gadei submit` ask before anything
+    starts, `Region.create` again at creation. `found`: what `inspect` already found.
+
+    Raises:
+        ForeignOwner: another user's object (or symbolic link) holds the name; the message names them.
+        ForeignRegion: an object of ours that is not a gadei region (or a symbolic link) holds it.
+    """
+    found = found if found is not None else inspect(job)
+    if found is None or found.state not in ("other-user", "foreign"):
+        return
+    path = f"{SHM_DIR}/{PREFIX}{job}"
+    if found.state == "other-user":
+        raise ForeignOwner(f"job {job!r}: {path} is not yours: {found.problem}; you are {_user(os.geteuid())}, "
+                           "so this job name cannot be used on this machine: give the job another name (or ask "
+                           "that user, or root, to remove it)")
+    raise ForeignRegion(f"job {job!r}: {path} exists but {found.problem}; remove it with `gadei clean --force {job}`")
 
 
 def remove(job: str) -> None:

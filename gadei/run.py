@@ -29,11 +29,15 @@ once its job serves, and learner i trains shard rank*L + i of NODES*L.
 
 import json
 import logging
+import os
+import pickle
+import re
 import shlex
 import signal
 import subprocess
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,8 +77,11 @@ class _Prepared:
 
 def _prepare(job: jobfile.Job, resume: bool, node: "_Node | None") -> _Prepared:
     """Everything that can be refused, before anything starts; the output folder's job.toml and maps."""
+    from .region import check_name_free
+
     if node is not None:
         job = job.for_node(node.rank, node.size)
+    check_name_free(job.name)  # another user's (or a foreign) object in the region's place: say whose, now
     read: list = []
     train, test = jobfile.load_data(job, read)
     job, chosen = job.with_defaults(len(train))
@@ -85,6 +92,7 @@ def _prepare(job: jobfile.Job, resume: bool, node: "_Node | None") -> _Prepared:
     elif (out / "checkpoints").is_dir() and any((out / "checkpoints").iterdir()):
         raise GadeiError(f"output folder {out} holds a previous run (checkpoints/); go on with it with "
                          "`gadei run --resume`, or set another [output] folder, or remove that one")
+    _output_modes(job)
     (out / "logs").mkdir(parents=True, exist_ok=True)
     (out / "job.toml").write_text(job.to_toml())
     (out / "labels.json").write_text(json.dumps(train.label_names, ensure_ascii=False))
@@ -97,6 +105,38 @@ def _prepare(job: jobfile.Job, resume: bool, node: "_Node | None") -> _Prepared:
         (out / "node.json").write_text(json.dumps({"node": node.rank, "nodes": node.size,
                                                    "shards": node.shards(job.train.learners)}) + "\n")
     return _Prepared(job, train, test, chosen, read, found)
+
+
+def _output_modes(job: jobfile.Job) -> None:
+    """Make the output folder private ([output] private, the default): this process and every
+    process it starts (server, watchdog, learners: the model, checkpoints, logs, metrics) create
+    files 0600 and folders 0700 whatever the umask it was given, and what an earlier run or
+    the daemon left there (logs/run.log) is closed the same way. With private = false the
+    umask decides, and what the daemon created private is opened up to it."""
+    import stat
+
+    out = job.output
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
+        raise GadeiError(f"output folder {out} is not a folder" + (" (a symbolic link)" if out.is_symlink() else ""))
+    if job.private:
+        os.umask(0o077)
+        dir_mode, file_mode = 0o700, 0o600
+    else:
+        mask = os.umask(0o077)
+        os.umask(mask)
+        dir_mode, file_mode = 0o777 & ~mask, 0o666 & ~mask
+    out.mkdir(parents=True, exist_ok=True)
+    if out.stat().st_uid != os.geteuid():
+        raise GadeiError(f"output folder {out} belongs to uid {out.stat().st_uid}, not to you (uid {os.geteuid()})")
+    folders = [out] + [p for p in (out / "logs", out / "checkpoints") if p.is_dir() and not p.is_symlink()]
+    for folder in folders:
+        os.chmod(folder, dir_mode)
+        if folder == out and not job.private:
+            continue  # an earlier private run's files stay as they were
+        for entry in folder.iterdir():
+            info = entry.lstat()
+            if stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid():
+                os.chmod(entry, file_mode if job.private else (stat.S_IMODE(info.st_mode) | file_mode))
 
 
 def _run(prepared: _Prepared, quiet: bool, node: "_Node | None" = None) -> int:
@@ -561,16 +601,18 @@ def predict(run_dir: str, text: str, top: int = 3) -> list[tuple[str, float]]:
 
     folder = Path(run_dir)
     try:
-        job = jobfile.load(folder / "job.toml")
-        labels = json.loads((folder / "labels.json").read_text())
-        state = torch.load(folder / "model.pt", weights_only=True)
+        job = jobfile.load(folder / "job.toml", data_files=False)  # the folder alone: its data may be gone
+        labels = _read_json(folder / "labels.json")
+        state = _load_model(folder / "model.pt")
         workload = get(job.workload)
         if workload.kind == "numeric":
-            stats = json.loads((folder / "features.json").read_text())
+            stats = _read_json(folder / "features.json")
         else:
-            vocab = Vocab.from_json(json.loads((folder / "vocab.json").read_text()))
+            vocab = Vocab.from_json(_read_json(folder / "vocab.json"))
     except FileNotFoundError as err:
         raise GadeiError(f"{run_dir} is not a finished `gadei run` folder: {err.filename} is missing") from None
+    except (KeyError, TypeError, AttributeError) as err:
+        raise GadeiError(f"{run_dir}: its label or vocabulary map is not one `gadei run` wrote ({err!r})") from None
     if workload.kind == "numeric":
         try:
             values = np.array([float(v) for v in text.replace(",", " ").split()], dtype=np.float64)
@@ -584,9 +626,52 @@ def predict(run_dir: str, text: str, top: int = 3) -> list[tuple[str, float]]:
         model = workload.build_from_maps(len(vocab), len(labels), job.train.seed)
         ids = vocab.encode(tokenize(text)) or [vocab.encode(["<unk>"])[0]]
         x = torch.tensor([ids + [0] * max(0, getattr(model, "min_len", 1) - len(ids))])  # the widest filter
-    model.load_state_dict(state)
+    try:
+        model.load_state_dict(state)
+    except (RuntimeError, TypeError, AttributeError) as err:
+        raise GadeiError(f"{folder / 'model.pt'}: does not fit the {job.workload} model of {folder / 'job.toml'}, "
+                         f"labels.json and the vocabulary: {_first_lines(str(err))}") from None
     model.eval()
     with torch.no_grad():
         probs = torch.softmax(model(x), dim=-1)[0]
     best = torch.topk(probs, min(top, len(labels)))
     return [(labels[i], float(p)) for p, i in zip(best.values.tolist(), best.indices.tolist())]
+
+
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as err:
+        raise GadeiError(f"{path}: not the JSON `gadei run` wrote ({err})") from None
+
+
+def _first_lines(text: str, limit: int = 300) -> str:
+    joined = " ".join(l.strip() for l in text.splitlines()[:3] if l.strip())
+    return joined if len(joined) <= limit else joined[: limit - 3] + "..."
+
+
+def _load_model(path: Path) -> dict:
+    """The state dict in `path`, read as plain tensors only (`weights_only`: a pickled object
+    that names code is refused, never run)."""
+    import torch
+
+    try:
+        with warnings.catch_warnings():  # torch warns about old pickle protocols before refusing them
+            warnings.simplefilter("ignore")
+            state = torch.load(path, weights_only=True, map_location="cpu")
+    except FileNotFoundError:
+        raise
+    except Exception as err:  # any bytes may be handed to us: whatever torch's reader trips on is the file's fault
+        text = str(err)
+        named = re.search(r"(?:Unsupported global: GLOBAL|unsupported GLOBAL) ([\w.]+)", text)
+        if named:  # torch's own message goes on to suggest weights_only=False: not advice to print
+            why = f"it names code ({named.group(1)}), which a model file never does; refused, nothing was run"
+        elif isinstance(err, pickle.UnpicklingError):
+            why = "it is not a pickle of tensors that PyTorch reads without running code"
+        else:
+            why = _first_lines(text) or type(err).__name__
+        raise GadeiError(f"{path}: not a model file gadei wrote (a PyTorch state dict of tensors): {why}") from None
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise GadeiError(f"{path}: not a model file gadei wrote: it holds a {type(state).__name__}, not a state "
+                         "dict of tensors")
+    return state

@@ -212,6 +212,15 @@ def rates(before: JobStatus, after: JobStatus) -> Rates:
     return Rates(dt, updates, (after.applied_bytes - before.applied_bytes) / dt, pushes, samples)
 
 
+def _option(name: str, value) -> str:
+    """`, momentum 0.9`, `, optimizer adagrad`, `, stale_lr on`: one option for the status line."""
+    if isinstance(value, bool):
+        return f", {name} {'on' if value else 'off'}"
+    if isinstance(value, (int, float)):
+        return f", {name} {value:g}"
+    return f", {name} {value}"
+
+
 def format_table(status: JobStatus, rate: Rates | None) -> str:
     """The human-readable status of one job."""
     server = f"pid {status.server_pid} " + ("alive" if status.server_alive else "GONE")
@@ -221,7 +230,7 @@ def format_table(status: JobStatus, rate: Rates | None) -> str:
     transport = status.grad_dtype + (f" + {status.row_sparse_tables} row-sparse tables" if status.row_sparse_tables else "")
     lines = [
         f"job {status.job}: {status.run_state}; server {server}; mode {status.mode}, lr {status.lr:g}"
-        + "".join(f", {k} {v:g}" for k, v in options.items()) + f"; {status.threads} kernel threads",
+        + "".join(_option(k, v) for k, v in options.items()) + f"; {status.threads} kernel threads",
         f"  weights: {status.n_params:,} parameters ({status.n_params * 4 / 1e6:.1f} MB), {transport} gradients, "
         f"version {status.version:,}, {status.applied:,} gradients applied"
         + (f", {rate.updates:,.1f} updates/s, {rate.bytes / 1e9:.2f} GB/s of gradients" if rate else ""),

@@ -157,3 +157,193 @@ def test_bench_kernel_reports_sgd_and_adagrad_against_torch(procs, tmp_path):
     for rows, methods in ((kernel["rows"], {"gadei", "plain_c", "torch_add_"}), (kernel["adagrad"], {"gadei", "torch_fused"})):
         assert [(r["size_mb"], r["threads"]) for r in rows] == [(s, t) for s in (1, 16, 64) for t in threads]
         assert all(set(r["gb_per_s"]) == methods and min(r["gb_per_s"].values()) > 0 for r in rows)
+
+
+def test_status_shows_every_mode_and_optimizer(procs):
+    """The status of a job of every mode and optimizer (adagrad, the job files' default, failed
+    with "Unknown format code 'g'"), with the sgd options that show; `gadei status JOB` itself
+    for an adagrad job."""
+    import uuid
+
+    from gadei import status
+    from gadei.region import Region
+    from gadei.server import Server
+
+    cases = {"async-adagrad": dict(mode="async", optimizer="adagrad"),
+             "consistent-adagrad": dict(mode="consistent", optimizer="adagrad"),
+             "sync-adagrad": dict(mode="sync", optimizer="adagrad"),
+             "async-sgd": dict(mode="async", momentum=0.9, stale_lr=True, stale_bound=8),
+             "consistent-sgd": dict(mode="consistent"),
+             "sync-sgd": dict(mode="sync", drop_after=5.0),
+             "elastic-sgd": dict(mode="elastic", alpha=0.2, tau=3)}
+    tag = uuid.uuid4().hex[:8]
+    servers = {}
+    try:
+        for case, options in cases.items():
+            servers[case] = Server(f"test-{tag}-{case}", n_params=100, threads=1, **options)
+        shown = {}
+        for case, server in servers.items():
+            with Region.attach(server.region.job, readonly=True) as region:
+                shown[case] = status.format_table(status.read(region), None).splitlines()[0]
+            assert f"mode {cases[case]['mode']}, lr 0.01" in shown[case], shown[case]
+        for case in ("async-adagrad", "consistent-adagrad", "sync-adagrad"):
+            assert ", optimizer adagrad" in shown[case], shown[case]
+        assert "momentum 0.9, stale_lr on, stale_bound 8;" in shown["async-sgd"], shown["async-sgd"]
+        assert "drop_after 5;" in shown["sync-sgd"] and "alpha 0.2, tau 3;" in shown["elastic-sgd"], shown
+        out, err = finish(procs.gadei("status", f"test-{tag}-async-adagrad", "--interval", "0.05"))
+        assert "mode async, lr 0.01, optimizer adagrad;" in out and "Traceback" not in err, out + err
+    finally:
+        for server in servers.values():
+            server.close()
+
+
+def _run_folder(tmp_path):
+    """A `gadei run` output folder as the run leaves it (job.toml, maps, model.pt of the initial
+    weights), for a small CSV data set; (folder, the data file)."""
+    from gadei import jobfile
+    from gadei.run import _prepare
+    from gadei_workloads import get
+
+    data = tmp_path / "data.csv"
+    rows = ["text,label"] + [f"how many {w} are there,NUM" for w in ("cats", "dogs", "cars")] + \
+        [f"who is the {w},HUM" for w in ("king", "queen", "boss")]
+    data.write_text("\n".join(rows) + "\n")
+    path = tmp_path / "job.toml"
+    path.write_text(f'[job]\nname = "p"\nworkload = "textcnn"\n[data]\ntrain = "{data}"\nformat = "csv"\n'
+                    f'holdout = 0.3\n[output]\nfolder = "{tmp_path / "out"}"\n')
+    prepared = _prepare(jobfile.load(path), False, None)
+    model = get("textcnn").build_model(prepared.train, prepared.job.train.seed)
+    torch.save(model.state_dict(), tmp_path / "out" / "model.pt")
+    return tmp_path / "out", data
+
+
+def test_predict_needs_only_the_output_folder_and_names_a_bad_model_file(procs, tmp_path, capsys):
+    """A run folder handed to someone else (its training data gone) still predicts; a crafted,
+    truncated or random model.pt is an error that names the file, never a traceback."""
+    import pickle
+    import random
+
+    folder, data = _run_folder(tmp_path)
+    data.unlink()
+    out, _ = finish(procs.gadei("predict", folder, "how many birds", "--top", 2))
+    assert sorted(line.split()[-1] for line in out.splitlines()) == ["HUM", "NUM"], out
+
+    model = folder / "model.pt"
+    good = model.read_bytes()
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("echo owned",))
+
+    crafted = {"global": lambda: torch.save({"x": Evil()}, model),
+               "pickle": lambda: model.write_bytes(pickle.dumps(Evil())),
+               "truncated": lambda: model.write_bytes(good[: len(good) // 2]),
+               **{f"random {seed}": lambda seed=seed: model.write_bytes(random.Random(seed).randbytes(4096))
+                  for seed in range(20)},
+               "random pickle-ish": lambda: model.write_bytes(b"\x80\x02" + random.Random(1).randbytes(4096)),
+               "empty": lambda: model.write_bytes(b""),
+               "not tensors": lambda: torch.save({"x": 1}, model),
+               "other shapes": lambda: torch.save({"embedding.weight": torch.zeros(2, 2)}, model)}
+    from gadei.cli import main
+
+    for case, write in crafted.items():
+        write()
+        if case == "global":  # a process of its own: nothing it names may run
+            predicted = procs.gadei("predict", folder, "how many birds")
+            out, err = communicate(predicted, 60)
+            code = predicted.returncode
+        else:
+            code = main(["predict", str(folder), "how many birds"])
+            out, err = capsys.readouterr()
+        assert code == 2 and "Traceback" not in err and "owned" not in out, (case, err)
+        assert f"gadei: error: {model}: " in err and "weights_only" not in err, (case, err)
+        if case == "global":
+            assert "it names code (" in err and "nothing was run" in err, err
+
+
+def _tiny_job(tmp_path, name: str, extra: str = "") -> "os.PathLike":
+    data = tmp_path / "tiny.csv"
+    rows = ["text,label"] + [f"how many {w} are there,NUM" for w in ("cats", "dogs", "cars", "ants")] + \
+        [f"who is the {w},HUM" for w in ("king", "queen", "boss", "chef")]
+    data.write_text("\n".join(rows) + "\n")
+    path = tmp_path / f"{name}.toml"
+    path.write_text(f'[job]\nname = "{name}"\nworkload = "textcnn"\n[data]\ntrain = "{data}"\nformat = "csv"\n'
+                    f'holdout = 0.25\n[train]\nlearners = 1\nepochs = 2\n[checkpoint]\ninterval = 0.5\n'
+                    f'[output]\nfolder = "{tmp_path / name}"\n{extra}')
+    return path
+
+
+def _modes(folder) -> dict[str, int]:
+    return {str(p.relative_to(folder)): p.stat().st_mode & 0o777 for p in [folder, *folder.rglob("*")]}
+
+
+def test_run_outputs_are_private_whatever_the_umask(procs, tmp_path, job):
+    """Under a umask of 022 the output folder, model, checkpoints, logs and metrics of a run
+    are still 0700/0600 (another local user read them all); [output] private = false leaves
+    them to the umask."""
+    old = os.umask(0o022)
+    try:
+        run = procs.gadei("run", _tiny_job(tmp_path, job), "--quiet")
+        finish(run, 300)
+    finally:
+        os.umask(old)
+    modes = _modes(tmp_path / job)
+    for name in ("model.pt", "job.toml", "labels.json", "vocab.json", "metrics.jsonl", "result.json",
+                 "logs/serve.log", "logs/learner-0.log"):
+        assert modes.pop(name) == 0o600, name
+    assert any(name.startswith("checkpoints/") for name in modes)
+    assert all(mode == (0o700 if (tmp_path / job / name).is_dir() else 0o600) for name, mode in modes.items()), modes
+
+    from gadei import jobfile
+    from gadei.run import _output_modes
+
+    (tmp_path / "open" / "logs").mkdir(parents=True, mode=0o700)
+    (tmp_path / "open" / "logs" / "run.log").touch(mode=0o600)  # as the daemon leaves them
+    old = os.umask(0o022)
+    try:
+        _output_modes(jobfile.load(_tiny_job(tmp_path, "open", "private = false\n")))
+    finally:
+        os.umask(old)
+    assert _modes(tmp_path / "open") == {".": 0o755, "logs": 0o755, "logs/run.log": 0o644}
+
+
+def test_a_squatted_region_name_is_a_clear_error_naming_its_owner(procs, tmp_path, job):
+    """Another user's object, or a symbolic link, in /dev/shm under the job's region name: `gadei
+    run` refuses before anything starts and `gadei serve`, `learn` and `status` say whose it is,
+    in one line each; a link is never followed."""
+    import pytest
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root to make an object of another user")
+    path = f"/dev/shm/gadei-{job}"
+    target = tmp_path / "target"
+    cases = [("object", "belongs to uid 65534 (nobody)"),
+             ("link", f"it is a symbolic link (to '{target}') made by uid 65534"),
+             ("own link", f"it is a symbolic link (to '{target}') made by uid 0")]
+    jobfile = _tiny_job(tmp_path, job)
+    try:
+        for case, message in cases:
+            if case == "object":
+                with open(path, "w"):
+                    pass
+            else:
+                os.symlink(target, path)
+            os.lchown(path, 0 if case == "own link" else 65534, 0 if case == "own link" else 65534)
+            commands = {"object": [("run", jobfile), ("serve", job, "--params", 10), ("status", job)],
+                        "link": [("run", jobfile), ("learn", job)],
+                        "own link": [("serve", job, "--params", 10)]}[case]
+            started = [procs.gadei(*args) for args in commands]
+            for args, proc in zip(commands, started):
+                out, err = communicate(proc, 120)
+                assert "Traceback" not in err, (case, args, err)
+                if args[0] == "status":
+                    assert proc.returncode == 0 and message in out, (case, out)
+                    continue
+                assert proc.returncode == 2 and message in err, (case, args, err)
+                if args[0] in ("run", "serve"):
+                    assert ("cannot be used on this machine" if case != "own link" else "gadei clean --force") in err
+            assert not target.exists() and not (tmp_path / job).exists()  # nothing followed the link, nothing ran
+            os.unlink(path)
+    finally:
+        if os.path.lexists(path):
+            os.unlink(path)

@@ -1,17 +1,24 @@
 """The daemon with real processes: submit, status, cancel, a restarted daemon that still knows
 every job, a bad job file refused at submit, and another user's request refused by its uid."""
 
+import concurrent.futures
 import json
 import os
 import shutil
+import signal
+import socket
+import subprocess
 import tempfile
 import textwrap
+import threading
+import time
 
 import psutil
 import pytest
 
 from conftest import communicate, data_dir, finish, trec_job, wait_for
 from gadei import checkpoint
+from gadei.daemon import request
 from gadei.region import inspect
 
 
@@ -135,3 +142,249 @@ def _refused(tmp_path, procs, daemon_env):
     daemon.terminate()
     _, err = communicate(daemon, 60)
     assert "refused a request from uid 65534" in err
+
+
+# ------------------------------------------------------------------ abuse of the protocol
+
+
+def _sock(env) -> str:
+    return os.path.join(env["GADEI_RUNTIME_DIR"], "daemon.sock")
+
+
+def _raw(path: str, payload: bytes, timeout: float = 30.0, pace: float = 0.0) -> dict | None:
+    """Send `payload` as is (byte by byte every `pace` seconds when given) and read the one answer
+    line; None when the daemon closed the connection without one."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout)
+        s.connect(path)
+        try:
+            if pace:
+                for i in range(len(payload)):
+                    s.sendall(payload[i : i + 1])
+                    time.sleep(pace)
+            else:
+                s.sendall(payload)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the daemon stopped reading (too long): its answer is waiting
+        data = b""
+        try:
+            while not data.endswith(b"\n"):
+                chunk = s.recv(65536)
+                if not chunk:
+                    break
+                data += chunk
+        except (ConnectionResetError, socket.timeout):
+            pass
+    return json.loads(data) if data.endswith(b"\n") else None
+
+
+class _Peak:
+    """The largest RSS and thread count of a process, sampled every 20 ms in a thread."""
+
+    def __init__(self, pid: int):
+        self.proc, self.rss, self.threads = psutil.Process(pid), 0, 0
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self):
+        while not self._done.is_set():
+            try:
+                self.rss = max(self.rss, self.proc.memory_info().rss)
+                self.threads = max(self.threads, self.proc.num_threads())
+            except psutil.Error:
+                return
+            self._done.wait(0.02)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._done.set()
+        self._thread.join(5)
+
+
+def _no_traceback(daemon):
+    err = "".join(daemon.err_lines)
+    assert "Traceback" not in err, err[-3000:]
+
+
+def test_every_malformed_request_gets_an_error_answer_and_the_daemon_goes_on(procs, daemon_env):
+    """Garbage, JSON that is not an object, out-of-range fields, nesting, a 32 MB line four
+    times at once, a slow sender, a job file that is a device, a client that hangs up: each
+    gets an answer (or is dropped quietly), the daemon's memory stays bounded, and it still
+    answers a plain status request."""
+    daemon = _start_daemon(procs, daemon_env)
+    path = _sock(daemon_env)
+    with _Peak(daemon.pid) as peak:
+        base = psutil.Process(daemon.pid).memory_info().rss
+        slow = concurrent.futures.ThreadPoolExecutor(1).submit(_raw, path, b'{"op": "status", "job": null', 30, 1.0)
+        cases = [
+            (b"garbage\n", "not JSON"),
+            (b"\xff\xfe\x00\n", "not JSON"),
+            (b"\n", "not JSON"),
+            (b"[1]\n", "a JSON object is expected, not list"),
+            (b"5\n", "a JSON object is expected, not int"),
+            (b"null\n", "a JSON object is expected, not NoneType"),
+            (b'"status"\n', "a JSON object is expected, not str"),
+            (b'{"op": "logs", "job": "x", "lines": 1e400}\n', "lines = inf: an integer from 1 to 100,000"),
+            (b'{"op": "logs", "job": "x", "lines": true}\n', "an integer from 1 to 100,000"),
+            (b'{"op": "logs", "job": "x", "lines": 0}\n', "an integer from 1 to 100,000"),
+            (b'{"op": "logs", "job": ["x"]}\n', "a job name is expected"),
+            (b'{"op": NaN}\n', "NaN is not allowed"),
+            (b'{"op": "format-disk"}\n', "op = 'format-disk' is unknown"),
+            (b'{"op": "status", "jobs": 1}\n', "unknown field 'jobs'"),
+            (b'{"op": "cancel"}\n', "the field 'job' is missing"),
+            (b'{"op": "submit", "jobfile": "relative.toml"}\n', "an absolute path"),
+            (b'{"op": "submit", "jobfile": "/dev/zero"}\n', "'/dev/zero': not a regular file"),
+            (b"[" * 50_000 + b"\n", "nested too deeply"),
+            (b'{"a":' * 10_000 + b"\n", "nested too deeply"),
+        ]
+        for payload, message in cases:
+            answer = _raw(path, payload)
+            assert answer is not None and answer["ok"] is False and message in answer["error"], (payload[:60], answer)
+        big = b"x" * (32 << 20) + b"\n"
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(lambda _: _raw(path, big), range(4)))
+        assert all(a is not None and "over 65,536 bytes" in a["error"] for a in answers), answers
+        for _ in range(20):  # clients that hang up before their answer, or in the middle of a request
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.connect(path)
+                s.sendall(b'{"op": "status", "job": null}\n' if _ % 2 else b'{"op": "sta')
+        answer = slow.result(60)
+        assert answer is not None and "not complete within 10 s" in answer["error"], answer
+        assert _raw(path, b'{"op": "status", "job": null}\n') == {"ok": True, "jobs": []}
+    print(f"\nmalformed requests: daemon RSS {base / 2**20:.0f} MiB before, peak {peak.rss / 2**20:.0f} MiB; "
+          f"peak threads {peak.threads}")
+    assert peak.rss - base < 64 << 20
+    assert peak.threads <= 8
+    finish(procs.gadei("daemon", "stop", env=daemon_env))
+    communicate(daemon, 30)
+    assert daemon.returncode == 0
+    _no_traceback(daemon)
+
+
+def test_200_concurrent_clients_and_1000_idle_connections(procs, daemon_env):
+    """1,000 connections that never send a byte do not cost a thread each, nor keep out 200
+    clients that ask for the status at the same moment: every one of those is answered."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 4096)), hard))
+    daemon = _start_daemon(procs, daemon_env)
+    path = _sock(daemon_env)
+    idle = []
+    try:
+        with _Peak(daemon.pid) as peak:
+            base = psutil.Process(daemon.pid).memory_info().rss
+            for _ in range(1000):
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                idle.append(s)
+                s.settimeout(10)
+                s.connect(path)
+            start = threading.Barrier(200)
+
+            def status(_):
+                start.wait(30)
+                return request(path, {"op": "status", "job": None}, timeout=30)
+
+            with concurrent.futures.ThreadPoolExecutor(200) as pool:
+                answers = list(pool.map(status, range(200)))
+            threads = psutil.Process(daemon.pid).num_threads()
+        assert answers == [{"ok": True, "jobs": []}] * 200
+        print(f"\n1,000 idle connections + 200 concurrent status requests: daemon RSS {base / 2**20:.0f} MiB "
+              f"before, peak {peak.rss / 2**20:.0f} MiB; peak threads {peak.threads}")
+        assert peak.threads <= 8 and threads <= 8
+        assert peak.rss - base < 64 << 20
+    finally:
+        for s in idle:
+            s.close()
+    finish(procs.gadei("daemon", "stop", env=daemon_env))
+    communicate(daemon, 30)
+    _no_traceback(daemon)
+
+
+def test_a_second_daemon_is_refused_by_the_lock_even_beside_a_stopped_one(procs, daemon_env):
+    """A daemon that does not answer (SIGSTOP) is not taken for dead: a second one started
+    beside it is refused by the state folder's lock and leaves the socket alone; the first
+    goes on serving it after SIGCONT."""
+    daemon = _start_daemon(procs, daemon_env)
+    path = _sock(daemon_env)
+    inode = os.stat(path).st_ino
+    os.kill(daemon.pid, signal.SIGSTOP)
+    try:
+        second = procs.gadei("daemon", env=daemon_env)
+        _, err = communicate(second, 30)
+        assert second.returncode == 2 and f"a gadei daemon (pid {daemon.pid}) already serves state folder" in err, err
+        assert os.stat(path).st_ino == inode
+    finally:
+        os.kill(daemon.pid, signal.SIGCONT)
+    assert request(path, {"op": "status", "job": None}, timeout=10) == {"ok": True, "jobs": []}
+    daemon.terminate()  # SIGTERM stops it cleanly too
+    communicate(daemon, 30)
+    assert daemon.returncode == 0 and not os.path.exists(path)
+    _no_traceback(daemon)
+
+
+def test_a_job_that_cannot_start_is_failed_and_the_queue_goes_on(tmp_path, procs, daemon_env):
+    """A queued job whose output folder is a file (left queued by an earlier daemon) is marked
+    failed with the reason when this daemon tries to start it; the next job starts."""
+    state = tmp_path / "state" / "jobs"
+    state.mkdir(parents=True)
+    blocked = tmp_path / "out-blocked"
+    blocked.write_text("a file where the output folder should be")
+    record = {"name": "blocked", "jobfile": str(tmp_path / "blocked.toml"), "output": str(blocked), "state": "queued",
+              "submitted": time.time()}
+    (state / "blocked.json").write_text(json.dumps(record))
+    name = f"d{os.getpid()}-next"
+    daemon = _start_daemon(procs, daemon_env)
+    path = _sock(daemon_env)
+
+    def jobs() -> dict:
+        return {j["name"]: j for j in request(path, {"op": "status", "job": None}, timeout=10)["jobs"]}
+
+    submitted = request(path, {"op": "submit", "jobfile": str(_jobfile(tmp_path, name, epochs=50))}, timeout=60)
+    assert submitted["ok"], submitted
+    now = wait_for(lambda: (lambda j: j[name]["state"] != "queued" and j)(jobs()), 60, "the second job to start")
+    assert now["blocked"]["state"] == "failed"
+    assert now["blocked"]["message"] == f"could not start: output folder {blocked} is not a folder"
+    assert now[name]["state"] == "running"
+    assert request(path, {"op": "cancel", "job": name}, timeout=10)["ok"]
+    wait_for(lambda: jobs()[name]["pid"] == 0, 120, "the cancelled job to end")
+    finish(procs.gadei("daemon", "stop", env=daemon_env))
+    communicate(daemon, 30)
+    _no_traceback(daemon)
+
+
+def test_daemon_stop_and_the_systemd_unit(tmp_path, procs, daemon_env):
+    """`gadei daemon systemd-unit` prints a unit systemd-analyze accepts (where it is installed);
+    its ExecStart runs the daemon in the foreground, SIGTERM (systemctl stop) ends it with 0 and
+    its socket removed, and `gadei daemon stop` does the same."""
+    out, _ = finish(procs.gadei("daemon", "systemd-unit", env=daemon_env))
+    unit = tmp_path / "gadei-daemon.service"
+    unit.write_text(out)
+    fields = dict(line.split("=", 1) for line in out.splitlines() if "=" in line and not line.startswith("Environment"))
+    assert fields["ExecStart"].split()[1:] == ["-P", "-m", "gadei", "daemon", "run"]  # the installed gadei
+    assert f"Environment=GADEI_STATE_DIR={daemon_env['GADEI_STATE_DIR']}" in out
+    analyze = shutil.which("systemd-analyze")
+    if analyze:
+        check = subprocess.run([analyze, "verify", str(unit)], capture_output=True, text=True, timeout=60)
+        problems = [l for l in (check.stdout + check.stderr).splitlines() if str(unit) in l]
+        assert check.returncode == 0 and not problems, check.stdout + check.stderr
+    path = _sock(daemon_env)
+    for how in ("SIGTERM", "gadei daemon stop"):
+        daemon = procs.start(*fields["ExecStart"].split()[1:], env=daemon_env)
+        wait_for(lambda: os.path.exists(path) or daemon.poll() is not None, 60, "the daemon's socket")
+        assert request(path, {"op": "status", "job": None}, timeout=10)["ok"]
+        if how == "SIGTERM":
+            daemon.terminate()
+        else:
+            _, err = finish(procs.gadei("daemon", "stop", env=daemon_env))
+            assert f"daemon (pid {daemon.pid}) stopped" in err
+            assert daemon.poll() is not None  # stop waits until it has ended
+        communicate(daemon, 30)
+        assert daemon.returncode == 0 and not os.path.exists(path), how
+        _no_traceback(daemon)
+    stop = procs.gadei("daemon", "stop", env=daemon_env)
+    _, err = communicate(stop, 30)
+    assert stop.returncode == 2 and "no gadei daemon listens" in err

@@ -1,38 +1,26 @@
-"""`gadei daemon`: training as a service for one user. Jobs arrive as job files on a Unix
-socket, wait in a queue, and run (`gadei run`) up to `max_jobs` at once.
+"""The daemon's jobs: their records on disk, the queue, the runner that starts them as `gadei
+run`, and the daemon's life (one per state folder, by a lock)."""
 
-The socket is `daemon.sock` in the user's runtime folder (`gadei.env.runtime_dir`, mode
-0700), itself mode 0600, and every request's peer uid is read with SO_PEERCRED: a request
-from another user is refused even where the file modes would let it through.
-
-Each job's record is a JSON file in the state folder (`GADEI_STATE_DIR`, default
-`$XDG_STATE_HOME/gadei` or `~/.local/state/gadei`), written atomically on every change, so
-a daemon that is restarted knows every job's state and output. Jobs run in sessions of
-their own: a daemon that stops or dies leaves them running, and the next one finds them
-again by pid and start time (or, if they ended meanwhile, by the model they left).
-
-Protocol: one JSON object per line each way. Requests: {"op": "submit", "jobfile": PATH},
-{"op": "status", "job": NAME or null}, {"op": "cancel", "job": NAME}, {"op": "logs", "job":
-NAME, "lines": N}. Answers: {"ok": true, ...} or {"ok": false, "error": MESSAGE}.
-"""
-
+import fcntl
 import json
 import logging
 import os
+import queue
+import resource
 import signal
 import socket
-import socketserver
-import struct
 import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from . import _proc, jobfile
-from .env import runtime_dir
-from .errors import GadeiError
+from .. import _proc, jobfile
+from ..env import runtime_dir
+from ..errors import GadeiError
+from .listener import BACKLOG, MAX_CONNECTIONS, WORKERS, Loop, check_request
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +72,9 @@ class Daemon:
             raise GadeiError(f"--max-jobs {max_jobs}: must be at least 1")
         self.max_jobs, self.poll = max_jobs, poll
         self.folder = state_dir()
+        # One daemon per state folder, for its whole life: a second one (even beside a stopped
+        # first) is refused here, before it reads or writes a record.
+        self._locks = [_lock(self.folder / "daemon.lock", f"state folder {self.folder}")]
         self.lock = threading.Lock()
         self.records: dict[str, Record] = {}
         self.procs: dict[str, subprocess.Popen] = {}
@@ -127,7 +118,10 @@ class Daemon:
     def submit(self, path: str, resume: bool = False) -> Record:
         """Check a job file and its data now, then queue it; `resume`: to go on with the run in
         its output folder. Raises GadeiError saying why not."""
+        from ..region import check_name_free
+
         job = jobfile.load(path)
+        check_name_free(job.name)  # a squatted region name is the submitter's to hear, not the log's
         with self.lock:
             old = self.records.get(job.name)
             if old is not None and old.state in LIVE:
@@ -136,7 +130,7 @@ class Daemon:
         train, _ = jobfile.load_data(job)  # a data problem is the submitter's to hear, not the log's
         checkpoints = job.output / "checkpoints"
         if resume:
-            from .run import resume_point
+            from ..run import resume_point
 
             resume_point(job.with_defaults(len(train))[0], remove_model=False)  # refused now, not in the log
         elif checkpoints.is_dir() and any(checkpoints.iterdir()):
@@ -171,12 +165,18 @@ class Daemon:
         with self.lock:
             record = self._get(name)
         parts = []
-        for path in [record.log, *sorted(Path(record.output, "logs").glob("learner-*.log"))]:
+        try:
+            learners = sorted(Path(record.output, "logs").glob("learner-*.log"))
+        except OSError:
+            learners = []
+        for path in [record.log, *learners]:
             try:
-                text = Path(path).read_text(errors="replace").splitlines()
-            except FileNotFoundError:
+                text = _tail(path, lines)
+            except (FileNotFoundError, NotADirectoryError):
                 continue
-            parts.append(f"==> {path} <==\n" + "\n".join(text[-lines:]))
+            except OSError as err:
+                text = f"(unreadable: {err.strerror})"
+            parts.append(f"==> {path} <==\n" + text)
         return "\n".join(parts) if parts else f"job {name!r} has no logs yet"
 
     def _get(self, name: str) -> Record:
@@ -190,17 +190,38 @@ class Daemon:
     def run_queue(self) -> None:
         """Start queued jobs while fewer than max_jobs run; notice the ones that ended."""
         while not self._stop.is_set():
-            with self.lock:
-                self._reap()
-                running = sum(r.state == RUNNING or (r.state == CANCELLED and r.pid) for r in self.records.values())
-                queued = sorted((r for r in self.records.values() if r.state == QUEUED), key=lambda r: r.submitted)
-                for record in queued[: max(0, self.max_jobs - running)]:
-                    self._start(record)
+            try:
+                self._run_once()
+            except Exception:  # e.g. a record that cannot be saved (disk full): log it, the loop goes on
+                log.exception("the runner failed; trying again in %g s", self.poll)
             self._stop.wait(self.poll)
 
+    def _run_once(self) -> None:
+        """One look: reap the jobs that ended, start queued ones; a job that cannot start is
+        failed with the reason and the next one is started instead."""
+        with self.lock:
+            self._reap()
+            running = sum(r.state == RUNNING or (r.state == CANCELLED and r.pid) for r in self.records.values())
+            queued = sorted((r for r in self.records.values() if r.state == QUEUED), key=lambda r: r.submitted)
+            for record in queued[: max(0, self.max_jobs - running)]:
+                try:
+                    self._start(record)
+                except Exception as err:  # this job cannot start; the queue goes on with the next
+                    reason = _reason(err)
+                    log.warning("job %s could not start: %s", record.name, reason)
+                    try:
+                        self._finish(record, FAILED, None, f"could not start: {reason}")
+                    except OSError as save_err:  # the record stays queued in memory only: drop it
+                        log.error("job %s: cannot save its record (%s); forgetting it", record.name, save_err)
+                        self.records.pop(record.name, None)
+
     def _start(self, record: Record) -> None:
-        os.makedirs(os.path.dirname(record.log), exist_ok=True)
-        with open(record.log, "ab") as out:
+        logs = os.path.dirname(record.log)
+        if os.path.lexists(record.output) and not os.path.isdir(record.output):
+            raise GadeiError(f"output folder {record.output} is not a folder")
+        os.makedirs(logs, mode=0o700, exist_ok=True)  # private until `gadei run` applies the job's [output] private
+        fd = os.open(record.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        with open(fd, "ab") as out:
             proc = subprocess.Popen(_proc.gadei_command("run", record.jobfile, "--quiet")
                                     + (["--resume"] if record.resume else []), stdout=out,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
@@ -237,111 +258,150 @@ class Daemon:
     # ------------------------------------------------------------------ the socket
 
     def serve_forever(self) -> None:
+        """Serve requests on the socket until SIGTERM, SIGINT or a `stop` request.
+
+        Raises:
+            DaemonRunning: another daemon holds this state folder's (or this socket's) lock.
+        """
         path = socket_path()
-        if os.path.exists(path):
-            try:
-                request(path, {"op": "status", "job": None}, timeout=2)
-                raise GadeiError(f"a gadei daemon already listens on {path}")
-            except (ConnectionRefusedError, FileNotFoundError, socket.timeout):
-                os.unlink(path)  # a dead daemon's socket
-        daemon = self
+        try:
+            self._locks.append(_lock(Path(path + ".lock"), f"socket {path}"))
+            self._serve(path)
+        finally:
+            self.close()
 
-        class Handler(socketserver.StreamRequestHandler):
-            def handle(self):
-                pid, uid, _ = struct.unpack("3i", self.connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                                                            struct.calcsize("3i")))
-                if uid != os.getuid():
-                    log.warning("refused a request from uid %d (pid %d)", uid, pid)
-                    answer = {"ok": False, "error": f"this gadei daemon serves uid {os.getuid()} only; a request "
-                              f"from uid {uid} is refused"}
-                else:
-                    answer = daemon.answer(self.rfile.readline())
-                self.wfile.write((json.dumps(answer) + "\n").encode())
+    def close(self) -> None:
+        """Let go of the locks (they also go when the process ends)."""
+        while self._locks:
+            os.close(self._locks.pop())
 
+    def _serve(self, path: str) -> None:
+        _raise_fd_limit(MAX_CONNECTIONS + 64)
+        try:
+            os.unlink(path)  # a dead daemon's socket: we hold the lock, so nobody else's
+        except FileNotFoundError:
+            pass
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old_umask = os.umask(0o177)  # the socket is created 0600
         try:
-            server = socketserver.ThreadingUnixStreamServer(path, Handler)
+            listener.bind(path)
         finally:
             os.umask(old_umask)
         os.chmod(path, 0o600)
-        server.daemon_threads = True
+        listener.listen(BACKLOG)
+        listener.setblocking(False)
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._answers: queue.SimpleQueue = queue.SimpleQueue()
+        self._pool = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="gadei-daemon-request")
         runner = threading.Thread(target=self.run_queue, name="gadei-daemon-runner", daemon=True)
         runner.start()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: threading.Thread(target=server.shutdown, daemon=True).start())
+        previous = {sig: signal.signal(sig, lambda *_: self.stop()) for sig in (signal.SIGTERM, signal.SIGINT)}
         log.info("gadei daemon (pid %d) listening on %s; %d jobs at once; job records in %s", os.getpid(), path,
                  self.max_jobs, self.folder / "jobs")
-        print(f"gadei daemon: listening on {path}", file=sys.stderr, flush=True)
+        print(f"gadei daemon: listening on {path}; stop it with `gadei daemon stop`", file=sys.stderr, flush=True)
         try:
-            server.serve_forever(poll_interval=0.2)
+            Loop(self, listener).run()
         finally:
             self._stop.set()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            self._pool.shutdown(wait=False, cancel_futures=True)
             runner.join(5)
-            server.server_close()
+            listener.close()
             try:
                 os.unlink(path)
             except FileNotFoundError:
                 pass
+            self._wake_r.close()
+            self._wake_w.close()
             log.info("gadei daemon stopped; running jobs go on and the next daemon finds them")
 
+    def stop(self) -> None:
+        """Ask the loop to end (a signal handler, a `stop` request)."""
+        self._stop.set()
+        wake = getattr(self, "_wake_w", None)
+        if wake is not None:
+            try:
+                wake.send(b"x")
+            except OSError:
+                pass  # the loop has wake-ups to read already, or is gone
+
     def answer(self, line: bytes) -> dict:
+        """The answer to one request line: {"ok": true, ...} or {"ok": false, "error": ...}; never raises."""
         try:
-            req = json.loads(line)
-            op = req.get("op")
+            req = check_request(line)
+            op = req["op"]
             if op == "submit":
-                record = self.submit(req["jobfile"], resume=bool(req.get("resume")))
+                record = self.submit(req["jobfile"], resume=req.get("resume", False))
                 return {"ok": True, "job": asdict(record)}
             if op == "status":
                 with self.lock:
                     self._reap()
-                    if req.get("job"):
+                    if req.get("job") is not None:
                         return {"ok": True, "jobs": [asdict(self._get(req["job"]))]}
                     return {"ok": True, "jobs": [asdict(r) for r in sorted(self.records.values(),
                                                                             key=lambda r: r.submitted)]}
             if op == "cancel":
                 return {"ok": True, "job": asdict(self.cancel(req["job"]))}
             if op == "logs":
-                return {"ok": True, "text": self.logs(req["job"], int(req.get("lines", 50)))}
-            return {"ok": False, "error": f"unknown request {op!r}"}
-        except (GadeiError, ValueError, KeyError, TypeError) as err:
-            return {"ok": False, "error": str(err) if not isinstance(err, KeyError) else f"missing field {err}"}
+                return {"ok": True, "text": self.logs(req["job"], req.get("lines", 50))}
+            if op == "stop":
+                log.info("stop requested")
+                self.stop()
+                return {"ok": True, "pid": os.getpid()}
+            raise AssertionError(op)
+        except GadeiError as err:
+            return {"ok": False, "error": str(err)}
+        except Exception as err:  # a bug must cost one request its answer, never the daemon
+            log.exception("request %.200r failed", line)
+            return {"ok": False, "error": f"the daemon failed on this request: {type(err).__name__}: {err}"}
 
 
-def request(path: str | None, message: dict, timeout: float = 30.0) -> dict:
-    """Send one request to the daemon; its answer. Raises GadeiError when no daemon listens."""
-    path = path or socket_path()
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        sock.settimeout(timeout)
-        sock.connect(path)
-        sock.sendall((json.dumps(message) + "\n").encode())
-        data = b""
-        while not data.endswith(b"\n"):
-            chunk = sock.recv(65536)
-            if not chunk:
-                break
-            data += chunk
-    return json.loads(data)
+def _reason(err: Exception) -> str:
+    if isinstance(err, OSError) and err.strerror:
+        return f"{err.filename}: {err.strerror}" if err.filename else err.strerror
+    return str(err) or type(err).__name__
 
 
-def client(message: dict) -> dict:
-    """`request` for the command line: a clear error when no daemon runs, or it refused."""
-    path = socket_path()
+LOG_TAIL_BYTES = 4 << 20  # the most of one log a `logs` answer carries
+
+
+def _tail(path, lines: int) -> str:
+    """The last `lines` lines of the file at `path`, from at most its last LOG_TAIL_BYTES."""
+    with open(path, "rb") as handle:
+        size = os.fstat(handle.fileno()).st_size
+        handle.seek(max(0, size - LOG_TAIL_BYTES))
+        data = handle.read(LOG_TAIL_BYTES)
+    return "\n".join(data.decode(errors="replace").splitlines()[-lines:])
+
+
+def _lock(path: Path, what: str) -> int:
+    """Hold an exclusive lock on `path` for this process's life (the descriptor); the holder's
+    pid is written in it. Raises DaemonRunning when another process holds it."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
-        answer = request(path, message)
-    except (FileNotFoundError, ConnectionRefusedError):
-        raise GadeiError(f"no gadei daemon listens on {path}; start one with `gadei daemon`") from None
-    except PermissionError:
-        raise GadeiError(f"{path} belongs to another user's daemon") from None
-    if not answer.get("ok"):
-        raise GadeiError(answer.get("error", "the daemon refused"))
-    return answer
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise DaemonRunning(f"a gadei daemon (pid {holder}) already serves {what}; stop it with `gadei daemon "
+                            f"stop`, or give this one another GADEI_STATE_DIR and GADEI_RUNTIME_DIR") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
 
 
-def format_jobs(jobs: list[dict]) -> str:
-    rows = [("job", "state", "submitted", "ran", "output", "note")]
-    for j in jobs:
-        ran = (j["ended"] or time.time()) - j["started"] if j["started"] else 0
-        rows.append((j["name"], j["state"], time.strftime("%m-%d %H:%M:%S", time.localtime(j["submitted"])),
-                     f"{ran:.0f} s" if j["started"] else "-", j["output"], j["message"]))
-    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
+def _raise_fd_limit(wanted: int) -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        new = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+        if new < wanted:
+            log.warning("at most %d open files (ulimit -n): fewer than %d connections may be open at once", new,
+                        MAX_CONNECTIONS)
+
+
+class DaemonRunning(GadeiError):
+    """Another daemon already serves this state folder or socket."""

@@ -1,0 +1,34 @@
+"""`gadei daemon`: training as a service for one user. Jobs arrive as job files on a Unix
+socket, wait in a queue, and run (`gadei run`) up to `max_jobs` at once.
+
+The socket is `daemon.sock` in the user's runtime folder (`gadei.env.runtime_dir`, mode
+0700), itself mode 0600, and every request's peer uid is read with SO_PEERCRED: a request
+from another user is refused even where the file modes would let it through.
+
+Each job's record is a JSON file in the state folder (`GADEI_STATE_DIR`, default
+`$XDG_STATE_HOME/gadei` or `~/.local/state/gadei`), written atomically on every change, so
+a daemon that is restarted knows every job's state and output. Jobs run in sessions of
+their own: a daemon that stops or dies leaves them running, and the next one finds them
+again by pid and start time (or, if they ended meanwhile, by the model they left).
+
+One daemon per state folder: it holds an exclusive `flock` on `daemon.lock` there (and on
+`daemon.sock.lock` beside its socket) for its whole life, so a second daemon is refused at
+once, even beside a stopped one, and a daemon only ever removes its own socket.
+
+Protocol: one JSON object per line each way. Requests: {"op": "submit", "jobfile": PATH,
+"resume": BOOL}, {"op": "status", "job": NAME or null}, {"op": "cancel", "job": NAME},
+{"op": "logs", "job": NAME, "lines": N}, {"op": "stop"}. Answers: {"ok": true, ...} or {"ok":
+false, "error": MESSAGE}. One thread serves every connection (`listener.Loop`, a selector): a request
+is at most MAX_REQUEST bytes and must arrive within REQUEST_TIMEOUT, at most MAX_CONNECTIONS
+are open at once, and every request, however malformed, gets an answer; WORKERS threads
+compute the answers. A job that cannot start is marked failed with the reason, and the queue
+goes on.
+"""
+
+from .client import client, format_jobs, request, stop, systemd_unit
+from .jobs import CANCELLED, DONE, FAILED, LIVE, QUEUED, RUNNING, Daemon, DaemonRunning, Record, socket_path, state_dir
+from .listener import MAX_CONNECTIONS, MAX_REQUEST, REQUEST_TIMEOUT, BadRequest
+
+__all__ = ["CANCELLED", "DONE", "FAILED", "LIVE", "MAX_CONNECTIONS", "MAX_REQUEST", "QUEUED", "REQUEST_TIMEOUT",
+           "RUNNING", "BadRequest", "Daemon", "DaemonRunning", "Record", "client", "format_jobs", "request",
+           "socket_path", "state_dir", "stop", "systemd_unit"]
