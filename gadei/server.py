@@ -192,6 +192,7 @@ class Server:
         self._hold_addr = h.addr("hold")
         self._state_addr = h.addr("run_state")
         self._skipped_addr = h.addr("nonfinite_skipped")
+        self._next_audit = 0
         self._closed = False
         transport = grad_dtype + (f", {len(sparse)} row-sparse tables" if sparse else "")
         log.info(
@@ -342,10 +343,9 @@ class Server:
             self._update([self._take(learner)])
             now = time.monotonic_ns()
             if now >= next_beat:
-                _native.store64(self._beat_addr, now)
+                self._beat(now)
                 next_beat = now + _BEAT_NS
                 spin_ns = self.spin_ns if consumer.learner_threads() + 1 <= self._cores else 0
-                self._audit()
 
     def _serve_rounds(self) -> None:
         """sync: one update per round of one gradient from every live learner."""
@@ -526,9 +526,14 @@ class Server:
             h.add("hold_epoch", 1)
             _native.store32(held_addr, 0)
 
-    def _beat(self) -> None:
-        _native.store64(self._beat_addr, time.monotonic_ns())
-        self._audit()
+    def _beat(self, now: int | None = None) -> None:
+        """Beat, and audit the header at most once per BEAT_INTERVAL (a server that catches up
+        with every gradient beats before each sleep: that must stay one store)."""
+        now = time.monotonic_ns() if now is None else now
+        _native.store64(self._beat_addr, now)
+        if now >= self._next_audit:
+            self._next_audit = now + _BEAT_NS
+            self._audit()
 
     # ------------------------------------------------------------------ results and lifetime
 
