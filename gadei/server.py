@@ -271,8 +271,8 @@ class Server:
     def _fail(self, err: Exception) -> None:
         """Stop the job on `err`: run state 'failed' (final: no checkpoint is taken of the region
         and a watchdog does not restart the server), every waiter woken."""
-        log.error("job %r: %s; the job stops as failed: the last checkpoint is from before this (a watchdog does "
-                  "not restart the server)", self.job, err)
+        log.error("%s; the job stops as failed: the last checkpoint is from before this (a watchdog does not "
+                  "restart the server)", err)
         _native.store32(self._state_addr, FAILED)
         self._consumer.wake_all()
         _native.futex_wake(self._version_addr, 1 << 30)
