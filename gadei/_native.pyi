@@ -41,6 +41,8 @@ def adagrad_rows(w: int, s: int, n_rows: int, width: int, idx: int, rows: int, c
 def sgd_rows(w: int, v: int, n_rows: int, width: int, idx: int, rows: int, count: int, lr: float, dtype: int,
              /) -> int:
     """SGD on `count` rows of a table; how many indices were out of range."""
+def nonfinite(g: int, n: int, threads: int, dtype: int, /) -> int:
+    """How many of the n gradient elements at `g` are NaN or infinite (a read-only pass)."""
 def elastic(c: int, w: int, n: int, alpha: float, threads: int, /) -> None:
     """c += alpha (w - c)."""
 def plain_sgd(w: int, g: int, n: int, lr: float, threads: int, /) -> None:

@@ -126,6 +126,8 @@ def take(region, folder: str | os.PathLike, keep: int = 3, *, still: bool = Fals
     (the caller is the server, between two updates), so no hold is asked for. `progress`:
     called with the captured checkpoint (still under the hold) to fill its `progress`.
     Raises CheckpointError as `capture` and `save` do."""
+    if still:
+        _check(region)
     taken = _copy(region) if still else capture(region, progress=progress)
     if still and progress is not None:
         taken.progress = progress(taken)
@@ -156,6 +158,7 @@ def capture(region, timeout: float = 5.0, progress=None) -> Checkpoint:
 
     h = region.header
     def whole() -> Checkpoint:
+        _check(region)
         copy = _copy(region)
         if progress is not None:
             copy.progress = progress(copy)
@@ -183,6 +186,31 @@ def capture(region, timeout: float = 5.0, progress=None) -> Checkpoint:
     finally:
         h.cas("hold", 1, 0)
         _native.futex_wake(h.addr("hold"), 1 << 30)
+
+
+def _check(region) -> None:
+    """Refuse (CheckpointError) to copy a region its server stopped as failed, or one whose rings
+    or counters are outside what the protocol allows: a restart must never go on from it."""
+    from .errors import RegionCorrupt
+    from .layout import COUNTER_LIMIT, FAILED, RUN_STATES
+    from .ring import check_rings
+
+    h = region.header
+    state = h.get("run_state")
+    if state == FAILED:
+        raise CheckpointError(f"job {region.job!r}: its server stopped it as failed (see the server's log): no "
+                              "checkpoint is taken of it")
+    try:
+        if state not in RUN_STATES:
+            raise RegionCorrupt(f"job {region.job!r}: header field run_state is {state:,}, allowed "
+                                f"0..{max(RUN_STATES)}")
+        for name in ("version", "applied", "hold"):
+            value, limit = h.get(name), 2 if name == "hold" else COUNTER_LIMIT
+            if value >= limit:
+                raise RegionCorrupt(f"job {region.job!r}: header field {name} is {value:,}, allowed 0..{limit - 1:,}")
+        check_rings(region)
+    except RegionCorrupt as err:
+        raise CheckpointError(f"{err}: the region is corrupt, no checkpoint is taken of it") from err
 
 
 def _copy(region) -> Checkpoint:

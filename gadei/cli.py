@@ -19,6 +19,7 @@ import gadei_watchdog.cli as watchdog_cli
 from . import __version__, console, data
 from ._proc import python_command
 from .errors import GadeiError
+from .modes import NONFINITE
 
 log = logging.getLogger("gadei.cli")
 
@@ -92,6 +93,7 @@ def cmd_serve(args) -> int:
         alpha=args.alpha,
         tau=args.tau,
         drop_after=args.drop_after,
+        nonfinite=args.nonfinite,
         grad_dtype=args.grad_dtype,
         row_sparse=args.row_sparse,
         max_rows=args.max_rows,
@@ -130,7 +132,8 @@ def cmd_serve(args) -> int:
                    "version": report.version, "applied_total": h.get("applied"),
                    "resumed_applied": h.get("resumed_applied"),
                    "published": sum(e.get("head") for e in entries),
-                   "discarded": sum(e.get("discarded") for e in entries)})
+                   "discarded": sum(e.get("discarded") for e in entries),
+                   "nonfinite_skipped": h.get("nonfinite_skipped")})
     finally:
         server.close()
         if dog is not None:
@@ -271,7 +274,7 @@ def cmd_learn(args) -> int:
                 "loss": loss_sum.item() / max(1, steps), "train_accuracy": correct.item() / max(1, seen), "steps": steps,
                 "samples_per_s": steps and (samples / (time.monotonic() - started)),
                 "epoch_seconds": time.monotonic() - epoch_start, "version": learner.version,
-                **staleness.since_last(),
+                **staleness.since_last(), "nonfinite_skipped": learner.region.header.get("nonfinite_skipped"),
             }
             if args.eval:
                 learner.refresh()
@@ -584,6 +587,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tau", type=int, default=4, help="elastic: local steps between exchanges (default 4)")
     p.add_argument("--drop-after", type=float, default=10.0,
                    help="sync/stale-bound: seconds without a heartbeat before a learner is left out (default 10)")
+    p.add_argument("--nonfinite", choices=NONFINITE, default="skip",
+                   help="a gradient with NaN or inf values: skip it and count it (`gadei status` shows the count; "
+                   "default), or stop the job with an error (stop)")
     p.add_argument("--grad-dtype", choices=("float32", "float16", "bfloat16"), default="float32",
                    help="gradients in the rings as float32 (default), float16 or bfloat16")
     p.add_argument("--row-sparse", action="store_true",

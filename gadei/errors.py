@@ -37,6 +37,12 @@ class ForeignOwner(RegionError, PermissionError):
     """The region belongs to another user."""
 
 
+class RegionCorrupt(RegionError):
+    """A field of a live region is outside what the protocol allows (a ring's head - tail, a
+    counter, a header field written once): something other than gadei wrote it. The server
+    stops the job on it; no checkpoint is taken of it."""
+
+
 class RegionMismatch(RegionError):
     """The region does not hold what the attacher expects (parameters, dtype, model)."""
 
@@ -47,6 +53,10 @@ class CapacityError(GadeiError):
 
 class JobStopped(GadeiError):
     """The job was stopped; a learner's step raises it and `with Learner(...)` ends quietly."""
+
+
+class NonFiniteGradient(GadeiError):
+    """A gradient with NaN or infinite values reached a server told to stop on one (nonfinite = 'stop')."""
 
 
 class ServerGone(GadeiError):

@@ -21,6 +21,7 @@ validated `Job` before anything starts.
     mode = "async"                # async, consistent, sync, elastic
     batch = 2                     # default: 2 below 10k samples, 4 up to 100k, 32 above
     optimizer = "adagrad"         # adagrad or sgd (default: adagrad; elastic mode: sgd)
+    nonfinite = "skip"            # a gradient with NaN or inf: skip it and count it (default), or stop the job
     lr = 0.01
     epochs = 20                   # default: about 30,000 updates with adagrad, 60,000 with sgd (3 to 20)
     seed = 0
@@ -63,6 +64,7 @@ from pathlib import Path
 
 from . import device
 from .errors import GadeiError
+from .modes import NONFINITE
 
 MODES = ("async", "consistent", "sync", "elastic")
 OPTIMIZERS = ("adagrad", "sgd")
@@ -98,6 +100,7 @@ class Train:
     epochs: int | None = None  # None: chosen from the data set's size and the mini-batch
     seed: int = 0
     devices: str = "cpu"  # where learners train, round-robin: "cpu", "auto" (`with_defaults`) or "cuda:0,cuda:1"
+    nonfinite: str = "skip"  # a gradient with NaN or inf values: "skip" it and count it, or "stop" the job
 
 
 @dataclass(frozen=True)
@@ -241,7 +244,7 @@ _SCHEMA = {
     "train": {"learners": ("learners", False), "mode": ("mode", False), "optimizer": ("optimizer", False),
               "batch": ("positive_int", False),
               "lr": ("positive_float", False), "epochs": ("positive_int", False), "seed": ("seed", False),
-              "devices": ("devices", False)},
+              "devices": ("devices", False), "nonfinite": ("nonfinite", False)},
     "checkpoint": {"interval": ("positive_float", False), "keep": ("positive_int", False)},
     "output": {"folder": ("text", False), "private": ("bool", False)},
     "bridge": {"strategy": ("strategy", False), "interval": ("positive_int", False), "every": ("positive_float", False),
@@ -374,7 +377,7 @@ def _value(where: str, section: str, key: str, kind: str, value, base: Path):
     def refuse(allowed: str):
         raise JobFileError(f"{field_} is {_type_name(value)}; allowed: {allowed}")
 
-    if kind in ("text", "name", "workload", "format", "mode", "optimizer", "strategy"):
+    if kind in ("text", "name", "workload", "format", "mode", "optimizer", "nonfinite", "strategy"):
         if not isinstance(value, str) or not value.strip():
             refuse("a non-empty string")
         if kind == "name":
@@ -390,14 +393,15 @@ def _value(where: str, section: str, key: str, kind: str, value, base: Path):
             if value not in WORKLOADS:
                 raise JobFileError(f"{field_}: unknown workload{_close(value, WORKLOADS)}; allowed: "
                                    f"{', '.join(sorted(WORKLOADS))}")
-        choices = {"format": FORMATS, "mode": MODES, "optimizer": OPTIMIZERS}.get(kind)
+        choices = {"format": FORMATS, "mode": MODES, "optimizer": OPTIMIZERS, "nonfinite": NONFINITE}.get(kind)
         if kind == "strategy":
             from .bridge.options import STRATEGY_NAMES
 
             choices = STRATEGY_NAMES
         if choices and value not in choices:
-            article = "an" if kind[0] in "aeiou" else "a"
-            raise JobFileError(f"{field_}: not {article} {kind}{_close(value, choices)}; allowed: {', '.join(choices)}")
+            what = {"nonfinite": "way to treat a non-finite gradient"}.get(kind, kind)
+            article = "an" if what[0] in "aeiou" else "a"
+            raise JobFileError(f"{field_}: not {article} {what}{_close(value, choices)}; allowed: {', '.join(choices)}")
         return value
     if kind == "column":
         if isinstance(value, str) and value.strip():

@@ -13,11 +13,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import _native
+from . import _native, _proc
 from ._proc import gadei_command
-from .errors import GadeiError, GadeiTimeout, JobRunning, RegionNotFound
+from .errors import ForeignRegion, GadeiError, GadeiTimeout, JobRunning, RegionNotFound
 from .layout import SERVING, STOPPING
-from .region import Region, inspect, remove
+from .region import Region, inspect, live_server, remove
 
 log = logging.getLogger(__name__)
 
@@ -27,18 +27,33 @@ _POLL = 0.02
 def stop_job(job: str, timeout: float = 30.0) -> None:
     """Ask `job`'s server to stop (as `gadei stop` does) and wait until its region is gone.
 
+    A server whose region cannot be read (its header is corrupt, or the name now holds
+    another object) is stopped by its pid and start time (`region.live_server`): SIGTERM,
+    and SIGKILL when it has not exited within `timeout`. Only a process of this user is.
+
     Raises:
-        RegionNotFound: the job has no region.
+        RegionNotFound: the job has no region (and no live server).
         GadeiError: the region is a leftover (no live server to stop).
         GadeiTimeout: the server did not finish within `timeout` seconds.
     """
     found = inspect(job)
-    if found is None:
-        raise RegionNotFound(f"job {job!r} has no region: nothing to stop")
+    if found is None or found.state in ("foreign", "leftover"):  # the header does not name a live server
+        problem = "it has no region" if found is None else f"its region is not readable ({found.state}" + \
+            (f": {found.problem})" if found.problem else f", naming dead server pid {found.server_pid})")
+        if _stop_by_pid(job, problem, timeout):
+            return
+        if found is None:
+            raise RegionNotFound(f"job {job!r} has no region: nothing to stop")
     if found.state not in ("running", "starting"):
         raise GadeiError(f"job {job!r} has no live server ({found.state}); remove its region with `gadei clean {job}`")
     deadline = time.monotonic() + timeout  # one deadline for both waits: the publish and the stop
-    with Region.attach(job, wait=timeout) as region:  # a starting server is stopped once it serves
+    try:
+        region = Region.attach(job, wait=timeout)  # a starting server is stopped once it serves
+    except ForeignRegion as err:  # its identity reads, the rest of its header does not
+        if _stop_by_pid(job, f"its region is not readable: {err}", timeout):
+            return
+        raise
+    with region:
         region.header.cas("run_state", SERVING, STOPPING)
         doorbell = region.header.addr("doorbell")
         _native.add32(doorbell, 1)
@@ -50,6 +65,32 @@ def stop_job(job: str, timeout: float = 30.0) -> None:
         if time.monotonic() >= deadline:
             raise GadeiTimeout(f"job {job!r}: server pid {found.server_pid} did not stop within {timeout:g} s")
         time.sleep(_POLL)
+
+
+def _stop_by_pid(job: str, problem: str, timeout: float) -> bool:
+    """Stop `job`'s server by signal when its region cannot tell it to; False when no live
+    server of this user is known (`region.live_server`)."""
+    server = live_server(job)
+    if server is None:
+        return False
+    pid, started, where = server
+    log.warning("job %r: %s; stopping server pid %d (found in %s) by signal", job, problem, pid, where)
+    os.kill(pid, signal.SIGTERM)  # the server stops as on `gadei stop`, or on what it finds wrong
+    os.kill(pid, signal.SIGCONT)  # a stopped (SIGSTOP) server takes the SIGTERM once it runs
+    deadline = time.monotonic() + timeout
+    while _proc.alive(pid, started):
+        if time.monotonic() >= deadline:
+            log.warning("job %r: server pid %d did not exit within %g s of SIGTERM; killing it (SIGKILL)", job, pid,
+                        timeout)
+            os.kill(pid, signal.SIGKILL)
+            deadline = time.monotonic() + timeout
+            while _proc.alive(pid, started):
+                if time.monotonic() >= deadline:
+                    raise GadeiTimeout(f"job {job!r}: server pid {pid} did not exit within {timeout:g} s of SIGKILL")
+                time.sleep(_POLL)
+            break
+        time.sleep(_POLL)
+    return True
 
 
 class LocalJob:

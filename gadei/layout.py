@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 MAGIC = 0x31304945_44414701  # bytes b"\x01GADEI01" in little-endian order
-LAYOUT_VERSION = 7
+LAYOUT_VERSION = 8
 PAGE = 4096
 LINE = 64
 NAME_BYTES = 64
@@ -45,9 +45,16 @@ DTYPE_CODES = MappingProxyType({name: code for code, (name, _) in DTYPES.items()
 MODES = MappingProxyType({1: "async", 2: "consistent", 3: "sync", 4: "elastic"})
 MODE_CODES = MappingProxyType({name: code for code, name in MODES.items()})
 
-# Run states of the job (header field run_state).
-CREATED, SERVING, STOPPING, STOPPED = 0, 1, 2, 3
-RUN_STATES = MappingProxyType({CREATED: "created", SERVING: "serving", STOPPING: "stopping", STOPPED: "stopped"})
+# Run states of the job (header field run_state). FAILED: the server stopped the job on an
+# error it must not go on from (a corrupt region, a non-finite gradient with nonfinite =
+# 'stop'); a watchdog does not restart it, and no checkpoint is taken after it.
+CREATED, SERVING, STOPPING, STOPPED, FAILED = 0, 1, 2, 3, 4
+RUN_STATES = MappingProxyType({CREATED: "created", SERVING: "serving", STOPPING: "stopping", STOPPED: "stopped",
+                               FAILED: "failed"})
+
+# What a reader accepts of a live region's counters (anything else is corrupt: RegionCorrupt).
+COUNTER_LIMIT = 1 << 63  # versions, gradients applied, ring heads and tails stay below this
+MAX_SAMPLES = 1 << 32  # samples one slot may say its gradient was computed from
 
 # Weights initialisation: low 32 bits of the header word `init`; the high 32 hold the
 # uploading pid while INIT_WRITING, so a reset of a dead uploader cannot undo a new one.
@@ -62,6 +69,7 @@ ENTRY_STATES = MappingProxyType({FREE: "free", CLAIMING: "claiming", ACTIVE: "ac
 
 _SPARSE_ENTRY = 32  # offset u64, rows u64, width u32, max_rows u32, reserved u64
 _SIZES = {"u32": 4, "u64": 8, "f64": 8, "name": NAME_BYTES, "hist": 8 * HIST_BUCKETS, "sparse": _SPARSE_ENTRY * MAX_SPARSE}
+FIELD_BYTES = MappingProxyType(_SIZES)  # bytes of a field of each kind
 _LINE_BREAK = ("", "")
 
 
@@ -118,6 +126,7 @@ HEADER, HEADER_BYTES = _record(
         ("tau", "u32"),  # elastic: local steps between exchanges
         ("sparse_count", "u32"),
         ("drop_after", "f64"),  # sync / staleness bound: seconds without a beat before a learner is left out
+        ("nonfinite", "u32"),  # a gradient with NaN or inf: 0 skip it (and count it), 1 stop the job
         ("sparse", "sparse"),  # MAX_SPARSE entries: offset u64, rows u64, width u32, max_rows u32
         _LINE_BREAK,
         # server: written by the server only
@@ -130,6 +139,7 @@ HEADER, HEADER_BYTES = _record(
         ("applied", "u64"),
         ("serve_start_ns", "u64"),
         ("applied_bytes", "u64"),  # gradient bytes the server read from slots, ever
+        ("nonfinite_skipped", "u64"),  # gradients with NaN or inf values the server skipped (nonfinite = 'skip')
         _LINE_BREAK,
         # the weights' version: bumped once per update (per round in sync mode); pull threads
         # futex-wait on it. seq is the seqlock of consistent mode: odd while an update runs.

@@ -22,10 +22,12 @@ from typing import ClassVar
 import numpy as np
 
 from . import _native
+from .errors import RegionCorrupt
 from .layout import DTYPE_CODES, MODE_CODES, SparseTable
 from .region import Region
 
 OPTIMIZERS = ("sgd", "adagrad")  # index = the header's code
+NONFINITE = ("skip", "stop")  # what the server does with a gradient holding NaN or inf; index = the header's code
 ADAGRAD_EPS = 1e-10
 
 
@@ -52,6 +54,11 @@ class Options:
         tau: elastic: local steps between two exchanges with the centre.
         drop_after: seconds without a heartbeat after which a learner is left out of a sync
             round or of the staleness bound.
+        nonfinite: what the server does with a gradient (or a bridge's move, or an elastic
+            learner's weights) holding NaN or infinite values: "skip" (default) hands the slot
+            back unapplied and counts it (`gadei status`), so one bad mini-batch costs one
+            step and never poisons the shared weights; "stop" stops the job with an error
+            naming the learner ring (the last checkpoint is from before it).
     """
 
     lr: float = 0.01
@@ -62,6 +69,7 @@ class Options:
     alpha: float = 0.1
     tau: int = 4
     drop_after: float = 10.0
+    nonfinite: str = "skip"
 
     def check(self, mode: str, rings: int | None = None) -> None:
         """Raise ValueError naming the option and its allowed values where `mode` cannot use it.
@@ -75,6 +83,8 @@ class Options:
             raise ValueError(f"momentum must be in [0, 1), not {self.momentum!r}")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, not {self.optimizer!r}")
+        if self.nonfinite not in NONFINITE:
+            raise ValueError(f"nonfinite must be one of {', '.join(NONFINITE)}, not {self.nonfinite!r}")
         if self.optimizer == "adagrad" and self.momentum:
             raise ValueError("momentum applies to the sgd optimizer, not adagrad")
         if self.optimizer == "adagrad" and mode == "elastic":
@@ -130,6 +140,7 @@ class SlotFormat:
         self.segments = shape.dense_segments
         self.tables: tuple[SparseTable, ...] = shape.sparse
         self.areas = lay.sparse_areas
+        self.dense_count = shape.dense_count
         self.dense_bytes = shape.dense_count * self.itemsize
         self.n = shape.n_params
         self.threads = threads
@@ -143,6 +154,21 @@ class SlotFormat:
         """Gradient bytes the gradient at `payload` carries (what a learner moved into the slot)."""
         rows = sum(count * (8 + table.width * self.itemsize) for count, table in zip(self.rows_in(payload), self.tables))
         return self.dense_bytes + rows
+
+    def nonfinite(self, payload: int, learner: int) -> int:
+        """How many values of the gradient at `payload` are NaN or infinite (read only; the
+        native check, GIL released). `learner` names the ring in errors.
+
+        Raises:
+            RegionCorrupt: a row-sparse table claims more rows than it may carry.
+        """
+        bad = _native.nonfinite(payload, self.dense_count, self.threads, self.dtype)
+        for table, area, count in zip(self.tables, self.areas, self.rows_in(payload)):
+            if count > table.max_rows:
+                raise RegionCorrupt(f"job {self.job!r}: learner ring {learner}: a gradient's row count of a "
+                                    f"row-sparse table is {count:,}, allowed 0..{table.max_rows:,}: the slot is corrupt")
+            bad += _native.nonfinite(payload + area.rows, count * table.width, 1, self.dtype)
+        return bad
 
     def discard(self, payload: int) -> None:
         """Hand the slot at `payload` back without applying it: dense area zeroed, no rows."""
@@ -181,8 +207,8 @@ class SlotFormat:
             if count == 0:
                 continue
             if count > table.max_rows:
-                raise ValueError(f"job {self.job!r}: a gradient claims {count} rows of a table that carries at most "
-                                 f"{table.max_rows}: the slot is corrupt")
+                raise RegionCorrupt(f"job {self.job!r}: a gradient's row count of a row-sparse table is {count:,}, "
+                                    f"allowed 0..{table.max_rows:,}: the slot is corrupt")
             if adagrad:
                 bad = _native.adagrad_rows(weights + 4 * table.offset, state + 4 * table.offset, table.rows,
                                            table.width, payload + area.indices, payload + area.rows, count, lr,
@@ -194,7 +220,8 @@ class SlotFormat:
             if clear:
                 _native.store64(payload + area.count, 0)
             if bad:
-                raise ValueError(f"job {self.job!r}: a gradient named {bad} rows outside the table's {table.rows}")
+                raise RegionCorrupt(f"job {self.job!r}: a gradient named {bad:,} row indices outside the table's "
+                                    f"0..{table.rows - 1:,}: the slot is corrupt")
 
 
 class UpdateRule(ABC):
@@ -384,6 +411,14 @@ class ElasticAveraging(UpdateRule):
             weights += np.float32(options.alpha) * (w - weights)
 
 
+def nonfinite_reference(values: np.ndarray) -> int:
+    """The non-finite check in NumPy: how many elements are NaN or infinite (bfloat16 as its
+    uint16 bits, as the region holds it)."""
+    if values.dtype == np.uint16:  # bfloat16 bits: exponent all ones
+        return int(np.count_nonzero((values & 0x7F80) == 0x7F80))
+    return int(np.count_nonzero(~np.isfinite(values)))
+
+
 def rows_reference(table: np.ndarray, indices: np.ndarray, rows: np.ndarray, lr: float,
                    state: np.ndarray | None = None) -> None:
     """The row-sparse kernel in NumPy: table[i] -= lr * row (state[i] += row), in order, so repeats add."""
@@ -401,10 +436,16 @@ assert set(RULES) == set(MODE_CODES)
 def read_options(region: Region) -> Options:
     """The options the job's server recorded in the region header."""
     h = region.header
-    return Options(lr=h.get("lr"), momentum=h.get("momentum"), optimizer=OPTIMIZERS[h.get("optimizer")],
+    return Options(lr=h.get("lr"), momentum=h.get("momentum"), optimizer=_named(OPTIMIZERS, h.get("optimizer")),
                    stale_lr=bool(h.get("stale_lr")),
                    stale_bound=h.get("stale_bound"), alpha=h.get("alpha"), tau=h.get("tau"),
-                   drop_after=h.get("drop_after"))
+                   drop_after=h.get("drop_after"), nonfinite=_named(NONFINITE, h.get("nonfinite")))
+
+
+def _named(names: tuple[str, ...], code: int) -> str:
+    """The name of a header code; one outside the table is shown as it is (a reader of a
+    corrupt header, e.g. gadei status, still shows the rest)."""
+    return names[code] if code < len(names) else f"code {code}"
 
 
 def state_name(options: Options) -> str:
@@ -423,6 +464,7 @@ def write_options(region: Region, options: Options) -> None:
     h.set("alpha", options.alpha)
     h.set("tau", options.tau)
     h.set("drop_after", options.drop_after)
+    h.set("nonfinite", NONFINITE.index(options.nonfinite))
 
 
 def make_rule(mode: str, region: Region, options: Options, threads: int) -> UpdateRule:

@@ -28,7 +28,7 @@ import time
 import psutil
 
 from . import _native, _proc
-from .errors import CapacityError, GadeiTimeout
+from .errors import CapacityError, GadeiTimeout, RegionCorrupt
 from .layout import ACTIVE, CLAIMING, ENTRY, ENTRY_BYTES, FREE, GRADIENT, HIST_BUCKETS
 from .region import Region
 
@@ -65,6 +65,20 @@ def owner_alive(region: Region, learner: int) -> bool:
         if lease_owner(entry.get("lease")) != pid or _proc.alive(pid, entry.get("start")):
             return True
     return False
+
+
+def check_ring(job: str, learner: int, head: int, tail: int, slots: int) -> None:
+    """Raise RegionCorrupt unless `0 <= head - tail <= slots` (the ring protocol's invariant)."""
+    if not 0 <= head - tail <= slots:
+        raise RegionCorrupt(f"job {job!r}: learner ring {learner}: head - tail = {head - tail:,} (head {head:,}, "
+                            f"tail {tail:,}), allowed 0..{slots}: the ring is corrupt")
+
+
+def check_rings(region: Region) -> None:
+    """Check every ring of `region` (a checkpoint does, before it copies); RegionCorrupt names the first bad one."""
+    for learner in range(region.shape.capacity):
+        entry = region.entry(learner)
+        check_ring(region.job, learner, entry.get("head"), entry.get("tail"), region.shape.slots)
 
 
 def _running(pid: int) -> bool:
@@ -232,7 +246,12 @@ def _take(region: Region, learner: int, claims: int, drain_timeout: float, serve
 
 
 class Consumer:
-    """The server's end of every ring: find work, read a slot, hand it back."""
+    """The server's end of every ring: find work, read a slot, hand it back.
+
+    The server is the only writer of the tails, so it keeps its own copy of each and trusts
+    the region's neither for them nor for a head: `take` checks the ring's invariant
+    (an integer compare per gradient) and raises RegionCorrupt when another process broke it.
+    """
 
     def __init__(self, region: Region):
         self.region = region
@@ -242,9 +261,13 @@ class Consumer:
         self._entries = [region.entry(i) for i in range(self.capacity)]
         self._tail_addrs = [e.addr("tail") for e in self._entries]
         self._waiting_addrs = [e.addr("space_waiting") for e in self._entries]
+        self._head_addrs = [e.addr("head") for e in self._entries]
         self._sleeping_addr = region.header.addr("server_sleeping")
         self._doorbell_addr = region.header.addr("doorbell")
         self._next = 0
+        self._tails = [_native.load64(addr) for addr in self._tail_addrs]
+        for learner, tail in enumerate(self._tails):
+            check_ring(region.job, learner, _native.load64(self._head_addrs[learner]), tail, self.slots)
 
     def poll(self, spin_ns: int) -> int:
         """The next ring (round-robin) holding a published gradient, spinning up to spin_ns; -1 if none."""
@@ -272,14 +295,35 @@ class Consumer:
         _native.futex_wake(self._doorbell_addr, 1)
 
     def tail(self, learner: int) -> int:
-        return _native.load64(self._tail_addrs[learner])
+        return self._tails[learner]
 
-    def head(self, learner: int) -> int:
-        return self._entries[learner].get("head")
+    def pending(self, learner: int) -> bool:
+        """Whether `learner`'s ring looks non-empty (`take` then checks it)."""
+        return _native.load64(self._head_addrs[learner]) != self._tails[learner]
 
-    def release(self, learner: int, tail: int) -> None:
-        """Mark slot `tail` of `learner`'s ring consumed (after the update finished) and wake it."""
-        _native.store64(self._tail_addrs[learner], tail + 1)
+    def take(self, learner: int) -> int:
+        """The slot index of the oldest published gradient of `learner`'s ring.
+
+        Raises:
+            RegionCorrupt: the ring's head - tail is outside 1..slots, or its tail is not
+                what this server stored.
+        """
+        tail = self._tails[learner]
+        stored = _native.load64(self._tail_addrs[learner])
+        head = _native.load64(self._head_addrs[learner])
+        if stored != tail or not 0 < head - tail <= self.slots:
+            check_ring(self.region.job, learner, head, stored, self.slots)
+            if stored != tail:
+                raise RegionCorrupt(f"job {self.region.job!r}: learner ring {learner}: tail is {stored:,}, the "
+                                    f"server stored {tail:,} (only the server writes it): the ring is corrupt")
+            raise RegionCorrupt(f"job {self.region.job!r}: learner ring {learner}: head {head:,} went back to its "
+                                f"tail while the server took from it: the ring is corrupt")
+        return tail % self.slots
+
+    def release(self, learner: int) -> None:
+        """Mark the oldest slot of `learner`'s ring consumed (after the update finished) and wake it."""
+        self._tails[learner] += 1
+        _native.store64(self._tail_addrs[learner], self._tails[learner])
         if _native.load32(self._waiting_addrs[learner]):
             _native.futex_wake(self._tail_addrs[learner], 1)
 

@@ -178,7 +178,7 @@ def _run(prepared: _Prepared, quiet: bool, node: "_Node | None" = None) -> int:
     rings = t.learners + (1 if node is not None else 0)  # a bridged node's bridge takes a ring of its own
     command = [*gadei_command("serve", job.name), "--workload", job.workload, "--data", spec,
                "--seed", str(t.seed), "--lr", str(node.lr(job) if node is not None else t.lr), "--mode", t.mode,
-               "--optimizer", t.optimizer,
+               "--optimizer", t.optimizer, "--nonfinite", t.nonfinite,
                "--learners", str(rings),
                "--checkpoint-dir", str(out / "checkpoints"), "--checkpoint-every", str(job.checkpoint.interval),
                "--keep", str(job.checkpoint.keep), "--log-dir", str(out / "logs"), "--save", str(out / "model.pt"),

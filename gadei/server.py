@@ -9,6 +9,14 @@ fit the cores): on a machine the learners fill, a spinning server would take the
 on the region's doorbell, so an idle server costs no CPU. It never waits for a learner: a
 learner that dies or stops simply stops publishing.
 
+The region is untrusted input: every process of the user can write it. The server checks
+each ring's head - tail when it takes a gradient (`ring.Consumer.take`), a slot's counters,
+that the version and gradients applied are the ones it wrote, and at every heartbeat that
+the header's fields written once (identity, shape, options) and its own are unchanged and
+the run state and checkpoint hold are ones it knows. A violation stops the job
+(`RegionCorrupt`: run state 'failed', no checkpoint of it, a watchdog does not restart it).
+A gradient with NaN or inf values is skipped and counted, or stops the job (`nonfinite`).
+
 Initial weights are deterministic: either the server is given a model (from a model
 factory with a fixed seed) and copies its parameters into the region, or it is given only a
 parameter count and the first learner to attach uploads its own model's parameters.
@@ -16,6 +24,7 @@ parameter count and the first learner to attach uploads its own model's paramete
 
 import logging
 import os
+import struct
 import time
 from dataclasses import dataclass
 
@@ -26,19 +35,25 @@ from . import _native, params
 from .checkpoint import Checkpoint
 from .checkpoint import take as take_checkpoint
 from .env import settings
-from .errors import RegionMismatch
+from .errors import NonFiniteGradient, RegionCorrupt, RegionMismatch
 from .layout import (
     ACTIVE,
+    FAILED,
+    FIELD_BYTES,
+    GRADIENT,
+    HEADER,
     HIST_BUCKETS,
     INIT_READY,
+    MAX_SAMPLES,
     MOVE,
+    RUN_STATES,
     SERVING,
     STOPPED,
     STOPPING,
     Shape,
 )
 from .modes import RULES, Gradient, Options, make_rule, state_name, write_options
-from .region import Region
+from .region import Region, drop_server_record, save_server_record
 from .ring import WAIT_SLICE, Consumer, owner_alive
 
 log = logging.getLogger(__name__)
@@ -68,8 +83,8 @@ class Server:
         n_params: instead of `model`: the number of parameters; the first learner to
             attach uploads its model's parameters as the initial weights.
         mode: the update rule: 'async', 'consistent', 'sync' or 'elastic' (see `gadei.modes`).
-        lr, momentum, optimizer, stale_lr, stale_bound, alpha, tau, drop_after: the mode's options
-            (see `gadei.modes.Options`).
+        lr, momentum, optimizer, stale_lr, stale_bound, alpha, tau, drop_after, nonfinite: the
+            mode's options (see `gadei.modes.Options`); nonfinite: "skip" (default) or "stop".
         grad_dtype: element type of gradients in the rings: 'float32', 'float16' or 'bfloat16'.
         row_sparse: embedding tables (nn.Embedding, nn.EmbeddingBag) travel as the rows a
             mini-batch touched instead of whole tables (needs `model`).
@@ -100,6 +115,7 @@ class Server:
         alpha: float = 0.1,
         tau: int = 4,
         drop_after: float = 10.0,
+        nonfinite: str = "skip",
         grad_dtype: str = "float32",
         row_sparse: bool = False,
         max_rows: int = 8192,
@@ -115,7 +131,7 @@ class Server:
         if mode not in RULES:
             raise ValueError(f"mode {mode!r} is not one of {sorted(RULES)}")
         self.options = Options(lr=lr, momentum=momentum, optimizer=optimizer, stale_lr=stale_lr, stale_bound=stale_bound, alpha=alpha,
-                               tau=tau, drop_after=drop_after)
+                               tau=tau, drop_after=drop_after, nonfinite=nonfinite)
         self.options.check(mode, learners)
         env = settings()
         self.threads = env.threads if threads is None else max(1, int(threads))
@@ -158,6 +174,11 @@ class Server:
             self._entries = [self.region.entry(i) for i in range(shape.capacity)]
             h.set("run_state", SERVING)
             self.region.publish()
+            # What only this server writes, or nobody after now: checked at every heartbeat.
+            self._identity = self.region.raw(0, _IDENTITY_END)
+            self._pid, self._started = h.get("server_pid"), h.get("server_start")
+            self._version, self._applied = h.get("version"), h.get("applied")
+            save_server_record(job, self._pid, self._started)
         except BaseException:
             self.region.unlink()
             self.region.close()
@@ -169,6 +190,9 @@ class Server:
         self._bytes_addr = h.addr("applied_bytes")
         self._beat_addr = h.addr("server_beat")
         self._hold_addr = h.addr("hold")
+        self._state_addr = h.addr("run_state")
+        self._skipped_addr = h.addr("nonfinite_skipped")
+        self._next_audit = 0
         self._closed = False
         transport = grad_dtype + (f", {len(sparse)} row-sparse tables" if sparse else "")
         log.info(
@@ -223,11 +247,19 @@ class Server:
         started = time.monotonic()
         first = _native.load64(self._applied_addr)
         h.set("serve_start_ns", time.monotonic_ns())
-        if self.rule.rounds:
-            self._serve_rounds()
-        else:
-            self._serve_each()
-        left = self._drain(grace)
+        try:
+            if self.rule.rounds:
+                self._serve_rounds()
+            else:
+                self._serve_each()
+            state = _native.load32(self._state_addr)
+            if state != STOPPING:  # the loop ends on a stop request, or on a run state nobody may write
+                raise RegionCorrupt(f"job {self.job!r}: header field run_state is {state:,}, allowed {SERVING} "
+                                    f"(serving) or {STOPPING} (stopping): the region is corrupt")
+            left = self._drain(grace)
+        except (RegionCorrupt, NonFiniteGradient) as err:
+            self._fail(err)
+            raise
         h.set("run_state", STOPPED)
         self._consumer.wake_all()
         _native.futex_wake(self._version_addr, 1 << 30)
@@ -235,6 +267,61 @@ class Server:
         seconds = time.monotonic() - started
         log.info("job %r: stopped after %s gradients in %.1f s", self.job, f"{applied:,}", seconds)
         return ServeReport(applied, seconds, h.get("version"), left)
+
+    def _fail(self, err: Exception) -> None:
+        """Stop the job on `err`: run state 'failed' (final: no checkpoint is taken of the region
+        and a watchdog does not restart the server), every waiter woken."""
+        log.error("%s; the job stops as failed: the last checkpoint is from before this (a watchdog does not "
+                  "restart the server)", err)
+        _native.store32(self._state_addr, FAILED)
+        self._consumer.wake_all()
+        _native.futex_wake(self._version_addr, 1 << 30)
+
+    def _audit(self) -> None:
+        """At a heartbeat: raise RegionCorrupt unless what this server wrote once, or alone, is as it
+        wrote it, and the fields others write hold values it knows."""
+        if self.region.raw(0, _IDENTITY_END) != self._identity:
+            raise self._identity_changed()
+        h = self.region.header
+        for name, mine in (("server_pid", self._pid), ("server_start", self._started)):
+            value = h.get(name)
+            if value != mine:
+                raise RegionCorrupt(f"job {self.job!r}: header field {name} is {value!r}, expected {mine!r} (this "
+                                    "server's): the region is corrupt")
+        state = _native.load32(self._state_addr)
+        if state not in (SERVING, STOPPING):
+            raise RegionCorrupt(f"job {self.job!r}: header field run_state is {state:,} "
+                                f"({RUN_STATES.get(state, 'unknown')}), allowed {SERVING} (serving) or {STOPPING} "
+                                "(stopping) while the server serves: the region is corrupt")
+        self._check_hold(_native.load32(self._hold_addr))
+        self._check_version(_native.load64(self._version_addr))
+        applied = _native.load64(self._applied_addr)
+        if applied != self._applied:
+            raise RegionCorrupt(f"job {self.job!r}: header field applied is {applied:,}, expected {self._applied:,} "
+                                "(only the server counts it): the region is corrupt")
+
+    def _identity_changed(self) -> RegionCorrupt:
+        raw = self.region.raw(0, _IDENTITY_END)
+        for name, field in HEADER.items():
+            end = field.offset + FIELD_BYTES[field.kind]
+            if end > _IDENTITY_END or raw[field.offset:end] == self._identity[field.offset:end]:
+                continue
+            value, expected = (_shown(name, field.kind, data[field.offset:end]) for data in (raw, self._identity))
+            return RegionCorrupt(f"job {self.job!r}: header field {name} is {value}, expected {expected} (written "
+                                 "once when the region was created): the region is corrupt")
+        where = next(i for i, (a, b) in enumerate(zip(raw, self._identity)) if a != b)
+        return RegionCorrupt(f"job {self.job!r}: header byte {where} is {raw[where]}, expected {self._identity[where]} "
+                             "(written once when the region was created): the region is corrupt")
+
+    def _check_version(self, version: int) -> None:
+        if version != self._version:
+            raise RegionCorrupt(f"job {self.job!r}: header field version is {version:,}, expected {self._version:,} "
+                                "(only the server moves it, by one per update): the region is corrupt")
+
+    def _check_hold(self, hold: int) -> None:
+        if hold > 1:
+            raise RegionCorrupt(f"job {self.job!r}: header field hold is {hold:,}, allowed 0..1 (a checkpoint's "
+                                "request that the server pause): the region is corrupt")
 
     def _serve_each(self) -> None:
         """async, consistent, elastic: one update per gradient, rings taken round-robin."""
@@ -256,7 +343,7 @@ class Server:
             self._update([self._take(learner)])
             now = time.monotonic_ns()
             if now >= next_beat:
-                _native.store64(self._beat_addr, now)
+                self._beat(now)
                 next_beat = now + _BEAT_NS
                 spin_ns = self.spin_ns if consumer.learner_threads() + 1 <= self._cores else 0
 
@@ -265,6 +352,7 @@ class Server:
         state_addr = self.region.header.addr("run_state")
         consumer = self._consumer
         drop_ns = int(self.options.drop_after * 1e9)
+        next_beat = 0
         while _native.load32(state_addr) == SERVING:
             if _native.load32(self._hold_addr):
                 self._pause()
@@ -272,7 +360,7 @@ class Server:
             taken: dict[int, Gradient] = {}
             while True:
                 for learner in members:
-                    if learner not in taken and consumer.tail(learner) < consumer.head(learner):
+                    if learner not in taken and consumer.pending(learner):
                         taken[learner] = self._take(learner)
                 # The round holds every live learner, also one that attached meanwhile (looked
                 # at after taking, so a learner that saw it active before pushing is in); one
@@ -286,7 +374,7 @@ class Server:
                 waiting = [m for m in members if m not in taken]
                 if not waiting or _native.load32(state_addr) != SERVING:
                     break
-                if any(consumer.tail(m) < consumer.head(m) for m in waiting):
+                if any(consumer.pending(m) for m in waiting):
                     continue
                 if _native.load32(self._hold_addr):
                     self._pause()  # between rounds' updates the weights are whole
@@ -294,6 +382,9 @@ class Server:
                 consumer.sleep(WAIT_SLICE)
             if taken:
                 self._update(list(taken.values()))
+                if time.monotonic_ns() >= next_beat:  # rounds that never wait still beat (and audit)
+                    self._beat()
+                    next_beat = time.monotonic_ns() + _BEAT_NS
             else:
                 self._beat()
                 consumer.sleep(WAIT_SLICE)
@@ -307,7 +398,7 @@ class Server:
         entry = self._entries[learner]
         if time.monotonic_ns() - entry.get("beat") > drop_ns:
             return False
-        return self._consumer.tail(learner) < self._consumer.head(learner) or owner_alive(self.region, learner)
+        return self._consumer.pending(learner) or owner_alive(self.region, learner)
 
     def _drain(self, grace: float) -> int:
         """Apply what is published until no live learner remains or `grace` passes; learners left."""
@@ -332,13 +423,19 @@ class Server:
     def _take(self, learner: int) -> Gradient:
         """The oldest published gradient of `learner`'s ring (not yet handed back), with the
         staleness it will be applied at."""
-        slot = self._consumer.tail(learner) % self.region.shape.slots
+        slot = self._consumer.take(learner)  # checks the ring's head - tail
         header = self._slot_headers[learner][slot]
-        computed_on = header.get("version")
+        computed_on, samples, kind = header.get("version"), header.get("samples"), header.get("kind")
+        if samples >= MAX_SAMPLES or kind not in (GRADIENT, MOVE):
+            name, value, allowed = ("samples", samples, f"0..{MAX_SAMPLES - 1:,}") if samples >= MAX_SAMPLES else \
+                ("kind", kind, f"{GRADIENT} (gradient) or {MOVE} (move)")
+            raise RegionCorrupt(f"job {self.job!r}: learner ring {learner}: slot {slot}'s {name} is {value:,}, "
+                                f"allowed {allowed}: the slot is corrupt")
+        version = _native.load64(self._version_addr)
+        self._check_version(version)
         # Only an update moves the version, and a taken gradient is applied by the next one.
-        staleness = max(0, _native.load64(self._version_addr) - computed_on)
-        return Gradient(learner, self._payloads[learner][slot], computed_on, header.get("samples"), staleness,
-                        move=header.get("kind") == MOVE)
+        staleness = max(0, version - computed_on)
+        return Gradient(learner, self._payloads[learner][slot], computed_on, samples, staleness, move=kind == MOVE)
 
     def _update(self, grads: list[Gradient]) -> None:
         """One update from `grads`: apply, bump the version, record statistics, hand the slots back."""
@@ -348,10 +445,18 @@ class Server:
             for grad in late:
                 self.rule.format.discard(grad.payload)  # later than the bound: never applied
                 self._entries[grad.learner].add("discarded", 1)
-                self._consumer.release(grad.learner, self._consumer.tail(grad.learner))
+                self._consumer.release(grad.learner)
             grads = [g for g in grads if g.staleness <= bound or g.move]
-            if not grads:
-                return
+        finite = []
+        for grad in grads:  # one read-only pass over each slot (native, GIL released) before it is applied
+            bad = self.rule.format.nonfinite(grad.payload, grad.learner)
+            if bad:
+                self._refuse(grad, bad)
+            else:
+                finite.append(grad)
+        grads = finite
+        if not grads:
+            return
         moved = sum(self.rule.format.bytes_in(g.payload) for g in grads)
         if self.rule.seqlock:
             _native.add64(self._seq_addr, 1)  # odd: an update is running
@@ -361,6 +466,7 @@ class Server:
                     self.rule.move(grad)
             self.rule.apply([g for g in grads if not g.move])
             _native.add64(self._version_addr, 1)
+            self._version += 1
         finally:
             if self.rule.seqlock:
                 _native.add64(self._seq_addr, 1)  # even: the weights are whole again
@@ -373,9 +479,24 @@ class Server:
             _native.add64(entry.addr("stale_hist") + 8 * min(grad.staleness.bit_length(), HIST_BUCKETS - 1), 1)
             entry.add("applied_samples", grad.samples)
             _native.add64(self._applied_addr, 1)
-            self._consumer.release(grad.learner, self._consumer.tail(grad.learner))
+            self._applied += 1
+            self._consumer.release(grad.learner)
         if _native.load32(self._waiters_addr):
             _native.futex_wake(self._version_addr, 1 << 30)
+
+    def _refuse(self, grad: Gradient, bad: int) -> None:
+        """A gradient with `bad` NaN or infinite values: stop the job, or skip it and count it."""
+        what = (f"learner ring {grad.learner}: a {'move' if grad.move else 'gradient'} with {bad:,} non-finite "
+                f"value{'s' if bad != 1 else ''} (NaN or inf)")
+        if self.options.nonfinite == "stop":
+            raise NonFiniteGradient(f"job {self.job!r}: {what}; nonfinite is 'stop' (--nonfinite stop, [train] "
+                                    "nonfinite = 'stop'), so the job stops")
+        self.rule.format.discard(grad.payload)
+        skipped = _native.add64(self._skipped_addr, 1) + 1
+        if skipped & (skipped - 1) == 0:  # the 1st, 2nd, 4th, 8th ...: a diverging job does not flood the log
+            log.warning("job %r: %s: skipped, not applied; %s such gradients skipped so far", self.job, what,
+                        f"{skipped:,}")
+        self._consumer.release(grad.learner)
 
     def _pause(self) -> None:
         """A checkpointer asked for a hold: stay between two updates until it lets go.
@@ -385,24 +506,34 @@ class Server:
         copy).
         """
         h = self.region.header
+        self._check_hold(_native.load32(self._hold_addr))  # before saying it holds: a copy then is never whole
         held_addr = h.addr("held")
         _native.store32(held_addr, 1)
         _native.futex_wake(held_addr, 1 << 30)
         deadline = time.monotonic() + HOLD_LIMIT
-        while _native.load32(self._hold_addr):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                if h.cas("hold", 1, 0):
-                    log.warning("job %r: a checkpoint held the server for more than %g s: going on without it",
-                                self.job, HOLD_LIMIT)
-                break
-            _native.futex_wait(self._hold_addr, 1, min(WAIT_SLICE, left))
-            self._beat()
-        h.add("hold_epoch", 1)
-        _native.store32(held_addr, 0)
+        try:
+            while hold := _native.load32(self._hold_addr):
+                self._check_hold(hold)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    if h.cas("hold", 1, 0):
+                        log.warning("job %r: a checkpoint held the server for more than %g s: going on without it",
+                                    self.job, HOLD_LIMIT)
+                    break
+                _native.futex_wait(self._hold_addr, 1, min(WAIT_SLICE, left))
+                self._beat()
+        finally:
+            h.add("hold_epoch", 1)
+            _native.store32(held_addr, 0)
 
-    def _beat(self) -> None:
-        _native.store64(self._beat_addr, time.monotonic_ns())
+    def _beat(self, now: int | None = None) -> None:
+        """Beat, and audit the header at most once per BEAT_INTERVAL (a server that catches up
+        with every gradient beats before each sleep: that must stay one store)."""
+        now = time.monotonic_ns() if now is None else now
+        _native.store64(self._beat_addr, now)
+        if now >= self._next_audit:
+            self._next_audit = now + _BEAT_NS
+            self._audit()
 
     # ------------------------------------------------------------------ results and lifetime
 
@@ -444,9 +575,11 @@ class Server:
         if self._closed:
             return
         self._closed = True
-        self.region.header.set("run_state", STOPPED)
+        if _native.load32(self._state_addr) != FAILED:  # a failed job stays failed for its watchdog to see
+            self.region.header.set("run_state", STOPPED)
         self._consumer.wake_all()
         _native.futex_wake(self._version_addr, 1 << 30)
+        drop_server_record(self.job, self._pid, self._started)
         self.region.unlink()
         self.region.close()
 
@@ -459,6 +592,21 @@ class Server:
 
 def _mb(nbytes: int) -> str:
     return f"{nbytes / 1e6:.1f} MB"
+
+
+_IDENTITY_END = HEADER["server_pid"].offset  # the header's fields before it are written once, by the creator
+
+
+def _shown(name: str, kind: str, data: bytes) -> str:
+    """A header field's bytes as a person reads them (the magic in hex, numbers with separators)."""
+    if kind == "u64" or kind == "u32":
+        value = int.from_bytes(data, "little")
+        return f"{value:#018x}" if name == "magic" else f"{value:,}"
+    if kind == "f64":
+        return repr(struct.unpack("<d", data)[0])
+    if kind == "name":
+        return repr(data.rstrip(b"\0").decode("utf-8", "replace"))
+    return data.hex()
 
 
 __all__ = ["Server", "ServeReport"]

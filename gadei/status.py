@@ -52,6 +52,7 @@ class JobStatus:
     version: int
     applied: int
     applied_bytes: int  # gradient bytes the server read from slots, ever
+    nonfinite_skipped: int  # gradients with NaN or inf values the server skipped, not applied
     n_params: int
     grad_dtype: str
     row_sparse_tables: int
@@ -81,6 +82,7 @@ _RELEVANT = {  # which options a mode uses, for the status line
     "alpha": lambda mode: mode == "elastic",
     "tau": lambda mode: mode == "elastic",
     "drop_after": lambda mode: mode == "sync",
+    "nonfinite": lambda mode: True,  # shown when not the default "skip"
 }
 
 
@@ -151,6 +153,7 @@ def read(region: Region) -> JobStatus:
         version=h.get("version"),
         applied=h.get("applied"),
         applied_bytes=h.get("applied_bytes"),
+        nonfinite_skipped=h.get("nonfinite_skipped"),
         n_params=region.shape.n_params,
         grad_dtype=region.shape.grad_dtype,
         row_sparse_tables=len(region.shape.sparse),
@@ -226,13 +229,15 @@ def format_table(status: JobStatus, rate: Rates | None) -> str:
     server = f"pid {status.server_pid} " + ("alive" if status.server_alive else "GONE")
     if status.server_beat_age is not None:
         server += f", beat {status.server_beat_age:.1f}s ago"
-    options = {k: v for k, v in status.options.items() if k != "lr" and v and v != "sgd" and _RELEVANT[k](status.mode)}
+    options = {k: v for k, v in status.options.items()
+               if k != "lr" and v and v not in ("sgd", "skip") and _RELEVANT[k](status.mode)}
     transport = status.grad_dtype + (f" + {status.row_sparse_tables} row-sparse tables" if status.row_sparse_tables else "")
     lines = [
         f"job {status.job}: {status.run_state}; server {server}; mode {status.mode}, lr {status.lr:g}"
         + "".join(_option(k, v) for k, v in options.items()) + f"; {status.threads} kernel threads",
         f"  weights: {status.n_params:,} parameters ({status.n_params * 4 / 1e6:.1f} MB), {transport} gradients, "
         f"version {status.version:,}, {status.applied:,} gradients applied"
+        + (f", {status.nonfinite_skipped:,} non-finite gradients skipped" if status.nonfinite_skipped else "")
         + (f", {rate.updates:,.1f} updates/s, {rate.bytes / 1e9:.2f} GB/s of gradients" if rate else ""),
         f"  learners: {len(status.learners)} of {status.capacity} entries, {status.slots} slots per ring",
     ]

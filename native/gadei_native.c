@@ -391,6 +391,22 @@ py_sgd_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     return PyLong_FromLongLong(bad);
 }
 
+/* nonfinite(g, n, threads, dtype) -> how many of the n elements at g are NaN or infinite. */
+static PyObject *
+py_nonfinite(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    uint64_t n;
+    int64_t threads, dtype, bad;
+    if (gd_nargs("nonfinite", nargs, 4) < 0) return NULL;
+    GD_ADDR(args[0], g);
+    if (gd_arg_u64(args[1], &n) < 0 || gd_arg_i64(args[2], &threads) < 0 || gd_arg_i64(args[3], &dtype) < 0)
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    bad = gd_nonfinite((const void *)(uintptr_t)g_raw, (int)dtype, (size_t)n, (int)threads);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLongLong(bad);
+}
+
 /* elastic(c, w, n, alpha, threads): c += alpha * (w - c). */
 static PyObject *
 py_elastic(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
@@ -568,6 +584,7 @@ static PyMethodDef gd_methods[] = {
     GD_FAST("adagrad_rows", py_adagrad_rows, "adagrad_rows(w, s, n_rows, width, idx, rows, count, lr, eps, dtype) "
             "-> bad indices"),
     GD_FAST("sgd_rows", py_sgd_rows, "sgd_rows(w, v, n_rows, width, idx, rows, count, lr, dtype) -> bad indices"),
+    GD_FAST("nonfinite", py_nonfinite, "nonfinite(g, n, threads, dtype) -> elements that are NaN or infinite"),
     GD_FAST("elastic", py_elastic, "elastic(c, w, n, alpha, threads): c += alpha (w - c)"),
     GD_FAST("plain_sgd", py_plain_sgd, "plain_sgd(w, g, n, lr, threads): the reference loop for benchmarks"),
     GD_FAST("copy", py_copy, "copy(dst, src, nbytes, threads)"),

@@ -426,6 +426,92 @@ gd_adagrad_rows(float *w, float *s, size_t n_rows, size_t width, const int64_t *
     return bad;
 }
 
+/* ------------------------------------------------------------------ non-finite check */
+
+/* An element is NaN or infinite when its exponent bits are all ones; only the bits are
+ * looked at (no float compare), so the check is exact for every dtype and cheap. */
+static int64_t
+gd_nonfinite_generic(const void *g, int dtype, size_t n)
+{
+    int64_t bad = 0;
+    if (dtype == GD_F32) {
+        const uint32_t *b = g;
+        for (size_t i = 0; i < n; i++) bad += (b[i] & 0x7f800000u) == 0x7f800000u;
+        return bad;
+    }
+    const uint16_t *h = g, mask = dtype == GD_F16 ? 0x7c00 : 0x7f80;
+    for (size_t i = 0; i < n; i++) bad += (h[i] & mask) == mask;
+    return bad;
+}
+
+#if GD_X86
+/* 64 bytes per step (16 float32 or 32 half elements): mask the exponents, compare with the
+ * mask, count the lanes that matched. */
+__attribute__((target("avx2,f16c,popcnt"))) static int64_t
+gd_nonfinite_avx2(const void *g, int dtype, size_t n)
+{
+    size_t item = gd_itemsize(dtype), per = 64 / item, i = 0;
+    int64_t bad = 0;
+    const char *base = g;
+    if (dtype == GD_F32) {
+        const __m256i mask = _mm256_set1_epi32(0x7f800000);
+        for (; i + per <= n; i += per) {
+            __m256i a = _mm256_loadu_si256((const __m256i *)(base + i * item));
+            __m256i b = _mm256_loadu_si256((const __m256i *)(base + i * item + 32));
+            __m256i ea = _mm256_cmpeq_epi32(_mm256_and_si256(a, mask), mask);
+            __m256i eb = _mm256_cmpeq_epi32(_mm256_and_si256(b, mask), mask);
+            __m256i any = _mm256_or_si256(ea, eb);
+            if (_mm256_testz_si256(any, any)) continue;
+            bad += __builtin_popcount((unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(ea)));
+            bad += __builtin_popcount((unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(eb)));
+        }
+    } else {
+        const __m256i mask = _mm256_set1_epi16((short)(dtype == GD_F16 ? 0x7c00 : 0x7f80));
+        for (; i + per <= n; i += per) {
+            __m256i a = _mm256_loadu_si256((const __m256i *)(base + i * item));
+            __m256i b = _mm256_loadu_si256((const __m256i *)(base + i * item + 32));
+            __m256i ea = _mm256_cmpeq_epi16(_mm256_and_si256(a, mask), mask);
+            __m256i eb = _mm256_cmpeq_epi16(_mm256_and_si256(b, mask), mask);
+            __m256i any = _mm256_or_si256(ea, eb);
+            if (_mm256_testz_si256(any, any)) continue;
+            /* each 16-bit lane sets two bits of the byte mask */
+            bad += __builtin_popcount((unsigned)_mm256_movemask_epi8(ea)) / 2;
+            bad += __builtin_popcount((unsigned)_mm256_movemask_epi8(eb)) / 2;
+        }
+    }
+    return bad + gd_nonfinite_generic(base + i * item, dtype, n - i);
+}
+#endif
+
+static int64_t
+gd_nonfinite_span(const void *g, int dtype, size_t n)
+{
+#if GD_X86
+    if (gd_avx2) return gd_nonfinite_avx2(g, dtype, n);
+#endif
+    return gd_nonfinite_generic(g, dtype, n);
+}
+
+int64_t
+gd_nonfinite(const void *g, int dtype, size_t n, int threads)
+{
+    size_t item = gd_itemsize(dtype);
+    int nt = gd_threads(threads, n);
+    if (nt == 1) return gd_nonfinite_span(g, dtype, n);
+    int64_t bad = 0;
+#if GD_HAVE_OPENMP
+#pragma omp parallel num_threads(nt) reduction(+ : bad)
+    {
+        size_t lo, hi;
+        gd_chunk(g, item, n, omp_get_thread_num(), omp_get_num_threads(), &lo, &hi);
+        bad += gd_nonfinite_span((const char *)g + lo * item, dtype, hi - lo);
+    }
+#else
+    bad = gd_nonfinite_span(g, dtype, n);
+#endif
+    return bad;
+}
+
 /* ------------------------------------------------------------------ rows, elastic, plain, copy */
 
 int64_t

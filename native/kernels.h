@@ -44,6 +44,10 @@ void gd_adagrad(float *w, float *s, void *g, int dtype, size_t n, float lr, floa
 int64_t gd_adagrad_rows(float *w, float *s, size_t n_rows, size_t width, const int64_t *idx, const void *rows,
                         int dtype, size_t count, float lr, float eps);
 
+/* How many of g[0..n) are NaN or infinite (exponent bits all ones), read only: the server's
+ * check of a gradient before it applies it. */
+int64_t gd_nonfinite(const void *g, int dtype, size_t n, int threads);
+
 /* c[i] += alpha * (w[i] - c[i]): the elastic centre moving towards one learner's weights. */
 void gd_elastic(float *c, const float *w, size_t n, float alpha, int threads);
 

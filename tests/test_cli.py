@@ -157,6 +157,10 @@ def test_bench_kernel_reports_sgd_and_adagrad_against_torch(procs, tmp_path):
     for rows, methods in ((kernel["rows"], {"gadei", "plain_c", "torch_add_"}), (kernel["adagrad"], {"gadei", "torch_fused"})):
         assert [(r["size_mb"], r["threads"]) for r in rows] == [(s, t) for s in (1, 16, 64) for t in threads]
         assert all(set(r["gb_per_s"]) == methods and min(r["gb_per_s"].values()) > 0 for r in rows)
+    assert "check + update ms" in out
+    assert [(r["size_mb"], r["threads"]) for r in kernel["nonfinite_check"]] == [(s, t) for s in (1, 16, 64)
+                                                                                for t in threads]
+    assert all(r["checked_ms"] > 0 and r["sgd_ms"] > 0 for r in kernel["nonfinite_check"])
 
 
 def test_status_shows_every_mode_and_optimizer(procs):

@@ -82,6 +82,8 @@ def test_the_default_mini_batch_follows_the_data_set_size(samples, batch):
     (("[train]\nepochs = 1.5\n", None), "[train] epochs = 1.5 is a number; allowed: an integer"),
     (("[train]\nmode = \"hogwild\"\n", None), "[train] mode = 'hogwild': not a mode; allowed: async, consistent"),
     (("[train]\noptimizer = \"adam\"\n", None), "[train] optimizer = 'adam': not an optimizer; allowed: adagrad, sgd"),
+    (("[train]\nnonfinite = \"drop\"\n", None),
+     "[train] nonfinite = 'drop': not a way to treat a non-finite gradient; allowed: skip, stop"),
     (("[train]\noptimizer = \"adagrad\"\nmode = \"elastic\"\n", None),
      "[train] optimizer = 'adagrad' with mode = 'elastic': elastic learners take their own local steps"),
     (("[data2]\n", None), "unknown section [data2] (did you mean 'data'?)"),

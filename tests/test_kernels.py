@@ -17,7 +17,7 @@ import torch
 
 from gadei import _native
 from gadei.layout import DTYPE_CODES
-from gadei.modes import ADAGRAD_EPS, AsyncSGD, ElasticAveraging, Options, SyncSGD, rows_reference
+from gadei.modes import ADAGRAD_EPS, AsyncSGD, ElasticAveraging, Options, SyncSGD, nonfinite_reference, rows_reference
 
 SIZES = [1, 7, 8, 15, 16, 17, 31, 33, 64, 65, 1000, 4099, 65535, 65537, 131075, (1 << 20) + 13]
 THREADS = [1, 2, 3]
@@ -226,14 +226,41 @@ def test_plain_reference_loop_matches(n):
     np.testing.assert_array_equal(w, expected)
 
 
+def gradient_with_nonfinite(n: int, dtype: str, seed: int) -> np.ndarray:
+    """A wire gradient with NaN, +inf and -inf (and large finite values next to them) at random places."""
+    rng = np.random.default_rng(seed)
+    g32 = rng.standard_normal(n).astype(np.float32) * 1e3
+    g32[rng.choice(n, size=max(1, n // 3000), replace=False)] = 6e4  # finite in every dtype
+    for value in (np.nan, np.inf, -np.inf):
+        g32[rng.choice(n, size=max(1, n // 1000), replace=False)] = value
+    g = to_wire(g32, dtype)
+    if dtype == "float32" and n > 3:
+        g[n // 2] = np.frombuffer(np.uint32(0xFF800001).tobytes(), np.float32)[0]  # a NaN with the sign bit set
+    return g
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("threads", THREADS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_nonfinite_check_matches_reference_and_writes_nothing(n, threads, dtype):
+    g = gradient_with_nonfinite(n, dtype, n + threads)
+    before = g.copy()
+    expected = nonfinite_reference(g)
+    assert expected > 0
+    assert _native.nonfinite(g.ctypes.data, n, threads, DTYPE_CODES[dtype]) == expected
+    assert (bits(g) == bits(before)).all()
+    finite = to_wire(np.full(n, 65504.0, np.float32), dtype)  # the largest float16: finite everywhere
+    assert _native.nonfinite(finite.ctypes.data, n, threads, DTYPE_CODES[dtype]) == 0
+
+
 def test_portable_kernels_without_avx2_match_reference():
     code = (
         "import sys; sys.path.insert(0, sys.argv[1])\n"
         "import numpy as np\n"
         "from gadei import _native\n"
         "from gadei.layout import DTYPE_CODES\n"
-        "from gadei.modes import AsyncSGD, Options\n"
-        "from test_kernels import weights_and_gradient, to_wire, from_wire, bits\n"
+        "from gadei.modes import AsyncSGD, Options, nonfinite_reference\n"
+        "from test_kernels import weights_and_gradient, to_wire, from_wire, bits, gradient_with_nonfinite\n"
         "assert _native.kernel_isa() == 'generic', _native.kernel_isa()\n"
         "for dtype in ('float32', 'float16', 'bfloat16'):\n"
         "    for n in (1, 17, 4099, 200003):\n"
@@ -241,6 +268,8 @@ def test_portable_kernels_without_avx2_match_reference():
         "        with np.errstate(invalid='ignore'): AsyncSGD.reference(wr, [from_wire(g, dtype)], Options(lr=0.3))\n"
         "        _native.sgd(w.ctypes.data, g.ctypes.data, n, 0.3, 1, 2, DTYPE_CODES[dtype])\n"
         "        assert (bits(w) == bits(wr)).all() and not bits(g).any(), (dtype, n)\n"
+        "        g = gradient_with_nonfinite(n, dtype, n)\n"
+        "        assert _native.nonfinite(g.ctypes.data, n, 2, DTYPE_CODES[dtype]) == nonfinite_reference(g), (dtype, n)\n"
     )
     proc = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent)], capture_output=True, text=True,
                           env={**os.environ, "GADEI_NO_AVX2": "1"}, timeout=120)

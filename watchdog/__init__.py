@@ -25,7 +25,11 @@ newest valid checkpoint; without one, from the initial weights), re-attaches, an
 the learners again from that checkpoint's progress. After `max_restarts` server restarts
 within `window` seconds it gives up (exit 3) and logs the command that resumes the job.
 
-It ends when the job stops: 0, or 4 when it had given up on some launched learner.
+It ends when the job stops: 0, or 4 when it had given up on some launched learner. A job its
+server stopped as failed (run state 'failed': a corrupt region, a non-finite gradient with
+nonfinite = 'stop') is final: the watchdog takes no checkpoint of it, does not restart the
+server, stops the learners it launched and ends with 5; the newest checkpoint is one from
+before the failure.
 """
 
 import logging
@@ -37,7 +41,7 @@ from dataclasses import asdict, dataclass, field
 
 from gadei import _native, _proc, checkpoint
 from gadei.errors import GadeiError, RegionNotFound
-from gadei.layout import ACTIVE, DEAD, SERVING, STOPPED, STOPPING
+from gadei.layout import ACTIVE, DEAD, FAILED, SERVING, STOPPED, STOPPING
 from gadei.region import Region, inspect
 from gadei.ring import lease_owner
 
@@ -47,6 +51,7 @@ log = logging.getLogger(__name__)
 
 SERVER_DEAD = 3  # exit code: the server died or hung and was not (or could not be) restarted
 LEARNERS_FAILED = 4  # exit code: the job ended after the watchdog gave up on a launched learner
+JOB_FAILED = 5  # exit code: the server stopped the job as failed; nothing was restarted
 
 
 @dataclass
@@ -166,8 +171,12 @@ class Watchdog:
                 state = h.get("run_state")
                 if state == STOPPED:
                     return self._ended()
+                if state == FAILED:
+                    return self._failed()
                 problem = self._server_problem()
                 if problem:
+                    if h.get("run_state") == FAILED:  # it failed the job, then exited, since the look above
+                        return self._failed()
                     log.error("job %r: the server %s", self.job, problem)
                     if self.settings.restart and self._restart_server():
                         next_checkpoint = time.monotonic() + self.settings.every
@@ -207,6 +216,22 @@ class Watchdog:
             log.error("job %r ended without learners %s (given up)", self.job, self.learners.failed)
             return LEARNERS_FAILED
         return 0
+
+    def _failed(self) -> int:
+        """The server stopped the job as failed: final. No checkpoint, no restart; the launched
+        learners are stopped (they would only wait for a server that will not come back)."""
+        log.error("job %r: the server stopped the job as failed (see its log); not restarting it, no checkpoint "
+                  "taken; the newest checkpoint in %s (version %s) is from before the failure", self.job,
+                  self.settings.checkpoint_dir, f"{self.region.header.get('checkpointed_version'):,}")
+        self.learners.kill_all()
+        if self._server is not None:
+            try:
+                self._server.wait(timeout=60.0)
+            except subprocess.TimeoutExpired:
+                self._server.kill()
+                self._server.wait()
+        remove_state(self.job)
+        return JOB_FAILED
 
     def _stop_job(self) -> None:
         h = self.region.header

@@ -15,7 +15,7 @@ def bench_kernel(args) -> dict:
     all_threads = os.cpu_count() or 1
     thread_counts = sorted({1, all_threads})
     lr = 0.01
-    rows, records, adagrad_records = [], [], []
+    rows, records, adagrad_records, check_records = [], [], [], []
     torch_threads = torch.get_num_threads()
     try:
         for size in sizes:
@@ -33,9 +33,14 @@ def bench_kernel(args) -> dict:
                     "gadei": lambda: _native.sgd(wa, ga, n, lr, 0, threads),
                     "plain_c": lambda: _native.plain_sgd(wa, ga, n, lr, threads),
                     "torch_add_": lambda: tw.add_(tg, alpha=-lr),
+                    # what the server runs per gradient: the read-only non-finite check, then the update
+                    "checked": lambda: (_native.nonfinite(ga, n, threads, 1), _native.sgd(wa, ga, n, lr, 0, threads)),
                 }
                 torch.set_num_threads(threads)
                 seconds = interleaved(methods, rounds=10 * args.repeats, min_seconds=0.002 if args.quick else 0.01)
+                checked = seconds.pop("checked")
+                check_records.append({"size_mb": size, "threads": threads, "sgd_ms": seconds["gadei"] * 1e3,
+                                      "checked_ms": checked * 1e3, "added": checked / seconds["gadei"] - 1})
                 gbs = {name: moved / s / 1e9 for name, s in seconds.items()}
                 record = {"size_mb": size, "threads": threads, "gb_per_s": gbs,
                           "vs_plain_c": gbs["gadei"] / gbs["plain_c"], "vs_torch": gbs["gadei"] / gbs["torch_add_"]}
@@ -54,7 +59,12 @@ def bench_kernel(args) -> dict:
     print(table(("size", "threads", "gadei", "torch fused", "gadei/torch"),
                  [(f"{r['size_mb']} MB", r["threads"], f"{r['gb_per_s']['gadei']:.1f}",
                    f"{r['gb_per_s']['torch_fused']:.1f}", f"{r['vs_torch']:.2f}x") for r in adagrad_records]))
-    return {"rows": records, "adagrad": adagrad_records}
+    print("\nkernel: the server's non-finite check of a float32 gradient (one read-only pass) before w -= lr * g, "
+          f"against the update alone; median of {10 * args.repeats} interleaved samples")
+    print(table(("size", "threads", "update ms", "check + update ms", "added"),
+                [(f"{r['size_mb']} MB", r["threads"], f"{r['sgd_ms']:.3f}", f"{r['checked_ms']:.3f}",
+                  f"{r['added']:+.0%}") for r in check_records]))
+    return {"rows": records, "adagrad": adagrad_records, "nonfinite_check": check_records}
 
 
 def _bench_adagrad(w: np.ndarray, g: np.ndarray, size: int, thread_counts, args) -> list[dict]:

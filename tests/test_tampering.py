@@ -1,0 +1,275 @@
+"""The region is untrusted input: a server whose region is tampered with stops the job with a
+clear error (or skips and counts a non-finite gradient), never loops, crashes or restarts
+from garbage, and `gadei stop` can always end it.
+
+Each test runs `gadei serve` as a real process, tampers with its region through the region
+and layout modules (as a buggy or hostile process of the same user could), and asserts what
+the server does within a deadline: the error names the field, the value and what is allowed.
+"""
+
+import json
+import math
+import os
+import signal
+import time
+
+import numpy as np
+import posix_ipc
+import pytest
+
+from conftest import communicate, finish, wait_for
+from gadei import checkpoint
+from gadei.layout import MAGIC
+from gadei.region import Region, inspect, shm_name
+
+N = 4096  # parameters of the served job
+SLOTS = 2
+DEADLINE = 10.0  # seconds a clear stop may take (it takes milliseconds; the machine is shared)
+
+
+def _serve(procs, job, *extra):
+    server = procs.gadei("serve", job, "--params", str(N), "--learners", "2", "--slots", str(SLOTS),
+                         "--threads", "1", *extra)
+    wait_for(lambda: (found := inspect(job)) is not None and found.state == "running", 60, "the server's region")
+    return server
+
+
+def _push(region, learner=0, value=1.0, samples=1, version=None, kind=0):
+    """Publish one gradient of `value` into `learner`'s ring, as a learner would (no claim needed)."""
+    entry = region.entry(learner)
+    head = entry.get("head")
+    slot = head % region.shape.slots
+    region.dense(learner, slot)[:] = 1.0
+    region.dense(learner, slot)[7] = value
+    header = region.slot_header(learner, slot)
+    header.set("version", region.header.get("version") if version is None else version)
+    header.set("step", head)
+    header.set("samples", samples)
+    header.set("kind", kind)
+    entry.set("head", head + 1)
+    _ring(region)
+
+
+def _ring(region):
+    from gadei import _native
+
+    _native.add32(region.header.addr("doorbell"), 1)
+    _native.futex_wake(region.header.addr("doorbell"), 1)
+
+
+def _applied(region, learner=0):
+    entry = region.entry(learner)
+    return entry.get("tail") == entry.get("head")
+
+
+def _stops_with(server, *phrases):
+    """The server exits within DEADLINE, not 0, and its error says every phrase; the seconds it took."""
+    began = time.monotonic()
+    _, err = communicate(server, DEADLINE)
+    took = time.monotonic() - began
+    assert server.returncode not in (0, None), f"server exited {server.returncode}:\n{err[-3000:]}"
+    assert "Traceback" not in err, err[-3000:]
+    for phrase in phrases:
+        assert phrase in err, f"{phrase!r} not in the server's error:\n{err[-3000:]}"
+    print(f"clear stop in {took:.2f} s: {[l for l in err.splitlines() if 'error' in l][-1:]}")
+    return took, err
+
+
+def _nothing_left(procs, job):
+    """No region and no server remain; `gadei stop` has nothing to stop and says so."""
+    assert inspect(job) is None
+    stop = procs.gadei("stop", job)
+    _, err = communicate(stop, 60)
+    assert stop.returncode == 2 and "nothing to stop" in err, err
+
+
+# ------------------------------------------------------------------ rings
+
+
+def test_tail_far_ahead_of_head_stops_the_job(job, procs):
+    server = _serve(procs, job)
+    with Region.attach(job) as region:
+        _push(region)
+        wait_for(lambda: _applied(region), 10, "the first gradient to be applied")
+        region.entry(1).set("tail", 1000)  # head 0: the ring would hold -1000 gradients
+        _ring(region)
+    _stops_with(server, "learner ring 1", "head - tail = -1,000", "allowed 0..2")
+    _nothing_left(procs, job)
+
+
+def test_head_far_ahead_of_tail_stops_the_job(job, procs):
+    server = _serve(procs, job)
+    with Region.attach(job) as region:
+        region.entry(0).set("head", 1000)  # 1,000 "published" slots in a ring of 2
+        _ring(region)
+    _stops_with(server, "learner ring 0", "head - tail = 1,000", "allowed 0..2")
+    _nothing_left(procs, job)
+
+
+def test_head_behind_tail_by_one_stops_the_job(job, procs):
+    server = _serve(procs, job)
+    with Region.attach(job) as region:
+        for _ in range(3):
+            _push(region)
+            wait_for(lambda: _applied(region), 10, "a gradient to be applied")
+        region.entry(0).set("head", 2)  # tail 3: head went back
+        _ring(region)
+    _stops_with(server, "learner ring 0", "head - tail = -1", "allowed 0..2")
+    _nothing_left(procs, job)
+
+
+# ------------------------------------------------------------------ slot and header counters
+
+
+def test_huge_samples_in_a_slot_stops_the_job(job, procs):
+    server = _serve(procs, job)
+    with Region.attach(job) as region:
+        _push(region, samples=2**63 + 5)
+    _stops_with(server, "learner ring 0", "samples", f"{2**63 + 5:,}", "allowed")
+    _nothing_left(procs, job)
+
+
+def test_version_near_two_to_the_64_stops_the_job(job, procs):
+    server = _serve(procs, job)
+    with Region.attach(job) as region:
+        _push(region)
+        wait_for(lambda: _applied(region), 10, "the first gradient to be applied")
+        region.header.set("version", 2**64 - 3)
+        _push(region, version=5)
+    _stops_with(server, "version", f"{2**64 - 3:,}", "expected 1")
+    _nothing_left(procs, job)
+
+
+def test_hold_other_than_0_or_1_stops_the_job(job, procs):
+    server = _serve(procs, job)
+    with Region.attach(job) as region:
+        region.header.set("hold", 7)
+        _push(region)
+    took, _ = _stops_with(server, "hold", "7", "allowed 0..1")
+    assert took < 2.0, "the server waited out a checkpoint hold first"
+    _nothing_left(procs, job)
+
+
+def test_corrupted_magic_stops_the_job(job, procs):
+    server = _serve(procs, job)
+    with Region.attach(job) as region:
+        region.header.set("magic", MAGIC ^ 0xFF)
+    _stops_with(server, "magic", f"{MAGIC ^ 0xFF:#018x}", f"expected {MAGIC:#018x}")
+    _nothing_left(procs, job)
+
+
+def test_corrupted_shape_field_stops_the_job(job, procs):
+    server = _serve(procs, job)
+    with Region.attach(job) as region:
+        region.header.set("slots", 3)
+    _stops_with(server, "slots", "3", "expected 2")
+    _nothing_left(procs, job)
+
+
+def test_unknown_run_state_stops_the_job(job, procs):
+    server = _serve(procs, job)
+    with Region.attach(job) as region:
+        region.header.set("run_state", 77)
+        _ring(region)
+    _stops_with(server, "run_state", "77")
+    _nothing_left(procs, job)
+
+
+# ------------------------------------------------------------------ non-finite gradients
+
+
+def _status(procs, job):
+    out, _ = finish(procs.gadei("status", job, "--json", "--interval", "0.05"))
+    return json.loads(out.splitlines()[-1])
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+def test_a_non_finite_gradient_is_skipped_and_counted_by_default(job, procs, value):
+    server = _serve(procs, job, "--json")
+    with Region.attach(job, readonly=True) as seen, Region.attach(job) as region:
+        _push(region, value=value)
+        wait_for(lambda: _applied(region), 10, "the gradient to be taken")
+        assert seen.header.get("version") == 0, "a non-finite gradient was applied"
+        assert np.all(seen.weights == 0.0)
+        _push(region, value=2.0)  # the next, finite one is applied
+        wait_for(lambda: _applied(region), 10, "the finite gradient to be applied")
+        assert seen.header.get("version") == 1
+        assert np.isfinite(seen.weights).all()
+    status = _status(procs, job)
+    assert status["nonfinite_skipped"] == 1 and status["applied"] == 1
+    out, _ = finish(procs.gadei("status", job, "--interval", "0.05"))
+    assert "1 non-finite gradients skipped" in out
+    finish(procs.gadei("stop", job))
+    stopped = json.loads(finish(server)[0].splitlines()[-1])
+    assert stopped["nonfinite_skipped"] == 1 and stopped["applied"] == 1
+
+
+def test_a_non_finite_gradient_stops_the_job_with_nonfinite_stop(job, procs):
+    server = _serve(procs, job, "--nonfinite", "stop")
+    with Region.attach(job, readonly=True) as seen, Region.attach(job) as region:
+        _push(region, value=math.nan)
+        _stops_with(server, "learner ring 0", "1 non-finite", "--nonfinite stop")
+        assert np.all(seen.weights == 0.0) and seen.header.get("version") == 0
+    _nothing_left(procs, job)
+
+
+# ------------------------------------------------------------------ gadei stop
+
+
+@pytest.mark.parametrize("content", [b"not a gadei region", b""], ids=["foreign", "zeros"])
+def test_stop_ends_a_server_whose_region_name_holds_another_object(job, procs, content):
+    server = _serve(procs, job)
+    posix_ipc.unlink_shared_memory(shm_name(job))  # the server keeps its mapping
+    junk = posix_ipc.SharedMemory(shm_name(job), flags=posix_ipc.O_CREX, mode=0o600, size=8192)
+    os.write(junk.fd, content)  # zeros read as a region whose (dead) creator never published it
+    junk.close_fd()
+    try:
+        stop = procs.gadei("stop", job)
+        _, err = communicate(stop, 60)
+        assert stop.returncode == 0, err
+        assert f"server pid {server.pid}" in err and "not readable" in err
+        communicate(server, DEADLINE)
+        assert server.returncode == 0  # a clean stop: SIGTERM, drain, exit
+    finally:
+        posix_ipc.unlink_shared_memory(shm_name(job))
+
+
+def test_stop_ends_a_stopped_server_whose_magic_is_corrupt(job, procs):
+    server = _serve(procs, job)
+    os.kill(server.pid, signal.SIGSTOP)  # it cannot notice the corruption itself meanwhile
+    try:
+        with Region.attach(job) as region:
+            region.header.set("magic", 0x1234)
+        assert inspect(job).state == "foreign"
+        stop = procs.gadei("stop", job, "--timeout", "20")
+        _, err = communicate(stop, 60)
+        assert stop.returncode == 0, err
+        assert f"server pid {server.pid}" in err
+        communicate(server, DEADLINE)
+    finally:
+        if server.poll() is None:
+            os.kill(server.pid, signal.SIGCONT)
+    assert server.returncode is not None
+    _nothing_left(procs, job)
+
+
+# ------------------------------------------------------------------ the watchdog
+
+
+def test_the_watchdog_does_not_restart_from_a_corrupt_region_and_keeps_the_last_checkpoint(job, procs, tmp_path):
+    folder = tmp_path / "ckpt"
+    server = _serve(procs, job, "--checkpoint-dir", str(folder), "--checkpoint-every", "0.2", "--watch-interval",
+                    "0.1")
+    with Region.attach(job) as region:
+        for _ in range(5):
+            _push(region)
+            wait_for(lambda: _applied(region), 10, "a gradient to be applied")
+        wait_for(lambda: (c := checkpoint.latest(folder)) is not None and c.version == 5, 30,
+                 "a checkpoint of version 5")
+        region.entry(1).set("tail", 1000)
+        _ring(region)
+    _, err = _stops_with(server, "learner ring 1", "head - tail = -1,000")
+    assert "restarting the server" not in err
+    versions = [checkpoint.load(path).version for path in checkpoint.listing(folder)]
+    assert versions and max(versions) == 5, versions
+    _nothing_left(procs, job)
