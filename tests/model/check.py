@@ -71,7 +71,7 @@ CHECKS = (
     Check("ring-1x3", ("L=1", "S=3", "N=3", "LCRASH=1", "SCRASH=1", "CKPTS=0", "STOPS=1"),
           about="three slots; a learner and the server killed at any step, restarts, stop"),
     Check("kill-2x2", ("L=2", "S=2", "N=1", "LCRASH=1", "SCRASH=0", "CKPTS=0", "STOPS=0"),
-          about="two learners, one killed at any step, its ring taken over", deep=True),
+          about="two learners, one killed at any step, its ring taken over"),
     Check("checkpoint-1x2", ("L=1", "S=2", "N=2", "LCRASH=0", "SCRASH=1", "CKPTS=1", "STOPS=1"),
           about="the checkpoint hold, the server killed at any step and resumed from it, stop"),
     Check("all-1x2", ("L=1", "S=2", "N=2", *_ALL_FAULTS),
