@@ -37,7 +37,7 @@ def _need_tools():
     missing = [name for name, path in check.tools().items() if path is None]
     if not missing:
         return
-    why = f"{' and '.join(missing)} not on PATH (apt-get install spin gcc) : the protocol model is not checked"
+    why = f"{' and '.join(missing)} not on PATH (apt-get install spin gcc): the protocol model is not checked"
     if os.environ.get("CI") == "true":
         pytest.fail(f"CI: {why}")
     pytest.skip(why)
@@ -70,7 +70,7 @@ def test_a_faulty_variant_gives_a_counter_example(name, tmp_path):
     assert (tmp_path / "protocol.pml.trail").exists()
     assert "spin: trail ends after" in result.replay, result.replay[-3000:]
     assert variant.expect in result.failed_assertion, (result.failed_assertion, result.output)
-    print(f"\n{name}: assertion violated {result.failed_assertion} after {result.depth} steps "
+    print(f"\n{name}: assertion violated {result.failed_assertion}, search depth {result.depth} "
           f"({result.stored:,} states)")
 
 
