@@ -156,7 +156,7 @@ def run(check: Check, workdir: str | os.PathLike | None = None, timeout: float =
         started = time.monotonic()
         out = _call(args, folder, timeout, ok=(0, 1))
         seconds = time.monotonic() - started
-        if "error: max search depth too small" in out or "out of memory" in out.lower():
+        if "max search depth too small" in out or "MEMLIM" in out or "out of memory" in out.lower():
             raise RuntimeError(f"check {check.name}: pan did not finish the search:\n{out}")
         result = Result(
             check=check,

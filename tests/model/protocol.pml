@@ -209,6 +209,7 @@ inline pause() {
     held = false
 }
 
+/* The server: Server.serve (_serve_each, then _drain), _pause, _take/_update, Consumer.poll/sleep/release */
 proctype Server() {
     byte r, s, i, nxt;
 end_idle:
@@ -298,6 +299,7 @@ inline release() {
     }
 }
 
+/* Learner l's train thread: Learner.attach, ring.claim/_take, Learner.step + ThreadPush.push, Learner._teardown */
 proctype Train(byte l) {
     byte r, i, k;
 end_idle:
@@ -362,6 +364,7 @@ gone:
     od
 }
 
+/* Learner l's push thread: ThreadPush._run, Producer.wait_space, SlotWriter.write_grads, Producer.publish */
 proctype Push(byte l) {
     byte r, s, g;
 end_idle:
@@ -577,6 +580,7 @@ inline died(n) {
     :: lrun[n] && !tin[n] && !pin[n] && !killed[n] && lexit[n] == 2 -> died(n) \
     :: !lrun[n] && !done[n] && salive && run_state == SERVING -> launch(n)
 
+/* The watchdog: Watchdog.run and what it calls (checkpoints, learner deaths, server restarts, _ended) */
 active proctype Watchdog() {
     byte i, r, e, ckpts;
     byte ck_tmp[G];
@@ -646,6 +650,7 @@ ltl stop_ends { [] (user_stop -> <> wd_ended) }
         killed[n] = true; lcrashes++; \
         if :: myring[n] != NONE -> eowner_alive[myring[n]] = false :: else -> skip fi }
 
+/* SIGKILL of a learner process or of the server, at any step */
 active proctype Crash() {
 end:
     do
@@ -657,6 +662,7 @@ end:
     od
 }
 
+/* `gadei stop`: gadei.launch.stop_job */
 active proctype Stop() {
 end:
     if
