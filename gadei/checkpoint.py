@@ -145,13 +145,14 @@ def capture(region, timeout: float = 5.0, progress=None) -> Checkpoint:
 
     With the server running, this asks it for a hold (it pauses between two updates, at
     most the server's HOLD_LIMIT), copies while it holds, and lets it go: the server stalls
-    for the time of the copy. With the server gone or stopped nothing changes the weights,
-    and the copy is taken as it is (after a server killed during an update, that copy may
-    hold part of that update: restart from a checkpoint taken before instead).
+    for the time of the copy. With the server stopped (or not yet serving) nothing changes
+    the weights, and the copy is taken as it is. A server that died while serving may have
+    died within an update (the weights hold it, the learners' counters do not), so its
+    region is not copied: a restart goes on from the checkpoint taken before.
 
     Raises:
-        CheckpointError: another checkpoint holds the server, the server did not pause
-            within `timeout`, or it went on before the copy was done.
+        CheckpointError: another checkpoint holds the server, the server died while serving,
+            did not pause within `timeout`, or went on before the copy was done.
     """
     from . import _native
     from .layout import SERVING, STOPPING
@@ -164,8 +165,11 @@ def capture(region, timeout: float = 5.0, progress=None) -> Checkpoint:
             copy.progress = progress(copy)
         return copy
 
-    if not (region.server_alive() and h.get("run_state") in (SERVING, STOPPING)):
+    if h.get("run_state") not in (SERVING, STOPPING):
         return whole()
+    if not region.server_alive():
+        raise CheckpointError(f"job {region.job!r}: the server (pid {h.get('server_pid')}) died while serving, maybe "
+                              "within an update; no checkpoint is taken from its region")
     if not h.cas("hold", 0, 1):
         raise CheckpointError(f"job {region.job!r}: another checkpoint is being taken")
     try:

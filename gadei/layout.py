@@ -180,7 +180,7 @@ ENTRY, ENTRY_BYTES = _record(
         # owner learner writes
         ("lease", "u64"),  # owner pid << 32 | claims; changed only by compare-and-swap
         ("state", "u32"),  # FREE, CLAIMING, ACTIVE, LEAVING or DEAD, for people and the watchdog
-        ("pid", "u32"),
+        ("pid", "u32"),  # whose counters these are: set once a new owner reset them, kept at release
         ("start", "f64"),
         ("beat", "u64"),
         ("head", "u64"),  # slots published, ever (monotonic)

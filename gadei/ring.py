@@ -176,7 +176,8 @@ class Producer:
             log.warning("job %r: learner entry %d is no longer ours; leaving it", self.region.job, self.learner)
             return
         self.entry.set("state", FREE)
-        self.entry.set("pid", 0)
+        # `pid` stays: it says whose gradients the entry's counters (applied_samples) count,
+        # and a watchdog's checkpoint may still match this learner by it until it exits.
         self.entry.set("start", 0.0)
         self.entry.cas("lease", lease, _lease(0, lease))
 
@@ -217,7 +218,6 @@ def claim(region: Region, *, drain_timeout: float, server_alive) -> Producer:
 def _take(region: Region, learner: int, claims: int, drain_timeout: float, server_alive) -> Producer:
     entry = region.entry(learner)
     entry.set("state", CLAIMING)
-    entry.set("pid", os.getpid())
     entry.set("start", _proc.start_time())
     entry.set("beat", time.monotonic_ns())
     producer = Producer(region, learner)
@@ -240,6 +240,9 @@ def _take(region: Region, learner: int, claims: int, drain_timeout: float, serve
         _native.store64(hist + 8 * bucket, 0)
     for name in ("pulled_version", "pulls", "samples", "dropped", "pull_retries"):
         entry.set(name, 0)
+    # Only now are the counters this process's: a checkpoint taken before would otherwise
+    # count the previous owner's applied gradients as this one's (watchdog.launched.progress).
+    entry.set("pid", os.getpid())
     entry.set("claim_head", producer.head)
     entry.set("state", ACTIVE)
     return producer

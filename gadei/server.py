@@ -413,6 +413,10 @@ class Server:
                 continue
             busy = consumer.busy_entries()
             if not busy:
+                # A learner that died after the poll above published everything before it
+                # died: look once more, or its last gradient would never be applied.
+                if consumer.poll(0) >= 0:
+                    continue
                 return 0
             if time.monotonic() >= deadline:
                 log.warning("job %r: %d learners still attached after %g s of stopping", self.job, len(busy), grace)

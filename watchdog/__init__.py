@@ -115,6 +115,7 @@ class Watchdog:
         self._restarts = [float(t) for t in os.environ.get("GADEI_RESTARTS", "").split(",") if t.strip()]
         self._server: subprocess.Popen | None = None  # a server this watchdog restarted
         self._reported: set[tuple[int, int]] = set()  # (learner entry, pid) reported dead or hung
+        self._stopped_it = False  # this watchdog's own stop (every launched learner done) is the job's
         self.checkpoints = 0
         self.region = Region.attach(job)
         try:
@@ -180,6 +181,7 @@ class Watchdog:
                     log.error("job %r: the server %s", self.job, problem)
                     if self.settings.restart and self._restart_server():
                         next_checkpoint = time.monotonic() + self.settings.every
+                        stopping = False  # the learners go on from the checkpoint: stop when they are done again
                         continue
                     self.learners.kill_all()
                     log.error("job %r: go on from the last checkpoint with `gadei serve %s --replace --resume %s "
@@ -240,7 +242,7 @@ class Watchdog:
         log.info("job %r: %s; stopping the job", self.job, why)
         if not self.learners.failed:
             h.set("finished", 1)  # before the stop, so whoever sees it stopping can tell why (a bridge's last exchange)
-        h.cas("run_state", SERVING, STOPPING)
+        self._stopped_it = h.cas("run_state", SERVING, STOPPING)
         _native.add32(h.addr("doorbell"), 1)
         _native.futex_wake(h.addr("doorbell"), 1)
 
@@ -321,6 +323,10 @@ class Watchdog:
                 log.error("job %r: the restarted server did not serve within %g s", self.job, timeout)
                 return False
             time.sleep(0.05)
+        # A `gadei stop` that the dead server had not finished is the new server's too (the
+        # watchdog's own stop is not: its learners go on from the checkpoint and finish again).
+        carried = self.region.header.get("run_state") == STOPPING and not self._stopped_it
+        self._stopped_it = False
         self.region.close()
         try:
             self.region = Region.attach(self.job)
@@ -330,7 +336,14 @@ class Watchdog:
         self._register()
         self._reported.clear()
         self.learners.resume(found.progress if found else {})
-        self.learners.start_all()
+        if carried:
+            log.warning("job %r: the job was being stopped when its server died; stopping the restarted one", self.job)
+            h = self.region.header
+            h.cas("run_state", SERVING, STOPPING)
+            _native.add32(h.addr("doorbell"), 1)
+            _native.futex_wake(h.addr("doorbell"), 1)
+        else:
+            self.learners.start_all()
         self._save()
         log.info("job %r: the restarted server serves", self.job)
         return True

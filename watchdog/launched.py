@@ -208,7 +208,9 @@ class Learners:
                 while entry.get("tail") != entry.get("head") and time.monotonic() < deadline:
                     time.sleep(0.01)
                 if entry.get("tail") == entry.get("head") and lease_owner(entry.get("lease")) == l.pid:
-                    published = entry.get("applied_samples")
+                    # The counters are its own once it wrote its pid (after resetting them);
+                    # one that died before that, taking the entry over, published nothing.
+                    published = entry.get("applied_samples") if entry.get("pid") == l.pid else 0
                 else:
                     published = max(published, entry.get("samples"))
         l.start_at += published
