@@ -17,7 +17,8 @@ from . import _native, _proc
 from ._proc import gadei_command
 from .errors import ForeignRegion, GadeiError, GadeiTimeout, JobRunning, RegionNotFound
 from .layout import SERVING, STOPPING
-from .region import Region, inspect, live_server, remove
+from .region import Region, inspect, remove
+from .server_record import live_server
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +29,7 @@ def stop_job(job: str, timeout: float = 30.0) -> None:
     """Ask `job`'s server to stop (as `gadei stop` does) and wait until its region is gone.
 
     A server whose region cannot be read (its header is corrupt, or the name now holds
-    another object) is stopped by its pid and start time (`region.live_server`): SIGTERM,
+    another object) is stopped by its pid and start time (`server_record.live_server`): SIGTERM,
     and SIGKILL when it has not exited within `timeout`. Only a process of this user is.
 
     Raises:
@@ -69,7 +70,7 @@ def stop_job(job: str, timeout: float = 30.0) -> None:
 
 def _stop_by_pid(job: str, problem: str, timeout: float) -> bool:
     """Stop `job`'s server by signal when its region cannot tell it to; False when no live
-    server of this user is known (`region.live_server`)."""
+    server of this user is known (`server_record.live_server`)."""
     server = live_server(job)
     if server is None:
         return False

@@ -53,7 +53,8 @@ from .layout import (
     Shape,
 )
 from .modes import RULES, Gradient, Options, make_rule, state_name, write_options
-from .region import Region, drop_server_record, save_server_record
+from .region import Region
+from .server_record import drop_server_record, save_server_record
 from .ring import WAIT_SLICE, Consumer, owner_alive
 
 log = logging.getLogger(__name__)

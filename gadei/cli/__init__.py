@@ -1,0 +1,40 @@
+"""The `gadei` command: serve a job, attach learners, watch, stop, clean up, benchmark.
+
+Tables and progress go to people on stderr/stdout; `--json` switches a command to JSON
+lines on stdout for programs. Errors gadei raises on purpose print one line and exit 2.
+"""
+
+import argparse
+import sys
+
+import gadei_watchdog.cli as watchdog_cli
+
+from .. import __version__, console
+from . import bench, bridge, clean, daemon, demo, learn, run, serve, status, stop
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gadei", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"gadei {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    serve.add_parser(sub)
+    run.add_parser(sub)
+    daemon.add_parser(sub)
+    learn.add_parser(sub)
+    p = sub.add_parser("watchdog", help=watchdog_cli.HELP, description=watchdog_cli.DESCRIPTION)
+    watchdog_cli.add_arguments(p)
+    p.set_defaults(func=watchdog_cli.command)
+    status.add_parser(sub)
+    stop.add_parser(sub)
+    clean.add_parser(sub)
+    demo.add_parser(sub)
+    bridge.add_parser(sub)
+    bench.add_parser(sub)
+    return parser
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser().parse_args(argv)
+    args.argv = argv  # how this command was started (the watchdog restarts a server with it)
+    return console.run(args.func, args)

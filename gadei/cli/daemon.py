@@ -1,0 +1,90 @@
+"""`gadei daemon` and the requests it takes: `submit`, `cancel`, `logs`."""
+
+import logging
+import os
+import sys
+
+from ..errors import GadeiError
+
+log = logging.getLogger("gadei.cli")
+
+
+def cmd_daemon(args) -> int:
+    from .. import daemon
+
+    if args.action == "stop":
+        pid = daemon.stop(timeout=args.timeout)
+        print(f"gadei: daemon (pid {pid}) stopped; running jobs go on and the next daemon finds them",
+              file=sys.stderr)
+        return 0
+    if args.action == "systemd-unit":
+        print(daemon.systemd_unit(), end="")
+        return 0
+    daemon.Daemon(max_jobs=args.max_jobs).serve_forever()
+    return 0
+
+
+def cmd_submit(args) -> int:
+    from ..daemon import client
+
+    job = client({"op": "submit", "jobfile": os.path.abspath(args.jobfile), "resume": args.resume})["job"]
+    print(f"gadei: job {job['name']} queued; output in {job['output']}; `gadei status {job['name']}`, "
+          f"`gadei logs {job['name']}`, `gadei cancel {job['name']}`")
+    return 0
+
+
+def cmd_cancel(args) -> int:
+    from ..daemon import client
+
+    job = client({"op": "cancel", "job": args.job})["job"]
+    print(f"gadei: job {job['name']} {job['state']}: {job['message']}")
+    return 0
+
+
+def cmd_logs(args) -> int:
+    from ..daemon import client
+
+    print(client({"op": "logs", "job": args.job, "lines": args.lines})["text"])
+    return 0
+
+
+def daemon_jobs(job: str | None) -> list[dict]:
+    """The daemon's job records (all, or `job`'s), [] when no daemon runs or it has no such job."""
+    from ..daemon import request, socket_path
+
+    try:
+        answer = request(socket_path(), {"op": "status", "job": job}, timeout=5)
+    except (OSError, ValueError, GadeiError):  # no daemon, a stopped one (timeout), or one that hung up
+        return []
+    return answer.get("jobs", []) if answer.get("ok") else []
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("daemon", help="run queued job files for this user (training as a service)",
+                       description="Accept job files from `gadei submit` on a Unix socket in this user's runtime "
+                       "folder (mode 0600; another user's request is refused by its peer uid), queue them and run up "
+                       "to --max-jobs at once with `gadei run`. Job records are kept on disk: a restarted daemon "
+                       "knows every job's state and output, and finds jobs that ran on without it. One daemon per "
+                       "state folder (a lock). See docs/daemon.md.")
+    p.add_argument("action", nargs="?", choices=("run", "stop", "systemd-unit"), default="run",
+                   help="run: serve in the foreground until `gadei daemon stop`, SIGTERM or Ctrl-C (default); "
+                   "stop: stop the running daemon and wait until it has; systemd-unit: print a systemd user unit "
+                   "that runs it")
+    p.add_argument("--max-jobs", type=int, default=1, help="jobs run at once (default 1)")
+    p.add_argument("--timeout", type=float, default=30.0, help="stop: seconds to wait for it (default 30)")
+    p.set_defaults(func=cmd_daemon)
+
+    p = sub.add_parser("submit", help="queue a job file with the daemon (checked first)")
+    p.add_argument("jobfile")
+    p.add_argument("--resume", action="store_true", help="go on with the (cancelled or failed) run in the job's "
+                   "output folder, as `gadei run --resume`")
+    p.set_defaults(func=cmd_submit)
+
+    p = sub.add_parser("cancel", help="cancel a queued or running daemon job (its checkpoints and logs stay)")
+    p.add_argument("job")
+    p.set_defaults(func=cmd_cancel)
+
+    p = sub.add_parser("logs", help="the last lines of a daemon job's logs")
+    p.add_argument("job")
+    p.add_argument("--lines", type=int, default=50, help="lines per log (default 50)")
+    p.set_defaults(func=cmd_logs)

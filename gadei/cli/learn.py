@@ -1,0 +1,142 @@
+"""`gadei learn`: the learner program: train a built-in workload as one learner of a job."""
+
+import logging
+import time
+
+from ..errors import GadeiError
+from .common import add_workload, emit, workload_model
+
+log = logging.getLogger("gadei.cli")
+
+
+def cmd_learn(args) -> int:
+    import torch
+
+    from ..device import resolve
+    from ..learner import Learner
+
+    device = resolve(args.device)  # a CUDA device on a machine without one fails here, before the data loads
+    torch.set_num_threads(args.torch_threads)
+    workload, train, test, model = workload_model(args)
+    model.to(device)
+    batches = workload.batches
+
+    shard, shards = _shard(args.shard)
+    if args.start_at < 0:
+        raise GadeiError(f"--start-at {args.start_at}: must be >= 0")
+    # Dropout masks: each learner (and each restart of one) draws its own, reproducibly. Left
+    # at torch's fixed default seed, every learner would use the same mask at the same step,
+    # which weakens dropout (on SST-2, two learners ended 1-2 points below one).
+    torch.manual_seed(hash((args.seed, shard, shards, args.start_at)) & 0x7FFF_FFFF_FFFF_FFFF)
+    per_epoch = len(range(shard, len(train), shards))
+    first_epoch, skip = divmod(args.start_at, per_epoch) if per_epoch else (args.epochs, 0)
+    model.train()
+    started = time.monotonic()
+    samples = 0
+    with Learner(model, args.job, pull=args.pull, push=args.push, device=device) as learner:
+        staleness = _Staleness(learner.region)
+        for epoch in range(first_epoch, args.epochs):
+            epoch_start, steps, seen = time.monotonic(), 0, 0
+            loss_sum = torch.zeros((), device=device)  # summed on the device: no GPU wait per step
+            correct = torch.zeros((), dtype=torch.int64, device=device)
+            for x, y in batches(train, args.batch, epoch=epoch, seed=args.seed, shard=shard, shards=shards):
+                if skip > 0:  # a restarted learner: these samples' gradients are in the weights already
+                    skip -= len(y)
+                    continue
+                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                loss, right = workload.loss_and_correct(model, x, y)
+                workload.backward(model, loss, learner.constraint_lr)
+                learner.step(samples=len(y))
+                loss_sum += loss.detach()
+                steps += 1
+                samples += len(y)
+                seen += len(y)
+                correct += right
+            record = {
+                "event": "epoch", "job": args.job, "learner": learner.learner_id, "epoch": epoch + 1,
+                "loss": loss_sum.item() / max(1, steps), "train_accuracy": correct.item() / max(1, seen), "steps": steps,
+                "samples_per_s": steps and (samples / (time.monotonic() - started)),
+                "epoch_seconds": time.monotonic() - epoch_start, "version": learner.version,
+                **staleness.since_last(), "nonfinite_skipped": learner.region.header.get("nonfinite_skipped"),
+            }
+            if args.eval:
+                learner.refresh()
+                record["test_accuracy"] = workload.evaluate(model, test)
+                model.train()
+            _report(args, record)
+    return 0
+
+
+class _Staleness:
+    """The job's gradient staleness (versions between the weights a gradient was computed on
+    and the version it was applied at), over every learner of the region, between two calls.
+    Counted per ring owner, so a learner that leaves or is restarted does not skew it."""
+
+    def __init__(self, region):
+        self.region = region
+        self.last = self._counts()
+
+    def _counts(self) -> dict[tuple[int, int], tuple[float, int, int]]:
+        from .. import status
+
+        return {(l.learner, l.pid): (l.stale_mean * l.applied, l.applied, l.stale_max)
+                for l in status.read(self.region).learners}
+
+    def since_last(self) -> dict:
+        """`staleness_mean` of the gradients applied since the last call (all learners) and
+        `staleness_max`, the largest any of them had."""
+        now = self._counts()
+        stale = applied = most = 0
+        for owner, (total, count, top) in now.items():
+            before_total, before_count, before_top = self.last.get(owner, (0.0, 0, 0))
+            if count > before_count:
+                stale += total - before_total
+                applied += count - before_count
+                most = max(most, top)  # the owner's largest ever; its new gradients are among them
+        self.last = now
+        return {"staleness_mean": round(stale / applied, 3) if applied else 0.0, "staleness_max": most}
+
+
+def _report(args, record: dict) -> None:
+    if args.json:
+        emit(record)
+        return
+    acc = f", test accuracy {record['test_accuracy']:.2%}" if "test_accuracy" in record else ""
+    print(f"learner {record['learner']} epoch {record['epoch']}: loss {record['loss']:.4f}, "
+          f"{record['samples_per_s']:.0f} samples/s, version {record['version']:,}{acc}", flush=True)
+
+
+def _shard(text: str) -> tuple[int, int]:
+    try:
+        index, count = (int(part) for part in text.split("/"))
+    except ValueError:
+        raise GadeiError(f"--shard {text!r}: expected INDEX/COUNT, e.g. 0/2") from None
+    if not 0 <= index < count:
+        raise GadeiError(f"--shard {text!r}: INDEX must be in 0..COUNT-1")
+    return index, count
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("learn", help="train a built-in workload as one learner of a job",
+                       description="Attach to a served job and train a built-in workload on one shard of "
+                       "its data, pushing every gradient and pulling new weights.")
+    p.add_argument("job")
+    add_workload(p, required=False)
+    p.set_defaults(workload="textcnn")
+    p.add_argument("--epochs", type=int, default=1, help="passes over this learner's shard (default 1)")
+    p.add_argument("--batch", type=int, default=2, help="mini-batch size (default 2)")
+    p.add_argument("--shard", default="0/1", help="INDEX/COUNT: this learner's share of the data (default 0/1)")
+    p.add_argument("--device", default="cpu", help="where this learner trains: cpu (default), cuda or cuda:N "
+                   "(device transports: staging on the GPU, copy streams, a page-locked region)")
+    p.add_argument("--pull", choices=("view", "copy", "local", "device"), default=None,
+                   help="how weights reach the model: view (shared, Hogwild), copy (pull thread) or local "
+                   "(elastic); default: the job's mode decides (view; copy when consistent; local when elastic)")
+    p.add_argument("--push", choices=("publish", "thread", "weights", "device"), default=None,
+                   help="how gradients reach the ring: publish (default), thread, weights (elastic, the default there)")
+    p.add_argument("--eval", action="store_true", help="evaluate on the test set after every epoch")
+    p.add_argument("--torch-threads", type=int, default=1, help="PyTorch intra-op threads (default 1)")
+    p.add_argument("--start-at", type=int, default=0, metavar="SAMPLES",
+                   help="skip this many samples of the schedule (epochs x shard): a restarted learner goes on "
+                   "where its gradients in the weights end (the watchdog sets it)")
+    p.add_argument("--json", action="store_true", help="JSON lines instead of text")
+    p.set_defaults(func=cmd_learn)

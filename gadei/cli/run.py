@@ -1,0 +1,45 @@
+"""`gadei run` (a job file in the foreground) and `gadei predict` (a finished run's model)."""
+
+import logging
+
+log = logging.getLogger("gadei.cli")
+
+
+def cmd_run(args) -> int:
+    from ..run import run_job
+
+    return run_job(args.jobfile, quiet=args.quiet, resume=args.resume)
+
+
+def cmd_predict(args) -> int:
+    from ..run import predict
+
+    for label, probability in predict(args.run_dir, args.text, top=args.top):
+        print(f"{probability:7.2%}  {label}")
+    return 0
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("run", help="run a job file in the foreground: server, watchdog, learners, outputs",
+                       description="Check a job file and its data (any problem is refused before anything "
+                       "starts), fill in the defaults, run the job with a watchdog that restarts what crashes, "
+                       "print progress, and leave the model, label and vocabulary maps, metrics.jsonl, "
+                       "checkpoints and logs in its output folder. See the README's Job files section. A job "
+                       "file with a [bridge] section run as `mpiexec -n NODES gadei run JOB.toml` runs one node per "
+                       "rank: rank R runs job NAME-rR in FOLDER/node-R with one ring more for the bridge, which it "
+                       "runs itself once its job serves (see the README's Across nodes section); alone, or as one "
+                       "rank, the file runs on one node.")
+    p.add_argument("jobfile", help="the job's TOML file")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.add_argument("--resume", action="store_true", help="go on with the run in the job's output folder (one that "
+                   "was cancelled, failed, or ended early) from its newest checkpoint that records the learners' "
+                   "progress; only [train] epochs may differ from that run's job.toml")
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("predict", help="the top labels of a finished run's model for a text",
+                       description="Load the model, label and vocabulary maps of a `gadei run` output folder "
+                       "and print the most likely labels of TEXT with their probabilities.")
+    p.add_argument("run_dir", help="a `gadei run` output folder")
+    p.add_argument("text")
+    p.add_argument("--top", type=int, default=3, help="labels to print (default 3)")
+    p.set_defaults(func=cmd_predict)

@@ -1,0 +1,261 @@
+"""`gadei serve`: create a job's region and run the server's apply loop (and its watchdog)."""
+
+import json
+import argparse
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from .._proc import python_command
+from ..errors import GadeiError
+from ..modes import NONFINITE
+from . import learn
+from .common import emit, factory_model, workload_model
+
+log = logging.getLogger("gadei.cli")
+
+
+def cmd_serve(args) -> int:
+    from ..server import Server
+
+    if args.adopt:
+        return _adopt(args)
+    if args.workload is None and args.model is None and args.params is None:
+        raise GadeiError("gadei serve: give the initial weights with --workload, --model or --params")
+    if args.learner and (not args.checkpoint_dir or args.no_watchdog):
+        raise GadeiError("--learner: launched learners are run by the job's watchdog; give --checkpoint-dir "
+                         "(and no --no-watchdog)")
+    learners = [_learner_args(text) for text in args.learner]
+    model = None
+    if args.workload:
+        model = workload_model(args)[3]
+    elif args.model:
+        model = factory_model(args.model)
+    resume = None
+    if args.resume:
+        from .. import checkpoint
+
+        if os.path.isfile(args.resume):
+            resume = checkpoint.load(args.resume)
+        else:
+            resume = checkpoint.latest(args.resume)
+            if resume is None:
+                raise GadeiError(f"--resume {args.resume}: no checkpoint there that reads and verifies")
+    server = Server(
+        args.job,
+        model=model,
+        n_params=args.params,
+        mode=args.mode,
+        lr=args.lr,
+        momentum=args.momentum,
+        optimizer=args.optimizer,
+        stale_lr=args.stale_lr,
+        stale_bound=args.stale_bound,
+        alpha=args.alpha,
+        tau=args.tau,
+        drop_after=args.drop_after,
+        nonfinite=args.nonfinite,
+        grad_dtype=args.grad_dtype,
+        row_sparse=args.row_sparse,
+        max_rows=args.max_rows,
+        learners=args.learners,
+        slots=args.slots,
+        threads=args.threads,
+        spin_us=args.spin_us,
+        replace=args.replace,
+        resume=resume,
+    )
+    restarts = [t for t in os.environ.get("GADEI_RESTARTS", "").split(",") if t.strip()]
+    server.region.header.set("restarts", len(restarts))  # this server is a watchdog's restart number n
+    dog = None
+    try:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: server.request_stop())
+        if args.checkpoint_dir and not args.no_watchdog:
+            dog = _start_watchdog(args, learners, resume.progress if resume is not None else None)
+        print(f"gadei: serving job {args.job!r} (pid {os.getpid()}); stop it with `gadei stop {args.job}`",
+              file=sys.stderr, flush=True)
+        report = server.serve(grace=args.grace)
+        code = 0
+        if args.checkpoint_dir:
+            from ..checkpoint import CheckpointError
+
+            try:
+                server.write_checkpoint(args.checkpoint_dir, keep=args.keep)
+            except CheckpointError as err:  # the weights still go to --save
+                print(f"gadei: error: no checkpoint at stop: {err}", file=sys.stderr, flush=True)
+                code = 1
+        if args.save:
+            server.save(args.save)
+        if args.json:
+            h, entries = server.region.header, [server.region.entry(i) for i in range(server.region.shape.capacity)]
+            emit({"event": "stopped", "job": args.job, "applied": report.applied, "seconds": report.seconds,
+                   "version": report.version, "applied_total": h.get("applied"),
+                   "resumed_applied": h.get("resumed_applied"),
+                   "published": sum(e.get("head") for e in entries),
+                   "discarded": sum(e.get("discarded") for e in entries),
+                   "nonfinite_skipped": h.get("nonfinite_skipped")})
+    finally:
+        server.close()
+        if dog is not None:
+            try:
+                dog.wait(timeout=60)  # it sees the job stopped within one interval and reaps its learners
+            except subprocess.TimeoutExpired:
+                dog.kill()
+                dog.wait()
+            if dog.returncode == 4:  # gadei_watchdog.LEARNERS_FAILED
+                print(f"gadei: error: job {args.job!r} ended without some launched learners: the watchdog gave "
+                      f"up on them (see their logs in {args.log_dir or args.checkpoint_dir})", file=sys.stderr)
+                code = 1
+    return code
+
+
+def _start_watchdog(args, learners: list[list[str]], progress: dict | None) -> subprocess.Popen:
+    """The job's watchdog, in its own session (a Ctrl-C meant for the server does not reach
+    it, and it outlives a server that crashes, to restart it). It launches `learners`, from
+    `progress` (a resumed checkpoint's) when there is one."""
+    restart, skip = [], False
+    for arg in args.argv:  # the server is restarted without the learners: the watchdog keeps those
+        if skip:
+            skip = False
+        elif arg == "--learner":
+            skip = True
+        elif not arg.startswith("--learner="):
+            restart.append(arg)
+    command = [*python_command("gadei_watchdog", args.job), "--checkpoint-dir", args.checkpoint_dir,
+               "--every", str(args.checkpoint_every), "--keep", str(args.keep), "--restart", json.dumps(restart),
+               "--interval", str(args.watch_interval), "--max-missed", str(args.max_missed),
+               "--max-restarts", str(args.max_restarts)]
+    if args.log_dir:
+        command += ["--log-dir", args.log_dir]
+    if learners:
+        command += ["--learners", json.dumps(learners)]
+        if progress:
+            command += ["--progress", json.dumps(progress)]
+    return subprocess.Popen(command, start_new_session=True)
+
+
+def _learner_args(text: str) -> list[str]:
+    """`--learner '--epochs 8 --shard 0/2'`: the arguments after `gadei learn JOB`, checked now."""
+    import shlex
+
+    try:
+        args = shlex.split(text)
+    except ValueError as err:
+        raise GadeiError(f"--learner {text!r}: {err}") from None
+    parser = argparse.ArgumentParser(prog="gadei")
+    learn.add_parser(parser.add_subparsers())
+    try:
+        parsed = parser.parse_args(["learn", "JOB", *args])
+    except SystemExit:
+        raise GadeiError(f"--learner {text!r}: not arguments of `gadei learn` (see `gadei learn --help`)") from None
+    if parsed.start_at:
+        raise GadeiError(f"--learner {text!r}: --start-at is the watchdog's to set")
+    return args
+
+
+def _adopt(args) -> int:
+    """`gadei serve --adopt JOB`: a new watchdog takes over a running job whose watchdog died."""
+    from gadei_watchdog.launched import load_state
+
+    from ..region import Region, inspect
+
+    found = inspect(args.job)
+    if found is None or found.state != "running":
+        raise GadeiError(f"job {args.job!r} has no running server to adopt" + (f" ({found.state})" if found else ""))
+    try:
+        saved, _ = load_state(args.job)
+    except FileNotFoundError:
+        raise GadeiError(f"job {args.job!r}: no watchdog state to adopt on this machine; start a watchdog with "
+                         f"`gadei watchdog {args.job} --checkpoint-dir DIR`") from None
+    folder = saved.get("log_dir") or saved["checkpoint_dir"]
+    os.makedirs(folder, exist_ok=True)
+    out_path = os.path.join(folder, "watchdog.log")
+    with open(out_path, "ab") as out:  # detached: it must not hold this command's output open
+        dog = subprocess.Popen(python_command("gadei_watchdog", args.job, "--adopt"), stdout=out,
+                               stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 60
+    with Region.attach(args.job, readonly=True) as region:
+        while region.header.get("watchdog_pid") != dog.pid:
+            if dog.poll() is not None:
+                raise GadeiError(f"job {args.job!r}: the adopting watchdog exited with {dog.returncode}")
+            if time.monotonic() >= deadline:
+                dog.kill()
+                raise GadeiError(f"job {args.job!r}: the adopting watchdog did not register within 60 s")
+            time.sleep(0.05)
+    print(f"gadei: job {args.job!r} adopted by watchdog pid {dog.pid}; its log: {out_path}", file=sys.stderr,
+          flush=True)
+    return 0
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("serve", help="create a job's region and apply its learners' gradients",
+                       description="Create the job's shared region and run the server's apply loop until "
+                       "`gadei stop JOB`, SIGTERM or Ctrl-C. Initial weights come from --workload or --model "
+                       "(deterministic for a seed), or, with --params, from the first learner that attaches.")
+    p.add_argument("job")
+    p.add_argument("--adopt", action="store_true", help="start a new watchdog that takes over the running JOB "
+                   "(its old watchdog died), with the old one's settings and launched learners; nothing else")
+    init = p.add_mutually_exclusive_group()
+    init.add_argument("--workload", help="build the initial model of this built-in workload (textcnn, lstm, mlp)")
+    init.add_argument("--model", help="MODULE:CALLABLE returning the initial torch.nn.Module")
+    init.add_argument("--params", type=int, help="only the parameter count; the first learner uploads weights")
+    p.add_argument("--data", help="data set the workload's model is sized for (see `gadei learn --help`)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the workload's initial weights")
+    p.add_argument("--mode", choices=("async", "consistent", "sync", "elastic"), default="async",
+                   help="update rule: async (Hogwild ASGD, default), consistent (ASGD, pulls never see half an "
+                   "update), sync (SSGD rounds), elastic (EASGD)")
+    p.add_argument("--lr", type=float, default=0.01, help="learning rate (default 0.01)")
+    p.add_argument("--momentum", type=float, default=0.0, help="momentum kept by the server (default 0: none)")
+    p.add_argument("--optimizer", choices=("sgd", "adagrad"), default="sgd",
+                   help="the server's update: sgd (w -= lr g) or adagrad (per weight, lr divided by the root of "
+                   "the sum of its squared gradients; async, consistent, sync) (default sgd)"),
+    p.add_argument("--stale-lr", action="store_true", help="async/consistent: divide lr by each gradient's staleness")
+    p.add_argument("--stale-bound", type=int, default=0,
+                   help="async/consistent: no gradient applied more than K versions late (default 0: no bound)")
+    p.add_argument("--alpha", type=float, default=0.1, help="elastic: moving rate (default 0.1)")
+    p.add_argument("--tau", type=int, default=4, help="elastic: local steps between exchanges (default 4)")
+    p.add_argument("--drop-after", type=float, default=10.0,
+                   help="sync/stale-bound: seconds without a heartbeat before a learner is left out (default 10)")
+    p.add_argument("--nonfinite", choices=NONFINITE, default="skip",
+                   help="a gradient with NaN or inf values: skip it and count it (`gadei status` shows the count; "
+                   "default), or stop the job with an error (stop)")
+    p.add_argument("--grad-dtype", choices=("float32", "float16", "bfloat16"), default="float32",
+                   help="gradients in the rings as float32 (default), float16 or bfloat16")
+    p.add_argument("--row-sparse", action="store_true",
+                   help="embedding tables travel as the rows a mini-batch touched (needs --workload or --model)")
+    p.add_argument("--max-rows", type=int, default=8192,
+                   help="row-sparse: most distinct rows of a table in one gradient (default 8192)")
+    p.add_argument("--learners", type=int, default=8, help="most learners attached at once (default 8)")
+    p.add_argument("--slots", type=int, default=2, help="gradient slots per learner ring (default 2)")
+    p.add_argument("--threads", type=int, help="OpenMP threads of the update kernel (default GADEI_THREADS)")
+    p.add_argument("--spin-us", type=float, help="microseconds to spin for work before sleeping (GADEI_SPIN_US)")
+    p.add_argument("--replace", action="store_true", help="replace a region left behind by a crashed server")
+    p.add_argument("--grace", type=float, default=5.0, help="seconds to wait for learners to leave on stop")
+    p.add_argument("--save", help="write the final weights here (a state dict torch.load reads)")
+    p.add_argument("--checkpoint-dir", help="checkpoints go here: the job's watchdog takes one every "
+                   "--checkpoint-every seconds and restarts a crashed server from the newest; one more at clean stop")
+    p.add_argument("--checkpoint-every", type=float, default=60.0, help="seconds between checkpoints (default 60)")
+    p.add_argument("--no-watchdog", action="store_true", help="with --checkpoint-dir: no watchdog, only the "
+                   "checkpoint at clean stop")
+    p.add_argument("--keep", type=int, default=3, help="checkpoints kept in --checkpoint-dir (default 3)")
+    p.add_argument("--resume", metavar="DIR|FILE", help="go on from the newest valid checkpoint in DIR, or from "
+                   "the checkpoint FILE (weights, version, momentum or Adagrad sums; launched learners from its progress); the "
+                   "model must match")
+    p.add_argument("--watch-interval", type=float, default=0.5,
+                   help="the watchdog's seconds between looks and beats (default 0.5)")
+    p.add_argument("--max-missed", type=int, default=20, help="beats a process may miss before the watchdog "
+                   "counts it as hung (default 20)")
+    p.add_argument("--max-restarts", type=int, default=3, help="restarts of the server, and of each launched "
+                   "learner, within 300 s before the watchdog gives up (default 3)")
+    p.add_argument("--log-dir", help="where the watchdog's launched learners and restarted servers write their "
+                   "logs (default: --checkpoint-dir)")
+    p.add_argument("--learner", action="append", default=[], metavar="ARGS",
+                   help="with --checkpoint-dir: the watchdog launches a learner `gadei learn JOB ARGS` (one "
+                   "quoted string; repeat for more), restarts it where it was if it dies, and stops the job "
+                   "when every launched learner is done")
+    p.add_argument("--json", action="store_true", help="print a JSON line when stopped")
+    p.set_defaults(func=cmd_serve)

@@ -1,0 +1,80 @@
+"""The server's record outside its region: its pid and start time in this user's runtime
+folder (`JOB.server.json`), so that `gadei stop` can find and stop a server whose region's
+header cannot be read (corrupted, or another object in its place)."""
+
+import json
+import logging
+import os
+import struct
+
+from . import _proc
+from .layout import HEADER
+from .region import SHM_DIR, check_job_name, shm_name
+
+log = logging.getLogger(__name__)
+
+
+def _record_path(job: str) -> str:
+    from .env import runtime_dir
+
+    return os.path.join(runtime_dir(), f"{check_job_name(job)}.server.json")
+
+
+def save_server_record(job: str, pid: int, started: float) -> None:
+    """Record `job`'s server (pid and start time) outside its region, in this user's runtime
+    folder, so that `gadei stop` finds it when the region's header cannot be read. A folder
+    that cannot be written costs only that (a warning)."""
+    try:
+        path = _record_path(job)
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w") as out:
+            json.dump({"job": job, "pid": pid, "start": started}, out)
+        os.replace(tmp, path)
+    except OSError as err:  # PermissionError included: a runtime folder of another user
+        log.warning("job %r: cannot record the server outside its region (gadei stop then needs a readable "
+                    "region): %s", job, err)
+
+
+def drop_server_record(job: str, pid: int, started: float) -> None:
+    """Remove `job`'s server record if it is still the one of (pid, started)."""
+    try:
+        path = _record_path(job)
+        with open(path) as handle:
+            record = json.load(handle)
+        if record.get("pid") == pid and record.get("start") == started:
+            os.unlink(path)
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
+def live_server(job: str) -> tuple[int, float, str] | None:
+    """(pid, start time, where it was found) of `job`'s server when a process of this user runs
+    as it: from the server's record, else from the region header's pid fields read as raw
+    bytes (whatever the rest of the header holds). None when neither names a live process of
+    this user (pid and start time must match: a reused pid is not it)."""
+    import psutil
+
+    candidates = []
+    try:
+        with open(_record_path(job)) as handle:
+            record = json.load(handle)
+        candidates.append((int(record["pid"]), float(record["start"]), "the server's record"))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass
+    try:
+        with open(os.path.join(SHM_DIR, shm_name(job).lstrip("/")), "rb") as handle:
+            handle.seek(HEADER["server_pid"].offset)
+            pid, _, started = struct.unpack("<IId", handle.read(16))
+        candidates.append((pid, started, "the region's header"))
+    except (OSError, struct.error):
+        pass
+    for pid, started, where in candidates:
+        if not _proc.alive(pid, started):
+            continue
+        try:
+            if psutil.Process(pid).uids().effective != os.geteuid():
+                continue  # not ours to stop
+        except psutil.Error:
+            continue
+        return pid, started, where
+    return None
