@@ -94,6 +94,17 @@ def test_the_check_finds_a_circle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
+def test_every_package_is_installed():
+    """pyproject.toml lists every package folder (a subpackage left out is missing from a
+    non-editable install, while an editable one still finds it in the source tree)."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    folders = {".".join((package, *init.parent.relative_to(folder).parts))
+               for package, folder in PACKAGES.items() for init in folder.rglob("__init__.py")}
+    assert listed == folders
+
+
 def test_no_module_is_over_the_limit():
     long = {name: n for name, path in _modules().items() if (n := len(path.read_text().splitlines())) > MAX_LINES}
     assert long == {}
