@@ -114,7 +114,8 @@ def test_slot_header_and_ring_counters_are_what_the_model_assumes():
     assert ENTRY["head"].offset // layout.LINE != ENTRY["tail"].offset // layout.LINE
     # slot k lives at index k % slots, on both sides
     assert "self.head % self.slots" in inspect.getsource(ring.Producer.slot.fget)
-    assert "% self.region.shape.slots" in inspect.getsource(server.Server._take)
+    assert "tail % self.slots" in inspect.getsource(ring.Consumer.take)
+    assert "self._consumer.take(learner)" in inspect.getsource(server.Server._take)
 
 
 def _body_calls(func) -> list[str]:
