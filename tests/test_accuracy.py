@@ -20,7 +20,7 @@ import json
 
 import pytest
 
-from conftest import communicate, data_dir
+from helpers import communicate, data_dir, missing
 
 SEEDS = {"trec": (0, 1), "sst2": (0, 1, 2), "banking77": (0, 1, 2)}
 CASES = {
@@ -71,7 +71,7 @@ def _run(procs, folder, case: str, learners: int, seed: int) -> dict:
 def test_a_job_with_default_settings_reaches_its_accuracy_with_two_learners_as_with_one(case, tmp_path, procs):
     target, _ = CASES[case]
     if not (data_dir() / case).is_dir():
-        pytest.skip(f"{case} is not at {data_dir() / case} (set GADEI_DATA_DIR)")
+        missing(f"{case} is not at {data_dir() / case} (set GADEI_DATA_DIR)")
     runs = {n: [_run(procs, tmp_path / case, case, learners=n, seed=seed) for seed in SEEDS[case]] for n in (2, 1)}
     median = {n: statistics.median(r["test_accuracy"] for r in rs) for n, rs in runs.items()}
     report = f"{case}, {runs[2][0]['epochs']} epochs, seeds {SEEDS[case]}: " + "; ".join(

@@ -33,7 +33,7 @@ import psutil
 import pytest
 
 import gadei
-from conftest import finish, json_lines, read_line, wait_for
+from helpers import finish, json_lines, missing, read_line, wait_for
 from gadei._proc import gadei_command
 from gadei.bridge import STRATEGIES, STRATEGY_NAMES, BridgeError, LocalNode, local_mpiexec
 from gadei.layout import SERVING
@@ -53,18 +53,18 @@ def mpi_env(tmp_path_factory):
     rank leaves nothing in /dev/shm.
     """
     if importlib.util.find_spec("mpi4py") is None:
-        pytest.skip("mpi4py is not installed (pip install 'gadei[mpi]')")
+        missing("mpi4py is not installed (pip install 'gadei[mpi]')")
     try:
         argv, extra = local_mpiexec(2, sys.executable, "-c", "from mpi4py import MPI; print(MPI.COMM_WORLD.Get_size())")
     except BridgeError as err:
-        pytest.skip(str(err))
+        missing(str(err))
     env = {**os.environ, **extra, "OMPI_MCA_btl_sm_backing_directory": str(tmp_path_factory.mktemp("mpi-sm"))}
     try:
         done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
     except subprocess.TimeoutExpired:
-        pytest.skip("mpiexec did not start two ranks within 120 s")
+        missing("mpiexec did not start two ranks within 120 s")
     if done.returncode != 0 or done.stdout.split() != ["2", "2"]:
-        pytest.skip(f"mpiexec cannot start two ranks here (exit {done.returncode}): {done.stderr.strip()[-500:]}")
+        missing(f"mpiexec cannot start two ranks here (exit {done.returncode}): {done.stderr.strip()[-500:]}")
     return extra | {"OMPI_MCA_btl_sm_backing_directory": env["OMPI_MCA_btl_sm_backing_directory"]}
 
 

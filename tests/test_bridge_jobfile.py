@@ -15,7 +15,7 @@ import psutil
 import pytest
 import test_bridge
 
-from conftest import communicate, trec_job
+from helpers import communicate, trec_job
 from gadei import jobfile
 from gadei._proc import gadei_command
 from gadei.bridge import child_environment, launched_ranks, local_mpiexec

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import gadei
-from conftest import communicate, finish, read_line, wait_for
+from helpers import communicate, finish, read_line, wait_for
 from gadei import checkpoint
 from gadei.checkpoint import Checkpoint, CheckpointError
 from gadei.region import Region, inspect

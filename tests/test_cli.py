@@ -5,7 +5,7 @@ import os
 
 import torch
 
-from conftest import HERE, communicate, finish, read_line, wait_for
+from helpers import HERE, communicate, finish, read_line, wait_for
 from gadei.region import inspect
 
 

@@ -16,7 +16,7 @@ import time
 import psutil
 import pytest
 
-from conftest import communicate, data_dir, finish, trec_job, wait_for
+from helpers import communicate, data_dir, finish, missing, trec_job, wait_for
 from gadei import checkpoint
 from gadei.daemon import request
 from gadei.region import inspect
@@ -54,7 +54,7 @@ def _jobs(procs, env) -> dict:
 @pytest.mark.slow
 def test_submit_status_cancel_and_a_restarted_daemon_knows_every_job(tmp_path, procs, daemon_env):
     if not (data_dir() / "trec").is_dir():
-        pytest.skip("TREC is not in the shared data")
+        missing("TREC is not in the shared data")
     prefix = f"d{os.getpid()}"
     long, short = f"{prefix}-long", f"{prefix}-short"
     daemon = _start_daemon(procs, daemon_env)

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import gadei
-from conftest import communicate, finish, read_line, wait_for
+from helpers import communicate, finish, read_line, wait_for
 from gadei import device, jobfile, status
 from gadei.jobfile import JobFileError
 from gadei.region import Region

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from conftest import data_dir
+from helpers import data_dir, missing
 from gadei import params
 from gadei.launch import LocalJob
 from gadei.region import Region
@@ -51,7 +51,7 @@ def _train(tmp_path, learners: int, seed: int) -> dict:
 @pytest.mark.slow
 def test_two_learners_reach_the_accuracy_of_one_on_trec(tmp_path):
     if not (data_dir() / "trec" / "TREC.train").exists():
-        pytest.skip(f"TREC is not at {data_dir() / 'trec'} (set GADEI_DATA_DIR)")
+        missing(f"TREC is not at {data_dir() / 'trec'} (set GADEI_DATA_DIR)")
     runs = {1: [], 2: []}
     for seed in SEEDS:
         for learners in (1, 2):

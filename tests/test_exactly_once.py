@@ -13,7 +13,7 @@ import signal
 import numpy as np
 import pytest
 
-from conftest import finish, read_line
+from helpers import finish, read_line
 from worker import MODELS, TABLE_ROWS, TABLE_WIDTH, TOUCHED
 
 N = 100_003  # not a multiple of any vector width

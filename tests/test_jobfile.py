@@ -9,7 +9,7 @@ import tomllib
 import pytest
 import torch
 
-from conftest import communicate, trec_job, wait_for
+from helpers import communicate, trec_job, wait_for
 from gadei import jobfile
 from gadei.jobfile import JobFileError
 from gadei.region import inspect

@@ -13,7 +13,7 @@ import random
 import signal
 import time
 
-from conftest import finish, read_line, wait_for
+from helpers import finish, read_line, wait_for
 from gadei.region import Region
 
 N = 200_003

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import gadei
-from conftest import communicate, read_line, wait_for
+from helpers import communicate, read_line, wait_for
 from gadei.region import Region
 from worker import Flat
 

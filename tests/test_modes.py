@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import gadei
-from conftest import communicate, finish, read_line, wait_for
+from helpers import communicate, finish, read_line, wait_for
 from gadei.modes import AsyncSGD, Options
 from gadei.region import Region, inspect
 from worker import Flat, Tokens, token_data

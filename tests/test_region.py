@@ -13,7 +13,7 @@ import gadei
 from gadei.layout import MAGIC, Shape, layout
 from gadei.region import SHM_DIR, Region, inspect, shm_name
 from worker import Flat
-from conftest import communicate, finish, read_line
+from helpers import communicate, finish, read_line
 
 
 def _path(job):

@@ -11,7 +11,7 @@ import ast
 import json
 from pathlib import Path
 
-from conftest import communicate
+from helpers import communicate
 
 from gadei import _proc
 

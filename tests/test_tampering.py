@@ -17,7 +17,7 @@ import numpy as np
 import posix_ipc
 import pytest
 
-from conftest import communicate, finish, wait_for
+from helpers import communicate, finish, wait_for
 from gadei import checkpoint
 from gadei.layout import MAGIC
 from gadei.region import Region, inspect, shm_name

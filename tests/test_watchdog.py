@@ -10,7 +10,7 @@ import time
 import numpy as np
 import psutil
 
-from conftest import communicate, finish, read_line, wait_for
+from helpers import communicate, finish, read_line, wait_for
 from gadei import checkpoint
 from gadei.region import Region, inspect
 

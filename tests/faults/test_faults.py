@@ -16,6 +16,7 @@ import random
 import pytest
 
 import harness
+from helpers import missing
 
 pytestmark = pytest.mark.slow
 
@@ -26,7 +27,7 @@ SLOW = [name for name, s in harness.SCENARIOS.items() if not s.fast]
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
     if not (harness.data_dir() / "trec").is_dir():
-        pytest.skip(f"the TREC data set is not at {harness.data_dir() / 'trec'} (set GADEI_DATA_DIR)")
+        missing(f"the TREC data set is not at {harness.data_dir() / 'trec'} (set GADEI_DATA_DIR)")
     harness.set_subreaper(True)  # orphans of killed watchdogs and servers come to us to be reaped
     yield tmp_path_factory.mktemp("faults")
     harness.set_subreaper(False)
