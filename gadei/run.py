@@ -139,6 +139,13 @@ def check_output(job: jobfile.Job) -> None:
         except (OSError, ValueError) as err:
             raise GadeiError(f"{where}: {path.name}: {getattr(err, 'strerror', None) or err}") from None
 
+    def storable(folder: Path, what: str) -> None:
+        found = os.statvfs(folder)
+        if found.f_flag & os.ST_RDONLY:
+            raise GadeiError(f"{where}: {what} on a read-only file system")
+        if found.f_blocks == 0:  # procfs, sysfs: no file can be made there, whatever access() says
+            raise GadeiError(f"{where}: {what} on a file system that holds no files (such as /proc or /sys)")
+
     mode = kind(out)
     if mode is None:
         above = out.parent
@@ -148,6 +155,7 @@ def check_output(job: jobfile.Job) -> None:
             raise GadeiError(f"{where}: cannot be made, {str(above)!r} is not a folder")
         if not os.access(above, os.W_OK | os.X_OK):
             raise GadeiError(f"{where}: cannot be made, you may not write in {str(above)!r}")
+        storable(above, "cannot be made, the folder above it is")
         return
     if stat.S_ISLNK(mode):
         raise GadeiError(f"{where}: is a symbolic link; allowed: a folder (give the folder it points to)")
@@ -155,6 +163,7 @@ def check_output(job: jobfile.Job) -> None:
         raise GadeiError(f"{where}: is not a folder")
     if not os.access(out, os.W_OK | os.X_OK):
         raise GadeiError(f"{where}: you may not write in it")
+    storable(out, "it is")
     for name in _OUTPUT_FOLDERS + _OUTPUT_FILES:
         mode = kind(out / name)
         if mode is None:
