@@ -219,8 +219,21 @@ def _one_case(path: Path, what: str) -> str:
     again_path.write_text(job.to_toml())
     again = jobfile.load(again_path)
     assert again == jobfile.Job(**{**job.__dict__, "path": again.path}), f"{what}: job.toml does not read back"
+    _builds(job, what)
     _write_as_a_run_would(job, what)
     return "accepted"
+
+
+def _builds(job: jobfile.Job, what: str) -> None:
+    """The accepted job's data load and its model builds (the learner's first steps)."""
+    from gadei_workloads import get
+
+    train, _ = jobfile.load_data(job)
+    size = len(train.vocab) if train.vocab is not None else train.features
+    try:
+        get(job.workload).build_from_maps(size, train.n_labels, job.train.seed)
+    except Exception as err:  # noqa: BLE001 - the finding
+        pytest.fail(f"{what}: accepted, but its model does not build: {err!r}")
 
 
 def _write_as_a_run_would(job: jobfile.Job, what: str) -> None:
@@ -236,9 +249,40 @@ def _write_as_a_run_would(job: jobfile.Job, what: str) -> None:
         shutil.rmtree(path) if path.is_dir() else path.unlink()
 
 
+def _issue_cases(root: Path) -> list[tuple[str, str, object]]:
+    """Issue 19's job files that got a traceback, hung, or were accepted and then failed:
+    (section, key, value) set on the base job; each must now be refused."""
+    deep = "[" * 100_000 + "]" * 100_000
+    return [("train", "x", deep), ("train", "devices", "cuda:99999999999999999999"),
+            ("data", "train", str(root / "loop-a")), ("data", "train", str(root / ("x" * 300))),
+            ("data", "train", str(root / "fifo")), ("data", "train", "/proc/kmsg"), ("data", "train", "/dev/zero"),
+            ("output", "folder", str(root / "a-file")), ("output", "folder", "/dev/null"),
+            ("output", "folder", str(root / "logs-file")), ("output", "folder", str(root / "toml-folder")),
+            ("output", "folder", str(root / "ckpt-file")), ("output", "folder", str(root / "folder-link")),
+            ("output", "folder", "/proc"), ("output", "folder", "out\x1b"), ("data", "label_column", "cat\x01"),
+            ("train", "lr", 1e30), ("train", "lr", 10.5), ("data", "fallback_encoding", "nope"),
+            ("job", "workload", "mlp-truncated"), ("job", "workload", "mlp-nofeatures")]
+
+
 def test_fuzzed_job_files_get_a_clear_error_or_run_as_written(corpus, tmp_path, capsys):
     rng = random.Random(0)
     counts = {"error": 0, "accepted": 0}
+    for case, (section, key, value) in enumerate(_issue_cases(corpus)):
+        folder = tmp_path / f"issue-{case}"
+        folder.mkdir()
+        body = {s: dict(keys) for s, keys in BASE.items()}
+        body["job"]["name"] = f"fz-{uuid.uuid4().hex[:10]}"
+        body["data"]["train"] = str(corpus / ("latin1.csv" if key == "fallback_encoding" else "good.csv"))
+        body["output"]["folder"] = str(folder / "out")
+        if key == "workload":
+            body["job"]["workload"] = "mlp"
+            body["data"] = {"train": str(corpus / f"{value[4:]}.npz"), "format": "npz"}
+        else:
+            body[section][key] = value
+        path = folder / "job.toml"
+        path.write_text(_text(body))
+        assert _one_case(path, f"issue case [{section}] {key} = {str(value)[:60]!r}") == "error", (section, key, value)
+        counts["error"] += 1
     for case in range(CASES):
         folder = tmp_path / f"case-{case}"
         folder.mkdir()
@@ -256,7 +300,7 @@ def test_fuzzed_job_files_get_a_clear_error_or_run_as_written(corpus, tmp_path, 
            corpus / "missing.toml", corpus / "good.csv", corpus / "binary.csv", Path("/proc/self/status")]
     for path in odd:
         counts[_one_case(path, f"job file {path}")] += 1
-    total = CASES + len(odd)
+    total = CASES + len(odd) + len(_issue_cases(corpus))
     with capsys.disabled():
         print(f"\njob-file fuzz: {total} cases, {counts['error']} clear errors, {counts['accepted']} accepted")
     assert counts["error"] + counts["accepted"] == total and counts["accepted"] >= 20 and counts["error"] >= 200
