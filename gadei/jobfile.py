@@ -379,16 +379,21 @@ def _type_name(value) -> str:
             dict: "a table"}.get(type(value), type(value).__name__)
 
 
+def _shown(value, limit: int = 100) -> str:
+    """A value as a message shows it: its repr, cut to `limit` characters."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _value(where: str, section: str, key: str, kind: str, value, base: Path):
-    field_ = f"{where}: [{section}] {key} = {value!r}"
+    field_ = f"{where}: [{section}] {key} = {_shown(value)}"
 
     def refuse(allowed: str):
         raise JobFileError(f"{field_} is {_type_name(value)}; allowed: {allowed}")
 
     for text in (value if isinstance(value, list) else [value]):
         if isinstance(text, str):
-            _check_text(field_ if len(field_) < 200 else f"{where}: [{section}] {key}", text,
-                        MAX_PATH if kind in ("paths", "text") else MAX_TEXT)
+            _check_text(field_, text, MAX_PATH if kind in ("paths", "text") else MAX_TEXT)
 
     if kind in ("text", "name", "workload", "format", "mode", "optimizer", "nonfinite", "strategy"):
         if not isinstance(value, str) or not value.strip():

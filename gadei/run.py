@@ -229,34 +229,31 @@ def _describe(prepared: _Prepared, node: "_Node | None") -> list[str]:
     """What `gadei run` prints before it starts (and `gadei run --check`): the job, each data
     file's read line, the chosen defaults, the node, the output folder, the resume point."""
     job, train, test, found = prepared.job, prepared.train, prepared.test, prepared.found
-    out = job.output
     t = job.train
-    lines = []
-    lines.append(f"gadei run: job {job.name}: {job.workload} on {len(train):,} training / {len(test):,} test samples, "
-          f"{train.n_labels} labels, " + (f"vocabulary {len(train.vocab):,}" if train.vocab is not None else
-                                          f"{train.features} features") + f"; {t.learners} learners, {t.mode}, {t.optimizer}, "
-          f"mini-batch {t.batch}, lr {t.lr:g}, {t.epochs} epochs, seed {t.seed}")
-    for report in prepared.read:
-        lines.append(f"  read {report}")
-    for line in prepared.chosen:
-        lines.append(f"  chose {line}")
+    lines = [f"gadei run: job {job.name}: {job.workload} on {len(train):,} training / {len(test):,} test samples, "
+             f"{train.n_labels} labels, " + (f"vocabulary {len(train.vocab):,}" if train.vocab is not None else
+                                             f"{train.features} features")
+             + f"; {t.learners} learners, {t.mode}, {t.optimizer}, mini-batch {t.batch}, lr {t.lr:g}, "
+             f"{t.epochs} epochs, seed {t.seed}"]
+    lines += [f"  read {report}" for report in prepared.read]
+    lines += [f"  chose {line}" for line in prepared.chosen]
     if node is not None:
         b = job.bridge
-        lines.append(f"  node {node.rank} of {node.size}: learners' shards {', '.join(node.shards(t.learners))}; bridge "
-              f"{b.strategy}, " + (f"every {b.every:g} s" if b.every is not None else f"every {b.interval} versions")
-              + f", buckets {b.bucket_mb if b.bucket_mb == 'auto' else f'{b.bucket_mb:g} MB'}"
-              + (", float16" if b.float16 else "") + f", timeout {b.timeout:g} s; lr {node.lr(job):g} per node"
-              + ("" if b.node_lr else f" (lr {t.lr:g} x {node.shares(job)}: "
-                 + (f"{node.size} nodes and the centre share" if b.strategy == "elastic" else
-                    f"{node.size} nodes average") + " each node's progress)"))
+        lines.append(f"  node {node.rank} of {node.size}: learners' shards {', '.join(node.shards(t.learners))}; "
+                     f"bridge {b.strategy}, "
+                     + (f"every {b.every:g} s" if b.every is not None else f"every {b.interval} versions")
+                     + f", buckets {b.bucket_mb if b.bucket_mb == 'auto' else f'{b.bucket_mb:g} MB'}"
+                     + (", float16" if b.float16 else "") + f", timeout {b.timeout:g} s; lr {node.lr(job):g} per node"
+                     + ("" if b.node_lr else f" (lr {t.lr:g} x {node.shares(job)}: "
+                        + (f"{node.size} nodes and the centre share" if b.strategy == "elastic" else
+                           f"{node.size} nodes average") + " each node's progress)"))
     elif job.bridge is not None:
         lines.append("  one node, so no bridge ([bridge] joins the nodes of `mpiexec -n NODES gadei run`)")
-    lines.append(f"  output: {out}")
+    lines.append(f"  output: {job.output}")
     if found is not None:
         lines.append(f"  resuming from {found.path.name} (version {found.version:,}, progress "
-              + ", ".join(f"learner {k}: {v if v == 'done' else f'{v:,} samples'}" for k, v in
-                          sorted(found.progress.items())) + ")")
-
+                     + ", ".join(f"learner {k}: {v if v == 'done' else f'{v:,} samples'}" for k, v in
+                                 sorted(found.progress.items())) + ")")
     return lines
 
 
