@@ -242,8 +242,8 @@ _SCHEMA = {
     "job": {"name": ("name", True), "workload": ("workload", True)},
     "data": {"train": ("paths", True), "test": ("paths", False), "format": ("format", True),
              "header": ("bool", False), "text_column": ("column", False), "label_column": ("column", False),
-             "encoding": ("text", False),
-             "fallback_encoding": ("text", False), "holdout": ("fraction", False)},
+             "encoding": ("encoding", False),
+             "fallback_encoding": ("encoding", False), "holdout": ("fraction", False)},
     "train": {"learners": ("learners", False), "mode": ("mode", False), "optimizer": ("optimizer", False),
               "batch": ("positive_int", False),
               "lr": ("positive_float", False), "epochs": ("positive_int", False), "seed": ("seed", False),
@@ -395,9 +395,15 @@ def _value(where: str, section: str, key: str, kind: str, value, base: Path):
         if isinstance(text, str):
             _check_text(field_, text, MAX_PATH if kind in ("paths", "text") else MAX_TEXT)
 
-    if kind in ("text", "name", "workload", "format", "mode", "optimizer", "nonfinite", "strategy"):
+    if kind in ("text", "name", "workload", "format", "mode", "optimizer", "nonfinite", "strategy", "encoding"):
         if not isinstance(value, str) or not value.strip():
             refuse("a non-empty string")
+        if kind == "encoding":
+            try:
+                "\n".encode(value)
+            except LookupError:
+                raise JobFileError(f"{field_}: not a text encoding Python knows; allowed: e.g. utf-8, latin-1, "
+                                   "cp1252, utf-16") from None
         if kind == "name":
             from .region import check_job_name
 
