@@ -71,6 +71,9 @@ OPTIMIZERS = ("adagrad", "sgd")
 FORMATS = ("csv", "tsv", "jsonl", "label-text", "trec", "per-label", "npz")
 NUMERIC_FORMATS = ("csv", "npz")
 MAX_LEARNERS = 64
+MAX_LR = 10.0  # a larger step makes every workload's loss overflow at once
+MAX_PATH = 4096  # characters of a path (Linux's PATH_MAX)
+MAX_TEXT = 1024  # characters of any other string of a job file
 
 
 class JobFileError(GadeiError, ValueError):
@@ -239,8 +242,8 @@ _SCHEMA = {
     "job": {"name": ("name", True), "workload": ("workload", True)},
     "data": {"train": ("paths", True), "test": ("paths", False), "format": ("format", True),
              "header": ("bool", False), "text_column": ("column", False), "label_column": ("column", False),
-             "encoding": ("text", False),
-             "fallback_encoding": ("text", False), "holdout": ("fraction", False)},
+             "encoding": ("encoding", False),
+             "fallback_encoding": ("encoding", False), "holdout": ("fraction", False)},
     "train": {"learners": ("learners", False), "mode": ("mode", False), "optimizer": ("optimizer", False),
               "batch": ("positive_int", False),
               "lr": ("positive_float", False), "epochs": ("positive_int", False), "seed": ("seed", False),
@@ -261,11 +264,15 @@ def load(path: str | os.PathLike, *, data_files: bool = True) -> Job:
         JobFileError: the file is missing or not TOML, or a section, key or value is not
             allowed (the message names the file, the field, the value and what is allowed).
     """
-    path = Path(path).resolve()
     try:
+        path = Path(path).resolve()
         raw = tomllib.loads(_read_job_file(path).decode("utf-8"))
     except OSError as err:
         raise JobFileError(f"job file {str(path)!r}: {err.strerror}") from None
+    except RuntimeError as err:  # Python 3.11's Path.resolve on a symbolic link loop (RecursionError is one too)
+        why = (f"nested more than Python's recursion limit allows" if isinstance(err, RecursionError) else
+               "a symbolic link loop")
+        raise JobFileError(f"job file {str(path)!r}: {why}") from None
     except UnicodeDecodeError as err:
         raise JobFileError(f"job file {path}: not UTF-8 text (byte {err.start})") from None
     except tomllib.TOMLDecodeError as err:
@@ -335,7 +342,8 @@ def parse(raw: dict, path: Path, *, data_files: bool = True) -> Job:
                            "their own local steps; allowed with elastic: sgd")
     bridge = _check_bridge(where, raw, values["bridge"], train)
     output = values["output"].get("folder")
-    output = _absolute(output, path.parent) if output else path.parent / "runs" / job["name"]
+    output = (_absolute(output, path.parent, f"{where}: [output] folder = {output!r}") if output else
+              path.parent / "runs" / job["name"])
     return Job(name=job["name"], workload=job["workload"], data=Data(**data), train=Train(**values["train"]),
                checkpoint=Checkpoint(**values["checkpoint"]), output=output,
                private=values["output"].get("private", True), bridge=bridge, path=path)
@@ -371,15 +379,31 @@ def _type_name(value) -> str:
             dict: "a table"}.get(type(value), type(value).__name__)
 
 
+def _shown(value, limit: int = 100) -> str:
+    """A value as a message shows it: its repr, cut to `limit` characters."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _value(where: str, section: str, key: str, kind: str, value, base: Path):
-    field_ = f"{where}: [{section}] {key} = {value!r}"
+    field_ = f"{where}: [{section}] {key} = {_shown(value)}"
 
     def refuse(allowed: str):
         raise JobFileError(f"{field_} is {_type_name(value)}; allowed: {allowed}")
 
-    if kind in ("text", "name", "workload", "format", "mode", "optimizer", "nonfinite", "strategy"):
+    for text in (value if isinstance(value, list) else [value]):
+        if isinstance(text, str):
+            _check_text(field_, text, MAX_PATH if kind in ("paths", "text") else MAX_TEXT)
+
+    if kind in ("text", "name", "workload", "format", "mode", "optimizer", "nonfinite", "strategy", "encoding"):
         if not isinstance(value, str) or not value.strip():
             refuse("a non-empty string")
+        if kind == "encoding":
+            try:
+                "\n".encode(value)
+            except LookupError:
+                raise JobFileError(f"{field_}: not a text encoding Python knows; allowed: e.g. utf-8, latin-1, "
+                                   "cp1252, utf-16") from None
         if kind == "name":
             from .region import check_job_name
 
@@ -419,7 +443,7 @@ def _value(where: str, section: str, key: str, kind: str, value, base: Path):
             for name in device.parse_devices(value):
                 if name != "auto":
                     device.resolve(name)  # CUDA on a machine without it fails here, before anything starts
-        except (ValueError, GadeiError) as err:
+        except (ValueError, RuntimeError, OverflowError, GadeiError) as err:  # torch.device's, for an index too large
             raise JobFileError(f'{field_}: {err}; allowed: "cpu", "auto" (every visible GPU, else the CPU) or '
                                'devices such as "cuda:0,cuda:1" (learners are spread over them round-robin)') from None
         return value
@@ -427,7 +451,7 @@ def _value(where: str, section: str, key: str, kind: str, value, base: Path):
         items = value if isinstance(value, list) else [value]
         if not items or not all(isinstance(v, str) and v.strip() for v in items):
             refuse("a path (string) or, for per-label, a list of paths or a folder")
-        return tuple(_absolute(v, base) for v in items)
+        return tuple(_absolute(v, base, field_) for v in items)
     if kind in ("positive_int", "learners", "seed"):
         if isinstance(value, bool) or not isinstance(value, int):
             refuse("an integer")
@@ -455,13 +479,31 @@ def _value(where: str, section: str, key: str, kind: str, value, base: Path):
                                'megabytes above 0, or "auto"')
         if kind == "positive_float" and not (value > 0 and math.isfinite(value)):
             raise JobFileError(f"{field_} is out of range; allowed: a number above 0")
+        if key in ("lr", "node_lr") and value > MAX_LR:
+            raise JobFileError(f"{field_} is out of range: a step that large makes the loss overflow (NaN) at "
+                               f"once; allowed: more than 0, up to {MAX_LR:g}")
         return value
     raise AssertionError(kind)
 
 
-def _absolute(path: str, base: Path) -> Path:
-    p = Path(os.path.expanduser(path))
-    return p if p.is_absolute() else (base / p).resolve()
+def _check_text(field_: str, text: str, limit: int) -> None:
+    """A string the job as run (`Job.to_toml`) can hold and a person can read: no control
+    characters (a newline in a name would break job.toml), at most `limit` characters."""
+    bad = next((c for c in text if ord(c) < 0x20 or 0x7F <= ord(c) < 0xA0 or c in "\u2028\u2029"), None)
+    if bad is not None:
+        raise JobFileError(f"{field_}: holds the control character {bad!r}; allowed: printable characters")
+    if len(text) > limit:
+        raise JobFileError(f"{field_}: {len(text):,} characters; allowed: up to {limit:,}")
+
+
+def _absolute(path: str, base: Path, field_: str) -> Path:
+    try:
+        p = Path(os.path.expanduser(path))
+        return p if p.is_absolute() else (base / p).resolve()
+    except OSError as err:
+        raise JobFileError(f"{field_}: {err.strerror}") from None
+    except RuntimeError:  # Python 3.11's Path.resolve on a symbolic link loop
+        raise JobFileError(f"{field_}: a symbolic link loop") from None
 
 
 def _check_columns(where: str, data: dict, numeric: bool) -> None:
@@ -484,14 +526,26 @@ def _check_columns(where: str, data: dict, numeric: bool) -> None:
             raise JobFileError(f"{where}: [data] {key} = {value}: jsonl names keys; allowed: a key (string)")
 
 
+def _is_folder(path: Path) -> bool:
+    try:
+        return path.is_dir()
+    except OSError:  # a name too long: check_data_file says so
+        return False
+
+
 def _check_data_files(where: str, data: dict) -> None:
+    from gadei_workloads.files import data_file_problem
+
     per_label = data["format"] == "per-label"
     for key in ("train", "test"):
         paths = data.get(key)
         if paths is None:
             continue
-        if per_label and len(paths) == 1 and paths[0].is_dir():
-            files = tuple(sorted(p for p in paths[0].iterdir() if p.is_file() and not p.name.startswith(".")))
+        if per_label and len(paths) == 1 and _is_folder(paths[0]):
+            try:
+                files = tuple(sorted(p for p in paths[0].iterdir() if p.is_file() and not p.name.startswith(".")))
+            except OSError as err:
+                raise JobFileError(f"{where}: [data] {key} = {str(paths[0])!r}: {err.strerror}") from None
             if len(files) < 2:
                 raise JobFileError(f"{where}: [data] {key} = {str(paths[0])!r}: a per-label folder needs one file per "
                                    f"label (at least two), it holds {len(files)}")
@@ -500,10 +554,9 @@ def _check_data_files(where: str, data: dict) -> None:
             raise JobFileError(f"{where}: [data] {key}: format {data['format']!r} reads one file, not "
                                f"{len(paths)}; only per-label takes a list")
         for p in paths:
-            if not p.exists():
-                raise JobFileError(f"{where}: [data] {key} = {str(p)!r}: no such file")
-            if not p.is_file():
-                raise JobFileError(f"{where}: [data] {key} = {str(p)!r}: not a file")
+            problem = data_file_problem(p)
+            if problem is not None:
+                raise JobFileError(f"{where}: [data] {key} = {str(p)!r}: {problem}")
 
 
 # ------------------------------------------------------------------ the data
@@ -536,7 +589,7 @@ def load_data(job: Job, reports: list | None = None):
         raise JobFileError(f"{job.path.name if job.path else 'job'}: [data]: {err}") from None
     labels = sorted({label for _, label in train})
     if len(labels) < 2:
-        raise JobFileError(f"[data] train: {len(train):,} samples but only the label {labels[0]!r}; a classifier "
+        raise JobFileError(f"{job.path.name if job.path else 'job'}: [data] train: {len(train):,} samples but only the label {labels[0]!r}; a classifier "
                            "needs at least two labels")
     source = f"job {job.name}"
     if test is None:
@@ -547,7 +600,7 @@ def load_data(job: Job, reports: list | None = None):
     try:
         return encode_split(train, test, name=source, test_source=test_source)
     except ValueError as err:
-        raise JobFileError(f"[data] test: {err}") from None
+        raise JobFileError(f"{job.path.name if job.path else 'job'}: [data] test: {err}") from None
 
 
 def _load_arrays(job: Job, reports: list | None):

@@ -75,8 +75,21 @@ class _Prepared:
     found: object = None
 
 
-def _prepare(job: jobfile.Job, resume: bool, node: "_Node | None") -> _Prepared:
-    """Everything that can be refused, before anything starts; the output folder's job.toml and maps."""
+def check_job(path: str, *, resume: bool = False) -> list[str]:
+    """`gadei run --check`: every check `gadei run` makes before it starts (the job file, the
+    region's name, the data, the output folder), starting nothing and writing nothing; the
+    lines `gadei run` prints before it starts.
+
+    Raises:
+        GadeiError: (JobFileError among them) the one-line reason the job would be refused.
+    """
+    job = jobfile.load(path)
+    prepared = _check(job, resume, None, remove_model=False)
+    return _describe(prepared, None)
+
+
+def _check(job: jobfile.Job, resume: bool, node: "_Node | None", *, remove_model: bool = True) -> _Prepared:
+    """Everything that can be refused, before anything starts, writing nothing."""
     from .region import check_name_free
 
     if node is not None:
@@ -86,12 +99,85 @@ def _prepare(job: jobfile.Job, resume: bool, node: "_Node | None") -> _Prepared:
     train, test = jobfile.load_data(job, read)
     job, chosen = job.with_defaults(len(train))
     out = job.output
+    check_output(job)
     found = None
     if resume:
-        found = resume_point(job, nodes=node.size if node else 1)
+        found = resume_point(job, nodes=node.size if node else 1, remove_model=remove_model)
     elif (out / "checkpoints").is_dir() and any((out / "checkpoints").iterdir()):
         raise GadeiError(f"output folder {out} holds a previous run (checkpoints/); go on with it with "
                          "`gadei run --resume`, or set another [output] folder, or remove that one")
+    return _Prepared(job, train, test, chosen, read, found)
+
+
+# What `gadei run` writes in its output folder, by kind: an earlier run's of another kind stops it.
+_OUTPUT_FOLDERS = ("logs", "checkpoints")
+_OUTPUT_FILES = ("job.toml", "labels.json", "vocab.json", "features.json", "node.json", "model.pt", "result.json",
+                 "metrics.jsonl", "accuracy.png")
+
+
+def check_output(job: jobfile.Job) -> None:
+    """The job's output folder can take a run, checked without writing: it is a folder (not a
+    file, a device or a symbolic link) or can be made one in the nearest folder above that
+    exists, you may write in it, and what it holds of an earlier run is of the kind a run
+    writes (logs/ and checkpoints/ folders, job.toml and the other outputs files).
+
+    Raises:
+        GadeiError: naming the job file, the folder and what is wrong with it.
+    """
+    import stat
+
+    out = job.output
+    where = f"{job.path.name if job.path else 'job'}: [output] folder {str(out)!r}"
+
+    def kind(path: Path):
+        try:
+            return os.lstat(path).st_mode
+        except FileNotFoundError:
+            return None
+        except NotADirectoryError:
+            raise GadeiError(f"{where}: cannot be made, a folder above it is a file") from None
+        except (OSError, ValueError) as err:
+            raise GadeiError(f"{where}: {path.name}: {getattr(err, 'strerror', None) or err}") from None
+
+    def storable(folder: Path, what: str) -> None:
+        found = os.statvfs(folder)
+        if found.f_flag & os.ST_RDONLY:
+            raise GadeiError(f"{where}: {what} on a read-only file system")
+        if found.f_blocks == 0:  # procfs, sysfs: no file can be made there, whatever access() says
+            raise GadeiError(f"{where}: {what} on a file system that holds no files (such as /proc or /sys)")
+
+    mode = kind(out)
+    if mode is None:
+        above = out.parent
+        while kind(above) is None:
+            above = above.parent
+        if not stat.S_ISDIR(os.stat(above).st_mode):
+            raise GadeiError(f"{where}: cannot be made, {str(above)!r} is not a folder")
+        if not os.access(above, os.W_OK | os.X_OK):
+            raise GadeiError(f"{where}: cannot be made, you may not write in {str(above)!r}")
+        storable(above, "cannot be made, the folder above it is")
+        return
+    if stat.S_ISLNK(mode):
+        raise GadeiError(f"{where}: is a symbolic link; allowed: a folder (give the folder it points to)")
+    if not stat.S_ISDIR(mode):
+        raise GadeiError(f"{where}: is not a folder")
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise GadeiError(f"{where}: you may not write in it")
+    storable(out, "it is")
+    for name in _OUTPUT_FOLDERS + _OUTPUT_FILES:
+        mode = kind(out / name)
+        if mode is None:
+            continue
+        folder = name in _OUTPUT_FOLDERS
+        if not (stat.S_ISDIR(mode) if folder else stat.S_ISREG(mode)):
+            raise GadeiError(f"{where}: its {name} is not a {'folder' if folder else 'file'} (a run writes one "
+                             "there); remove it or set another [output] folder")
+
+
+def _prepare(job: jobfile.Job, resume: bool, node: "_Node | None") -> _Prepared:
+    """Everything that can be refused, before anything starts (`_check`); the output folder's job.toml and maps."""
+    prepared = _check(job, resume, node)
+    job, train, out = prepared.job, prepared.train, prepared.job.output
     _output_modes(job)
     (out / "logs").mkdir(parents=True, exist_ok=True)
     (out / "job.toml").write_text(job.to_toml())
@@ -104,7 +190,7 @@ def _prepare(job: jobfile.Job, resume: bool, node: "_Node | None") -> _Prepared:
     if node is not None:
         (out / "node.json").write_text(json.dumps({"node": node.rank, "nodes": node.size,
                                                    "shards": node.shards(job.train.learners)}) + "\n")
-    return _Prepared(job, train, test, chosen, read, found)
+    return prepared
 
 
 def _output_modes(job: jobfile.Job) -> None:
@@ -139,6 +225,38 @@ def _output_modes(job: jobfile.Job) -> None:
                 os.chmod(entry, file_mode if job.private else (stat.S_IMODE(info.st_mode) | file_mode))
 
 
+def _describe(prepared: _Prepared, node: "_Node | None") -> list[str]:
+    """What `gadei run` prints before it starts (and `gadei run --check`): the job, each data
+    file's read line, the chosen defaults, the node, the output folder, the resume point."""
+    job, train, test, found = prepared.job, prepared.train, prepared.test, prepared.found
+    t = job.train
+    lines = [f"gadei run: job {job.name}: {job.workload} on {len(train):,} training / {len(test):,} test samples, "
+             f"{train.n_labels} labels, " + (f"vocabulary {len(train.vocab):,}" if train.vocab is not None else
+                                             f"{train.features} features")
+             + f"; {t.learners} learners, {t.mode}, {t.optimizer}, mini-batch {t.batch}, lr {t.lr:g}, "
+             f"{t.epochs} epochs, seed {t.seed}"]
+    lines += [f"  read {report}" for report in prepared.read]
+    lines += [f"  chose {line}" for line in prepared.chosen]
+    if node is not None:
+        b = job.bridge
+        lines.append(f"  node {node.rank} of {node.size}: learners' shards {', '.join(node.shards(t.learners))}; "
+                     f"bridge {b.strategy}, "
+                     + (f"every {b.every:g} s" if b.every is not None else f"every {b.interval} versions")
+                     + f", buckets {b.bucket_mb if b.bucket_mb == 'auto' else f'{b.bucket_mb:g} MB'}"
+                     + (", float16" if b.float16 else "") + f", timeout {b.timeout:g} s; lr {node.lr(job):g} per node"
+                     + ("" if b.node_lr else f" (lr {t.lr:g} x {node.shares(job)}: "
+                        + (f"{node.size} nodes and the centre share" if b.strategy == "elastic" else
+                           f"{node.size} nodes average") + " each node's progress)"))
+    elif job.bridge is not None:
+        lines.append("  one node, so no bridge ([bridge] joins the nodes of `mpiexec -n NODES gadei run`)")
+    lines.append(f"  output: {job.output}")
+    if found is not None:
+        lines.append(f"  resuming from {found.path.name} (version {found.version:,}, progress "
+                     + ", ".join(f"learner {k}: {v if v == 'done' else f'{v:,} samples'}" for k, v in
+                                 sorted(found.progress.items())) + ")")
+    return lines
+
+
 def _run(prepared: _Prepared, quiet: bool, node: "_Node | None" = None) -> int:
     """Start the job's server, watchdog and learners (and the node's bridge), follow it to its
     end, write the outputs; the exit code."""
@@ -146,32 +264,8 @@ def _run(prepared: _Prepared, quiet: bool, node: "_Node | None" = None) -> int:
     out = job.output
     as_run = out / "job.toml"
     t = job.train
-    print(f"gadei run: job {job.name}: {job.workload} on {len(train):,} training / {len(test):,} test samples, "
-          f"{train.n_labels} labels, " + (f"vocabulary {len(train.vocab):,}" if train.vocab is not None else
-                                          f"{train.features} features") + f"; {t.learners} learners, {t.mode}, {t.optimizer}, "
-          f"mini-batch {t.batch}, lr {t.lr:g}, {t.epochs} epochs, seed {t.seed}", flush=True)
-    for report in prepared.read:
-        print(f"  read {report}", flush=True)
-    for line in prepared.chosen:
-        print(f"  chose {line}", flush=True)
-    if node is not None:
-        b = job.bridge
-        print(f"  node {node.rank} of {node.size}: learners' shards {', '.join(node.shards(t.learners))}; bridge "
-              f"{b.strategy}, " + (f"every {b.every:g} s" if b.every is not None else f"every {b.interval} versions")
-              + f", buckets {b.bucket_mb if b.bucket_mb == 'auto' else f'{b.bucket_mb:g} MB'}"
-              + (", float16" if b.float16 else "") + f", timeout {b.timeout:g} s; lr {node.lr(job):g} per node"
-              + ("" if b.node_lr else f" (lr {t.lr:g} x {node.shares(job)}: "
-                 + (f"{node.size} nodes and the centre share" if b.strategy == "elastic" else
-                    f"{node.size} nodes average") + " each node's progress)"),
-              flush=True)
-    elif job.bridge is not None:
-        print("  one node, so no bridge ([bridge] joins the nodes of `mpiexec -n NODES gadei run`)", flush=True)
-    print(f"  output: {out}", flush=True)
-    if found is not None:
-        print(f"  resuming from {found.path.name} (version {found.version:,}, progress "
-              + ", ".join(f"learner {k}: {v if v == 'done' else f'{v:,} samples'}" for k, v in
-                          sorted(found.progress.items())) + ")", flush=True)
-
+    for line in _describe(prepared, node):
+        print(line, flush=True)
     spec = f"job:{as_run}"
     learner = ["--workload", job.workload, "--data", spec, "--seed", str(t.seed), "--epochs", str(t.epochs),
                "--batch", str(t.batch), "--json"]
@@ -206,6 +300,11 @@ def _run(prepared: _Prepared, quiet: bool, node: "_Node | None" = None) -> int:
             _follow(job, serve, len(train), started, quiet)
         else:  # the progress of this node's share of each epoch
             _follow(job, serve, len(train) / node.size, started, quiet, f"node {node.rank}: ")
+    except _Diverged:
+        print(f"\ngadei run: job {job.name}: the training loss is not finite; stopping the job", file=sys.stderr,
+              flush=True)
+        serve.send_signal(signal.SIGTERM)
+        interrupted = True
     except KeyboardInterrupt:
         interrupted = True
         print(f"\ngadei run: stopping the job {job.name}", flush=True)
@@ -221,6 +320,10 @@ def _run(prepared: _Prepared, quiet: bool, node: "_Node | None" = None) -> int:
     if metrics:
         plot(metrics, out / "accuracy.png", job.name)
     elapsed = time.monotonic() - started
+    diverged = _diverged(job, metrics)
+    if diverged is not None:
+        print(f"gadei run: {diverged}; its outputs and logs are in {out}", file=sys.stderr, flush=True)
+        return DIVERGED
     if code != 0 or not (out / "model.pt").exists():
         print(f"gadei run: job {job.name} failed (serve exited {code}); see {out / 'logs'}", file=sys.stderr)
         return 1
@@ -498,6 +601,9 @@ def _follow(job, serve: subprocess.Popen, train_size: float, started: float, qui
     width = 0
     while serve.poll() is None:
         time.sleep(2.0 if before is not None else 0.2)
+        diverged = _diverged(job, [_last_epoch(job.output)])
+        if diverged is not None:
+            raise diverged
         try:
             with Region.attach(job.name, readonly=True) as region:
                 now = status.read(region)
@@ -525,6 +631,26 @@ def _follow(job, serve: subprocess.Popen, train_size: float, started: float, qui
         before = now
     if overwrite:
         print(flush=True)
+
+
+DIVERGED = 3  # `gadei run`'s exit code when the training loss became NaN or infinite
+
+
+class _Diverged(GadeiError):
+    """The evaluating learner's epoch loss is NaN or infinite: training diverged."""
+
+
+def _diverged(job: jobfile.Job, metrics: list[dict]) -> _Diverged | None:
+    """The first epoch of `metrics` whose loss is not finite, as the error that stops the job."""
+    import math
+
+    for record in metrics:
+        loss = record.get("loss")
+        if isinstance(loss, (int, float)) and not math.isfinite(loss):
+            return _Diverged(f"job {job.name}: the training loss is {loss} after epoch {record.get('epoch')}: "
+                             f"training diverged; the learning rate is likely too high (lr {job.train.lr:g}), "
+                             "lower [train] lr")
+    return None
 
 
 def _epoch_records(out: Path) -> list[dict]:

@@ -117,7 +117,7 @@ def test_a_latin1_file_reads_with_latin1(tmp_path):
 
 # (name, content, format, options, what the error says)
 REFUSED = [
-    ("empty file", b"", "tsv", {}, r"data file '.*data' is empty"),
+    ("empty file", b"", "tsv", {}, r"data file '.*data': empty"),
     ("white space only", b"\n\n  \n", "csv", {}, r"is empty \(5 bytes of white space\)"),
     ("binary", b"label\ttext\n\x89PNG\r\n\x1a\n\x00\x00\x00", "tsv", {}, r"is binary, not text: a NUL byte on line 4"),
     ("tsv tab inside a text", H + "a\tone\nb\ttwo\tthree\n", "tsv", {},

@@ -360,3 +360,15 @@ def test_gadei_run_trains_the_mlp_on_numeric_data_and_predicts(tmp_path, procs):
     predicted = procs.gadei("predict", tmp_path / "out", sample, "--top", 1)
     out, err = communicate(predicted, 60)
     assert predicted.returncode == 0 and out.split()[-1] == y[0], out + err
+
+
+@pytest.mark.slow
+def test_a_run_whose_loss_becomes_nan_fails_naming_the_epoch_and_the_learning_rate(small, procs):
+    name = f"nan-{small.name[-20:]}".replace("_", "-")
+    path = _job(small, GOOD.format(name=name) + '[train]\nlearners = 1\nlr = 10.0\noptimizer = "sgd"\nepochs = 3\n'
+                '[output]\nfolder = "out"\n')
+    run = procs.gadei("run", "--quiet", path)
+    out, err = communicate(run, 300)
+    assert run.returncode == 3, out + err
+    assert "the training loss is nan after epoch 1" in err and "lr 10" in err and "lower [train] lr" in err, err
+    assert "done in" not in out and inspect(name) is None

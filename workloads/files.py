@@ -31,10 +31,13 @@ inside the file. Everything else that does not read as the format says is refuse
 from __future__ import annotations
 
 import csv
+import errno
 import io
+import os
 import json
 import logging
 import re
+import stat
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,6 +55,9 @@ Column = str | int  # a header name, or a position (1 = the first column)
 MAX_QUOTED_LINES = 50
 # Room for one field of a CSV file (the csv module's default is 128 KiB).
 MAX_FIELD_CHARS = 64 << 20
+# The largest data file read (bytes): it is read whole into memory; a larger one is refused
+# before a byte of it is read.
+MAX_DATA_FILE = 2 << 30
 _LINE_BREAK = re.compile("\r\n|\r|\n")
 _LINE_BREAK_BYTES = re.compile(b"(\r\n|\r|\n)")
 _PLURAL = {"blank line": "blank lines", "row with empty text": "rows with empty text",
@@ -93,14 +99,56 @@ def _lines(numbers: list[int], shown: int = 5) -> str:
     return ("line " if len(numbers) == 1 else "lines ") + head + (", ..." if len(numbers) > shown else "")
 
 
+def data_file_problem(path: Path) -> str | None:
+    """Why the data file at `path` is not read, checked before a byte of it is (None: it is
+    fine): it must be a regular file of 1 to MAX_DATA_FILE bytes. A FIFO, a device
+    (/dev/zero), a folder, and the zero-size files of /proc and /sys (/proc/kmsg blocks a
+    reader) are refused by type and size."""
+    try:
+        info = os.stat(path)
+    except OSError as err:
+        return "no such file" if err.errno == errno.ENOENT else err.strerror
+    except ValueError as err:  # a NUL in the path
+        return str(err)
+    if stat.S_ISDIR(info.st_mode):
+        return "not a file (a folder)"
+    if not stat.S_ISREG(info.st_mode):
+        return "not a regular file (a FIFO, socket or device is not read)"
+    if info.st_size == 0:
+        return "empty (0 bytes)"
+    if info.st_size > MAX_DATA_FILE:
+        return f"{info.st_size:,} bytes, more than a data file may be ({MAX_DATA_FILE:,})"
+    return None
+
+
+def check_data_file(path: Path) -> None:
+    """DataError naming the path when `data_file_problem` finds one."""
+    problem = data_file_problem(path)
+    if problem is not None:
+        raise DataError(f"data file {str(path)!r}: {problem}")
+
+
+def read_data_file(path: Path) -> bytes:
+    """The bytes of the data file at `path` (see `check_data_file`), at most MAX_DATA_FILE."""
+    check_data_file(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO swapped in must not block
+        with open(fd, "rb") as handle:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise DataError(f"data file {str(path)!r} is not a regular file")
+            raw = handle.read(MAX_DATA_FILE + 1)
+    except OSError as err:
+        raise DataError(f"data file {str(path)!r}: {err.strerror}") from None
+    if len(raw) > MAX_DATA_FILE:
+        raise DataError(f"data file {str(path)!r}: more than a data file may be ({MAX_DATA_FILE:,} bytes)")
+    return raw
+
+
 def decode(path: Path, encoding: str, fallback: str | None = None, report: FileReport | None = None) -> str:
     """The text of `path`, BOM dropped; DataError when it is missing, empty, binary or does
     not decode. With `fallback`, lines that are not `encoding` are read with it (counted in
     `report`)."""
-    try:
-        raw = path.read_bytes()
-    except OSError as err:
-        raise DataError(f"data file {str(path)!r}: {err.strerror}") from None
+    raw = read_data_file(path)
     try:
         ascii_compatible = "\n".encode(encoding) == b"\n"
     except LookupError:

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .files import DataError, FileReport, column_index, decode, table_rows
+from .files import DataError, FileReport, check_data_file, column_index, decode, table_rows
 
 __all__ = ["ArrayDataset", "MLP", "accuracy", "batches", "build_mlp", "read_arrays"]
 
@@ -62,6 +62,7 @@ def read_arrays(path: Path, fmt: str, label_column: str | int, header: bool = Tr
     """(features [N, D] float64, label strings) of one file; DataError naming file and line.
     A CSV file is read by the rules of `files.table_rows` (its FileReport goes to `reports`)."""
     if fmt == "npz":
+        check_data_file(path)
         try:
             with np.load(path, allow_pickle=False) as data:
                 missing = [k for k in ("x", "y") if k not in data.files]
@@ -114,6 +115,8 @@ def read_arrays(path: Path, fmt: str, label_column: str | int, header: bool = Tr
         raise DataError(f"format {fmt!r}: numeric workloads read npz or csv")
     if len(labels) == 0:
         raise DataError(f"{path}: no samples")
+    if x.shape[1] == 0:
+        raise DataError(f"{path}: no features (every sample is a label alone); the MLP needs at least one")
     if not np.isfinite(x).all():
         bad = int(np.argwhere(~np.isfinite(x))[0][0])
         raise DataError(f"{path}: sample {bad + 1} has a feature that is NaN or infinite")

@@ -6,8 +6,13 @@ log = logging.getLogger("gadei.cli")
 
 
 def cmd_run(args) -> int:
-    from ..run import run_job
+    from ..run import check_job, run_job
 
+    if args.check:
+        for line in check_job(args.jobfile, resume=args.resume):
+            print(line, flush=True)
+        print("check passed", flush=True)
+        return 0
     return run_job(args.jobfile, quiet=args.quiet, resume=args.resume)
 
 
@@ -31,6 +36,9 @@ def add_parser(sub) -> None:
                        "rank, the file runs on one node.")
     p.add_argument("jobfile", help="the job's TOML file")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.add_argument("--check", action="store_true", help="make every check a run makes before it starts (the job "
+                   "file, its data, the output folder, the region's name), print what the run would print before "
+                   "starting and 'check passed'; start nothing, write nothing (exit 0, or 2 with the reason)")
     p.add_argument("--resume", action="store_true", help="go on with the run in the job's output folder (one that "
                    "was cancelled, failed, or ended early) from its newest checkpoint that records the learners' "
                    "progress; only [train] epochs may differ from that run's job.toml")
