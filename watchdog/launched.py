@@ -103,10 +103,11 @@ class Learners:
             applied = 0
             if l.running:
                 # its entry's counters, or, once it gave the entry back and a new owner reset
-                # them, the copy that owner kept of them (last_pid, last_applied)
-                applied = next((c["applied_samples"] for c in ckpt.learners if c["pid"] == l.pid),
-                               next((c.get("last_applied", 0) for c in ckpt.learners
-                                     if c.get("last_pid") == l.pid), 0))
+                # them, the copy that owner kept (last_pid, last_applied). The copy first: the
+                # capture reads it after pid and applied_samples, so a claim between those reads
+                # (pid still this learner's, the counters already reset) is seen in it.
+                applied = next((c["last_applied"] for c in ckpt.learners if c.get("last_pid") == l.pid),
+                               next((c["applied_samples"] for c in ckpt.learners if c["pid"] == l.pid), 0))
             out[str(l.number)] = l.start_at + applied
         return out
 
