@@ -137,7 +137,7 @@ def take(region, folder: str | os.PathLike, keep: int = 3, *, still: bool = Fals
 
 
 _ENTRY_COUNTERS = ("pid", "head", "tail", "samples", "applied_samples", "pulls", "dropped", "discarded", "stale_sum",
-                   "stale_max", "pull_retries")
+                   "stale_max", "pull_retries", "last_pid", "last_applied")
 
 
 def capture(region, timeout: float = 5.0, progress=None) -> Checkpoint:

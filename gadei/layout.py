@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 MAGIC = 0x31304945_44414701  # bytes b"\x01GADEI01" in little-endian order
-LAYOUT_VERSION = 8
+LAYOUT_VERSION = 9
 PAGE = 4096
 LINE = 64
 NAME_BYTES = 64
@@ -185,6 +185,10 @@ ENTRY, ENTRY_BYTES = _record(
         ("beat", "u64"),
         ("head", "u64"),  # slots published, ever (monotonic)
         ("claim_head", "u64"),  # head when the current owner claimed the ring
+        # the previous owner's pid and applied_samples, copied by a new owner before it resets
+        # the counters: a learner killed after it gave the entry back is counted by them
+        ("last_pid", "u32"),
+        ("last_applied", "u64"),
         ("pulled_version", "u64"),
         ("pulls", "u64"),
         ("samples", "u64"),

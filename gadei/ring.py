@@ -232,6 +232,7 @@ def _take(region: Region, learner: int, claims: int, drain_timeout: float, serve
         )
     for slot in range(region.shape.slots):
         _native.zero(region.payload_addr(learner, slot), region.layout.payload_bytes)
+    _keep_last_owner(entry)
     # The server writes these only while consuming this ring, and the ring is empty.
     for name in ("applied_samples", "stale_sum", "stale_max", "discarded"):
         entry.set(name, 0)
@@ -246,6 +247,24 @@ def _take(region: Region, learner: int, claims: int, drain_timeout: float, serve
     entry.set("claim_head", producer.head)
     entry.set("state", ACTIVE)
     return producer
+
+
+def _keep_last_owner(entry) -> None:
+    """Copy the previous owner's (pid, applied_samples) into (last_pid, last_applied), then set pid 0.
+
+    The ring is drained, so applied_samples is all the previous owner contributed; a learner
+    killed after it released the entry is counted by it (`watchdog.launched.left_record`).
+    Every moment of the copy answers that reader right: last_pid is 0 while last_applied
+    changes, and pid is 0 before the counters are reset. pid 0 means a claimant that died
+    after it copied: the record is already in last_*, and is kept.
+    """
+    pid = entry.get("pid")
+    if pid == 0:
+        return
+    entry.set("last_pid", 0)
+    entry.set("last_applied", entry.get("applied_samples"))
+    entry.set("last_pid", pid)
+    entry.set("pid", 0)
 
 
 class Consumer:

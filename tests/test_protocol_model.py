@@ -170,6 +170,30 @@ def test_a_new_owner_writes_its_pid_only_after_resetting_the_counters():
     assert not any("set('pid')" in c for c in _body_calls(ring.Producer.release))  # release keeps it
 
 
+def test_a_new_owner_keeps_the_previous_owners_counters_before_resetting_them():
+    calls = _body_calls(ring._take)
+    keep = _index(calls, "_keep_last_owner(entry)")
+    assert _index(calls, "producer.drain") < keep  # applied_samples is final: the ring is drained
+    assert keep < min(i for i, c in enumerate(calls) if c.startswith("entry.set(name)"))  # before the counter resets
+    assert keep < _index(calls, "entry.set('pid')")
+    copy = _body_calls(ring._keep_last_owner)
+    sets = [c for c in copy if c.startswith("entry.set(")]
+    # last_pid 0 while last_applied changes, then last_pid, then pid 0 (before _take resets the counters)
+    assert sets == ["entry.set('last_pid')", "entry.set('last_applied')", "entry.set('last_pid')", "entry.set('pid')"], sets
+    assert "entry.get('applied_samples')" in copy and "if pid == 0" in inspect.getsource(ring._keep_last_owner)
+    # the watchdog reads that copy for a learner that left its entry, each answer between two
+    # reads of the field naming it, and so does a checkpoint's progress
+    launched = (ROOT / "watchdog" / "launched.py").read_text()
+    died = launched[launched.index("    def _died("):launched.index("    def resume(")]
+    assert "left_record(region, l.pid)" in died
+    left = launched[launched.index("def left_record("):launched.index("def _wait_gone(")]
+    for name, answer in (("pid", "applied_samples"), ("last_pid", "last_applied")):
+        first = left.index(f'if entry.get("{name}") == pid')
+        read = left.index(f'entry.get("{answer}")', first)
+        assert left.index(f'if entry.get("{name}") == pid', read) > read, f"left_record: {answer} is not re-checked"
+    assert 'c.get("last_pid") == l.pid' in launched[launched.index("    def progress("):]
+
+
 def test_drain_looks_once_more_when_no_learner_is_left():
     source = inspect.getsource(server.Server._drain)
     busy = source.index("busy_entries()")

@@ -102,7 +102,12 @@ class Learners:
                 continue
             applied = 0
             if l.running:
-                applied = next((c["applied_samples"] for c in ckpt.learners if c["pid"] == l.pid), 0)
+                # its entry's counters, or, once it gave the entry back and a new owner reset
+                # them, the copy that owner kept (last_pid, last_applied). The copy first: the
+                # capture reads it after pid and applied_samples, so a claim between those reads
+                # (pid still this learner's, the counters already reset) is seen in it.
+                applied = next((c["last_applied"] for c in ckpt.learners if c.get("last_pid") == l.pid),
+                               next((c["applied_samples"] for c in ckpt.learners if c["pid"] == l.pid), 0))
             out[str(l.number)] = l.start_at + applied
         return out
 
@@ -197,22 +202,28 @@ class Learners:
         else:
             how = f"was killed by signal {-code}" if code < 0 else f"exited with {code}"
         published = l.seen
-        if l.entry >= 0:
-            entry = region.entry(l.entry)
-            if lease_owner(entry.get("lease")) == l.pid:
-                entry.cas("state", ACTIVE, DEAD)
-                # The server applies what the dead learner published; once its ring is empty,
-                # applied_samples is exactly the samples it contributed (its samples counter may
-                # miss the last step: it counts after publishing).
-                deadline = time.monotonic() + 2.0
-                while entry.get("tail") != entry.get("head") and time.monotonic() < deadline:
-                    time.sleep(0.01)
-                if entry.get("tail") == entry.get("head") and lease_owner(entry.get("lease")) == l.pid:
-                    # The counters are its own once it wrote its pid (after resetting them);
-                    # one that died before that, taking the entry over, published nothing.
-                    published = entry.get("applied_samples") if entry.get("pid") == l.pid else 0
-                else:
-                    published = max(published, entry.get("samples"))
+        entry = region.entry(l.entry) if l.entry >= 0 else None
+        if entry is not None and lease_owner(entry.get("lease")) == l.pid:
+            entry.cas("state", ACTIVE, DEAD)
+            # The server applies what the dead learner published; once its ring is empty,
+            # applied_samples is exactly the samples it contributed (its samples counter may
+            # miss the last step: it counts after publishing).
+            deadline = time.monotonic() + 2.0
+            while entry.get("tail") != entry.get("head") and time.monotonic() < deadline:
+                time.sleep(0.01)
+            if entry.get("tail") == entry.get("head") and lease_owner(entry.get("lease")) == l.pid:
+                # The counters are its own once it wrote its pid (after resetting them);
+                # one that died before that, taking the entry over, published nothing.
+                published = entry.get("applied_samples") if entry.get("pid") == l.pid else 0
+            else:
+                published = max(published, entry.get("samples"))
+        else:
+            # It gave its entry back (after draining it) and was killed before it exited, or
+            # never was seen holding one: its entry, or a new owner's copy of it, says what
+            # the server applied of it; `seen` may be older than its last pushes.
+            left = left_record(region, l.pid)
+            if left is not None:
+                published = left
         l.start_at += published
         l.proc, l.pid, l.started, l.entry, l.seen = None, 0, 0.0, -1, 0
         recent = [t for t in l.restarts if now - t < self.window]
@@ -237,6 +248,39 @@ class Learners:
             l.done = done == "done"
             l.start_at = 0 if l.done or done is None else int(done)
             l.due = 0.0
+
+
+def left_record(region, pid: int, timeout: float = 2.0) -> int | None:
+    """applied_samples of process `pid` that gave its learner entry back; None if no entry keeps it.
+
+    The entry it left still names it in `pid` (its counters are kept at release) until a new
+    owner copies them into `last_pid`/`last_applied` (ring._keep_last_owner: last_pid 0
+    while last_applied changes, pid 0 before the reset). Each answer is read between two
+    reads of the field that names it, so a copy or a reset between them is seen: read again.
+    Its ring is waited for (up to `timeout`) to be drained first: a learner that left because
+    the job stopped or the server died may leave published gradients the server still applies.
+    """
+    deadline = time.monotonic() + timeout
+    for i in range(region.shape.capacity):
+        entry = region.entry(i)
+        while True:
+            if entry.get("pid") == pid:
+                if entry.get("tail") != entry.get("head") and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                    continue
+                drained = entry.get("tail") == entry.get("head")
+                applied, samples = entry.get("applied_samples"), entry.get("samples")
+                if entry.get("pid") == pid:
+                    # not drained in time: what it published, as the entry's own branch counts it
+                    return applied if drained else max(applied, samples)
+                continue  # a new owner is taking the entry: read its copy
+            if entry.get("last_pid") == pid:
+                applied = entry.get("last_applied")
+                if entry.get("last_pid") == pid:
+                    return applied
+                continue
+            break
+    return None
 
 
 def _wait_gone(pid: int, started: float, timeout: float) -> None:

@@ -4,14 +4,16 @@
  * What it models (each proctype names the code whose steps it follows; docs/protocol-model.md
  * says what is left out):
  *   Train(l)    learner l's train thread: gadei.learner.Learner.attach/step/_teardown,
- *               gadei.ring.claim/_take/Producer.drain/release, ThreadPush.push (hand-off).
+ *               gadei.ring.claim/_take/_keep_last_owner/Producer.drain/release,
+ *               ThreadPush.push (hand-off).
  *   Push(l)     learner l's push thread: gadei.transport.ThreadPush._run,
  *               gadei.ring.Producer.wait_space/publish, SlotWriter.write_grads.
  *   Server      gadei.server.Server.serve/_serve_each/_drain/_take/_update/_pause,
  *               gadei.ring.Consumer.poll/sleep/release, native gd_poll_rings, the update
  *               kernels' apply-and-clear (native/kernels.c gd_sgd ... clear=1).
  *   Watchdog    watchdog.Watchdog.run/_look_at_learners/_supervise/checkpoint/_stop_job/
- *               _restart_server/_ended, watchdog.launched.Learners.look/_died/progress/resume,
+ *               _restart_server/_ended, watchdog.launched.Learners.look/_track/_died/progress/
+ *               resume, left_record,
  *               gadei.checkpoint.capture/take (the checkpoint hold).
  *   Crash       SIGKILL of a learner process (both its threads) or of the server, at any step.
  *   Stop        `gadei stop` (gadei.launch.stop_job: run_state SERVING -> STOPPING).
@@ -30,8 +32,9 @@
  * -DBUG_NO_ZERO (the server hands a slot back without clearing it). The code as it was
  * before the fixes this model led to: -DOLD_DRAIN (Server._drain), -DOLD_CAPTURE
  * (checkpoint.capture), -DOLD_PID_ORDER (ring._take/Producer.release, launched._died),
- * -DOLD_RESTART_STOP (Watchdog._restart_server/run). -DNO_KILL_AFTER_RELEASE leaves out a
- * learner killed after it gave its entry back and before it exited (an open finding).
+ * -DOLD_RESTART_STOP (Watchdog._restart_server/run), -DOLD_KILL_AFTER_RELEASE (no copy of the
+ * previous owner's counters in ring._take/_keep_last_owner; launched._died counts a learner
+ * killed after it released its entry by `seen`).
  *
  * Properties: assertions (the slot header read is the one written for that position; no
  * gradient applied twice; 0 <= head - tail <= S wherever head or tail moves; at the end,
@@ -89,6 +92,8 @@ byte eplain[L];        /* entry.pid: whose counters applied_samples and samples 
 bool eowner_alive[L];  /* owner_alive(): the lease's pid is a running process */
 byte esamples[L];      /* entry.samples: gradients the owner handed over (learner writes) */
 byte applied_samples[L]; /* entry.applied_samples (server writes; reset by a new owner after its drain) */
+byte elast_pid[L];     /* entry.last_pid: the previous owner's pid, copied by a new owner before the reset */
+byte elast_applied[L]; /* entry.last_applied: the previous owner's applied_samples, copied with it */
 bool hold;             /* header.hold: a checkpointer asks the server to pause */
 bool held;             /* header.held: the server is paused between two updates */
 bit epoch;             /* header.hold_epoch, modulo 2 */
@@ -111,7 +116,6 @@ bool lgo[L];           /* the watchdog started learner l */
 bool tin[L];           /* learner l's process exists (train thread not yet gone) */
 bool pin[L];           /* learner l's push thread runs */
 bool pgo[L];           /* the train thread started the push thread */
-bool gave_back[L];          /* learner l's process gave its entry back (Producer.release) */
 bool killed[L];        /* learner l's process was SIGKILLed */
 byte item[L];          /* ThreadPush._item: gradient g + 1, or 0 */
 bool closing[L];       /* _Handoff.closing */
@@ -291,7 +295,7 @@ inline claim() {
 /* Producer.release: the entry is free for the next learner */
 inline release() {
     d_step {
-        estate[r] = FREE; epid[r] = 0; eowner_alive[r] = false; myring[l] = NONE; gave_back[l] = true;
+        estate[r] = FREE; epid[r] = 0; eowner_alive[r] = false; myring[l] = NONE;
 #ifdef OLD_PID_ORDER
         eplain[r] = 0;
 #endif
@@ -321,10 +325,21 @@ end_idle:
             :: tail[r] == head[r] -> skip
             :: tail[r] != head[r] && !salive -> release(); lexit[l] = 2; goto gone   /* GadeiTimeout */
             fi;
-            d_step {   /* zero the slots, then the counters the server writes */
-                i = 0; do :: i < S -> pay[r * S + i] = 0; i++ :: else -> break od; i = 0;
-                applied_samples[r] = 0; esamples[r] = 0
+            /* zero the slots */
+            d_step { i = 0; do :: i < S -> pay[r * S + i] = 0; i++ :: else -> break od; i = 0 }
+#ifndef OLD_KILL_AFTER_RELEASE
+            /* ring._keep_last_owner: the previous owner's (pid, applied_samples) into
+             * (last_pid, last_applied), then pid 0, all before the reset. pid 0: a claimant
+             * died after its copy, which is kept. One step: the code's order (last_pid 0
+             * while last_applied changes) is for its reader's two reads, atomic here. */
+            d_step {
+                if
+                :: eplain[r] != 0 -> elast_applied[r] = applied_samples[r]; elast_pid[r] = eplain[r]; eplain[r] = 0
+                :: else -> skip
+                fi
             }
+#endif
+            d_step { applied_samples[r] = 0; esamples[r] = 0 }   /* then the counters the server writes */
 #ifndef OLD_PID_ORDER
             eplain[r] = pidof[l];   /* entry.pid: only once the counters are this process's */
 #endif
@@ -337,8 +352,8 @@ end_idle:
                 :: perr[l] != 0 -> break
                 :: else -> item[l] = l * N + k + 1; k++
                 fi;
-#ifndef NO_KILL_AFTER_RELEASE
-                esamples[r]++   /* Learner.step: entry.add("samples") after the push */
+#ifdef OLD_KILL_AFTER_RELEASE
+                esamples[r]++   /* Learner.step: entry.add("samples") after the push (read only by _track) */
 #else
                 skip
 #endif
@@ -412,7 +427,7 @@ progress_publish:
 inline launch(n) {
   d_step {
     pidof[n] = (pidof[n] == 0 -> n + 1 : pidof[n] + L); pgo[n] = false; seen[n] = 0; myring[n] = NONE; lrun[n] = true; lexit[n] = 0; killed[n] = false; perr[n] = 0; item[n] = 0;
-    closing[n] = false; gave_back[n] = false; first[n] = start_at[n]; tin[n] = true; lgo[n] = true
+    closing[n] = false; first[n] = start_at[n]; tin[n] = true; lgo[n] = true
   }
 }
 
@@ -424,6 +439,13 @@ inline progress_of(n) {
     :: !done[n] && lrun[n] && eplain[0] == pidof[n] -> ck_tmp_prog[n] = start_at[n] + applied_samples[0]
 #if L > 1
     :: !done[n] && lrun[n] && eplain[1] == pidof[n] -> ck_tmp_prog[n] = start_at[n] + applied_samples[1]
+#endif
+#ifndef OLD_KILL_AFTER_RELEASE
+    /* it left its entry and a new owner took it: the copy that owner kept */
+    :: !done[n] && lrun[n] && eplain[0] != pidof[n] && elast_pid[0] == pidof[n] -> ck_tmp_prog[n] = start_at[n] + elast_applied[0]
+#if L > 1
+    :: !done[n] && lrun[n] && eplain[1] != pidof[n] && elast_pid[1] == pidof[n] -> ck_tmp_prog[n] = start_at[n] + elast_applied[1]
+#endif
 #endif
     :: else -> ck_tmp_prog[n] = start_at[n]
     fi
@@ -507,6 +529,7 @@ inline restart_server() {
         do
         :: i < L ->
             head[i] = 0; tail[i] = 0; estate[i] = FREE; epid[i] = 0; eplain[i] = 0; eowner_alive[i] = false;
+            elast_pid[i] = 0; elast_applied[i] = 0;
             applied_samples[i] = 0; esamples[i] = 0; seen[i] = 0; myring[i] = NONE; lrun[i] = false; killed[i] = false;
             start_at[i] = (ck_valid -> ck_prog[i] : 0); done[i] = (start_at[i] >= N);
             i++
@@ -539,6 +562,19 @@ inline restart_server() {
     fi
 }
 
+/* launched.left_record, one entry: its own applied_samples while pid names it (its ring
+ * drained), else the copy last_pid/last_applied */
+#define LEFT_FROM(n, j) \
+    :: eplain[j] == pidof[n] -> start_at[n] = start_at[n] + applied_samples[j] \
+    :: eplain[j] != pidof[n] && elast_pid[j] == pidof[n] -> start_at[n] = start_at[n] + elast_applied[j]
+#if L == 1
+#define LEFT_IN(n) (eplain[0] == pidof[n])
+#define LEFT_DRAINED(n) (tail[0] == head[0])
+#else
+#define LEFT_IN(n) (eplain[0] == pidof[n] || eplain[1] == pidof[n])
+#define LEFT_DRAINED(n) ((eplain[0] != pidof[n] || tail[0] == head[0]) && (eplain[1] != pidof[n] || tail[1] == head[1]))
+#endif
+
 /* Learners._died: mark the entry dead, wait until the server applied what it published,
  * and go on after what the weights hold of it; then start it again */
 inline died(n) {
@@ -565,12 +601,35 @@ inline died(n) {
 #endif
         :: !salive -> skip   /* the server's restart resumes every learner from a checkpoint */
         fi
-    :: else -> start_at[n] = start_at[n] + seen[n]   /* it left its entry: what the watchdog saw */
+    :: else ->
+#ifndef OLD_KILL_AFTER_RELEASE
+        /* launched.left_record: it left its entry (or was never seen holding it). While the
+         * entry's pid is its own, wait until the ring is drained (or the server is gone), then
+         * its applied_samples; else the copy a new owner kept; else what the watchdog saw.
+         * One step: the code reads each answer between two reads of the field naming it. */
+        atomic {
+            (!LEFT_IN(n) || LEFT_DRAINED(n) || !salive);
+            if
+            :: LEFT_IN(n) && !LEFT_DRAINED(n) -> skip   /* the server is gone: its restart resumes every learner */
+            LEFT_FROM(n, 0)
+#if L > 1
+            LEFT_FROM(n, 1)
+#endif
+            :: else -> start_at[n] = start_at[n] + seen[n]   /* 0 here: see TRACK */
+            fi
+        }
+#else
+        start_at[n] = start_at[n] + seen[n]   /* it left its entry: what the watchdog saw */
+#endif
     fi;
     seen[n] = 0
 }
 
-/* Learners._track: the samples counter of learner n's entry (ring r), as the watchdog last saw it */
+/* Learners._track: the samples counter of learner n's entry (ring r), as the watchdog last saw it.
+ * Only the old variant has it (and entry.samples): with left_record, `seen` is read only by a
+ * learner whose entry names it nowhere, and leaving it 0 there can only add counter-examples
+ * (seen <= what the server applied of a learner that drained), so the checks stay sound and
+ * smaller. */
 #define TRACK(n, r) \
     :: lrun[n] && epid[r] == pidof[n] && seen[n] != esamples[r] -> seen[n] = esamples[r]
 
@@ -597,7 +656,7 @@ active proctype Watchdog() {
 #if L > 1
     WD_LEARNER(1)
 #endif
-#ifndef NO_KILL_AFTER_RELEASE
+#ifdef OLD_KILL_AFTER_RELEASE
     TRACK(0, 0)
 #if L > 1
     TRACK(0, 1)
@@ -640,13 +699,8 @@ ltl stop_ends { [] (user_stop -> <> wd_ended) }
 
 /* ------------------------------------------------------------------ faults and `gadei stop` */
 
-#ifdef NO_KILL_AFTER_RELEASE
-#define KILLABLE(n) (!gave_back[n])
-#else
-#define KILLABLE(n) true
-#endif
 #define KILL_LEARNER(n) \
-    :: atomic { lcrashes < LCRASH && tin[n] && !killed[n] && KILLABLE(n) && !wd_ended -> \
+    :: atomic { lcrashes < LCRASH && tin[n] && !killed[n] && !wd_ended -> \
         killed[n] = true; lcrashes++; \
         if :: myring[n] != NONE -> eowner_alive[myring[n]] = false :: else -> skip fi }
 
