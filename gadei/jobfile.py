@@ -270,7 +270,7 @@ def load(path: str | os.PathLike, *, data_files: bool = True) -> Job:
     except OSError as err:
         raise JobFileError(f"job file {str(path)!r}: {err.strerror}") from None
     except RuntimeError as err:  # Python 3.11's Path.resolve on a symbolic link loop (RecursionError is one too)
-        why = (f"nested more than Python's recursion limit allows" if isinstance(err, RecursionError) else
+        why = ("nested more than Python's recursion limit allows" if isinstance(err, RecursionError) else
                "a symbolic link loop")
         raise JobFileError(f"job file {str(path)!r}: {why}") from None
     except UnicodeDecodeError as err:

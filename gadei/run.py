@@ -30,18 +30,15 @@ once its job serves, and learner i trains shard rank*L + i of NODES*L.
 import json
 import logging
 import os
-import pickle
-import re
 import shlex
 import signal
 import subprocess
 import sys
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import device, jobfile
+from . import device, jobfile, outputs
 from ._proc import gadei_command
 from .errors import GadeiError
 
@@ -316,9 +313,9 @@ def _run(prepared: _Prepared, quiet: bool, node: "_Node | None" = None) -> int:
     code = serve.wait()
     if bridge is not None:
         node.stop_bridge(bridge, out / "model.pt")
-    metrics = _write_metrics(out)
+    metrics = outputs.write_metrics(out)
     if metrics:
-        plot(metrics, out / "accuracy.png", job.name)
+        outputs.plot(metrics, out / "accuracy.png", job.name)
     elapsed = time.monotonic() - started
     diverged = _diverged(job, metrics)
     if diverged is not None:
@@ -327,7 +324,7 @@ def _run(prepared: _Prepared, quiet: bool, node: "_Node | None" = None) -> int:
     if code != 0 or not (out / "model.pt").exists():
         print(f"gadei run: job {job.name} failed (serve exited {code}); see {out / 'logs'}", file=sys.stderr)
         return 1
-    result = _result(job, train, test, out, elapsed, finished=not interrupted,
+    result = outputs.write_result(job, train, test, out, elapsed, finished=not interrupted,
                      bridge=node.summary(bridge) if node is not None else None)
     accuracy = f", test accuracy {result['test_accuracy']:.2%}"
     if interrupted:
@@ -500,26 +497,6 @@ class _Node:
         return record
 
 
-def _result(job: jobfile.Job, train, test, out: Path, seconds: float, finished: bool,
-            bridge: dict | None = None) -> dict:
-    """result.json: the final model's test accuracy (evaluated here, on the whole test set),
-    the version it is, and the run's seconds (this run's, since a resume); for a node of a
-    bridged run, what its bridge did."""
-    import torch
-    from gadei_workloads import get
-
-    workload = get(job.workload)
-    model = workload.build_model(train, job.train.seed)
-    model.load_state_dict(torch.load(out / "model.pt", weights_only=True))
-    result = {"job": job.name, "finished": finished, "test_accuracy": workload.evaluate(model, test),
-              "test_samples": len(test), "seconds": round(seconds, 1), "learners": job.train.learners,
-              "epochs": job.train.epochs}
-    if bridge is not None:
-        result["bridge"] = bridge
-    (out / "result.json").write_text(json.dumps(result, indent=1) + "\n")
-    return result
-
-
 def resume_point(job: jobfile.Job, *, remove_model: bool = True, nodes: int = 1):
     """The checkpoint a resumed run goes on from: the newest one of its output folder that says
     how far each learner got (a watchdog's periodic or final-stage one; the server's own stop
@@ -601,7 +578,7 @@ def _follow(job, serve: subprocess.Popen, train_size: float, started: float, qui
     width = 0
     while serve.poll() is None:
         time.sleep(2.0 if before is not None else 0.2)
-        diverged = _diverged(job, [_last_epoch(job.output)])
+        diverged = _diverged(job, [outputs.last_epoch(job.output)])
         if diverged is not None:
             raise diverged
         try:
@@ -614,7 +591,7 @@ def _follow(job, serve: subprocess.Popen, train_size: float, started: float, qui
             continue
         rate = status.rates(before, now)
         samples_per_s = sum(rate.samples.values())
-        epoch = _last_epoch(job.output)
+        epoch = outputs.last_epoch(job.output)
         done = min(job.train.epochs * train_size, now.version * job.train.batch)
         left = (job.train.epochs * train_size - done) / samples_per_s if samples_per_s > 0 else float("nan")
         line = (f"  {label}epoch {done / train_size:.2f}/{job.train.epochs}"
@@ -653,151 +630,3 @@ def _diverged(job: jobfile.Job, metrics: list[dict]) -> _Diverged | None:
     return None
 
 
-def _epoch_records(out: Path) -> list[dict]:
-    """The evaluating learner's epoch records (learner 0 writes JSON lines to its log)."""
-    path = out / "logs" / "learner-0.log"
-    try:
-        lines = path.read_text(errors="replace").splitlines()
-    except FileNotFoundError:
-        return []
-    records = []
-    for line in lines:
-        if line.startswith('{"event": "epoch"'):
-            try:
-                records.append(json.loads(line))
-            except ValueError:
-                pass
-    return records
-
-
-def _last_epoch(out: Path) -> dict:
-    records = _epoch_records(out)
-    return records[-1] if records else {}
-
-
-def _write_metrics(out: Path) -> list[dict]:
-    """metrics.jsonl: per epoch of the evaluating learner (a restarted one's epochs replace the
-    lost ones)."""
-    by_epoch: dict[int, dict] = {}
-    for record in _epoch_records(out):
-        by_epoch[record["epoch"]] = {k: v for k, v in record.items() if k not in ("event", "job", "learner")}
-    metrics = [by_epoch[e] for e in sorted(by_epoch)]
-    with open(out / "metrics.jsonl", "w") as handle:
-        for record in metrics:
-            handle.write(json.dumps(record) + "\n")
-    return metrics
-
-
-def plot(metrics: list[dict], path: Path, title: str) -> None:
-    """accuracy.png: test accuracy against epochs and against seconds since the start."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # no screen
-    import matplotlib.pyplot as plt
-
-    epochs = [m["epoch"] for m in metrics if "test_accuracy" in m]
-    accuracy = [100 * m["test_accuracy"] for m in metrics if "test_accuracy" in m]
-    seconds, total = [], 0.0
-    for m in metrics:
-        total += m.get("epoch_seconds", 0.0)
-        if "test_accuracy" in m:
-            seconds.append(total)
-    fig, (by_epoch, by_time) = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
-    by_epoch.plot(epochs, accuracy, marker="o")
-    by_epoch.set_xlabel("epoch")
-    by_epoch.set_ylabel("test accuracy (%)")
-    by_time.plot(seconds, accuracy, marker="o")
-    by_time.set_xlabel("seconds of training")
-    for axes in (by_epoch, by_time):
-        axes.grid(True, alpha=0.3)
-    fig.suptitle(f"gadei job {title}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
-def predict(run_dir: str, text: str, top: int = 3) -> list[tuple[str, float]]:
-    """The `top` labels of the model in a `gadei run` output folder for `text` (a sentence;
-    for a numeric workload, the features separated by commas), with probabilities (plain
-    PyTorch: the model file is a state dict)."""
-    import numpy as np
-    import torch
-    from gadei_workloads import get
-    from gadei_workloads.text import Vocab, tokenize
-
-    folder = Path(run_dir)
-    try:
-        job = jobfile.load(folder / "job.toml", data_files=False)  # the folder alone: its data may be gone
-        labels = _read_json(folder / "labels.json")
-        state = _load_model(folder / "model.pt")
-        workload = get(job.workload)
-        if workload.kind == "numeric":
-            stats = _read_json(folder / "features.json")
-        else:
-            vocab = Vocab.from_json(_read_json(folder / "vocab.json"))
-    except FileNotFoundError as err:
-        raise GadeiError(f"{run_dir} is not a finished `gadei run` folder: {err.filename} is missing") from None
-    except (KeyError, TypeError, AttributeError) as err:
-        raise GadeiError(f"{run_dir}: its label or vocabulary map is not one `gadei run` wrote ({err!r})") from None
-    if workload.kind == "numeric":
-        try:
-            values = np.array([float(v) for v in text.replace(",", " ").split()], dtype=np.float64)
-        except ValueError:
-            raise GadeiError(f"{text!r}: give the {stats['features']} features as numbers separated by commas") from None
-        if values.size != stats["features"]:
-            raise GadeiError(f"{text!r}: {values.size} features, the model takes {stats['features']}")
-        x = torch.from_numpy(((values - np.array(stats["mean"])) / np.array(stats["std"])).astype(np.float32))[None]
-        model = workload.build_from_maps(stats["features"], len(labels), job.train.seed)
-    else:
-        model = workload.build_from_maps(len(vocab), len(labels), job.train.seed)
-        ids = vocab.encode(tokenize(text)) or [vocab.encode(["<unk>"])[0]]
-        x = torch.tensor([ids + [0] * max(0, getattr(model, "min_len", 1) - len(ids))])  # the widest filter
-    try:
-        model.load_state_dict(state)
-    except (RuntimeError, TypeError, AttributeError) as err:
-        raise GadeiError(f"{folder / 'model.pt'}: does not fit the {job.workload} model of {folder / 'job.toml'}, "
-                         f"labels.json and the vocabulary: {_first_lines(str(err))}") from None
-    model.eval()
-    with torch.no_grad():
-        probs = torch.softmax(model(x), dim=-1)[0]
-    best = torch.topk(probs, min(top, len(labels)))
-    return [(labels[i], float(p)) for p, i in zip(best.values.tolist(), best.indices.tolist())]
-
-
-def _read_json(path: Path):
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as err:
-        raise GadeiError(f"{path}: not the JSON `gadei run` wrote ({err})") from None
-
-
-def _first_lines(text: str, limit: int = 300) -> str:
-    joined = " ".join(l.strip() for l in text.splitlines()[:3] if l.strip())
-    return joined if len(joined) <= limit else joined[: limit - 3] + "..."
-
-
-def _load_model(path: Path) -> dict:
-    """The state dict in `path`, read as plain tensors only (`weights_only`: a pickled object
-    that names code is refused, never run)."""
-    import torch
-
-    try:
-        with warnings.catch_warnings():  # torch warns about old pickle protocols before refusing them
-            warnings.simplefilter("ignore")
-            state = torch.load(path, weights_only=True, map_location="cpu")
-    except FileNotFoundError:
-        raise
-    except Exception as err:  # any bytes may be handed to us: whatever torch's reader trips on is the file's fault
-        text = str(err)
-        named = re.search(r"(?:Unsupported global: GLOBAL|unsupported GLOBAL) ([\w.]+)", text)
-        if named:  # torch's own message goes on to suggest weights_only=False: not advice to print
-            why = f"it names code ({named.group(1)}), which a model file never does; refused, nothing was run"
-        elif isinstance(err, pickle.UnpicklingError):
-            why = "it is not a pickle of tensors that PyTorch reads without running code"
-        else:
-            why = _first_lines(text) or type(err).__name__
-        raise GadeiError(f"{path}: not a model file gadei wrote (a PyTorch state dict of tensors): {why}") from None
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise GadeiError(f"{path}: not a model file gadei wrote: it holds a {type(state).__name__}, not a state "
-                         "dict of tensors")
-    return state

@@ -17,7 +17,7 @@ def cmd_run(args) -> int:
 
 
 def cmd_predict(args) -> int:
-    from ..run import predict
+    from ..predict import predict
 
     for label, probability in predict(args.run_dir, args.text, top=args.top):
         print(f"{probability:7.2%}  {label}")

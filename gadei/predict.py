@@ -1,0 +1,99 @@
+"""`gadei predict`: the top labels of a finished run's model, from its output folder alone
+(job.toml, the maps and model.pt; its training data may be gone). A model file that is not
+a plain state dict is refused with one line, never unpickled beyond weights."""
+
+import json
+import pickle
+import re
+import warnings
+from pathlib import Path
+
+from . import jobfile
+from .errors import GadeiError
+
+
+def predict(run_dir: str, text: str, top: int = 3) -> list[tuple[str, float]]:
+    """The `top` labels of the model in a `gadei run` output folder for `text` (a sentence;
+    for a numeric workload, the features separated by commas), with probabilities (plain
+    PyTorch: the model file is a state dict)."""
+    import numpy as np
+    import torch
+    from gadei_workloads import get
+    from gadei_workloads.text import Vocab, tokenize
+
+    folder = Path(run_dir)
+    try:
+        job = jobfile.load(folder / "job.toml", data_files=False)  # the folder alone: its data may be gone
+        labels = _read_json(folder / "labels.json")
+        state = _load_model(folder / "model.pt")
+        workload = get(job.workload)
+        if workload.kind == "numeric":
+            stats = _read_json(folder / "features.json")
+        else:
+            vocab = Vocab.from_json(_read_json(folder / "vocab.json"))
+    except FileNotFoundError as err:
+        raise GadeiError(f"{run_dir} is not a finished `gadei run` folder: {err.filename} is missing") from None
+    except (KeyError, TypeError, AttributeError) as err:
+        raise GadeiError(f"{run_dir}: its label or vocabulary map is not one `gadei run` wrote ({err!r})") from None
+    if workload.kind == "numeric":
+        try:
+            values = np.array([float(v) for v in text.replace(",", " ").split()], dtype=np.float64)
+        except ValueError:
+            raise GadeiError(f"{text!r}: give the {stats['features']} features as numbers separated by commas") from None
+        if values.size != stats["features"]:
+            raise GadeiError(f"{text!r}: {values.size} features, the model takes {stats['features']}")
+        x = torch.from_numpy(((values - np.array(stats["mean"])) / np.array(stats["std"])).astype(np.float32))[None]
+        model = workload.build_from_maps(stats["features"], len(labels), job.train.seed)
+    else:
+        model = workload.build_from_maps(len(vocab), len(labels), job.train.seed)
+        ids = vocab.encode(tokenize(text)) or [vocab.encode(["<unk>"])[0]]
+        x = torch.tensor([ids + [0] * max(0, getattr(model, "min_len", 1) - len(ids))])  # the widest filter
+    try:
+        model.load_state_dict(state)
+    except (RuntimeError, TypeError, AttributeError) as err:
+        raise GadeiError(f"{folder / 'model.pt'}: does not fit the {job.workload} model of {folder / 'job.toml'}, "
+                         f"labels.json and the vocabulary: {_first_lines(str(err))}") from None
+    model.eval()
+    with torch.no_grad():
+        probs = torch.softmax(model(x), dim=-1)[0]
+    best = torch.topk(probs, min(top, len(labels)))
+    return [(labels[i], float(p)) for p, i in zip(best.values.tolist(), best.indices.tolist())]
+
+
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as err:
+        raise GadeiError(f"{path}: not the JSON `gadei run` wrote ({err})") from None
+
+
+def _first_lines(text: str, limit: int = 300) -> str:
+    joined = " ".join(l.strip() for l in text.splitlines()[:3] if l.strip())
+    return joined if len(joined) <= limit else joined[: limit - 3] + "..."
+
+
+def _load_model(path: Path) -> dict:
+    """The state dict in `path`, read as plain tensors only (`weights_only`: a pickled object
+    that names code is refused, never run)."""
+    import torch
+
+    try:
+        with warnings.catch_warnings():  # torch warns about old pickle protocols before refusing them
+            warnings.simplefilter("ignore")
+            state = torch.load(path, weights_only=True, map_location="cpu")
+    except FileNotFoundError:
+        raise
+    except Exception as err:  # any bytes may be handed to us: whatever torch's reader trips on is the file's fault
+        text = str(err)
+        named = re.search(r"(?:Unsupported global: GLOBAL|unsupported GLOBAL) ([\w.]+)", text)
+        if named:  # torch's own message goes on to suggest weights_only=False: not advice to print
+            why = f"it names code ({named.group(1)}), which a model file never does; refused, nothing was run"
+        elif isinstance(err, pickle.UnpicklingError):
+            why = "it is not a pickle of tensors that PyTorch reads without running code"
+        else:
+            why = _first_lines(text) or type(err).__name__
+        raise GadeiError(f"{path}: not a model file gadei wrote (a PyTorch state dict of tensors): {why}") from None
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise GadeiError(f"{path}: not a model file gadei wrote: it holds a {type(state).__name__}, not a state "
+                         "dict of tensors")
+    return state
