@@ -342,7 +342,7 @@ def parse(raw: dict, path: Path, *, data_files: bool = True) -> Job:
                            "their own local steps; allowed with elastic: sgd")
     bridge = _check_bridge(where, raw, values["bridge"], train)
     output = values["output"].get("folder")
-    output = (_absolute(output, path.parent, f"{where}: [output] folder = {output!r}") if output else
+    output = (_absolute(output, path.parent, f"{where}: [output] folder = {output!r}", follow=False) if output else
               path.parent / "runs" / job["name"])
     return Job(name=job["name"], workload=job["workload"], data=Data(**data), train=Train(**values["train"]),
                checkpoint=Checkpoint(**values["checkpoint"]), output=output,
@@ -496,10 +496,15 @@ def _check_text(field_: str, text: str, limit: int) -> None:
         raise JobFileError(f"{field_}: {len(text):,} characters; allowed: up to {limit:,}")
 
 
-def _absolute(path: str, base: Path, field_: str) -> Path:
+def _absolute(path: str, base: Path, field_: str, follow: bool = True) -> Path:
+    """`path` from the job file's folder `base`. `follow=False` (the output folder) keeps a
+    symbolic link as one, so that the output checks see it and refuse it, as they refuse an
+    absolute one."""
     try:
         p = Path(os.path.expanduser(path))
-        return p if p.is_absolute() else (base / p).resolve()
+        if p.is_absolute():
+            return p
+        return (base / p).resolve() if follow else Path(os.path.normpath(base / p))
     except OSError as err:
         raise JobFileError(f"{field_}: {err.strerror}") from None
     except RuntimeError:  # Python 3.11's Path.resolve on a symbolic link loop
