@@ -22,7 +22,9 @@ from .errors import (
     ServerGone,
 )
 from .learner import Learner
+from .modes import RuleOptions
 from .server import Server
+from .transport.options import TransportOptions
 
 __version__ = "0.1.0"
 
@@ -41,6 +43,8 @@ __all__ = [
     "RegionError",
     "RegionMismatch",
     "RegionNotFound",
+    "RuleOptions",
     "Server",
     "ServerGone",
+    "TransportOptions",
 ]

@@ -64,14 +64,14 @@ from pathlib import Path
 
 from . import device
 from .errors import GadeiError
-from .modes import NONFINITE
+from .modes import MAX_LR, MODES, RuleOptions
+from .options import check as check_option
+from .options import declared, job_keys, option
+from .transport.options import TransportOptions
 
-MODES = ("async", "consistent", "sync", "elastic")
-OPTIMIZERS = ("adagrad", "sgd")
 FORMATS = ("csv", "tsv", "jsonl", "label-text", "trec", "per-label", "npz")
 NUMERIC_FORMATS = ("csv", "npz")
 MAX_LEARNERS = 64
-MAX_LR = 10.0  # a larger step makes every workload's loss overflow at once
 MAX_PATH = 4096  # characters of a path (Linux's PATH_MAX)
 MAX_TEXT = 1024  # characters of any other string of a job file
 
@@ -93,23 +93,49 @@ class Data:
     holdout: float = 0.1
 
 
+def _devices(value: str) -> str:
+    """[train] devices: "cpu", "auto" or devices that exist here (CUDA on a machine without it
+    is refused before anything starts)."""
+    try:
+        for name in device.parse_devices(value):
+            if name != "auto":
+                device.resolve(name)
+    except (ValueError, RuntimeError, OverflowError, GadeiError) as err:  # torch.device's, for an index too large
+        raise ValueError(f'{err}; allowed: "cpu", "auto" (every visible GPU, else the CPU) or devices such as '
+                         '"cuda:0,cuda:1" (learners are spread over them round-robin)') from None
+    return value
+
+
 @dataclass(frozen=True)
-class Train:
-    learners: int = 2
-    mode: str = "async"
-    optimizer: str | None = None  # None: adagrad, or sgd in elastic mode (`with_defaults`)
-    batch: int | None = None  # None: chosen from the data set's size (`with_defaults`)
-    lr: float = 0.01
-    epochs: int | None = None  # None: chosen from the data set's size and the mini-batch
-    seed: int = 0
-    devices: str = "cpu"  # where learners train, round-robin: "cpu", "auto" (`with_defaults`) or "cuda:0,cuda:1"
-    nonfinite: str = "skip"  # a gradient with NaN or inf values: "skip" it and count it, or "stop" the job
+class Train(RuleOptions):
+    """A job's [train] section: the update rule's options (`gadei.modes.RuleOptions`, declared
+    there: lr, momentum, optimizer, stale_lr, stale_bound, alpha, tau, drop_after, nonfinite)
+    and the job's own. What depends on the data (batch, epochs, and the optimizer: adagrad,
+    or sgd in elastic mode) is chosen by `Job.with_defaults` where the file leaves it out;
+    `given` holds the keys the file gave."""
+
+    learners: int = option(2, "learners the job trains with", low=1, high=MAX_LEARNERS, flag=False)
+    mode: str = option("async", "update rule: async (Hogwild ASGD), consistent (ASGD, pulls never see half an "
+                       "update), sync (SSGD rounds), elastic (EASGD)", choices=MODES)
+    batch: int | None = option(None, "mini-batch size", low=1, high=10**9,
+                               shown="2 below 10,000 samples, 4 up to 100,000, 32 above")
+    epochs: int | None = option(None, "passes over the training data", low=1, high=10**9,
+                                shown="about 30,000 updates with adagrad, 60,000 with sgd, 3 to 20")
+    seed: int = option(0, "seed of the initial weights, the data order and a held-out split", low=0, high=2**32 - 1)
+    devices: str = option("cpu", 'where learners train, round-robin: "cpu", "auto" (every visible GPU, else the CPU) '
+                          'or devices such as "cuda:0,cuda:1"', check=_devices)
+    given: frozenset = field(default=frozenset(), compare=False, repr=False)
+
+    @property
+    def rule(self) -> RuleOptions:
+        """The update rule's options of this job."""
+        return RuleOptions(**{f.name: getattr(self, f.name) for f in declared(RuleOptions)})
 
 
 @dataclass(frozen=True)
 class Checkpoint:
-    interval: float = 60.0
-    keep: int = 3
+    interval: float = option(60.0, "seconds between two checkpoints", low=0, low_open=True, high=10**9)
+    keep: int = option(3, "checkpoints kept", low=1, high=10**6)
 
 
 @dataclass(frozen=True)
@@ -135,6 +161,7 @@ class Job:
     data: Data
     train: Train = field(default_factory=Train)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    transport: TransportOptions = field(default_factory=TransportOptions)
     output: Path = Path("runs")
     private: bool = True  # [output] private: the output folder 0700 and its files 0600, whatever the umask
     bridge: Bridge | None = None  # None: the job runs on one node
@@ -150,9 +177,9 @@ class Job:
             train = replace(train, batch=batch)
             chosen.append(f"batch = {batch} (default for {samples:,} training samples: 2 below 10,000, 4 up to "
                           "100,000, 32 above)")
-        if train.optimizer is None:
+        if "optimizer" not in train.given:
             optimizer = "sgd" if train.mode == "elastic" else "adagrad"
-            train = replace(train, optimizer=optimizer)
+            train = replace(train, optimizer=optimizer, given=train.given | {"optimizer"})
             why = (": elastic learners take their own sgd steps)" if train.mode == "elastic" else
                    ": per-weight steps, fast on sparse text features)")
             chosen.append(f"optimizer = {optimizer} (default{why}")
@@ -204,8 +231,9 @@ class Job:
         sections = {
             "job": {"name": self.name, "workload": self.workload},
             "data": asdict(self.data),
-            "train": asdict(self.train),
+            "train": {f.name: getattr(self.train, f.name) for f in declared(Train)},
             "checkpoint": asdict(self.checkpoint),
+            "transport": asdict(self.transport),
             "output": {"folder": self.output, "private": self.private},
         }
         if self.bridge is not None:
@@ -237,18 +265,16 @@ def default_epochs(samples: int, batch: int, optimizer: str = "adagrad") -> int:
 
 # ------------------------------------------------------------------ parsing
 
-# key -> (kind, required): kinds are checked by _value below
+# key -> (kind, required): kinds are checked by _value below. The sections of options declared
+# with `gadei.options.option` take their keys, and their checks, from those declarations.
+DECLARED = {"train": Train, "checkpoint": Checkpoint, "transport": TransportOptions}
 _SCHEMA = {
     "job": {"name": ("name", True), "workload": ("workload", True)},
     "data": {"train": ("paths", True), "test": ("paths", False), "format": ("format", True),
              "header": ("bool", False), "text_column": ("column", False), "label_column": ("column", False),
              "encoding": ("encoding", False),
              "fallback_encoding": ("encoding", False), "holdout": ("fraction", False)},
-    "train": {"learners": ("learners", False), "mode": ("mode", False), "optimizer": ("optimizer", False),
-              "batch": ("positive_int", False),
-              "lr": ("positive_float", False), "epochs": ("positive_int", False), "seed": ("seed", False),
-              "devices": ("devices", False), "nonfinite": ("nonfinite", False)},
-    "checkpoint": {"interval": ("positive_float", False), "keep": ("positive_int", False)},
+    **{section: {key: ("declared", False) for key in job_keys(cls)} for section, cls in DECLARED.items()},
     "output": {"folder": ("text", False), "private": ("bool", False)},
     "bridge": {"strategy": ("strategy", False), "interval": ("positive_int", False), "every": ("positive_float", False),
                "alpha": ("rate", False), "bucket_mb": ("bucket", False), "float16": ("bool", False),
@@ -340,12 +366,18 @@ def parse(raw: dict, path: Path, *, data_files: bool = True) -> Job:
     if train.get("optimizer") == "adagrad" and train.get("mode") == "elastic":
         raise JobFileError(f"{where}: [train] optimizer = 'adagrad' with mode = 'elastic': elastic learners take "
                            "their own local steps; allowed with elastic: sgd")
+    try:
+        Train(**train).rule.check(train.get("mode", "async"))
+    except ValueError as err:
+        raise JobFileError(f"{where}: [train]: {err}") from None
     bridge = _check_bridge(where, raw, values["bridge"], train)
     output = values["output"].get("folder")
     output = (_absolute(output, path.parent, f"{where}: [output] folder = {output!r}", follow=False) if output else
               path.parent / "runs" / job["name"])
-    return Job(name=job["name"], workload=job["workload"], data=Data(**data), train=Train(**values["train"]),
-               checkpoint=Checkpoint(**values["checkpoint"]), output=output,
+    return Job(name=job["name"], workload=job["workload"], data=Data(**data),
+               train=Train(**values["train"], given=frozenset(values["train"])),
+               checkpoint=Checkpoint(**values["checkpoint"]), transport=TransportOptions(**values["transport"]),
+               output=output,
                private=values["output"].get("private", True), bridge=bridge, path=path)
 
 
@@ -394,8 +426,13 @@ def _value(where: str, section: str, key: str, kind: str, value, base: Path):
     for text in (value if isinstance(value, list) else [value]):
         if isinstance(text, str):
             _check_text(field_, text, MAX_PATH if kind in ("paths", "text") else MAX_TEXT)
+    if kind == "declared":
+        try:
+            return check_option(DECLARED[section], key, value)
+        except ValueError as err:
+            raise JobFileError(f"{field_} {err}") from None
 
-    if kind in ("text", "name", "workload", "format", "mode", "optimizer", "nonfinite", "strategy", "encoding"):
+    if kind in ("text", "name", "workload", "format", "strategy", "encoding"):
         if not isinstance(value, str) or not value.strip():
             refuse("a non-empty string")
         if kind == "encoding":
@@ -417,15 +454,13 @@ def _value(where: str, section: str, key: str, kind: str, value, base: Path):
             if value not in WORKLOADS:
                 raise JobFileError(f"{field_}: unknown workload{_close(value, WORKLOADS)}; allowed: "
                                    f"{', '.join(sorted(WORKLOADS))}")
-        choices = {"format": FORMATS, "mode": MODES, "optimizer": OPTIMIZERS, "nonfinite": NONFINITE}.get(kind)
+        choices = {"format": FORMATS}.get(kind)
         if kind == "strategy":
             from .bridge.options import STRATEGY_NAMES
 
             choices = STRATEGY_NAMES
         if choices and value not in choices:
-            what = {"nonfinite": "way to treat a non-finite gradient"}.get(kind, kind)
-            article = "an" if what[0] in "aeiou" else "a"
-            raise JobFileError(f"{field_}: not {article} {what}{_close(value, choices)}; allowed: {', '.join(choices)}")
+            raise JobFileError(f"{field_}: not a {kind}{_close(value, choices)}; allowed: {', '.join(choices)}")
         return value
     if kind == "column":
         if isinstance(value, str) and value.strip():
@@ -436,26 +471,15 @@ def _value(where: str, section: str, key: str, kind: str, value, base: Path):
                                    "column) to 100,000")
             return value
         refuse("a column name (string) or a column number (1 is the first)")
-    if kind == "devices":
-        if not isinstance(value, str):
-            refuse('"cpu", "auto" or a comma-separated list of devices such as "cuda:0,cuda:1"')
-        try:
-            for name in device.parse_devices(value):
-                if name != "auto":
-                    device.resolve(name)  # CUDA on a machine without it fails here, before anything starts
-        except (ValueError, RuntimeError, OverflowError, GadeiError) as err:  # torch.device's, for an index too large
-            raise JobFileError(f'{field_}: {err}; allowed: "cpu", "auto" (every visible GPU, else the CPU) or '
-                               'devices such as "cuda:0,cuda:1" (learners are spread over them round-robin)') from None
-        return value
     if kind == "paths":
         items = value if isinstance(value, list) else [value]
         if not items or not all(isinstance(v, str) and v.strip() for v in items):
             refuse("a path (string) or, for per-label, a list of paths or a folder")
         return tuple(_absolute(v, base, field_) for v in items)
-    if kind in ("positive_int", "learners", "seed"):
+    if kind == "positive_int":
         if isinstance(value, bool) or not isinstance(value, int):
             refuse("an integer")
-        low, high = {"learners": (1, MAX_LEARNERS), "seed": (0, 2**32 - 1)}.get(kind, (1, 10**9))
+        low, high = 1, 10**9
         if not low <= value <= high:
             raise JobFileError(f"{field_} is out of range; allowed: {low} to {high:,}")
         return value
@@ -479,7 +503,7 @@ def _value(where: str, section: str, key: str, kind: str, value, base: Path):
                                'megabytes above 0, or "auto"')
         if kind == "positive_float" and not (value > 0 and math.isfinite(value)):
             raise JobFileError(f"{field_} is out of range; allowed: a number above 0")
-        if key in ("lr", "node_lr") and value > MAX_LR:
+        if key == "node_lr" and value > MAX_LR:
             raise JobFileError(f"{field_} is out of range: a step that large makes the loss overflow (NaN) at "
                                f"once; allowed: more than 0, up to {MAX_LR:g}")
         return value

@@ -23,16 +23,19 @@ import numpy as np
 
 from . import _native
 from .errors import RegionCorrupt
+from .options import check_all, option
 from .layout import DTYPE_CODES, MODE_CODES, SparseTable
 from .region import Region
 
+MODES = ("async", "consistent", "sync", "elastic")  # the update rules (RULES), as a job file and --mode name them
 OPTIMIZERS = ("sgd", "adagrad")  # index = the header's code
 NONFINITE = ("skip", "stop")  # what the server does with a gradient holding NaN or inf; index = the header's code
 ADAGRAD_EPS = 1e-10
+MAX_LR = 10.0  # a larger step makes every workload's loss overflow at once
 
 
 @dataclass(frozen=True)
-class Options:
+class RuleOptions:
     """A job's update-rule options, stored in the region header.
 
     Attributes:
@@ -61,15 +64,19 @@ class Options:
             naming the learner ring (the last checkpoint is from before it).
     """
 
-    lr: float = 0.01
-    momentum: float = 0.0
-    optimizer: str = "sgd"
-    stale_lr: bool = False
-    stale_bound: int = 0
-    alpha: float = 0.1
-    tau: int = 4
-    drop_after: float = 10.0
-    nonfinite: str = "skip"
+    lr: float = option(0.01, "learning rate", low=0, low_open=True, high=MAX_LR)
+    momentum: float = option(0.0, "momentum kept by the server (0: none; sgd)", low=0, high=1, high_open=True)
+    optimizer: str = option("sgd", "the server's update: sgd (w -= lr g) or adagrad (per weight, lr divided by the "
+                            "root of the sum of its squared gradients; async, consistent, sync)", choices=OPTIMIZERS)
+    stale_lr: bool = option(False, "async/consistent: divide lr by each gradient's staleness")
+    stale_bound: int = option(0, "async/consistent: no gradient applied more than K versions late (0: no bound)",
+                              low=0, high=10**9, metavar="K")
+    alpha: float = option(0.1, "elastic: moving rate", low=0, high=1, low_open=True, high_open=True)
+    tau: int = option(4, "elastic: local steps between exchanges with the centre", low=1, high=10**6)
+    drop_after: float = option(10.0, "sync/stale_bound: seconds without a heartbeat before a learner is left out",
+                               low=0, low_open=True, high=86400)
+    nonfinite: str = option("skip", "a gradient with NaN or inf values: skip it and count it (`gadei status` shows "
+                            "the count), or stop the job with an error", choices=NONFINITE)
 
     def check(self, mode: str, rings: int | None = None) -> None:
         """Raise ValueError naming the option and its allowed values where `mode` cannot use it.
@@ -77,27 +84,12 @@ class Options:
         `rings` (the job's learner capacity) bounds stale_bound from below: a gradient may
         wait behind one from each of the other rings.
         """
-        if not self.lr > 0:
-            raise ValueError(f"lr must be positive, not {self.lr!r}")
-        if not 0 <= self.momentum < 1:
-            raise ValueError(f"momentum must be in [0, 1), not {self.momentum!r}")
-        if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, not {self.optimizer!r}")
-        if self.nonfinite not in NONFINITE:
-            raise ValueError(f"nonfinite must be one of {', '.join(NONFINITE)}, not {self.nonfinite!r}")
+        check_all(self)
         if self.optimizer == "adagrad" and self.momentum:
             raise ValueError("momentum applies to the sgd optimizer, not adagrad")
         if self.optimizer == "adagrad" and mode == "elastic":
             raise ValueError("the adagrad optimizer applies to async, consistent and sync modes, not elastic "
                              "(elastic learners take their own local steps)")
-        if self.stale_bound < 0:
-            raise ValueError(f"stale_bound must be 0 (none) or a positive number of versions, not {self.stale_bound!r}")
-        if not 0 < self.alpha < 1:
-            raise ValueError(f"alpha must be in (0, 1), not {self.alpha!r}")
-        if self.tau < 1:
-            raise ValueError(f"tau must be at least 1, not {self.tau!r}")
-        if not self.drop_after > 0:
-            raise ValueError(f"drop_after must be positive seconds, not {self.drop_after!r}")
         if self.stale_bound and rings is not None and self.stale_bound < rings:
             raise ValueError(f"stale_bound {self.stale_bound} is below the {rings} learner rings: with {rings} "
                              f"learners a gradient can wait behind {rings - 1} others; use at least {rings}")
@@ -237,7 +229,7 @@ class UpdateRule(ABC):
     rounds: ClassVar[bool] = False  # True: the server collects one gradient per learner per update
     seqlock: ClassVar[bool] = False  # True: the server makes `seq` odd around each update
 
-    def __init__(self, region: Region, options: Options, threads: int):
+    def __init__(self, region: Region, options: RuleOptions, threads: int):
         options.check(self.name)
         self.options = options
         self.threads = max(1, int(threads))
@@ -257,7 +249,7 @@ class UpdateRule(ABC):
 
     @staticmethod
     @abstractmethod
-    def reference(weights: np.ndarray, grads: list[np.ndarray], options: Options, state: np.ndarray | None = None,
+    def reference(weights: np.ndarray, grads: list[np.ndarray], options: RuleOptions, state: np.ndarray | None = None,
                   staleness: list[int] | None = None) -> None:
         """The same update in NumPy on float32 arrays, in place (for tests)."""
 
@@ -337,7 +329,7 @@ class SyncSGD(AsyncSGD):
     name = "sync"
     rounds = True
 
-    def __init__(self, region: Region, options: Options, threads: int):
+    def __init__(self, region: Region, options: RuleOptions, threads: int):
         super().__init__(region, options, threads)
         self._sum = np.zeros(region.shape.n_params, dtype=np.float32)
         self._sum_addr = int(self._sum.ctypes.data)
@@ -361,7 +353,7 @@ class SyncSGD(AsyncSGD):
         mean = np.zeros_like(weights)
         for grad in grads:
             mean += np.float32(1.0 / len(grads)) * grad
-        AsyncSGD.reference(weights, [mean], Options(lr=options.lr, momentum=options.momentum,
+        AsyncSGD.reference(weights, [mean], RuleOptions(lr=options.lr, momentum=options.momentum,
                                                     optimizer=options.optimizer), state)
 
 
@@ -394,7 +386,7 @@ class ElasticAveraging(UpdateRule):
 
     name = "elastic"
 
-    def __init__(self, region: Region, options: Options, threads: int):
+    def __init__(self, region: Region, options: RuleOptions, threads: int):
         super().__init__(region, options, threads)
         shape = region.shape
         if shape.grad_dtype != "float32" or shape.sparse:
@@ -433,10 +425,10 @@ RULES: dict[str, type[UpdateRule]] = {rule.name: rule for rule in (AsyncSGD, Con
 assert set(RULES) == set(MODE_CODES)
 
 
-def read_options(region: Region) -> Options:
+def read_options(region: Region) -> RuleOptions:
     """The options the job's server recorded in the region header."""
     h = region.header
-    return Options(lr=h.get("lr"), momentum=h.get("momentum"), optimizer=_named(OPTIMIZERS, h.get("optimizer")),
+    return RuleOptions(lr=h.get("lr"), momentum=h.get("momentum"), optimizer=_named(OPTIMIZERS, h.get("optimizer")),
                    stale_lr=bool(h.get("stale_lr")),
                    stale_bound=h.get("stale_bound"), alpha=h.get("alpha"), tau=h.get("tau"),
                    drop_after=h.get("drop_after"), nonfinite=_named(NONFINITE, h.get("nonfinite")))
@@ -448,12 +440,12 @@ def _named(names: tuple[str, ...], code: int) -> str:
     return names[code] if code < len(names) else f"code {code}"
 
 
-def state_name(options: Options) -> str:
+def state_name(options: RuleOptions) -> str:
     """What the region's state array holds under `options` (its name in a checkpoint)."""
     return "adagrad_sums" if options.optimizer == "adagrad" else "momentum"
 
 
-def write_options(region: Region, options: Options) -> None:
+def write_options(region: Region, options: RuleOptions) -> None:
     """Record `options` in the region header (the creator does this before publishing)."""
     h = region.header
     h.set("lr", options.lr)
@@ -467,7 +459,7 @@ def write_options(region: Region, options: Options) -> None:
     h.set("nonfinite", NONFINITE.index(options.nonfinite))
 
 
-def make_rule(mode: str, region: Region, options: Options, threads: int) -> UpdateRule:
+def make_rule(mode: str, region: Region, options: RuleOptions, threads: int) -> UpdateRule:
     """The update rule of `mode`, bound to `region`."""
     try:
         rule = RULES[mode]

@@ -27,6 +27,7 @@ did), one ring more than learners for the bridge, which this process runs in a t
 once its job serves, and learner i trains shard rank*L + i of NODES*L.
 """
 
+import dataclasses
 import json
 import logging
 import os
@@ -263,17 +264,13 @@ def _run(prepared: _Prepared, quiet: bool, node: "_Node | None" = None) -> int:
     t = job.train
     for line in _describe(prepared, node):
         print(line, flush=True)
-    spec = f"job:{as_run}"
-    learner = ["--workload", job.workload, "--data", spec, "--seed", str(t.seed), "--epochs", str(t.epochs),
-               "--batch", str(t.batch), "--json"]
+    learner = ["--job-file", str(as_run), "--json"]  # the job as run: workload, data, seed, epochs, batch
     rings = t.learners + (1 if node is not None else 0)  # a bridged node's bridge takes a ring of its own
-    command = [*gadei_command("serve", job.name), "--workload", job.workload, "--data", spec,
-               "--seed", str(t.seed), "--lr", str(node.lr(job) if node is not None else t.lr), "--mode", t.mode,
-               "--optimizer", t.optimizer, "--nonfinite", t.nonfinite,
-               "--learners", str(rings),
-               "--checkpoint-dir", str(out / "checkpoints"), "--checkpoint-every", str(job.checkpoint.interval),
-               "--keep", str(job.checkpoint.keep), "--log-dir", str(out / "logs"), "--save", str(out / "model.pt"),
-               "--json"] + (["--resume", str(found.path)] if found is not None else [])
+    command = [*gadei_command("serve", job.name), "--job-file", str(as_run), "--learners", str(rings),
+               "--checkpoint-dir", str(out / "checkpoints"), "--log-dir", str(out / "logs"),
+               "--save", str(out / "model.pt"), "--json"]
+    command += ["--lr", str(node.lr(job))] if node is not None else []  # a node's own rate (_Node.lr)
+    command += ["--resume", str(found.path)] if found is not None else []
     shards = node.shards(t.learners) if node is not None else [f"{i}/{t.learners}" for i in range(t.learners)]
     devices = device.spread(tuple(t.devices.split(",")), t.learners)
     if set(devices) != {"cpu"}:
@@ -497,6 +494,11 @@ class _Node:
         return record
 
 
+def _compared(section) -> dict:
+    """A job file section's fields that say what the job is (not `Train.given`)."""
+    return {f.name: getattr(section, f.name) for f in dataclasses.fields(section) if f.compare}
+
+
 def resume_point(job: jobfile.Job, *, remove_model: bool = True, nodes: int = 1):
     """The checkpoint a resumed run goes on from: the newest one of its output folder that says
     how far each learner got (a watchdog's periodic or final-stage one; the server's own stop
@@ -513,7 +515,7 @@ def resume_point(job: jobfile.Job, *, remove_model: bool = True, nodes: int = 1)
     before = jobfile.load(as_run)
     free = {("train", "epochs"), ("train", "devices")}  # neither changes a learner's schedule
     changed = [f"[{section}] {key}" for section in ("data", "train")
-               for key, value in vars(getattr(before, section)).items()
+               for key, value in _compared(getattr(before, section)).items()
                if (section, key) not in free and getattr(getattr(job, section), key) != value]
     changed += [f"[job] {key}" for key in ("name", "workload") if getattr(job, key) != getattr(before, key)]
     if changed:

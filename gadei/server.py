@@ -22,6 +22,7 @@ factory with a fixed seed) and copies its parameters into the region, or it is g
 parameter count and the first learner to attach uploads its own model's parameters.
 """
 
+import dataclasses
 import logging
 import os
 import struct
@@ -52,7 +53,9 @@ from .layout import (
     STOPPING,
     Shape,
 )
-from .modes import RULES, Gradient, Options, make_rule, state_name, write_options
+from .modes import RULES, Gradient, RuleOptions, make_rule, state_name, write_options
+from .options import check_all, declared
+from .transport.options import TransportOptions
 from .region import Region
 from .server_record import drop_server_record, save_server_record
 from .ring import WAIT_SLICE, Consumer, owner_alive
@@ -74,6 +77,22 @@ class ServeReport:
     learners_left: int
 
 
+def with_options(rule: RuleOptions, transport: TransportOptions, options: dict):
+    """`rule` and `transport` with `options` (names of either's options) replaced.
+
+    Raises:
+        TypeError: a name that is neither's option.
+    """
+    names = ({f.name for f in declared(RuleOptions)}, {f.name for f in declared(TransportOptions)})
+    unknown = set(options) - names[0] - names[1]
+    if unknown:
+        raise TypeError(f"Server() got unexpected keyword arguments {sorted(unknown)}; options: "
+                        f"{sorted(names[0] | names[1])}")
+    rule = dataclasses.replace(rule, **{k: v for k, v in options.items() if k in names[0]})
+    transport = dataclasses.replace(transport, **{k: v for k, v in options.items() if k in names[1]})
+    return rule, transport
+
+
 class Server:
     """A job's parameter server. Creating it creates the job's region.
 
@@ -84,14 +103,12 @@ class Server:
         n_params: instead of `model`: the number of parameters; the first learner to
             attach uploads its model's parameters as the initial weights.
         mode: the update rule: 'async', 'consistent', 'sync' or 'elastic' (see `gadei.modes`).
-        lr, momentum, optimizer, stale_lr, stale_bound, alpha, tau, drop_after, nonfinite: the
-            mode's options (see `gadei.modes.Options`); nonfinite: "skip" (default) or "stop".
-        grad_dtype: element type of gradients in the rings: 'float32', 'float16' or 'bfloat16'.
-        row_sparse: embedding tables (nn.Embedding, nn.EmbeddingBag) travel as the rows a
-            mini-batch touched instead of whole tables (needs `model`).
-        max_rows: most distinct rows of one table one gradient may carry.
+        rule: the update rule's options (`gadei.modes.RuleOptions`: lr, momentum, optimizer, ...).
+        transport: the rings' format (`gadei.transport.options.TransportOptions`: gradient
+            element type, row-sparse tables (needs `model`), slots per ring).
+        **options: any option of those two by name (`lr=0.1, grad_dtype="float16"`),
+            replacing the one in `rule` or `transport`.
         learners: most learners attached at once (one ring each).
-        slots: gradient slots per learner ring.
         threads: OpenMP threads of the update kernel (default: GADEI_THREADS).
         spin_us: microseconds to spin for the next gradient before sleeping, while the server
             has a core of its own (GADEI_SPIN_US).
@@ -108,32 +125,24 @@ class Server:
         model: torch.nn.Module | None = None,
         n_params: int | None = None,
         mode: str = "async",
-        lr: float = 0.01,
-        momentum: float = 0.0,
-        optimizer: str = "sgd",
-        stale_lr: bool = False,
-        stale_bound: int = 0,
-        alpha: float = 0.1,
-        tau: int = 4,
-        drop_after: float = 10.0,
-        nonfinite: str = "skip",
-        grad_dtype: str = "float32",
-        row_sparse: bool = False,
-        max_rows: int = 8192,
+        rule: RuleOptions = RuleOptions(),
+        transport: TransportOptions = TransportOptions(),
         learners: int = 8,
-        slots: int = 2,
         threads: int | None = None,
         spin_us: float | None = None,
         replace: bool = False,
         resume: Checkpoint | None = None,
+        **options,
     ):
         if (model is None) == (n_params is None):
             raise ValueError("give the server either a model or n_params, not both or neither")
         if mode not in RULES:
             raise ValueError(f"mode {mode!r} is not one of {sorted(RULES)}")
-        self.options = Options(lr=lr, momentum=momentum, optimizer=optimizer, stale_lr=stale_lr, stale_bound=stale_bound, alpha=alpha,
-                               tau=tau, drop_after=drop_after, nonfinite=nonfinite)
+        rule, transport = with_options(rule, transport, options)
+        self.options = rule
         self.options.check(mode, learners)
+        check_all(transport)
+        grad_dtype, row_sparse, max_rows, slots = transport.grad_dtype, transport.row_sparse, transport.max_rows, transport.slots
         env = settings()
         self.threads = env.threads if threads is None else max(1, int(threads))
         self.spin_ns = int(1000 * (env.spin_us if spin_us is None else spin_us))
@@ -151,7 +160,7 @@ class Server:
             raise ValueError(f"job {job!r}: row_sparse needs the model (serve it with --workload or --model), "
                              "not only --params")
         shape = Shape(n_params=int(n_params), grad_dtype=grad_dtype, capacity=learners, slots=slots, mode=mode,
-                      state_array=momentum > 0 or optimizer == "adagrad", sparse=sparse)
+                      state_array=rule.momentum > 0 or rule.optimizer == "adagrad", sparse=sparse)
         self.region = Region.create(job, shape, replace=replace)
         self.job = job
         self.mode = mode
@@ -195,11 +204,11 @@ class Server:
         self._skipped_addr = h.addr("nonfinite_skipped")
         self._next_audit = 0
         self._closed = False
-        transport = grad_dtype + (f", {len(sparse)} row-sparse tables" if sparse else "")
+        described = grad_dtype + (f", {len(sparse)} row-sparse tables" if sparse else "")
         log.info(
             "job %r: serving %s parameters (%s) in %s mode, %s gradients, %d learner rings of %d slots, lr %g, "
-            "%d kernel threads", job, f"{shape.n_params:,}", _mb(shape.n_params * 4), mode, transport,
-            shape.capacity, slots, lr, self.threads,
+            "%d kernel threads", job, f"{shape.n_params:,}", _mb(shape.n_params * 4), mode, described,
+            shape.capacity, slots, rule.lr, self.threads,
         )
 
     def _resume(self, checkpoint: Checkpoint, spec) -> None:

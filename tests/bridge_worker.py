@@ -42,9 +42,9 @@ class Vector(torch.nn.Module):
 def serve(args) -> int:
     import gadei
 
-    rule = {"optimizer": args.optimizer, "momentum": args.momentum}
-    servers = [gadei.Server(job, model=Vector(args.n, seed), mode=args.mode, lr=args.lr, learners=args.learners,
-                            threads=1, spin_us=0, **rule) for seed, job in enumerate(args.jobs)]
+    rule = gadei.RuleOptions(lr=args.lr, optimizer=args.optimizer, momentum=args.momentum)
+    servers = [gadei.Server(job, model=Vector(args.n, seed), mode=args.mode, rule=rule, learners=args.learners,
+                            threads=1, spin_us=0) for seed, job in enumerate(args.jobs)]
     reports = [None] * len(servers)
 
     def run(i):

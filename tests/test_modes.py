@@ -17,7 +17,7 @@ import torch
 
 import gadei
 from helpers import communicate, finish, read_line, wait_for
-from gadei.modes import AsyncSGD, Options
+from gadei.modes import AsyncSGD, RuleOptions
 from gadei.region import Region, inspect
 from worker import Flat, Tokens, token_data
 
@@ -239,7 +239,7 @@ def test_momentum_matches_its_reference(job):
         for g in grads:
             _push(server, learner, float(g[0]), server.version)
         w, v = np.ones(100, np.float32), np.zeros(100, np.float32)
-        AsyncSGD.reference(w, grads, Options(lr=0.5, momentum=0.9), v)
+        AsyncSGD.reference(w, grads, RuleOptions(lr=0.5, momentum=0.9), v)
         np.testing.assert_array_equal(server.weights(), w)
         np.testing.assert_array_equal(server.region.state, v)
     finally:
@@ -254,7 +254,7 @@ def test_adagrad_matches_its_reference_and_its_sums_survive_a_checkpoint(job, tm
         for g in grads:
             _push(server, learner, float(g[0]), server.version)
         w, s = np.ones(100, np.float32), np.zeros(100, np.float32)
-        AsyncSGD.reference(w, grads, Options(lr=0.5, optimizer="adagrad"), s)
+        AsyncSGD.reference(w, grads, RuleOptions(lr=0.5, optimizer="adagrad"), s)
         np.testing.assert_array_equal(server.weights(), w)
         np.testing.assert_array_equal(server.region.state, s)  # 1 + 4 + 0.25 + 9
         from gadei import checkpoint
@@ -264,7 +264,7 @@ def test_adagrad_matches_its_reference_and_its_sums_survive_a_checkpoint(job, tm
         learner.close()
         server.close()
 
-    with gadei.Server(job, model=Flat(100, 1.0), learners=1, lr=0.5, optimizer="adagrad",
+    with gadei.Server(job, model=Flat(100, 1.0), learners=1, rule=gadei.RuleOptions(lr=0.5, optimizer="adagrad"),
                       resume=checkpoint.latest(tmp_path)) as again:
         np.testing.assert_array_equal(again.region.state, s)
         np.testing.assert_array_equal(again.weights(), w)
@@ -314,7 +314,7 @@ def test_staleness_aware_learning_rate_divides_by_staleness(job):
             staleness.append(server.version - computed_on)
             _push(server, learner, 1.0, computed_on)
         w = np.ones(100, np.float32)
-        AsyncSGD.reference(w, [np.ones(100, np.float32)] * 4, Options(lr=1.0, stale_lr=True), staleness=staleness)
+        AsyncSGD.reference(w, [np.ones(100, np.float32)] * 4, RuleOptions(lr=1.0, stale_lr=True), staleness=staleness)
         np.testing.assert_array_equal(server.weights(), w)
         assert server.region.entry(0).get("stale_max") == 2
     finally:
@@ -328,8 +328,9 @@ def test_options_a_mode_cannot_use_are_refused(job):
         ("elastic", {"momentum": 0.9}, "momentum applies to async, consistent and sync"),
         ("elastic", {"grad_dtype": "float16"}, "elastic mode pushes whole float32 weights"),
         ("async", {"stale_bound": 2}, "stale_bound 2 is below the 8 learner rings"),
-        ("async", {"momentum": 1.5}, "momentum must be in"),
-        ("async", {"optimizer": "adam"}, "optimizer must be one of sgd, adagrad"),
+        ("async", {"momentum": 1.5}, "momentum = 1.5 is out of range; allowed: a number from 0, below 1"),
+        ("async", {"optimizer": "adam"}, "optimizer = 'adam' is not one of the choices; allowed: sgd, adagrad"),
+        ("async", {"slots": 0}, "slots = 0 is out of range; allowed: 1 to 64"),
         ("async", {"optimizer": "adagrad", "momentum": 0.9}, "momentum applies to the sgd optimizer"),
         ("elastic", {"optimizer": "adagrad"}, "adagrad optimizer applies to async, consistent and sync"),
     ]:
@@ -337,7 +338,7 @@ def test_options_a_mode_cannot_use_are_refused(job):
             gadei.Server(job, model=Flat(100), mode=mode, **options)
         assert inspect(job) is None  # nothing left behind
     with pytest.raises(ValueError, match="row_sparse needs an nn.Embedding"):
-        gadei.Server(job, model=Flat(100), row_sparse=True)
+        gadei.Server(job, model=Flat(100), transport=gadei.TransportOptions(row_sparse=True))
     with gadei.Server(job, model=Flat(100), mode="consistent"):
         with pytest.raises(gadei.RegionMismatch, match="consistent mode: pull must be one of \\['copy'\\]"):
             gadei.Learner(Flat(100), job, pull="view").attach()

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from ..errors import DeviceError
+from ..modes import RuleOptions
 from .timing import median, table
 
 log = logging.getLogger(__name__)
@@ -36,7 +37,7 @@ TEXT_BATCHES = (1, 2, 4, 32)
 IMAGE_BATCHES = (2, 32)
 SHARE_LEARNERS = (1, 2, 4, 8)
 SHARE_BATCH = 4
-LR = 0.01
+LR = RuleOptions.lr  # the default update rule's
 
 
 class VGGish(nn.Module):
@@ -149,7 +150,7 @@ def _server_main(job: str, model: str, learners: int) -> None:
     from ..server import Server
 
     torch.set_num_threads(1)
-    server = Server(job, model=build(model), learners=learners, lr=LR)
+    server = Server(job, model=build(model), learners=learners, rule=RuleOptions(lr=LR))
     try:
         server.serve()
     finally:

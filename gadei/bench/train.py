@@ -77,12 +77,15 @@ def _server_worker(job, data, seed, vocab, world, lr, options, failed):
     torch.set_num_threads(1)
     from gadei_workloads import get
 
+    from ..modes import RuleOptions
     from ..server import Server
+    from ..transport.options import TransportOptions
 
     try:
         workload = get("textcnn")
         train, _ = workload.load_data(data)
-        server = Server(job, model=_bench_model(workload, train, seed, vocab), learners=world, lr=lr, **options)
+        server = Server(job, model=_bench_model(workload, train, seed, vocab), learners=world, rule=RuleOptions(lr=lr),
+                        transport=TransportOptions(**options))
     except Exception as err:
         failed.put(f"{type(err).__name__}: {err}")
         raise

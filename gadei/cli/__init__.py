@@ -10,6 +10,8 @@ import sys
 import gadei_watchdog.cli as watchdog_cli
 
 from .. import __version__, console
+from ..errors import GadeiError
+from .common import job_file_defaults
 from . import bench, bridge, clean, daemon, demo, learn, run, serve, status, stop
 
 
@@ -30,11 +32,20 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_parser(sub)
     bridge.add_parser(sub)
     bench.add_parser(sub)
+    parser.verbs = sub.choices  # name -> the verb's parser
     return parser
 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    try:
+        defaults = job_file_defaults(argv)
+    except GadeiError as err:
+        print(f"gadei: error: {err}", file=sys.stderr)
+        return 2
+    if defaults:
+        parser.verbs[argv[0]].set_defaults(**defaults)
+    args = parser.parse_args(argv)
     args.argv = argv  # how this command was started (the watchdog restarts a server with it)
     return console.run(args.func, args)

@@ -40,3 +40,43 @@ def add_workload(p, required: bool) -> None:
     p.add_argument("--data", help="data set: 'generated', 'generated:SEED', 'trec:FOLDER', 'sst2:FOLDER', or "
                    "'trec' / 'sst2' (under GADEI_DATA_DIR); default: the workload's generated set")
     p.add_argument("--seed", type=int, default=0, help="seed of the model's initial weights and the data order")
+
+
+JOB_FILE = "--job-file"
+
+
+def job_file_defaults(argv: list[str]) -> dict | None:
+    """The defaults a `--job-file FILE` of `gadei serve` or `gadei learn` gives (the verb's
+    parser takes them as its defaults, so a flag given as well wins), or None without one. This is how `gadei run` hands a job to the processes it starts: the job
+    as run (its output folder's job.toml), not its options re-encoded as flags; a flag given
+    as well wins over the file (a bridged node's --lr)."""
+    from .. import jobfile, options
+    from ..modes import RuleOptions
+    from ..transport.options import TransportOptions
+
+    path = None
+    for i, arg in enumerate(argv):
+        if arg == JOB_FILE and i + 1 < len(argv):
+            path = argv[i + 1]
+        elif arg.startswith(JOB_FILE + "="):
+            path = arg.partition("=")[2]
+    if path is None or not argv or argv[0] not in ("serve", "learn"):
+        return None
+    job = jobfile.load(path)
+    t = job.train
+    values = dict(workload=job.workload, data=f"job:{job.path}", seed=t.seed)
+    if argv[0] == "serve":
+        values.update(mode=t.mode, checkpoint_every=job.checkpoint.interval, keep=job.checkpoint.keep,
+                      **{f.name: getattr(t, f.name) for f in options.declared(RuleOptions)},
+                      **{f.name: getattr(job.transport, f.name) for f in options.declared(TransportOptions)})
+    else:
+        if t.epochs is None or t.batch is None:
+            raise GadeiError(f"{JOB_FILE} {path}: [train] epochs and batch must be given (the job as `gadei run` "
+                             "ran it, in its output folder, has them)")
+        values.update(epochs=t.epochs, batch=t.batch)
+    return values
+
+
+def add_job_file(p) -> None:
+    p.add_argument(JOB_FILE, metavar="FILE", help="take the job's workload, data, seed and options from this job "
+                   "file (a flag given as well wins); how `gadei run` starts its processes")

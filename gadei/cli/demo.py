@@ -2,6 +2,9 @@
 
 import logging
 
+from .. import options
+from ..modes import RuleOptions
+
 log = logging.getLogger("gadei.cli")
 
 
@@ -17,7 +20,7 @@ def add_parser(sub) -> None:
     p.add_argument("--learners", type=int, default=2, help="learner processes (default 2)")
     p.add_argument("--epochs", type=int, default=3, help="epochs over the training set (default 3)")
     p.add_argument("--batch", type=int, default=2, help="mini-batch size (default 2)")
-    p.add_argument("--lr", type=float, default=0.01, help="learning rate (default 0.01)")
+    options.add_arguments(p, RuleOptions, skip=tuple(f.name for f in options.declared(RuleOptions) if f.name != "lr"))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save", help="write the trained weights here")
     p.set_defaults(func=cmd_demo)

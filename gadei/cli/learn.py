@@ -4,7 +4,7 @@ import logging
 import time
 
 from ..errors import GadeiError
-from .common import add_workload, emit, workload_model
+from .common import add_job_file, add_workload, emit, workload_model
 
 log = logging.getLogger("gadei.cli")
 
@@ -121,6 +121,7 @@ def add_parser(sub) -> None:
                        description="Attach to a served job and train a built-in workload on one shard of "
                        "its data, pushing every gradient and pulling new weights.")
     p.add_argument("job")
+    add_job_file(p)
     add_workload(p, required=False)
     p.set_defaults(workload="textcnn")
     p.add_argument("--epochs", type=int, default=1, help="passes over this learner's shard (default 1)")

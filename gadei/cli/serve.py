@@ -11,9 +11,11 @@ import time
 
 from .._proc import python_command
 from ..errors import GadeiError
-from ..modes import NONFINITE
+from .. import options
+from ..modes import MODES, RuleOptions
+from ..transport.options import TransportOptions
 from . import learn
-from .common import emit, factory_model, workload_model
+from .common import add_job_file, emit, factory_model, workload_model
 
 log = logging.getLogger("gadei.cli")
 
@@ -49,20 +51,9 @@ def cmd_serve(args) -> int:
         model=model,
         n_params=args.params,
         mode=args.mode,
-        lr=args.lr,
-        momentum=args.momentum,
-        optimizer=args.optimizer,
-        stale_lr=args.stale_lr,
-        stale_bound=args.stale_bound,
-        alpha=args.alpha,
-        tau=args.tau,
-        drop_after=args.drop_after,
-        nonfinite=args.nonfinite,
-        grad_dtype=args.grad_dtype,
-        row_sparse=args.row_sparse,
-        max_rows=args.max_rows,
+        rule=options.from_args(RuleOptions, args),
+        transport=options.from_args(TransportOptions, args),
         learners=args.learners,
-        slots=args.slots,
         threads=args.threads,
         spin_us=args.spin_us,
         replace=args.replace,
@@ -197,6 +188,7 @@ def add_parser(sub) -> None:
                        "`gadei stop JOB`, SIGTERM or Ctrl-C. Initial weights come from --workload or --model "
                        "(deterministic for a seed), or, with --params, from the first learner that attaches.")
     p.add_argument("job")
+    add_job_file(p)
     p.add_argument("--adopt", action="store_true", help="start a new watchdog that takes over the running JOB "
                    "(its old watchdog died), with the old one's settings and launched learners; nothing else")
     init = p.add_mutually_exclusive_group()
@@ -205,32 +197,12 @@ def add_parser(sub) -> None:
     init.add_argument("--params", type=int, help="only the parameter count; the first learner uploads weights")
     p.add_argument("--data", help="data set the workload's model is sized for (see `gadei learn --help`)")
     p.add_argument("--seed", type=int, default=0, help="seed of the workload's initial weights")
-    p.add_argument("--mode", choices=("async", "consistent", "sync", "elastic"), default="async",
+    p.add_argument("--mode", choices=MODES, default="async",
                    help="update rule: async (Hogwild ASGD, default), consistent (ASGD, pulls never see half an "
                    "update), sync (SSGD rounds), elastic (EASGD)")
-    p.add_argument("--lr", type=float, default=0.01, help="learning rate (default 0.01)")
-    p.add_argument("--momentum", type=float, default=0.0, help="momentum kept by the server (default 0: none)")
-    p.add_argument("--optimizer", choices=("sgd", "adagrad"), default="sgd",
-                   help="the server's update: sgd (w -= lr g) or adagrad (per weight, lr divided by the root of "
-                   "the sum of its squared gradients; async, consistent, sync) (default sgd)"),
-    p.add_argument("--stale-lr", action="store_true", help="async/consistent: divide lr by each gradient's staleness")
-    p.add_argument("--stale-bound", type=int, default=0,
-                   help="async/consistent: no gradient applied more than K versions late (default 0: no bound)")
-    p.add_argument("--alpha", type=float, default=0.1, help="elastic: moving rate (default 0.1)")
-    p.add_argument("--tau", type=int, default=4, help="elastic: local steps between exchanges (default 4)")
-    p.add_argument("--drop-after", type=float, default=10.0,
-                   help="sync/stale-bound: seconds without a heartbeat before a learner is left out (default 10)")
-    p.add_argument("--nonfinite", choices=NONFINITE, default="skip",
-                   help="a gradient with NaN or inf values: skip it and count it (`gadei status` shows the count; "
-                   "default), or stop the job with an error (stop)")
-    p.add_argument("--grad-dtype", choices=("float32", "float16", "bfloat16"), default="float32",
-                   help="gradients in the rings as float32 (default), float16 or bfloat16")
-    p.add_argument("--row-sparse", action="store_true",
-                   help="embedding tables travel as the rows a mini-batch touched (needs --workload or --model)")
-    p.add_argument("--max-rows", type=int, default=8192,
-                   help="row-sparse: most distinct rows of a table in one gradient (default 8192)")
+    options.add_arguments(p.add_argument_group("update rule (gadei.modes.RuleOptions)"), RuleOptions)
+    options.add_arguments(p.add_argument_group("transport (gadei.transport.options.TransportOptions)"), TransportOptions)
     p.add_argument("--learners", type=int, default=8, help="most learners attached at once (default 8)")
-    p.add_argument("--slots", type=int, default=2, help="gradient slots per learner ring (default 2)")
     p.add_argument("--threads", type=int, help="OpenMP threads of the update kernel (default GADEI_THREADS)")
     p.add_argument("--spin-us", type=float, help="microseconds to spin for work before sleeping (GADEI_SPIN_US)")
     p.add_argument("--replace", action="store_true", help="replace a region left behind by a crashed server")

@@ -8,7 +8,7 @@ from typing import Callable, ClassVar
 import torch
 
 from .. import _native
-from ..modes import Options
+from ..modes import RuleOptions
 from ..params import Spec, views
 from ..region import Region
 from ..ring import WAIT_SLICE, Producer
@@ -33,7 +33,7 @@ class Push(ABC):
     name: ClassVar[str]
 
     def __init__(self, region: Region, producer: Producer, parameters: list, spec: Spec,
-                 on_slice: Callable[[], None], options: Options):
+                 on_slice: Callable[[], None], options: RuleOptions):
         self.region = region
         self.producer = producer
         self.parameters = parameters

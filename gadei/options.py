@@ -1,0 +1,211 @@
+"""Options declared once: each is a field of the dataclass of the part that uses it, and that
+field says everything about it (default, what it does, its allowed values). The command-line
+flags and their `--help`, a job file's keys and their checks are made from those declarations
+(`add_arguments`, `from_args`, `check`), so an option is written in one place:
+
+    @dataclass(frozen=True)
+    class Options:
+        lr: float = option(0.01, "learning rate", low=0, low_open=True, high=10)
+
+Types come from the field's annotation (int, float, bool, str, or one of them or None). A field
+declared with `flag=False` has no command-line flag; one with `job=False` is not a job-file key
+(the part's docstring says why).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import math
+import types
+import typing
+from typing import Any, Callable
+
+
+def option(default: Any, help: str, *, choices: tuple | None = None, low: float | None = None,
+           high: float | None = None, low_open: bool = False, high_open: bool = False, flag: bool = True,
+           job: bool = True, metavar: str | None = None, check: Callable[[Any], Any] | None = None,
+           shown: str | None = None) -> Any:
+    """A dataclass field that declares an option.
+
+    Args:
+        default: the value when none is given.
+        help: what the option does, for `--help` and the docs (one sentence, no default).
+        choices: the allowed values.
+        low, high: the allowed range (inclusive unless `low_open`/`high_open`).
+        flag: whether the command line has it (`--name-with-dashes`).
+        job: whether a job file has it (a key of the part's section).
+        metavar: the value's name in `--help`.
+        check: a function of the value that returns it (or a normalised one) or raises
+            ValueError saying what is allowed, for what ranges and choices cannot say.
+        shown: the default as `--help` says it, where the value does not say it well.
+    """
+    meta = dict(help=help, choices=choices, low=low, high=high, low_open=low_open, high_open=high_open, flag=flag,
+                job=job, metavar=metavar, check=check, shown=shown)
+    return dataclasses.field(default=default, metadata={"option": meta})
+
+
+def declared(cls) -> list[dataclasses.Field]:
+    """The fields of dataclass `cls` declared with `option`."""
+    return [f for f in dataclasses.fields(cls) if "option" in f.metadata]
+
+
+def job_keys(cls) -> list[str]:
+    """The job-file keys `cls` declares: its own first, then those it inherits."""
+    keys = [f.name for f in declared(cls) if f.metadata["option"]["job"]]
+    own = cls.__dict__.get("__annotations__", {})
+    return [k for k in keys if k in own] + [k for k in keys if k not in own]
+
+
+def _types(cls, f: dataclasses.Field) -> tuple[type, bool]:
+    """(the field's value type, whether None is allowed)."""
+    hint = typing.get_type_hints(cls)[f.name]
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        kinds = [a for a in args if a is not type(None)]
+        if len(kinds) != 1:
+            raise TypeError(f"{cls.__name__}.{f.name}: an option has one type (or it or None), not {hint}")
+        return kinds[0], type(None) in args
+    return hint, False
+
+
+def allowed(cls, name: str) -> str:
+    """What option `name` of `cls` allows, in words (the end of an error message)."""
+    f = next(f for f in declared(cls) if f.name == name)
+    meta = f.metadata["option"]
+    kind, _ = _types(cls, f)
+    if meta["choices"]:
+        return ", ".join(map(str, meta["choices"]))
+    if kind is bool:
+        return "true or false"
+    what = {int: "an integer", float: "a number", str: "a string"}[kind]
+    low, high = meta["low"], meta["high"]
+    if kind is int and low is not None and high is not None:
+        return f"{low + meta['low_open']:,} to {high - meta['high_open']:,}"
+    parts = []
+    if low is not None:
+        parts.append(f"{'above' if meta['low_open'] else 'from'} {low:g}")
+    if high is not None:
+        parts.append(f"{'below' if meta['high_open'] else 'up to'} {high:g}")
+    return " ".join([what, ", ".join(parts)]) if parts else what
+
+
+def check(cls, name: str, value: Any) -> Any:
+    """`value` checked against option `name` of `cls` (an int is taken for a float): the value,
+    or the one its `check` makes of it.
+
+    Raises:
+        ValueError: the value's type, range or choice is not allowed; the message says what is
+            (without the option's name: the caller knows where the value came from).
+    """
+    f = next((f for f in declared(cls) if f.name == name), None)
+    if f is None:
+        raise KeyError(f"{cls.__name__} has no option {name!r}")
+    meta = f.metadata["option"]
+    kind, optional = _types(cls, f)
+    if value is None and optional:
+        return None
+    ok = (isinstance(value, bool) if kind is bool else
+          isinstance(value, (int, float)) and not isinstance(value, bool) if kind is float else
+          isinstance(value, int) and not isinstance(value, bool) if kind is int else isinstance(value, kind))
+    if not ok:
+        what = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[kind]
+        words = allowed(cls, name)
+        raise ValueError(f"is {_type_name(value)}; allowed: {what}" + ("" if words.startswith(what) else f" ({words})"))
+    if kind is float:
+        value = float(value)
+        if not math.isfinite(value):
+            raise ValueError(f"is out of range; allowed: {allowed(cls, name)}")
+    if meta["choices"] and value not in meta["choices"]:
+        close = difflib.get_close_matches(str(value), list(map(str, meta["choices"])), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(f"is not one of the choices{hint}; allowed: {allowed(cls, name)}")
+    low, high = meta["low"], meta["high"]
+    if low is not None and (value <= low if meta["low_open"] else value < low):
+        raise ValueError(f"is out of range; allowed: {allowed(cls, name)}")
+    if high is not None and (value >= high if meta["high_open"] else value > high):
+        raise ValueError(f"is out of range; allowed: {allowed(cls, name)}")
+    if meta["check"] is not None:
+        value = meta["check"](value)
+    return value
+
+
+def check_all(instance) -> None:
+    """Check every declared option of a dataclass `instance`.
+
+    Raises:
+        ValueError: naming the first option whose value is not allowed.
+    """
+    cls = type(instance)
+    for f in declared(cls):
+        try:
+            check(cls, f.name, getattr(instance, f.name))
+        except ValueError as err:
+            raise ValueError(f"{f.name} = {getattr(instance, f.name)!r} {err}") from None
+
+
+def _type_name(value) -> str:
+    return {str: "a string", bool: "a boolean", int: "an integer", float: "a number", list: "a list",
+            dict: "a table", type(None): "nothing"}.get(type(value), type(value).__name__)
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls, *,
+                  skip: tuple[str, ...] = ()) -> None:
+    """A flag for each option of `cls` that has one (`--name-with-dashes`), its help and default
+    from the declaration; a flag's value is checked as a job file's is."""
+    for f in declared(cls):
+        meta = f.metadata["option"]
+        if not meta["flag"] or f.name in skip:
+            continue
+        kind, optional = _types(cls, f)
+        default = meta["shown"] or ("none" if f.default is None else "on" if f.default is True else
+                                    "off" if f.default is False else f"{f.default:g}" if kind is float else
+                                    str(f.default))
+        text = f"{meta['help']} (default {default})"
+        if kind is bool:
+            parser.add_argument(flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
+                                help=text)
+            continue
+        parser.add_argument(flag(f.name), dest=f.name, type=_parser(cls, f.name, kind), default=f.default,
+                            choices=meta["choices"], metavar=meta["metavar"], help=text)
+
+
+def _parser(cls, name: str, kind: type) -> Callable[[str], Any]:
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {_type_name(kind())}; allowed: "
+                                             f"{allowed(cls, name)}") from None
+        try:
+            return check(cls, name, value)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(f"{text} {err}") from None
+
+    parse.__name__ = kind.__name__  # argparse names the type in its own messages
+    return parse
+
+
+def from_args(cls, args: argparse.Namespace, **more):
+    """An instance of `cls` from the flags `add_arguments` made (and `more` fields)."""
+    values = {f.name: getattr(args, f.name) for f in declared(cls) if hasattr(args, f.name)}
+    return cls(**values, **more)
+
+
+def to_args(instance, *, skip: tuple[str, ...] = ()) -> list[str]:
+    """The flags that give `instance`'s options (those that differ from the defaults)."""
+    out = []
+    for f in declared(type(instance)):
+        value = getattr(instance, f.name)
+        if not f.metadata["option"]["flag"] or f.name in skip or value == f.default:
+            continue
+        if isinstance(value, bool):
+            out.append(flag(f.name) if value else "--no-" + f.name.replace("_", "-"))
+        elif value is not None:
+            out += [flag(f.name), str(value)]
+    return out
