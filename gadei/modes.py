@@ -23,7 +23,7 @@ import numpy as np
 
 from . import _native
 from .errors import RegionCorrupt
-from .options import check_all, option
+from .options import check_all, declared, option
 from .layout import DTYPE_CODES, MODE_CODES, SparseTable
 from .region import Region
 
@@ -426,12 +426,14 @@ assert set(RULES) == set(MODE_CODES)
 
 
 def read_options(region: Region) -> RuleOptions:
-    """The options the job's server recorded in the region header."""
+    """The options the job's server recorded in the region header: each declared option is the
+    header field of its name (a choice as its index in the choices, a flag as 0 or 1)."""
     h = region.header
-    return RuleOptions(lr=h.get("lr"), momentum=h.get("momentum"), optimizer=_named(OPTIMIZERS, h.get("optimizer")),
-                   stale_lr=bool(h.get("stale_lr")),
-                   stale_bound=h.get("stale_bound"), alpha=h.get("alpha"), tau=h.get("tau"),
-                   drop_after=h.get("drop_after"), nonfinite=_named(NONFINITE, h.get("nonfinite")))
+    values = {}
+    for f in declared(RuleOptions):
+        code, choices = h.get(f.name), f.metadata["option"]["choices"]
+        values[f.name] = _named(choices, code) if choices else bool(code) if f.type in (bool, "bool") else code
+    return RuleOptions(**values)
 
 
 def _named(names: tuple[str, ...], code: int) -> str:
@@ -446,17 +448,12 @@ def state_name(options: RuleOptions) -> str:
 
 
 def write_options(region: Region, options: RuleOptions) -> None:
-    """Record `options` in the region header (the creator does this before publishing)."""
+    """Record `options` in the region header (the creator does this before publishing), each in
+    the header field of its name (see `read_options`)."""
     h = region.header
-    h.set("lr", options.lr)
-    h.set("momentum", options.momentum)
-    h.set("optimizer", OPTIMIZERS.index(options.optimizer))
-    h.set("stale_lr", int(options.stale_lr))
-    h.set("stale_bound", options.stale_bound)
-    h.set("alpha", options.alpha)
-    h.set("tau", options.tau)
-    h.set("drop_after", options.drop_after)
-    h.set("nonfinite", NONFINITE.index(options.nonfinite))
+    for f in declared(RuleOptions):
+        value, choices = getattr(options, f.name), f.metadata["option"]["choices"]
+        h.set(f.name, choices.index(value) if choices else int(value) if isinstance(value, bool) else value)
 
 
 def make_rule(mode: str, region: Region, options: RuleOptions, threads: int) -> UpdateRule:
