@@ -34,6 +34,7 @@ import psutil
 import torch
 
 from .errors import GadeiError
+from .options import option
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,15 @@ FORMAT = "gadei-checkpoint"
 FORMAT_VERSION = 1
 _NAME = re.compile(r"^ckpt-(\d{6,})\.pt$")
 _TMP = re.compile(r"^\.ckpt-\d{6,}\.pt\.tmp(\d+)$")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointOptions:
+    """When a job's watchdog takes checkpoints and how many it keeps (a job file's [checkpoint];
+    `gadei serve --checkpoint-every --keep`; `gadei watchdog --every --keep`)."""
+
+    interval: float = option(60.0, "seconds between two checkpoints", low=0, low_open=True, high=10**9)
+    keep: int = option(3, "checkpoints kept", low=1, high=10**6)
 
 
 class CheckpointError(GadeiError):

@@ -63,6 +63,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from . import device
+from .checkpoint import CheckpointOptions
 from .errors import GadeiError
 from .modes import MAX_LR, MODES, RuleOptions
 from .options import check as check_option
@@ -133,12 +134,6 @@ class Train(RuleOptions):
 
 
 @dataclass(frozen=True)
-class Checkpoint:
-    interval: float = option(60.0, "seconds between two checkpoints", low=0, low_open=True, high=10**9)
-    keep: int = option(3, "checkpoints kept", low=1, high=10**6)
-
-
-@dataclass(frozen=True)
 class Bridge:
     """How the nodes of a job run under `mpiexec -n NODES gadei run` exchange (gadei.bridge.Options)."""
 
@@ -160,7 +155,7 @@ class Job:
     workload: str
     data: Data
     train: Train = field(default_factory=Train)
-    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    checkpoint: CheckpointOptions = field(default_factory=CheckpointOptions)
     transport: TransportOptions = field(default_factory=TransportOptions)
     output: Path = Path("runs")
     private: bool = True  # [output] private: the output folder 0700 and its files 0600, whatever the umask
@@ -267,7 +262,7 @@ def default_epochs(samples: int, batch: int, optimizer: str = "adagrad") -> int:
 
 # key -> (kind, required): kinds are checked by _value below. The sections of options declared
 # with `gadei.options.option` take their keys, and their checks, from those declarations.
-DECLARED = {"train": Train, "checkpoint": Checkpoint, "transport": TransportOptions}
+DECLARED = {"train": Train, "checkpoint": CheckpointOptions, "transport": TransportOptions}
 _SCHEMA = {
     "job": {"name": ("name", True), "workload": ("workload", True)},
     "data": {"train": ("paths", True), "test": ("paths", False), "format": ("format", True),
@@ -376,7 +371,7 @@ def parse(raw: dict, path: Path, *, data_files: bool = True) -> Job:
               path.parent / "runs" / job["name"])
     return Job(name=job["name"], workload=job["workload"], data=Data(**data),
                train=Train(**values["train"], given=frozenset(values["train"])),
-               checkpoint=Checkpoint(**values["checkpoint"]), transport=TransportOptions(**values["transport"]),
+               checkpoint=CheckpointOptions(**values["checkpoint"]), transport=TransportOptions(**values["transport"]),
                output=output,
                private=values["output"].get("private", True), bridge=bridge, path=path)
 

@@ -14,6 +14,7 @@ import pytest
 
 import gadei
 from gadei import jobfile, options
+from gadei.checkpoint import CheckpointOptions
 from gadei.cli import build_parser
 from gadei.modes import RuleOptions, read_options
 from gadei.region import Region
@@ -25,7 +26,7 @@ SERVE_FLAGS = {a.dest: a for a in build_parser().verbs["serve"]._actions}
 
 
 @pytest.mark.parametrize("cls, section", [(RuleOptions, "train"), (TransportOptions, "transport"),
-                                          (jobfile.Train, "train"), (jobfile.Checkpoint, "checkpoint")])
+                                          (jobfile.Train, "train"), (CheckpointOptions, "checkpoint")])
 def test_every_declared_option_is_a_job_file_key(cls, section):
     assert set(options.job_keys(cls)) <= set(jobfile._SCHEMA[section])
     declared = {f.name for f in options.declared(cls)}

@@ -40,6 +40,9 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from gadei import _native, _proc, checkpoint
+from gadei.checkpoint import CheckpointOptions
+from gadei.options import check as check_option
+from gadei.options import check_all, option
 from gadei.errors import GadeiError, RegionNotFound
 from gadei.layout import ACTIVE, DEAD, FAILED, SERVING, STOPPED, STOPPING
 from gadei.region import Region, inspect
@@ -74,26 +77,28 @@ class Settings:
     """
 
     checkpoint_dir: str
-    every: float = 60.0
-    keep: int = 3
-    interval: float = 0.5
-    max_missed: int = 20
+    every: float = CheckpointOptions.interval  # declared there: a job file's [checkpoint] interval
+    keep: int = CheckpointOptions.keep
+    interval: float = option(0.5, "seconds between looks and beats", low=0, low_open=True, high=3600)
+    max_missed: int = option(20, "beats a process may miss before it counts as hung", low=1, high=10**6)
     restart: list[str] | None = None
-    max_restarts: int = 3
-    window: float = 300.0
+    max_restarts: int = option(3, "restarts of the server, and of each launched learner, within the window before "
+                               "giving up", low=1, high=10**6)
+    window: float = option(300.0, "seconds over which restarts are counted", low=0, low_open=True, high=10**9)
     learners: list[list[str]] = field(default_factory=list)
-    backoff: float = 1.0
+    backoff: float = option(1.0, "seconds before a dead learner's first restart, doubling with each", low=0, high=3600)
     log_dir: str | None = None
 
     def check(self) -> None:
-        for name in ("every", "interval", "window"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"watchdog {name} must be positive seconds, not {getattr(self, name)!r}")
-        if self.backoff < 0:
-            raise ValueError(f"watchdog backoff must be >= 0 seconds, not {self.backoff!r}")
-        for name in ("keep", "max_missed", "max_restarts"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"watchdog {name} must be at least 1, not {getattr(self, name)!r}")
+        for name, declared_as in (("every", "interval"), ("keep", "keep")):
+            try:
+                check_option(CheckpointOptions, declared_as, getattr(self, name))
+            except ValueError as err:
+                raise ValueError(f"watchdog {name} = {getattr(self, name)!r} {err}") from None
+        try:
+            check_all(self)
+        except ValueError as err:
+            raise ValueError(f"watchdog {err}") from None
 
 
 class Watchdog:

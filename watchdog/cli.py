@@ -1,11 +1,10 @@
 """The `gadei watchdog` command, also run as `python -m gadei_watchdog` (how `gadei serve`
-starts a job's watchdog): its arguments, declared once with their defaults taken from
-`Settings`, and what it runs."""
+starts a job's watchdog): its arguments, made from `Settings`' declarations, and what it runs."""
 
 import argparse
 import json
 
-from gadei import console
+from gadei import console, options
 from gadei.errors import GadeiError
 
 from . import Settings, Watchdog
@@ -26,18 +25,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--checkpoint-dir", help="where checkpoints go (required unless --adopt)")
     add("--every", type=float, default=_D.every, help="seconds between checkpoints (default %(default)g)")
     add("--keep", type=int, default=_D.keep, help="checkpoints kept (default %(default)d)")
-    add("--interval", type=float, default=_D.interval, help="seconds between looks and beats (default %(default)g)")
-    add("--max-missed", type=int, default=_D.max_missed,
-        help="beats a process may miss before it counts as hung (default %(default)d)")
+    options.add_arguments(parser, Settings)  # --interval --max-missed --max-restarts --window --backoff
     add("--restart", metavar="JSON", help="the gadei arguments that started the server, as a JSON list: when it "
         "dies, start it again with them plus --replace --no-watchdog --resume (gadei serve passes this)")
-    add("--max-restarts", type=int, default=_D.max_restarts,
-        help="restarts within --window before giving up (default %(default)d)")
-    add("--window", type=float, default=_D.window, help="seconds of the restart window (default %(default)g)")
     add("--learners", metavar="JSON", help="learners to launch and keep running: a JSON list of argument lists of "
         "`gadei learn JOB` (gadei serve --learner passes this)")
-    add("--backoff", type=float, default=_D.backoff,
-        help="seconds before a dead learner's first restart, doubling with each (default %(default)g)")
     add("--progress", metavar="JSON", help="how far each launched learner got, from the checkpoint the server "
         "resumed from: they start there (gadei serve --resume passes this)")
     add("--log-dir", help="where launched processes write their logs (default: --checkpoint-dir)")

@@ -11,7 +11,10 @@ import time
 
 from .._proc import python_command
 from ..errors import GadeiError
+from gadei_watchdog import Settings
+
 from .. import options
+from ..checkpoint import CheckpointOptions
 from ..modes import MODES, RuleOptions
 from ..transport.options import TransportOptions
 from . import learn
@@ -210,19 +213,21 @@ def add_parser(sub) -> None:
     p.add_argument("--save", help="write the final weights here (a state dict torch.load reads)")
     p.add_argument("--checkpoint-dir", help="checkpoints go here: the job's watchdog takes one every "
                    "--checkpoint-every seconds and restarts a crashed server from the newest; one more at clean stop")
-    p.add_argument("--checkpoint-every", type=float, default=60.0, help="seconds between checkpoints (default 60)")
+    p.add_argument("--checkpoint-every", type=float, default=CheckpointOptions.interval,
+                   help="seconds between checkpoints (default %(default)g)")
     p.add_argument("--no-watchdog", action="store_true", help="with --checkpoint-dir: no watchdog, only the "
                    "checkpoint at clean stop")
-    p.add_argument("--keep", type=int, default=3, help="checkpoints kept in --checkpoint-dir (default 3)")
+    p.add_argument("--keep", type=int, default=CheckpointOptions.keep,
+                   help="checkpoints kept in --checkpoint-dir (default %(default)d)")
     p.add_argument("--resume", metavar="DIR|FILE", help="go on from the newest valid checkpoint in DIR, or from "
                    "the checkpoint FILE (weights, version, momentum or Adagrad sums; launched learners from its progress); the "
                    "model must match")
-    p.add_argument("--watch-interval", type=float, default=0.5,
-                   help="the watchdog's seconds between looks and beats (default 0.5)")
-    p.add_argument("--max-missed", type=int, default=20, help="beats a process may miss before the watchdog "
-                   "counts it as hung (default 20)")
-    p.add_argument("--max-restarts", type=int, default=3, help="restarts of the server, and of each launched "
-                   "learner, within 300 s before the watchdog gives up (default 3)")
+    p.add_argument("--watch-interval", type=float, default=Settings.interval,
+                   help="the watchdog's seconds between looks and beats (default %(default)g)")
+    p.add_argument("--max-missed", type=int, default=Settings.max_missed, help="beats a process may miss before the "
+                   "watchdog counts it as hung (default %(default)d)")
+    p.add_argument("--max-restarts", type=int, default=Settings.max_restarts, help="restarts of the server, and of "
+                   f"each launched learner, within {Settings.window:g} s before the watchdog gives up (default %(default)d)")
     p.add_argument("--log-dir", help="where the watchdog's launched learners and restarted servers write their "
                    "logs (default: --checkpoint-dir)")
     p.add_argument("--learner", action="append", default=[], metavar="ARGS",
