@@ -23,11 +23,13 @@ import numpy as np
 
 from . import _native
 from .errors import RegionCorrupt
-from .options import check_all, declared, option
+from .options import check_all, declared, option, used_in
 from .layout import DTYPE_CODES, MODE_CODES, SparseTable
 from .region import Region
 
 MODES = ("async", "consistent", "sync", "elastic")  # the update rules (RULES), as a job file and --mode name them
+SERVER_STEPS = ("async", "consistent", "sync")  # the modes whose server takes the optimiser step
+ASYNC = ("async", "consistent")
 OPTIMIZERS = ("sgd", "adagrad")  # index = the header's code
 NONFINITE = ("skip", "stop")  # what the server does with a gradient holding NaN or inf; index = the header's code
 ADAGRAD_EPS = 1e-10
@@ -65,14 +67,18 @@ class RuleOptions:
     """
 
     lr: float = option(0.01, "learning rate", low=0, low_open=True, high=MAX_LR)
-    momentum: float = option(0.0, "momentum kept by the server (0: none; sgd)", low=0, high=1, high_open=True)
+    momentum: float = option(0.0, "momentum kept by the server (0: none; sgd)", low=0, high=1, high_open=True,
+                             modes=SERVER_STEPS)
     optimizer: str = option("sgd", "the server's update: sgd (w -= lr g) or adagrad (per weight, lr divided by the "
-                            "root of the sum of its squared gradients; async, consistent, sync)", choices=OPTIMIZERS)
-    stale_lr: bool = option(False, "async/consistent: divide lr by each gradient's staleness")
+                            "root of the sum of its squared gradients; async, consistent, sync)", choices=OPTIMIZERS,
+                            modes=SERVER_STEPS)
+    stale_lr: bool = option(False, "async/consistent: divide lr by each gradient's staleness", modes=ASYNC)
     stale_bound: int = option(0, "async/consistent: no gradient applied more than K versions late (0: no bound)",
-                              low=0, high=10**9, metavar="K")
-    alpha: float = option(0.1, "elastic: moving rate", low=0, high=1, low_open=True, high_open=True)
-    tau: int = option(4, "elastic: local steps between exchanges with the centre", low=1, high=10**6)
+                              low=0, high=10**9, metavar="K", modes=ASYNC)
+    alpha: float = option(0.1, "elastic: moving rate", low=0, high=1, low_open=True, high_open=True,
+                          modes=("elastic",))
+    tau: int = option(4, "elastic: local steps between exchanges with the centre", low=1, high=10**6,
+                      modes=("elastic",))
     drop_after: float = option(10.0, "sync/stale_bound: seconds without a heartbeat before a learner is left out",
                                low=0, low_open=True, high=86400)
     nonfinite: str = option("skip", "a gradient with NaN or inf values: skip it and count it (`gadei status` shows "
@@ -90,13 +96,15 @@ class RuleOptions:
         if self.optimizer == "adagrad" and mode == "elastic":
             raise ValueError("the adagrad optimizer applies to async, consistent and sync modes, not elastic "
                              "(elastic learners take their own local steps)")
+        if mode in MODES:  # an option of another mode, given: say so rather than ignore it
+            for f in declared(RuleOptions):
+                if not used_in(RuleOptions, f.name, mode) and getattr(self, f.name) != f.default:
+                    users = f.metadata["option"]["modes"]
+                    raise ValueError(f"{f.name} applies to {', '.join(users[:-1])} and {users[-1]} modes, not {mode}"
+                                     if len(users) > 1 else f"{f.name} applies to {users[0]} mode, not {mode}")
         if self.stale_bound and rings is not None and self.stale_bound < rings:
             raise ValueError(f"stale_bound {self.stale_bound} is below the {rings} learner rings: with {rings} "
                              f"learners a gradient can wait behind {rings - 1} others; use at least {rings}")
-        if mode in ("sync", "elastic") and (self.stale_lr or self.stale_bound):
-            raise ValueError(f"stale_lr and stale_bound apply to async and consistent modes, not {mode}")
-        if mode == "elastic" and self.momentum:
-            raise ValueError("momentum applies to async, consistent and sync modes, not elastic")
 
 
 @dataclass(frozen=True)

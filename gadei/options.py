@@ -26,7 +26,7 @@ from typing import Any, Callable
 def option(default: Any, help: str, *, choices: tuple | None = None, low: float | None = None,
            high: float | None = None, low_open: bool = False, high_open: bool = False, flag: bool = True,
            job: bool = True, metavar: str | None = None, check: Callable[[Any], Any] | None = None,
-           shown: str | None = None) -> Any:
+           shown: str | None = None, modes: tuple[str, ...] | None = None) -> Any:
     """A dataclass field that declares an option.
 
     Args:
@@ -40,15 +40,24 @@ def option(default: Any, help: str, *, choices: tuple | None = None, low: float 
         check: a function of the value that returns it (or a normalised one) or raises
             ValueError saying what is allowed, for what ranges and choices cannot say.
         shown: the default as `--help` says it, where the value does not say it well.
+        modes: the training modes that use the option (None: all); a value other than the
+            default in another mode is refused (`RuleOptions.check`), and `gadei status`
+            shows it only in these.
     """
     meta = dict(help=help, choices=choices, low=low, high=high, low_open=low_open, high_open=high_open, flag=flag,
-                job=job, metavar=metavar, check=check, shown=shown)
+                job=job, metavar=metavar, check=check, shown=shown, modes=modes)
     return dataclasses.field(default=default, metadata={"option": meta})
 
 
 def declared(cls) -> list[dataclasses.Field]:
     """The fields of dataclass `cls` declared with `option`."""
     return [f for f in dataclasses.fields(cls) if "option" in f.metadata]
+
+
+def used_in(cls, name: str, mode: str) -> bool:
+    """Whether option `name` of `cls` is used in training mode `mode`."""
+    modes = next(f for f in declared(cls) if f.name == name).metadata["option"]["modes"]
+    return modes is None or mode in modes
 
 
 def job_keys(cls) -> list[str]:

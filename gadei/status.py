@@ -10,7 +10,10 @@ from dataclasses import asdict, dataclass, field
 
 from . import _proc
 from .layout import ENTRY_STATES, HIST_BUCKETS, RUN_STATES
-from .modes import read_options
+from .modes import RuleOptions, read_options
+from .options import declared, used_in
+
+DEFAULTS = {f.name: f.default for f in declared(RuleOptions)}  # an option is shown where it is not its default
 from .region import Region
 from .ring import lease_owner
 
@@ -72,18 +75,6 @@ class JobStatus:
 
     def to_json(self) -> dict:
         return asdict(self)
-
-
-_RELEVANT = {  # which options a mode uses, for the status line
-    "momentum": lambda mode: mode != "elastic",
-    "optimizer": lambda mode: mode != "elastic",  # shown when not the plain "sgd"
-    "stale_lr": lambda mode: mode in ("async", "consistent"),
-    "stale_bound": lambda mode: mode in ("async", "consistent"),
-    "alpha": lambda mode: mode == "elastic",
-    "tau": lambda mode: mode == "elastic",
-    "drop_after": lambda mode: mode == "sync",
-    "nonfinite": lambda mode: True,  # shown when not the default "skip"
-}
 
 
 def _age(beat_ns: int, now_ns: int) -> float | None:
@@ -230,7 +221,7 @@ def format_table(status: JobStatus, rate: Rates | None) -> str:
     if status.server_beat_age is not None:
         server += f", beat {status.server_beat_age:.1f}s ago"
     options = {k: v for k, v in status.options.items()
-               if k != "lr" and v and v not in ("sgd", "skip") and _RELEVANT[k](status.mode)}
+               if k != "lr" and v != DEFAULTS[k] and used_in(RuleOptions, k, status.mode)}
     transport = status.grad_dtype + (f" + {status.row_sparse_tables} row-sparse tables" if status.row_sparse_tables else "")
     lines = [
         f"job {status.job}: {status.run_state}; server {server}; mode {status.mode}, lr {status.lr:g}"

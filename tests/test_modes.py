@@ -324,7 +324,8 @@ def test_staleness_aware_learning_rate_divides_by_staleness(job):
 
 def test_options_a_mode_cannot_use_are_refused(job):
     for mode, options, message in [
-        ("sync", {"stale_bound": 8}, "stale_lr and stale_bound apply to async and consistent"),
+        ("sync", {"stale_bound": 8}, "stale_bound applies to async and consistent modes, not sync"),
+        ("async", {"tau": 8}, "tau applies to elastic mode, not async"),
         ("elastic", {"momentum": 0.9}, "momentum applies to async, consistent and sync"),
         ("elastic", {"grad_dtype": "float16"}, "elastic mode pushes whole float32 weights"),
         ("async", {"stale_bound": 2}, "stale_bound 2 is below the 8 learner rings"),
