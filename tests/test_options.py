@@ -55,18 +55,7 @@ def test_the_lr_default_is_declared_once():
 def test_the_job_file_and_the_flag_refuse_a_value_alike(tmp_path, key, value):
     cls = TransportOptions if key in {f.name for f in fields(TransportOptions)} else RuleOptions
     section = "transport" if cls is TransportOptions else "train"
-    (tmp_path / "train.csv").write_text("text,label\n" + "".join(f"s {i},{i % 2}\n" for i in range(8)))
-    path = tmp_path / "job.toml"
-    path.write_text(textwrap.dedent(f"""\
-        [job]
-        name = "opt"
-        workload = "textcnn"
-        [data]
-        train = "train.csv"
-        format = "csv"
-        [{section}]
-        {key} = {json.dumps(value)}
-        """))
+    path = _job_file(tmp_path, f"[{section}]\n{key} = {json.dumps(value)}\n")
     with pytest.raises(jobfile.JobFileError) as err:
         jobfile.load(path)
     allowed = str(err.value).split("allowed: ", 1)[1]
@@ -87,15 +76,7 @@ def test_server_keywords_are_the_declared_options():
 def test_serve_takes_the_job_file_and_a_flag_given_too_wins(tmp_path, procs):
     """What `gadei run` starts: `gadei serve JOB --job-file job.toml`; the update rule and the
     rings come from the file, and `--lr` (a bridged node's rate) overrides it."""
-    (tmp_path / "train.csv").write_text("text,label\n" + "".join(f"words {i} here,{i % 2}\n" for i in range(40)))
-    path = tmp_path / "job.toml"
-    path.write_text(textwrap.dedent("""\
-        [job]
-        name = "opt"
-        workload = "textcnn"
-        [data]
-        train = "train.csv"
-        format = "csv"
+    path = _job_file(tmp_path, """\
         [train]
         mode = "consistent"
         optimizer = "adagrad"
@@ -104,7 +85,7 @@ def test_serve_takes_the_job_file_and_a_flag_given_too_wins(tmp_path, procs):
         [transport]
         grad_dtype = "bfloat16"
         slots = 3
-        """))
+        """)
     job = f"test-opt-{uuid.uuid4().hex[:8]}"
     serve = procs.gadei("serve", job, "--job-file", str(path), "--lr", "0.3", "--learners", "2")
     try:
@@ -115,6 +96,15 @@ def test_serve_takes_the_job_file_and_a_flag_given_too_wins(tmp_path, procs):
     finally:
         finish(procs.gadei("stop", job))
         finish(serve)
+
+
+def _job_file(folder: Path, sections: str) -> Path:
+    """A job file of the text CNN on a small CSV in `folder`, with `sections` added."""
+    (folder / "train.csv").write_text("text,label\n" + "".join(f"words {i} here,{i % 2}\n" for i in range(40)))
+    path = folder / "job.toml"
+    path.write_text('[job]\nname = "opt"\nworkload = "textcnn"\n[data]\ntrain = "train.csv"\nformat = "csv"\n'
+                    + textwrap.dedent(sections))
+    return path
 
 
 def _header(job):
