@@ -6,6 +6,13 @@
         draws of seed k (the first job seed 0, the next 1, ...). Prints {"ready": pid}; on
         SIGTERM stops every job and prints {"stopped": [applied per job]}.
 
+    python tests/bridge_worker.py train JOB [JOB ...] [--n N] [--delay S]
+        One learner per job (a thread each) that pushes the same gradient at every step:
+        job k's is N(0, 1) draws of seed 1000 + k (`gradient(k)`), one step every S
+        seconds, so between two exchanges each node's weights move by its own multiple of
+        its own vector. Prints {"training": pid} once every learner made a step; ends when the jobs stop, printing
+        {"steps": [per job]}.
+
     mpiexec -n R python tests/bridge_worker.py wire N
         Every rank sums seeded vectors of N float32 with the bridge's wire in each
         configuration (whole, buckets, float16, both) and a gossip-style swap with a
@@ -64,6 +71,45 @@ def serve(args) -> int:
     print(json.dumps({"stopped": [r.applied if r else None for r in reports]}), flush=True)
     for server in servers:
         server.close()
+    return 0
+
+
+def gradient(k: int, n: int) -> np.ndarray:
+    """The gradient `train` pushes at every step of the k-th job."""
+    return np.random.default_rng(1000 + k).standard_normal(n).astype(np.float32)
+
+
+def train(args) -> int:
+    import time
+
+    import gadei
+
+    steps = [0] * len(args.jobs)
+    stepped = [threading.Event() for _ in args.jobs]
+
+    def run(k: int, job: str) -> None:
+        model = Vector(args.n, k)
+        g = torch.from_numpy(gradient(k, args.n))
+        with gadei.Learner(model, job, pull="copy", timeout=60) as learner:  # a stopped job ends the block
+            while True:
+                if model.weight.grad is None:
+                    model.weight.grad = torch.zeros_like(model.weight)
+                model.weight.grad.copy_(g)
+                learner.step(samples=1)
+                steps[k] += 1
+                stepped[k].set()
+                time.sleep(args.delay)
+        stepped[k].set()
+
+    threads = [threading.Thread(target=run, args=(k, job)) for k, job in enumerate(args.jobs)]
+    for thread in threads:
+        thread.start()
+    for event in stepped:
+        event.wait()
+    print(json.dumps({"training": os.getpid()}), flush=True)
+    for thread in threads:
+        thread.join()
+    print(json.dumps({"steps": steps}), flush=True)
     return 0
 
 
@@ -143,6 +189,11 @@ def main(argv=None) -> int:
     p.add_argument("--optimizer", default="sgd")
     p.add_argument("--momentum", type=float, default=0.0)
     p.set_defaults(func=serve)
+    p = sub.add_parser("train")
+    p.add_argument("jobs", nargs="+")
+    p.add_argument("--n", type=int, default=10_000)
+    p.add_argument("--delay", type=float, default=0.002)
+    p.set_defaults(func=train)
     p = sub.add_parser("wire")
     p.add_argument("n", type=int)
     p.set_defaults(func=wire)

@@ -295,6 +295,134 @@ def test_nodes_that_finished_end_with_one_model_which_every_rank_saves(job, proc
     _stop(server)
 
 
+# ------------------------------------------------------------------ the arithmetic, with nodes that train
+
+LR = 0.01  # the training nodes' learning rate: each step moves a weight by LR times its N(0, 1) gradient
+
+
+def _trace(folder: Path, nodes: int) -> list[list[dict]]:
+    """Every rank's `--trace` records, in exchange order."""
+    return [[dict(np.load(path)) for path in sorted((folder / f"rank-{r}").glob("*.npz"))] for r in range(nodes)]
+
+
+def _train_and_trace(job, procs, bridges, tmp_path, strategy: str, nodes: int, *options) -> list[list[dict]]:
+    """Nodes in consistent mode (whole updates in every copy) whose learner pushes its own
+    fixed gradient every 2 ms, bridged every 0.2 s with --trace until every rank made 5
+    exchanges while they trained; the trace and, per rank, the index of its first record
+    copied while its node trained, after checking what holds for every strategy: the nodes did drift
+    apart between exchanges, and each exchange's move reached the local weights as sent
+    (a node's next copy is its target plus whole steps of its own gradient)."""
+    server = _serve(procs, job, nodes, "--mode", "consistent", "--lr", LR)
+    ranks = bridges(nodes, "--strategy", strategy, "--every", 0.2, "--timeout", 20, "--bucket-mb", 0.1,
+                    "--trace", tmp_path / "trace", *options)
+    ranks.ready()
+    trainer = procs.start(WORKER, "train", *[f"{job}-{r}" for r in range(nodes)], "--n", N)
+    read_line(trainer, 60)
+    seen = [len(ranks.of("exchange", r)) for r in range(nodes)]
+    ranks.wait(lambda: all(len(ranks.of("exchange", r)) >= seen[r] + 5 for r in range(nodes)), 120,
+               "five exchanges on every rank under training")
+    _stop(server)
+    finish(trainer)
+    ended = ranks.finish(60)
+    assert sorted(ended) == list(range(nodes)) and all(e["lost"] == [] for e in ended.values()), ranks.log()[-3000:]
+    trace = _trace(tmp_path / "trace", nodes)
+    from bridge_worker import gradient
+
+    steps = 0
+    for r, records in enumerate(trace):
+        g = gradient(r, N).astype(np.float64)
+        for before, after in zip(records, records[1:]):
+            drift = after["sent"].astype(np.float64) - before["target"]  # the learner's steps since the move
+            k = -float(drift @ g) / (LR * float(g @ g))
+            assert abs(k - round(k)) < 0.01 and round(k) >= 0, (r, k)
+            # up to float32 rounding: half a unit in the last place per step, a few for the move
+            assert np.abs(drift + LR * round(k) * g).max() <= (round(k) + 4) * _ulp(after["sent"]), (r, k)
+            steps += round(k)
+    assert steps >= 10 * nodes, f"the nodes hardly trained between exchanges ({steps} steps): the test proves nothing"
+    return trace, [n + 1 for n in seen]
+
+
+def _ulp(*vectors) -> float:
+    """A unit in the last place of the largest float32 value in `vectors`."""
+    return float(np.spacing(np.float32(max(np.abs(v).max() for v in vectors))))
+
+
+def _apart(vectors) -> float:
+    return float(np.abs(np.asarray(vectors) - vectors[0]).max())
+
+
+def test_average_under_training_gives_every_node_the_mean_at_each_exchange(job, procs, bridges, tmp_path):
+    nodes = 3
+    trace, training = _train_and_trace(job, procs, bridges, tmp_path, "average", nodes)
+    rounds = min(len(records) for records in trace)
+    assert rounds >= max(training) + 3
+    for n in range(rounds):
+        sent = np.array([trace[r][n]["sent"] for r in range(nodes)], dtype=np.float64)
+        targets = [trace[r][n]["target"] for r in range(nodes)]
+        if n >= max(training):
+            assert _apart(sent) > 0.05, n  # the nodes trained apart since the last exchange
+        tolerance = 8 * _ulp(*sent)
+        assert _apart(targets) <= tolerance, n  # every node moves to the same model
+        assert np.abs(targets[0] - sent.mean(axis=0)).max() <= tolerance, n  # the mean of what they sent
+
+
+def test_elastic_under_training_moves_each_node_by_alpha_and_the_centre_by_the_sum(job, procs, bridges, tmp_path):
+    """node i: w_i - alpha (w_i - c); centre: c + alpha sum_i (w_i - c), at the documented
+    default alpha = 0.9 / nodes; the first exchange sets the centre to the mean."""
+    nodes = 3
+    alpha = 0.9 / nodes
+    trace, training = _train_and_trace(job, procs, bridges, tmp_path, "elastic", nodes)
+    rounds = min(len(records) for records in trace)
+    assert rounds >= max(training) + 3
+    centre = None
+    for n in range(rounds):
+        sent = np.array([trace[r][n]["sent"] for r in range(nodes)], dtype=np.float64)
+        after = [trace[r][n]["centre"] for r in range(nodes)]
+        tolerance = 8 * _ulp(*sent)
+        assert _apart(after) <= tolerance, n  # every rank keeps the same centre
+        if centre is None:
+            expected = sent.mean(axis=0)
+            assert np.abs(after[0] - expected).max() <= tolerance
+            for r in range(nodes):
+                assert np.abs(trace[r][n]["target"] - expected).max() <= tolerance
+        else:
+            if n >= max(training):
+                assert _apart(sent) > 0.05, n
+            assert np.abs(after[0] - (centre + alpha * (sent - centre).sum(axis=0))).max() <= tolerance, n
+            for r in range(nodes):
+                expected = sent[r] - alpha * (sent[r] - centre)
+                assert np.abs(trace[r][n]["target"] - expected).max() <= tolerance, (n, r)
+                if n >= max(training):
+                    assert np.abs(trace[r][n]["target"] - sent[r]).max() > 1e-3  # it did move
+        centre = after[0].astype(np.float64)
+
+
+def test_gossip_under_training_averages_exactly_one_active_passive_pair_per_exchange(job, procs, bridges, tmp_path):
+    """Each exchange shows up on exactly two ranks, an asking (even) one and the passive (odd)
+    one it asked, under the asker's request id, and both move to the mean of what the two
+    sent; nobody else moves (each rank's next copy is its own target plus its own steps)."""
+    nodes = 4
+    trace, training = _train_and_trace(job, procs, bridges, tmp_path, "gossip", nodes)
+    pairs: dict[tuple[int, int], dict[int, dict]] = {}
+    for r, records in enumerate(trace):
+        for n, record in enumerate(records):
+            key = (int(record["asker"]), int(record["request"]))
+            assert r not in pairs.setdefault(key, {}), key
+            pairs[key][r] = record | {"trained": n >= training[r]}
+    assert sum(all(record["trained"] for record in pair.values()) for pair in pairs.values()) >= 5
+    for (asker, _), pair in pairs.items():
+        assert len(pair) == 2 and asker in pair, pair.keys()  # the asker and one other rank
+        passive = next(r for r in pair if r != asker)
+        assert asker % 2 == 0 and passive % 2 == 1, (asker, passive)
+        assert int(pair[asker]["peer"]) == passive and int(pair[passive]["peer"]) == asker
+        assert bool(pair[asker]["active"]) and not bool(pair[passive]["active"])
+        a, p = pair[asker]["sent"].astype(np.float64), pair[passive]["sent"].astype(np.float64)
+        if pair[asker]["trained"] and pair[passive]["trained"]:
+            assert np.abs(a - p).max() > 0.05  # the two had trained apart
+        for r in (asker, passive):
+            assert np.abs(pair[r]["target"] - (a + p) / 2).max() <= 2 * _ulp(a, p), (asker, passive, r)
+
+
 # ------------------------------------------------------------------ failures
 
 

@@ -166,6 +166,8 @@ class BridgeRank:
                 if target is not None:
                     self.report.exchanges += 1
                     self.report.exchange_seconds += took
+                    if o.trace:
+                        write_trace(o.trace, self.rank, self.report.exchanges, weights, target, strategy, seen)
                     if final is not None:
                         final[:] = target
                     elif not leaving:
@@ -268,6 +270,18 @@ class BridgeRank:
             log.warning("bridge rank %d: %s", self.rank, err)
         self.clean = strategy is not None and strategy.clean and r.reason != "peer lost"
         return r
+
+
+def write_trace(folder: str, rank: int, n: int, sent: np.ndarray, target: np.ndarray, strategy: Strategy,
+                version: int) -> None:
+    """`--trace`: exchange `n` of `rank` as FOLDER/rank-R/N.npz: the weights it sent, the target
+    it got, the local version they were copied at, and what its strategy adds (`Strategy.trace`)."""
+    where = os.path.join(folder, f"rank-{rank}")
+    os.makedirs(where, exist_ok=True)
+    path = os.path.join(where, f"{n:06d}.npz")
+    with open(path + ".part", "wb") as f:
+        np.savez(f, sent=sent, target=target, version=version, final=strategy.final, **strategy.trace())
+    os.replace(path + ".part", path)
 
 
 def _role(strategy: Strategy) -> str:

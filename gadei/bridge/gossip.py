@@ -66,6 +66,7 @@ class Gossip(Strategy):
         self._out = np.empty(self.n, dtype=np.float32)
         self._status = MPI.Status()
         self._rng = random.Random(self.rank * 7919 + int(time.time()))
+        self.pair: tuple[int, int] | None = None  # the last exchange's (asking rank, its request id)
 
     @property
     def done(self) -> bool:
@@ -178,7 +179,7 @@ class Gossip(Strategy):
         for r in self._misses:
             self._misses[r] *= 0.8
         other = self.wire.swap(peer, weights, self._out, _DATA, _REPLY, what=f"gossip with rank {peer}")
-        self.peer = peer
+        self.peer, self.pair = peer, (self.rank, self._id)
         return _mean(weights, other)
 
     def _await_ack(self, peer: int, ident: int, deadline: float) -> _Answer:
@@ -221,7 +222,7 @@ class Gossip(Strategy):
             self._busy_since = None
         if other is None:
             return None
-        self.peer = peer
+        self.peer, self.pair = peer, (peer, ident)
         return _mean(weights, other)
 
     def _decline_others(self) -> None:
@@ -279,6 +280,9 @@ class Gossip(Strategy):
                  self._on_poll)
         wire.sent += sum(buf[0].nbytes for buf in sends)
         return self._out
+
+    def trace(self):
+        return {"peer": self.peer, "asker": self.pair[0], "request": self.pair[1], "active": self.active}
 
     def leave(self) -> None:
         for peer in sorted(self.peers):

@@ -35,6 +35,8 @@ class Options:
         checkpoint_dir: average/elastic write a checkpoint of the local job here when they end on a lost peer.
         save: once every node's job finished, write the model they agreed on here.
         json: print JSON lines (one per exchange and one at the end) on stdout.
+        trace: write each exchange's vectors into this folder (`exchange.write_trace`: a copy of
+            the model per exchange, for tests and debugging).
     """
 
     strategy: str = "average"
@@ -47,6 +49,7 @@ class Options:
     checkpoint_dir: str | None = None
     save: str | None = None
     json: bool = False
+    trace: str | None = None
 
     def check(self, nodes: int) -> None:
         if self.strategy not in STRATEGY_NAMES:

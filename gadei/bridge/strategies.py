@@ -64,6 +64,10 @@ class Strategy(ABC):
     def leave(self) -> None:
         """Tell the others this rank goes (after the last exchange)."""
 
+    def trace(self) -> dict:
+        """What `--trace` records of the last exchange besides the vectors sent and received."""
+        return {}
+
     @property
     def clean(self) -> bool:
         """Nothing is left in flight: MPI may be finalised."""
@@ -150,3 +154,6 @@ class Elastic(_Collective):
         total = self._allreduce(delta, leaving, finished)
         self.centre += self.alpha * total
         return self.centre if self.final else weights - self.alpha * delta
+
+    def trace(self):
+        return {"centre": self.centre, "alpha": self.alpha}

@@ -13,7 +13,8 @@ def cmd_bridge(args) -> int:
     bucket = None if args.bucket_mb == "auto" else _number_arg("--bucket-mb", args.bucket_mb)
     options = Options(strategy=args.strategy, interval=args.interval, every=args.every, alpha=args.alpha,
                       bucket_mb=bucket, float16=args.float16, timeout=args.timeout,
-                      checkpoint_dir=args.checkpoint_dir, save=args.save, json=args.json)
+                      checkpoint_dir=args.checkpoint_dir, save=args.save, json=args.json,
+                      trace=args.trace)
     return bridge_main(args.job, options, per_rank=args.job_per_rank)
 
 
@@ -56,4 +57,7 @@ def add_parser(sub) -> None:
                    "(average, elastic: the last exchange's; gossip: the mean of the final weights); '{rank}' is "
                    "replaced by this rank's number")
     p.add_argument("--json", action="store_true", help="JSON lines on stdout: ready, one per exchange, ended")
+    p.add_argument("--trace", metavar="DIR", help="write each exchange's vectors to DIR/rank-R/N.npz (the weights sent, "
+                   "the target, elastic's centre, gossip's pair): a copy of the model per exchange, for tests and "
+                   "debugging")
     p.set_defaults(func=cmd_bridge)
