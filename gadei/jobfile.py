@@ -22,6 +22,8 @@ validated `Job` before anything starts.
     batch = 2                     # default: 2 below 10k samples, 4 up to 100k, 32 above
     optimizer = "adagrad"         # adagrad or sgd (default: adagrad; elastic mode: sgd)
     nonfinite = "skip"            # a gradient with NaN or inf: skip it and count it (default), or stop the job
+    row_sparse = "auto"           # embedding gradients travel as the touched rows: true, false, or "auto" (default:
+                                  # when the model's embedding gradients are sparse, as the text CNN's; not elastic)
     lr = 0.01
     epochs = 20                   # default: about 30,000 updates with adagrad, 60,000 with sgd (3 to 20)
     seed = 0
@@ -104,6 +106,7 @@ class Train:
     seed: int = 0
     devices: str = "cpu"  # where learners train, round-robin: "cpu", "auto" (`with_defaults`) or "cuda:0,cuda:1"
     nonfinite: str = "skip"  # a gradient with NaN or inf values: "skip" it and count it, or "stop" the job
+    row_sparse: bool | str = "auto"  # True, False, or "auto": the server's choice (gadei.Server's row_sparse=None)
 
 
 @dataclass(frozen=True)
@@ -247,7 +250,8 @@ _SCHEMA = {
     "train": {"learners": ("learners", False), "mode": ("mode", False), "optimizer": ("optimizer", False),
               "batch": ("positive_int", False),
               "lr": ("positive_float", False), "epochs": ("positive_int", False), "seed": ("seed", False),
-              "devices": ("devices", False), "nonfinite": ("nonfinite", False)},
+              "devices": ("devices", False), "nonfinite": ("nonfinite", False),
+              "row_sparse": ("row_sparse", False)},
     "checkpoint": {"interval": ("positive_float", False), "keep": ("positive_int", False)},
     "output": {"folder": ("text", False), "private": ("bool", False)},
     "bridge": {"strategy": ("strategy", False), "interval": ("positive_int", False), "every": ("positive_float", False),
@@ -458,6 +462,10 @@ def _value(where: str, section: str, key: str, kind: str, value, base: Path):
         low, high = {"learners": (1, MAX_LEARNERS), "seed": (0, 2**32 - 1)}.get(kind, (1, 10**9))
         if not low <= value <= high:
             raise JobFileError(f"{field_} is out of range; allowed: {low} to {high:,}")
+        return value
+    if kind == "row_sparse":
+        if not isinstance(value, bool) and value != "auto":
+            refuse('true, false or "auto" (row-sparse when the model\'s embedding gradients are sparse)')
         return value
     if kind == "bool":
         if not isinstance(value, bool):

@@ -254,6 +254,14 @@ def _describe(prepared: _Prepared, node: "_Node | None") -> list[str]:
     return lines
 
 
+def _row_sparse(choice, node) -> list[str]:
+    """`gadei serve`'s row-sparse flag for [train] row_sparse: "auto" is the server's own choice,
+    but a bridged node's (the bridge moves every row, so its job's gradients stay dense)."""
+    if choice == "auto":
+        return ["--no-row-sparse"] if node is not None else []
+    return ["--row-sparse" if choice else "--no-row-sparse"]
+
+
 def _run(prepared: _Prepared, quiet: bool, node: "_Node | None" = None) -> int:
     """Start the job's server, watchdog and learners (and the node's bridge), follow it to its
     end, write the outputs; the exit code."""
@@ -269,7 +277,7 @@ def _run(prepared: _Prepared, quiet: bool, node: "_Node | None" = None) -> int:
     rings = t.learners + (1 if node is not None else 0)  # a bridged node's bridge takes a ring of its own
     command = [*gadei_command("serve", job.name), "--workload", job.workload, "--data", spec,
                "--seed", str(t.seed), "--lr", str(node.lr(job) if node is not None else t.lr), "--mode", t.mode,
-               "--optimizer", t.optimizer, "--nonfinite", t.nonfinite,
+               "--optimizer", t.optimizer, "--nonfinite", t.nonfinite, *_row_sparse(t.row_sparse, node),
                "--learners", str(rings),
                "--checkpoint-dir", str(out / "checkpoints"), "--checkpoint-every", str(job.checkpoint.interval),
                "--keep", str(job.checkpoint.keep), "--log-dir", str(out / "logs"), "--save", str(out / "model.pt"),

@@ -88,7 +88,10 @@ class Server:
             mode's options (see `gadei.modes.Options`); nonfinite: "skip" (default) or "stop".
         grad_dtype: element type of gradients in the rings: 'float32', 'float16' or 'bfloat16'.
         row_sparse: embedding tables (nn.Embedding, nn.EmbeddingBag) travel as the rows a
-            mini-batch touched instead of whole tables (needs `model`).
+            mini-batch touched instead of whole tables (needs `model`). None (default): on
+            when the model's embedding gradients are sparse (`sparse=True`), as the text
+            CNN's are, except in elastic mode (which moves whole weights); so the server
+            reads and updates only the touched rows, not the whole table, every step.
         max_rows: most distinct rows of one table one gradient may carry.
         learners: most learners attached at once (one ring each).
         slots: gradient slots per learner ring.
@@ -118,7 +121,7 @@ class Server:
         drop_after: float = 10.0,
         nonfinite: str = "skip",
         grad_dtype: str = "float32",
-        row_sparse: bool = False,
+        row_sparse: bool | None = None,
         max_rows: int = 8192,
         learners: int = 8,
         slots: int = 2,
@@ -139,6 +142,9 @@ class Server:
         self.spin_ns = int(1000 * (env.spin_us if spin_us is None else spin_us))
         self._cores = os.cpu_count() or 1
         spec, sparse = None, ()
+        auto = row_sparse is None
+        if auto:
+            row_sparse = model is not None and mode != "elastic" and params.sparse_grads(model)
         if model is not None:
             params.check_model(job, model)
             spec = params.spec_of(model)
@@ -195,9 +201,10 @@ class Server:
         self._skipped_addr = h.addr("nonfinite_skipped")
         self._next_audit = 0
         self._closed = False
-        transport = grad_dtype + (f", {len(sparse)} row-sparse tables" if sparse else "")
+        transport = f"{grad_dtype} gradients" + (f", {len(sparse)} row-sparse tables" if sparse else "") + \
+            (" (chosen: the model's embedding gradients are sparse)" if auto and sparse else "")
         log.info(
-            "job %r: serving %s parameters (%s) in %s mode, %s gradients, %d learner rings of %d slots, lr %g, "
+            "job %r: serving %s parameters (%s) in %s mode, %s, %d learner rings of %d slots, lr %g, "
             "%d kernel threads", job, f"{shape.n_params:,}", _mb(shape.n_params * 4), mode, transport,
             shape.capacity, slots, lr, self.threads,
         )

@@ -225,8 +225,10 @@ def add_parser(sub) -> None:
                    "default), or stop the job with an error (stop)")
     p.add_argument("--grad-dtype", choices=("float32", "float16", "bfloat16"), default="float32",
                    help="gradients in the rings as float32 (default), float16 or bfloat16")
-    p.add_argument("--row-sparse", action="store_true",
-                   help="embedding tables travel as the rows a mini-batch touched (needs --workload or --model)")
+    p.add_argument("--row-sparse", action=argparse.BooleanOptionalAction, default=None,
+                   help="embedding tables travel as the rows a mini-batch touched (needs --workload or --model); "
+                   "default: on when the model's embedding gradients are sparse (nn.Embedding(sparse=True), as the "
+                   "text CNN's), except in elastic mode")
     p.add_argument("--max-rows", type=int, default=8192,
                    help="row-sparse: most distinct rows of a table in one gradient (default 8192)")
     p.add_argument("--learners", type=int, default=8, help="most learners attached at once (default 8)")
