@@ -62,9 +62,19 @@ log = logging.getLogger(__name__)
 BEAT_INTERVAL = 0.05  # seconds between heartbeats while gradients flow
 _BEAT_NS = int(BEAT_INTERVAL * 1e9)
 HOLD_LIMIT = 2.0  # seconds the server stays paused for a checkpoint before it goes on without it
-DOZE = 0.05  # seconds after the last gradient that an idle server sleeps in short pieces (see _serve_each)
+DOZE = 0.05  # seconds after the last gradient that an idle server dozes (see _serve_each)
 _DOZE_NS = int(DOZE * 1e9)
-DOZE_SLICE = 50e-6  # seconds of one such piece
+DOZE_SLICE = 50e-6  # seconds between two looks at the rings while it dozes
+_NAP_NS = int(DOZE_SLICE * 1e9)
+
+
+def _runnable() -> int:
+    """Threads runnable on the machine now, this one included (/proc/loadavg); 0 where unknown."""
+    try:
+        with open("/proc/loadavg", "rb") as f:
+            return int(f.read().split()[3].split(b"/")[0])
+    except (OSError, IndexError, ValueError):
+        return 0
 
 
 def _short_timer_slack() -> None:
@@ -349,10 +359,13 @@ class Server:
         """async, consistent, elastic: one update per gradient, rings taken round-robin.
 
         While gradients flow it spins (up to spin_ns) for the next one; after that, for DOZE
-        seconds since the last gradient, it sleeps on the doorbell in DOZE_SLICE pieces (a
-        vCPU halted that briefly wakes at once when a learner rings: a pause of a few
-        milliseconds does not cost the next gradient a deep wake-up), then in WAIT_SLICE ones.
-        Both only while the server has a core of its own; else it sleeps at once.
+        seconds since the last gradient, it dozes: looks at the rings every DOZE_SLICE and
+        sleeps in between (natively, GIL released; a vCPU halted that briefly wakes at once,
+        so a pause of a few milliseconds does not cost the next gradient a deep wake-up, and
+        learners need not ring); then it sleeps on the doorbell. It spins and dozes only while
+        it has a core of its own: the attached learners' threads and the server fit the cores,
+        and the machine's runnable threads (other jobs' too, /proc/loadavg) do not exceed
+        them; else it sleeps at once and leaves the cores to the learners.
         """
         state_addr = self.region.header.addr("run_state")
         consumer = self._consumer
@@ -365,8 +378,11 @@ class Server:
             learner = consumer.poll(spin_ns if flowing else 0)
             if learner < 0:
                 self._beat()
-                dozing = own_core and time.monotonic_ns() - last < _DOZE_NS
-                learner = consumer.sleep(DOZE_SLICE if dozing else WAIT_SLICE)
+                idle = time.monotonic_ns() - last
+                if own_core and idle < _DOZE_NS:
+                    learner = consumer.poll(min(_DOZE_NS - idle, _BEAT_NS), _NAP_NS)
+                else:
+                    learner = consumer.sleep(WAIT_SLICE)
                 flowing = learner >= 0
                 if learner < 0:
                     continue
@@ -376,7 +392,7 @@ class Server:
             if now >= next_beat:
                 self._beat(now)
                 next_beat = now + _BEAT_NS
-                own_core = consumer.learner_threads() + 1 <= self._cores
+                own_core = consumer.learner_threads() + 1 <= self._cores and _runnable() <= self._cores
                 spin_ns = self.spin_ns if own_core else 0
 
     def _serve_rounds(self) -> None:

@@ -248,8 +248,10 @@ def rpc_worker(rank, trainers, batch, epochs, seed, lr, data, limit, port, queue
             ps = BatchUpdateParameterServer(model_for(workload, train, seed), trainers, lr)
             ps_rref = rpc.RRef(ps)
             cpu = time.process_time()
+            # timeout 0: a trainer's whole loop runs as this one call (an epoch at batch 1 takes
+            # longer than RPC's default 60 s on a busy machine)
             futs = [rpc.rpc_async(f"trainer{r}", _rpc_trainer,
-                                  args=(ps_rref, r - 1, trainers, batch, epochs, seed, lr, data, limit))
+                                  args=(ps_rref, r - 1, trainers, batch, epochs, seed, lr, data, limit), timeout=0)
                     for r in range(1, trainers + 1)]
             results = torch.futures.wait_all(futs)
             queue.put({"rank": -1, "cpu": time.process_time() - cpu})
