@@ -27,6 +27,7 @@ LABELS = {"plain": "plain PyTorch", "gadei": "gadei", "hogwild": "Hogwild", "ddp
           "ddp-lr": "DDP gloo, lr x N", "rpc": "RPC parameter server"}
 PEERS = ("plain", "hogwild", "ddp", "ddp-lr", "rpc")
 BATCHES = (1, 2, 4, 32)
+SCALING_LEARNERS = (1, 2, 3, 4)
 QUICK_LIMIT = 320  # samples a --quick run trains on (all processes together)
 
 
@@ -188,6 +189,12 @@ def _reap(procs, server, job) -> None:
                 remove(job)  # a killed server leaves its region behind
 
 
+def scaling_methods(quick: bool) -> list[tuple[str, int]]:
+    """The runs of `gadei bench scaling`: the plain loop, and gadei and Hogwild with 1 to 4 learners."""
+    learners = (1, 2) if quick else SCALING_LEARNERS
+    return [("plain", 1)] + [(kind, n) for kind in ("gadei", "hogwild") for n in learners]
+
+
 def methods(quick: bool) -> list[tuple[str, int]]:
     if quick:
         return [("plain", 1), ("gadei", 1), ("gadei", 2), ("hogwild", 2), ("ddp", 2), ("rpc", 2)]
@@ -201,8 +208,6 @@ _DONE: dict = {}  # (id(args), method, learners, batch) -> runs: `peers scaling`
 def shared_runs(args, data: str, lr: float, limit: int) -> dict:
     """The runs of every benchmark of this command that trains peers (`peers`, `scaling`),
     made once, all interleaved together; by (method, learners, batch)."""
-    from .scaling import scaling_methods
-
     wanted = []
     if "peers" in args.what:
         wanted += methods(args.quick)

@@ -12,19 +12,11 @@ interleaved together.
 import logging
 from pathlib import Path
 
-from .peers import LABELS, QUICK_LIMIT, _batches, shared_runs, summarise
+from .peers import LABELS, QUICK_LIMIT, _batches, scaling_methods, shared_runs, summarise
 from .timing import table
 from .train import _default_data
 
 log = logging.getLogger(__name__)
-
-LEARNERS = (1, 2, 3, 4)
-
-
-def scaling_methods(quick: bool) -> list[tuple[str, int]]:
-    learners = (1, 2) if quick else LEARNERS
-    return [("plain", 1)] + [(kind, n) for kind in ("gadei", "hogwild") for n in learners]
-
 
 def bench_scaling(args) -> dict:
     data = _default_data(args)
@@ -103,7 +95,7 @@ def plot(curves: list[dict], learners, path: str, title: str) -> None:
             share.set_ylabel("server's share of CPU %", fontsize=8)
     axes[0][0].set_ylabel("samples/s")
     axes[0][0].legend(fontsize=7, loc="lower right")
-    fig.suptitle(title, fontsize=9)
+    fig.suptitle(title, fontsize=8 if len(curves) > 1 else 6)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
