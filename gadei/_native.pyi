@@ -24,9 +24,10 @@ def futex_wait(addr: int, expected: int, timeout_s: float, /) -> int:
     """Sleep while the word holds `expected`: 0 when woken (or it already differed), 1 on time-out."""
 def futex_wake(addr: int, n: int, /) -> int:
     """Wake up to `n` waiters; how many woke."""
-def poll_rings(table: int, count: int, stride: int, head_off: int, tail_off: int, start: int, spin_ns: int, /) -> int:
+def poll_rings(table: int, count: int, stride: int, head_off: int, tail_off: int, start: int, spin_ns: int,
+               nap_ns: int = 0, /) -> int:
     """The first ring from `start` (round-robin) whose head is past its tail, spinning up to
-    `spin_ns`; -1 when none."""
+    `spin_ns` (with `nap_ns`: sleeping that long between looks instead of spinning); -1 when none."""
 
 # update kernels
 def sgd(w: int, g: int, n: int, lr: float, clear: int, threads: int, dtype: int = ..., /) -> None:

@@ -22,6 +22,8 @@ validated `Job` before anything starts.
     batch = 2                     # default: 2 below 10k samples, 4 up to 100k, 32 above
     optimizer = "adagrad"         # adagrad or sgd (default: adagrad; elastic mode: sgd)
     nonfinite = "skip"            # a gradient with NaN or inf: skip it and count it (default), or stop the job
+    row_sparse = "auto"           # embedding gradients travel as the touched rows: true, false, or "auto" (default:
+                                  # when the model's embedding gradients are sparse, as the text CNN's; not elastic)
     lr = 0.01
     epochs = 20                   # default: about 30,000 updates with adagrad, 60,000 with sgd (3 to 20)
     seed = 0
@@ -208,7 +210,10 @@ class Job:
             raise JobFileError(f"{where}: [job] name = {self.name!r}: node {node} of {nodes} runs it as {name!r}, "
                                f"which is longer than a job name may be; allowed: up to {63 - (len(name) - len(self.name))} "
                                "characters") from None
-        return replace(self, name=name, output=self.output / f"node-{node}")
+        transport = self.transport
+        if transport.row_sparse is None:  # the bridge moves every row: a bridged node's gradients stay dense
+            transport = replace(transport, row_sparse=False)
+        return replace(self, name=name, output=self.output / f"node-{node}", transport=transport)
 
     def to_toml(self) -> str:
         """The job as TOML, every field written (the job as run)."""
@@ -390,6 +395,9 @@ def _check_bridge(where: str, raw: dict, given: dict, train: dict) -> Bridge | N
     if "alpha" in given and strategy != "elastic":
         raise JobFileError(f"{where}: [bridge] alpha = {written['alpha']!r} with strategy = {strategy!r}: alpha is the "
                            "elastic strategy's moving rate; allowed: with strategy = 'elastic'")
+    if raw.get("transport", {}).get("row_sparse") is True:
+        raise JobFileError(f"{where}: [transport] row_sparse = true with a [bridge] section: the bridge moves every "
+                           "row of the weights; allowed with [bridge]: false or \"auto\" (dense on a bridged node)")
     if train.get("mode") == "sync":
         raise JobFileError(f"{where}: [train] mode = 'sync' with a [bridge] section: the bridge would be a member of "
                            "every round; allowed with [bridge]: async, consistent, elastic")
@@ -477,6 +485,10 @@ def _value(where: str, section: str, key: str, kind: str, value, base: Path):
         low, high = 1, 10**9
         if not low <= value <= high:
             raise JobFileError(f"{field_} is out of range; allowed: {low} to {high:,}")
+        return value
+    if kind == "row_sparse":
+        if not isinstance(value, bool) and value != "auto":
+            refuse('true, false or "auto" (row-sparse when the model\'s embedding gradients are sparse)')
         return value
     if kind == "bool":
         if not isinstance(value, bool):

@@ -26,7 +26,7 @@ from typing import Any, Callable
 def option(default: Any, help: str, *, choices: tuple | None = None, low: float | None = None,
            high: float | None = None, low_open: bool = False, high_open: bool = False, flag: bool = True,
            job: bool = True, metavar: str | None = None, check: Callable[[Any], Any] | None = None,
-           shown: str | None = None, modes: tuple[str, ...] | None = None) -> Any:
+           shown: str | None = None, modes: tuple[str, ...] | None = None, auto: bool = False) -> Any:
     """A dataclass field that declares an option.
 
     Args:
@@ -40,12 +40,14 @@ def option(default: Any, help: str, *, choices: tuple | None = None, low: float 
         check: a function of the value that returns it (or a normalised one) or raises
             ValueError saying what is allowed, for what ranges and choices cannot say.
         shown: the default as `--help` says it, where the value does not say it well.
+        auto: None is the part's own choice, written "auto" in a job file (the default).
         modes: the training modes that use the option (None: all); a value other than the
             default in another mode is refused (`RuleOptions.check`), and `gadei status`
             shows it only in these.
     """
     meta = dict(help=help, choices=choices, low=low, high=high, low_open=low_open, high_open=high_open, flag=flag,
-                job=job, metavar=metavar, check=check, shown=shown, modes=modes)
+                job=job, metavar=metavar, check=check, shown=shown, modes=modes,
+                auto=auto)
     return dataclasses.field(default=default, metadata={"option": meta})
 
 
@@ -87,7 +89,7 @@ def allowed(cls, name: str) -> str:
     if meta["choices"]:
         return ", ".join(map(str, meta["choices"]))
     if kind is bool:
-        return "true or false"
+        return 'true, false or "auto"' if meta["auto"] else "true or false"
     what = {int: "an integer", float: "a number", str: "a string"}[kind]
     low, high = meta["low"], meta["high"]
     if kind is int and low is not None and high is not None:
@@ -113,13 +115,14 @@ def check(cls, name: str, value: Any) -> Any:
         raise KeyError(f"{cls.__name__} has no option {name!r}")
     meta = f.metadata["option"]
     kind, optional = _types(cls, f)
-    if value is None and optional:
+    if value is None and optional or meta["auto"] and value == "auto":
         return None
     ok = (isinstance(value, bool) if kind is bool else
           isinstance(value, (int, float)) and not isinstance(value, bool) if kind is float else
           isinstance(value, int) and not isinstance(value, bool) if kind is int else isinstance(value, kind))
     if not ok:
-        what = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[kind]
+        what = {bool: 'true, false or "auto"' if meta["auto"] else "true or false", int: "an integer",
+                float: "a number", str: "a string"}[kind]
         words = allowed(cls, name)
         raise ValueError(f"is {_type_name(value)}; allowed: {what}" + ("" if words.startswith(what) else f" ({words})"))
     if kind is float:
@@ -172,7 +175,7 @@ def add_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls
         if not meta["flag"] or f.name in skip:
             continue
         kind, optional = _types(cls, f)
-        default = meta["shown"] or ("none" if f.default is None else "on" if f.default is True else
+        default = meta["shown"] or ("auto" if f.default is None and meta["auto"] else "none" if f.default is None else "on" if f.default is True else
                                     "off" if f.default is False else f"{f.default:g}" if kind is float else
                                     str(f.default))
         text = f"{meta['help']} (default {default})"

@@ -37,6 +37,12 @@ def sparse_tables(model: torch.nn.Module, max_rows: int) -> tuple[SparseTable, .
     return tuple(sorted(tables, key=lambda t: t.offset))
 
 
+def sparse_grads(model: torch.nn.Module) -> bool:
+    """True when an embedding table of `model` makes sparse gradients (nn.Embedding or
+    nn.EmbeddingBag with sparse=True): only the rows a mini-batch touched have a gradient."""
+    return any(isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse for m in model.modules())
+
+
 def count(spec: Spec) -> int:
     """Number of scalars in `spec`."""
     return sum(math.prod(shape) for _, shape in spec)

@@ -291,10 +291,12 @@ class Consumer:
         for learner, tail in enumerate(self._tails):
             check_ring(region.job, learner, _native.load64(self._head_addrs[learner]), tail, self.slots)
 
-    def poll(self, spin_ns: int) -> int:
-        """The next ring (round-robin) holding a published gradient, spinning up to spin_ns; -1 if none."""
+    def poll(self, spin_ns: int, nap_ns: int = 0) -> int:
+        """The next ring (round-robin) holding a published gradient, spinning up to spin_ns; -1 if none.
+        With nap_ns: looking every nap_ns (sleeping in between) instead of spinning."""
         found = _native.poll_rings(
-            self._table, self.capacity, ENTRY_BYTES, ENTRY["head"].offset, ENTRY["tail"].offset, self._next, spin_ns
+            self._table, self.capacity, ENTRY_BYTES, ENTRY["head"].offset, ENTRY["tail"].offset, self._next, spin_ns,
+            nap_ns,
         )
         if found >= 0:
             self._next = (found + 1) % self.capacity

@@ -65,6 +65,30 @@ log = logging.getLogger(__name__)
 BEAT_INTERVAL = 0.05  # seconds between heartbeats while gradients flow
 _BEAT_NS = int(BEAT_INTERVAL * 1e9)
 HOLD_LIMIT = 2.0  # seconds the server stays paused for a checkpoint before it goes on without it
+DOZE = 0.05  # seconds after the last gradient that an idle server dozes (see _serve_each)
+_DOZE_NS = int(DOZE * 1e9)
+DOZE_SLICE = 50e-6  # seconds between two looks at the rings while it dozes
+_NAP_NS = int(DOZE_SLICE * 1e9)
+
+
+def _runnable() -> int:
+    """Threads runnable on the machine now, this one included (/proc/loadavg); 0 where unknown."""
+    try:
+        with open("/proc/loadavg", "rb") as f:
+            return int(f.read().split()[3].split(b"/")[0])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def _short_timer_slack() -> None:
+    """Let this thread's short sleeps end on time: Linux adds up to 50 us of timer slack to
+    each by default, as long as a DOZE_SLICE itself (prctl PR_SET_TIMERSLACK, 1 ns)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(29, 1, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: the default slack
+        pass
 
 
 @dataclass(frozen=True)
@@ -148,6 +172,9 @@ class Server:
         self.spin_ns = int(1000 * (env.spin_us if spin_us is None else spin_us))
         self._cores = os.cpu_count() or 1
         spec, sparse = None, ()
+        auto = row_sparse is None
+        if auto:
+            row_sparse = model is not None and mode != "elastic" and params.sparse_grads(model)
         if model is not None:
             params.check_model(job, model)
             spec = params.spec_of(model)
@@ -204,9 +231,10 @@ class Server:
         self._skipped_addr = h.addr("nonfinite_skipped")
         self._next_audit = 0
         self._closed = False
-        described = grad_dtype + (f", {len(sparse)} row-sparse tables" if sparse else "")
+        described = f"{grad_dtype} gradients" + (f", {len(sparse)} row-sparse tables" if sparse else "") + \
+            (" (chosen: the model's embedding gradients are sparse)" if auto and sparse else "")
         log.info(
-            "job %r: serving %s parameters (%s) in %s mode, %s gradients, %d learner rings of %d slots, lr %g, "
+            "job %r: serving %s parameters (%s) in %s mode, %s, %d learner rings of %d slots, lr %g, "
             "%d kernel threads", job, f"{shape.n_params:,}", _mb(shape.n_params * 4), mode, described,
             shape.capacity, slots, rule.lr, self.threads,
         )
@@ -334,28 +362,44 @@ class Server:
                                 "request that the server pause): the region is corrupt")
 
     def _serve_each(self) -> None:
-        """async, consistent, elastic: one update per gradient, rings taken round-robin."""
+        """async, consistent, elastic: one update per gradient, rings taken round-robin.
+
+        While gradients flow it spins (up to spin_ns) for the next one; after that, for DOZE
+        seconds since the last gradient, it dozes: looks at the rings every DOZE_SLICE and
+        sleeps in between (natively, GIL released; a vCPU halted that briefly wakes at once,
+        so a pause of a few milliseconds does not cost the next gradient a deep wake-up, and
+        learners need not ring); then it sleeps on the doorbell. It spins and dozes only while
+        it has a core of its own: the attached learners' threads and the server fit the cores,
+        and the machine's runnable threads (other jobs' too, /proc/loadavg) do not exceed
+        them; else it sleeps at once and leaves the cores to the learners.
+        """
         state_addr = self.region.header.addr("run_state")
         consumer = self._consumer
-        next_beat, spin_ns = 0, 0
+        next_beat, spin_ns, own_core, last = 0, 0, False, 0
         flowing = False  # the last look found a gradient: spin for the next one before sleeping
+        _short_timer_slack()
         while _native.load32(state_addr) == SERVING:
             if _native.load32(self._hold_addr):
                 self._pause()
             learner = consumer.poll(spin_ns if flowing else 0)
             if learner < 0:
                 self._beat()
-                learner = consumer.sleep(WAIT_SLICE)
+                idle = time.monotonic_ns() - last
+                if own_core and idle < _DOZE_NS:
+                    learner = consumer.poll(min(_DOZE_NS - idle, _BEAT_NS), _NAP_NS)
+                else:
+                    learner = consumer.sleep(WAIT_SLICE)
                 flowing = learner >= 0
                 if learner < 0:
                     continue
             flowing = True
             self._update([self._take(learner)])
-            now = time.monotonic_ns()
+            last = now = time.monotonic_ns()
             if now >= next_beat:
                 self._beat(now)
                 next_beat = now + _BEAT_NS
-                spin_ns = self.spin_ns if consumer.learner_threads() + 1 <= self._cores else 0
+                own_core = consumer.learner_threads() + 1 <= self._cores and _runnable() <= self._cores
+                spin_ns = self.spin_ns if own_core else 0
 
     def _serve_rounds(self) -> None:
         """sync: one update per round of one gradient from every live learner."""

@@ -229,21 +229,25 @@ gd_futex_wake(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 }
 
 /*
- * poll_rings(table, count, stride, head_off, tail_off, start, spin_ns) -> index or -1.
+ * poll_rings(table, count, stride, head_off, tail_off, start, spin_ns[, nap_ns]) -> index or -1.
  * Spins (GIL released, with a pause hint) until some ring i, looked at round-robin from
  * `start`, has head != tail, or spin_ns passed. The entries are `count` records of
  * `stride` bytes at `table`, each with its 64-bit head and tail at the given offsets.
+ * With nap_ns > 0 it sleeps nap_ns between looks instead of spinning (a doze: a few
+ * microseconds of CPU a look, and a vCPU halted that briefly wakes at once).
  */
 static PyObject *
 gd_poll_rings(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    uint64_t count, stride, head_off, tail_off, start, spin_ns;
-    if (gd_nargs("poll_rings", nargs, 7) < 0) return NULL;
+    uint64_t count, stride, head_off, tail_off, start, spin_ns, nap_ns = 0;
+    if (nargs != 8 && gd_nargs("poll_rings", nargs, 7) < 0) return NULL;
     GD_ADDR(args[0], table);
     if (gd_arg_u64(args[1], &count) < 0 || gd_arg_u64(args[2], &stride) < 0 ||
         gd_arg_u64(args[3], &head_off) < 0 || gd_arg_u64(args[4], &tail_off) < 0 ||
-        gd_arg_u64(args[5], &start) < 0 || gd_arg_u64(args[6], &spin_ns) < 0)
+        gd_arg_u64(args[5], &start) < 0 || gd_arg_u64(args[6], &spin_ns) < 0 ||
+        (nargs == 8 && gd_arg_u64(args[7], &nap_ns) < 0))
         return NULL;
+    struct timespec nap = {(time_t)(nap_ns / 1000000000u), (long)(nap_ns % 1000000000u)};
     long found = -1;
     if (count == 0) return PyLong_FromLong(-1);
     Py_BEGIN_ALLOW_THREADS
@@ -264,6 +268,12 @@ gd_poll_rings(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             }
         }
         if (found >= 0) break;
+        if (nap_ns) {
+            if (gd_now_ns() >= deadline) break;
+            nanosleep(&nap, NULL);
+            __atomic_thread_fence(__ATOMIC_SEQ_CST);
+            continue;
+        }
         if ((round & 63) == 0 && gd_now_ns() >= deadline) break;
         GD_CPU_RELAX();
     }
@@ -576,7 +586,7 @@ static PyMethodDef gd_methods[] = {
     GD_FAST("cas32", gd_cas32, "cas32(addr, e, d) -> bool"),
     GD_FAST("futex_wait", gd_futex_wait, "futex_wait(addr, expected, timeout_s) -> 0 woken / 1 timed out"),
     GD_FAST("futex_wake", gd_futex_wake, "futex_wake(addr, n) -> woken"),
-    GD_FAST("poll_rings", gd_poll_rings, "poll_rings(table, count, stride, head_off, tail_off, start, spin_ns) -> index or -1"),
+    GD_FAST("poll_rings", gd_poll_rings, "poll_rings(table, count, stride, head_off, tail_off, start, spin_ns[, nap_ns]) -> index or -1"),
     GD_FAST("sgd", py_sgd, "sgd(w, g, n, lr, clear, threads[, dtype]): w -= lr * g in place"),
     GD_FAST("momentum", py_momentum, "momentum(w, v, g, n, lr, mu, clear, threads, dtype): v = mu v + g; w -= lr v"),
     GD_FAST("adagrad", py_adagrad, "adagrad(w, s, g, n, lr, eps, clear, threads, dtype): s += g^2; "

@@ -351,3 +351,37 @@ def test_a_squatted_region_name_is_a_clear_error_naming_its_owner(procs, tmp_pat
     finally:
         if os.path.lexists(path):
             os.unlink(path)
+
+
+def test_bench_peers_and_scaling_quick(procs, tmp_path):
+    """A smoke run of `gadei bench peers scaling --quick` (what CI runs): every peer trains on
+    TREC (gadei 1 and 2 learners, plain PyTorch, Hogwild, DDP over gloo, the RPC parameter
+    server) and reports samples/s, accuracy, CPU per sample and the ratios; the scaling curve
+    and its plot are written (the figures themselves are for docs/benchmarks.md)."""
+    from helpers import data_dir, missing
+
+    trec = data_dir() / "trec"
+    if not (trec / "TREC.train").exists():
+        missing(f"TREC under {data_dir()}")
+    out_file, plot = tmp_path / "peers.json", tmp_path / "scaling.png"
+    out, _ = finish(procs.gadei("bench", "peers", "scaling", "--quick", "--repeats", "1", "--data", f"trec:{trec}",
+                                "--out", out_file, "--plot", plot), 600)
+    assert "RPC parameter server 1 + 2" in out and "DDP gloo 2 processes" in out and "gadei N / this" in out
+    saved = json.loads(out_file.read_text())
+    (row,) = saved["peers"]["rows"]
+    assert row["batch"] == 4
+    methods = row["methods"]
+    assert set(methods) == {"plain-1", "gadei-1", "gadei-2", "hogwild-2", "ddp-2", "rpc-2"}
+    for name, m in methods.items():
+        (run,) = m["runs"]
+        assert m["samples_per_s"] > 0 and m["cpu_s_per_sample"] > 0 and 0 < m["test_accuracy"] <= 1, name
+        assert 0 < run["samples"] <= 320 + 8, name  # --quick: about 320 samples
+    # the synchronous peers take equal steps on every rank; the servers' CPU is counted
+    assert methods["ddp-2"]["runs"][0]["samples"] == methods["rpc-2"]["runs"][0]["samples"] == 320
+    assert methods["gadei-2"]["server_cpu_s"] > 0 and methods["rpc-2"]["server_cpu_s"] > 0
+    assert set(row["ratios"]) == {"gadei-1/plain-1", "gadei-2/hogwild-2", "gadei-2/ddp-2", "gadei-2/rpc-2"}
+    (curve,) = saved["scaling"]["curves"]
+    assert [p["learners"] for p in curve["gadei"]] == [p["learners"] for p in curve["hogwild"]] == [1, 2]
+    assert all(0 < p["server_cpu_share"] < 1 for p in curve["gadei"])
+    assert set(saved["scaling"]["smallest_batch"]) == {"gadei", "hogwild"}
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

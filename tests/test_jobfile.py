@@ -49,6 +49,7 @@ def test_a_job_file_parses_with_defaults_and_writes_itself_back(small):
     job = jobfile.load(_job(small, GOOD.format(name="pets")))
     assert job.name == "pets" and job.data.train == (small / "train.csv",) and job.data.test is None
     assert (job.train.learners, job.train.mode, job.train.batch, job.train.lr) == (2, "async", None, 0.01)
+    assert job.transport.row_sparse is None  # "auto"
     assert job.output == small / "runs" / "pets"
     train, test = jobfile.load_data(job)
     assert train.label_names == ["cat", "dog"] and len(train) == 36 and len(test) == 4  # 10% of each label held out
@@ -84,6 +85,8 @@ def test_the_default_mini_batch_follows_the_data_set_size(samples, batch):
     (("[train]\noptimizer = \"adam\"\n", None), "[train] optimizer = 'adam' is not one of the choices; allowed: sgd, adagrad"),
     (("[train]\nnonfinite = \"drop\"\n", None),
      "[train] nonfinite = 'drop' is not one of the choices; allowed: skip, stop"),
+    (("[transport]\nrow_sparse = \"yes\"\n", None),
+     "[transport] row_sparse = 'yes' is a string; allowed: true, false or \"auto\""),
     (("[train]\noptimizer = \"adagrad\"\nmode = \"elastic\"\n", None),
      "[train] optimizer = 'adagrad' with mode = 'elastic': elastic learners take their own local steps"),
     (("[data2]\n", None), "unknown section [data2] (did you mean 'data'?)"),
@@ -372,3 +375,21 @@ def test_a_run_whose_loss_becomes_nan_fails_naming_the_epoch_and_the_learning_ra
     assert run.returncode == 3, out + err
     assert "the training loss is nan after epoch 1" in err and "lr 10" in err and "lower [train] lr" in err, err
     assert "done in" not in out and inspect(name) is None
+
+
+def test_row_sparse_is_the_servers_choice_unless_the_job_file_says(small):
+    """[transport] row_sparse: "auto" (the default) leaves the choice to the server (row-sparse
+    where the model's embedding gradients are sparse), but a bridged node's gradients stay
+    dense (the bridge moves every row); true and false reach the server as they are."""
+    for value in ("true", "false", '"auto"'):
+        job = jobfile.load(_job(small, GOOD.format(name="pets") + f"[transport]\nrow_sparse = {value}\n"))
+        expected = {"true": True, "false": False}.get(value)
+        assert job.transport.row_sparse is expected
+        again = jobfile.load(_job(small, job.to_toml(), "as-run.toml"))
+        assert again.transport.row_sparse is expected
+        assert job.for_node(0, 2).transport.row_sparse is (expected if expected is not None else False)
+    bridged = GOOD.format(name="pets") + "[transport]\nrow_sparse = true\n[bridge]\n"
+    with pytest.raises(JobFileError, match=r"\[transport\] row_sparse = true with a \[bridge\] section"):
+        jobfile.load(_job(small, bridged))
+
+

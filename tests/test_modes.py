@@ -343,3 +343,48 @@ def test_options_a_mode_cannot_use_are_refused(job):
     with gadei.Server(job, model=Flat(100), mode="consistent"):
         with pytest.raises(gadei.RegionMismatch, match="consistent mode: pull must be one of \\['copy'\\]"):
             gadei.Learner(Flat(100), job, pull="view").attach()
+
+
+def test_row_sparse_is_chosen_where_the_embedding_gradients_are_sparse(job):
+    """The server carries the text CNN's embedding (sparse gradients) as row-sparse by itself,
+    so that a step reads the touched rows, not the whole table; not when told otherwise, not
+    in elastic mode, not for a table with dense gradients."""
+    import threading
+
+    from gadei_workloads import build_textcnn
+    from gadei_workloads.text import batches, generate_topics
+
+    def tables(**options):
+        with gadei.Server(job, model=build_textcnn(2000, 3, **options.pop("model", {})), **options) as server:
+            return server.region.shape.sparse
+
+    assert [t.rows for t in tables()] == [2000]
+    assert tables(row_sparse=False) == ()
+    assert tables(mode="elastic") == ()
+    assert tables(model={"sparse_grad": False}) == ()
+    assert [t.rows for t in tables(model={"sparse_grad": False}, row_sparse=True)] == [2000]
+
+    train, _ = generate_topics(seed=0, n_train=200, n_test=20)
+    rows = max(2000, len(train.vocab))
+    model = build_textcnn(rows, train.n_labels)
+    dense_bytes = sum(p.numel() for p in model.parameters()) * 4
+    with gadei.Server(job, model=build_textcnn(rows, train.n_labels)) as server:
+        serving = threading.Thread(target=server.serve)
+        serving.start()
+        try:
+            with gadei.Learner(model, job) as learner:
+                for x, y in batches(train, 2, epoch=0, seed=0):
+                    torch.nn.functional.cross_entropy(model(x), y).backward()
+                    learner.step(samples=len(y))
+        finally:
+            server.request_stop()
+            serving.join(30)
+        h = server.region.header
+        assert h.get("applied") == learner.steps == 100
+        assert h.get("applied_bytes") / h.get("applied") < dense_bytes - rows * 128 * 4 / 2  # a few rows, not the table
+        touched = torch.zeros(rows, dtype=torch.bool)
+        for x, _ in batches(train, 2, epoch=0, seed=0):
+            touched[x.flatten()] = True
+        touched[0] = False  # the padding row: its gradient is zero
+        moved = (server.state_dict()["embedding.weight"] != build_textcnn(rows, train.n_labels).embedding.weight).any(dim=1)
+        assert torch.equal(moved, touched)

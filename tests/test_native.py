@@ -86,6 +86,31 @@ def test_poll_rings_finds_published_work_round_robin():
     assert _native.poll_rings(base, count, stride, head_off, tail_off, 4, 0) == 1
 
 
+def test_poll_rings_dozing_finds_work_published_meanwhile_and_sleeps_otherwise():
+    """With nap_ns the poll sleeps between looks: it finds a gradient another thread publishes
+    during the doze, and a doze with nothing published costs little CPU (it does not spin)."""
+    import threading
+    import time
+
+    stride, count = 128, 3
+    table = np.zeros(stride * count // 8, dtype=np.uint64)
+    base = table.ctypes.data
+    head_off, tail_off = 8, 72
+    cpu = time.thread_time()
+    assert _native.poll_rings(base, count, stride, head_off, tail_off, 0, 200_000_000) == -1
+    spinning = time.thread_time() - cpu
+    cpu, start = time.thread_time(), time.monotonic()
+    assert _native.poll_rings(base, count, stride, head_off, tail_off, 0, 200_000_000, 50_000) == -1
+    assert time.monotonic() - start >= 0.2
+    assert time.thread_time() - cpu < spinning / 2  # the same 0.2 s spinning: all the CPU it was given
+    publisher = threading.Timer(0.05, lambda: _native.store64(base + 2 * stride + head_off, 1))
+    publisher.start()
+    start = time.monotonic()
+    assert _native.poll_rings(base, count, stride, head_off, tail_off, 0, 5_000_000_000, 50_000) == 2
+    assert time.monotonic() - start < 2.0
+    publisher.join()
+
+
 def test_built_with_openmp():
     built, processors = _native.openmp()
     assert built, "setup.py found no OpenMP: the kernel runs serial"

@@ -18,6 +18,13 @@ bridge   the MPI bridge's exchange (time, GB/s, bytes on the wire) against one b
          MPI_Allreduce of the whole model, unbucketed, in buckets sized from the measured
          latency and per-byte cost, and each with float16 on the wire; models of --sizes MB,
          --ranks ranks started with mpiexec on this machine.
+peers    the text CNN trained by gadei (1, 2, 4 learners) against a plain PyTorch loop, Hogwild
+         (2, 4 processes), DDP over gloo (2, 4; also with lr x N) and PyTorch's RPC parameter
+         server (1 + 2, 1 + 4) at mini-batch 1, 2, 4 and 32: samples/s, test accuracy, CPU
+         seconds per sample, and gadei's ratio to each (gadei.bench.peers).
+scaling  samples/s against learners (1 to 4) of gadei and Hogwild at the same batches, the
+         gadei server's share of the CPU, and the smallest batch at which N learners beat one
+         plain process; plotted to --plot (gadei.bench.scaling).
 gpu      GPU learners (gadei.bench.gpu): per-step time of one GPU learner + server against a
          plain PyTorch GPU loop, samples/s and GPU busy fraction with 1-8 learners on one GPU,
          the transports' copy bandwidth against pinned copies; needs CUDA (--device).
@@ -41,10 +48,13 @@ from .bridge import bench_bridge
 from .gpu import bench_gpu
 from .kernel import bench_kernel
 from .latency import bench_latency
+from .peers import bench_peers
+from .scaling import bench_scaling
 from .train import bench_accuracy, bench_modes, bench_train, bench_transport
 
 BENCHES = {"kernel": bench_kernel, "latency": bench_latency, "train": bench_train, "transport": bench_transport,
-           "accuracy": bench_accuracy, "modes": bench_modes, "bridge": bench_bridge, "gpu": bench_gpu}
+           "accuracy": bench_accuracy, "modes": bench_modes, "bridge": bench_bridge, "gpu": bench_gpu,
+           "peers": bench_peers, "scaling": bench_scaling}
 
 
 def run_bench(args) -> int:

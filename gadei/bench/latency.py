@@ -60,7 +60,24 @@ def bench_latency(args) -> dict:
     print(f"\nlatency: push (learner.step) to applied by the server, microseconds; {pushes} pushes each; "
           "a 5 ms gap between pushes lets the server fall asleep on its doorbell")
     print(table(("gradient", "push", "gap", "median", "p90", "copy+update alone", "ratio"), rows))
-    return {"rows": results}
+    wake = wake_up(results)
+    for w in wake:
+        print(f"after a {w['gap_ms']:.0f} ms idle pause a {w['size_mb']} MB {w['push']} push is applied in "
+              f"{w['ratio']:.2f}x the copy and update alone (target: within 2x); waking the server added "
+              f"{w['wake_us']:.0f} us to the push-to-applied of gap 0")
+    return {"rows": results, "wake_up": wake}
+
+
+def wake_up(results: list[dict]) -> list[dict]:
+    """For each size and push: the push-to-applied after an idle pause against the copy and update
+    alone, and what the pause added to it (the idle server's wake-up)."""
+    out = []
+    for r in results:
+        if r["gap_ms"]:
+            busy = next(b for b in results if b["size_mb"] == r["size_mb"] and b["push"] == r["push"] and not b["gap_ms"])
+            out.append({"size_mb": r["size_mb"], "push": r["push"], "gap_ms": r["gap_ms"], "ratio": r["ratio"],
+                        "wake_us": r["median_us"] - busy["median_us"]})
+    return out
 
 
 def _sleep(seconds: float) -> None:

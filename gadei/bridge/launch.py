@@ -19,7 +19,7 @@ from .options import Options
 log = logging.getLogger(__name__)
 
 
-MPIEXEC_OPTIONS = ("--enable-recovery", "--runtime-options", "error-nonzero-status=false")
+MPIEXEC_OPTIONS = ("--enable-recovery", "--runtime-options", "error-nonzero-status=false", "--mca", "mpi_ft_enable", "1")
 
 
 _SIZE_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")

@@ -65,7 +65,8 @@ class LocalNode:
             why = "row-sparse tables: the move changes every row"
         if why:
             raise BridgeError(f"job {self.job!r} cannot be bridged: {why}; serve it in async, consistent or elastic mode "
-                              "with float32 dense gradients")
+                              "with float32 dense gradients (`gadei serve --no-row-sparse`: a model with sparse "
+                              "embedding gradients gets row-sparse tables by default)")
 
     @property
     def n(self) -> int:

@@ -14,7 +14,7 @@ def cmd_bench(args) -> int:
 def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="measure gadei against its alternatives, side by side")
     p.add_argument("what", nargs="*", default=["kernel", "latency", "train"],
-                   help="kernel, latency, train, transport, accuracy, modes, bridge, gpu (default: the first three)")
+                   help="kernel, latency, train, transport, accuracy, modes, bridge, gpu, peers, scaling (default: the first three)")
     p.add_argument("--repeats", type=int, default=5, help="repeated runs (for accuracy and modes: seeds 0..N-1); medians are reported, "
                    "for accuracies the mean and range (default 5)")
     p.add_argument("--quick", action="store_true", help="fewer sizes and steps (a smoke run)")
@@ -28,4 +28,6 @@ def add_parser(sub) -> None:
     p.add_argument("--ranks", type=int, default=2, help="bridge: MPI ranks started on this machine (default 2)")
     p.add_argument("--device", default="cuda:0", help="gpu: the GPU measured (default cuda:0; cpu: a smoke run of "
                    "the harness, figures meaningless)")
+    p.add_argument("--batches", help="peers, scaling: mini-batch sizes, comma-separated (default 1,2,4,32; --quick 4)")
+    p.add_argument("--plot", default="gadei-bench-scaling.png", help="scaling: where to draw the curve (PNG)")
     p.set_defaults(func=cmd_bench)

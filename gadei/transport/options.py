@@ -16,13 +16,18 @@ class TransportOptions:
         grad_dtype: element type of gradients in the rings; float16 and bfloat16 halve the
             bytes a step moves (the server applies them to float32 weights).
         row_sparse: embedding tables (nn.Embedding, nn.EmbeddingBag) travel as the rows a
-            mini-batch touched instead of whole; needs the model (a workload or --model).
+            mini-batch touched instead of whole; needs the model (a workload or --model). None
+            ("auto"): the server turns it on where the model's embedding gradients are sparse,
+            as the text CNN's are, except in elastic mode (which moves whole weights); so it
+            reads and updates only the touched rows, not the whole table, every step.
         max_rows: most distinct rows of one table one gradient may carry (row_sparse).
         slots: gradient slots per learner ring: a learner may have this many gradients
             published and not yet applied.
     """
 
     grad_dtype: str = option("float32", "gradients in the rings as float32, float16 or bfloat16", choices=GRAD_DTYPES)
-    row_sparse: bool = option(False, "embedding tables travel as the rows a mini-batch touched (needs the model)")
+    row_sparse: bool | None = option(None, "embedding tables travel as the rows a mini-batch touched (needs the model); "
+                                     "auto: where the model's embedding gradients are sparse (nn.Embedding(sparse=True), "
+                                     "as the text CNN's), except in elastic mode", auto=True)
     max_rows: int = option(8192, "row_sparse: most distinct rows of a table in one gradient", low=1, high=1 << 24)
     slots: int = option(2, "gradient slots per learner ring", low=1, high=64)

@@ -1,0 +1,296 @@
+"""`gadei bench peers`: gadei against what a PyTorch user would pick instead to train small
+mini-batches on one machine, the same model (the text CNN), data, epochs, seed and lr for all:
+one plain PyTorch process, Hogwild, DistributedDataParallel over gloo, and PyTorch's RPC
+parameter server (see `gadei.bench.peer_workers` for how each is written).
+
+DDP and the RPC parameter server average N gradients per update, so after the same epochs
+they made 1/N of the updates the asynchronous ones made; `ddp-lr` is DDP with lr x N, the
+usual linear scaling, which reaches the others' accuracy (the fair comparison at equal
+accuracy). Each figure is the median of `--repeats` runs; in every repeat the methods run
+in a shuffled order, so that the machine's noise falls on all of them alike.
+"""
+
+import logging
+import os
+import random
+import socket
+import time
+
+import torch
+
+from .timing import median, table
+from .train import _default_data
+
+log = logging.getLogger(__name__)
+
+LABELS = {"plain": "plain PyTorch", "gadei": "gadei", "hogwild": "Hogwild", "ddp": "DDP gloo",
+          "ddp-lr": "DDP gloo, lr x N", "rpc": "RPC parameter server"}
+PEERS = ("plain", "hogwild", "ddp", "ddp-lr", "rpc")
+BATCHES = (1, 2, 4, 32)
+SCALING_LEARNERS = (1, 2, 3, 4)
+QUICK_LIMIT = 320  # samples a --quick run trains on (all processes together)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_peer(kind: str, world: int, batch: int, *, epochs: int, seed: int, lr: float, data: str, limit: int = 0,
+             options: dict | None = None, timeout: float = 3600.0) -> dict:
+    """One timed training run of `kind` with `world` learners (processes, trainers).
+
+    Returns samples/s, seconds, samples, test accuracy, CPU seconds of every process over
+    its training loop (`cpu_s`, the server's or parameter server's part in `server_cpu_s`)
+    and CPU seconds per sample. `limit`: stop after about this many samples (smoke runs).
+    `options`: the gadei Server's options.
+    """
+    from gadei_workloads import get
+
+    from . import peer_workers as w
+
+    ctx = _context()
+    workload = get("textcnn")
+    train, test = workload.load_data(data)
+    queue = ctx.Queue()
+    lr_used = lr * world if kind == "ddp-lr" else lr
+    procs, server, shared, job = [], None, None, None
+    expected = world
+    try:
+        if kind in ("plain", "hogwild"):
+            if kind == "hogwild":
+                shared = w.model_for(workload, train, seed)
+                shared.share_memory()
+            barrier = ctx.Barrier(world)
+            procs = [ctx.Process(target=w.local_worker,
+                                 args=(kind, r, world, batch, epochs, seed, lr, data, limit, shared, barrier, queue))
+                     for r in range(world)]
+        elif kind == "gadei":
+            job = f"bench-peers-{os.getpid()}-{time.monotonic_ns() % 10**9}"
+            server = _start_server(ctx, job, (data, seed, world, lr, options or {}), queue)
+            barrier = ctx.Barrier(world)
+            procs = [ctx.Process(target=w.gadei_learner,
+                                 args=(r, world, batch, epochs, seed, lr, data, limit, job, barrier, queue))
+                     for r in range(world)]
+        elif kind in ("ddp", "ddp-lr"):
+            port = free_port()
+            procs = [ctx.Process(target=w.ddp_worker, args=(r, world, batch, epochs, seed, lr_used, data, limit, port,
+                                                            queue)) for r in range(world)]
+        elif kind == "rpc":
+            port = free_port()
+            procs = [ctx.Process(target=w.rpc_worker, args=(r, world, batch, epochs, seed, lr, data, limit, port, queue))
+                     for r in range(world + 1)]
+            expected = world + 2  # the trainers', the server's CPU and the final model
+        else:
+            raise ValueError(f"unknown method {kind!r}; choose from gadei, {', '.join(PEERS)}")
+        for p in procs:
+            p.start()
+        results = _collect(queue, procs + ([server] if server else []), expected, timeout, f"{kind} {world}")
+        state = next((r["state"] for r in results if r.get("state") is not None), None)
+        if kind == "hogwild":
+            model = shared
+        else:
+            model = w.model_for(workload, train, seed)
+            if kind == "gadei":
+                model.load_state_dict(_gadei_weights(job))
+            else:
+                model.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()})
+        if kind == "gadei":
+            from ..launch import stop_job
+
+            stop_job(job)
+            results += _collect(queue, [server], 1, 60, "gadei server")
+    finally:
+        _reap(procs, server, job)
+    trained = [r for r in results if r["rank"] >= 0 and r.get("start") is not None]
+    start, end = min(r["start"] for r in trained), max(r["end"] for r in trained)
+    samples = sum(r["samples"] for r in trained)
+    cpu = sum(r["cpu"] for r in results if "cpu" in r)
+    server_cpu = sum(r["cpu"] for r in results if r["rank"] == -1)
+    return {"method": kind, "learners": world, "batch": batch, "lr": lr_used, "samples": samples,
+            "seconds": end - start, "samples_per_s": samples / (end - start), "test_accuracy": workload.evaluate(model, test),
+            "cpu_s": cpu, "server_cpu_s": server_cpu, "cpu_s_per_sample": cpu / samples}
+
+
+def _context():
+    """Fresh processes from a fork server that imported torch and the workloads once (a run's
+    start then takes a fork, not seconds of imports per process; nothing of this process's
+    threads or OpenMP state is inherited, unlike a plain fork)."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "gadei_workloads", "gadei.bench.peer_workers", "gadei.learner", "gadei.server"])
+    return ctx
+
+
+def _start_server(ctx, job: str, args: tuple, queue, timeout: float = 120.0):
+    """Start the gadei server of a run and wait until its region is up (or raise what it failed with)."""
+    from ..errors import GadeiTimeout, RegionNotFound
+    from ..region import Region
+    from .peer_workers import gadei_server
+
+    failed = ctx.Queue()
+    proc = ctx.Process(target=gadei_server, args=(job, *args, failed, queue))
+    proc.start()
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            Region.attach(job, readonly=True).close()
+            return proc
+        except (RegionNotFound, GadeiTimeout):
+            pass
+        if not proc.is_alive():
+            reason = failed.get(timeout=1) if not failed.empty() else f"exit code {proc.exitcode}"
+            raise RuntimeError(f"bench job {job!r}: the server did not start: {reason}")
+        if time.monotonic() >= deadline:
+            proc.kill()
+            proc.join()
+            raise TimeoutError(f"bench job {job!r}: the server published no region within {timeout:g} s")
+        time.sleep(0.02)
+
+
+def _gadei_weights(job: str) -> dict:
+    from .. import params
+    from ..region import Region
+
+    with Region.attach(job, readonly=True) as region:
+        return params.state_dict(region.read_spec(), region.weights)
+
+
+def _collect(queue, procs, n: int, timeout: float, what: str) -> list[dict]:
+    """`n` reports from `queue`; raises if a process died first or `timeout` passed."""
+    import queue as queues
+
+    got, deadline = [], time.monotonic() + timeout
+    while len(got) < n:
+        try:
+            got.append(queue.get(timeout=1.0))
+            continue
+        except queues.Empty:
+            pass
+        dead = [p for p in procs if p.exitcode not in (None, 0)]
+        if dead:
+            raise RuntimeError(f"bench {what}: process {dead[0].pid} exited with code {dead[0].exitcode}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"bench {what}: {len(got)} of {n} reports after {timeout:g} s")
+    return got
+
+
+def _reap(procs, server, job) -> None:
+    from ..region import remove
+
+    for p in procs + ([server] if server else []):
+        p.join(30 if p is server else 10)
+        if p.is_alive():
+            p.kill()
+            p.join()
+            if p is server:
+                remove(job)  # a killed server leaves its region behind
+
+
+def scaling_methods(quick: bool) -> list[tuple[str, int]]:
+    """The runs of `gadei bench scaling`: the plain loop, and gadei and Hogwild with 1 to 4 learners."""
+    learners = (1, 2) if quick else SCALING_LEARNERS
+    return [("plain", 1)] + [(kind, n) for kind in ("gadei", "hogwild") for n in learners]
+
+
+def methods(quick: bool) -> list[tuple[str, int]]:
+    if quick:
+        return [("plain", 1), ("gadei", 1), ("gadei", 2), ("hogwild", 2), ("ddp", 2), ("rpc", 2)]
+    return [("plain", 1), ("gadei", 1), ("gadei", 2), ("gadei", 4), ("hogwild", 2), ("hogwild", 4), ("ddp", 2),
+            ("ddp", 4), ("ddp-lr", 2), ("ddp-lr", 4), ("rpc", 2), ("rpc", 4)]
+
+
+_DONE: dict = {}  # (id(args), method, learners, batch) -> runs: `peers scaling` in one command share them
+
+
+def shared_runs(args, data: str, lr: float, limit: int) -> dict:
+    """The runs of every benchmark of this command that trains peers (`peers`, `scaling`),
+    made once, all interleaved together; by (method, learners, batch)."""
+    wanted = []
+    if "peers" in args.what:
+        wanted += methods(args.quick)
+    if "scaling" in args.what:
+        wanted += [m for m in scaling_methods(args.quick) if m not in wanted]
+    keys = [(kind, world, batch) for kind, world in wanted for batch in _batches(args)]
+    missing = [k for k in keys if (id(args), *k) not in _DONE]
+    if missing:
+        for key, rs in interleaved_runs(missing, args, data, lr, limit).items():
+            _DONE[(id(args), *key)] = rs
+    return {k: _DONE[(id(args), *k)] for k in keys}
+
+
+def interleaved_runs(keys: list[tuple[str, int, int]], args, data: str, lr: float, limit: int) -> dict:
+    """Every (method, learners, batch) of `keys`, `--repeats` times, in a shuffled order each
+    repeat (seed `repeat` for all of them in it); the runs by (method, learners, batch)."""
+    out = {key: [] for key in keys}
+    rng = random.Random(0)
+    for repeat in range(args.repeats):
+        order = list(out)
+        rng.shuffle(order)
+        for kind, world, batch in order:
+            result = run_peer(kind, world, batch, epochs=args.epochs, seed=repeat, lr=lr, data=data, limit=limit)
+            out[(kind, world, batch)].append(result)
+            log.info("repeat %d batch %d %s %d: %.0f samples/s, accuracy %.3f, %.2f CPU ms/sample", repeat,
+                     batch, kind, world, result["samples_per_s"], result["test_accuracy"],
+                     1e3 * result["cpu_s_per_sample"])
+    return out
+
+
+def summarise(rs: list[dict]) -> dict:
+    keys = ("samples_per_s", "test_accuracy", "cpu_s_per_sample", "server_cpu_s", "cpu_s", "seconds")
+    return {**{k: median([r[k] for r in rs]) for k in keys}, "runs": rs}
+
+
+def bench_peers(args) -> dict:
+    data = _default_data(args)
+    batches = _batches(args)
+    lr = 0.01
+    runs = methods(args.quick)
+    limit = QUICK_LIMIT if args.quick else 0
+    raw = shared_runs(args, data, lr, limit)
+    records = []
+    for batch in batches:
+        med = {f"{kind}-{world}": summarise(raw[(kind, world, batch)]) for kind, world in runs}
+        ratios = {}
+        for name, m in med.items():
+            kind, world = name.rsplit("-", 1)
+            mine = med.get(f"gadei-{world}")
+            if kind != "gadei" and mine is not None:
+                ratios[f"gadei-{world}/{name}"] = mine["samples_per_s"] / m["samples_per_s"]
+        if "gadei-1" in med and "plain-1" in med:
+            ratios["gadei-1/plain-1"] = med["gadei-1"]["samples_per_s"] / med["plain-1"]["samples_per_s"]
+        records.append({"batch": batch, "methods": med, "ratios": ratios})
+        print(f"\npeers: text CNN on {data}, batch {batch}, {args.epochs} epoch(s){' (quick: ' + str(limit) + ' samples)' if limit else ''}, "
+              f"lr {lr}, seeds 0..{args.repeats - 1}; medians of {args.repeats} interleaved runs")
+        rows = []
+        for kind, world in runs:
+            m = med[f"{kind}-{world}"]
+            mine = med.get(f"gadei-{world}")
+            ratio = "" if kind == "gadei" or mine is None else f"{mine['samples_per_s'] / m['samples_per_s']:.2f}x"
+            if kind == "plain" and "gadei-1" in med:
+                ratio = f"{med['gadei-1']['samples_per_s'] / m['samples_per_s']:.2f}x (gadei 1)"
+            rows.append((f"{LABELS[kind]} {_who(kind, world)}", f"{m['samples_per_s']:.0f}", f"{m['test_accuracy']:.1%}",
+                         f"{1e3 * m['cpu_s_per_sample']:.2f}", ratio))
+        print(table(("method", "samples/s", "test accuracy", "CPU ms/sample", "gadei N / this"), rows))
+    return {"data": data, "epochs": args.epochs, "lr": lr, "limit": limit, "rows": records}
+
+
+def _who(kind: str, world: int) -> str:
+    if kind == "rpc":
+        return f"1 + {world}"
+    return f"{world} learner{'s' if world > 1 else ''}" if kind == "gadei" else \
+        f"{world} process{'es' if world > 1 else ''}"
+
+
+def _batches(args) -> list[int]:
+    if getattr(args, "batches", None):
+        try:
+            batches = [int(b) for b in args.batches.split(",")]
+        except ValueError:
+            raise ValueError(f"--batches {args.batches!r}: give mini-batch sizes as integers, comma-separated") from None
+        if any(b < 1 for b in batches):
+            raise ValueError(f"--batches {args.batches!r}: mini-batch sizes must be >= 1")
+        return batches
+    return [4] if args.quick else list(BATCHES)
