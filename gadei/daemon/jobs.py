@@ -128,12 +128,12 @@ class Daemon:
                 raise GadeiError(f"job {job.name!r} is already {old.state}; cancel it first or give the job "
                                  "another [job] name")
         train, _ = jobfile.load_data(job)  # a data problem is the submitter's to hear, not the log's
-        from ..run import check_output
+        from ..prepare import check_output
 
         check_output(job)  # and an output folder the run could not write
         checkpoints = job.output / "checkpoints"
         if resume:
-            from ..run import resume_point
+            from ..prepare import resume_point
 
             resume_point(job.with_defaults(len(train))[0], remove_model=False)  # refused now, not in the log
         elif checkpoints.is_dir() and any(checkpoints.iterdir()):
