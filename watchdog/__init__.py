@@ -176,6 +176,8 @@ class Watchdog:
         code = self._watch()
         if self.settings.outputs:
             self._record_end(code)
+        if code != SERVER_DEAD:  # kept then: the job's learners may still be adopted
+            remove_state(self.job)  # after the end record: while either exists, the daemon knows the job lives
         return code
 
     def _record_end(self, code: int, timeout: float = 120.0) -> None:
@@ -254,7 +256,6 @@ class Watchdog:
                 log.warning("job %r: the server (pid %d) did not exit; killing it", self.job, self._server.pid)
                 self._server.kill()
                 self._server.wait()
-        remove_state(self.job)
         if self.learners.failed:
             log.error("job %r ended without learners %s (given up)", self.job, self.learners.failed)
             self.reason = (f"the watchdog gave up on launched learners {self.learners.failed}: they died "
@@ -275,7 +276,6 @@ class Watchdog:
             except subprocess.TimeoutExpired:
                 self._server.kill()
                 self._server.wait()
-        remove_state(self.job)
         self.reason = "the server stopped the job as failed (see logs/serve.log); the newest checkpoint is from before"
         return JOB_FAILED
 
