@@ -3,19 +3,17 @@ the job file, its data, the region's name and the output folder (`check`, `check
 the defaults filled in, the point a resumed run goes on from (`resume_point`), and the
 output folder's job.toml and maps (`prepare`). `gadei.run.JobRun` owns the rest of the job's
 life: launch, follow, finish.
+
+`node` everywhere here: the bridged node this process runs (`gadei.run.Node`), or None.
 """
 
 import json
 import os
-from typing import TYPE_CHECKING
 from dataclasses import dataclass
 from pathlib import Path
 
 from . import jobfile, outputs
 from .errors import GadeiError
-
-if TYPE_CHECKING:
-    from .run import Node
 
 
 @dataclass
@@ -44,7 +42,7 @@ def check_job(path: str, *, resume: bool = False) -> list[str]:
     return describe(prepared, None)
 
 
-def check(job: jobfile.Job, resume: bool, node: "Node | None", *, remove_model: bool = True) -> Prepared:
+def check(job: jobfile.Job, resume: bool, node, *, remove_model: bool = True) -> Prepared:
     """Everything that can be refused, before anything starts, writing nothing."""
     from .region import check_name_free
 
@@ -130,7 +128,7 @@ def check_output(job: jobfile.Job) -> None:
                              "there); remove it or set another [output] folder")
 
 
-def prepare(job: jobfile.Job, resume: bool, node: "Node | None") -> Prepared:
+def prepare(job: jobfile.Job, resume: bool, node) -> Prepared:
     """Everything that can be refused, before anything starts (`check`); the output folder's job.toml and maps."""
     prepared = check(job, resume, node)
     job, train, out = prepared.job, prepared.train, prepared.job.output
@@ -182,7 +180,7 @@ def output_modes(job: jobfile.Job) -> None:
                 os.chmod(entry, file_mode if job.private else (stat.S_IMODE(info.st_mode) | file_mode))
 
 
-def describe(prepared: Prepared, node: "Node | None") -> list[str]:
+def describe(prepared: Prepared, node) -> list[str]:
     """What `gadei run` prints before it starts (and `gadei run --check`): the job, each data
     file's read line, the chosen defaults, the node, the output folder, the resume point."""
     job, train, test, found = prepared.job, prepared.train, prepared.test, prepared.found
