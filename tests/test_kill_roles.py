@@ -117,7 +117,7 @@ def test_gadei_run_reports_the_real_outcome_when_a_role_of_its_job_is_killed(sma
     assert (result["outcome"], result["finished"]) == ("done", True), result
     assert result["test_accuracy"] > 0.9, result
     wait_for(lambda: _gone(name), 30, "every process of the job to end")
-    _say(f"{role} under gadei run", f"gadei run exit 0, result.json outcome done", seconds)
+    _say(f"{role} under gadei run", "gadei run exit 0, result.json outcome done", seconds)
 
 
 def test_a_watchdog_that_dies_and_cannot_be_replaced_ends_the_job_with_a_clear_error(small, procs):

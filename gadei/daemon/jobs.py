@@ -186,6 +186,13 @@ class Daemon:
             record = self._get(name)
             if record.state == QUEUED:
                 self._finish(record, CANCELLED, None, "cancelled before it started")
+            elif record.state == RUNNING and record.orphaned:  # no gadei run: stop the job itself
+                from ..launch import stop_job
+
+                stop_job(record.name, timeout=60)
+                record.message = "cancelling"
+                record.state = CANCELLED
+                self._save(record)
             elif record.state == RUNNING:
                 try:
                     os.killpg(record.pid, signal.SIGTERM)  # gadei run stops its job: last checkpoint, logs kept
