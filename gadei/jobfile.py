@@ -146,7 +146,7 @@ class Bridge:
     bucket_mb: float | str = "auto"
     float16: bool = False
     timeout: float = 60.0
-    node_lr: float | None = None  # None: [train] lr x nodes, elastic x (nodes + 1) (gadei.run._Node.lr)
+    node_lr: float | None = None  # None: [train] lr x nodes, elastic x (nodes + 1) (gadei.run.Node.lr)
 
 
 @dataclass(frozen=True)

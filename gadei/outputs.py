@@ -1,30 +1,228 @@
-"""A run's outputs in its folder: metrics.jsonl from the learners' epoch records, the plot
-(accuracy.png) and result.json (the final model's test accuracy)."""
+"""A run's outputs in its folder, written in one place whoever sees the job end: metrics.jsonl
+from the learners' epoch records, the plot (accuracy.png) and result.json (the job's outcome
+and the final model's test accuracy).
 
+One writer wins. `gadei run` holds `logs/run.lock` (an exclusive `flock`) from before it
+starts the job until it has written the outputs (`Owner`); the job's watchdog, which
+outlives a killed `gadei run`, records how the job ended in `logs/watchdog-end.json` and
+writes the outputs itself only when it can take that lock (the `gadei run` is gone), and so
+does the daemon for a job whose `gadei run` died. Whoever writes holds the lock, writes each
+file beside its place and renames it there, result.json last: a result.json exists only
+whole, and once it exists the others read it instead of writing (`finish`). A writer that is
+killed mid-way lets go of the lock with its life, and the next one writes it all again.
+
+result.json's "outcome" is one of OUTCOMES, decided from what every writer can see: the
+watchdog's end record (the job finished, was stopped, or failed: the server died for good,
+a launched learner was given up, the server stopped the job as failed), the model the
+server wrote at its stop, and the evaluating learner's losses (not finite: diverged).
+"""
+
+import fcntl
 import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from . import jobfile
+from .errors import GadeiError
+
+LOCK = "logs/run.lock"  # held by the run's owner (`gadei run`) and by whoever writes the outputs
+END = "logs/watchdog-end.json"  # the watchdog's record of how the job ended
+DONE, STOPPED, FAILED, DIVERGED = "done", "stopped", "failed", "diverged"
+OUTCOMES = (DONE, STOPPED, FAILED, DIVERGED)
+_RUN_FILES = ("result.json", "metrics.jsonl", "accuracy.png", "watchdog-end.json")
 
 
-def write_result(job: jobfile.Job, train, test, out: Path, seconds: float, finished: bool,
-            bridge: dict | None = None) -> dict:
-    """result.json: the final model's test accuracy (evaluated here, on the whole test set),
-    the version it is, and the run's seconds (this run's, since a resume); for a node of a
-    bridged run, what its bridge did."""
+@dataclass
+class Ending:
+    """How the watchdog saw the job end (its exit code, `gadei_watchdog`'s codes: 0 the job
+    stopped, 3 the server died for good, 4 launched learners were given up, 5 the server
+    stopped the job as failed), whether the job had finished (every launched learner done),
+    and why, in words."""
+
+    code: int
+    finished: bool
+    reason: str = ""
+    pid: int = 0
+    time: float = 0.0
+
+
+def write_ending(out: Path, ending: Ending) -> None:
+    """The watchdog's end record (`END`), atomically."""
+    _replace(out / END, json.dumps(asdict(ending)) + "\n")
+
+
+def read_ending(out: Path) -> Ending | None:
+    try:
+        return Ending(**json.loads((out / END).read_text()))
+    except (FileNotFoundError, ValueError, TypeError):
+        return None
+
+
+def forget(out: Path) -> None:
+    """Before a run (or a resumed one) starts: the outputs and end record of the run before it
+    are not this one's."""
+    for name in _RUN_FILES:
+        for folder in (out, out / "logs"):
+            try:
+                (folder / name).unlink()
+            except FileNotFoundError:
+                pass
+
+
+class Owner:
+    """`gadei run`'s hold on its run (`LOCK`) from before the job starts until its outputs
+    are written: while it holds it, the watchdog leaves the outputs to it.
+
+    Raises:
+        GadeiError: another live process owns a run in this folder.
+    """
+
+    def __init__(self, out: Path):
+        self.path = out / LOCK
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self.fd)
+            raise GadeiError(f"output folder {out}: another process runs a job there (it holds {self.path})") from None
+        self.started = time.time()
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, json.dumps({"pid": os.getpid(), "started": self.started}).encode(), 0)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def owned(out: Path) -> bool:
+    """Some live process holds the run's lock (its `gadei run`, or a writer of its outputs)."""
+    try:
+        fd = os.open(out / LOCK, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
+def started(out: Path) -> float | None:
+    """When the run's owner started it (wall clock), from its lock file."""
+    try:
+        return float(json.loads((out / LOCK).read_text())["started"])
+    except (FileNotFoundError, ValueError, KeyError, TypeError):
+        return None
+
+
+def read_result(out: Path) -> dict | None:
+    try:
+        return json.loads((out / "result.json").read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def finish(job: jobfile.Job, *, owner: Owner | None = None, interrupted: bool = False, note: str = "",
+           bridge: dict | None = None, wait: float = 600.0) -> dict:
+    """Write the run's outputs (metrics.jsonl, accuracy.png, result.json) unless another
+    process wrote them already; result.json's content either way.
+
+    `owner`: the caller holds the run's lock (`gadei run`); otherwise the lock is taken here,
+    waiting up to `wait` seconds for a writer that holds it. `interrupted`: the caller
+    stopped the job (Ctrl-C, `gadei cancel`) before it finished. `note`: what the caller
+    saw go wrong, for result.json's message when the job failed without an end record.
+
+    Raises:
+        GadeiError: the lock was held for longer than `wait` seconds.
+    """
+    out = job.output
+    fd = owner.fd if owner is not None else _lock(out, wait)
+    try:
+        found = read_result(out)
+        if found is not None:
+            return found
+        return _write(job, interrupted, note, bridge, owner.started if owner is not None else started(out))
+    finally:
+        if owner is None:
+            os.close(fd)
+
+
+def _lock(out: Path, wait: float) -> int:
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    fd = os.open(out / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                os.close(fd)
+                raise GadeiError(f"{out / LOCK} is still held after {wait:g} s: another process writes the run's "
+                                 "outputs") from None
+            time.sleep(0.1)
+
+
+def outcome(job: jobfile.Job, metrics: list[dict], ending: Ending | None, interrupted: bool,
+            note: str) -> tuple[str, str]:
+    """(one of OUTCOMES, a sentence saying why) for a job that ended."""
+    out = job.output
+    for record in metrics:
+        loss = record.get("loss")
+        if isinstance(loss, (int, float)) and not math.isfinite(loss):
+            return DIVERGED, (f"the training loss is {loss} after epoch {record.get('epoch')}: training diverged; "
+                              f"the learning rate is likely too high (lr {job.train.lr:g}), lower [train] lr")
+    if ending is not None and ending.code != 0:
+        return FAILED, ending.reason or f"the watchdog ended with {ending.code}"
+    if not (out / "model.pt").exists():
+        return FAILED, note or "the job ended without writing its model (see its logs)"
+    if ending is not None and ending.finished and not interrupted:
+        return DONE, "every learner finished its epochs"
+    if ending is None and note:
+        return FAILED, note
+    return STOPPED, "stopped before its end" + (" (by its `gadei run`)" if interrupted else "")
+
+
+def _write(job: jobfile.Job, interrupted: bool, note: str, bridge: dict | None, since: float | None) -> dict:
+    out = job.output
+    metrics = write_metrics(out)
+    if metrics:
+        plot(metrics, out / "accuracy.png", job.name)
+    ending = read_ending(out)
+    kind, message = outcome(job, metrics, ending, interrupted, note)
+    result = {"job": job.name, "outcome": kind, "finished": kind == DONE, "message": message}
+    if (out / "model.pt").exists():
+        result.update(evaluate(job))
+    result.update({"seconds": round(time.time() - since, 1) if since else None, "learners": job.train.learners,
+                   "epochs": job.train.epochs, "written_by": os.getpid()})
+    if bridge is not None:
+        result["bridge"] = bridge
+    _replace(out / "result.json", json.dumps(result, indent=1) + "\n")
+    return result
+
+
+def evaluate(job: jobfile.Job) -> dict:
+    """The final model's (model.pt's) test accuracy, evaluated on the whole test set."""
     import torch
     from gadei_workloads import get
 
+    train, test = jobfile.load_data(job)
     workload = get(job.workload)
     model = workload.build_model(train, job.train.seed)
-    model.load_state_dict(torch.load(out / "model.pt", weights_only=True))
-    result = {"job": job.name, "finished": finished, "test_accuracy": workload.evaluate(model, test),
-              "test_samples": len(test), "seconds": round(seconds, 1), "learners": job.train.learners,
-              "epochs": job.train.epochs}
-    if bridge is not None:
-        result["bridge"] = bridge
-    (out / "result.json").write_text(json.dumps(result, indent=1) + "\n")
-    return result
+    model.load_state_dict(torch.load(job.output / "model.pt", weights_only=True))
+    return {"test_accuracy": workload.evaluate(model, test), "test_samples": len(test)}
+
+
+def _replace(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def epoch_records(out: Path) -> list[dict]:
@@ -56,9 +254,7 @@ def write_metrics(out: Path) -> list[dict]:
     for record in epoch_records(out):
         by_epoch[record["epoch"]] = {k: v for k, v in record.items() if k not in ("event", "job", "learner")}
     metrics = [by_epoch[e] for e in sorted(by_epoch)]
-    with open(out / "metrics.jsonl", "w") as handle:
-        for record in metrics:
-            handle.write(json.dumps(record) + "\n")
+    _replace(out / "metrics.jsonl", "".join(json.dumps(record) + "\n" for record in metrics))
     return metrics
 
 
@@ -86,5 +282,7 @@ def plot(metrics: list[dict], path: Path, title: str) -> None:
         axes.grid(True, alpha=0.3)
     fig.suptitle(f"gadei job {title}")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}.png")
+    fig.savefig(tmp, dpi=100)
+    os.replace(tmp, path)
     plt.close(fig)

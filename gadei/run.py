@@ -10,8 +10,9 @@ checkpoint (see the README's Checkpoints section). The output folder gets:
     vocab.json      the vocabulary (`gadei_workloads.text.Vocab.from_json` reads it); numeric
                     workloads: features.json (feature count, training mean and std)
     model.pt        the final weights, a state dict plain `torch.load(weights_only=True)` reads
-    result.json     the final model's test accuracy (evaluated on the whole test set at the
-                    end), whether the run finished, its seconds
+    result.json     the job's outcome (done, stopped, failed, diverged, and why), the final
+                    model's test accuracy (evaluated on the whole test set at the end), its
+                    seconds; written by whoever sees the job end (`gadei.outputs.finish`)
     metrics.jsonl   one JSON line per epoch of learner 0: loss, train accuracy (its own mini-batches,
                     with dropout, as it trained), test accuracy, samples/s, seconds, and the
                     staleness of the job's gradients (mean over the epoch, max so far)
@@ -20,26 +21,24 @@ checkpoint (see the README's Checkpoints section). The output folder gets:
     logs/           the server's and watchdog's log (serve.log) and each learner's
 
 Across nodes: a job with a [bridge] section started as `mpiexec -n NODES gadei run job.toml`
-runs on each rank as that node's job (`_Node`): job `<name>-r<rank>`, output folder
+runs on each rank as that node's job (`Node`): job `<name>-r<rank>`, output folder
 `<folder>/node-<rank>` (the files above, and node.json: the node, the node count and its
 learners' shards; logs/bridge.log: the bridge's JSON lines; result.json's "bridge": what it
 did), one ring more than learners for the bridge, which this process runs in a thread
 once its job serves, and learner i trains shard rank*L + i of NODES*L.
 """
 
-import dataclasses
 import json
 import logging
-import os
 import shlex
 import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from . import device, jobfile, outputs
+from .prepare import Prepared, describe, prepare
 from ._proc import gadei_command
 from .errors import GadeiError
 
@@ -51,281 +50,204 @@ def run_job(path: str, *, quiet: bool = False, resume: bool = False) -> int:
     `resume`: go on with the run its output folder holds (see `resume_point`).
 
     A job with a [bridge] section started as more than one MPI rank (`mpiexec -n NODES gadei
-    run job.toml`) runs as node `rank` of NODES (`_Node`); alone, or as one rank, it runs as
+    run job.toml`) runs as node `rank` of NODES (`Node`); alone, or as one rank, it runs as
     any job on one node."""
     job = jobfile.load(path)
-    node = _Node.launched(job)
+    node = Node.launched(job)
     if node is None:
-        return _run(_prepare(job, resume, None), quiet)
+        return JobRun(prepare(job, resume, None), quiet).run()
     return node.run(job, quiet=quiet, resume=resume)
 
 
-@dataclass
-class _Prepared:
-    """A checked job (defaults filled in), its data, what was chosen for it, the checkpoint it
-    resumes from; its output folder holds the job as run and the maps."""
+class JobRun:
+    """One job's life on this node, from its prepared job (`gadei.prepare`) to its outcome:
+    launch (server, watchdog, learners; a bridged node's bridge), follow (the progress line,
+    through server restarts and a watchdog's death), finish (`outputs.finish`: metrics, plot,
+    result.json), report (the exit code). `gadei run` runs one; the daemon runs `gadei run`;
+    a bridged node's `Node.run` runs one with its bridge.
 
-    job: jobfile.Job
-    train: object
-    test: object
-    chosen: list[str]
-    read: list  # a gadei_workloads.files.FileReport per data file
-    found: object = None
+    The job ends when its server process has exited and its watchdog has recorded the end
+    (`outputs.END`) with no server of the job left running. A server that dies is the
+    watchdog's to restart: the run follows the restarted one. A watchdog that dies (gone
+    without an end record) is replaced within WATCHDOG_GRACE seconds (`gadei serve --adopt`,
+    which takes over its launched learners); when that fails, the job is stopped and failed
+    with the reason. This process holds the run's lock (`outputs.Owner`) throughout, so the
+    watchdog leaves the outputs to it; killed, it lets go, and the watchdog writes them."""
 
+    def __init__(self, prepared: Prepared, quiet: bool, node: "Node | None" = None):
+        self.prepared, self.quiet, self.node = prepared, quiet, node
+        self.job = prepared.job
+        self.serve: subprocess.Popen | None = None
+        self.dog: tuple[int, float] | None = None  # the watchdog's pid and start time, as the region names it
+        self.server: tuple[int, float] | None = None  # the job's server, as the region names it
+        self.note = ""  # what went wrong that no end record will say
+        self._said_restart = False
 
-def check_job(path: str, *, resume: bool = False) -> list[str]:
-    """`gadei run --check`: every check `gadei run` makes before it starts (the job file, the
-    region's name, the data, the output folder), starting nothing and writing nothing; the
-    lines `gadei run` prints before it starts.
-
-    Raises:
-        GadeiError: (JobFileError among them) the one-line reason the job would be refused.
-    """
-    job = jobfile.load(path)
-    prepared = _check(job, resume, None, remove_model=False)
-    return _describe(prepared, None)
-
-
-def _check(job: jobfile.Job, resume: bool, node: "_Node | None", *, remove_model: bool = True) -> _Prepared:
-    """Everything that can be refused, before anything starts, writing nothing."""
-    from .region import check_name_free
-
-    if node is not None:
-        job = job.for_node(node.rank, node.size)
-    check_name_free(job.name)  # another user's (or a foreign) object in the region's place: say whose, now
-    read: list = []
-    train, test = jobfile.load_data(job, read)
-    job, chosen = job.with_defaults(len(train))
-    out = job.output
-    check_output(job)
-    found = None
-    if resume:
-        found = resume_point(job, nodes=node.size if node else 1, remove_model=remove_model)
-    elif (out / "checkpoints").is_dir() and any((out / "checkpoints").iterdir()):
-        raise GadeiError(f"output folder {out} holds a previous run (checkpoints/); go on with it with "
-                         "`gadei run --resume`, or set another [output] folder, or remove that one")
-    return _Prepared(job, train, test, chosen, read, found)
-
-
-# What `gadei run` writes in its output folder, by kind: an earlier run's of another kind stops it.
-_OUTPUT_FOLDERS = ("logs", "checkpoints")
-_OUTPUT_FILES = ("job.toml", "labels.json", "vocab.json", "features.json", "node.json", "model.pt", "result.json",
-                 "metrics.jsonl", "accuracy.png")
-
-
-def check_output(job: jobfile.Job) -> None:
-    """The job's output folder can take a run, checked without writing: it is a folder (not a
-    file, a device or a symbolic link) or can be made one in the nearest folder above that
-    exists, you may write in it, and what it holds of an earlier run is of the kind a run
-    writes (logs/ and checkpoints/ folders, job.toml and the other outputs files).
-
-    Raises:
-        GadeiError: naming the job file, the folder and what is wrong with it.
-    """
-    import stat
-
-    out = job.output
-    where = f"{job.path.name if job.path else 'job'}: [output] folder {str(out)!r}"
-
-    def kind(path: Path):
+    def run(self) -> int:
+        job, node = self.job, self.node
+        out = job.output
+        for line in describe(self.prepared, node):
+            print(line, flush=True)
+        owner = outputs.Owner(out)
         try:
-            return os.lstat(path).st_mode
-        except FileNotFoundError:
-            return None
-        except NotADirectoryError:
-            raise GadeiError(f"{where}: cannot be made, a folder above it is a file") from None
-        except (OSError, ValueError) as err:
-            raise GadeiError(f"{where}: {path.name}: {getattr(err, 'strerror', None) or err}") from None
+            self.serve = self.launch()
+            return self._follow_and_finish(owner)
+        finally:
+            owner.close()
 
-    def storable(folder: Path, what: str) -> None:
-        found = os.statvfs(folder)
-        if found.f_flag & os.ST_RDONLY:
-            raise GadeiError(f"{where}: {what} on a read-only file system")
-        if found.f_blocks == 0:  # procfs, sysfs: no file can be made there, whatever access() says
-            raise GadeiError(f"{where}: {what} on a file system that holds no files (such as /proc or /sys)")
+    def launch(self) -> subprocess.Popen:
+        """Start `gadei serve` with the watchdog and learners of this job (and the node's ring)."""
+        job, node, found = self.job, self.node, self.prepared.found
+        out, t = job.output, job.train
+        as_run = str(out / "job.toml")
+        learner = ["--job-file", as_run, "--json"]  # the job as run: workload, data, seed, epochs, batch
+        rings = t.learners + (1 if node is not None else 0)  # a bridged node's bridge takes a ring of its own
+        command = [*gadei_command("serve", job.name), "--job-file", as_run, "--learners", str(rings),
+                   "--checkpoint-dir", str(out / "checkpoints"), "--log-dir", str(out / "logs"),
+                   "--save", str(out / "model.pt"), "--outputs", str(out), "--json"]
+        command += ["--lr", str(node.lr(job))] if node is not None else []  # a node's own rate (Node.lr)
+        command += ["--resume", str(found.path)] if found is not None else []
+        shards = node.shards(t.learners) if node is not None else [f"{i}/{t.learners}" for i in range(t.learners)]
+        devices = device.spread(tuple(t.devices.split(",")), t.learners)
+        if set(devices) != {"cpu"}:
+            print("  learners' devices: " + ", ".join(f"{i}: {d}" for i, d in enumerate(devices)), flush=True)
+        for i, shard in enumerate(shards):
+            extra = ["--shard", shard] + (["--eval"] if i == 0 else []) + (["--device", devices[i]]
+                                                                            if devices[i] != "cpu" else [])
+            command.append("--learner=" + " ".join(shlex.quote(a) for a in [*learner, *extra]))
+        with open(out / "logs" / "serve.log", "ab") as serve_log:
+            return subprocess.Popen(command, stdout=serve_log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    env=node.child_environment() if node is not None else None)
 
-    mode = kind(out)
-    if mode is None:
-        above = out.parent
-        while kind(above) is None:
-            above = above.parent
-        if not stat.S_ISDIR(os.stat(above).st_mode):
-            raise GadeiError(f"{where}: cannot be made, {str(above)!r} is not a folder")
-        if not os.access(above, os.W_OK | os.X_OK):
-            raise GadeiError(f"{where}: cannot be made, you may not write in {str(above)!r}")
-        storable(above, "cannot be made, the folder above it is")
-        return
-    if stat.S_ISLNK(mode):
-        raise GadeiError(f"{where}: is a symbolic link; allowed: a folder (give the folder it points to)")
-    if not stat.S_ISDIR(mode):
-        raise GadeiError(f"{where}: is not a folder")
-    if not os.access(out, os.W_OK | os.X_OK):
-        raise GadeiError(f"{where}: you may not write in it")
-    storable(out, "it is")
-    for name in _OUTPUT_FOLDERS + _OUTPUT_FILES:
-        mode = kind(out / name)
-        if mode is None:
-            continue
-        folder = name in _OUTPUT_FOLDERS
-        if not (stat.S_ISDIR(mode) if folder else stat.S_ISREG(mode)):
-            raise GadeiError(f"{where}: its {name} is not a {'folder' if folder else 'file'} (a run writes one "
-                             "there); remove it or set another [output] folder")
+    def _follow_and_finish(self, owner: outputs.Owner) -> int:
+        job, node, serve = self.job, self.node, self.serve
+        out = job.output
+        started = time.monotonic()
+        bridge = node.start_bridge(job, serve) if node is not None else None
+
+        def stop(*_):
+            raise KeyboardInterrupt  # SIGTERM (gadei cancel) stops the job as Ctrl-C does
+
+        signal.signal(signal.SIGTERM, stop)
+        train_size = len(self.prepared.train) / (node.size if node is not None else 1)
+        try:
+            _follow(self, train_size, started, self.quiet, f"node {node.rank}: " if node is not None else "")
+        except _Diverged:
+            print(f"\ngadei run: job {job.name}: the training loss is not finite; stopping the job", file=sys.stderr,
+                  flush=True)
+            self._stop()
+            interrupted = True
+        except KeyboardInterrupt:
+            interrupted = True
+            print(f"\ngadei run: stopping the job {job.name}", flush=True)
+            _checkpoint_progress(job)
+            self._stop()
+        else:
+            interrupted = False
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the job is stopping: let it finish
+        if interrupted:
+            while not self.ended():
+                time.sleep(0.2)
+        if bridge is not None:
+            node.stop_bridge(bridge, out / "model.pt")
+        result = outputs.finish(job, owner=owner, interrupted=interrupted, note=self.note,
+                                bridge=node.summary(bridge) if node is not None else None)
+        return report(job, result, time.monotonic() - started)
+
+    def _stop(self) -> None:
+        """Stop the job: its server (ours, or the one its watchdog restarted) stops as on `gadei stop`."""
+        if self.serve.poll() is None:
+            self.serve.send_signal(signal.SIGTERM)
+            return
+        from .launch import stop_job
+
+        try:
+            stop_job(self.job.name, timeout=60)
+        except GadeiError as err:
+            log.warning("stopping job %s: %s", self.job.name, err)
+
+    def ended(self) -> bool:
+        """One look at the job: True once it ended. Replaces a dead watchdog (`_adopt`)."""
+        from . import _proc
+        from .region import inspect
+
+        code = self.serve.poll()
+        self._look()
+        ending = outputs.read_ending(self.job.output)
+        found = inspect(self.job.name)
+        serving = found is not None and found.state in ("running", "starting") and _proc.alive(*self.server) \
+            if self.server else found is not None and found.state in ("running", "starting")
+        dog_alive = self.dog is not None and _proc.alive(*self.dog)
+        if ending is not None:
+            return code is not None and not serving
+        if code is not None and not serving and not dog_alive:
+            if self.dog is None or code == 0:
+                self.note = self.note or f"the server exited {code} without a watchdog"
+            else:
+                self.note = self.note or (f"the server exited {code} and its watchdog (pid {self.dog[0]}) is gone "
+                                          "without saying how the job ended")
+            return True
+        if code is not None and code != 0 and not self._said_restart:
+            self._said_restart = True
+            print(f"\ngadei run: job {self.job.name}: the server exited {code}; its watchdog restarts it from the "
+                  "last checkpoint", file=sys.stderr, flush=True)
+        if self.dog is not None and not dog_alive and serving:
+            self._adopt()
+        return False
+
+    def _look(self) -> None:
+        """Who the region names as the job's server and watchdog (they change on a restart, an adoption)."""
+        from .region import Region
+
+        try:
+            with Region.attach(self.job.name, readonly=True) as region:
+                h = region.header
+                server = (h.get("server_pid"), h.get("server_start"))
+                dog = (h.get("watchdog_pid"), h.get("watchdog_start"))
+        except GadeiError:
+            return
+        if server[0]:
+            self.server = server
+        if dog[0]:
+            self.dog = dog
+
+    def _adopt(self) -> None:
+        """The watchdog died with the job running: a new one takes over (`gadei serve --adopt`),
+        or the job stops, failed, with the reason."""
+        dead = self.dog[0]
+        print(f"\ngadei run: job {self.job.name}: its watchdog (pid {dead}) died; starting a new one that takes over "
+              "its learners", file=sys.stderr, flush=True)
+        adopt = subprocess.run(gadei_command("serve", self.job.name, "--adopt"), stdin=subprocess.DEVNULL,
+                               capture_output=True, text=True, timeout=WATCHDOG_GRACE)
+        if adopt.returncode == 0:
+            self.dog = None
+            self._look()
+            return
+        reason = (adopt.stderr.strip().splitlines() or [f"exit {adopt.returncode}"])[-1]
+        self.note = f"its watchdog (pid {dead}) died and no new one could take over: {reason}"
+        print(f"gadei run: job {self.job.name}: {self.note}; stopping the job", file=sys.stderr, flush=True)
+        self.dog = None
+        self._stop()
 
 
-def _prepare(job: jobfile.Job, resume: bool, node: "_Node | None") -> _Prepared:
-    """Everything that can be refused, before anything starts (`_check`); the output folder's job.toml and maps."""
-    prepared = _check(job, resume, node)
-    job, train, out = prepared.job, prepared.train, prepared.job.output
-    _output_modes(job)
-    (out / "logs").mkdir(parents=True, exist_ok=True)
-    (out / "job.toml").write_text(job.to_toml())
-    (out / "labels.json").write_text(json.dumps(train.label_names, ensure_ascii=False))
-    if train.vocab is not None:
-        (out / "vocab.json").write_text(json.dumps(train.vocab.to_json(), ensure_ascii=False))
-    else:  # numeric features: predict standardises with the training set's statistics
-        (out / "features.json").write_text(json.dumps({"features": train.features, "mean": train.mean.tolist(),
-                                                       "std": train.std.tolist()}))
-    if node is not None:
-        (out / "node.json").write_text(json.dumps({"node": node.rank, "nodes": node.size,
-                                                   "shards": node.shards(job.train.learners)}) + "\n")
-    return prepared
+WATCHDOG_GRACE = 90  # seconds a new watchdog may take to take over from a dead one
 
 
-def _output_modes(job: jobfile.Job) -> None:
-    """Make the output folder private ([output] private, the default): this process and every
-    process it starts (server, watchdog, learners: the model, checkpoints, logs, metrics) create
-    files 0600 and folders 0700 whatever the umask it was given, and what an earlier run or
-    the daemon left there (logs/run.log) is closed the same way. With private = false the
-    umask decides, and what the daemon created private is opened up to it."""
-    import stat
-
+def report(job: jobfile.Job, result: dict, elapsed: float) -> int:
+    """Print the job's outcome (result.json, whoever wrote it); `gadei run`'s exit code."""
     out = job.output
-    if out.is_symlink() or (out.exists() and not out.is_dir()):
-        raise GadeiError(f"output folder {out} is not a folder" + (" (a symbolic link)" if out.is_symlink() else ""))
-    if job.private:
-        os.umask(0o077)
-        dir_mode, file_mode = 0o700, 0o600
-    else:
-        mask = os.umask(0o077)
-        os.umask(mask)
-        dir_mode, file_mode = 0o777 & ~mask, 0o666 & ~mask
-    out.mkdir(parents=True, exist_ok=True)
-    if out.stat().st_uid != os.geteuid():
-        raise GadeiError(f"output folder {out} belongs to uid {out.stat().st_uid}, not to you (uid {os.geteuid()})")
-    folders = [out] + [p for p in (out / "logs", out / "checkpoints") if p.is_dir() and not p.is_symlink()]
-    for folder in folders:
-        os.chmod(folder, dir_mode)
-        if folder == out and not job.private:
-            continue  # an earlier private run's files stay as they were
-        for entry in folder.iterdir():
-            info = entry.lstat()
-            if stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid():
-                os.chmod(entry, file_mode if job.private else (stat.S_IMODE(info.st_mode) | file_mode))
-
-
-def _describe(prepared: _Prepared, node: "_Node | None") -> list[str]:
-    """What `gadei run` prints before it starts (and `gadei run --check`): the job, each data
-    file's read line, the chosen defaults, the node, the output folder, the resume point."""
-    job, train, test, found = prepared.job, prepared.train, prepared.test, prepared.found
-    t = job.train
-    lines = [f"gadei run: job {job.name}: {job.workload} on {len(train):,} training / {len(test):,} test samples, "
-             f"{train.n_labels} labels, " + (f"vocabulary {len(train.vocab):,}" if train.vocab is not None else
-                                             f"{train.features} features")
-             + f"; {t.learners} learners, {t.mode}, {t.optimizer}, mini-batch {t.batch}, lr {t.lr:g}, "
-             f"{t.epochs} epochs, seed {t.seed}"]
-    lines += [f"  read {report}" for report in prepared.read]
-    lines += [f"  chose {line}" for line in prepared.chosen]
-    if node is not None:
-        b = job.bridge
-        lines.append(f"  node {node.rank} of {node.size}: learners' shards {', '.join(node.shards(t.learners))}; "
-                     f"bridge {b.strategy}, "
-                     + (f"every {b.every:g} s" if b.every is not None else f"every {b.interval} versions")
-                     + f", buckets {b.bucket_mb if b.bucket_mb == 'auto' else f'{b.bucket_mb:g} MB'}"
-                     + (", float16" if b.float16 else "") + f", timeout {b.timeout:g} s; lr {node.lr(job):g} per node"
-                     + ("" if b.node_lr else f" (lr {t.lr:g} x {node.shares(job)}: "
-                        + (f"{node.size} nodes and the centre share" if b.strategy == "elastic" else
-                           f"{node.size} nodes average") + " each node's progress)"))
-    elif job.bridge is not None:
-        lines.append("  one node, so no bridge ([bridge] joins the nodes of `mpiexec -n NODES gadei run`)")
-    lines.append(f"  output: {job.output}")
-    if found is not None:
-        lines.append(f"  resuming from {found.path.name} (version {found.version:,}, progress "
-                     + ", ".join(f"learner {k}: {v if v == 'done' else f'{v:,} samples'}" for k, v in
-                                 sorted(found.progress.items())) + ")")
-    return lines
-
-
-def _run(prepared: _Prepared, quiet: bool, node: "_Node | None" = None) -> int:
-    """Start the job's server, watchdog and learners (and the node's bridge), follow it to its
-    end, write the outputs; the exit code."""
-    job, train, test, found = prepared.job, prepared.train, prepared.test, prepared.found
-    out = job.output
-    as_run = out / "job.toml"
-    t = job.train
-    for line in _describe(prepared, node):
-        print(line, flush=True)
-    learner = ["--job-file", str(as_run), "--json"]  # the job as run: workload, data, seed, epochs, batch
-    rings = t.learners + (1 if node is not None else 0)  # a bridged node's bridge takes a ring of its own
-    command = [*gadei_command("serve", job.name), "--job-file", str(as_run), "--learners", str(rings),
-               "--checkpoint-dir", str(out / "checkpoints"), "--log-dir", str(out / "logs"),
-               "--save", str(out / "model.pt"), "--json"]
-    command += ["--lr", str(node.lr(job))] if node is not None else []  # a node's own rate (_Node.lr)
-    command += ["--resume", str(found.path)] if found is not None else []
-    shards = node.shards(t.learners) if node is not None else [f"{i}/{t.learners}" for i in range(t.learners)]
-    devices = device.spread(tuple(t.devices.split(",")), t.learners)
-    if set(devices) != {"cpu"}:
-        print("  learners' devices: " + ", ".join(f"{i}: {d}" for i, d in enumerate(devices)), flush=True)
-    for i, shard in enumerate(shards):
-        extra = ["--shard", shard] + (["--eval"] if i == 0 else []) + (["--device", devices[i]]
-                                                                        if devices[i] != "cpu" else [])
-        command.append("--learner=" + " ".join(shlex.quote(a) for a in [*learner, *extra]))
-    started = time.monotonic()
-    with open(out / "logs" / "serve.log", "ab") as serve_log:
-        serve = subprocess.Popen(command, stdout=serve_log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                 env=node.child_environment() if node is not None else None)
-    bridge = node.start_bridge(job, serve) if node is not None else None
-
-    def stop(*_):
-        raise KeyboardInterrupt  # SIGTERM (gadei cancel) stops the job as Ctrl-C does
-
-    signal.signal(signal.SIGTERM, stop)
-    try:
-        if node is None:
-            _follow(job, serve, len(train), started, quiet)
-        else:  # the progress of this node's share of each epoch
-            _follow(job, serve, len(train) / node.size, started, quiet, f"node {node.rank}: ")
-    except _Diverged:
-        print(f"\ngadei run: job {job.name}: the training loss is not finite; stopping the job", file=sys.stderr,
+    accuracy = f", test accuracy {result['test_accuracy']:.2%}" if "test_accuracy" in result else ""
+    kind = result.get("outcome")
+    if kind == outputs.DIVERGED:
+        print(f"gadei run: job {job.name}: {result['message']}; its outputs and logs are in {out}", file=sys.stderr,
               flush=True)
-        serve.send_signal(signal.SIGTERM)
-        interrupted = True
-    except KeyboardInterrupt:
-        interrupted = True
-        print(f"\ngadei run: stopping the job {job.name}", flush=True)
-        _checkpoint_progress(job)
-        serve.send_signal(signal.SIGTERM)
-    else:
-        interrupted = False
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the job is stopping: let it finish
-    code = serve.wait()
-    if bridge is not None:
-        node.stop_bridge(bridge, out / "model.pt")
-    metrics = outputs.write_metrics(out)
-    if metrics:
-        outputs.plot(metrics, out / "accuracy.png", job.name)
-    elapsed = time.monotonic() - started
-    diverged = _diverged(job, metrics)
-    if diverged is not None:
-        print(f"gadei run: {diverged}; its outputs and logs are in {out}", file=sys.stderr, flush=True)
         return DIVERGED
-    if code != 0 or not (out / "model.pt").exists():
-        print(f"gadei run: job {job.name} failed (serve exited {code}); see {out / 'logs'}", file=sys.stderr)
+    if kind == outputs.FAILED:
+        print(f"gadei run: job {job.name} failed: {result['message']}; see {out / 'logs'}", file=sys.stderr,
+              flush=True)
         return 1
-    result = outputs.write_result(job, train, test, out, elapsed, finished=not interrupted,
-                     bridge=node.summary(bridge) if node is not None else None)
-    accuracy = f", test accuracy {result['test_accuracy']:.2%}"
-    if interrupted:
-        last = metrics[-1] if metrics else {}
+    if kind == outputs.STOPPED:
+        last = outputs.last_epoch(out)
         print(f"gadei run: job {job.name} stopped after {elapsed:.0f} s (epoch {last.get('epoch', 0)} of "
               f"{job.train.epochs}{accuracy}); its weights so far are in {out / 'model.pt'}; go on with "
               f"`gadei run --resume {job.path}`", flush=True)
@@ -334,7 +256,7 @@ def _run(prepared: _Prepared, quiet: bool, node: "_Node | None" = None) -> int:
     return 0
 
 
-class _Node:
+class Node:
     """This process as node `rank` of `size` of a bridged job: rank r of `mpiexec -n NODES
     gadei run job.toml` runs its own node's job (`Job.for_node`) with one ring more than
     learners, for the bridge, which this process runs in a thread (`gadei.bridge.Background`)
@@ -347,7 +269,7 @@ class _Node:
         self.clean = False  # MPI may be finalised: no request in flight, no peer lost
 
     @classmethod
-    def launched(cls, job: jobfile.Job) -> "_Node | None":
+    def launched(cls, job: jobfile.Job) -> "Node | None":
         """This node, when the job has a [bridge] and the MPI launcher started more than one rank
         (only then is MPI loaded)."""
         if job.bridge is None:
@@ -392,15 +314,15 @@ class _Node:
         from .bridge import finalize
 
         try:
-            prepared = _prepare(job, resume, self)
+            prepared = prepare(job, resume, self)
         except Exception:  # the others must not wait for this node into their timeout
             self._agree(None)
             raise
         self._agree(prepared)
-        code = _run(prepared, quiet, self)
+        code = JobRun(prepared, quiet, self).run()
         return finalize(self.clean, code, self.options.timeout)
 
-    def _agree(self, prepared: _Prepared | None) -> None:
+    def _agree(self, prepared: Prepared | None) -> None:
         """Every rank says whether it is ready and what its schedule is; all start, or none.
 
         Raises:
@@ -494,50 +416,6 @@ class _Node:
         return record
 
 
-def _compared(section) -> dict:
-    """A job file section's fields that say what the job is (not `Train.given`)."""
-    return {f.name: getattr(section, f.name) for f in dataclasses.fields(section) if f.compare}
-
-
-def resume_point(job: jobfile.Job, *, remove_model: bool = True, nodes: int = 1):
-    """The checkpoint a resumed run goes on from: the newest one of its output folder that says
-    how far each learner got (a watchdog's periodic or final-stage one; the server's own stop
-    checkpoint does not, so up to one checkpoint interval is trained again). The folder's
-    job.toml must be this job with at most more epochs: the learners' schedules (data,
-    shards, mini-batch, seed) must be the ones the progress counts in; a bridged node's
-    folder (node.json) must come from a run of as many `nodes`, whose shards these are."""
-    from . import checkpoint
-
-    out = job.output
-    as_run = out / "job.toml"
-    if not as_run.is_file():
-        raise GadeiError(f"--resume: {out} holds no run to go on with (no job.toml)")
-    before = jobfile.load(as_run)
-    free = {("train", "epochs"), ("train", "devices")}  # neither changes a learner's schedule
-    changed = [f"[{section}] {key}" for section in ("data", "train")
-               for key, value in _compared(getattr(before, section)).items()
-               if (section, key) not in free and getattr(getattr(job, section), key) != value]
-    changed += [f"[job] {key}" for key in ("name", "workload") if getattr(job, key) != getattr(before, key)]
-    if changed:
-        raise GadeiError(f"--resume: the job differs from the run in {out} in " + ", ".join(changed)
-                         + " (only [train] epochs may change, and [train] devices); run it with another [output] "
-                         "folder instead")
-    try:
-        before_nodes = json.loads((out / "node.json").read_text())["nodes"]
-    except FileNotFoundError:
-        before_nodes = 1
-    if before_nodes != nodes:
-        raise GadeiError(f"--resume: the run in {out} ran on {before_nodes} node(s), this one on {nodes}: the learners' "
-                         "shards would differ; go on with as many MPI ranks, or run it with another [output] folder")
-    found = checkpoint.latest(out / "checkpoints", with_progress=True)
-    if found is None:
-        raise GadeiError(f"--resume: no checkpoint in {out / 'checkpoints'} that verifies and records the learners' "
-                         "progress")
-    if remove_model and (out / "model.pt").exists():
-        (out / "model.pt").unlink()  # the resumed run writes its own final weights
-    return found
-
-
 def _checkpoint_progress(job: jobfile.Job, attempts: int = 5) -> None:
     """Before a stop: a checkpoint that records how far each launched learner got (from the
     watchdog's saved table and the learners' rings, under the server's hold), so that
@@ -566,41 +444,49 @@ def _checkpoint_progress(job: jobfile.Job, attempts: int = 5) -> None:
                 time.sleep(0.2)
 
 
-def _follow(job, serve: subprocess.Popen, train_size: float, started: float, quiet: bool, label: str = "") -> None:
-    """Print a progress line every 2 s until the job's server exits: epochs done (updates x
+def _follow(run: JobRun, train_size: float, started: float, quiet: bool, label: str = "") -> None:
+    """Print a progress line every 2 s until the job ends (`JobRun.ended`): epochs done (updates x
     mini-batch over the training set, or a bridged node's share of it), the last evaluated
-    epoch's loss and accuracy, samples/s, version, ETA. On a terminal the line is rewritten
-    in place, unless `label` (a bridged node's, which starts its lines) says that other
-    ranks write to the same terminal (mpiexec gives each rank one)."""
+    epoch's loss and accuracy, samples/s and updates/s (over the last 2 s, from the same count
+    of applied updates as the epochs, so a learner's restart or its leaving does not zero it),
+    version, ETA. On a terminal the line is rewritten in place, unless `label` (a bridged
+    node's, which starts its lines) says that other ranks write to the same terminal (mpiexec
+    gives each rank one)."""
+    job = run.job
     overwrite = sys.stdout.isatty() and not label
-    from . import status
     from .region import Region
 
-    before = None
+    total = job.train.epochs * train_size
+    before = None  # (monotonic seconds, version) of the last line
     width = 0
-    while serve.poll() is None:
-        time.sleep(2.0 if before is not None else 0.2)
+    next_line = time.monotonic() + 2.0
+    while not run.ended():
+        time.sleep(0.25)
         diverged = _diverged(job, [outputs.last_epoch(job.output)])
         if diverged is not None:
             raise diverged
+        if quiet or time.monotonic() < next_line:
+            continue
+        next_line = time.monotonic() + 2.0
         try:
             with Region.attach(job.name, readonly=True) as region:
-                now = status.read(region)
+                version = region.header.get("version")
         except GadeiError:
             continue
-        if before is None or quiet:
+        now = (time.monotonic(), version)
+        if before is None or version < before[1]:  # the first look, or a server restarted from an older checkpoint
             before = now
             continue
-        rate = status.rates(before, now)
-        samples_per_s = sum(rate.samples.values())
+        updates_per_s = (now[1] - before[1]) / max(1e-9, now[0] - before[0])
+        samples_per_s = updates_per_s * job.train.batch
         epoch = outputs.last_epoch(job.output)
-        done = min(job.train.epochs * train_size, now.version * job.train.batch)
-        left = (job.train.epochs * train_size - done) / samples_per_s if samples_per_s > 0 else float("nan")
+        done = min(total, version * job.train.batch)
+        left = (total - done) / samples_per_s if samples_per_s > 0 else float("nan")
         line = (f"  {label}epoch {done / train_size:.2f}/{job.train.epochs}"
                 + (f"; after epoch {epoch['epoch']}: loss {epoch['loss']:.3f}" if "loss" in epoch else "")
                 + (f", test accuracy {epoch['test_accuracy']:.1%}" if "test_accuracy" in epoch else "")
-                + f", {samples_per_s:,.0f} samples/s, version {now.version:,}"
-                + (f", ETA {left:.0f} s" if left == left else "")
+                + f", {samples_per_s:,.0f} samples/s, {updates_per_s:,.0f} updates/s, version {version:,}"
+                + (f", ETA {left:.0f} s" if left == left and done < total else "")
                 + f", {time.monotonic() - started:.0f} s")
         if overwrite:
             print("\r" + line.ljust(width), end="", flush=True)

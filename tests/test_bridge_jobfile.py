@@ -127,7 +127,7 @@ def test_bridge_must_be_a_section(small):
 
 
 def test_each_node_has_its_own_job_name_and_folder_and_the_shards_cover_the_data(small):
-    from gadei.run import _Node
+    from gadei.run import Node as _Node
 
     job = _load(small, BASE + "[train]\nlearners = 3\n[bridge]\n")
     node = job.for_node(1, 2)
@@ -153,7 +153,7 @@ def test_each_node_has_its_own_job_name_and_folder_and_the_shards_cover_the_data
 
 
 def test_only_a_launcher_of_more_than_one_rank_makes_a_node(small, monkeypatch):
-    from gadei.run import _Node
+    from gadei.run import Node as _Node
 
     for name in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
         monkeypatch.delenv(name, raising=False)
@@ -170,7 +170,7 @@ def test_only_a_launcher_of_more_than_one_rank_makes_a_node(small, monkeypatch):
 
 
 def test_a_node_goes_on_only_with_as_many_nodes_as_made_its_shards(small):
-    from gadei.run import resume_point
+    from gadei.prepare import resume_point
 
     job = _load(small, BASE + "[bridge]\n").for_node(0, 3).with_defaults(36)[0]
     job.output.mkdir(parents=True)

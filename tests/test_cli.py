@@ -205,7 +205,7 @@ def _run_folder(tmp_path):
     """A `gadei run` output folder as the run leaves it (job.toml, maps, model.pt of the initial
     weights), for a small CSV data set; (folder, the data file)."""
     from gadei import jobfile
-    from gadei.run import _prepare
+    from gadei.prepare import prepare as _prepare
     from gadei_workloads import get
 
     data = tmp_path / "data.csv"
@@ -299,7 +299,7 @@ def test_run_outputs_are_private_whatever_the_umask(procs, tmp_path, job):
     assert all(mode == (0o700 if (tmp_path / job / name).is_dir() else 0o600) for name, mode in modes.items()), modes
 
     from gadei import jobfile
-    from gadei.run import _output_modes
+    from gadei.prepare import output_modes as _output_modes
 
     (tmp_path / "open" / "logs").mkdir(parents=True, mode=0o700)
     (tmp_path / "open" / "logs" / "run.log").touch(mode=0o600)  # as the daemon leaves them

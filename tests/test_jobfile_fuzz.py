@@ -18,7 +18,7 @@ import pytest
 from helpers import communicate
 from gadei import jobfile
 from gadei.errors import GadeiError
-from gadei.run import check_job
+from gadei.prepare import check_job
 
 CASES = 360  # generated job files, besides the odd job-file paths
 

@@ -25,6 +25,11 @@ newest valid checkpoint; without one, from the initial weights), re-attaches, an
 the learners again from that checkpoint's progress. After `max_restarts` server restarts
 within `window` seconds it gives up (exit 3) and logs the command that resumes the job.
 
+With `outputs` (a `gadei run` output folder), whatever the job's end, it records how the
+job ended there (`gadei.outputs.END`: its exit code, whether every learner finished, why)
+once no server of the job runs, and writes the job's outputs (`gadei.outputs.finish`) when
+the `gadei run` that started the job is gone (it holds the run's lock while it lives).
+
 It ends when the job stops: 0, or 4 when it had given up on some launched learner. A job its
 server stopped as failed (run state 'failed': a corrupt region, a non-finite gradient with
 nonfinite = 'stop') is final: the watchdog takes no checkpoint of it, does not restart the
@@ -74,6 +79,8 @@ class Settings:
         learners: the arguments after `gadei learn JOB` of each learner to launch.
         backoff: seconds before the first restart of a learner (doubling with each).
         log_dir: where launched processes write their output (default: checkpoint_dir).
+        outputs: a `gadei run` output folder whose end record (and, its `gadei run` gone,
+            outputs) this watchdog writes when the job ends.
     """
 
     checkpoint_dir: str
@@ -88,6 +95,7 @@ class Settings:
     learners: list[list[str]] = field(default_factory=list)
     backoff: float = option(1.0, "seconds before a dead learner's first restart, doubling with each", low=0, high=3600)
     log_dir: str | None = None
+    outputs: str | None = None
 
     def check(self) -> None:
         for name, declared_as in (("every", "interval"), ("keep", "keep")):
@@ -122,6 +130,8 @@ class Watchdog:
         self._reported: set[tuple[int, int]] = set()  # (learner entry, pid) reported dead or hung
         self._stopped_it = False  # this watchdog's own stop (every launched learner done) is the job's
         self.checkpoints = 0
+        self.reason = ""  # why the job ended, when it did not end well
+        self.finished = False  # the job stopped because every launched learner finished
         self.region = Region.attach(job)
         try:
             self._register()
@@ -165,7 +175,38 @@ class Watchdog:
     # ------------------------------------------------------------------ the loop
 
     def run(self) -> int:
-        """Watch until the job stops (0, or LEARNERS_FAILED) or its server is dead for good (SERVER_DEAD)."""
+        """Watch until the job stops (0, or LEARNERS_FAILED) or its server is dead for good
+        (SERVER_DEAD), or failed (JOB_FAILED); with `outputs`, record the end and write the
+        outputs that nobody else will."""
+        code = self._watch()
+        if self.settings.outputs:
+            self._record_end(code)
+        if code != SERVER_DEAD:  # kept then: the job's learners may still be adopted
+            remove_state(self.job)  # after the end record: while either exists, the daemon knows the job lives
+        return code
+
+    def _record_end(self, code: int, timeout: float = 120.0) -> None:
+        from pathlib import Path
+
+        from gadei import jobfile, outputs
+
+        out = Path(self.settings.outputs)
+        deadline = time.monotonic() + timeout  # the server writes the model at its stop, then removes its region
+        while (found := inspect(self.job)) is not None and found.state in ("running", "starting") \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
+        try:
+            outputs.write_ending(out, outputs.Ending(code, self.finished, self.reason, os.getpid(), time.time()))
+            if outputs.owned(out):
+                log.info("job %r: its `gadei run` writes the outputs", self.job)
+                return
+            result = outputs.finish(jobfile.load(out / "job.toml"))
+            log.info("job %r: its `gadei run` is gone; the watchdog wrote the outputs in %s (%s)", self.job, out,
+                     result.get("outcome"))
+        except (OSError, GadeiError) as err:
+            log.error("job %r: cannot write the outputs in %s: %s", self.job, out, err)
+
+    def _watch(self) -> int:
         next_checkpoint = time.monotonic() + self.settings.every
         self.learners.start_all()
         self._save()
@@ -189,6 +230,7 @@ class Watchdog:
                         stopping = False  # the learners go on from the checkpoint: stop when they are done again
                         continue
                     self.learners.kill_all()
+                    self.reason = f"the server {problem} and was not restarted (see logs/serve.log)"
                     log.error("job %r: go on from the last checkpoint with `gadei serve %s --replace --resume %s "
                               "...`", self.job, self.job, self.settings.checkpoint_dir)
                     return SERVER_DEAD
@@ -210,6 +252,7 @@ class Watchdog:
 
     def _ended(self) -> int:
         log.info("job %r stopped; the watchdog ends after %d checkpoints", self.job, self.checkpoints)
+        self.finished = self.region.header.get("finished") == 1
         self.learners.reap(timeout=30.0)
         if self._server is not None:
             try:
@@ -218,9 +261,10 @@ class Watchdog:
                 log.warning("job %r: the server (pid %d) did not exit; killing it", self.job, self._server.pid)
                 self._server.kill()
                 self._server.wait()
-        remove_state(self.job)
         if self.learners.failed:
             log.error("job %r ended without learners %s (given up)", self.job, self.learners.failed)
+            self.reason = (f"the watchdog gave up on launched learners {self.learners.failed}: they died "
+                           f"{self.settings.max_restarts + 1} times within {self.settings.window:g} s (see their logs)")
             return LEARNERS_FAILED
         return 0
 
@@ -237,7 +281,7 @@ class Watchdog:
             except subprocess.TimeoutExpired:
                 self._server.kill()
                 self._server.wait()
-        remove_state(self.job)
+        self.reason = "the server stopped the job as failed (see logs/serve.log); the newest checkpoint is from before"
         return JOB_FAILED
 
     def _stop_job(self) -> None:

@@ -33,6 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--progress", metavar="JSON", help="how far each launched learner got, from the checkpoint the server "
         "resumed from: they start there (gadei serve --resume passes this)")
     add("--log-dir", help="where launched processes write their logs (default: --checkpoint-dir)")
+    add("--outputs", metavar="FOLDER", help="a `gadei run` output folder: when the job ends, record how "
+        "(logs/watchdog-end.json) and, if the `gadei run` that started it is gone, write its outputs")
 
 
 def command(args) -> int:
@@ -59,7 +61,7 @@ def command(args) -> int:
     settings = Settings(checkpoint_dir=args.checkpoint_dir, every=args.every, keep=args.keep,
                         interval=args.interval, max_missed=args.max_missed, restart=restart,
                         max_restarts=args.max_restarts, window=args.window, learners=learners,
-                        backoff=args.backoff, log_dir=args.log_dir)
+                        backoff=args.backoff, log_dir=args.log_dir, outputs=args.outputs)
     try:
         settings.check()
     except ValueError as err:

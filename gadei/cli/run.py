@@ -6,7 +6,8 @@ log = logging.getLogger("gadei.cli")
 
 
 def cmd_run(args) -> int:
-    from ..run import check_job, run_job
+    from ..prepare import check_job
+    from ..run import run_job
 
     if args.check:
         for line in check_job(args.jobfile, resume=args.resume):

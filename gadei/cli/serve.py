@@ -125,6 +125,8 @@ def _start_watchdog(args, learners: list[list[str]], progress: dict | None) -> s
                "--max-restarts", str(args.max_restarts)]
     if args.log_dir:
         command += ["--log-dir", args.log_dir]
+    if args.outputs:
+        command += ["--outputs", args.outputs]
     if learners:
         command += ["--learners", json.dumps(learners)]
         if progress:
@@ -230,6 +232,9 @@ def add_parser(sub) -> None:
                    f"each launched learner, within {Settings.window:g} s before the watchdog gives up (default %(default)d)")
     p.add_argument("--log-dir", help="where the watchdog's launched learners and restarted servers write their "
                    "logs (default: --checkpoint-dir)")
+    p.add_argument("--outputs", metavar="FOLDER", help="a `gadei run` output folder: when the job ends, the watchdog "
+                   "records how (logs/watchdog-end.json) and, if the `gadei run` that started the job is gone, writes "
+                   "its outputs (metrics.jsonl, accuracy.png, result.json)")
     p.add_argument("--learner", action="append", default=[], metavar="ARGS",
                    help="with --checkpoint-dir: the watchdog launches a learner `gadei learn JOB ARGS` (one "
                    "quoted string; repeat for more), restarts it where it was if it dies, and stops the job "

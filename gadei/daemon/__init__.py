@@ -9,7 +9,11 @@ Each job's record is a JSON file in the state folder (`GADEI_STATE_DIR`, default
 `$XDG_STATE_HOME/gadei` or `~/.local/state/gadei`), written atomically on every change, so
 a daemon that is restarted knows every job's state and output. Jobs run in sessions of
 their own: a daemon that stops or dies leaves them running, and the next one finds them
-again by pid and start time (or, if they ended meanwhile, by the model they left).
+again by pid and start time (or, if they ended meanwhile, by their result.json). A job whose
+`gadei run` died while the job went on under its watchdog is `orphaned`: followed by its
+region until it ends, then its state is its result.json's outcome (`gadei.outputs`; the
+watchdog writes it, or the daemon when nobody else could). Cancelling an orphaned job stops
+its server as `gadei stop` does.
 
 One daemon per state folder: it holds an exclusive `flock` on `daemon.lock` there (and on
 `daemon.sock.lock` beside its socket) for its whole life, so a second daemon is refused at

@@ -58,6 +58,7 @@ class Record:
     returncode: int | None = None
     message: str = ""
     resume: bool = False  # go on with the run its output folder holds (`gadei run --resume`)
+    orphaned: bool = False  # its `gadei run` died while the job went on (under its watchdog): followed by region
 
     @property
     def log(self) -> str:
@@ -103,9 +104,42 @@ class Daemon:
         if _proc.alive(record.pid, record.pid_start):
             log.info("job %s still runs (pid %d): watching it again", record.name, record.pid)
             return
-        done = os.path.exists(os.path.join(record.output, "model.pt"))
-        self._finish(record, DONE if done else FAILED, None,
-                     "ended while the daemon was down" + ("" if done else "; see its logs"))
+        if record.orphaned or _job_alive(record):
+            self._orphan(record, "its `gadei run` ended while the daemon was down")
+            return
+        self._conclude(record, None, "ended while the daemon was down")
+
+    def _orphan(self, record: Record, why: str) -> None:
+        """The job's `gadei run` is gone but the job goes on under its watchdog (which writes its
+        outputs at its end): followed by its region until it ends (`_reap`)."""
+        record.pid, record.orphaned = 0, True
+        record.message = f"{why}; the job goes on under its watchdog, which writes its outputs"
+        self._save(record)
+        log.warning("job %s: %s", record.name, record.message)
+
+    def _conclude(self, record: Record, code: int | None, why: str = "") -> None:
+        """The job ended: its state from its result.json (`gadei.outputs`), which is written
+        here when neither its `gadei run` nor its watchdog lived to write it."""
+        from .. import outputs
+
+        out = Path(record.output)
+        result = outputs.read_result(out)
+        if result is None and (code is None or code < 0) and (out / "job.toml").is_file():
+            try:  # gadei run was killed: the job's outputs are this process's to write
+                result = outputs.finish(jobfile.load(out / "job.toml"), note=why or f"gadei run was killed ({code})",
+                                        wait=120)
+            except Exception as err:  # noqa: BLE001 (the record must end whatever this costs)
+                log.error("job %s: cannot write its outputs: %s", record.name, _reason(err))
+        outcome = result.get("outcome") if result else None
+        if record.state == CANCELLED:
+            self._finish(record, CANCELLED, code, "cancelled; its last checkpoint and logs are kept")
+        elif outcome == "done" or (outcome is None and code == 0):
+            self._finish(record, DONE, code, why)
+        elif result is not None:
+            self._finish(record, FAILED, code, f"{outcome}: {result.get('message', '')}" + (f" ({why})" if why else ""))
+        else:
+            self._finish(record, FAILED, code, (f"{why}; " if why else "") + f"gadei run exited {code}; see "
+                         f"`gadei logs {record.name}`")
 
     def _finish(self, record: Record, state: str, code: int | None, message: str = "") -> None:
         record.state, record.returncode, record.ended, record.pid = state, code, time.time(), 0
@@ -128,12 +162,12 @@ class Daemon:
                 raise GadeiError(f"job {job.name!r} is already {old.state}; cancel it first or give the job "
                                  "another [job] name")
         train, _ = jobfile.load_data(job)  # a data problem is the submitter's to hear, not the log's
-        from ..run import check_output
+        from ..prepare import check_output
 
         check_output(job)  # and an output folder the run could not write
         checkpoints = job.output / "checkpoints"
         if resume:
-            from ..run import resume_point
+            from ..prepare import resume_point
 
             resume_point(job.with_defaults(len(train))[0], remove_model=False)  # refused now, not in the log
         elif checkpoints.is_dir() and any(checkpoints.iterdir()):
@@ -152,6 +186,13 @@ class Daemon:
             record = self._get(name)
             if record.state == QUEUED:
                 self._finish(record, CANCELLED, None, "cancelled before it started")
+            elif record.state == RUNNING and record.orphaned:  # no gadei run: stop the job itself
+                from ..launch import stop_job
+
+                stop_job(record.name, timeout=60)
+                record.message = "cancelling"
+                record.state = CANCELLED
+                self._save(record)
             elif record.state == RUNNING:
                 try:
                     os.killpg(record.pid, signal.SIGTERM)  # gadei run stops its job: last checkpoint, logs kept
@@ -239,6 +280,10 @@ class Daemon:
 
     def _reap(self) -> None:
         for record in self.records.values():
+            if record.orphaned and record.state in (RUNNING, CANCELLED):
+                if not _job_alive(record):
+                    self._conclude(record, None, record.message.split(";")[0])
+                continue
             if not record.pid:
                 continue
             proc = self.procs.get(record.name)
@@ -251,12 +296,11 @@ class Daemon:
                 continue  # a job an earlier daemon started
             else:
                 code = None
-            if record.state == CANCELLED:
-                self._finish(record, CANCELLED, code, "cancelled; its last checkpoint and logs are kept")
-            elif code == 0 or (code is None and os.path.exists(os.path.join(record.output, "model.pt"))):
-                self._finish(record, DONE, code)
-            else:
-                self._finish(record, FAILED, code, f"gadei run exited {code}; see `gadei logs {record.name}`")
+            if code != 0 and _job_alive(record):
+                self._orphan(record, f"its `gadei run` (pid {record.pid}) " + ("is gone" if code is None else
+                             f"was killed by signal {-code}" if code < 0 else f"exited {code}"))
+                continue
+            self._conclude(record, code)
 
     # ------------------------------------------------------------------ the socket
 
@@ -360,6 +404,26 @@ class Daemon:
         except Exception as err:  # a bug must cost one request its answer, never the daemon
             log.exception("request %.200r failed", line)
             return {"ok": False, "error": f"the daemon failed on this request: {type(err).__name__}: {err}"}
+
+
+def _job_alive(record: Record) -> bool:
+    """A server of the job runs, or someone (its watchdog) is writing its outputs."""
+    from .. import outputs
+    from ..region import inspect
+
+    found = inspect(record.name)
+    if found is not None and found.state in ("running", "starting"):
+        return True
+    out = Path(record.output)
+    return outputs.owned(out) or (outputs.read_ending(out) is None and outputs.read_result(out) is None
+                                  and _watchdog_alive(record.name))
+
+
+def _watchdog_alive(name: str) -> bool:
+    """The job's watchdog still runs (its saved state names it while it lives: `gadei_watchdog.launched`)."""
+    from ..env import runtime_dir
+
+    return os.path.exists(os.path.join(runtime_dir(), f"{name}.watchdog.json"))
 
 
 def _reason(err: Exception) -> str:

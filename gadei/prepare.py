@@ -1,0 +1,259 @@
+"""A job made ready to run, before anything starts: `gadei run`'s (and `gadei submit`'s) checks of
+the job file, its data, the region's name and the output folder (`check`, `check_output`),
+the defaults filled in, the point a resumed run goes on from (`resume_point`), and the
+output folder's job.toml and maps (`prepare`). `gadei.run.JobRun` owns the rest of the job's
+life: launch, follow, finish.
+
+`node` everywhere here: the bridged node this process runs (`gadei.run.Node`), or None.
+"""
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import jobfile, outputs
+from .errors import GadeiError
+
+
+@dataclass
+class Prepared:
+    """A checked job (defaults filled in), its data, what was chosen for it, the checkpoint it
+    resumes from; its output folder holds the job as run and the maps."""
+
+    job: jobfile.Job
+    train: object
+    test: object
+    chosen: list[str]
+    read: list  # a gadei_workloads.files.FileReport per data file
+    found: object = None
+
+
+def check_job(path: str, *, resume: bool = False) -> list[str]:
+    """`gadei run --check`: every check `gadei run` makes before it starts (the job file, the
+    region's name, the data, the output folder), starting nothing and writing nothing; the
+    lines `gadei run` prints before it starts.
+
+    Raises:
+        GadeiError: (JobFileError among them) the one-line reason the job would be refused.
+    """
+    job = jobfile.load(path)
+    prepared = check(job, resume, None, remove_model=False)
+    return describe(prepared, None)
+
+
+def check(job: jobfile.Job, resume: bool, node, *, remove_model: bool = True) -> Prepared:
+    """Everything that can be refused, before anything starts, writing nothing."""
+    from .region import check_name_free
+
+    if node is not None:
+        job = job.for_node(node.rank, node.size)
+    check_name_free(job.name)  # another user's (or a foreign) object in the region's place: say whose, now
+    read: list = []
+    train, test = jobfile.load_data(job, read)
+    job, chosen = job.with_defaults(len(train))
+    out = job.output
+    check_output(job)
+    found = None
+    if resume:
+        found = resume_point(job, nodes=node.size if node else 1, remove_model=remove_model)
+    elif (out / "checkpoints").is_dir() and any((out / "checkpoints").iterdir()):
+        raise GadeiError(f"output folder {out} holds a previous run (checkpoints/); go on with it with "
+                         "`gadei run --resume`, or set another [output] folder, or remove that one")
+    return Prepared(job, train, test, chosen, read, found)
+
+
+# What `gadei run` writes in its output folder, by kind: an earlier run's of another kind stops it.
+_OUTPUT_FOLDERS = ("logs", "checkpoints")
+_OUTPUT_FILES = ("job.toml", "labels.json", "vocab.json", "features.json", "node.json", "model.pt", "result.json",
+                 "metrics.jsonl", "accuracy.png")
+
+
+def check_output(job: jobfile.Job) -> None:
+    """The job's output folder can take a run, checked without writing: it is a folder (not a
+    file, a device or a symbolic link) or can be made one in the nearest folder above that
+    exists, you may write in it, and what it holds of an earlier run is of the kind a run
+    writes (logs/ and checkpoints/ folders, job.toml and the other outputs files).
+
+    Raises:
+        GadeiError: naming the job file, the folder and what is wrong with it.
+    """
+    import stat
+
+    out = job.output
+    where = f"{job.path.name if job.path else 'job'}: [output] folder {str(out)!r}"
+
+    def kind(path: Path):
+        try:
+            return os.lstat(path).st_mode
+        except FileNotFoundError:
+            return None
+        except NotADirectoryError:
+            raise GadeiError(f"{where}: cannot be made, a folder above it is a file") from None
+        except (OSError, ValueError) as err:
+            raise GadeiError(f"{where}: {path.name}: {getattr(err, 'strerror', None) or err}") from None
+
+    def storable(folder: Path, what: str) -> None:
+        found = os.statvfs(folder)
+        if found.f_flag & os.ST_RDONLY:
+            raise GadeiError(f"{where}: {what} on a read-only file system")
+        if found.f_blocks == 0:  # procfs, sysfs: no file can be made there, whatever access() says
+            raise GadeiError(f"{where}: {what} on a file system that holds no files (such as /proc or /sys)")
+
+    mode = kind(out)
+    if mode is None:
+        above = out.parent
+        while kind(above) is None:
+            above = above.parent
+        if not stat.S_ISDIR(os.stat(above).st_mode):
+            raise GadeiError(f"{where}: cannot be made, {str(above)!r} is not a folder")
+        if not os.access(above, os.W_OK | os.X_OK):
+            raise GadeiError(f"{where}: cannot be made, you may not write in {str(above)!r}")
+        storable(above, "cannot be made, the folder above it is")
+        return
+    if stat.S_ISLNK(mode):
+        raise GadeiError(f"{where}: is a symbolic link; allowed: a folder (give the folder it points to)")
+    if not stat.S_ISDIR(mode):
+        raise GadeiError(f"{where}: is not a folder")
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise GadeiError(f"{where}: you may not write in it")
+    storable(out, "it is")
+    for name in _OUTPUT_FOLDERS + _OUTPUT_FILES:
+        mode = kind(out / name)
+        if mode is None:
+            continue
+        folder = name in _OUTPUT_FOLDERS
+        if not (stat.S_ISDIR(mode) if folder else stat.S_ISREG(mode)):
+            raise GadeiError(f"{where}: its {name} is not a {'folder' if folder else 'file'} (a run writes one "
+                             "there); remove it or set another [output] folder")
+
+
+def prepare(job: jobfile.Job, resume: bool, node) -> Prepared:
+    """Everything that can be refused, before anything starts (`check`); the output folder's job.toml and maps."""
+    prepared = check(job, resume, node)
+    job, train, out = prepared.job, prepared.train, prepared.job.output
+    output_modes(job)
+    outputs.forget(out)  # an earlier run's result.json and end record are not this run's
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    (out / "job.toml").write_text(job.to_toml())
+    (out / "labels.json").write_text(json.dumps(train.label_names, ensure_ascii=False))
+    if train.vocab is not None:
+        (out / "vocab.json").write_text(json.dumps(train.vocab.to_json(), ensure_ascii=False))
+    else:  # numeric features: predict standardises with the training set's statistics
+        (out / "features.json").write_text(json.dumps({"features": train.features, "mean": train.mean.tolist(),
+                                                       "std": train.std.tolist()}))
+    if node is not None:
+        (out / "node.json").write_text(json.dumps({"node": node.rank, "nodes": node.size,
+                                                   "shards": node.shards(job.train.learners)}) + "\n")
+    return prepared
+
+
+def output_modes(job: jobfile.Job) -> None:
+    """Make the output folder private ([output] private, the default): this process and every
+    process it starts (server, watchdog, learners: the model, checkpoints, logs, metrics) create
+    files 0600 and folders 0700 whatever the umask it was given, and what an earlier run or
+    the daemon left there (logs/run.log) is closed the same way. With private = false the
+    umask decides, and what the daemon created private is opened up to it."""
+    import stat
+
+    out = job.output
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
+        raise GadeiError(f"output folder {out} is not a folder" + (" (a symbolic link)" if out.is_symlink() else ""))
+    if job.private:
+        os.umask(0o077)
+        dir_mode, file_mode = 0o700, 0o600
+    else:
+        mask = os.umask(0o077)
+        os.umask(mask)
+        dir_mode, file_mode = 0o777 & ~mask, 0o666 & ~mask
+    out.mkdir(parents=True, exist_ok=True)
+    if out.stat().st_uid != os.geteuid():
+        raise GadeiError(f"output folder {out} belongs to uid {out.stat().st_uid}, not to you (uid {os.geteuid()})")
+    folders = [out] + [p for p in (out / "logs", out / "checkpoints") if p.is_dir() and not p.is_symlink()]
+    for folder in folders:
+        os.chmod(folder, dir_mode)
+        if folder == out and not job.private:
+            continue  # an earlier private run's files stay as they were
+        for entry in folder.iterdir():
+            info = entry.lstat()
+            if stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid():
+                os.chmod(entry, file_mode if job.private else (stat.S_IMODE(info.st_mode) | file_mode))
+
+
+def describe(prepared: Prepared, node) -> list[str]:
+    """What `gadei run` prints before it starts (and `gadei run --check`): the job, each data
+    file's read line, the chosen defaults, the node, the output folder, the resume point."""
+    job, train, test, found = prepared.job, prepared.train, prepared.test, prepared.found
+    t = job.train
+    lines = [f"gadei run: job {job.name}: {job.workload} on {len(train):,} training / {len(test):,} test samples, "
+             f"{train.n_labels} labels, " + (f"vocabulary {len(train.vocab):,}" if train.vocab is not None else
+                                             f"{train.features} features")
+             + f"; {t.learners} learners, {t.mode}, {t.optimizer}, mini-batch {t.batch}, lr {t.lr:g}, "
+             f"{t.epochs} epochs, seed {t.seed}"]
+    lines += [f"  read {report}" for report in prepared.read]
+    lines += [f"  chose {line}" for line in prepared.chosen]
+    if node is not None:
+        b = job.bridge
+        lines.append(f"  node {node.rank} of {node.size}: learners' shards {', '.join(node.shards(t.learners))}; "
+                     f"bridge {b.strategy}, "
+                     + (f"every {b.every:g} s" if b.every is not None else f"every {b.interval} versions")
+                     + f", buckets {b.bucket_mb if b.bucket_mb == 'auto' else f'{b.bucket_mb:g} MB'}"
+                     + (", float16" if b.float16 else "") + f", timeout {b.timeout:g} s; lr {node.lr(job):g} per node"
+                     + ("" if b.node_lr else f" (lr {t.lr:g} x {node.shares(job)}: "
+                        + (f"{node.size} nodes and the centre share" if b.strategy == "elastic" else
+                           f"{node.size} nodes average") + " each node's progress)"))
+    elif job.bridge is not None:
+        lines.append("  one node, so no bridge ([bridge] joins the nodes of `mpiexec -n NODES gadei run`)")
+    lines.append(f"  output: {job.output}")
+    if found is not None:
+        lines.append(f"  resuming from {found.path.name} (version {found.version:,}, progress "
+                     + ", ".join(f"learner {k}: {v if v == 'done' else f'{v:,} samples'}" for k, v in
+                                 sorted(found.progress.items())) + ")")
+    return lines
+
+
+def _compared(section) -> dict:
+    """A job file section's fields that say what the job is (not `Train.given`)."""
+    return {f.name: getattr(section, f.name) for f in dataclasses.fields(section) if f.compare}
+
+
+def resume_point(job: jobfile.Job, *, remove_model: bool = True, nodes: int = 1):
+    """The checkpoint a resumed run goes on from: the newest one of its output folder that says
+    how far each learner got (a watchdog's periodic or final-stage one; the server's own stop
+    checkpoint does not, so up to one checkpoint interval is trained again). The folder's
+    job.toml must be this job with at most more epochs: the learners' schedules (data,
+    shards, mini-batch, seed) must be the ones the progress counts in; a bridged node's
+    folder (node.json) must come from a run of as many `nodes`, whose shards these are."""
+    from . import checkpoint
+
+    out = job.output
+    as_run = out / "job.toml"
+    if not as_run.is_file():
+        raise GadeiError(f"--resume: {out} holds no run to go on with (no job.toml)")
+    before = jobfile.load(as_run)
+    free = {("train", "epochs"), ("train", "devices")}  # neither changes a learner's schedule
+    changed = [f"[{section}] {key}" for section in ("data", "train")
+               for key, value in _compared(getattr(before, section)).items()
+               if (section, key) not in free and getattr(getattr(job, section), key) != value]
+    changed += [f"[job] {key}" for key in ("name", "workload") if getattr(job, key) != getattr(before, key)]
+    if changed:
+        raise GadeiError(f"--resume: the job differs from the run in {out} in " + ", ".join(changed)
+                         + " (only [train] epochs may change, and [train] devices); run it with another [output] "
+                         "folder instead")
+    try:
+        before_nodes = json.loads((out / "node.json").read_text())["nodes"]
+    except FileNotFoundError:
+        before_nodes = 1
+    if before_nodes != nodes:
+        raise GadeiError(f"--resume: the run in {out} ran on {before_nodes} node(s), this one on {nodes}: the learners' "
+                         "shards would differ; go on with as many MPI ranks, or run it with another [output] folder")
+    found = checkpoint.latest(out / "checkpoints", with_progress=True)
+    if found is None:
+        raise GadeiError(f"--resume: no checkpoint in {out / 'checkpoints'} that verifies and records the learners' "
+                         "progress")
+    if remove_model and (out / "model.pt").exists():
+        (out / "model.pt").unlink()  # the resumed run writes its own final weights
+    return found
+
+

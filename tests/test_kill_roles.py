@@ -1,0 +1,207 @@
+"""SIGKILL of each role of a job, under `gadei run` and under the daemon: the reported outcome
+(exit status, message, the daemon's record) is the job's real one, and its outputs
+(result.json, metrics.jsonl, accuracy.png) are written by whichever process saw it end.
+
+Each case runs a small job (an MLP on 900 numeric samples, two learners, checkpoints every
+second), kills one process once the job has made some updates, and measures the seconds
+from the kill to a clear stop (the job's outcome reported); `-s` prints them:
+
+    python -m pytest -q -s tests/test_kill_roles.py
+"""
+
+import json
+import os
+import signal
+import time
+
+import psutil
+import pytest
+
+from gadei.region import Region, inspect, remove
+from gadei.ring import lease_owner
+from helpers import communicate, finish, wait_for
+
+pytestmark = pytest.mark.slow
+
+STOP_WITHIN = 120  # seconds from a kill to a clear stop, at most (the job itself takes about 15 s)
+
+
+@pytest.fixture
+def small(tmp_path):
+    """A job file of a small job, its name and output folder; every process of it is killed at the end."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    centres = rng.normal(0, 4, (3, 8))
+    y = rng.integers(0, 3, 900)
+    x = (centres[y] + rng.normal(0, 1, (900, 8))) * 10 + 100
+    np.savez(tmp_path / "blobs.npz", x=x, y=np.array([f"class-{v}" for v in y]))
+    name = f"kill-{os.getpid()}-{tmp_path.name[-12:]}".replace("_", "-")
+    path = tmp_path / "job.toml"
+    path.write_text(f'[job]\nname = "{name}"\nworkload = "mlp"\n[data]\ntrain = "blobs.npz"\nformat = "npz"\n'
+                    'holdout = 0.2\n[train]\nlearners = 2\nepochs = 12\nlr = 0.05\n[checkpoint]\ninterval = 1\n'
+                    '[output]\nfolder = "out"\n')
+    yield path, name, tmp_path / "out"
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        if name in " ".join(proc.info["cmdline"] or []) and proc.pid != os.getpid():
+            try:
+                proc.kill()
+                proc.wait(10)
+            except (psutil.NoSuchProcess, psutil.TimeoutExpired):
+                pass
+    if inspect(name) is not None:
+        remove(name)
+
+
+def _roles(name: str) -> dict:
+    """The job's server, watchdog and learner pids as its region names them ({} without a region)."""
+    try:
+        with Region.attach(name, readonly=True) as region:
+            h = region.header
+            learners = [lease_owner(region.entry(i).get("lease")) for i in range(region.shape.capacity)]
+            return {"server": h.get("server_pid"), "watchdog": h.get("watchdog_pid"), "version": h.get("version"),
+                    "learners": [pid for pid in learners if pid]}
+    except Exception:
+        return {}
+
+
+def _when_training(name: str) -> dict:
+    """The roles, once the job has made 600 updates with both learners and its watchdog attached."""
+    def ready():
+        roles = _roles(name)
+        return roles if roles.get("version", 0) >= 600 and roles["watchdog"] and len(roles["learners"]) == 2 else None
+
+    return wait_for(ready, 180, "the job to train with its watchdog and two learners", interval=0.05)
+
+
+def _outputs_written(out, writer=None) -> dict:
+    """result.json, metrics.jsonl of every epoch and the plot; result.json's content."""
+    result = json.loads((out / "result.json").read_text())
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["epoch"] for m in metrics] == list(range(1, 13)), metrics
+    assert (out / "accuracy.png").stat().st_size > 1000
+    assert not list(out.glob(".*.tmp*")), "a writer's temporary file was left"
+    if writer is not None:
+        assert result["written_by"] == writer
+    return result
+
+
+def _gone(name: str) -> bool:
+    for proc in psutil.process_iter(["cmdline"]):
+        if name in " ".join(proc.info["cmdline"] or []) and proc.pid != os.getpid():
+            return False
+    return inspect(name) is None
+
+
+def _say(case: str, outcome: str, seconds: float) -> None:
+    print(f"\nkill {case}: {outcome}; {seconds:.1f} s from the kill to a clear stop", flush=True)
+
+
+@pytest.mark.parametrize("role", ["server", "watchdog", "learner"])
+def test_gadei_run_reports_the_real_outcome_when_a_role_of_its_job_is_killed(small, procs, role):
+    path, name, out = small
+    run = procs.gadei("run", path)
+    roles = _when_training(name)
+    pid = roles["learners"][0] if role == "learner" else roles[role]
+    os.kill(pid, signal.SIGKILL)
+    killed = time.monotonic()
+    stdout, stderr = communicate(run, STOP_WITHIN)
+    seconds = time.monotonic() - killed
+    assert run.returncode == 0, stdout + stderr
+    assert "done in" in stdout, stdout
+    if role == "server":
+        assert "the server exited -9; its watchdog restarts it" in stderr, stderr
+    if role == "watchdog":
+        assert f"its watchdog (pid {pid}) died; starting a new one" in stderr, stderr
+    result = _outputs_written(out, run.pid)
+    assert (result["outcome"], result["finished"]) == ("done", True), result
+    assert result["test_accuracy"] > 0.9, result
+    wait_for(lambda: _gone(name), 30, "every process of the job to end")
+    _say(f"{role} under gadei run", "gadei run exit 0, result.json outcome done", seconds)
+
+
+def test_a_watchdog_that_dies_and_cannot_be_replaced_ends_the_job_with_a_clear_error(small, procs):
+    path, name, out = small
+    run = procs.gadei("run", path)
+    roles = _when_training(name)
+    os.unlink(os.path.join(os.environ["GADEI_RUNTIME_DIR"], f"{name}.watchdog.json"))  # nothing to adopt from
+    os.kill(roles["watchdog"], signal.SIGKILL)
+    killed = time.monotonic()
+    stdout, stderr = communicate(run, STOP_WITHIN)
+    seconds = time.monotonic() - killed
+    assert run.returncode == 1, stdout + stderr
+    assert f"its watchdog (pid {roles['watchdog']}) died and no new one could take over" in stderr, stderr
+    assert "no watchdog state to adopt" in stderr, stderr
+    result = json.loads((out / "result.json").read_text())
+    assert result["outcome"] == "failed" and "no new one could take over" in result["message"], result
+    assert (out / "metrics.jsonl").exists() and (out / "model.pt").exists()
+    wait_for(lambda: _gone(name) or None, 60, "the job's processes to end")  # its orphaned learners stop with it
+    _say("watchdog (no state to adopt) under gadei run", "gadei run exit 1, outcome failed", seconds)
+
+
+def test_a_killed_gadei_run_leaves_the_outputs_to_the_watchdog(small, procs):
+    path, name, out = small
+    run = procs.gadei("run", path)
+    roles = _when_training(name)
+    run.send_signal(signal.SIGKILL)
+    killed = time.monotonic()
+    run.wait()
+    wait_for(lambda: (out / "result.json").exists(), STOP_WITHIN, "the watchdog to write result.json")
+    seconds = time.monotonic() - killed
+    result = _outputs_written(out, roles["watchdog"])
+    assert (result["outcome"], result["finished"]) == ("done", True), result
+    ending = json.loads((out / "logs" / "watchdog-end.json").read_text())
+    assert ending["code"] == 0 and ending["finished"]
+    wait_for(lambda: _gone(name), 60, "every process of the job to end")
+    _say("gadei run", "the watchdog wrote result.json, outcome done", seconds)
+
+
+@pytest.fixture
+def daemon_env(tmp_path):
+    folder = tmp_path / "run"
+    folder.mkdir(mode=0o700)
+    return {"GADEI_RUNTIME_DIR": str(folder), "GADEI_STATE_DIR": str(tmp_path / "state")}
+
+
+def _daemon(procs, env):
+    daemon = procs.gadei("daemon", env=env)
+    wait_for(lambda: os.path.exists(os.path.join(env["GADEI_RUNTIME_DIR"], "daemon.sock")) or daemon.poll() is not None,
+             60, "the daemon's socket")
+    assert daemon.poll() is None, daemon.err_lines
+    return daemon
+
+
+def _record(procs, env, name) -> dict:
+    out, _ = finish(procs.gadei("status", "--json", env=env))
+    return {j["name"]: j for j in json.loads(out.splitlines()[0])["jobs"]}[name]
+
+
+def test_the_daemon_reports_the_real_outcome_when_gadei_run_the_server_and_the_daemon_are_killed(small, procs,
+                                                                                                 daemon_env):
+    path, name, out = small
+    daemon = _daemon(procs, daemon_env)
+    finish(procs.gadei("submit", path, env=daemon_env))
+    os.environ["GADEI_RUNTIME_DIR"], saved = daemon_env["GADEI_RUNTIME_DIR"], os.environ["GADEI_RUNTIME_DIR"]
+    try:
+        roles = _when_training(name)
+    finally:
+        os.environ["GADEI_RUNTIME_DIR"] = saved
+    run_pid = _record(procs, daemon_env, name)["pid"]
+    os.kill(roles["server"], signal.SIGKILL)
+    os.kill(run_pid, signal.SIGKILL)
+    killed = time.monotonic()
+    wait_for(lambda: _record(procs, daemon_env, name)["orphaned"], 30, "the daemon to see gadei run die", 0.2)
+    record = _record(procs, daemon_env, name)
+    assert record["state"] == "running" and "killed by signal 9" in record["message"], record
+    daemon.send_signal(signal.SIGKILL)
+    daemon.wait()
+    daemon = _daemon(procs, daemon_env)  # a new daemon finds the job by its record and its region
+    record = wait_for(lambda: (r := _record(procs, daemon_env, name))["state"] != "running" and r, STOP_WITHIN,
+                      "the job's end", 0.5)
+    seconds = time.monotonic() - killed
+    assert record["state"] == "done", record
+    result = _outputs_written(out)
+    assert (result["outcome"], result["finished"]) == ("done", True), result
+    wait_for(lambda: _gone(name), 60, "every process of the job to end")
+    _say("server, then gadei run, then the daemon, under the daemon", "record done, result.json outcome done",
+         seconds)
