@@ -190,10 +190,14 @@ def _check(region) -> None:
         if state not in RUN_STATES:
             raise RegionCorrupt(f"job {region.job!r}: header field run_state is {state:,}, allowed "
                                 f"0..{max(RUN_STATES)}")
-        for name, value, limit in (("version", h.get("version"), COUNTER_LIMIT),
-                                   ("applied", h.get("applied"), COUNTER_LIMIT), ("hold", hold_requested(region), 2)):
-            if value >= limit:
-                raise RegionCorrupt(f"job {region.job!r}: header field {name} is {value:,}, allowed 0..{limit - 1:,}")
+        for name in ("version", "applied"):
+            value = h.get(name)
+            if value >= COUNTER_LIMIT:
+                raise RegionCorrupt(f"job {region.job!r}: header field {name} is {value:,}, allowed "
+                                    f"0..{COUNTER_LIMIT - 1:,}")
+        hold = hold_requested(region)
+        if hold > 1:
+            raise RegionCorrupt(f"job {region.job!r}: header field hold is {hold:,}, allowed 0..1")
         check_rings(region)
     except RegionCorrupt as err:
         raise CheckpointError(f"{err}: the region is corrupt, no checkpoint is taken of it") from err

@@ -9,7 +9,8 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from . import _proc
-from .layout import ENTRY_STATES, HIST_BUCKETS, RUN_STATES
+from .layout import ENTRY_STATES, HIST_BUCKETS
+from .protocol import RunState
 from .modes import read_options
 from .region import Region
 from .ring import lease_owner
@@ -146,7 +147,7 @@ def read(region: Region) -> JobStatus:
     return JobStatus(
         job=region.job,
         taken_at=now / 1e9,
-        run_state=RUN_STATES.get(h.get("run_state"), "?"),
+        run_state=RunState(region).name(),
         server_pid=h.get("server_pid"),
         server_alive=region.server_alive(),
         server_beat_age=_age(h.get("server_beat"), now),
