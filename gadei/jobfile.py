@@ -107,14 +107,14 @@ class Train:
 
 
 @dataclass(frozen=True)
-class Checkpoint:
+class CheckpointSettings:
     interval: float = 60.0
     keep: int = 3
 
 
 @dataclass(frozen=True)
 class Bridge:
-    """How the nodes of a job run under `mpiexec -n NODES gadei run` exchange (gadei.bridge.Options)."""
+    """How the nodes of a job run under `mpiexec -n NODES gadei run` exchange (gadei.bridge.BridgeOptions)."""
 
     strategy: str = "average"
     interval: int | None = None  # None (and no `every`): the bridge's default, every 100 local versions
@@ -134,7 +134,7 @@ class Job:
     workload: str
     data: Data
     train: Train = field(default_factory=Train)
-    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    checkpoint: CheckpointSettings = field(default_factory=CheckpointSettings)
     output: Path = Path("runs")
     private: bool = True  # [output] private: the output folder 0700 and its files 0600, whatever the umask
     bridge: Bridge | None = None  # None: the job runs on one node
@@ -345,7 +345,7 @@ def parse(raw: dict, path: Path, *, data_files: bool = True) -> Job:
     output = (_absolute(output, path.parent, f"{where}: [output] folder = {output!r}", follow=False) if output else
               path.parent / "runs" / job["name"])
     return Job(name=job["name"], workload=job["workload"], data=Data(**data), train=Train(**values["train"]),
-               checkpoint=Checkpoint(**values["checkpoint"]), output=output,
+               checkpoint=CheckpointSettings(**values["checkpoint"]), output=output,
                private=values["output"].get("private", True), bridge=bridge, path=path)
 
 

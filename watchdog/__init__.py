@@ -56,7 +56,7 @@ JOB_FAILED = 5  # exit code: the server stopped the job as failed; nothing was r
 
 
 @dataclass
-class Settings:
+class WatchdogSettings:
     """How a watchdog watches.
 
     Attributes:
@@ -106,7 +106,7 @@ class Watchdog:
         adopted: the launched learners of a watchdog that died (`Watchdog.adopt`).
     """
 
-    def __init__(self, job: str, settings: Settings, adopted: list[Launched] | None = None):
+    def __init__(self, job: str, settings: WatchdogSettings, adopted: list[Launched] | None = None):
         settings.check()
         self.job, self.settings = job, settings
         self.log_dir = settings.log_dir or settings.checkpoint_dir
@@ -138,7 +138,7 @@ class Watchdog:
             raise GadeiError(f"job {job!r}: no watchdog state to adopt (it was never watched on this machine, "
                              f"or its watchdog ended with it); start one with `gadei watchdog {job} "
                              "--checkpoint-dir DIR`") from None
-        return cls(job, Settings(**saved), adopted=table)
+        return cls(job, WatchdogSettings(**saved), adopted=table)
 
     def _register(self) -> None:
         h = self.region.header

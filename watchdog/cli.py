@@ -1,6 +1,6 @@
 """The `gadei watchdog` command, also run as `python -m gadei_watchdog` (how `gadei serve`
 starts a job's watchdog): its arguments, declared once with their defaults taken from
-`Settings`, and what it runs."""
+`WatchdogSettings`, and what it runs."""
 
 import argparse
 import json
@@ -8,9 +8,9 @@ import json
 from gadei import console
 from gadei.errors import GadeiError
 
-from . import Settings, Watchdog
+from . import WatchdogSettings, Watchdog
 
-_D = Settings(checkpoint_dir="")  # the defaults
+_D = WatchdogSettings(checkpoint_dir="")  # the defaults
 HELP = "watch a running job, checkpoint it, restart what dies"
 DESCRIPTION = ("Attach to a running job, report dead or hung learners and server, and take a checkpoint between "
                "two updates every --every seconds; launch --learners and restart them when they die; restart a dead "
@@ -64,7 +64,7 @@ def command(args) -> int:
                                                       for l in learners)
         except (ValueError, AssertionError):
             raise GadeiError(f"--learners {args.learners!r}: expected a JSON list of lists of arguments") from None
-    settings = Settings(checkpoint_dir=args.checkpoint_dir, every=args.every, keep=args.keep,
+    settings = WatchdogSettings(checkpoint_dir=args.checkpoint_dir, every=args.every, keep=args.keep,
                         interval=args.interval, max_missed=args.max_missed, restart=restart,
                         max_restarts=args.max_restarts, window=args.window, learners=learners,
                         backoff=args.backoff, log_dir=args.log_dir)

@@ -14,7 +14,7 @@ from ..protocol import Deadline, RunState
 from ..region import Region
 from .exchange import BridgeRank, Report
 from .mpi import BridgeError
-from .options import Options
+from .options import BridgeOptions
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ class Background:
         wait: seconds to wait for the job to serve.
     """
 
-    def __init__(self, job: str, options: Options, *, ended, on_event=None, wait: float = 300.0):
+    def __init__(self, job: str, options: BridgeOptions, *, ended, on_event=None, wait: float = 300.0):
         self.job, self.options, self.ended, self.on_event, self.wait = job, options, ended, on_event, wait
         self.report: Report | None = None
         self.bridge: BridgeRank | None = None  # once attached (its `save_final` after the run)

@@ -43,7 +43,7 @@ def socket_path() -> str:
 
 
 @dataclass
-class Record:
+class JobRecord:
     """One submitted job, as the daemon keeps it on disk."""
 
     name: str
@@ -76,12 +76,12 @@ class Daemon:
         # first) is refused here, before it reads or writes a record.
         self._locks = [_lock(self.folder / "daemon.lock", f"state folder {self.folder}")]
         self.lock = threading.Lock()
-        self.records: dict[str, Record] = {}
+        self.records: dict[str, JobRecord] = {}
         self.procs: dict[str, subprocess.Popen] = {}
         self._stop = threading.Event()
         for path in sorted((self.folder / "jobs").glob("*.json")):
             try:
-                record = Record(**json.loads(path.read_text()))
+                record = JobRecord(**json.loads(path.read_text()))
             except (ValueError, TypeError) as err:
                 log.warning("skipping the unreadable job record %s: %s", path, err)
                 continue
@@ -93,13 +93,13 @@ class Daemon:
 
     # ------------------------------------------------------------------ records
 
-    def _save(self, record: Record) -> None:
+    def _save(self, record: JobRecord) -> None:
         path = self.folder / "jobs" / f"{record.name}.json"
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         tmp.write_text(json.dumps(asdict(record), indent=1))
         os.replace(tmp, path)
 
-    def _reattach(self, record: Record) -> None:
+    def _reattach(self, record: JobRecord) -> None:
         if _proc.alive(record.pid, record.pid_start):
             log.info("job %s still runs (pid %d): watching it again", record.name, record.pid)
             return
@@ -107,7 +107,7 @@ class Daemon:
         self._finish(record, DONE if done else FAILED, None,
                      "ended while the daemon was down" + ("" if done else "; see its logs"))
 
-    def _finish(self, record: Record, state: str, code: int | None, message: str = "") -> None:
+    def _finish(self, record: JobRecord, state: str, code: int | None, message: str = "") -> None:
         record.state, record.returncode, record.ended, record.pid = state, code, time.time(), 0
         record.message = message
         self._save(record)
@@ -115,7 +115,7 @@ class Daemon:
 
     # ------------------------------------------------------------------ requests
 
-    def submit(self, path: str, resume: bool = False) -> Record:
+    def submit(self, path: str, resume: bool = False) -> JobRecord:
         """Check a job file and its data now, then queue it; `resume`: to go on with the run in
         its output folder. Raises GadeiError saying why not."""
         from ..region import check_name_free
@@ -139,7 +139,7 @@ class Daemon:
         elif checkpoints.is_dir() and any(checkpoints.iterdir()):
             raise GadeiError(f"output folder {job.output} holds a previous run (checkpoints/); go on with it with "
                              "`gadei submit --resume`, or set another [output] folder, or remove that one")
-        record = Record(name=job.name, jobfile=str(job.path), output=str(job.output), submitted=time.time(),
+        record = JobRecord(name=job.name, jobfile=str(job.path), output=str(job.output), submitted=time.time(),
                         resume=resume)
         with self.lock:
             self.records[job.name] = record
@@ -147,7 +147,7 @@ class Daemon:
         log.info("job %s queued (%s)", job.name, job.path)
         return record
 
-    def cancel(self, name: str) -> Record:
+    def cancel(self, name: str) -> JobRecord:
         with self.lock:
             record = self._get(name)
             if record.state == QUEUED:
@@ -182,7 +182,7 @@ class Daemon:
             parts.append(f"==> {path} <==\n" + text)
         return "\n".join(parts) if parts else f"job {name!r} has no logs yet"
 
-    def _get(self, name: str) -> Record:
+    def _get(self, name: str) -> JobRecord:
         record = self.records.get(name)
         if record is None:
             raise GadeiError(f"the daemon has no job {name!r} (known: {', '.join(sorted(self.records)) or 'none'})")
@@ -218,7 +218,7 @@ class Daemon:
                         log.error("job %s: cannot save its record (%s); forgetting it", record.name, save_err)
                         self.records.pop(record.name, None)
 
-    def _start(self, record: Record) -> None:
+    def _start(self, record: JobRecord) -> None:
         logs = os.path.dirname(record.log)
         if os.path.lexists(record.output) and not os.path.isdir(record.output):
             raise GadeiError(f"output folder {record.output} is not a folder")
