@@ -86,7 +86,7 @@ def wait_for(predicate: Callable[[], T], timeout: float, what: str, *, interval:
         if value:
             return value
         if deadline.expired():
-            raise error(f"{what}: not within {timeout:g} s")
+            raise error(f"waited {timeout:g} s for {what}")
         deadline.sleep(interval)
 
 
