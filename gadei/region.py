@@ -58,6 +58,7 @@ from .layout import (
     SparseTable,
     layout,
 )
+from .protocol import Deadline
 
 log = logging.getLogger(__name__)
 
@@ -475,12 +476,12 @@ class Region:
             ForeignOwner, ForeignRegion: see `create`.
         """
         name = shm_name(job)
-        deadline = time.monotonic() + wait
+        deadline = Deadline(wait)
         while True:
             try:
                 opened = _open(name, readonly)
             except posix_ipc.ExistentialError:
-                if time.monotonic() >= deadline:
+                if deadline.expired():
                     waited = f" after waiting {wait:g} s" if wait > 0 else ""
                     raise RegionNotFound(
                         f"job {job!r} has no region ({SHM_DIR}/{name[1:]}){waited}: is `gadei serve {job}` running?"
@@ -490,7 +491,7 @@ class Region:
             try:
                 region = _trust(job, opened, readonly)
             except _NotPublished:
-                if time.monotonic() >= deadline:
+                if deadline.expired():
                     raise GadeiTimeout(
                         f"job {job!r}: {name} exists but its server did not finish creating it within {wait:g} s"
                     ) from None

@@ -12,6 +12,7 @@ import time
 from .._proc import python_command
 from ..errors import GadeiError
 from ..modes import NONFINITE
+from ..protocol import Deadline
 from . import learn
 from .common import emit, factory_model, workload_model
 
@@ -177,12 +178,12 @@ def _adopt(args) -> int:
     with open(out_path, "ab") as out:  # detached: it must not hold this command's output open
         dog = subprocess.Popen(python_command("gadei_watchdog", args.job, "--adopt"), stdout=out,
                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.monotonic() + 60
+    deadline = Deadline(60)
     with Region.attach(args.job, readonly=True) as region:
         while region.header.get("watchdog_pid") != dog.pid:
             if dog.poll() is not None:
                 raise GadeiError(f"job {args.job!r}: the adopting watchdog exited with {dog.returncode}")
-            if time.monotonic() >= deadline:
+            if deadline.expired():
                 dog.kill()
                 raise GadeiError(f"job {args.job!r}: the adopting watchdog did not register within 60 s")
             time.sleep(0.05)
