@@ -5,6 +5,11 @@ Every `addr` is an integer address inside a mapped region (the caller owns its b
 alignment: 8 bytes for the 64-bit calls, 4 for the 32-bit ones). `dtype` is a code from
 `gadei.layout.DTYPE_CODES` (float32, float16, bfloat16 gradients); weights and optimizer
 state are float32. The kernels release the GIL and use up to `threads` OpenMP threads.
+
+Only the modules that own a protocol or a kernel call it (tests/test_owners.py holds the list):
+`gadei.region` (atomic words and futexes: `Record`, `Word`, which `gadei.protocol` builds on),
+`gadei.ring`, `gadei.modes`, `gadei.transport`, the bridge's `node` and `exchange`, and the
+kernel benchmarks.
 """
 
 # atomics (sequentially consistent)

@@ -164,8 +164,8 @@ def capture(region, timeout: float = 5.0, progress=None) -> Checkpoint:
         CheckpointError: another checkpoint holds the server, the server died while serving,
             did not pause within `timeout`, or went on before the copy was done.
     """
-    from . import _native
     from .layout import SERVING, STOPPING
+    from .protocol import RunState, hold_and_copy
 
     h = region.header
     def whole() -> Checkpoint:
@@ -175,31 +175,12 @@ def capture(region, timeout: float = 5.0, progress=None) -> Checkpoint:
             copy.progress = progress(copy)
         return copy
 
-    if h.get("run_state") not in (SERVING, STOPPING):
+    if RunState(region).get() not in (SERVING, STOPPING):
         return whole()
     if not region.server_alive():
         raise CheckpointError(f"job {region.job!r}: the server (pid {h.get('server_pid')}) died while serving, maybe "
                               "within an update; no checkpoint is taken from its region")
-    if not h.cas("hold", 0, 1):
-        raise CheckpointError(f"job {region.job!r}: another checkpoint is being taken")
-    try:
-        _native.add32(h.addr("doorbell"), 1)  # a sleeping server wakes up to see the hold
-        _native.futex_wake(h.addr("doorbell"), 1)
-        deadline = time.monotonic() + timeout
-        while not _native.load32(h.addr("held")):
-            left = deadline - time.monotonic()
-            if left <= 0 or not region.server_alive():
-                raise CheckpointError(f"job {region.job!r}: the server did not pause for a checkpoint within "
-                                      f"{timeout:g} s")
-            _native.futex_wait(h.addr("held"), 0, min(0.1, left))
-        epoch = h.get("hold_epoch")
-        copy = whole()
-        if not (_native.load32(h.addr("held")) and h.get("hold_epoch") == epoch):
-            raise CheckpointError(f"job {region.job!r}: the server went on before the checkpoint copy was done")
-        return copy
-    finally:
-        h.cas("hold", 1, 0)
-        _native.futex_wake(h.addr("hold"), 1 << 30)
+    return hold_and_copy(region, timeout, whole, CheckpointError)
 
 
 def _check(region) -> None:
@@ -207,10 +188,11 @@ def _check(region) -> None:
     or counters are outside what the protocol allows: a restart must never go on from it."""
     from .errors import RegionCorrupt
     from .layout import COUNTER_LIMIT, FAILED, RUN_STATES
+    from .protocol import RunState, hold_requested
     from .ring import check_rings
 
     h = region.header
-    state = h.get("run_state")
+    state = RunState(region).get()
     if state == FAILED:
         raise CheckpointError(f"job {region.job!r}: its server stopped it as failed (see the server's log): no "
                               "checkpoint is taken of it")
@@ -218,10 +200,14 @@ def _check(region) -> None:
         if state not in RUN_STATES:
             raise RegionCorrupt(f"job {region.job!r}: header field run_state is {state:,}, allowed "
                                 f"0..{max(RUN_STATES)}")
-        for name in ("version", "applied", "hold"):
-            value, limit = h.get(name), 2 if name == "hold" else COUNTER_LIMIT
-            if value >= limit:
-                raise RegionCorrupt(f"job {region.job!r}: header field {name} is {value:,}, allowed 0..{limit - 1:,}")
+        for name in ("version", "applied"):
+            value = h.get(name)
+            if value >= COUNTER_LIMIT:
+                raise RegionCorrupt(f"job {region.job!r}: header field {name} is {value:,}, allowed "
+                                    f"0..{COUNTER_LIMIT - 1:,}")
+        hold = hold_requested(region)
+        if hold > 1:
+            raise RegionCorrupt(f"job {region.job!r}: header field hold is {hold:,}, allowed 0..1")
         check_rings(region)
     except RegionCorrupt as err:
         raise CheckpointError(f"{err}: the region is corrupt, no checkpoint is taken of it") from err

@@ -137,7 +137,7 @@ class Train(RuleOptions):
 
 @dataclass(frozen=True)
 class Bridge:
-    """How the nodes of a job run under `mpiexec -n NODES gadei run` exchange (gadei.bridge.Options)."""
+    """How the nodes of a job run under `mpiexec -n NODES gadei run` exchange (gadei.bridge.BridgeOptions)."""
 
     strategy: str = "average"
     interval: int | None = None  # None (and no `every`): the bridge's default, every 100 local versions

@@ -13,10 +13,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import _native, _proc
+from . import _proc
 from ._proc import gadei_command
 from .errors import ForeignRegion, GadeiError, GadeiTimeout, JobRunning, RegionNotFound
-from .layout import SERVING, STOPPING
+from .protocol import Deadline, RunState
 from .region import Region, inspect, remove
 from .server_record import live_server
 
@@ -47,7 +47,7 @@ def stop_job(job: str, timeout: float = 30.0) -> None:
             raise RegionNotFound(f"job {job!r} has no region: nothing to stop")
     if found.state not in ("running", "starting"):
         raise GadeiError(f"job {job!r} has no live server ({found.state}); remove its region with `gadei clean {job}`")
-    deadline = time.monotonic() + timeout  # one deadline for both waits: the publish and the stop
+    deadline = Deadline(timeout)  # one deadline for both waits: the publish and the stop
     try:
         region = Region.attach(job, wait=timeout)  # a starting server is stopped once it serves
     except ForeignRegion as err:  # its identity reads, the rest of its header does not
@@ -55,15 +55,12 @@ def stop_job(job: str, timeout: float = 30.0) -> None:
             return
         raise
     with region:
-        region.header.cas("run_state", SERVING, STOPPING)
-        doorbell = region.header.addr("doorbell")
-        _native.add32(doorbell, 1)
-        _native.futex_wake(doorbell, 1)
+        RunState(region).request_stop()
     while True:
         now = inspect(job)
         if now is None or now.state not in ("running", "starting"):
             return
-        if time.monotonic() >= deadline:
+        if deadline.expired():
             raise GadeiTimeout(f"job {job!r}: server pid {found.server_pid} did not stop within {timeout:g} s")
         time.sleep(_POLL)
 
@@ -78,15 +75,15 @@ def _stop_by_pid(job: str, problem: str, timeout: float) -> bool:
     log.warning("job %r: %s; stopping server pid %d (found in %s) by signal", job, problem, pid, where)
     os.kill(pid, signal.SIGTERM)  # the server stops as on `gadei stop`, or on what it finds wrong
     os.kill(pid, signal.SIGCONT)  # a stopped (SIGSTOP) server takes the SIGTERM once it runs
-    deadline = time.monotonic() + timeout
+    deadline = Deadline(timeout)
     while _proc.alive(pid, started):
-        if time.monotonic() >= deadline:
+        if deadline.expired():
             log.warning("job %r: server pid %d did not exit within %g s of SIGTERM; killing it (SIGKILL)", job, pid,
                         timeout)
             os.kill(pid, signal.SIGKILL)
-            deadline = time.monotonic() + timeout
+            deadline.restart()
             while _proc.alive(pid, started):
-                if time.monotonic() >= deadline:
+                if deadline.expired():
                     raise GadeiTimeout(f"job {job!r}: server pid {pid} did not exit within {timeout:g} s of SIGKILL")
                 time.sleep(_POLL)
             break
@@ -140,7 +137,7 @@ class LocalJob:
         if found is not None:
             raise JobRunning(f"job {self.job!r} already has a region ({found.state})")
         self.server = self._spawn(["serve", self.job, *self.serve_args], "server.log")
-        deadline = time.monotonic() + timeout
+        deadline = Deadline(timeout)
         while True:
             if self.server.poll() is not None:
                 raise GadeiError(f"job {self.job!r}: server exited with {self.server.returncode}:\n{self.log('server')[-3000:]}")
@@ -149,7 +146,7 @@ class LocalJob:
                 return
             except (RegionNotFound, GadeiTimeout):
                 pass
-            if time.monotonic() >= deadline:
+            if deadline.expired():
                 raise GadeiTimeout(f"job {self.job!r}: server did not publish its region within {timeout:g} s")
             time.sleep(_POLL)
 
@@ -169,11 +166,11 @@ class LocalJob:
         Raises:
             GadeiTimeout: some learner still runs after `timeout` seconds.
         """
-        deadline = time.monotonic() + timeout
+        deadline = Deadline(timeout)
         codes = []
         for i, proc in enumerate(self.learners):
             try:
-                codes.append(proc.wait(timeout=max(0.0, deadline - time.monotonic())))
+                codes.append(proc.wait(timeout=deadline.left()))
             except subprocess.TimeoutExpired:
                 raise GadeiTimeout(f"job {self.job!r}: learner {i} still runs after {timeout:g} s") from None
         return codes

@@ -26,14 +26,15 @@ import time
 import psutil
 import torch
 
-from . import _native, _proc, params
+from . import _proc, params
 from . import device as _device
 from .env import settings
 from .errors import GadeiTimeout, JobStopped, RegionMismatch, ServerGone
-from .layout import INIT_EMPTY, INIT_READY, INIT_WRITING, LEAVING, RUN_STATES, SERVING, STOPPED
+from .layout import INIT_EMPTY, INIT_READY, INIT_WRITING, LEAVING, STOPPED
+from .protocol import WAIT_SLICE, Deadline, RunState, Version
 from .region import Region
 from .modes import read_options
-from .ring import WAIT_SLICE, claim
+from .ring import claim
 from .transport import PULLS, PUSHES
 
 log = logging.getLogger(__name__)
@@ -98,8 +99,9 @@ class Learner:
         self.region = region
         try:
             h = region.header
-            if h.get("run_state") != SERVING:
-                raise JobStopped(f"job {self.job!r} is {RUN_STATES.get(h.get('run_state'), '?')}, not serving")
+            self._state = RunState(region)
+            if not self._state.serving():
+                raise JobStopped(f"job {self.job!r} is {self._state.name()}, not serving")
             region.expect(n_params=params.count(spec))
             self.mode = region.shape.mode
             self.options = read_options(region)
@@ -109,13 +111,12 @@ class Learner:
             renamed = params.compare(self.job, spec, region.read_spec(), region.shape.n_params)
             if renamed:
                 log.warning("job %r: parameter names differ from the region's: %s", self.job, ", ".join(renamed[:5]))
-            self._state_addr = h.addr("run_state")
-            self._server_beat_addr = h.addr("server_beat")
+            self._server_beat = h.word("server_beat")
             self._server = (h.get("server_pid"), h.get("server_start"))
             self._producer = claim(region, drain_timeout=self.timeout, server_alive=self._server_alive)
             self.entry = region.entry(self._producer.learner)
             self._entries = [region.entry(i) for i in range(region.shape.capacity)]
-            self._beat_addr = self.entry.addr("beat")
+            self._beat = self.entry.word("beat")
             parameters = list(self.model.parameters())
             self._pull = PULLS[self.pull_mode](region, parameters, spec, self._record_pull,
                                                consistent=self.mode == "consistent")
@@ -127,8 +128,7 @@ class Learner:
             self._push = PUSHES[self.push_mode](region, self._producer, parameters, spec, self._on_slice,
                                                 self.options)
             self._push.bind()
-            self._version_addr = h.addr("version")
-            self._waiters_addr = h.addr("version_waiters")
+            self._clock = Version(region)
             helpers = (self.push_mode in ("thread", "device")) + (self.pull_mode in ("copy", "device"))
             self.entry.set("threads", torch.get_num_threads() + helpers)
             self.entry.set("device", 0 if self.device.type == "cpu" else self.device.index + 1)
@@ -142,7 +142,7 @@ class Learner:
     def _ensure_weights(self, spec) -> None:
         """Upload the model's parameters if the region holds none yet; else wait until it does."""
         h = self.region.header
-        deadline = time.monotonic() + self.timeout
+        deadline = Deadline(self.timeout)
         while True:
             word = h.get("init")
             state, pid = word & 0xFFFFFFFF, word >> 32
@@ -157,7 +157,7 @@ class Learner:
             if state == INIT_WRITING and not psutil.pid_exists(pid):
                 h.cas("init", word, INIT_EMPTY)  # the uploader died half way; someone uploads again
                 continue
-            if time.monotonic() >= deadline:
+            if deadline.expired():
                 why = "no learner with upload=True attached" if state == INIT_EMPTY else "the upload did not finish"
                 raise GadeiTimeout(f"job {self.job!r}: waited {self.timeout:g} s for initial weights: {why}")
             time.sleep(0.01)
@@ -177,7 +177,7 @@ class Learner:
     @property
     def stopped(self) -> bool:
         """True once the job is stopping or stopped."""
-        return self.region is None or _native.load32(self._state_addr) != SERVING
+        return self.region is None or not self._state.serving()
 
     def step(self, samples: int = 1) -> None:
         """Push the gradient that backward left in `.grad`; take newer weights if there are any.
@@ -191,7 +191,7 @@ class Learner:
         """
         if self._push is None:
             raise RuntimeError(f"job {self.job!r}: learner is not attached; use `with Learner(...)`")
-        if _native.load32(self._state_addr) != SERVING:
+        if not self._state.serving():
             raise JobStopped(f"job {self.job!r} was stopped")
         computed_on = self._pull.version()
         bound = self.options.stale_bound
@@ -204,7 +204,7 @@ class Learner:
             published = self._push.push(computed_on, self.steps, int(samples))
         self.steps += 1
         self.entry.add("samples", int(samples))
-        _native.store64(self._beat_addr, time.monotonic_ns())
+        self._beat.store(time.monotonic_ns())
         if self.mode == "sync" and published:
             self._await_version(computed_on)  # the round this gradient belongs to was applied
             self._pull.refresh()
@@ -239,23 +239,18 @@ class Learner:
         rings round-robin): waiting until the whole job had fewer gradients in flight could
         starve a slow learner behind fast ones that keep their rings full.
         """
-        if ahead - _native.load64(self._version_addr) <= bound:  # `ahead` as of this step's push
+        if ahead - self._clock.get() <= bound:  # `ahead` as of this step's push
             return
         self._producer.drain(self.timeout, self._waiting_on_server)
         self._pull.refresh()
 
     def _await_version(self, version: int) -> None:
         """Block until the weights' version is past `version` (sync mode: the round was applied)."""
-        while _native.load64(self._version_addr) <= version:
+        while self._clock.get() <= version:
             self._wait_version_change(version)
 
     def _wait_version_change(self, version: int) -> None:
-        _native.add32(self._waiters_addr, 1)
-        try:
-            if _native.load64(self._version_addr) == version:
-                _native.futex_wait(self._version_addr, version & 0xFFFFFFFF, WAIT_SLICE)
-        finally:
-            _native.add32(self._waiters_addr, -1)
+        self._clock.wait_change(version, WAIT_SLICE)
         self._on_slice()
 
     @property
@@ -279,12 +274,12 @@ class Learner:
 
     def _on_slice(self) -> None:
         """Called every wait slice while blocked: beat, and end the wait if the job or server ended."""
-        _native.store64(self._beat_addr, time.monotonic_ns())
-        if _native.load32(self._state_addr) != SERVING:
+        self._beat.store(time.monotonic_ns())
+        if not self._state.serving():
             raise JobStopped(f"job {self.job!r} was stopped")
         if not self._server_alive():
             raise ServerGone(f"job {self.job!r}: server pid {self._server[0]} is gone")
-        silent = time.monotonic_ns() - _native.load64(self._server_beat_addr)
+        silent = time.monotonic_ns() - self._server_beat.load()
         if silent > self._server_timeout_ns:
             raise ServerGone(f"job {self.job!r}: server pid {self._server[0]} has not beaten for {silent / 1e9:.0f} s")
 
@@ -334,7 +329,7 @@ class Learner:
 
     def _drainable(self) -> bool:
         """The server may still apply what this learner published (it drains while stopping)."""
-        return _native.load32(self._state_addr) != STOPPED and self._server_alive()
+        return self._state.get() != STOPPED and self._server_alive()
 
     def __enter__(self) -> "Learner":
         return self.attach()

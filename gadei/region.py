@@ -13,6 +13,7 @@ refuses to reuse it unless told to replace it, and `gadei clean` removes it.
 """
 
 import errno
+import functools
 import json
 import logging
 import mmap
@@ -57,6 +58,7 @@ from .layout import (
     SparseTable,
     layout,
 )
+from .protocol import Deadline
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +147,46 @@ class Record:
         field = self.fields[name]
         op = _native.cas64 if field.kind == "u64" else _native.cas32
         return op(self.base + field.offset, expected, desired)
+
+    def add_bucket(self, name: str, bucket: int, delta: int) -> int:
+        """Atomically add `delta` to bucket `bucket` of histogram field `name`; the value before."""
+        field = self.fields[name]
+        if field.kind != "hist" or not 0 <= bucket < HIST_BUCKETS:
+            raise IndexError(f"field {name!r} of kind {field.kind!r} has no bucket {bucket}")
+        return _native.add64(self.base + field.offset + 8 * bucket, delta)
+
+    def word(self, name: str) -> "Word":
+        """Field `name` (u32 or u64) as a `Word` bound to its address, for loops that use it often."""
+        field = self.fields[name]
+        if field.kind not in ("u32", "u64"):
+            raise TypeError(f"field {name!r} of kind {field.kind!r} is not an atomic word")
+        return Word(self.base + field.offset, field.kind == "u64")
+
+
+class Word:
+    """One atomic 32- or 64-bit word of a mapped region, at a fixed address.
+
+    The region module owns the native atomics and futex calls on region words; everyone
+    else reads and writes a word through this (or through `Record`). A futex waits on the
+    low 32 bits of a 64-bit word (little-endian), so `wait(expected)` compares those.
+    """
+
+    __slots__ = ("addr", "load", "store", "add", "cas")
+
+    def __init__(self, addr: int, wide: bool):
+        self.addr = addr
+        self.load = functools.partial(_native.load64 if wide else _native.load32, addr)
+        self.store = functools.partial(_native.store64 if wide else _native.store32, addr)
+        self.add = functools.partial(_native.add64 if wide else _native.add32, addr)
+        self.cas = functools.partial(_native.cas64 if wide else _native.cas32, addr)
+
+    def wait(self, expected: int, timeout: float) -> bool:
+        """Sleep while the word's low 32 bits hold `expected`, up to `timeout` seconds; False on time-out."""
+        return _native.futex_wait(self.addr, expected & 0xFFFFFFFF, timeout) == 0
+
+    def wake(self, n: int = 1 << 30) -> int:
+        """Wake up to `n` processes waiting on the word (all of them by default)."""
+        return _native.futex_wake(self.addr, n)
 
 
 @dataclass(frozen=True)
@@ -434,12 +476,12 @@ class Region:
             ForeignOwner, ForeignRegion: see `create`.
         """
         name = shm_name(job)
-        deadline = time.monotonic() + wait
+        deadline = Deadline(wait)
         while True:
             try:
                 opened = _open(name, readonly)
             except posix_ipc.ExistentialError:
-                if time.monotonic() >= deadline:
+                if deadline.expired():
                     waited = f" after waiting {wait:g} s" if wait > 0 else ""
                     raise RegionNotFound(
                         f"job {job!r} has no region ({SHM_DIR}/{name[1:]}){waited}: is `gadei serve {job}` running?"
@@ -449,7 +491,7 @@ class Region:
             try:
                 region = _trust(job, opened, readonly)
             except _NotPublished:
-                if time.monotonic() >= deadline:
+                if deadline.expired():
                     raise GadeiTimeout(
                         f"job {job!r}: {name} exists but its server did not finish creating it within {wait:g} s"
                     ) from None

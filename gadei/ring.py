@@ -30,11 +30,11 @@ import psutil
 from . import _native, _proc
 from .errors import CapacityError, GadeiTimeout, RegionCorrupt
 from .layout import ACTIVE, CLAIMING, ENTRY, ENTRY_BYTES, FREE, GRADIENT, HIST_BUCKETS
+from .protocol import WAIT_SLICE, Deadline, Doorbell
 from .region import Region
 
 log = logging.getLogger(__name__)
 
-WAIT_SLICE = 0.1  # seconds a blocked wait sleeps before it looks at the other side again
 _RECLAIM_GRACE = 0.2  # seconds a claimed-looking entry must stay dead before it is taken
 _U32 = 0xFFFFFFFF
 
@@ -59,8 +59,8 @@ def owner_alive(region: Region, learner: int) -> bool:
         return True
     # The recorded start time is another process's: either the pid was reused, or a new
     # owner has just won the lease and not yet written its start time. Look again.
-    deadline = time.monotonic() + _RECLAIM_GRACE
-    while time.monotonic() < deadline:
+    deadline = Deadline(_RECLAIM_GRACE)
+    while not deadline.expired():
         time.sleep(0.02)
         if lease_owner(entry.get("lease")) != pid or _proc.alive(pid, entry.get("start")):
             return True
@@ -105,8 +105,7 @@ class Producer:
         self._head_addr = self.entry.addr("head")
         self._tail_addr = self.entry.addr("tail")
         self._waiting_addr = self.entry.addr("space_waiting")
-        self._sleeping_addr = region.header.addr("server_sleeping")
-        self._doorbell_addr = region.header.addr("doorbell")
+        self._doorbell = Doorbell(region)
         self.head = self.entry.get("head")  # only this producer writes it, so a local copy is exact
 
     @property
@@ -133,9 +132,7 @@ class Producer:
         slot.set("kind", kind)
         self.head += 1
         _native.store64(self._head_addr, self.head)  # publishes payload and slot header
-        if _native.load32(self._sleeping_addr):
-            _native.add32(self._doorbell_addr, 1)
-            _native.futex_wake(self._doorbell_addr, 1)
+        self._doorbell.ring_if_sleeping()
 
     def wait_space(self, on_slice) -> None:
         """Block until slot `self.slot` is free; call `on_slice()` every WAIT_SLICE while blocked.
@@ -158,14 +155,14 @@ class Producer:
 
     def drain(self, timeout: float, server_alive) -> bool:
         """Wait until the server consumed every published slot; False if it did not in time."""
-        deadline = time.monotonic() + timeout
+        deadline = Deadline(timeout)
         while _native.load64(self._tail_addr) != self.head:
-            if time.monotonic() >= deadline or not server_alive():
+            if deadline.expired() or not server_alive():
                 return False
             _native.store32(self._waiting_addr, 1)
             tail = _native.load64(self._tail_addr)
             if tail != self.head:
-                _native.futex_wait(self._tail_addr, tail & _U32, min(WAIT_SLICE, max(0.0, deadline - time.monotonic())))
+                _native.futex_wait(self._tail_addr, tail & _U32, deadline.slice(WAIT_SLICE))
             _native.store32(self._waiting_addr, 0)
         return True
 
@@ -284,8 +281,7 @@ class Consumer:
         self._tail_addrs = [e.addr("tail") for e in self._entries]
         self._waiting_addrs = [e.addr("space_waiting") for e in self._entries]
         self._head_addrs = [e.addr("head") for e in self._entries]
-        self._sleeping_addr = region.header.addr("server_sleeping")
-        self._doorbell_addr = region.header.addr("doorbell")
+        self._doorbell = Doorbell(region)
         self._next = 0
         self._tails = [_native.load64(addr) for addr in self._tail_addrs]
         for learner, tail in enumerate(self._tails):
@@ -304,19 +300,11 @@ class Consumer:
 
     def sleep(self, timeout: float) -> int:
         """Sleep on the doorbell until a learner publishes or `timeout` passes; returns poll()."""
-        _native.store32(self._sleeping_addr, 1)
-        seq = _native.load32(self._doorbell_addr)
-        found = self.poll(0)
-        if found < 0:
-            _native.futex_wait(self._doorbell_addr, seq, timeout)
-            found = self.poll(0)
-        _native.store32(self._sleeping_addr, 0)
-        return found
+        return self._doorbell.sleep(lambda: self.poll(0), timeout)
 
     def ring(self) -> None:
         """Wake the server if it sleeps (for `gadei stop` and signals)."""
-        _native.add32(self._doorbell_addr, 1)
-        _native.futex_wake(self._doorbell_addr, 1)
+        self._doorbell.ring()
 
     def tail(self, learner: int) -> int:
         return self._tails[learner]

@@ -279,7 +279,7 @@ class Node:
         if bridge.launched_ranks() < 2:
             return None
         b = job.bridge
-        options = bridge.Options(strategy=b.strategy, interval=b.interval, every=b.every, alpha=b.alpha,
+        options = bridge.BridgeOptions(strategy=b.strategy, interval=b.interval, every=b.every, alpha=b.alpha,
                                  bucket_mb=None if b.bucket_mb == "auto" else float(b.bucket_mb),
                                  float16=b.float16, timeout=b.timeout)
         MPI = bridge.mpi()

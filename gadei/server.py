@@ -32,14 +32,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import _native, params
+from . import params
 from .checkpoint import Checkpoint
 from .checkpoint import take as take_checkpoint
 from .env import settings
 from .errors import NonFiniteGradient, RegionCorrupt, RegionMismatch
 from .layout import (
     ACTIVE,
-    FAILED,
     FIELD_BYTES,
     GRADIENT,
     HEADER,
@@ -49,7 +48,6 @@ from .layout import (
     MOVE,
     RUN_STATES,
     SERVING,
-    STOPPED,
     STOPPING,
     Shape,
 )
@@ -58,13 +56,13 @@ from .options import check_all, declared
 from .transport.options import TransportOptions
 from .region import Region
 from .server_record import drop_server_record, save_server_record
-from .ring import WAIT_SLICE, Consumer, owner_alive
+from .protocol import WAIT_SLICE, Deadline, RunState, ServerHold, Version
+from .ring import Consumer, owner_alive
 
 log = logging.getLogger(__name__)
 
 BEAT_INTERVAL = 0.05  # seconds between heartbeats while gradients flow
 _BEAT_NS = int(BEAT_INTERVAL * 1e9)
-HOLD_LIMIT = 2.0  # seconds the server stays paused for a checkpoint before it goes on without it
 DOZE = 0.05  # seconds after the last gradient that an idle server dozes (see _serve_each)
 _DOZE_NS = int(DOZE * 1e9)
 DOZE_SLICE = 50e-6  # seconds between two looks at the rings while it dozes
@@ -209,7 +207,8 @@ class Server:
             ]
             self._payloads = [[self.region.payload_addr(i, k) for k in range(slots)] for i in range(shape.capacity)]
             self._entries = [self.region.entry(i) for i in range(shape.capacity)]
-            h.set("run_state", SERVING)
+            self._state = RunState(self.region)
+            self._state.start()
             self.region.publish()
             # What only this server writes, or nobody after now: checked at every heartbeat.
             self._identity = self.region.raw(0, _IDENTITY_END)
@@ -220,15 +219,12 @@ class Server:
             self.region.unlink()
             self.region.close()
             raise
-        self._version_addr = h.addr("version")
-        self._seq_addr = h.addr("seq")
-        self._waiters_addr = h.addr("version_waiters")
-        self._applied_addr = h.addr("applied")
-        self._bytes_addr = h.addr("applied_bytes")
-        self._beat_addr = h.addr("server_beat")
-        self._hold_addr = h.addr("hold")
-        self._state_addr = h.addr("run_state")
-        self._skipped_addr = h.addr("nonfinite_skipped")
+        self._clock = Version(self.region)
+        self._hold = ServerHold(self.region)
+        self._applied_word = h.word("applied")
+        self._bytes_word = h.word("applied_bytes")
+        self._beat_word = h.word("server_beat")
+        self._skipped_word = h.word("nonfinite_skipped")
         self._next_audit = 0
         self._closed = False
         described = f"{grad_dtype} gradients" + (f", {len(sparse)} row-sparse tables" if sparse else "") + \
@@ -271,8 +267,7 @@ class Server:
 
     def request_stop(self) -> None:
         """Ask the loop to stop (safe from a signal handler and from other processes' `gadei stop`)."""
-        self.region.header.cas("run_state", SERVING, STOPPING)
-        self._consumer.ring()
+        self._state.request_stop()  # rings the doorbell
 
     def serve(self, *, grace: float = 5.0) -> ServeReport:
         """Apply gradients until the job is asked to stop, then drain and mark it stopped.
@@ -283,14 +278,14 @@ class Server:
         """
         h = self.region.header
         started = time.monotonic()
-        first = _native.load64(self._applied_addr)
+        first = self._applied_word.load()
         h.set("serve_start_ns", time.monotonic_ns())
         try:
             if self.rule.rounds:
                 self._serve_rounds()
             else:
                 self._serve_each()
-            state = _native.load32(self._state_addr)
+            state = self._state.get()
             if state != STOPPING:  # the loop ends on a stop request, or on a run state nobody may write
                 raise RegionCorrupt(f"job {self.job!r}: header field run_state is {state:,}, allowed {SERVING} "
                                     f"(serving) or {STOPPING} (stopping): the region is corrupt")
@@ -298,10 +293,10 @@ class Server:
         except (RegionCorrupt, NonFiniteGradient) as err:
             self._fail(err)
             raise
-        h.set("run_state", STOPPED)
+        self._state.finish()
         self._consumer.wake_all()
-        _native.futex_wake(self._version_addr, 1 << 30)
-        applied = _native.load64(self._applied_addr) - first
+        self._clock.wake_all()
+        applied = self._applied_word.load() - first
         seconds = time.monotonic() - started
         log.info("job %r: stopped after %s gradients in %.1f s", self.job, f"{applied:,}", seconds)
         return ServeReport(applied, seconds, h.get("version"), left)
@@ -311,9 +306,9 @@ class Server:
         and a watchdog does not restart the server), every waiter woken."""
         log.error("%s; the job stops as failed: the last checkpoint is from before this (a watchdog does not "
                   "restart the server)", err)
-        _native.store32(self._state_addr, FAILED)
+        self._state.fail()
         self._consumer.wake_all()
-        _native.futex_wake(self._version_addr, 1 << 30)
+        self._clock.wake_all()
 
     def _audit(self) -> None:
         """At a heartbeat: raise RegionCorrupt unless what this server wrote once, or alone, is as it
@@ -326,14 +321,14 @@ class Server:
             if value != mine:
                 raise RegionCorrupt(f"job {self.job!r}: header field {name} is {value!r}, expected {mine!r} (this "
                                     "server's): the region is corrupt")
-        state = _native.load32(self._state_addr)
+        state = self._state.get()
         if state not in (SERVING, STOPPING):
             raise RegionCorrupt(f"job {self.job!r}: header field run_state is {state:,} "
                                 f"({RUN_STATES.get(state, 'unknown')}), allowed {SERVING} (serving) or {STOPPING} "
                                 "(stopping) while the server serves: the region is corrupt")
-        self._check_hold(_native.load32(self._hold_addr))
-        self._check_version(_native.load64(self._version_addr))
-        applied = _native.load64(self._applied_addr)
+        self._check_hold(self._hold.requested())
+        self._check_version(self._clock.get())
+        applied = self._applied_word.load()
         if applied != self._applied:
             raise RegionCorrupt(f"job {self.job!r}: header field applied is {applied:,}, expected {self._applied:,} "
                                 "(only the server counts it): the region is corrupt")
@@ -373,13 +368,13 @@ class Server:
         and the machine's runnable threads (other jobs' too, /proc/loadavg) do not exceed
         them; else it sleeps at once and leaves the cores to the learners.
         """
-        state_addr = self.region.header.addr("run_state")
+        serving, held = self._state.serving, self._hold.requested
         consumer = self._consumer
         next_beat, spin_ns, own_core, last = 0, 0, False, 0
         flowing = False  # the last look found a gradient: spin for the next one before sleeping
         _short_timer_slack()
-        while _native.load32(state_addr) == SERVING:
-            if _native.load32(self._hold_addr):
+        while serving():
+            if held():
                 self._pause()
             learner = consumer.poll(spin_ns if flowing else 0)
             if learner < 0:
@@ -403,12 +398,12 @@ class Server:
 
     def _serve_rounds(self) -> None:
         """sync: one update per round of one gradient from every live learner."""
-        state_addr = self.region.header.addr("run_state")
+        serving, held = self._state.serving, self._hold.requested
         consumer = self._consumer
         drop_ns = int(self.options.drop_after * 1e9)
         next_beat = 0
-        while _native.load32(state_addr) == SERVING:
-            if _native.load32(self._hold_addr):
+        while serving():
+            if held():
                 self._pause()
             members = self._members(drop_ns)
             taken: dict[int, Gradient] = {}
@@ -426,11 +421,11 @@ class Server:
                                     self.job, learner, self.options.drop_after)
                 members = sorted(set(taken) | set(live))
                 waiting = [m for m in members if m not in taken]
-                if not waiting or _native.load32(state_addr) != SERVING:
+                if not waiting or not serving():
                     break
                 if any(consumer.pending(m) for m in waiting):
                     continue
-                if _native.load32(self._hold_addr):
+                if held():
                     self._pause()  # between rounds' updates the weights are whole
                 self._beat()
                 consumer.sleep(WAIT_SLICE)
@@ -456,10 +451,10 @@ class Server:
 
     def _drain(self, grace: float) -> int:
         """Apply what is published until no live learner remains or `grace` passes; learners left."""
-        deadline = time.monotonic() + grace
+        deadline = Deadline(grace)
         consumer = self._consumer
         while True:
-            if _native.load32(self._hold_addr):
+            if self._hold.requested():
                 self._pause()
             learner = consumer.poll(0)
             if learner >= 0:
@@ -472,11 +467,11 @@ class Server:
                 if consumer.poll(0) >= 0:
                     continue
                 return 0
-            if time.monotonic() >= deadline:
+            if deadline.expired():
                 log.warning("job %r: %d learners still attached after %g s of stopping", self.job, len(busy), grace)
                 return len(busy)
             self._beat()
-            consumer.sleep(min(WAIT_SLICE, max(0.0, deadline - time.monotonic())))
+            consumer.sleep(deadline.slice(WAIT_SLICE))
 
     def _take(self, learner: int) -> Gradient:
         """The oldest published gradient of `learner`'s ring (not yet handed back), with the
@@ -489,7 +484,7 @@ class Server:
                 ("kind", kind, f"{GRADIENT} (gradient) or {MOVE} (move)")
             raise RegionCorrupt(f"job {self.job!r}: learner ring {learner}: slot {slot}'s {name} is {value:,}, "
                                 f"allowed {allowed}: the slot is corrupt")
-        version = _native.load64(self._version_addr)
+        version = self._clock.get()
         self._check_version(version)
         # Only an update moves the version, and a taken gradient is applied by the next one.
         staleness = max(0, version - computed_on)
@@ -517,30 +512,29 @@ class Server:
             return
         moved = sum(self.rule.format.bytes_in(g.payload) for g in grads)
         if self.rule.seqlock:
-            _native.add64(self._seq_addr, 1)  # odd: an update is running
+            self._clock.begin_update()  # seq odd: an update is running
         try:
             for grad in grads:
                 if grad.move:  # a bridge's move lands as sent, outside the update rule
                     self.rule.move(grad)
             self.rule.apply([g for g in grads if not g.move])
-            _native.add64(self._version_addr, 1)
+            self._clock.bump()
             self._version += 1
         finally:
             if self.rule.seqlock:
-                _native.add64(self._seq_addr, 1)  # even: the weights are whole again
-        _native.add64(self._bytes_addr, moved)
+                self._clock.end_update()  # seq even: the weights are whole again
+        self._bytes_word.add(moved)
         for grad in grads:
             entry = self._entries[grad.learner]
             entry.add("stale_sum", grad.staleness)
             if grad.staleness > entry.get("stale_max"):
                 entry.set("stale_max", grad.staleness)
-            _native.add64(entry.addr("stale_hist") + 8 * min(grad.staleness.bit_length(), HIST_BUCKETS - 1), 1)
+            entry.add_bucket("stale_hist", min(grad.staleness.bit_length(), HIST_BUCKETS - 1), 1)
             entry.add("applied_samples", grad.samples)
-            _native.add64(self._applied_addr, 1)
+            self._applied_word.add(1)
             self._applied += 1
             self._consumer.release(grad.learner)
-        if _native.load32(self._waiters_addr):
-            _native.futex_wake(self._version_addr, 1 << 30)
+        self._clock.wake_if_waited()
 
     def _refuse(self, grad: Gradient, bad: int) -> None:
         """A gradient with `bad` NaN or infinite values: stop the job, or skip it and count it."""
@@ -550,45 +544,22 @@ class Server:
             raise NonFiniteGradient(f"job {self.job!r}: {what}; nonfinite is 'stop' (--nonfinite stop, [train] "
                                     "nonfinite = 'stop'), so the job stops")
         self.rule.format.discard(grad.payload)
-        skipped = _native.add64(self._skipped_addr, 1) + 1
+        skipped = self._skipped_word.add(1) + 1
         if skipped & (skipped - 1) == 0:  # the 1st, 2nd, 4th, 8th ...: a diverging job does not flood the log
             log.warning("job %r: %s: skipped, not applied; %s such gradients skipped so far", self.job, what,
                         f"{skipped:,}")
         self._consumer.release(grad.learner)
 
     def _pause(self) -> None:
-        """A checkpointer asked for a hold: stay between two updates until it lets go.
-
-        The server never waits on anyone for long: after HOLD_LIMIT seconds it takes the
-        hold back itself and goes on (the checkpointer sees the epoch moved and drops its
-        copy).
-        """
-        h = self.region.header
-        self._check_hold(_native.load32(self._hold_addr))  # before saying it holds: a copy then is never whole
-        held_addr = h.addr("held")
-        _native.store32(held_addr, 1)
-        _native.futex_wake(held_addr, 1 << 30)
-        deadline = time.monotonic() + HOLD_LIMIT
-        try:
-            while hold := _native.load32(self._hold_addr):
-                self._check_hold(hold)
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    if h.cas("hold", 1, 0):
-                        log.warning("job %r: a checkpoint held the server for more than %g s: going on without it",
-                                    self.job, HOLD_LIMIT)
-                    break
-                _native.futex_wait(self._hold_addr, 1, min(WAIT_SLICE, left))
-                self._beat()
-        finally:
-            h.add("hold_epoch", 1)
-            _native.store32(held_addr, 0)
+        """A checkpointer asked for a hold: stay between two updates until it lets go (at most
+        HOLD_LIMIT seconds: the server never waits on anyone for long; see `protocol.ServerHold`)."""
+        self._hold.pause(self._check_hold, self._beat)
 
     def _beat(self, now: int | None = None) -> None:
         """Beat, and audit the header at most once per BEAT_INTERVAL (a server that catches up
         with every gradient beats before each sleep: that must stay one store)."""
         now = time.monotonic_ns() if now is None else now
-        _native.store64(self._beat_addr, now)
+        self._beat_word.store(now)
         if now >= self._next_audit:
             self._next_audit = now + _BEAT_NS
             self._audit()
@@ -633,10 +604,9 @@ class Server:
         if self._closed:
             return
         self._closed = True
-        if _native.load32(self._state_addr) != FAILED:  # a failed job stays failed for its watchdog to see
-            self.region.header.set("run_state", STOPPED)
+        self._state.finish()  # a failed job stays failed for its watchdog to see
         self._consumer.wake_all()
-        _native.futex_wake(self._version_addr, 1 << 30)
+        self._clock.wake_all()
         drop_server_record(self.job, self._pid, self._started)
         self.region.unlink()
         self.region.close()

@@ -9,9 +9,10 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from . import _proc
-from .layout import ENTRY_STATES, HIST_BUCKETS, RUN_STATES
+from .layout import ENTRY_STATES, HIST_BUCKETS
 from .modes import RuleOptions, read_options
 from .options import declared, used_in
+from .protocol import RunState
 
 DEFAULTS = {f.name: f.default for f in declared(RuleOptions)}  # an option is shown where it is not its default
 from .region import Region
@@ -137,7 +138,7 @@ def read(region: Region) -> JobStatus:
     return JobStatus(
         job=region.job,
         taken_at=now / 1e9,
-        run_state=RUN_STATES.get(h.get("run_state"), "?"),
+        run_state=RunState(region).name(),
         server_pid=h.get("server_pid"),
         server_alive=region.server_alive(),
         server_beat_age=_age(h.get("server_beat"), now),

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from gadei import protocol
 from gadei._proc import gadei_command
 
 IN_CI = os.environ.get("CI") == "true"
@@ -59,15 +60,9 @@ def trec_job(name: str, output="out", **sections: dict) -> str:
 
 
 def wait_for(predicate, timeout: float, what: str, interval: float = 0.01):
-    """Poll `predicate` until it returns something truthy; fail the test after `timeout` s."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            pytest.fail(f"waited {timeout:g} s for {what}")
-        time.sleep(interval)
+    """Poll `predicate` until it returns something truthy; fail the test after `timeout` s
+    (`gadei.protocol.wait_for`, the one copy of this loop)."""
+    return protocol.wait_for(predicate, timeout, what, interval=interval, error=pytest.fail.Exception)
 
 
 class Procs:

@@ -17,7 +17,7 @@ from helpers import communicate, finish, read_line, wait_for
 from gadei import checkpoint
 from gadei.checkpoint import Checkpoint, CheckpointError
 from gadei.region import Region, inspect
-from gadei.server import HOLD_LIMIT
+from gadei.protocol import HOLD_LIMIT
 from worker import Flat
 
 

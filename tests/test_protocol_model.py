@@ -207,7 +207,7 @@ def test_capture_does_not_copy_a_dead_servers_region():
 
 def test_the_watchdog_carries_a_stop_over_a_restart():
     source = (ROOT / "watchdog" / "__init__.py").read_text()
-    assert "self._stopped_it = h.cas(\"run_state\", SERVING, STOPPING)" in source
+    assert "self._stopped_it = RunState(self.region).request_stop()" in source
     assert "stopping = False" in source and "carried" in source
     launched = (ROOT / "watchdog" / "launched.py").read_text()
     assert 'entry.get("applied_samples") if entry.get("pid") == l.pid else 0' in launched

@@ -44,12 +44,13 @@ import subprocess
 import time
 from dataclasses import asdict, dataclass, field
 
-from gadei import _native, _proc, checkpoint
+from gadei import _proc, checkpoint
 from gadei.checkpoint import CheckpointOptions
 from gadei.options import check as check_option
 from gadei.options import check_all, option
 from gadei.errors import GadeiError, RegionNotFound
 from gadei.layout import ACTIVE, DEAD, FAILED, SERVING, STOPPED, STOPPING
+from gadei.protocol import Deadline, RunState
 from gadei.region import Region, inspect
 from gadei.ring import lease_owner
 
@@ -63,7 +64,7 @@ JOB_FAILED = 5  # exit code: the server stopped the job as failed; nothing was r
 
 
 @dataclass
-class Settings:
+class WatchdogSettings:
     """How a watchdog watches.
 
     Attributes:
@@ -118,7 +119,7 @@ class Watchdog:
         adopted: the launched learners of a watchdog that died (`Watchdog.adopt`).
     """
 
-    def __init__(self, job: str, settings: Settings, adopted: list[Launched] | None = None):
+    def __init__(self, job: str, settings: WatchdogSettings, adopted: list[Launched] | None = None):
         settings.check()
         self.job, self.settings = job, settings
         self.log_dir = settings.log_dir or settings.checkpoint_dir
@@ -152,7 +153,7 @@ class Watchdog:
             raise GadeiError(f"job {job!r}: no watchdog state to adopt (it was never watched on this machine, "
                              f"or its watchdog ended with it); start one with `gadei watchdog {job} "
                              "--checkpoint-dir DIR`") from None
-        return cls(job, Settings(**saved), adopted=table)
+        return cls(job, WatchdogSettings(**saved), adopted=table)
 
     def _register(self) -> None:
         h = self.region.header
@@ -207,7 +208,7 @@ class Watchdog:
             log.error("job %r: cannot write the outputs in %s: %s", self.job, out, err)
 
     def _watch(self) -> int:
-        next_checkpoint = time.monotonic() + self.settings.every
+        next_checkpoint = Deadline(self.settings.every)
         self.learners.start_all()
         self._save()
         stopping = False
@@ -215,18 +216,19 @@ class Watchdog:
             while True:
                 h = self.region.header
                 h.set("watchdog_beat", time.monotonic_ns())
-                state = h.get("run_state")
+                run_state = RunState(self.region)
+                state = run_state.get()
                 if state == STOPPED:
                     return self._ended()
                 if state == FAILED:
                     return self._failed()
                 problem = self._server_problem()
                 if problem:
-                    if h.get("run_state") == FAILED:  # it failed the job, then exited, since the look above
+                    if run_state.get() == FAILED:  # it failed the job, then exited, since the look above
                         return self._failed()
                     log.error("job %r: the server %s", self.job, problem)
                     if self.settings.restart and self._restart_server():
-                        next_checkpoint = time.monotonic() + self.settings.every
+                        next_checkpoint.restart()
                         stopping = False  # the learners go on from the checkpoint: stop when they are done again
                         continue
                     self.learners.kill_all()
@@ -240,9 +242,9 @@ class Watchdog:
                     if not stopping and self.learners.finished:
                         stopping = True
                         self._stop_job()
-                if state == SERVING and time.monotonic() >= next_checkpoint:
+                if state == SERVING and next_checkpoint.expired():
                     self.checkpoint()
-                    next_checkpoint = time.monotonic() + self.settings.every
+                    next_checkpoint.restart()
                 time.sleep(self.settings.interval)
         finally:
             h = self.region.header
@@ -291,9 +293,7 @@ class Watchdog:
         log.info("job %r: %s; stopping the job", self.job, why)
         if not self.learners.failed:
             h.set("finished", 1)  # before the stop, so whoever sees it stopping can tell why (a bridge's last exchange)
-        self._stopped_it = h.cas("run_state", SERVING, STOPPING)
-        _native.add32(h.addr("doorbell"), 1)
-        _native.futex_wake(h.addr("doorbell"), 1)
+        self._stopped_it = RunState(self.region).request_stop()
 
     def _supervise(self) -> None:
         """Launched learners: notice deaths, restart them; all dead at once: checkpoint first."""
@@ -322,7 +322,7 @@ class Watchdog:
         if not _proc.alive(h.get("server_pid"), h.get("server_start")):
             return f"pid {h.get('server_pid')} is gone"
         silent = (time.monotonic_ns() - h.get("server_beat")) / 1e9
-        if silent > self.settings.interval * self.settings.max_missed and h.get("run_state") in (SERVING, STOPPING):
+        if silent > self.settings.interval * self.settings.max_missed and RunState(self.region).get() in (SERVING, STOPPING):
             return f"pid {h.get('server_pid')} has not beaten for {silent:.1f} s (hung)"
         return None
 
@@ -339,8 +339,8 @@ class Watchdog:
         pid, started = h.get("server_pid"), h.get("server_start")
         if _proc.alive(pid, started):  # hung, not gone: it must go before its region is replaced
             os.kill(pid, signal.SIGKILL)
-            deadline = time.monotonic() + 10
-            while _proc.alive(pid, started) and time.monotonic() < deadline:
+            deadline = Deadline(10)
+            while _proc.alive(pid, started) and not deadline.expired():
                 time.sleep(0.05)
         if self._server is not None:
             self._server.wait()  # reap the one we restarted before
@@ -359,7 +359,7 @@ class Watchdog:
         log.warning("job %r: restarting the server (pid %d) %s; its output goes to %s", self.job, proc.pid,
                     f"from checkpoint version {found.version:,}" if found else "from its initial weights (no "
                     "checkpoint yet)", server_log)
-        deadline = time.monotonic() + timeout
+        deadline = Deadline(timeout)
         while True:
             now_found = inspect(self.job)
             if now_found is not None and now_found.state == "running" and now_found.server_pid == proc.pid:
@@ -368,13 +368,13 @@ class Watchdog:
                 log.error("job %r: the restarted server exited with %d (see %s)", self.job, proc.returncode,
                           server_log)
                 return False
-            if time.monotonic() >= deadline:
+            if deadline.expired():
                 log.error("job %r: the restarted server did not serve within %g s", self.job, timeout)
                 return False
             time.sleep(0.05)
         # A `gadei stop` that the dead server had not finished is the new server's too (the
         # watchdog's own stop is not: its learners go on from the checkpoint and finish again).
-        carried = self.region.header.get("run_state") == STOPPING and not self._stopped_it
+        carried = RunState(self.region).get() == STOPPING and not self._stopped_it
         self._stopped_it = False
         self.region.close()
         try:
@@ -387,10 +387,7 @@ class Watchdog:
         self.learners.resume(found.progress if found else {})
         if carried:
             log.warning("job %r: the job was being stopped when its server died; stopping the restarted one", self.job)
-            h = self.region.header
-            h.cas("run_state", SERVING, STOPPING)
-            _native.add32(h.addr("doorbell"), 1)
-            _native.futex_wake(h.addr("doorbell"), 1)
+            RunState(self.region).request_stop()
         else:
             self.learners.start_all()
         self._save()

@@ -1,5 +1,5 @@
 """The `gadei watchdog` command, also run as `python -m gadei_watchdog` (how `gadei serve`
-starts a job's watchdog): its arguments, made from `Settings`' declarations, and what it runs."""
+starts a job's watchdog): its arguments, made from `WatchdogSettings`' declarations, and what it runs."""
 
 import argparse
 import json
@@ -7,9 +7,9 @@ import json
 from gadei import console, options
 from gadei.errors import GadeiError
 
-from . import Settings, Watchdog
+from . import WatchdogSettings, Watchdog
 
-_D = Settings(checkpoint_dir="")  # the defaults
+_D = WatchdogSettings(checkpoint_dir="")  # the defaults
 HELP = "watch a running job, checkpoint it, restart what dies"
 DESCRIPTION = ("Attach to a running job, report dead or hung learners and server, and take a checkpoint between "
                "two updates every --every seconds; launch --learners and restart them when they die; restart a dead "
@@ -25,7 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--checkpoint-dir", help="where checkpoints go (required unless --adopt)")
     add("--every", type=float, default=_D.every, help="seconds between checkpoints (default %(default)g)")
     add("--keep", type=int, default=_D.keep, help="checkpoints kept (default %(default)d)")
-    options.add_arguments(parser, Settings)  # --interval --max-missed --max-restarts --window --backoff
+    options.add_arguments(parser, WatchdogSettings)  # --interval --max-missed --max-restarts --window --backoff
     add("--restart", metavar="JSON", help="the gadei arguments that started the server, as a JSON list: when it "
         "dies, start it again with them plus --replace --no-watchdog --resume (gadei serve passes this)")
     add("--learners", metavar="JSON", help="learners to launch and keep running: a JSON list of argument lists of "
@@ -58,7 +58,7 @@ def command(args) -> int:
                                                       for l in learners)
         except (ValueError, AssertionError):
             raise GadeiError(f"--learners {args.learners!r}: expected a JSON list of lists of arguments") from None
-    settings = Settings(checkpoint_dir=args.checkpoint_dir, every=args.every, keep=args.keep,
+    settings = WatchdogSettings(checkpoint_dir=args.checkpoint_dir, every=args.every, keep=args.keep,
                         interval=args.interval, max_missed=args.max_missed, restart=restart,
                         max_restarts=args.max_restarts, window=args.window, learners=learners,
                         backoff=args.backoff, log_dir=args.log_dir, outputs=args.outputs)

@@ -64,7 +64,7 @@ The package, one noun a module:
     mpi         mpi4py loaded once, the bridge's errors, every wait polled against a deadline
     wire        the measured link and `Wire`: buckets, float16 on the wire
     node        `LocalNode`: the node's job seen from its bridge rank
-    options     `Options` and their limits
+    options     `BridgeOptions` and their limits
     strategies  the `Strategy` interface, `Average`, `Elastic`
     gossip      `Gossip`
     exchange    `BridgeRank`: one rank's loop; `main` (`gadei bridge`), `finalize`
@@ -76,14 +76,14 @@ from .exchange import PEER_LOST, STRATEGIES, BridgeRank, Report, finalize, job_n
 from .launch import MPIEXEC_OPTIONS, Background, child_environment, find_mpiexec, launched_ranks, local_mpiexec
 from .mpi import BridgeError, LinkDown, PeerLost, mpi, wait_all
 from .node import LocalNode
-from .options import DEFAULT_INTERVAL, STRATEGY_NAMES, Options
+from .options import DEFAULT_INTERVAL, STRATEGY_NAMES, BridgeOptions
 from .strategies import Average, Elastic, Strategy
 from .gossip import Gossip
 from .wire import Link, Wire, fit_link, measure_link
 
 __all__ = [
     "DEFAULT_INTERVAL", "MPIEXEC_OPTIONS", "PEER_LOST", "STRATEGIES", "STRATEGY_NAMES", "Average", "Background",
-    "BridgeError", "BridgeRank", "Elastic", "Gossip", "Link", "LinkDown", "LocalNode", "Options", "PeerLost", "Report",
+    "BridgeError", "BridgeRank", "Elastic", "Gossip", "Link", "LinkDown", "LocalNode", "BridgeOptions", "PeerLost", "Report",
     "Strategy", "Wire", "child_environment", "finalize", "find_mpiexec", "fit_link", "job_name", "launched_ranks",
     "local_mpiexec", "main", "measure_link", "mpi", "wait_all",
 ]

@@ -16,7 +16,7 @@ from ..ring import WAIT_SLICE
 from .gossip import Gossip
 from .mpi import LinkDown, PeerLost, mpi
 from .node import LocalNode
-from .options import DEFAULT_INTERVAL, Options
+from .options import DEFAULT_INTERVAL, BridgeOptions
 from .strategies import Average, Elastic, Ended, Strategy
 from .wire import MB, Wire, measure_link
 
@@ -88,7 +88,7 @@ class BridgeRank:
             besides the JSON line `options.json` prints.
     """
 
-    def __init__(self, job: str, options: Options, comm=None, on_event=None):
+    def __init__(self, job: str, options: BridgeOptions, comm=None, on_event=None):
         MPI = mpi()
         self.on_event = on_event
         self.comm = comm or MPI.COMM_WORLD
@@ -296,7 +296,7 @@ def job_name(job: str, rank: int, per_rank: bool) -> str:
     return f"{name}-{rank}" if per_rank else name
 
 
-def main(job: str, options: Options, per_rank: bool = False) -> int:
+def main(job: str, options: BridgeOptions, per_rank: bool = False) -> int:
     """`gadei bridge`: run this rank's bridge and end the process the way MPI needs (`finalize`)."""
     MPI = mpi()
     rank = MPI.COMM_WORLD.Get_rank()

@@ -10,11 +10,11 @@ import threading
 import time
 
 from ..errors import GadeiError
-from ..layout import SERVING
+from ..protocol import Deadline, RunState
 from ..region import Region
 from .exchange import BridgeRank, Report
 from .mpi import BridgeError
-from .options import Options
+from .options import BridgeOptions
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ class Background:
         wait: seconds to wait for the job to serve.
     """
 
-    def __init__(self, job: str, options: Options, *, ended, on_event=None, wait: float = 300.0):
+    def __init__(self, job: str, options: BridgeOptions, *, ended, on_event=None, wait: float = 300.0):
         self.job, self.options, self.ended, self.on_event, self.wait = job, options, ended, on_event, wait
         self.report: Report | None = None
         self.bridge: BridgeRank | None = None  # once attached (its `save_final` after the run)
@@ -78,14 +78,14 @@ class Background:
     def _serving(self) -> bool:
         try:
             with Region.attach(self.job, readonly=True) as region:
-                return region.header.get("run_state") == SERVING
+                return RunState(region).serving()
         except GadeiError:
             return False
 
     def _run(self) -> None:
-        deadline = time.monotonic() + self.wait
+        deadline = Deadline(self.wait)
         while not self._serving():
-            if self.ended() or time.monotonic() >= deadline:
+            if self.ended() or deadline.expired():
                 self.error = (f"job {self.job!r} " + ("ended before it served" if self.ended() else
                                                       f"did not serve within {self.wait:g} s"))
                 log.error("bridge: %s; the other nodes will count this one as lost", self.error)

@@ -9,7 +9,8 @@ import numpy as np
 from .. import _native
 from ..env import settings
 from ..errors import GadeiError, GadeiTimeout, JobStopped, ServerGone
-from ..layout import MOVE, SERVING, STOPPED
+from ..layout import MOVE
+from ..protocol import RunState, Version
 from ..region import Region
 from ..ring import WAIT_SLICE, claim
 from .mpi import BridgeError
@@ -36,17 +37,16 @@ class LocalNode:
             self._check(shape)
             h = self.region.header
             self._server = (h.get("server_pid"), h.get("server_start"))
-            self._state_addr = h.addr("run_state")
-            self._version_addr = h.addr("version")
-            self._seq_addr = h.addr("seq")
+            self._state = RunState(self.region)
+            self._clock = Version(self.region)
             self._server_beat_addr = h.addr("server_beat")
             self._server_timeout_ns = int(env.server_timeout * 1e9)
-            if h.get("run_state") != SERVING:
+            if not self._state.serving():
                 raise JobStopped(f"job {job!r} is not serving")
             self.producer = claim(self.region, drain_timeout=self.timeout, server_alive=self.server_alive)
             self.entry = self.region.entry(self.producer.learner)
             self.entry.set("threads", 1)
-            self._beat_addr = self.entry.addr("beat")
+            self._beat = self.entry.word("beat")
         except BaseException:
             self.region.close()
             raise
@@ -73,10 +73,10 @@ class LocalNode:
         return self.region.shape.n_params
 
     def version(self) -> int:
-        return _native.load64(self._version_addr)
+        return self._clock.get()
 
     def beat(self) -> None:
-        _native.store64(self._beat_addr, time.monotonic_ns())
+        self._beat.store(time.monotonic_ns())
 
     def server_alive(self) -> bool:
         from .. import _proc
@@ -85,11 +85,11 @@ class LocalNode:
 
     def serving(self) -> bool:
         """True while the job serves and its server lives."""
-        return _native.load32(self._state_addr) == SERVING and self.server_alive()
+        return self._state.serving() and self.server_alive()
 
     def _on_slice(self) -> None:
         self.beat()
-        if _native.load32(self._state_addr) != SERVING:
+        if not self._state.serving():
             raise JobStopped(f"job {self.job!r} was stopped")
         if not self.server_alive():
             raise ServerGone(f"job {self.job!r}: server pid {self._server[0]} is gone")
@@ -100,7 +100,7 @@ class LocalNode:
         nbytes = self.n * 4
         odd_since = None
         while True:
-            seq = _native.load64(self._seq_addr)
+            seq = self._clock.seq()
             whole = self.mode == "consistent"
             if whole and seq & 1:
                 odd_since = odd_since or time.monotonic()
@@ -110,7 +110,7 @@ class LocalNode:
                 whole = False  # the server died inside an update: nothing will finish it
             version = self.version()
             _native.copy(int(out.ctypes.data), self.region.weights_addr, nbytes, 1)
-            if not whole or _native.load64(self._seq_addr) == seq:
+            if not whole or self._clock.seq() == seq:
                 return version
 
     def move(self, target: np.ndarray, seen: np.ndarray) -> None:
@@ -143,11 +143,8 @@ class LocalNode:
             return False
         applied = self.producer.drain(wait, self.server_alive)
         self._release()
-        deadline = time.monotonic() + wait
-        while h.get("run_state") != STOPPED:
-            if time.monotonic() >= deadline or not self.server_alive():
-                return False
-            time.sleep(0.01)
+        if not self._state.wait_stopped(wait, self.server_alive):
+            return False
         return applied
 
     def _release(self) -> None:

@@ -21,7 +21,7 @@ MAX_RANKS = int(LEAVING) - 1
 
 
 @dataclass
-class Options:
+class BridgeOptions:
     """How the bridge exchanges; see `gadei bridge --help`.
 
     Attributes:

@@ -8,7 +8,7 @@ import numpy as np
 
 from ..errors import GadeiTimeout
 from .mpi import PeerLost
-from .options import LEAVING, Options
+from .options import LEAVING, BridgeOptions
 from .wire import Wire
 
 
@@ -39,7 +39,7 @@ class Strategy(ABC):
     name: ClassVar[str]
     collective: ClassVar[bool] = True
 
-    def __init__(self, comm, wire: Wire, options: Options, n: int):
+    def __init__(self, comm, wire: Wire, options: BridgeOptions, n: int):
         self.comm = comm
         self.wire = wire
         self.options = options

@@ -8,10 +8,10 @@ log = logging.getLogger("gadei.cli")
 
 
 def cmd_bridge(args) -> int:
-    from ..bridge import Options, main as bridge_main
+    from ..bridge import BridgeOptions, main as bridge_main
 
     bucket = None if args.bucket_mb == "auto" else _number_arg("--bucket-mb", args.bucket_mb)
-    options = Options(strategy=args.strategy, interval=args.interval, every=args.every, alpha=args.alpha,
+    options = BridgeOptions(strategy=args.strategy, interval=args.interval, every=args.every, alpha=args.alpha,
                       bucket_mb=bucket, float16=args.float16, timeout=args.timeout,
                       checkpoint_dir=args.checkpoint_dir, save=args.save, json=args.json,
                       trace=args.trace)

@@ -11,11 +11,12 @@ import time
 
 from .._proc import python_command
 from ..errors import GadeiError
-from gadei_watchdog import Settings
+from gadei_watchdog import WatchdogSettings
 
 from .. import options
 from ..checkpoint import CheckpointOptions
 from ..modes import MODES, RuleOptions
+from ..protocol import Deadline
 from ..transport.options import TransportOptions
 from . import learn
 from .common import add_job_file, emit, factory_model, workload_model
@@ -173,12 +174,12 @@ def _adopt(args) -> int:
     with open(out_path, "ab") as out:  # detached: it must not hold this command's output open
         dog = subprocess.Popen(python_command("gadei_watchdog", args.job, "--adopt"), stdout=out,
                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.monotonic() + 60
+    deadline = Deadline(60)
     with Region.attach(args.job, readonly=True) as region:
         while region.header.get("watchdog_pid") != dog.pid:
             if dog.poll() is not None:
                 raise GadeiError(f"job {args.job!r}: the adopting watchdog exited with {dog.returncode}")
-            if time.monotonic() >= deadline:
+            if deadline.expired():
                 dog.kill()
                 raise GadeiError(f"job {args.job!r}: the adopting watchdog did not register within 60 s")
             time.sleep(0.05)
@@ -224,12 +225,12 @@ def add_parser(sub) -> None:
     p.add_argument("--resume", metavar="DIR|FILE", help="go on from the newest valid checkpoint in DIR, or from "
                    "the checkpoint FILE (weights, version, momentum or Adagrad sums; launched learners from its progress); the "
                    "model must match")
-    p.add_argument("--watch-interval", type=float, default=Settings.interval,
+    p.add_argument("--watch-interval", type=float, default=WatchdogSettings.interval,
                    help="the watchdog's seconds between looks and beats (default %(default)g)")
-    p.add_argument("--max-missed", type=int, default=Settings.max_missed, help="beats a process may miss before the "
+    p.add_argument("--max-missed", type=int, default=WatchdogSettings.max_missed, help="beats a process may miss before the "
                    "watchdog counts it as hung (default %(default)d)")
-    p.add_argument("--max-restarts", type=int, default=Settings.max_restarts, help="restarts of the server, and of "
-                   f"each launched learner, within {Settings.window:g} s before the watchdog gives up (default %(default)d)")
+    p.add_argument("--max-restarts", type=int, default=WatchdogSettings.max_restarts, help="restarts of the server, and of "
+                   f"each launched learner, within {WatchdogSettings.window:g} s before the watchdog gives up (default %(default)d)")
     p.add_argument("--log-dir", help="where the watchdog's launched learners and restarted servers write their "
                    "logs (default: --checkpoint-dir)")
     p.add_argument("--outputs", metavar="FOLDER", help="a `gadei run` output folder: when the job ends, the watchdog "

@@ -30,9 +30,9 @@ goes on.
 """
 
 from .client import client, format_jobs, request, stop, systemd_unit
-from .jobs import CANCELLED, DONE, FAILED, LIVE, QUEUED, RUNNING, Daemon, DaemonRunning, Record, socket_path, state_dir
+from .jobs import CANCELLED, DONE, FAILED, LIVE, QUEUED, RUNNING, Daemon, DaemonRunning, JobRecord, socket_path, state_dir
 from .listener import MAX_CONNECTIONS, MAX_REQUEST, REQUEST_TIMEOUT, BadRequest
 
 __all__ = ["CANCELLED", "DONE", "FAILED", "LIVE", "MAX_CONNECTIONS", "MAX_REQUEST", "QUEUED", "REQUEST_TIMEOUT",
-           "RUNNING", "BadRequest", "Daemon", "DaemonRunning", "Record", "client", "format_jobs", "request",
+           "RUNNING", "BadRequest", "Daemon", "DaemonRunning", "JobRecord", "client", "format_jobs", "request",
            "socket_path", "state_dir", "stop", "systemd_unit"]

@@ -43,7 +43,7 @@ def socket_path() -> str:
 
 
 @dataclass
-class Record:
+class JobRecord:
     """One submitted job, as the daemon keeps it on disk."""
 
     name: str
@@ -77,12 +77,12 @@ class Daemon:
         # first) is refused here, before it reads or writes a record.
         self._locks = [_lock(self.folder / "daemon.lock", f"state folder {self.folder}")]
         self.lock = threading.Lock()
-        self.records: dict[str, Record] = {}
+        self.records: dict[str, JobRecord] = {}
         self.procs: dict[str, subprocess.Popen] = {}
         self._stop = threading.Event()
         for path in sorted((self.folder / "jobs").glob("*.json")):
             try:
-                record = Record(**json.loads(path.read_text()))
+                record = JobRecord(**json.loads(path.read_text()))
             except (ValueError, TypeError) as err:
                 log.warning("skipping the unreadable job record %s: %s", path, err)
                 continue
@@ -94,13 +94,13 @@ class Daemon:
 
     # ------------------------------------------------------------------ records
 
-    def _save(self, record: Record) -> None:
+    def _save(self, record: JobRecord) -> None:
         path = self.folder / "jobs" / f"{record.name}.json"
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         tmp.write_text(json.dumps(asdict(record), indent=1))
         os.replace(tmp, path)
 
-    def _reattach(self, record: Record) -> None:
+    def _reattach(self, record: JobRecord) -> None:
         if _proc.alive(record.pid, record.pid_start):
             log.info("job %s still runs (pid %d): watching it again", record.name, record.pid)
             return
@@ -109,7 +109,7 @@ class Daemon:
             return
         self._conclude(record, None, "ended while the daemon was down")
 
-    def _orphan(self, record: Record, why: str) -> None:
+    def _orphan(self, record: JobRecord, why: str) -> None:
         """The job's `gadei run` is gone but the job goes on under its watchdog (which writes its
         outputs at its end): followed by its region until it ends (`_reap`)."""
         record.pid, record.orphaned = 0, True
@@ -117,7 +117,7 @@ class Daemon:
         self._save(record)
         log.warning("job %s: %s", record.name, record.message)
 
-    def _conclude(self, record: Record, code: int | None, why: str = "") -> None:
+    def _conclude(self, record: JobRecord, code: int | None, why: str = "") -> None:
         """The job ended: its state from its result.json (`gadei.outputs`), which is written
         here when neither its `gadei run` nor its watchdog lived to write it."""
         from .. import outputs
@@ -141,7 +141,7 @@ class Daemon:
             self._finish(record, FAILED, code, (f"{why}; " if why else "") + f"gadei run exited {code}; see "
                          f"`gadei logs {record.name}`")
 
-    def _finish(self, record: Record, state: str, code: int | None, message: str = "") -> None:
+    def _finish(self, record: JobRecord, state: str, code: int | None, message: str = "") -> None:
         record.state, record.returncode, record.ended, record.pid = state, code, time.time(), 0
         record.message = message
         self._save(record)
@@ -149,7 +149,7 @@ class Daemon:
 
     # ------------------------------------------------------------------ requests
 
-    def submit(self, path: str, resume: bool = False) -> Record:
+    def submit(self, path: str, resume: bool = False) -> JobRecord:
         """Check a job file and its data now, then queue it; `resume`: to go on with the run in
         its output folder. Raises GadeiError saying why not."""
         from ..region import check_name_free
@@ -173,7 +173,7 @@ class Daemon:
         elif checkpoints.is_dir() and any(checkpoints.iterdir()):
             raise GadeiError(f"output folder {job.output} holds a previous run (checkpoints/); go on with it with "
                              "`gadei submit --resume`, or set another [output] folder, or remove that one")
-        record = Record(name=job.name, jobfile=str(job.path), output=str(job.output), submitted=time.time(),
+        record = JobRecord(name=job.name, jobfile=str(job.path), output=str(job.output), submitted=time.time(),
                         resume=resume)
         with self.lock:
             self.records[job.name] = record
@@ -181,7 +181,7 @@ class Daemon:
         log.info("job %s queued (%s)", job.name, job.path)
         return record
 
-    def cancel(self, name: str) -> Record:
+    def cancel(self, name: str) -> JobRecord:
         with self.lock:
             record = self._get(name)
             if record.state == QUEUED:
@@ -223,7 +223,7 @@ class Daemon:
             parts.append(f"==> {path} <==\n" + text)
         return "\n".join(parts) if parts else f"job {name!r} has no logs yet"
 
-    def _get(self, name: str) -> Record:
+    def _get(self, name: str) -> JobRecord:
         record = self.records.get(name)
         if record is None:
             raise GadeiError(f"the daemon has no job {name!r} (known: {', '.join(sorted(self.records)) or 'none'})")
@@ -259,7 +259,7 @@ class Daemon:
                         log.error("job %s: cannot save its record (%s); forgetting it", record.name, save_err)
                         self.records.pop(record.name, None)
 
-    def _start(self, record: Record) -> None:
+    def _start(self, record: JobRecord) -> None:
         logs = os.path.dirname(record.log)
         if os.path.lexists(record.output) and not os.path.isdir(record.output):
             raise GadeiError(f"output folder {record.output} is not a folder")
@@ -406,7 +406,7 @@ class Daemon:
             return {"ok": False, "error": f"the daemon failed on this request: {type(err).__name__}: {err}"}
 
 
-def _job_alive(record: Record) -> bool:
+def _job_alive(record: JobRecord) -> bool:
     """A server of the job runs, or someone (its watchdog) is writing its outputs."""
     from .. import outputs
     from ..region import inspect

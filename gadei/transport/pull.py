@@ -11,9 +11,9 @@ import torch
 from .. import _native
 from ..params import Spec, views
 from ..region import Region
-from ..ring import WAIT_SLICE
+from ..protocol import WAIT_SLICE, Version
 from .handoff import Handoff
-from .slot import U32, addr, flat_zeros
+from .slot import addr, flat_zeros
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +38,7 @@ class Pull(ABC):
         self.spec = spec
         self.on_pull = on_pull
         self.consistent = consistent
-        self._version_addr = region.header.addr("version")
-        self._seq_addr = region.header.addr("seq")
+        self._clock = Version(region)
         self.retries = 0  # consistent copies taken again because an update ran during them
 
     @abstractmethod
@@ -74,7 +73,7 @@ class Pull(ABC):
         nbytes = self.region.shape.n_params * 4
         odd_since = None
         while True:
-            seq = _native.load64(self._seq_addr)
+            seq = self._clock.seq()
             whole = self.consistent
             if whole and seq & 1:
                 now = time.monotonic()
@@ -82,14 +81,14 @@ class Pull(ABC):
                 if now - odd_since < WAIT_SLICE or self.region.server_alive():
                     if now - odd_since >= WAIT_SLICE:
                         odd_since = now  # alive: look again after another slice
-                    _native.futex_wait(self._version_addr, _native.load64(self._version_addr) & U32, 0.001)
+                    self._clock.nap(0.001)
                     continue
                 log.warning("job %r: the server died during an update; copying the weights as they are",
                             self.region.job)
                 whole = False
-            version = _native.load64(self._version_addr)
+            version = self._clock.get()
             self._copy_into(target, nbytes)
-            if not whole or _native.load64(self._seq_addr) == seq:
+            if not whole or self._clock.seq() == seq:
                 return version
             self.retries += 1
 
@@ -111,13 +110,13 @@ class ViewPull(Pull):
 
     def start(self) -> None:
         self._bind(torch.from_numpy(self.region.weights))
-        self._version = _native.load64(self._version_addr)
+        self._version = self._clock.get()
 
     def version(self) -> int:
         return self._version
 
     def between_steps(self) -> None:
-        self._version = _native.load64(self._version_addr)
+        self._version = self._clock.get()
 
     def refresh(self) -> None:
         self.between_steps()
@@ -135,7 +134,6 @@ class CopyPull(Pull):
         self._ready = False
         self._staged_version = 0
         self._error: BaseException | None = None
-        self._waiters_addr = self.region.header.addr("version_waiters")
         self.refresh()
         self._handoff = Handoff(self._run, f"gadei-{self.name}-pull-{self.region.job}")
         self._cond = self._handoff.cond
@@ -206,18 +204,10 @@ class CopyPull(Pull):
 
     def _wait_version(self, known: int) -> int:
         """The region's version once it differs from `known`, or `known` after WAIT_SLICE."""
-        version = _native.load64(self._version_addr)
+        version = self._clock.get()
         if version != known:
             return version
-        _native.add32(self._waiters_addr, 1)
-        try:
-            version = _native.load64(self._version_addr)
-            if version == known:
-                _native.futex_wait(self._version_addr, version & U32, WAIT_SLICE)
-                version = _native.load64(self._version_addr)
-        finally:
-            _native.add32(self._waiters_addr, -1)
-        return version
+        return self._clock.wait_change(known, WAIT_SLICE)
 
     def finish(self) -> None:
         self._handoff.stop()

@@ -7,7 +7,6 @@ from typing import Callable, ClassVar
 
 import torch
 
-from .. import _native
 from ..modes import RuleOptions
 from ..params import Spec, views
 from ..region import Region
@@ -186,7 +185,7 @@ class ElasticPush(Push):
             return False
         self.producer.wait_space(self.on_slice)
         centre = torch.from_numpy(self.region.weights).clone()
-        version = _native.load64(self.region.header.addr("version"))
+        version = self.region.header.get("version")
         self.writer.write_weights(self.producer.slot)
         self.producer.publish(version, step, samples)
         with torch.no_grad():

@@ -39,6 +39,7 @@ import psutil
 from gadei import checkpoint
 from gadei._proc import gadei_command
 from gadei.errors import GadeiError
+from gadei.protocol import Deadline, wait_for
 from gadei.region import Region, inspect, remove
 
 HERE = Path(__file__).resolve().parent
@@ -54,14 +55,9 @@ class Failed(Exception):
 
 
 def wait_until(predicate, timeout: float, what: str, interval: float = 0.02):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            raise Failed(f"waited {timeout:g} s for {what}")
-        time.sleep(interval)
+    """`gadei.protocol.wait_for`, failing the scenario (Failed) on time-out (the harness also runs
+    outside pytest, from tests/faults/run.py)."""
+    return wait_for(predicate, timeout, what, interval=interval, error=Failed)
 
 
 def set_subreaper(on: bool) -> None:
@@ -482,10 +478,13 @@ def stall_learner(job: Job, rng: random.Random) -> Fault:
 def _folder_whole(job: Job) -> list[str]:
     """Problems with the checkpoint folder as the job sees it: temporary files, bad checkpoints."""
     folder, problems = job.ckpt_view(), []
-    time.sleep(job.s.every)  # one more failing write
+    failed = job.logs().count("no checkpoint this time")
+    wait_until(lambda: job.logs().count("no checkpoint this time") > failed or not job.processes(),
+               job.s.every * 3 + 30, "one more failing checkpoint write", interval=0.1)
     tmp = [n for n in os.listdir(folder) if n.startswith(".ckpt-")]
-    if tmp:
-        time.sleep(0.5)  # a write in progress ends (and removes its file when it fails)
+    deadline = Deadline(5.0)  # a write in progress ends (and removes its file when it fails)
+    while tmp and not deadline.expired():
+        time.sleep(0.05)
         tmp = [n for n in os.listdir(folder) if n.startswith(".ckpt-") and n in tmp]
     if tmp:
         problems.append(f"partial checkpoint files left: {tmp}")

@@ -1,0 +1,136 @@
+"""The ring, the server's apply loop and the protocol module at the module level: in this
+process, on a real region (no subprocess), beside the end-to-end tests that run them as
+`gadei serve` and `gadei learn`."""
+
+import threading
+
+import numpy as np
+import pytest
+
+from gadei import protocol
+from gadei.errors import GadeiTimeout
+from gadei.layout import SERVING, STOPPED, STOPPING
+from gadei.region import Region
+from gadei.ring import Consumer, claim
+from gadei.server import Server
+
+N = 64
+
+
+@pytest.fixture
+def served(job):
+    """A Server of N parameters (weights 1.0) in this process, and a learner's view of its region."""
+    server = Server(job, n_params=N, learners=2, slots=2, lr=0.5, threads=1)
+    server.region.weights[:] = 1.0
+    region = Region.attach(job)
+    try:
+        yield server, region
+    finally:
+        region.close()
+        server.close()
+
+
+def _in_futex_wait(thread: threading.Thread) -> bool:
+    """The thread sleeps in the kernel on a futex (not merely about to)."""
+    with open(f"/proc/self/task/{thread.native_id}/wchan") as f:
+        return "futex" in f.read()
+
+
+def _publish(region, producer, value: float, step: int) -> None:
+    region.dense(producer.learner, producer.slot)[:] = value
+    producer.publish(region.header.get("version"), step, 1)
+
+
+def test_a_published_slot_is_taken_once_and_its_release_frees_the_ring(served):
+    server, region = served
+    producer = claim(region, drain_timeout=5, server_alive=lambda: True)
+    consumer = Consumer(server.region)
+    assert consumer.poll(0) == -1
+    _publish(region, producer, 0.25, 0)
+    _publish(region, producer, 0.5, 1)
+    assert not producer.has_space()  # two slots, both published
+    assert consumer.poll(0) == producer.learner
+    assert consumer.take(producer.learner) == 0
+    consumer.release(producer.learner)
+    assert producer.tail() == 1 and producer.has_space()
+    assert consumer.take(producer.learner) == 1
+    consumer.release(producer.learner)
+    assert consumer.poll(0) == -1 and producer.drain(1.0, lambda: True)
+
+
+def test_the_apply_loop_applies_each_gradient_once_and_stops_on_request(served):
+    server, region = served
+    producer = claim(region, drain_timeout=5, server_alive=lambda: True)
+    loop = threading.Thread(target=server.serve, kwargs={"grace": 0.5})
+    loop.start()
+    try:
+        grads = [0.25, 0.5, 0.125, 1.0]
+        for step, g in enumerate(grads):
+            producer.wait_space(lambda: None)
+            _publish(region, producer, g, step)
+        protocol.wait_for(lambda: region.header.get("version") == len(grads), 10, "every gradient applied")
+        # the checkpoint hold: the server pauses between two updates and says so once per pause
+        epoch = region.header.get("hold_epoch")
+        seen = protocol.hold_and_copy(region, 5.0, lambda: region.header.get("version"), RuntimeError)
+        assert seen == len(grads)
+        protocol.wait_for(lambda: region.header.get("hold_epoch") == epoch + 1, 5, "the pause to end")
+        assert producer.drain(5.0, lambda: True)
+        producer.release()
+        state = protocol.RunState(region)
+        assert state.get() == SERVING and state.request_stop() and not state.request_stop()
+    finally:
+        protocol.RunState(region).request_stop()
+        loop.join(10)
+    assert not loop.is_alive()
+    assert protocol.RunState(region).get() == STOPPED
+    expected = np.float32(1.0)
+    for g in grads:
+        expected = np.float32(expected - np.float32(0.5) * np.float32(g))
+    assert np.array_equal(region.weights, np.full(N, expected, np.float32))  # w0 - lr * sum(g), each once
+    assert region.header.get("applied") == len(grads)
+
+
+def test_a_stop_request_moves_serving_to_stopping_once_and_wakes_a_sleeping_server(served):
+    server, region = served
+    woke = []
+    sleeper = threading.Thread(target=lambda: woke.append(protocol.Doorbell(server.region).sleep(lambda: -1, 10)))
+    sleeper.start()
+    try:
+        protocol.wait_for(lambda: _in_futex_wait(sleeper), 5, "the server to sleep on the doorbell")
+        assert region.header.get("server_sleeping") == 1
+        assert protocol.RunState(region).request_stop()
+        sleeper.join(5)
+        assert not sleeper.is_alive() and woke == [-1]  # rung: back well before its 10 s
+    finally:
+        sleeper.join(15)
+    assert protocol.RunState(region).get() == STOPPING
+    assert not protocol.RunState(region).request_stop()  # only from serving
+
+
+def test_a_version_wait_ends_at_the_bump_or_the_timeout(served):
+    server, region = served
+    clock, mine = protocol.Version(server.region), protocol.Version(region)
+    assert mine.wait_change(0, 0.05) == 0  # timed out: nothing moved
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(mine.wait_change(0, 10)))
+    waiter.start()
+    try:
+        protocol.wait_for(lambda: _in_futex_wait(waiter), 5, "the waiter to sleep on the version")
+        assert region.header.get("version_waiters") == 1  # it counted itself, so the server wakes it
+        clock.bump()
+        clock.wake_if_waited()
+        waiter.join(5)
+        assert not waiter.is_alive() and got == [1]  # woken: back well before its 10 s
+    finally:
+        waiter.join(15)
+    assert region.header.get("version_waiters") == 0
+
+
+def test_deadline_and_wait_for():
+    deadline = protocol.Deadline(0.05)
+    assert not deadline.expired() and 0 < deadline.slice(1.0) <= 0.05
+    protocol.wait_for(deadline.expired, 1.0, "the deadline")
+    assert deadline.left() == 0.0 and deadline.slice(1.0) == 0.0
+    with pytest.raises(GadeiTimeout, match=r"waited 0.05 s for nothing"):
+        protocol.wait_for(lambda: False, 0.05, "nothing")
+    assert protocol.wait_for(lambda: 7, 0.05, "a value") == 7
