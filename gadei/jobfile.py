@@ -69,7 +69,7 @@ from .checkpoint import CheckpointOptions
 from .errors import GadeiError
 from .modes import MAX_LR, MODES, RuleOptions
 from .options import check as check_option
-from .options import declared, job_keys, option
+from .options import declared, job_keys, option, said
 from .transport.options import TransportOptions
 
 FORMATS = ("csv", "tsv", "jsonl", "label-text", "trec", "per-label", "npz")
@@ -126,7 +126,8 @@ class Train(RuleOptions):
                                 shown="about 30,000 updates with adagrad, 60,000 with sgd, 3 to 20")
     seed: int = option(0, "seed of the initial weights, the data order and a held-out split", low=0, high=2**32 - 1)
     devices: str = option("cpu", 'where learners train, round-robin: "cpu", "auto" (every visible GPU, else the CPU) '
-                          'or devices such as "cuda:0,cuda:1"', check=_devices)
+                          'or devices such as "cuda:0,cuda:1"', check=_devices,
+                          allowed='"cpu", "auto" (every visible GPU, else the CPU) or devices such as "cuda:0,cuda:1"')
     given: frozenset = field(default=frozenset(), compare=False, repr=False)
 
     @property
@@ -433,7 +434,7 @@ def _value(where: str, section: str, key: str, kind: str, value, base: Path):
         try:
             return check_option(DECLARED[section], key, value)
         except ValueError as err:
-            raise JobFileError(f"{field_} {err}") from None
+            raise JobFileError(said(field_, err)) from None
 
     if kind in ("text", "name", "workload", "format", "strategy", "encoding"):
         if not isinstance(value, str) or not value.strip():

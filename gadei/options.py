@@ -26,7 +26,8 @@ from typing import Any, Callable
 def option(default: Any, help: str, *, choices: tuple | None = None, low: float | None = None,
            high: float | None = None, low_open: bool = False, high_open: bool = False, flag: bool = True,
            job: bool = True, metavar: str | None = None, check: Callable[[Any], Any] | None = None,
-           shown: str | None = None, modes: tuple[str, ...] | None = None, auto: bool = False) -> Any:
+           shown: str | None = None, modes: tuple[str, ...] | None = None, auto: bool = False,
+           allowed: str | None = None) -> Any:
     """A dataclass field that declares an option.
 
     Args:
@@ -40,6 +41,7 @@ def option(default: Any, help: str, *, choices: tuple | None = None, low: float 
         check: a function of the value that returns it (or a normalised one) or raises
             ValueError saying what is allowed, for what ranges and choices cannot say.
         shown: the default as `--help` says it, where the value does not say it well.
+        allowed: what is allowed, in words, where the type and range do not say it.
         auto: None is the part's own choice, written "auto" in a job file (the default).
         modes: the training modes that use the option (None: all); a value other than the
             default in another mode is refused (`RuleOptions.check`), and `gadei status`
@@ -47,7 +49,7 @@ def option(default: Any, help: str, *, choices: tuple | None = None, low: float 
     """
     meta = dict(help=help, choices=choices, low=low, high=high, low_open=low_open, high_open=high_open, flag=flag,
                 job=job, metavar=metavar, check=check, shown=shown, modes=modes,
-                auto=auto)
+                auto=auto, allowed=allowed)
     return dataclasses.field(default=default, metadata={"option": meta})
 
 
@@ -86,6 +88,8 @@ def allowed(cls, name: str) -> str:
     f = next(f for f in declared(cls) if f.name == name)
     meta = f.metadata["option"]
     kind, _ = _types(cls, f)
+    if meta["allowed"]:
+        return meta["allowed"]
     if meta["choices"]:
         return ", ".join(map(str, meta["choices"]))
     if kind is bool:
@@ -124,6 +128,8 @@ def check(cls, name: str, value: Any) -> Any:
         what = {bool: 'true, false or "auto"' if meta["auto"] else "true or false", int: "an integer",
                 float: "a number", str: "a string"}[kind]
         words = allowed(cls, name)
+        if meta["allowed"]:
+            raise ValueError(f"is {_type_name(value)}; allowed: {words}")
         raise ValueError(f"is {_type_name(value)}; allowed: {what}" + ("" if words.startswith(what) else f" ({words})"))
     if kind is float:
         value = float(value)
@@ -139,8 +145,17 @@ def check(cls, name: str, value: Any) -> Any:
     if high is not None and (value >= high if meta["high_open"] else value > high):
         raise ValueError(f"is out of range; allowed: {allowed(cls, name)}")
     if meta["check"] is not None:
-        value = meta["check"](value)
+        try:
+            value = meta["check"](value)
+        except ValueError as err:  # its own words: "'gpu' is not a device; allowed: ..."
+            raise ValueError(f": {err}") from None
     return value
+
+
+def said(what: str, err: ValueError) -> str:
+    """`what` (`lr = 11`) followed by `check`'s words for it (`is out of range; ...` or `: ...`)."""
+    text = str(err)
+    return f"{what}{text}" if text.startswith(":") else f"{what} {text}"
 
 
 def check_all(instance) -> None:
@@ -154,7 +169,7 @@ def check_all(instance) -> None:
         try:
             check(cls, f.name, getattr(instance, f.name))
         except ValueError as err:
-            raise ValueError(f"{f.name} = {getattr(instance, f.name)!r} {err}") from None
+            raise ValueError(said(f"{f.name} = {getattr(instance, f.name)!r}", err)) from None
 
 
 def _type_name(value) -> str:
@@ -197,7 +212,7 @@ def _parser(cls, name: str, kind: type) -> Callable[[str], Any]:
         try:
             return check(cls, name, value)
         except ValueError as err:
-            raise argparse.ArgumentTypeError(f"{text} {err}") from None
+            raise argparse.ArgumentTypeError(said(text, err)) from None
 
     parse.__name__ = kind.__name__  # argparse names the type in its own messages
     return parse
