@@ -128,8 +128,10 @@ def test_stopping_the_job_mid_push_ends_every_learner_and_applies_what_was_publi
     assert report["heads"] == report["tails"]  # everything published was applied
     assert report["applied"] == report["version"] == sum(report["heads"])
     # each learner's pushes were published (and so applied) but for those the staleness bound
-    # dropped and at most the one gradient staged when the job stopped; none is invented
-    assert all(0 <= d["pushed"] - d["dropped"] - report["heads"][d["learner"]] <= 1 for d in done), (done, report)
+    # dropped and at most the two still on their way when the job stopped (DevicePush has two
+    # staging buffers: one the push thread holds, waiting for ring space, one handed over to
+    # it); none is invented
+    assert all(0 <= d["pushed"] - d["dropped"] - report["heads"][d["learner"]] <= 2 for d in done), (done, report)
 
 
 @pytest.mark.parametrize("dev", ["cpu", pytest.param("cuda", marks=cuda)])
