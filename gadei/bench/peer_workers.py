@@ -119,7 +119,7 @@ def gadei_learner(rank, world, batch, epochs, seed, lr, data, limit, job, barrie
     queue.put({"rank": rank, "start": start, "end": end, "samples": samples, "cpu": cpu, "state": None})
 
 
-def gadei_server(job, data, seed, world, lr, options, failed, queue):
+def gadei_server(job, data, seed, world, lr, options, queue, failed):
     """The server, through the Python API, until `stop_job`; reports the CPU seconds of `serve`."""
     from ..server import Server
 

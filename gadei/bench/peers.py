@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from .timing import median, table
+from .timing import median, start_server, table
 from .train import _default_data
 
 log = logging.getLogger(__name__)
@@ -126,28 +126,9 @@ def _context():
 
 def _start_server(ctx, job: str, args: tuple, queue, timeout: float = 120.0):
     """Start the gadei server of a run and wait until its region is up (or raise what it failed with)."""
-    from ..errors import GadeiTimeout, RegionNotFound
-    from ..region import Region
     from .peer_workers import gadei_server
 
-    failed = ctx.Queue()
-    proc = ctx.Process(target=gadei_server, args=(job, *args, failed, queue))
-    proc.start()
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            Region.attach(job, readonly=True).close()
-            return proc
-        except (RegionNotFound, GadeiTimeout):
-            pass
-        if not proc.is_alive():
-            reason = failed.get(timeout=1) if not failed.empty() else f"exit code {proc.exitcode}"
-            raise RuntimeError(f"bench job {job!r}: the server did not start: {reason}")
-        if time.monotonic() >= deadline:
-            proc.kill()
-            proc.join()
-            raise TimeoutError(f"bench job {job!r}: the server published no region within {timeout:g} s")
-        time.sleep(0.02)
+    return start_server(ctx, job, gadei_server, (job, *args, queue), timeout)
 
 
 def _gadei_weights(job: str) -> dict:

@@ -62,3 +62,31 @@ def table(headers, rows) -> str:
     cells = [list(map(str, headers))] + [[str(c) for c in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells)
+
+
+def start_server(ctx, job: str, target, args: tuple, timeout: float = 120.0):
+    """Start `target(*args, failed)` (a bench run's gadei server) in a process of `ctx` and wait
+    until job `job`'s region is up; raise what it failed with (a message on the `failed` queue,
+    or its exit code), or TimeoutError after `timeout` seconds."""
+    from ..errors import GadeiTimeout, RegionNotFound
+    from ..protocol import Deadline
+    from ..region import Region
+
+    failed = ctx.Queue()
+    proc = ctx.Process(target=target, args=(*args, failed))
+    proc.start()
+    deadline = Deadline(timeout)
+    while True:
+        try:
+            Region.attach(job, readonly=True).close()
+            return proc
+        except (RegionNotFound, GadeiTimeout):
+            pass
+        if not proc.is_alive():
+            reason = failed.get(timeout=1) if not failed.empty() else f"exit code {proc.exitcode}"
+            raise RuntimeError(f"bench job {job!r}: the server did not start: {reason}")
+        if deadline.expired():
+            proc.kill()
+            proc.join()
+            raise TimeoutError(f"bench job {job!r}: the server published no region within {timeout:g} s")
+        time.sleep(0.02)

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from ..env import settings
-from .timing import MB, median, table
+from .timing import MB, median, start_server, table
 
 log = logging.getLogger(__name__)
 
@@ -97,26 +97,7 @@ def _server_worker(job, data, seed, vocab, world, lr, options, failed):
 
 def _start_server(ctx, job, data, seed, vocab, world, lr, options, timeout: float = 120.0):
     """Start `_server_worker` and wait until its region is up (or raise what it failed with)."""
-    from ..errors import GadeiTimeout, RegionNotFound
-    from ..region import Region
-
-    failed = ctx.Queue()
-    proc = ctx.Process(target=_server_worker, args=(job, data, seed, vocab, world, lr, options, failed))
-    proc.start()
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            Region.attach(job, readonly=True).close()
-            return proc
-        except (RegionNotFound, GadeiTimeout):
-            pass
-        if not proc.is_alive():
-            reason = failed.get(timeout=1) if not failed.empty() else f"exit code {proc.exitcode}"
-            raise RuntimeError(f"bench job {job!r}: the server did not start: {reason}")
-        if time.monotonic() >= deadline:
-            proc.kill()
-            raise TimeoutError(f"bench job {job!r}: the server published no region within {timeout:g} s")
-        time.sleep(0.02)
+    return start_server(ctx, job, _server_worker, (job, data, seed, vocab, world, lr, options), timeout)
 
 
 def _run_train(kind, world, batch, epochs, seed, lr, data, *, vocab: int = 0, options: dict | None = None) -> dict:
