@@ -222,17 +222,3 @@ def from_args(cls, args: argparse.Namespace, **more):
     """An instance of `cls` from the flags `add_arguments` made (and `more` fields)."""
     values = {f.name: getattr(args, f.name) for f in declared(cls) if hasattr(args, f.name)}
     return cls(**values, **more)
-
-
-def to_args(instance, *, skip: tuple[str, ...] = ()) -> list[str]:
-    """The flags that give `instance`'s options (those that differ from the defaults)."""
-    out = []
-    for f in declared(type(instance)):
-        value = getattr(instance, f.name)
-        if not f.metadata["option"]["flag"] or f.name in skip or value == f.default:
-            continue
-        if isinstance(value, bool):
-            out.append(flag(f.name) if value else "--no-" + f.name.replace("_", "-"))
-        elif value is not None:
-            out += [flag(f.name), str(value)]
-    return out
