@@ -27,11 +27,14 @@ def resolve(spec: str) -> str:
 
 
 def load(workload, spec: str):
-    """(train, test) of `spec` for `workload` (a `gadei_workloads.Workload`)."""
+    """(train, validation, test) of `spec` for `workload` (a `gadei_workloads.Workload`):
+    a job file's validation set (its [data] validation, or the share of train it holds out);
+    None for the other specs, which name a training and a test set only."""
     spec = resolve(spec)
     kind, _, path = spec.partition(":")
     if kind == "job":
         if not path:
             raise GadeiError(f"--data {spec!r}: give the job file, job:JOBFILE")
         return jobfile.load_data(jobfile.load(path))
-    return workload.load_data(spec)
+    train, test = workload.load_data(spec)
+    return train, None, test

@@ -15,6 +15,8 @@ validated `Job` before anything starts.
     encoding = "utf-8"
     fallback_encoding = "latin-1" # optional: read a file that is not `encoding` with this
     holdout = 0.1                 # share of train held out as the test set when there is none
+    validation = "trec/dev.txt"   # optional: the file the model is chosen on (same format as train);
+    validation_holdout = 0.1      # without it, this share of train (each label's) is held out for that
 
     [train]
     learners = 2
@@ -23,7 +25,8 @@ validated `Job` before anything starts.
     optimizer = "adagrad"         # adagrad or sgd (default: adagrad; elastic mode: sgd)
     nonfinite = "skip"            # a gradient with NaN or inf: skip it and count it (default), or stop the job
     lr = 0.01
-    epochs = 20                   # default: about 30,000 updates with adagrad, 60,000 with sgd (3 to 20)
+    epochs = 20                   # the cap; default: about 60,000 updates with adagrad, 120,000 with sgd (3 to 40)
+    patience = 3                  # stop when the validation accuracy did not improve for this many evaluations
     seed = 0
     devices = "cpu"               # "cpu", "auto" (every visible GPU, else the CPU) or "cuda:0,cuda:1": learners round-robin
 
@@ -91,6 +94,8 @@ class Data:
     encoding: str = "utf-8"
     fallback_encoding: str | None = None
     holdout: float = 0.1
+    validation: tuple[Path, ...] | None = None  # None: `validation_holdout` of train is held out for validation
+    validation_holdout: float = 0.1
 
 
 @dataclass(frozen=True)
@@ -100,7 +105,8 @@ class Train:
     optimizer: str | None = None  # None: adagrad, or sgd in elastic mode (`with_defaults`)
     batch: int | None = None  # None: chosen from the data set's size (`with_defaults`)
     lr: float = 0.01
-    epochs: int | None = None  # None: chosen from the data set's size and the mini-batch
+    epochs: int | None = None  # the cap; None: chosen from the data set's size and the mini-batch
+    patience: int = 3  # evaluations on the validation set without improvement before training stops
     seed: int = 0
     devices: str = "cpu"  # where learners train, round-robin: "cpu", "auto" (`with_defaults`) or "cuda:0,cuda:1"
     nonfinite: str = "skip"  # a gradient with NaN or inf values: "skip" it and count it, or "stop" the job
@@ -243,10 +249,12 @@ _SCHEMA = {
     "data": {"train": ("paths", True), "test": ("paths", False), "format": ("format", True),
              "header": ("bool", False), "text_column": ("column", False), "label_column": ("column", False),
              "encoding": ("encoding", False),
-             "fallback_encoding": ("encoding", False), "holdout": ("fraction", False)},
+             "fallback_encoding": ("encoding", False), "holdout": ("fraction", False),
+             "validation": ("paths", False), "validation_holdout": ("fraction", False)},
     "train": {"learners": ("learners", False), "mode": ("mode", False), "optimizer": ("optimizer", False),
               "batch": ("positive_int", False),
-              "lr": ("positive_float", False), "epochs": ("positive_int", False), "seed": ("seed", False),
+              "lr": ("positive_float", False), "epochs": ("positive_int", False), "patience": ("positive_int", False),
+              "seed": ("seed", False),
               "devices": ("devices", False), "nonfinite": ("nonfinite", False)},
     "checkpoint": {"interval": ("positive_float", False), "keep": ("positive_int", False)},
     "output": {"folder": ("text", False), "private": ("bool", False)},
@@ -542,7 +550,7 @@ def _check_data_files(where: str, data: dict) -> None:
     from gadei_workloads.files import data_file_problem
 
     per_label = data["format"] == "per-label"
-    for key in ("train", "test"):
+    for key in ("train", "validation", "test"):
         paths = data.get(key)
         if paths is None:
             continue
@@ -568,8 +576,11 @@ def _check_data_files(where: str, data: dict) -> None:
 
 
 def load_data(job: Job, reports: list | None = None):
-    """The job's (train, test) datasets: vocabulary and labels from train, test from its
-    file or held out of train with the job's seed. Each text file's
+    """The job's (train, validation, test) datasets: vocabulary and labels from train; test
+    from its file or held out of train ([data] holdout); validation, on which the model is
+    chosen and training stops, from its file or held out of what is left of train ([data]
+    validation_holdout), each label's share, with the job's seed: the same split in every
+    process. The test set never chooses anything. Each text file's
     `gadei_workloads.files.FileReport` (lines read, samples kept, what was left out and why)
     is appended to `reports`.
 
@@ -578,23 +589,25 @@ def load_data(job: Job, reports: list | None = None):
             set has fewer than two labels (names the file and line where there is one).
     """
     from gadei_workloads.files import DataError, read
-    from gadei_workloads.text import encode_split, hold_out
+    from gadei_workloads.text import encode_splits, hold_out
 
     d = job.data
     from gadei_workloads import get
 
     if get(job.workload).kind == "numeric":
         return _load_arrays(job, reports)
+    where = job.path.name if job.path else "job"
     options = dict(text_column=d.text_column, label_column=d.label_column, header=d.header, encoding=d.encoding,
                    fallback=d.fallback_encoding, reports=reports)
     try:
         train = read(list(d.train), d.format, **options)
         test = read(list(d.test), d.format, **options) if d.test else None
+        validation = read(list(d.validation), d.format, **options) if d.validation else None
     except DataError as err:
-        raise JobFileError(f"{job.path.name if job.path else 'job'}: [data]: {err}") from None
+        raise JobFileError(f"{where}: [data]: {err}") from None
     labels = sorted({label for _, label in train})
     if len(labels) < 2:
-        raise JobFileError(f"{job.path.name if job.path else 'job'}: [data] train: {len(train):,} samples but only the label {labels[0]!r}; a classifier "
+        raise JobFileError(f"{where}: [data] train: {len(train):,} samples but only the label {labels[0]!r}; a classifier "
                            "needs at least two labels")
     source = f"job {job.name}"
     if test is None:
@@ -602,14 +615,24 @@ def load_data(job: Job, reports: list | None = None):
         test_source = f"{source}: held-out {d.holdout:.0%} of train"
     else:
         test_source = ", ".join(map(str, d.test))
+    if validation is None:
+        train, validation = hold_out(train, d.validation_holdout, job.train.seed, stream=VALIDATION_STREAM)
+        validation_source = f"{source}: held-out {d.validation_holdout:.0%} of train for validation"
+    else:
+        validation_source = ", ".join(map(str, d.validation))
     try:
-        return encode_split(train, test, name=source, test_source=test_source)
+        return encode_splits(train, validation, test, name=source, validation_source=validation_source,
+                             test_source=test_source)
     except ValueError as err:
-        raise JobFileError(f"{job.path.name if job.path else 'job'}: [data] test: {err}") from None
+        key = "validation" if str(err).startswith(validation_source) else "test"
+        raise JobFileError(f"{where}: [data] {key}: {err}") from None
+
+
+VALIDATION_STREAM = 104729  # the validation split's random stream (the test hold-out's is another)
 
 
 def _load_arrays(job: Job, reports: list | None):
-    """(train, test) ArrayDatasets of a numeric job (see gadei_workloads.numeric)."""
+    """(train, validation, test) ArrayDatasets of a numeric job (see gadei_workloads.numeric)."""
     from gadei_workloads.files import DataError
     from gadei_workloads.numeric import hold_out, make_split, read_arrays
 
@@ -619,6 +642,7 @@ def _load_arrays(job: Job, reports: list | None):
         options = dict(header=d.header, encoding=d.encoding, fallback=d.fallback_encoding, reports=reports)
         train = read_arrays(d.train[0], d.format, d.label_column, **options)
         test = read_arrays(d.test[0], d.format, d.label_column, **options) if d.test else None
+        validation = read_arrays(d.validation[0], d.format, d.label_column, **options) if d.validation else None
         labels = sorted(set(train[1]))
         if len(labels) < 2:
             raise DataError(f"train: {len(train[1]):,} samples but only the label {labels[0]!r}; a classifier "
@@ -628,6 +652,14 @@ def _load_arrays(job: Job, reports: list | None):
             source = f"job {job.name}: held-out {d.holdout:.0%} of train"
         else:
             source = str(d.test[0])
-        return make_split(train, test, name=f"job {job.name}", test_source=source)
+        if validation is None:
+            train, validation = hold_out(train, d.validation_holdout, job.train.seed, stream=VALIDATION_STREAM)
+            validation_source = f"job {job.name}: held-out {d.validation_holdout:.0%} of train for validation"
+        else:
+            validation_source = str(d.validation[0])
+        train_set, validation_set = make_split(train, validation, name=f"job {job.name}",
+                                               test_source=validation_source, split="validation")
+        _, test_set = make_split(train, test, name=f"job {job.name}", test_source=source)
+        return train_set, validation_set, test_set
     except DataError as err:
         raise JobFileError(f"{where}: [data]: {err}") from None

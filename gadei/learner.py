@@ -30,7 +30,7 @@ from . import _native, _proc, params
 from . import device as _device
 from .env import settings
 from .errors import GadeiTimeout, JobStopped, RegionMismatch, ServerGone
-from .layout import INIT_EMPTY, INIT_READY, INIT_WRITING, LEAVING, RUN_STATES, SERVING, STOPPED
+from .layout import INIT_EMPTY, INIT_READY, INIT_WRITING, LEAVING, RUN_STATES, SERVING, STOPPED, TRAIN_ON
 from .region import Region
 from .modes import read_options
 from .ring import WAIT_SLICE, claim
@@ -110,6 +110,7 @@ class Learner:
             if renamed:
                 log.warning("job %r: parameter names differ from the region's: %s", self.job, ", ".join(renamed[:5]))
             self._state_addr = h.addr("run_state")
+            self._train_stop_addr = h.addr("train_stop")
             self._server_beat_addr = h.addr("server_beat")
             self._server = (h.get("server_pid"), h.get("server_start"))
             self._producer = claim(region, drain_timeout=self.timeout, server_alive=self._server_alive)
@@ -268,6 +269,27 @@ class Learner:
     def refresh(self) -> None:
         """Copy the latest weights into the model now (e.g. before evaluating)."""
         self._pull.refresh()
+
+    @property
+    def training_ended(self) -> int:
+        """The job's training decision: `layout.TRAIN_ON` (0) while training goes on, else why
+        it ended (`layout.TRAIN_STOP_PATIENCE`). One learner decides (`end_training`); every
+        learner reads it between steps and ends its schedule when it is not 0."""
+        return _native.load32(self._train_stop_addr)
+
+    def end_training(self, reason: int) -> bool:
+        """Decide, for every learner of the job, that training ends (`reason`: a
+        `layout.TRAIN_STOP_*`): set once (compare-and-swap from TRAIN_ON, so the first decision
+        stands), with the version it was decided at. The learners end their schedules at their
+        next step, leave, and the job's watchdog stops the job as finished. Whether this call
+        decided it."""
+        h = self.region.header
+        if not h.cas("train_stop", TRAIN_ON, reason):
+            return False
+        h.set("train_stop_version", self.version)
+        log.info("job %r: learner %d ended the job's training (reason %d) at version %s", self.job,
+                 self.learner_id, reason, f"{self.version:,}")
+        return True
 
     def _record_pull(self, version: int) -> None:
         self._last_pulled = version

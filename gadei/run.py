@@ -9,14 +9,19 @@ checkpoint (see the README's Checkpoints section). The output folder gets:
     labels.json     label names, index = the model's output
     vocab.json      the vocabulary (`gadei_workloads.text.Vocab.from_json` reads it); numeric
                     workloads: features.json (feature count, training mean and std)
-    model.pt        the final weights, a state dict plain `torch.load(weights_only=True)` reads
-    result.json     the final model's test accuracy (evaluated on the whole test set at the
-                    end), whether the run finished, its seconds
+    model.pt        the model chosen on the validation set (the best of learner 0's evaluations
+                    after each epoch, see gadei.selection), a state dict plain
+                    `torch.load(weights_only=True)` reads
+    result.json     that model's epoch and version, its validation accuracy and its test accuracy
+                    (evaluated on the whole test set at the end), why training stopped (patience,
+                    cap, cancelled), whether the run finished, its seconds
     metrics.jsonl   one JSON line per epoch of learner 0: loss, train accuracy (its own mini-batches,
-                    with dropout, as it trained), test accuracy, samples/s, seconds, and the
-                    staleness of the job's gradients (mean over the epoch, max so far)
-    accuracy.png    test accuracy against epochs and against time
-    checkpoints/    crash-safe checkpoints, the last `keep`
+                    with dropout, as it trained), validation loss and accuracy, test accuracy,
+                    samples/s, seconds, and the staleness of the job's gradients (mean over the
+                    epoch, max so far)
+    accuracy.png    validation and test accuracy against epochs and against time
+    checkpoints/    crash-safe checkpoints, the last `keep`; best.pt and best.json, the model
+                    selection (gadei.selection)
     logs/           the server's and watchdog's log (serve.log) and each learner's
 
 Across nodes: a job with a [bridge] section started as `mpiexec -n NODES gadei run job.toml`
@@ -70,6 +75,7 @@ class _Prepared:
     chosen: list[str]
     read: list  # a gadei_workloads.files.FileReport per data file
     found: object = None
+    validation: object = None
 
 
 def check_job(path: str, *, resume: bool = False) -> list[str]:
@@ -93,7 +99,7 @@ def _check(job: jobfile.Job, resume: bool, node: "_Node | None", *, remove_model
         job = job.for_node(node.rank, node.size)
     check_name_free(job.name)  # another user's (or a foreign) object in the region's place: say whose, now
     read: list = []
-    train, test = jobfile.load_data(job, read)
+    train, validation, test = jobfile.load_data(job, read)
     job, chosen = job.with_defaults(len(train))
     out = job.output
     check_output(job)
@@ -103,7 +109,7 @@ def _check(job: jobfile.Job, resume: bool, node: "_Node | None", *, remove_model
     elif (out / "checkpoints").is_dir() and any((out / "checkpoints").iterdir()):
         raise GadeiError(f"output folder {out} holds a previous run (checkpoints/); go on with it with "
                          "`gadei run --resume`, or set another [output] folder, or remove that one")
-    return _Prepared(job, train, test, chosen, read, found)
+    return _Prepared(job, train, test, chosen, read, found, validation)
 
 
 # What `gadei run` writes in its output folder, by kind: an earlier run's of another kind stops it.
@@ -227,11 +233,12 @@ def _describe(prepared: _Prepared, node: "_Node | None") -> list[str]:
     file's read line, the chosen defaults, the node, the output folder, the resume point."""
     job, train, test, found = prepared.job, prepared.train, prepared.test, prepared.found
     t = job.train
-    lines = [f"gadei run: job {job.name}: {job.workload} on {len(train):,} training / {len(test):,} test samples, "
+    lines = [f"gadei run: job {job.name}: {job.workload} on {len(train):,} training / "
+             f"{len(prepared.validation):,} validation / {len(test):,} test samples, "
              f"{train.n_labels} labels, " + (f"vocabulary {len(train.vocab):,}" if train.vocab is not None else
                                              f"{train.features} features")
              + f"; {t.learners} learners, {t.mode}, {t.optimizer}, mini-batch {t.batch}, lr {t.lr:g}, "
-             f"{t.epochs} epochs, seed {t.seed}"]
+             f"at most {t.epochs} epochs (patience {t.patience}), seed {t.seed}"]
     lines += [f"  read {report}" for report in prepared.read]
     lines += [f"  chose {line}" for line in prepared.chosen]
     if node is not None:
@@ -279,7 +286,11 @@ def _run(prepared: _Prepared, quiet: bool, node: "_Node | None" = None) -> int:
     if set(devices) != {"cpu"}:
         print("  learners' devices: " + ", ".join(f"{i}: {d}" for i, d in enumerate(devices)), flush=True)
     for i, shard in enumerate(shards):
-        extra = ["--shard", shard] + (["--eval"] if i == 0 else []) + (["--device", devices[i]]
+        # One learner evaluates and decides for the job; a bridged node's does not choose (the
+        # nodes' model is the one their bridge agrees on, and they stop at the cap together).
+        evaluates = ["--eval"] + (["--validate", "--patience", str(t.patience), "--best", str(out / "checkpoints")]
+                                  if node is None else [])
+        extra = ["--shard", shard] + (evaluates if i == 0 else []) + (["--device", devices[i]]
                                                                         if devices[i] != "cpu" else [])
         command.append("--learner=" + " ".join(shlex.quote(a) for a in [*learner, *extra]))
     started = time.monotonic()
@@ -324,9 +335,13 @@ def _run(prepared: _Prepared, quiet: bool, node: "_Node | None" = None) -> int:
     if code != 0 or not (out / "model.pt").exists():
         print(f"gadei run: job {job.name} failed (serve exited {code}); see {out / 'logs'}", file=sys.stderr)
         return 1
+    if node is None:  # a bridged run's model is the one the nodes agreed on
+        outputs.hand_back_best(out)
     result = outputs.write_result(job, train, test, out, elapsed, finished=not interrupted,
                      bridge=node.summary(bridge) if node is not None else None)
-    accuracy = f", test accuracy {result['test_accuracy']:.2%}"
+    accuracy = (f", stopped by {result['stopped']}" + (f", chose epoch {result['epoch']} (validation accuracy "
+                f"{result['validation_accuracy']:.2%})" if "epoch" in result else "")
+                + f", test accuracy {result['test_accuracy']:.2%}")
     if interrupted:
         last = metrics[-1] if metrics else {}
         print(f"gadei run: job {job.name} stopped after {elapsed:.0f} s (epoch {last.get('epoch', 0)} of "
@@ -511,14 +526,14 @@ def resume_point(job: jobfile.Job, *, remove_model: bool = True, nodes: int = 1)
     if not as_run.is_file():
         raise GadeiError(f"--resume: {out} holds no run to go on with (no job.toml)")
     before = jobfile.load(as_run)
-    free = {("train", "epochs"), ("train", "devices")}  # neither changes a learner's schedule
+    free = {("train", "epochs"), ("train", "devices"), ("train", "patience")}  # none changes a learner's schedule
     changed = [f"[{section}] {key}" for section in ("data", "train")
                for key, value in vars(getattr(before, section)).items()
                if (section, key) not in free and getattr(getattr(job, section), key) != value]
     changed += [f"[job] {key}" for key in ("name", "workload") if getattr(job, key) != getattr(before, key)]
     if changed:
         raise GadeiError(f"--resume: the job differs from the run in {out} in " + ", ".join(changed)
-                         + " (only [train] epochs may change, and [train] devices); run it with another [output] "
+                         + " (only [train] epochs, patience and devices may change); run it with another [output] "
                          "folder instead")
     try:
         before_nodes = json.loads((out / "node.json").read_text())["nodes"]

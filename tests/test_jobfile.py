@@ -50,8 +50,10 @@ def test_a_job_file_parses_with_defaults_and_writes_itself_back(small):
     assert job.name == "pets" and job.data.train == (small / "train.csv",) and job.data.test is None
     assert (job.train.learners, job.train.mode, job.train.batch, job.train.lr) == (2, "async", None, 0.01)
     assert job.output == small / "runs" / "pets"
-    train, test = jobfile.load_data(job)
-    assert train.label_names == ["cat", "dog"] and len(train) == 36 and len(test) == 4  # 10% of each label held out
+    train, validation, test = jobfile.load_data(job)
+    assert train.label_names == ["cat", "dog"] and len(test) == 4  # 10% of each label held out
+    assert len(validation) == 4 and len(train) == 32  # and 10% of each label of the rest, for validation
+    assert not {tuple(i) for i in validation.ids} & {tuple(i) for i in train.ids + test.ids}
     filled, chosen = job.with_defaults(len(train))
     assert filled.train.batch == 2 and "batch = 2" in chosen[0]
     assert filled.train.optimizer == "adagrad" and "optimizer = adagrad" in chosen[1]
@@ -140,8 +142,8 @@ def test_a_file_that_does_not_decode_names_its_byte_and_the_fallback_reads_it(sm
     with pytest.raises(JobFileError, match=r"is not utf-8 \(line 2, byte 17: invalid continuation byte\); set \[data\] encoding"):
         jobfile.load_data(job)
     job = jobfile.load(_job(small, GOOD.format(name="pets") + 'fallback_encoding = "latin-1"\n'))
-    train, test = jobfile.load_data(job)
-    assert len(train) + len(test) == 4
+    train, validation, test = jobfile.load_data(job)
+    assert len(train) + len(validation) + len(test) == 4
     from gadei_workloads.files import read
 
     rows = read(list(job.data.train), "csv", label_column="category", fallback="latin-1")
@@ -165,8 +167,8 @@ def test_a_headerless_file_takes_columns_by_number_and_writes_them_back(tmp_path
     job = _format_job(tmp_path, "tsv", "train.tsv", "header = false")
     assert (job.data.header, job.data.label_column, job.data.text_column) == (False, 1, 2)
     reports = []
-    train, test = jobfile.load_data(job, reports)
-    assert len(train) + len(test) == 20 and str(reports[0]) == "train.tsv: 20 lines, 20 samples"
+    train, validation, test = jobfile.load_data(job, reports)
+    assert len(train) + len(validation) + len(test) == 20 and str(reports[0]) == "train.tsv: 20 lines, 20 samples"
     assert jobfile.parse(tomllib.loads(job.to_toml()), job.path) == job  # job.toml as run reads back the same
 
 

@@ -228,7 +228,7 @@ def _builds(job: jobfile.Job, what: str) -> None:
     """The accepted job's data load and its model builds (the learner's first steps)."""
     from gadei_workloads import get
 
-    train, _ = jobfile.load_data(job)
+    train = jobfile.load_data(job)[0]
     size = len(train.vocab) if train.vocab is not None else train.features
     try:
         get(job.workload).build_from_maps(size, train.n_labels, job.train.seed)

@@ -127,7 +127,7 @@ class Daemon:
             if old is not None and old.state in LIVE:
                 raise GadeiError(f"job {job.name!r} is already {old.state}; cancel it first or give the job "
                                  "another [job] name")
-        train, _ = jobfile.load_data(job)  # a data problem is the submitter's to hear, not the log's
+        train = jobfile.load_data(job)[0]  # a data problem is the submitter's to hear, not the log's
         from ..run import check_output
 
         check_output(job)  # and an output folder the run could not write
