@@ -18,6 +18,11 @@ bridge   the MPI bridge's exchange (time, GB/s, bytes on the wire) against one b
          MPI_Allreduce of the whole model, unbucketed, in buckets sized from the measured
          latency and per-byte cost, and each with float16 on the wire; models of --sizes MB,
          --ranks ranks started with mpiexec on this machine.
+quality  what a job file with nothing tuned hands back on each shared data set (TREC, SST-2,
+         Subj, CR, banking77): the chosen model's test accuracy (median and range over
+         --repeats seeds), the epoch chosen on validation and the wall time, with 1 and 2
+         learners, beside a plain PyTorch loop (Adam, mini-batch 32, the same validation
+         stopping) (gadei.bench.quality); --sets picks some.
 gpu      GPU learners (gadei.bench.gpu): per-step time of one GPU learner + server against a
          plain PyTorch GPU loop, samples/s and GPU busy fraction with 1-8 learners on one GPU,
          the transports' copy bandwidth against pinned copies; needs CUDA (--device).
@@ -41,10 +46,12 @@ from .bridge import bench_bridge
 from .gpu import bench_gpu
 from .kernel import bench_kernel
 from .latency import bench_latency
+from .quality import bench_quality
 from .train import bench_accuracy, bench_modes, bench_train, bench_transport
 
 BENCHES = {"kernel": bench_kernel, "latency": bench_latency, "train": bench_train, "transport": bench_transport,
-           "accuracy": bench_accuracy, "modes": bench_modes, "bridge": bench_bridge, "gpu": bench_gpu}
+           "accuracy": bench_accuracy, "modes": bench_modes, "bridge": bench_bridge, "gpu": bench_gpu,
+           "quality": bench_quality}
 
 
 def run_bench(args) -> int:
