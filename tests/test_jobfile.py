@@ -53,7 +53,7 @@ def test_a_job_file_parses_with_defaults_and_writes_itself_back(small):
     train, validation, test = jobfile.load_data(job)
     assert train.label_names == ["cat", "dog"] and len(test) == 4  # 10% of each label held out
     assert len(validation) == 4 and len(train) == 32  # and 10% of each label of the rest, for validation
-    assert not {tuple(i) for i in validation.ids} & {tuple(i) for i in train.ids + test.ids}
+    assert validation.label_names == train.label_names and sorted(validation.labels) == [0, 0, 1, 1]
     filled, chosen = job.with_defaults(len(train))
     assert filled.train.batch == 2 and "batch = 2" in chosen[0]
     assert filled.train.optimizer == "adagrad" and "optimizer = adagrad" in chosen[1]
@@ -120,6 +120,25 @@ def test_a_bad_job_file_is_refused_naming_field_value_and_what_is_allowed(small,
     with pytest.raises(JobFileError) as err:
         jobfile.load(_job(small, body))
     assert message in str(err.value) and "job.toml" in str(err.value)
+
+
+def test_a_validation_file_is_read_and_a_label_it_alone_has_is_named(small):
+    """[data] validation names the file the model is chosen on (nothing of train is held out
+    for it then); a share of train otherwise ([data] validation_holdout); [train] patience."""
+    _csv(small, ["a dog barks,dog", "a cat purrs,cat", "the cat sleeps,cat"], name="dev.csv")
+    job = jobfile.load(_job(small, GOOD.format(name="pets") + 'validation = "dev.csv"\n[train]\npatience = 5\n'))
+    assert job.data.validation == (small / "dev.csv",) and job.train.patience == 5
+    train, validation, test = jobfile.load_data(job)
+    assert len(validation) == 3 and len(train) == 36 and len(test) == 4
+    job = jobfile.load(_job(small, GOOD.format(name="pets") + "validation_holdout = 0.3\n"))
+    train, validation, test = jobfile.load_data(job)
+    assert len(validation) == 10 and len(train) == 26  # 30% of each label (18) of the 36 left after the test share
+    _csv(small, ["a bird sings,bird"], name="dev.csv")
+    job = jobfile.load(_job(small, GOOD.format(name="pets") + 'validation = "dev.csv"\n'))
+    with pytest.raises(JobFileError, match=r"\[data\] validation: .*dev.csv: label 'bird' does not occur in the training set"):
+        jobfile.load_data(job)
+    with pytest.raises(JobFileError, match=r"\[train\] patience"):
+        jobfile.load(_job(small, GOOD.format(name="pets") + "[train]\npatience = 0\n"))
 
 
 @pytest.mark.parametrize("rows, header, message", [
