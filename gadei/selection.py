@@ -35,7 +35,7 @@ BEST_STATE = "best.json"
 class Evaluation:
     """One evaluation of the weights on the validation set."""
 
-    epoch: int
+    epoch: float  # epochs of the evaluating learner when it was made (within an epoch on large data sets)
     version: int
     validation_accuracy: float
     validation_loss: float

@@ -51,6 +51,19 @@ def test_a_best_model_newer_than_the_state_file_is_believed(tmp_path):
         selection.Selection.open(tmp_path, patience=3)
 
 
+def test_large_data_sets_are_evaluated_within_an_epoch_too():
+    """Above EVALUATE_SAMPLES training samples the evaluating learner evaluates every
+    EVALUATE_SAMPLES of the job's samples (its shard's share), besides each epoch's end."""
+    from gadei.cli.learn import _Chooser
+
+    chooser = _Chooser(None, None, None, None, every=100)
+    due = [position for position in range(0, 450, 4) if chooser.due(position, per_epoch=450)]
+    assert due == [100, 200, 300, 400]
+    chooser.new_epoch()
+    assert chooser.due(100, per_epoch=450) and not chooser.due(448, per_epoch=300)  # the epoch's end is its own
+    assert not any(_Chooser(None, None, None, None).due(p, 450) for p in range(450))  # small data: epochs only
+
+
 def test_one_learners_decision_ends_every_learners_training(job):
     """The evaluating learner decides once (the first decision stands); every learner of the
     job sees it between steps."""

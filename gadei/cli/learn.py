@@ -42,10 +42,11 @@ def cmd_learn(args) -> int:
         for epoch in range(first_epoch, args.epochs):
             if learner.training_ended:
                 break
-            epoch_start, steps, seen = time.monotonic(), 0, 0
+            epoch_start, steps, seen, position = time.monotonic(), 0, 0, 0
             loss_sum = torch.zeros((), device=device)  # summed on the device: no GPU wait per step
             correct = torch.zeros((), dtype=torch.int64, device=device)
             for x, y in batches(train, args.batch, epoch=epoch, seed=args.seed, shard=shard, shards=shards):
+                position += len(y)
                 if skip > 0:  # a restarted learner: these samples' gradients are in the weights already
                     skip -= len(y)
                     continue
@@ -60,6 +61,16 @@ def cmd_learn(args) -> int:
                 samples += len(y)
                 seen += len(y)
                 correct += right
+                if chooser is not None and chooser.due(position, per_epoch):  # a large data set: within the epoch too
+                    learner.refresh()
+                    at = round(epoch + position / per_epoch, 3)
+                    weights = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+                    found = chooser.evaluate(weights, at, learner.version)
+                    model.train()
+                    _report_evaluation(args, {"event": "evaluation", "job": args.job, "learner": learner.learner_id,
+                                              "epoch": at, "version": learner.version, **found})
+                    if chooser.selection.stopped:
+                        learner.end_training(TRAIN_STOP_PATIENCE)
             record = {
                 "event": "epoch", "job": args.job, "learner": learner.learner_id, "epoch": epoch + 1,
                 "loss": loss_sum.item() / max(1, steps), "train_accuracy": correct.item() / max(1, seen), "steps": steps,
@@ -81,9 +92,16 @@ def cmd_learn(args) -> int:
                 record["test_accuracy"] = workload.evaluate(chooser.eval_model if chooser else model, test)
             model.train()
             _report(args, record)
+            if chooser is not None:
+                chooser.new_epoch()
             if learner.training_ended:
                 break
     return 0
+
+
+# A data set larger than this (training samples) is also evaluated every this many samples
+# of the job within an epoch, so that an epoch of a large set is not the unit of patience.
+EVALUATE_SAMPLES = 100_000
 
 
 class _Chooser:
@@ -91,8 +109,25 @@ class _Chooser:
     weights on the validation set, offer it to the job's `gadei.selection.Selection` (kept in
     --best), which keeps the best and says when patience ran out."""
 
-    def __init__(self, workload, validation, eval_model, selection):
+    def __init__(self, workload, validation, eval_model, selection, every: int = 0):
         self.workload, self.validation, self.eval_model, self.selection = workload, validation, eval_model, selection
+        self.every = every  # samples of this learner's shard between evaluations within an epoch (0: none)
+        self._mark = 0
+
+    def new_epoch(self) -> None:
+        self._mark = 0
+
+    def due(self, position: int, per_epoch: int) -> bool:
+        """An evaluation within the epoch is due at `position` samples into this learner's
+        shard of it (a large data set: every EVALUATE_SAMPLES of the job's; the end of the
+        epoch has its own)."""
+        if not self.every or position >= per_epoch:
+            return False
+        mark = position // self.every
+        if mark <= self._mark:
+            return False
+        self._mark = mark
+        return True
 
     @classmethod
     def start(cls, args, workload, train, validation, device) -> "_Chooser":
@@ -105,7 +140,9 @@ class _Chooser:
             raise GadeiError("--validate: give --best FOLDER, where the best model and the selection's state are kept")
         eval_model = workload.build_model(train, args.seed).to(device)
         eval_model.eval()
-        return cls(workload, validation, eval_model, Selection.open(args.best, args.patience))
+        shards = _shard(args.shard)[1]
+        every = EVALUATE_SAMPLES // shards if len(train) > EVALUATE_SAMPLES else 0
+        return cls(workload, validation, eval_model, Selection.open(args.best, args.patience), every)
 
     def evaluate(self, weights: dict, epoch: int, version: int) -> dict:
         """Validation loss and accuracy of `weights`; whether they are the best so far (and
@@ -170,6 +207,15 @@ def _report(args, record: dict) -> None:
     acc = f", test accuracy {record['test_accuracy']:.2%}" if "test_accuracy" in record else ""
     print(f"learner {record['learner']} epoch {record['epoch']}: loss {record['loss']:.4f}, "
           f"{record['samples_per_s']:.0f} samples/s, version {record['version']:,}{acc}", flush=True)
+
+
+def _report_evaluation(args, record: dict) -> None:
+    if args.json:
+        emit(record)
+        return
+    print(f"learner {record['learner']} at epoch {record['epoch']}: validation accuracy "
+          f"{record['validation_accuracy']:.2%}, loss {record['validation_loss']:.4f}"
+          + (" (best so far)" if record["best"] else ""), flush=True)
 
 
 def _shard(text: str) -> tuple[int, int]:
