@@ -1,4 +1,5 @@
-"""Where a process's training data comes from: a data spec resolved to (train, test).
+"""Where a process's training data comes from: a data spec resolved to (train, validation,
+test), and a job file's [data] read into its data sets (`load_job`).
 
 A spec is what `--data` takes: a workload's own (`generated`, `generated:SEED`,
 `trec:FOLDER`, `trec-fine:FOLDER`, `sst2:FOLDER`; see `gadei_workloads.text.load`), a shared
@@ -27,11 +28,104 @@ def resolve(spec: str) -> str:
 
 
 def load(workload, spec: str):
-    """(train, test) of `spec` for `workload` (a `gadei_workloads.Workload`)."""
+    """(train, validation, test) of `spec` for `workload` (a `gadei_workloads.Workload`):
+    a job file's validation set (its [data] validation, or the share of train it holds out);
+    None for the other specs, which name a training and a test set only."""
     spec = resolve(spec)
     kind, _, path = spec.partition(":")
     if kind == "job":
         if not path:
             raise GadeiError(f"--data {spec!r}: give the job file, job:JOBFILE")
-        return jobfile.load_data(jobfile.load(path))
-    return workload.load_data(spec)
+        return load_job(jobfile.load(path))
+    train, test = workload.load_data(spec)
+    return train, None, test
+
+
+def load_job(job: jobfile.Job, reports: list | None = None):
+    """The job's (train, validation, test) datasets: vocabulary and labels from train; test
+    from its file or held out of train ([data] holdout); validation, on which the model is
+    chosen and training stops, from its file or held out of what is left of train ([data]
+    validation_holdout), each label's share, with the job's seed: the same split in every
+    process. The test set never chooses anything. Each text file's
+    `gadei_workloads.files.FileReport` (lines read, samples kept, what was left out and why)
+    is appended to `reports`.
+
+    Raises:
+        jobfile.JobFileError: a data file does not parse, is empty, lacks a column, or the training
+            set has fewer than two labels (names the file and line where there is one).
+    """
+    from gadei_workloads.files import DataError, read
+    from gadei_workloads.text import encode_splits, hold_out
+
+    d = job.data
+    from gadei_workloads import get
+
+    if get(job.workload).kind == "numeric":
+        return _load_arrays(job, reports)
+    where = job.path.name if job.path else "job"
+    options = dict(text_column=d.text_column, label_column=d.label_column, header=d.header, encoding=d.encoding,
+                   fallback=d.fallback_encoding, reports=reports)
+    try:
+        train = read(list(d.train), d.format, **options)
+        test = read(list(d.test), d.format, **options) if d.test else None
+        validation = read(list(d.validation), d.format, **options) if d.validation else None
+    except DataError as err:
+        raise jobfile.JobFileError(f"{where}: [data]: {err}") from None
+    labels = sorted({label for _, label in train})
+    if len(labels) < 2:
+        raise jobfile.JobFileError(f"{where}: [data] train: {len(train):,} samples but only the label {labels[0]!r}; a classifier "
+                           "needs at least two labels")
+    source = f"job {job.name}"
+    if test is None:
+        train, test = hold_out(train, d.holdout, job.train.seed)
+        test_source = f"{source}: held-out {d.holdout:.0%} of train"
+    else:
+        test_source = ", ".join(map(str, d.test))
+    if validation is None:
+        train, validation = hold_out(train, d.validation_holdout, job.train.seed, stream=VALIDATION_STREAM)
+        validation_source = f"{source}: held-out {d.validation_holdout:.0%} of train for validation"
+    else:
+        validation_source = ", ".join(map(str, d.validation))
+    try:
+        return encode_splits(train, validation, test, name=source, validation_source=validation_source,
+                             test_source=test_source)
+    except ValueError as err:
+        key = "validation" if str(err).startswith(validation_source) else "test"
+        raise jobfile.JobFileError(f"{where}: [data] {key}: {err}") from None
+
+
+VALIDATION_STREAM = 104729  # the validation split's random stream (the test hold-out's is another)
+
+
+def _load_arrays(job: jobfile.Job, reports: list | None):
+    """(train, validation, test) ArrayDatasets of a numeric job (see gadei_workloads.numeric)."""
+    from gadei_workloads.files import DataError
+    from gadei_workloads.numeric import hold_out, make_split, read_arrays
+
+    d = job.data
+    where = job.path.name if job.path else "job"
+    try:
+        options = dict(header=d.header, encoding=d.encoding, fallback=d.fallback_encoding, reports=reports)
+        train = read_arrays(d.train[0], d.format, d.label_column, **options)
+        test = read_arrays(d.test[0], d.format, d.label_column, **options) if d.test else None
+        validation = read_arrays(d.validation[0], d.format, d.label_column, **options) if d.validation else None
+        labels = sorted(set(train[1]))
+        if len(labels) < 2:
+            raise DataError(f"train: {len(train[1]):,} samples but only the label {labels[0]!r}; a classifier "
+                            "needs at least two labels")
+        if test is None:
+            train, test = hold_out(train, d.holdout, job.train.seed)
+            source = f"job {job.name}: held-out {d.holdout:.0%} of train"
+        else:
+            source = str(d.test[0])
+        if validation is None:
+            train, validation = hold_out(train, d.validation_holdout, job.train.seed, stream=VALIDATION_STREAM)
+            validation_source = f"job {job.name}: held-out {d.validation_holdout:.0%} of train for validation"
+        else:
+            validation_source = str(d.validation[0])
+        train_set, validation_set = make_split(train, validation, name=f"job {job.name}",
+                                               test_source=validation_source, split="validation")
+        _, test_set = make_split(train, test, name=f"job {job.name}", test_source=source)
+        return train_set, validation_set, test_set
+    except DataError as err:
+        raise jobfile.JobFileError(f"{where}: [data]: {err}") from None

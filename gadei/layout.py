@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 MAGIC = 0x31304945_44414701  # bytes b"\x01GADEI01" in little-endian order
-LAYOUT_VERSION = 9
+LAYOUT_VERSION = 10
 PAGE = 4096
 LINE = 64
 NAME_BYTES = 64
@@ -51,6 +51,9 @@ MODE_CODES = MappingProxyType({name: code for code, name in MODES.items()})
 CREATED, SERVING, STOPPING, STOPPED, FAILED = 0, 1, 2, 3, 4
 RUN_STATES = MappingProxyType({CREATED: "created", SERVING: "serving", STOPPING: "stopping", STOPPED: "stopped",
                                FAILED: "failed"})
+
+# The header's train_stop: why the evaluating learner decided that training ends (0: it goes on).
+TRAIN_ON, TRAIN_STOP_PATIENCE = 0, 1
 
 # What a reader accepts of a live region's counters (anything else is corrupt: RegionCorrupt).
 COUNTER_LIMIT = 1 << 63  # versions, gradients applied, ring heads and tails stay below this
@@ -172,6 +175,11 @@ HEADER, HEADER_BYTES = _record(
         ("hold_epoch", "u64"),
         ("restarts", "u32"),  # times a watchdog restarted this job's server (recent ones, in its window)
         ("resumed_applied", "u64"),  # `applied` of the checkpoint this region was resumed from (0: none)
+        _LINE_BREAK,
+        # the training decision: the evaluating learner (the only writer) sets it once, when the
+        # validation accuracy stopped improving; every learner ends its schedule when it sees it
+        ("train_stop", "u32"),  # 0: train on; TRAIN_STOP_PATIENCE: patience ran out
+        ("train_stop_version", "u64"),  # the weights' version when it was decided
     ]
 )
 

@@ -31,7 +31,7 @@ from . import device as _device
 from .env import settings
 from .errors import GadeiTimeout, JobStopped, RegionMismatch, ServerGone
 from .layout import INIT_EMPTY, INIT_READY, INIT_WRITING, LEAVING, STOPPED
-from .protocol import WAIT_SLICE, Deadline, RunState, Version
+from .protocol import WAIT_SLICE, Deadline, RunState, TrainStop, Version
 from .region import Region
 from .modes import read_options
 from .ring import claim
@@ -112,6 +112,7 @@ class Learner:
             if renamed:
                 log.warning("job %r: parameter names differ from the region's: %s", self.job, ", ".join(renamed[:5]))
             self._server_beat = h.word("server_beat")
+            self._train_stop = TrainStop(region)
             self._server = (h.get("server_pid"), h.get("server_start"))
             self._producer = claim(region, drain_timeout=self.timeout, server_alive=self._server_alive)
             self.entry = region.entry(self._producer.learner)
@@ -263,6 +264,25 @@ class Learner:
     def refresh(self) -> None:
         """Copy the latest weights into the model now (e.g. before evaluating)."""
         self._pull.refresh()
+
+    @property
+    def training_ended(self) -> int:
+        """The job's training decision: `layout.TRAIN_ON` (0) while training goes on, else why
+        it ended (`layout.TRAIN_STOP_PATIENCE`). One learner decides (`end_training`); every
+        learner reads it between steps and ends its schedule when it is not 0."""
+        return self._train_stop.get()
+
+    def end_training(self, reason: int) -> bool:
+        """Decide, for every learner of the job, that training ends (`reason`: a
+        `layout.TRAIN_STOP_*`): set once (compare-and-swap from TRAIN_ON, so the first decision
+        stands), with the version it was decided at. The learners end their schedules at their
+        next step, leave, and the job's watchdog stops the job as finished. Whether this call
+        decided it."""
+        if not self._train_stop.decide(reason, self.version):
+            return False
+        log.info("job %r: learner %d ended the job's training (reason %d) at version %s", self.job,
+                 self.learner_id, reason, f"{self.version:,}")
+        return True
 
     def _record_pull(self, version: int) -> None:
         self._last_pulled = version

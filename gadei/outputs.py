@@ -1,6 +1,7 @@
 """A run's outputs in its folder, written in one place whoever sees the job end: metrics.jsonl
-from the learners' epoch records, the plot (accuracy.png) and result.json (the job's outcome
-and the final model's test accuracy).
+from the learners' epoch records, the plot (accuracy.png), model.pt made the model chosen on
+the validation set, and result.json (the job's outcome, which model was chosen and why
+training stopped, its test accuracy).
 
 One writer wins. `gadei run` holds `logs/run.lock` (an exclusive `flock`) from before it
 starts the job until it has written the outputs (`Owner`); the job's watchdog, which
@@ -25,7 +26,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from . import jobfile
+from . import data, jobfile
 from .errors import GadeiError
 
 LOCK = "logs/run.lock"  # held by the run's owner (`gadei run`) and by whoever writes the outputs
@@ -197,22 +198,55 @@ def _write(job: jobfile.Job, interrupted: bool, note: str, bridge: dict | None, 
     ending = read_ending(out)
     kind, message = outcome(job, metrics, ending, interrupted, note)
     result = {"job": job.name, "outcome": kind, "finished": kind == DONE, "message": message}
+    if (out / "model.pt").exists() and kind in (DONE, STOPPED):
+        result.update(chosen(job, kind))
+        if result["stopped"] == "patience":
+            result["message"] = (f"training stopped when the validation accuracy had not improved for "
+                                 f"{job.train.patience} evaluations")
     if (out / "model.pt").exists():
         result.update(evaluate(job))
     result.update({"seconds": round(time.time() - since, 1) if since else None, "learners": job.train.learners,
-                   "epochs": job.train.epochs, "written_by": os.getpid()})
+                   "epochs": job.train.epochs, "patience": job.train.patience, "written_by": os.getpid()})
     if bridge is not None:
         result["bridge"] = bridge
     _replace(out / "result.json", json.dumps(result, indent=1) + "\n")
     return result
 
 
+def chosen(job: jobfile.Job, kind: str) -> dict:
+    """Hand back the model chosen on the validation set: model.pt becomes checkpoints/best.pt
+    (learner 0's best evaluation, `gadei.selection`) in place of the weights the job ended
+    with, and result.json's fields say which evaluation it is (epoch, version, validation
+    accuracy and loss) and why training stopped: "patience" (the validation accuracy stopped
+    improving), "cap" (the [train] epochs ran out) or "cancelled" (the job was stopped before
+    either). A run without a selection (a bridged node's: the nodes' model is the one their
+    bridge agreed on) keeps its last weights and says only why it stopped. Safe to repeat: a
+    writer killed mid-way leaves model.pt whole, and the next one copies best.pt again."""
+    import torch
+
+    from . import selection
+
+    folder = job.output / "checkpoints"
+    state = selection.read_state(folder) or {}
+    stopped = "patience" if state.get("stopped") == "patience" else "cap" if kind == DONE else "cancelled"
+    fields: dict = {"stopped": stopped}
+    weights = selection.best_weights(folder)
+    if weights is None:
+        return fields
+    _replace_with(job.output / "model.pt", lambda tmp: torch.save(weights, tmp))
+    best = state.get("best") or {}
+    fields.update({key: best[key] for key in ("epoch", "version", "validation_accuracy", "validation_loss")
+                   if key in best})
+    fields["evaluations"] = state.get("evaluations", 0)
+    return fields
+
+
 def evaluate(job: jobfile.Job) -> dict:
-    """The final model's (model.pt's) test accuracy, evaluated on the whole test set."""
+    """model.pt's test accuracy, evaluated on the whole test set (the test set chooses nothing)."""
     import torch
     from gadei_workloads import get
 
-    train, test = jobfile.load_data(job)
+    train, _, test = data.load_job(job)
     workload = get(job.workload)
     model = workload.build_model(train, job.train.seed)
     model.load_state_dict(torch.load(job.output / "model.pt", weights_only=True))
@@ -220,8 +254,13 @@ def evaluate(job: jobfile.Job) -> dict:
 
 
 def _replace(path: Path, text: str) -> None:
+    _replace_with(path, lambda tmp: tmp.write_text(text))
+
+
+def _replace_with(path: Path, write) -> None:
+    """Write `path` whole or not at all: `write(tmp)` beside it, then a rename."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
+    write(tmp)
     os.replace(tmp, path)
 
 
@@ -259,27 +298,36 @@ def write_metrics(out: Path) -> list[dict]:
 
 
 def plot(metrics: list[dict], path: Path, title: str) -> None:
-    """accuracy.png: test accuracy against epochs and against seconds since the start."""
+    """accuracy.png: validation and test accuracy against epochs and against seconds since the
+    start, the chosen (best validation) epoch marked."""
     import matplotlib
 
     matplotlib.use("Agg")  # no screen
     import matplotlib.pyplot as plt
 
-    epochs = [m["epoch"] for m in metrics if "test_accuracy" in m]
-    accuracy = [100 * m["test_accuracy"] for m in metrics if "test_accuracy" in m]
-    seconds, total = [], 0.0
+    seconds, total = {}, 0.0
     for m in metrics:
         total += m.get("epoch_seconds", 0.0)
-        if "test_accuracy" in m:
-            seconds.append(total)
+        seconds[m["epoch"]] = total
     fig, (by_epoch, by_time) = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
-    by_epoch.plot(epochs, accuracy, marker="o")
+    for key, label in (("validation_accuracy", "validation"), ("test_accuracy", "test")):
+        points = [(m["epoch"], 100 * m[key]) for m in metrics if key in m]
+        if not points:
+            continue
+        by_epoch.plot([e for e, _ in points], [a for _, a in points], marker="o", label=label)
+        by_time.plot([seconds[e] for e, _ in points], [a for _, a in points], marker="o", label=label)
+    best = [m for m in metrics if m.get("best")]
+    if best:
+        epoch = best[-1]["epoch"]
+        by_epoch.axvline(epoch, color="grey", linestyle="--", label=f"chosen: epoch {epoch}")
+        by_time.axvline(seconds[epoch], color="grey", linestyle="--")
     by_epoch.set_xlabel("epoch")
-    by_epoch.set_ylabel("test accuracy (%)")
-    by_time.plot(seconds, accuracy, marker="o")
+    by_epoch.set_ylabel("accuracy (%)")
     by_time.set_xlabel("seconds of training")
     for axes in (by_epoch, by_time):
         axes.grid(True, alpha=0.3)
+    if any("validation_accuracy" in m or "test_accuracy" in m for m in metrics):
+        by_epoch.legend(loc="lower right")
     fig.suptitle(f"gadei job {title}")
     fig.tight_layout()
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}.png")

@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import jobfile, outputs
+from . import data, jobfile, outputs
 from .errors import GadeiError
 
 
@@ -28,6 +28,7 @@ class Prepared:
     chosen: list[str]
     read: list  # a gadei_workloads.files.FileReport per data file
     found: object = None
+    validation: object = None  # the set the model is chosen on ([data] validation or held out of train)
 
 
 def check_job(path: str, *, resume: bool = False) -> list[str]:
@@ -51,7 +52,7 @@ def check(job: jobfile.Job, resume: bool, node, *, remove_model: bool = True) ->
         job = job.for_node(node.rank, node.size)
     check_name_free(job.name)  # another user's (or a foreign) object in the region's place: say whose, now
     read: list = []
-    train, test = jobfile.load_data(job, read)
+    train, validation, test = data.load_job(job, read)
     job, chosen = job.with_defaults(len(train))
     out = job.output
     check_output(job)
@@ -61,7 +62,7 @@ def check(job: jobfile.Job, resume: bool, node, *, remove_model: bool = True) ->
     elif (out / "checkpoints").is_dir() and any((out / "checkpoints").iterdir()):
         raise GadeiError(f"output folder {out} holds a previous run (checkpoints/); go on with it with "
                          "`gadei run --resume`, or set another [output] folder, or remove that one")
-    return Prepared(job, train, test, chosen, read, found)
+    return Prepared(job, train, test, chosen, read, found, validation)
 
 
 # What `gadei run` writes in its output folder, by kind: an earlier run's of another kind stops it.
@@ -186,11 +187,12 @@ def describe(prepared: Prepared, node) -> list[str]:
     file's read line, the chosen defaults, the node, the output folder, the resume point."""
     job, train, test, found = prepared.job, prepared.train, prepared.test, prepared.found
     t = job.train
-    lines = [f"gadei run: job {job.name}: {job.workload} on {len(train):,} training / {len(test):,} test samples, "
+    lines = [f"gadei run: job {job.name}: {job.workload} on {len(train):,} training / "
+             f"{len(prepared.validation):,} validation / {len(test):,} test samples, "
              f"{train.n_labels} labels, " + (f"vocabulary {len(train.vocab):,}" if train.vocab is not None else
                                              f"{train.features} features")
              + f"; {t.learners} learners, {t.mode}, {t.optimizer}, mini-batch {t.batch}, lr {t.lr:g}, "
-             f"{t.epochs} epochs, seed {t.seed}"]
+             f"at most {t.epochs} epochs (patience {t.patience}), seed {t.seed}"]
     lines += [f"  read {report}" for report in prepared.read]
     lines += [f"  chose {line}" for line in prepared.chosen]
     if node is not None:
@@ -222,7 +224,7 @@ def resume_point(job: jobfile.Job, *, remove_model: bool = True, nodes: int = 1)
     """The checkpoint a resumed run goes on from: the newest one of its output folder that says
     how far each learner got (a watchdog's periodic or final-stage one; the server's own stop
     checkpoint does not, so up to one checkpoint interval is trained again). The folder's
-    job.toml must be this job with at most more epochs: the learners' schedules (data,
+    job.toml must be this job with at most other epochs, patience or devices: the learners' schedules (data,
     shards, mini-batch, seed) must be the ones the progress counts in; a bridged node's
     folder (node.json) must come from a run of as many `nodes`, whose shards these are."""
     from . import checkpoint
@@ -232,14 +234,14 @@ def resume_point(job: jobfile.Job, *, remove_model: bool = True, nodes: int = 1)
     if not as_run.is_file():
         raise GadeiError(f"--resume: {out} holds no run to go on with (no job.toml)")
     before = jobfile.load(as_run)
-    free = {("train", "epochs"), ("train", "devices")}  # neither changes a learner's schedule
+    free = {("train", "epochs"), ("train", "devices"), ("train", "patience")}  # none changes a learner's schedule
     changed = [f"[{section}] {key}" for section in ("data", "train")
                for key, value in _compared(getattr(before, section)).items()
                if (section, key) not in free and getattr(getattr(job, section), key) != value]
     changed += [f"[job] {key}" for key in ("name", "workload") if getattr(job, key) != getattr(before, key)]
     if changed:
         raise GadeiError(f"--resume: the job differs from the run in {out} in " + ", ".join(changed)
-                         + " (only [train] epochs may change, and [train] devices); run it with another [output] "
+                         + " (only [train] epochs, patience and devices may change); run it with another [output] "
                          "folder instead")
     try:
         before_nodes = json.loads((out / "node.json").read_text())["nodes"]

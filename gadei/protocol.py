@@ -5,7 +5,7 @@ one way gadei waits for something with a time limit.
 Every process of a job (server, learners, watchdog, `gadei stop`, a checkpointer, a bridge)
 follows these rules on the same header words. This module is the only one that names those
 words (`run_state`, `doorbell`, `server_sleeping`, `version_waiters`, `seq`, `hold`, `held`,
-`hold_epoch`); the others call it (`tests/test_imports.py` holds that).
+`hold_epoch`, `train_stop`); the others call it (`tests/test_imports.py` holds that).
 
 - Run state: CREATED -> SERVING (the server, once the weights are ready) -> STOPPING (anyone:
   a compare-and-swap from SERVING, then the doorbell) -> STOPPED (the server, after its
@@ -19,6 +19,8 @@ words (`run_state`, `doorbell`, `server_sleeping`, `version_waiters`, `seq`, `ho
 - Checkpoint hold: a checkpointer sets `hold` (0 -> 1) and rings; the server, between two
   updates, sets `held` and waits until `hold` is 0 again or HOLD_LIMIT passed; each pause
   that ends bumps `hold_epoch`. A copy is whole if `held` stayed 1 and the epoch did not move.
+- Training decision: the evaluating learner sets `train_stop` once (a compare-and-swap from
+  TRAIN_ON) when validation stopped improving; every learner ends its schedule when it sees it.
 """
 
 import logging
@@ -26,7 +28,7 @@ import time
 from typing import Callable, TypeVar
 
 from .errors import GadeiTimeout
-from .layout import FAILED, RUN_STATES, SERVING, STOPPED, STOPPING
+from .layout import FAILED, RUN_STATES, SERVING, STOPPED, STOPPING, TRAIN_ON
 
 log = logging.getLogger(__name__)
 
@@ -173,6 +175,30 @@ class RunState:
 
 def run_state(region) -> RunState:
     return RunState(region)
+
+
+class TrainStop:
+    """The job's training decision (`train_stop`, `train_stop_version`): TRAIN_ON (0) while
+    training goes on, else why it ended (a `layout.TRAIN_STOP_*`). One learner, the one that
+    evaluates, decides; every learner reads it between steps and ends its schedule when it is
+    not TRAIN_ON. Set once, by compare-and-swap, so the first decision stands."""
+
+    __slots__ = ("_word", "_version")
+
+    def __init__(self, region):
+        h = region.header
+        self._word = h.word("train_stop")
+        self._version = h.word("train_stop_version")
+
+    def get(self) -> int:
+        return self._word.load()
+
+    def decide(self, reason: int, version: int) -> bool:
+        """End training for every learner (`reason`) at weights `version`; whether this call decided it."""
+        if not self._word.cas(TRAIN_ON, reason):
+            return False
+        self._version.store(version)
+        return True
 
 
 class Version:

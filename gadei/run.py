@@ -9,15 +9,20 @@ checkpoint (see the README's Checkpoints section). The output folder gets:
     labels.json     label names, index = the model's output
     vocab.json      the vocabulary (`gadei_workloads.text.Vocab.from_json` reads it); numeric
                     workloads: features.json (feature count, training mean and std)
-    model.pt        the final weights, a state dict plain `torch.load(weights_only=True)` reads
-    result.json     the job's outcome (done, stopped, failed, diverged, and why), the final
-                    model's test accuracy (evaluated on the whole test set at the end), its
-                    seconds; written by whoever sees the job end (`gadei.outputs.finish`)
+    model.pt        the model chosen on the validation set (the best of learner 0's evaluations,
+                    see gadei.selection), a state dict plain `torch.load(weights_only=True)` reads
+    result.json     the job's outcome (done, stopped, failed, diverged, and why), which evaluation
+                    chose model.pt (epoch, version, validation accuracy and loss), its test accuracy
+                    (evaluated on the whole test set at the end), why training stopped (patience,
+                    cap, cancelled), its seconds; written by whoever sees the job end
+                    (`gadei.outputs.finish`)
     metrics.jsonl   one JSON line per epoch of learner 0: loss, train accuracy (its own mini-batches,
-                    with dropout, as it trained), test accuracy, samples/s, seconds, and the
-                    staleness of the job's gradients (mean over the epoch, max so far)
-    accuracy.png    test accuracy against epochs and against time
-    checkpoints/    crash-safe checkpoints, the last `keep`
+                    with dropout, as it trained), validation loss and accuracy, test accuracy,
+                    samples/s, seconds, and the staleness of the job's gradients (mean over the
+                    epoch, max so far)
+    accuracy.png    validation and test accuracy against epochs and against time, the chosen epoch
+    checkpoints/    crash-safe checkpoints, the last `keep`; best.pt and best.json, the model
+                    selection (gadei.selection)
     logs/           the server's and watchdog's log (serve.log) and each learner's
 
 Across nodes: a job with a [bridge] section started as `mpiexec -n NODES gadei run job.toml`
@@ -111,9 +116,12 @@ class JobRun:
         devices = device.spread(tuple(t.devices.split(",")), t.learners)
         if set(devices) != {"cpu"}:
             print("  learners' devices: " + ", ".join(f"{i}: {d}" for i, d in enumerate(devices)), flush=True)
+        # Learner 0 evaluates and decides for the job (patience: the job file's); a bridged node's
+        # does not choose (the nodes' model is the one their bridge agrees on; they stop at the cap).
+        evaluates = ["--eval"] + (["--validate", "--best", str(out / "checkpoints")] if node is None else [])
         for i, shard in enumerate(shards):
-            extra = ["--shard", shard] + (["--eval"] if i == 0 else []) + (["--device", devices[i]]
-                                                                            if devices[i] != "cpu" else [])
+            extra = ["--shard", shard] + (evaluates if i == 0 else []) + (["--device", devices[i]]
+                                                                          if devices[i] != "cpu" else [])
             command.append("--learner=" + " ".join(shlex.quote(a) for a in [*learner, *extra]))
         with open(out / "logs" / "serve.log", "ab") as serve_log:
             return subprocess.Popen(command, stdout=serve_log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -252,7 +260,10 @@ def report(job: jobfile.Job, result: dict, elapsed: float) -> int:
               f"{job.train.epochs}{accuracy}); its weights so far are in {out / 'model.pt'}; go on with "
               f"`gadei run --resume {job.path}`", flush=True)
         return 130  # as a shell reports a Ctrl-C'd command
-    print(f"gadei run: job {job.name} done in {elapsed:.0f} s{accuracy}; model {out / 'model.pt'}", flush=True)
+    chose = (f", stopped by {result['stopped']}" if "stopped" in result else "") + (
+        f", chose epoch {result['epoch']:g} (validation accuracy {result['validation_accuracy']:.2%})"
+        if "epoch" in result else "")
+    print(f"gadei run: job {job.name} done in {elapsed:.0f} s{chose}{accuracy}; model {out / 'model.pt'}", flush=True)
     return 0
 
 

@@ -3,6 +3,7 @@
 import json
 import os
 
+import pytest
 import torch
 
 from helpers import HERE, communicate, finish, read_line, wait_for
@@ -161,6 +162,27 @@ def test_bench_kernel_reports_sgd_and_adagrad_against_torch(procs, tmp_path):
     assert [(r["size_mb"], r["threads"]) for r in kernel["nonfinite_check"]] == [(s, t) for s in (1, 16, 64)
                                                                                 for t in threads]
     assert all(r["checked_ms"] > 0 and r["sgd_ms"] > 0 for r in kernel["nonfinite_check"])
+
+
+@pytest.mark.slow
+def test_bench_quality_quick_reports_gadei_and_pytorch_on_trec(procs, tmp_path):
+    """A smoke run of `gadei bench quality --quick`: a cut of TREC, one seed, one epoch; the
+    table and the JSON hold 1 and 2 learners and the PyTorch baseline, each with a test
+    accuracy above chance, the chosen epoch and a wall time."""
+    from helpers import data_dir, missing
+
+    if not (data_dir() / "trec" / "TREC.train").is_file():
+        missing("TREC is not there")
+    out_file = tmp_path / "quality.json"
+    out, _ = finish(procs.gadei("bench", "quality", "--quick", "--out", out_file,
+                                env={**os.environ, "GADEI_DATA_DIR": str(data_dir())}), 900)
+    assert "epoch chosen" in out and "pytorch" in out
+    quality = json.loads(out_file.read_text())["quality"]
+    assert set(quality["summary"]) == {"trec"} and set(quality["summary"]["trec"]) == {"gadei-1", "gadei-2", "pytorch"}
+    for config, runs in quality["runs"]["trec"].items():
+        assert len(runs) == 1 and runs[0]["epoch"] == 1 and runs[0]["wall_seconds"] > 0, config
+        assert runs[0]["test_accuracy"] > 0.3, (config, runs[0])  # 6 labels: chance is below 0.25
+        assert runs[0]["stopped"] == "cap", config
 
 
 def test_status_shows_every_mode_and_optimizer(procs):

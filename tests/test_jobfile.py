@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from helpers import communicate, trec_job, wait_for
-from gadei import jobfile
+from gadei import data, jobfile
 from gadei.jobfile import JobFileError
 from gadei.region import inspect
 
@@ -51,21 +51,23 @@ def test_a_job_file_parses_with_defaults_and_writes_itself_back(small):
     assert (job.train.learners, job.train.mode, job.train.batch, job.train.lr) == (2, "async", None, 0.01)
     assert job.transport.row_sparse is None  # "auto"
     assert job.output == small / "runs" / "pets"
-    train, test = jobfile.load_data(job)
-    assert train.label_names == ["cat", "dog"] and len(train) == 36 and len(test) == 4  # 10% of each label held out
+    train, validation, test = data.load_job(job)
+    assert train.label_names == ["cat", "dog"] and len(test) == 4  # 10% of each label held out
+    assert len(validation) == 4 and len(train) == 32  # and 10% of each label of the rest, for validation
+    assert validation.label_names == train.label_names and sorted(validation.labels) == [0, 0, 1, 1]
     filled, chosen = job.with_defaults(len(train))
     assert filled.train.batch == 2 and "batch = 2" in chosen[0]
     assert filled.train.optimizer == "adagrad" and "optimizer = adagrad" in chosen[1]
-    assert filled.train.epochs == 20 and "epochs = 20" in chosen[2]
+    assert filled.train.epochs == 40 and "epochs = 40" in chosen[2]
     again = jobfile.load(_job(small, filled.to_toml(), "as-run.toml"))
     assert again == jobfile.Job(**{**filled.__dict__, "path": again.path})
 
 
 @pytest.mark.parametrize("samples, batch, optimizer, epochs", [
-    (36, 2, "adagrad", 20), (5_452, 2, "adagrad", 12), (6_920, 2, "adagrad", 9), (10_003, 4, "adagrad", 12),
-    (5_452, 2, "sgd", 20), (6_920, 2, "sgd", 18), (40_000, 4, "sgd", 6), (100_000, 4, "adagrad", 3),
-    (1_000_000, 32, "sgd", 3)])
-def test_the_default_epochs_make_a_fixed_number_of_updates_between_3_and_20(samples, batch, optimizer, epochs):
+    (36, 2, "adagrad", 40), (5_452, 2, "adagrad", 23), (6_920, 2, "adagrad", 18), (10_003, 4, "adagrad", 24),
+    (5_452, 2, "sgd", 40), (6_920, 2, "sgd", 35), (40_000, 4, "sgd", 12), (100_000, 4, "adagrad", 3),
+    (200_000, 32, "adagrad", 10), (1_000_000, 32, "sgd", 4)])
+def test_the_default_epoch_cap_makes_a_fixed_number_of_updates_between_3_and_40(samples, batch, optimizer, epochs):
     assert jobfile.default_epochs(samples, batch, optimizer) == epochs
 
 
@@ -123,6 +125,25 @@ def test_a_bad_job_file_is_refused_naming_field_value_and_what_is_allowed(small,
     assert message in str(err.value) and "job.toml" in str(err.value)
 
 
+def test_a_validation_file_is_read_and_a_label_it_alone_has_is_named(small):
+    """[data] validation names the file the model is chosen on (nothing of train is held out
+    for it then); a share of train otherwise ([data] validation_holdout); [train] patience."""
+    _csv(small, ["a dog barks,dog", "a cat purrs,cat", "the cat sleeps,cat"], name="dev.csv")
+    job = jobfile.load(_job(small, GOOD.format(name="pets") + 'validation = "dev.csv"\n[train]\npatience = 5\n'))
+    assert job.data.validation == (small / "dev.csv",) and job.train.patience == 5
+    train, validation, test = data.load_job(job)
+    assert len(validation) == 3 and len(train) == 36 and len(test) == 4
+    job = jobfile.load(_job(small, GOOD.format(name="pets") + "validation_holdout = 0.3\n"))
+    train, validation, test = data.load_job(job)
+    assert len(validation) == 10 and len(train) == 26  # 30% of each label (18) of the 36 left after the test share
+    _csv(small, ["a bird sings,bird"], name="dev.csv")
+    job = jobfile.load(_job(small, GOOD.format(name="pets") + 'validation = "dev.csv"\n'))
+    with pytest.raises(JobFileError, match=r"\[data\] validation: .*dev.csv: label 'bird' does not occur in the training set"):
+        data.load_job(job)
+    with pytest.raises(JobFileError, match=r"\[train\] patience"):
+        jobfile.load(_job(small, GOOD.format(name="pets") + "[train]\npatience = 0\n"))
+
+
 @pytest.mark.parametrize("rows, header, message", [
     ([], "text,category", "no samples"),
     (["hello,cat"], "text,label", "[data] label_column = 'category' is not a column of its header (columns: 'text', 'label')"),
@@ -133,7 +154,7 @@ def test_bad_data_is_refused_before_anything_starts(small, rows, header, message
     _csv(small, rows, header=header)
     job = jobfile.load(_job(small, GOOD.format(name="pets")))
     with pytest.raises(JobFileError) as err:
-        jobfile.load_data(job)
+        data.load_job(job)
     assert message in str(err.value)
 
 
@@ -141,10 +162,10 @@ def test_a_file_that_does_not_decode_names_its_byte_and_the_fallback_reads_it(sm
     (small / "train.csv").write_bytes(b"text,category\ncaf\xe9 au lait,drink\ntea,drink\nbread,food\nrice,food\n")
     job = jobfile.load(_job(small, GOOD.format(name="pets")))
     with pytest.raises(JobFileError, match=r"is not utf-8 \(line 2, byte 17: invalid continuation byte\); set \[data\] encoding"):
-        jobfile.load_data(job)
+        data.load_job(job)
     job = jobfile.load(_job(small, GOOD.format(name="pets") + 'fallback_encoding = "latin-1"\n'))
-    train, test = jobfile.load_data(job)
-    assert len(train) + len(test) == 4
+    train, validation, test = data.load_job(job)
+    assert len(train) + len(validation) + len(test) == 4
     from gadei_workloads.files import read
 
     rows = read(list(job.data.train), "csv", label_column="category", fallback="latin-1")
@@ -168,8 +189,8 @@ def test_a_headerless_file_takes_columns_by_number_and_writes_them_back(tmp_path
     job = _format_job(tmp_path, "tsv", "train.tsv", "header = false")
     assert (job.data.header, job.data.label_column, job.data.text_column) == (False, 1, 2)
     reports = []
-    train, test = jobfile.load_data(job, reports)
-    assert len(train) + len(test) == 20 and str(reports[0]) == "train.tsv: 20 lines, 20 samples"
+    train, validation, test = data.load_job(job, reports)
+    assert len(train) + len(validation) + len(test) == 20 and str(reports[0]) == "train.tsv: 20 lines, 20 samples"
     assert jobfile.parse(tomllib.loads(job.to_toml()), job.path) == job  # job.toml as run reads back the same
 
 
@@ -214,7 +235,8 @@ def test_gadei_run_trains_a_job_file_and_leaves_its_outputs(tmp_path, procs):
     run = procs.gadei("run", path)
     out, err = communicate(run, 600)
     assert run.returncode == 0, out + err
-    assert "chose batch = 2 (default for 5,452 training samples" in out and "done in" in out
+    assert "4,906 training / 546 validation / 500 test samples" in out  # 10% of each label held out for validation
+    assert "chose batch = 2 (default for 4,906 training samples" in out and "done in" in out
     folder = tmp_path / "out"
     for name_ in ("job.toml", "labels.json", "vocab.json", "model.pt", "metrics.jsonl", "accuracy.png"):
         assert (folder / name_).exists(), name_
@@ -266,7 +288,7 @@ def test_a_stopped_run_goes_on_with_resume_and_trains_each_mini_batch_once(tmp_p
     changed = _job(tmp_path, body(epochs=2, lr=0.1))  # another lr: the schedules' maths differ
     refused = procs.gadei("run", changed, "--resume")
     _, err = communicate(refused, 60)
-    assert refused.returncode == 2 and "[train] lr" in err and "only [train] epochs may change" in err, err
+    assert refused.returncode == 2 and "[train] lr" in err and "only [train] epochs, patience and devices may change" in err, err
 
     longer = _job(tmp_path, body(epochs=2, lr=0.05))  # more epochs may be asked for
     resumed = procs.gadei("run", longer, "--resume", "--quiet")
@@ -277,7 +299,7 @@ def test_a_stopped_run_goes_on_with_resume_and_trains_each_mini_batch_once(tmp_p
     first, last = events[0], events[-1]
     # every mini-batch of two epochs of each learner's shard is in the weights once: what the
     # first run applied before the progress checkpoint is not trained again, nothing is skipped
-    steps = 2 * sum(-(-len(range(i, 5452, 2)) // 2) for i in range(2))
+    steps = 2 * sum(-(-len(range(i, 4906, 2)) // 2) for i in range(2))  # TREC less its validation share
     assert last["version"] == steps, (first, last)
     assert 0 < last["resumed_applied"] <= first["version"]
     assert last["resumed_applied"] + last["applied"] == steps
@@ -317,19 +339,19 @@ def test_numeric_data_reads_the_same_from_npz_and_csv_and_bad_cells_are_named(tm
     header = ",".join([f"f{i}" for i in range(x.shape[1])] + ["label"])
     (tmp_path / "d.csv").write_text(header + "\n" + "".join(",".join(map(repr, row)) + f",{label}\n"
                                                          for row, label in zip(x.tolist(), y)))
-    a = jobfile.load_data(_numeric_job(tmp_path, "d.npz", "npz"))
-    b = jobfile.load_data(_numeric_job(tmp_path, "d.csv", "csv"))
+    a = data.load_job(_numeric_job(tmp_path, "d.npz", "npz"))
+    b = data.load_job(_numeric_job(tmp_path, "d.csv", "csv"))
     for da, db in zip(a, b):
         assert np.allclose(da.x, db.x) and (da.labels == db.labels).all() and da.label_names == db.label_names
     assert abs(float(a[0].x.mean())) < 0.2  # standardised with train's statistics
     (tmp_path / "bad.csv").write_text(header + "\n" + ",".join(["1"] * 3 + ["oops"] + ["1"] * 4) + ",a\n")
     with pytest.raises(JobFileError, match=r"bad.csv:2: column 'f3' holds 'oops', not a number"):
-        jobfile.load_data(_numeric_job(tmp_path, "bad.csv", "csv"))
+        data.load_job(_numeric_job(tmp_path, "bad.csv", "csv"))
     with pytest.raises(JobFileError, match=r"workload 'mlp' reads numeric feature vectors; allowed: csv, npz"):
         _numeric_job(tmp_path, "d.csv", "jsonl")
     np.savez(tmp_path / "wrong.npz", features=x)
     with pytest.raises(JobFileError, match=r"needs arrays 'x' .* and 'y'"):
-        jobfile.load_data(_numeric_job(tmp_path, "wrong.npz", "npz"))
+        data.load_job(_numeric_job(tmp_path, "wrong.npz", "npz"))
 
 
 @pytest.mark.slow

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from helpers import communicate
-from gadei import jobfile
+from gadei import data, jobfile
 from gadei.errors import GadeiError
 from gadei.prepare import check_job
 
@@ -228,7 +228,7 @@ def _builds(job: jobfile.Job, what: str) -> None:
     """The accepted job's data load and its model builds (the learner's first steps)."""
     from gadei_workloads import get
 
-    train, _ = jobfile.load_data(job)
+    train = data.load_job(job)[0]
     size = len(train.vocab) if train.vocab is not None else train.features
     try:
         get(job.workload).build_from_maps(size, train.n_labels, job.train.seed)

@@ -124,8 +124,9 @@ def read_arrays(path: Path, fmt: str, label_column: str | int, header: bool = Tr
 
 
 def make_split(train: tuple[np.ndarray, list[str]], test: tuple[np.ndarray, list[str]], *, name: str,
-               test_source: str) -> tuple[ArrayDataset, ArrayDataset]:
-    """Datasets from (features, labels): label map and feature statistics from train."""
+               test_source: str, split: str = "test") -> tuple[ArrayDataset, ArrayDataset]:
+    """Datasets from (features, labels): label map and feature statistics from train (`split`
+    names the other one: test or validation)."""
     (xtr, ytr), (xte, yte) = train, test
     if xtr.shape[1] != xte.shape[1]:
         raise DataError(f"{test_source}: {xte.shape[1]} features, the training set has {xtr.shape[1]}")
@@ -143,16 +144,16 @@ def make_split(train: tuple[np.ndarray, list[str]], test: tuple[np.ndarray, list
         return ArrayDataset(((x - mean) / std).astype(np.float32), np.array([ids[v] for v in y], dtype=np.int64),
                             names, mean, std, name=f"{name} ({split})")
 
-    return make(xtr, ytr, "train"), make(xte, yte, "test")
+    return make(xtr, ytr, "train"), make(xte, yte, split)
 
 
-def hold_out(data: tuple[np.ndarray, list[str]], fraction: float, seed: int):
-    """(train, test) with `fraction` of each label held out (as :func:`.text.hold_out`)."""
+def hold_out(data: tuple[np.ndarray, list[str]], fraction: float, seed: int, stream: int = 7919):
+    """(train, held out) with `fraction` of each label held out (as :func:`.text.hold_out`)."""
     from .text import hold_out as rows_hold_out
 
     x, labels = data
     rows = [([str(i)], label) for i, label in enumerate(labels)]
-    train, test = rows_hold_out(rows, fraction, seed)
+    train, test = rows_hold_out(rows, fraction, seed, stream)
     pick = lambda part: (x[[int(r[0][0]) for r in part]], [r[1] for r in part])  # noqa: E731
     return pick(train), pick(test)
 

@@ -240,13 +240,45 @@ def encode_split(
     return _encode_split(train, test, name=name, test_source=test_source, max_size=max_size, min_count=min_count)
 
 
+def encode_splits(
+    train: list[tuple[list[str], str]],
+    validation: list[tuple[list[str], str]],
+    test: list[tuple[list[str], str]],
+    *,
+    name: str,
+    validation_source: str,
+    test_source: str,
+    max_size: int = 20000,
+    min_count: int = 1,
+) -> tuple[TextDataset, TextDataset, TextDataset]:
+    """(train, validation, test) datasets from (tokens, label) rows: vocabulary and label map
+    from train only.
+
+    Raises:
+        ValueError: a validation or test label does not occur in train (the message starts
+            with ``validation_source`` or ``test_source``).
+    """
+    train_set, test_set = _encode_split(train, test, name=name, test_source=test_source, max_size=max_size,
+                                        min_count=min_count)
+    label_ids = {label: i for i, label in enumerate(train_set.label_names)}
+    for _, label in validation:
+        if label not in label_ids:
+            raise ValueError(f"{validation_source}: label {label!r} does not occur in the training set "
+                             f"(known: {', '.join(train_set.label_names)})")
+    validation_set = TextDataset(ids=[train_set.vocab.encode(toks) for toks, _ in validation],
+                                 labels=[label_ids[label] for _, label in validation],
+                                 label_names=train_set.label_names, vocab=train_set.vocab, name=f"{name} (validation)")
+    return train_set, validation_set, test_set
+
+
 def hold_out(
-    rows: list[tuple[list[str], str]], fraction: float, seed: int
+    rows: list[tuple[list[str], str]], fraction: float, seed: int, stream: int = 7919
 ) -> tuple[list[tuple[list[str], str]], list[tuple[list[str], str]]]:
-    """Splits ``rows`` into (train, held-out test): ``fraction`` of each label, at least one,
+    """Splits ``rows`` into (train, held out): ``fraction`` of each label, at least one,
     chosen with ``seed`` (the same split in every process); a label with a single sample
-    stays in train."""
-    rng = np.random.default_rng([seed, 7919])
+    stays in train. ``stream`` tells splits of one seed apart (the test hold-out's is the
+    default, a validation hold-out takes another)."""
+    rng = np.random.default_rng([seed, stream])
     by_label: dict[str, list[int]] = {}
     for i, (_, label) in enumerate(rows):
         by_label.setdefault(label, []).append(i)

@@ -25,6 +25,11 @@ peers    the text CNN trained by gadei (1, 2, 4 learners) against a plain PyTorc
 scaling  samples/s against learners (1 to 4) of gadei and Hogwild at the same batches, the
          gadei server's share of the CPU, and the smallest batch at which N learners beat one
          plain process; plotted to --plot (gadei.bench.scaling).
+quality  what a job file with nothing tuned hands back on each shared data set (TREC, SST-2,
+         Subj, CR, banking77): the chosen model's test accuracy (median and range over
+         --repeats seeds), the epoch chosen on validation and the wall time, with 1 and 2
+         learners, beside a plain PyTorch loop (Adam, mini-batch 32, the same validation
+         stopping) (gadei.bench.quality); --sets picks some.
 gpu      GPU learners (gadei.bench.gpu): per-step time of one GPU learner + server against a
          plain PyTorch GPU loop, samples/s and GPU busy fraction with 1-8 learners on one GPU,
          the transports' copy bandwidth against pinned copies; needs CUDA (--device).
@@ -50,11 +55,12 @@ from .kernel import bench_kernel
 from .latency import bench_latency
 from .peers import bench_peers
 from .scaling import bench_scaling
+from .quality import bench_quality
 from .train import bench_accuracy, bench_modes, bench_train, bench_transport
 
 BENCHES = {"kernel": bench_kernel, "latency": bench_latency, "train": bench_train, "transport": bench_transport,
            "accuracy": bench_accuracy, "modes": bench_modes, "bridge": bench_bridge, "gpu": bench_gpu,
-           "peers": bench_peers, "scaling": bench_scaling}
+           "peers": bench_peers, "scaling": bench_scaling, "quality": bench_quality}
 
 
 def run_bench(args) -> int:

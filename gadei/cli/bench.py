@@ -14,7 +14,7 @@ def cmd_bench(args) -> int:
 def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="measure gadei against its alternatives, side by side")
     p.add_argument("what", nargs="*", default=["kernel", "latency", "train"],
-                   help="kernel, latency, train, transport, accuracy, modes, bridge, gpu, peers, scaling (default: the first three)")
+                   help="kernel, latency, train, transport, accuracy, modes, bridge, gpu, peers, scaling, quality (default: the first three)")
     p.add_argument("--repeats", type=int, default=5, help="repeated runs (for accuracy and modes: seeds 0..N-1); medians are reported, "
                    "for accuracies the mean and range (default 5)")
     p.add_argument("--quick", action="store_true", help="fewer sizes and steps (a smoke run)")
@@ -24,6 +24,8 @@ def add_parser(sub) -> None:
     p.add_argument("--epochs", type=int, default=1, help="train, transport: epochs per run (default 1)")
     p.add_argument("--accuracy-epochs", type=int, default=4,
                    help="accuracy, modes: epochs per run (default 4)")
+    p.add_argument("--sets", help="quality: shared data sets, comma-separated (default trec,sst2,subj,cr,banking77; "
+                   "--quick: a cut of trec)")
     p.add_argument("--sizes", help="bridge: model sizes in MB, comma-separated (default 1,16,64,256; --quick 1,4)")
     p.add_argument("--ranks", type=int, default=2, help="bridge: MPI ranks started on this machine (default 2)")
     p.add_argument("--device", default="cuda:0", help="gpu: the GPU measured (default cuda:0; cpu: a smoke run of "

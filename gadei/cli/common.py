@@ -16,12 +16,13 @@ def emit(record: dict) -> None:
 
 
 def workload_model(args):
-    """(workload, train, test, model) for --workload/--data/--seed."""
+    """(workload, train, validation, test, model) for --workload/--data/--seed (validation:
+    None unless the data is a job file's, see `gadei.data.load`)."""
     from gadei_workloads import get
 
     workload = get(args.workload)
-    train, test = data.load(workload, args.data or workload.default_data)
-    return workload, train, test, workload.build_model(train, args.seed)
+    train, validation, test = data.load(workload, args.data or workload.default_data)
+    return workload, train, validation, test, workload.build_model(train, args.seed)
 
 
 def factory_model(spec: str):
@@ -73,7 +74,7 @@ def job_file_defaults(argv: list[str]) -> dict | None:
         if t.epochs is None or t.batch is None:
             raise GadeiError(f"{JOB_FILE} {path}: [train] epochs and batch must be given (the job as `gadei run` "
                              "ran it, in its output folder, has them)")
-        values.update(epochs=t.epochs, batch=t.batch)
+        values.update(epochs=t.epochs, batch=t.batch, patience=t.patience)
     return values
 
 

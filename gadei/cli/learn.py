@@ -4,6 +4,7 @@ import logging
 import time
 
 from ..errors import GadeiError
+from ..layout import TRAIN_STOP_PATIENCE
 from .common import add_job_file, add_workload, emit, workload_model
 
 log = logging.getLogger("gadei.cli")
@@ -17,9 +18,10 @@ def cmd_learn(args) -> int:
 
     device = resolve(args.device)  # a CUDA device on a machine without one fails here, before the data loads
     torch.set_num_threads(args.torch_threads)
-    workload, train, test, model = workload_model(args)
+    workload, train, validation, test, model = workload_model(args)
     model.to(device)
     batches = workload.batches
+    chooser = _Chooser.start(args, workload, train, validation, device) if args.validate else None
 
     shard, shards = _shard(args.shard)
     if args.start_at < 0:
@@ -35,14 +37,21 @@ def cmd_learn(args) -> int:
     samples = 0
     with Learner(model, args.job, pull=args.pull, push=args.push, device=device) as learner:
         staleness = _Staleness(learner.region)
+        if chooser is not None and chooser.selection.stopped:  # decided before a restart: say it again
+            learner.end_training(TRAIN_STOP_PATIENCE)
         for epoch in range(first_epoch, args.epochs):
-            epoch_start, steps, seen = time.monotonic(), 0, 0
+            if learner.training_ended:
+                break
+            epoch_start, steps, seen, position = time.monotonic(), 0, 0, 0
             loss_sum = torch.zeros((), device=device)  # summed on the device: no GPU wait per step
             correct = torch.zeros((), dtype=torch.int64, device=device)
             for x, y in batches(train, args.batch, epoch=epoch, seed=args.seed, shard=shard, shards=shards):
+                position += len(y)
                 if skip > 0:  # a restarted learner: these samples' gradients are in the weights already
                     skip -= len(y)
                     continue
+                if learner.training_ended:  # the evaluating learner decided for the job: end the schedule
+                    break
                 x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
                 loss, right = workload.loss_and_correct(model, x, y)
                 workload.backward(model, loss, learner.constraint_lr)
@@ -52,6 +61,16 @@ def cmd_learn(args) -> int:
                 samples += len(y)
                 seen += len(y)
                 correct += right
+                if chooser is not None and chooser.due(position, per_epoch):  # a large data set: within the epoch too
+                    learner.refresh()
+                    at = round(epoch + position / per_epoch, 3)
+                    weights = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+                    found = chooser.evaluate(weights, at, learner.version)
+                    model.train()
+                    _report_evaluation(args, {"event": "evaluation", "job": args.job, "learner": learner.learner_id,
+                                              "epoch": at, "version": learner.version, **found})
+                    if chooser.selection.stopped:
+                        learner.end_training(TRAIN_STOP_PATIENCE)
             record = {
                 "event": "epoch", "job": args.job, "learner": learner.learner_id, "epoch": epoch + 1,
                 "loss": loss_sum.item() / max(1, steps), "train_accuracy": correct.item() / max(1, seen), "steps": steps,
@@ -59,12 +78,96 @@ def cmd_learn(args) -> int:
                 "epoch_seconds": time.monotonic() - epoch_start, "version": learner.version,
                 **staleness.since_last(), "nonfinite_skipped": learner.region.header.get("nonfinite_skipped"),
             }
-            if args.eval:
+            if learner.training_ended and chooser is None:
+                break  # a part of an epoch: nothing to report
+            if args.eval or chooser is not None:
                 learner.refresh()
-                record["test_accuracy"] = workload.evaluate(model, test)
-                model.train()
+                weights = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+            if chooser is not None:
+                record.update(chooser.evaluate(weights, epoch + 1, learner.version))
+                if chooser.selection.stopped:
+                    learner.end_training(TRAIN_STOP_PATIENCE)
+            if args.eval:
+                # the chooser's model holds `weights` already; the test set only reports, never chooses
+                record["test_accuracy"] = workload.evaluate(chooser.eval_model if chooser else model, test)
+            model.train()
             _report(args, record)
+            if chooser is not None:
+                chooser.new_epoch()
+            if learner.training_ended:
+                break
     return 0
+
+
+# A data set larger than this (training samples) is also evaluated every this many samples
+# of the job within an epoch, so that an epoch of a large set is not the unit of patience.
+EVALUATE_SAMPLES = 100_000
+
+
+class _Chooser:
+    """The evaluating learner's part in validation-driven training: evaluate a copy of the
+    weights on the validation set, offer it to the job's `gadei.selection.Selection` (kept in
+    --best), which keeps the best and says when patience ran out."""
+
+    def __init__(self, workload, validation, eval_model, selection, every: int = 0):
+        self.workload, self.validation, self.eval_model, self.selection = workload, validation, eval_model, selection
+        self.every = every  # samples of this learner's shard between evaluations within an epoch (0: none)
+        self._mark = 0
+
+    def new_epoch(self) -> None:
+        self._mark = 0
+
+    def due(self, position: int, per_epoch: int) -> bool:
+        """An evaluation within the epoch is due at `position` samples into this learner's
+        shard of it (a large data set: every EVALUATE_SAMPLES of the job's; the end of the
+        epoch has its own)."""
+        if not self.every or position >= per_epoch:
+            return False
+        mark = position // self.every
+        if mark <= self._mark:
+            return False
+        self._mark = mark
+        return True
+
+    @classmethod
+    def start(cls, args, workload, train, validation, device) -> "_Chooser":
+        from ..selection import Selection
+
+        if validation is None:
+            raise GadeiError(f"--validate: --data {args.data!r} has no validation set; give a job file's data "
+                             "(job:JOBFILE), whose [data] validation (or held-out share of train) is one")
+        if not args.best:
+            raise GadeiError("--validate: give --best FOLDER, where the best model and the selection's state are kept")
+        eval_model = workload.build_model(train, args.seed).to(device)
+        eval_model.eval()
+        shards = _shard(args.shard)[1]
+        every = EVALUATE_SAMPLES // shards if len(train) > EVALUATE_SAMPLES else 0
+        return cls(workload, validation, eval_model, Selection.open(args.best, args.patience), every)
+
+    def evaluate(self, weights: dict, epoch: int, version: int) -> dict:
+        """Validation loss and accuracy of `weights`; whether they are the best so far (and
+        kept); the record's fields."""
+        from ..selection import Evaluation
+
+        import torch
+
+        self.eval_model.load_state_dict(weights)
+        device = next(self.eval_model.parameters()).device
+        loss, correct = 0.0, 0
+        with torch.no_grad():
+            for x, y in self.workload.batches(self.validation, 256, epoch=0, seed=0):
+                x, y = x.to(device), y.to(device)
+                batch_loss, right = self.workload.loss_and_correct(self.eval_model, x, y)
+                loss += float(batch_loss) * len(y)
+                correct += int(right)
+        n = max(1, len(self.validation))
+        evaluation = Evaluation(epoch=epoch, version=version, validation_accuracy=correct / n,
+                                validation_loss=loss / n)
+        improved = self.selection.offer(evaluation, weights)
+        best = self.selection.best
+        return {"validation_loss": evaluation.validation_loss, "validation_accuracy": evaluation.validation_accuracy,
+                "best": improved, "best_epoch": best.epoch, "since_best": self.selection.since_best,
+                **({"stopped": self.selection.stopped} if self.selection.stopped else {})}
 
 
 class _Staleness:
@@ -106,6 +209,15 @@ def _report(args, record: dict) -> None:
           f"{record['samples_per_s']:.0f} samples/s, version {record['version']:,}{acc}", flush=True)
 
 
+def _report_evaluation(args, record: dict) -> None:
+    if args.json:
+        emit(record)
+        return
+    print(f"learner {record['learner']} at epoch {record['epoch']}: validation accuracy "
+          f"{record['validation_accuracy']:.2%}, loss {record['validation_loss']:.4f}"
+          + (" (best so far)" if record["best"] else ""), flush=True)
+
+
 def _shard(text: str) -> tuple[int, int]:
     try:
         index, count = (int(part) for part in text.split("/"))
@@ -135,6 +247,15 @@ def add_parser(sub) -> None:
     p.add_argument("--push", choices=("publish", "thread", "weights", "device"), default=None,
                    help="how gradients reach the ring: publish (default), thread, weights (elastic, the default there)")
     p.add_argument("--eval", action="store_true", help="evaluate on the test set after every epoch")
+    p.add_argument("--validate", action="store_true",
+                   help="after every epoch evaluate on the job's validation set (--data job:JOBFILE), keep the best "
+                   "model in --best and, with --patience, end the job's training for every learner when it stopped "
+                   "improving (one learner of a job does this)")
+    p.add_argument("--patience", type=int, default=0,
+                   help="--validate: evaluations without improvement that end training (default 0: never; "
+                   "--job-file: its [train] patience)")
+    p.add_argument("--best", metavar="FOLDER", help="--validate: where the best model (best.pt) and the selection's "
+                   "state (best.json) are kept, crash safely (a restarted learner goes on with them)")
     p.add_argument("--torch-threads", type=int, default=1, help="PyTorch intra-op threads (default 1)")
     p.add_argument("--start-at", type=int, default=0, metavar="SAMPLES",
                    help="skip this many samples of the schedule (epochs x shard): a restarted learner goes on "

@@ -37,7 +37,7 @@ def cmd_serve(args) -> int:
     learners = [_learner_args(text) for text in args.learner]
     model = None
     if args.workload:
-        model = workload_model(args)[3]
+        model = workload_model(args)[-1]
     elif args.model:
         model = factory_model(args.model)
     resume = None

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .. import _proc, jobfile
+from .. import _proc, data, jobfile
 from ..env import runtime_dir
 from ..errors import GadeiError
 from .listener import BACKLOG, MAX_CONNECTIONS, WORKERS, Loop, check_request
@@ -161,7 +161,7 @@ class Daemon:
             if old is not None and old.state in LIVE:
                 raise GadeiError(f"job {job.name!r} is already {old.state}; cancel it first or give the job "
                                  "another [job] name")
-        train, _ = jobfile.load_data(job)  # a data problem is the submitter's to hear, not the log's
+        train = data.load_job(job)[0]  # a data problem is the submitter's to hear, not the log's
         from ..prepare import check_output
 
         check_output(job)  # and an output folder the run could not write

@@ -1,0 +1,190 @@
+"""`gadei bench quality`: what a job file with nothing tuned hands back, on the shared data sets.
+
+For each shared data set (TREC, SST-2, Subj, CR, banking77; `--sets` picks some) it writes a
+job file that sets only the data, the learners and the seed, runs it with `gadei run` (the
+defaults choose the update rule, learning rate, mini-batch, epoch cap and patience; the
+model is chosen on the validation set), once per seed with 1 and with 2 learners, and
+reports the test accuracy of the model handed back (median and range over the seeds), the
+epoch that was chosen and the wall time, beside a plain single-process PyTorch loop (Adam,
+lr 0.001, mini-batch 32) on the same training, validation and test split with the same
+validation-based stopping: the strong baseline a user could write in a few lines.
+
+`--quick` is a smoke run cheap enough for a test: TREC cut to its first 600 training
+questions, one seed, an epoch cap of 1.
+"""
+
+import json
+import logging
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from .._proc import gadei_command
+from ..env import settings
+from .timing import table
+
+log = logging.getLogger(__name__)
+
+# Each shared data set as a job file's [data], paths relative to the shared data folder.
+SETS = {
+    "trec": {"train": "trec/TREC.train", "test": "trec/TREC.test", "format": "trec",
+             "fallback_encoding": "latin-1"},
+    "sst2": {"train": "sst2/stsa.binary.train", "validation": "sst2/stsa.binary.dev",
+             "test": "sst2/stsa.binary.test", "format": "label-text"},
+    "subj": {"train": ["subj/subj.objective", "subj/subj.subjective"], "format": "per-label",
+             "encoding": "latin-1"},
+    "cr": {"train": ["cr/custrev.neg", "cr/custrev.pos"], "format": "per-label"},
+    "banking77": {"train": "banking77/train.csv", "test": "banking77/test.csv", "format": "csv",
+                  "text_column": "text", "label_column": "category"},
+}
+QUICK_SAMPLES = 600  # --quick: TREC's first training questions
+QUICK_EPOCHS = 1
+BASELINE = {"optimizer": "adam", "lr": 1e-3, "batch": 32}
+
+
+def data_dir() -> Path:
+    return Path(settings().data_dir or Path.cwd().parent / "shared" / "data")
+
+
+def job_file(folder: Path, name: str, data: dict, *, learners: int, seed: int, epochs: int | None = None) -> Path:
+    """A job file for data set `name` that sets only its data, learners and seed (and, for a
+    smoke run, the epoch cap); its output folder is `folder`/runs/<job>."""
+    def value(v):
+        return json.dumps(v) if not isinstance(v, bool) else ("true" if v else "false")
+
+    job = f"q-{name}-{learners}l-s{seed}-{time.monotonic_ns() % 1_000_000}"
+    lines = ["[job]", f'name = "{job}"', 'workload = "textcnn"', "", "[data]"]
+    lines += [f"{key} = {value(v)}" for key, v in data.items()]
+    lines += ["", "[train]", f"learners = {learners}", f"seed = {seed}"] + ([f"epochs = {epochs}"] if epochs else [])
+    lines += ["", "[output]", f'folder = "{folder / "runs" / job}"', ""]
+    path = folder / f"{job}.toml"
+    path.write_text("\n".join(lines))
+    return path
+
+
+def run_gadei(path: Path) -> dict:
+    """`gadei run` the job file; its result.json, with the wall time of the whole command."""
+    started = time.monotonic()
+    done = subprocess.run([*gadei_command("run", str(path)), "--quiet"], stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+    wall = time.monotonic() - started
+    from .. import jobfile
+
+    out = jobfile.load(path).output
+    if done.returncode != 0 or not (out / "result.json").exists():
+        raise RuntimeError(f"gadei run {path} exited {done.returncode}: {done.stdout[-2000:]}")
+    result = json.loads((out / "result.json").read_text())
+    result["wall_seconds"] = round(wall, 1)
+    return result
+
+
+def run_pytorch(path: Path, *, patience: int | None = None, epochs: int | None = None) -> dict:
+    """The baseline on the job file's own split: one process, Adam lr 0.001, mini-batch 32,
+    the validation accuracy evaluated after every epoch, the best kept, stopped after the
+    job's patience (the defaults') evaluations without improvement or at the job's epoch cap."""
+    import torch
+    from gadei_workloads import get
+
+    from .. import data, jobfile
+
+    started = time.monotonic()
+    job = jobfile.load(path)
+    train, validation, test = data.load_job(job)
+    job, _ = job.with_defaults(len(train))
+    patience = job.train.patience if patience is None else patience
+    cap = epochs or job.train.epochs
+    workload = get(job.workload)
+    seed = job.train.seed
+    torch.set_num_threads(1)  # as one learner
+    torch.manual_seed(seed)
+    model = workload.build_model(train, seed)
+    for module in model.modules():  # torch's Adam takes dense gradients only
+        if isinstance(module, torch.nn.Embedding):
+            module.sparse = False
+    step = torch.optim.Adam(model.parameters(), lr=BASELINE["lr"])
+    best, best_state, since, epoch = None, None, 0, 0
+    for epoch in range(1, cap + 1):
+        model.train()
+        for x, y in workload.batches(train, BASELINE["batch"], epoch=epoch - 1, seed=seed):
+            step.zero_grad()
+            workload.loss(model, x, y).backward()
+            step.step()
+        accuracy = workload.evaluate(model, validation)
+        if best is None or accuracy > best[1]:
+            best, since = (epoch, accuracy), 0
+            best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        else:
+            since += 1
+            if since >= patience:
+                break
+    model.load_state_dict(best_state)
+    return {"test_accuracy": workload.evaluate(model, test), "epoch": best[0], "validation_accuracy": best[1],
+            "epochs_run": epoch, "stopped": "patience" if since >= patience else "cap",
+            "wall_seconds": round(time.monotonic() - started, 1)}
+
+
+def bench_quality(args) -> dict:
+    """Every chosen set x (gadei 1 learner, gadei 2 learners, PyTorch) x seed, interleaved
+    (the machine's noise falls on all alike); the table, and every run's figures."""
+    base = data_dir()
+    names = (args.sets.split(",") if getattr(args, "sets", None) else list(SETS)) if not args.quick else ["trec"]
+    unknown = [n for n in names if n not in SETS]
+    if unknown:
+        raise ValueError(f"--sets: unknown data set(s) {', '.join(unknown)}; choose from {', '.join(SETS)}")
+    seeds = [0] if args.quick else list(range(args.repeats))
+    epochs = QUICK_EPOCHS if args.quick else None
+    configs = ("gadei-1", "gadei-2", "pytorch")
+    runs: dict = {name: {c: [] for c in configs} for name in names}
+    with tempfile.TemporaryDirectory(prefix="gadei-quality-") as tmp:
+        folder = Path(tmp)
+        for name in names:
+            data = _data(name, base, folder, quick=args.quick)
+            for seed in seeds:
+                for config in configs:
+                    learners = 1 if config == "gadei-1" else 2
+                    path = job_file(folder, name, data, learners=learners, seed=seed, epochs=epochs)
+                    result = run_pytorch(path, epochs=epochs) if config == "pytorch" else run_gadei(path)
+                    result["seed"] = seed
+                    runs[name][config].append(result)
+                    log.info("quality %s %s seed %d: test accuracy %.4f, epoch %s, %.0f s", name, config, seed,
+                             result["test_accuracy"], result.get("epoch"), result["wall_seconds"])
+                    print(f"  {name} {config} seed {seed}: test accuracy {result['test_accuracy']:.2%}, "
+                          f"epoch {result.get('epoch')}, {result['wall_seconds']:.0f} s", flush=True)
+    summary = {name: {c: _summary(rs) for c, rs in by.items()} for name, by in runs.items()}
+    rows = []
+    for name, by in summary.items():
+        for config, s in by.items():
+            rows.append([name, config, f"{s['median']:.1%} ({s['min']:.1%}-{s['max']:.1%})", s["epochs"],
+                         f"{s['wall_seconds']:.0f}"])
+    print("\nquality: test accuracy of the model handed back, median (range) over seeds " + ",".join(map(str, seeds))
+          + "; the epoch chosen on validation; median wall seconds")
+    print(table(["set", "run", "test accuracy", "epoch chosen", "wall s"], rows))
+    return {"seeds": seeds, "quick": args.quick, "baseline": BASELINE, "summary": summary, "runs": runs}
+
+
+def _summary(results: list[dict]) -> dict:
+    accuracy = [r["test_accuracy"] for r in results]
+    return {"median": statistics.median(accuracy), "min": min(accuracy), "max": max(accuracy),
+            "epochs": "/".join(str(r.get("epoch")) for r in results),
+            "wall_seconds": statistics.median(r["wall_seconds"] for r in results)}
+
+
+def _data(name: str, base: Path, folder: Path, *, quick: bool) -> dict:
+    """The job file's [data] of set `name`, absolute paths; --quick: a cut of TREC's training file."""
+    data = dict(SETS[name])
+    for key in ("train", "validation", "test"):
+        if key in data:
+            data[key] = [str(base / p) for p in data[key]] if isinstance(data[key], list) else str(base / data[key])
+    missing = [p for key in ("train", "validation", "test") for p in
+               (data.get(key) if isinstance(data.get(key), list) else [data.get(key)]) if p and not Path(p).exists()]
+    if missing:
+        raise FileNotFoundError(f"gadei bench quality: {missing[0]} is not there (the shared data sets are looked for "
+                                f"in GADEI_DATA_DIR, else ../shared/data)")
+    if quick:
+        lines = Path(data["train"]).read_bytes().split(b"\n")[:QUICK_SAMPLES]
+        cut = folder / "TREC.train.quick"
+        cut.write_bytes(b"\n".join(lines) + b"\n")
+        data["train"] = str(cut)
+    return data

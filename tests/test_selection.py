@@ -1,0 +1,117 @@
+"""Validation-driven training (issue 20): the model selection kept crash safely, the one
+decision that ends every learner's schedule, and `gadei run` handing back the best model."""
+
+import json
+import os
+import threading
+
+import pytest
+import torch
+
+import gadei
+from gadei import selection
+from gadei.errors import GadeiError
+from gadei.layout import TRAIN_ON, TRAIN_STOP_PATIENCE
+from helpers import data_dir, finish, missing, trec_job, wait_for
+from worker import Flat
+
+
+def _weights(value: float) -> dict:
+    return {"weight": torch.full((3,), value)}
+
+
+def test_the_best_evaluation_is_kept_and_patience_ends_training(tmp_path):
+    chosen = selection.Selection.open(tmp_path, patience=2)
+    E = selection.Evaluation
+    assert chosen.offer(E(1, 10, 0.70, 0.9), _weights(1.0))
+    assert chosen.offer(E(2, 20, 0.80, 0.8), _weights(2.0))
+    assert not chosen.offer(E(3, 30, 0.80, 0.85), _weights(3.0))  # a tie with a higher loss is no better
+    assert chosen.stopped is None and chosen.since_best == 1
+    # a restart (a new process) goes on with the same best and the same count
+    again = selection.Selection.open(tmp_path, patience=2)
+    assert again.best == E(2, 20, 0.80, 0.8) and again.since_best == 1 and again.evaluations == 3
+    assert not again.offer(E(4, 40, 0.79, 0.7), _weights(4.0))
+    assert again.stopped == "patience"
+    assert selection.Selection.open(tmp_path, patience=2).stopped == "patience"
+    assert torch.equal(selection.best_weights(tmp_path)["weight"], torch.full((3,), 2.0))
+    assert selection.read_state(tmp_path)["best"]["epoch"] == 2
+
+
+def test_a_best_model_newer_than_the_state_file_is_believed(tmp_path):
+    """A crash between writing best.pt and best.json: the weights' own record wins."""
+    chosen = selection.Selection.open(tmp_path, patience=3)
+    chosen.offer(selection.Evaluation(1, 10, 0.5, 1.0), _weights(1.0))
+    state = (tmp_path / selection.BEST_STATE).read_text()
+    chosen.offer(selection.Evaluation(2, 20, 0.6, 0.9), _weights(2.0))
+    (tmp_path / selection.BEST_STATE).write_text(state)  # as if the crash came before best.json
+    again = selection.Selection.open(tmp_path, patience=3)
+    assert again.best.epoch == 2 and again.since_best == 0
+    (tmp_path / selection.BEST_STATE).write_text("{not json")
+    with pytest.raises(GadeiError, match="not a model selection's state"):
+        selection.Selection.open(tmp_path, patience=3)
+
+
+def test_large_data_sets_are_evaluated_within_an_epoch_too():
+    """Above EVALUATE_SAMPLES training samples the evaluating learner evaluates every
+    EVALUATE_SAMPLES of the job's samples (its shard's share), besides each epoch's end."""
+    from gadei.cli.learn import _Chooser
+
+    chooser = _Chooser(None, None, None, None, every=100)
+    due = [position for position in range(0, 450, 4) if chooser.due(position, per_epoch=450)]
+    assert due == [100, 200, 300, 400]
+    chooser.new_epoch()
+    assert chooser.due(100, per_epoch=450) and not chooser.due(448, per_epoch=300)  # the epoch's end is its own
+    assert not any(_Chooser(None, None, None, None).due(p, 450) for p in range(450))  # small data: epochs only
+
+
+def test_one_learners_decision_ends_every_learners_training(job):
+    """The evaluating learner decides once (the first decision stands); every learner of the
+    job sees it between steps."""
+    server = gadei.Server(job, model=Flat(64, 0.0), lr=0.1)
+    thread = threading.Thread(target=server.serve, kwargs={"grace": 2.0}, daemon=True)
+    thread.start()
+    try:
+        with gadei.Learner(Flat(64, 0.0), job) as deciding, gadei.Learner(Flat(64, 0.0), job) as other:
+            for learner in (deciding, other):
+                for p in learner.model.parameters():
+                    p.grad.fill_(1.0)
+                learner.step()
+            assert deciding.training_ended == other.training_ended == TRAIN_ON
+            assert wait_for(lambda: server.version >= 2, 10, "both gradients applied")
+            deciding.refresh()
+            assert deciding.end_training(TRAIN_STOP_PATIENCE)
+            assert not other.end_training(TRAIN_STOP_PATIENCE + 1)  # decided already
+            assert wait_for(lambda: other.training_ended == TRAIN_STOP_PATIENCE, 10, "the other learner to see it")
+            assert server.region.header.get("train_stop_version") == 2
+    finally:
+        server.request_stop()
+        thread.join(30)
+        server.close()
+
+
+@pytest.mark.slow
+def test_gadei_run_stops_on_patience_and_hands_back_the_best_model(procs, tmp_path):
+    """Patience 1 on a cut of TREC with a learning rate that overfits fast: training ends before
+    the cap for both learners, model.pt is the best validation model, result.json says which
+    and why, metrics.jsonl has the validation figures."""
+    if not (data_dir() / "trec" / "TREC.train").is_file():
+        missing("TREC is not there")
+    job_name = f"sel-{os.getpid()}"
+    (tmp_path / "job.toml").write_text(trec_job(job_name, output=tmp_path / "out",
+                                                train={"learners": 2, "epochs": 12, "patience": 1, "lr": 0.2}))
+    out, err = finish(procs.gadei("run", str(tmp_path / "job.toml"), "--quiet"), 600)
+    result = json.loads((tmp_path / "out" / "result.json").read_text())
+    metrics = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert result["stopped"] == "patience", (out, err, result)
+    assert len(metrics) < 12 and all("validation_accuracy" in m and "validation_loss" in m for m in metrics)
+    best = max(metrics, key=lambda m: (m["validation_accuracy"], -m["validation_loss"]))
+    assert result["epoch"] == best["epoch"] and result["validation_accuracy"] == best["validation_accuracy"]
+    assert metrics[-1]["epoch"] == best["epoch"] + 1  # patience 1: one evaluation without improvement
+    # model.pt is the best model's weights, not the last ones
+    saved = torch.load(tmp_path / "out" / "model.pt", weights_only=True)
+    kept = selection.best_weights(tmp_path / "out" / "checkpoints")
+    assert all(torch.equal(saved[k], kept[k]) for k in kept)
+    # the other learner ended its schedule there too: it did not run to the cap
+    logs = (tmp_path / "out" / "logs" / "learner-1.log").read_text()
+    epochs_1 = [json.loads(line)["epoch"] for line in logs.splitlines() if line.startswith('{"event": "epoch"')]
+    assert max(epochs_1, default=0) < 12
