@@ -39,7 +39,7 @@ def small(tmp_path):
     name = f"kill-{os.getpid()}-{tmp_path.name[-12:]}".replace("_", "-")
     path = tmp_path / "job.toml"
     path.write_text(f'[job]\nname = "{name}"\nworkload = "mlp"\n[data]\ntrain = "blobs.npz"\nformat = "npz"\n'
-                    'holdout = 0.2\n[train]\nlearners = 2\nepochs = 12\nlr = 0.05\n[checkpoint]\ninterval = 1\n'
+                    'holdout = 0.2\n[train]\nlearners = 2\nepochs = 12\npatience = 12\nlr = 0.05\n[checkpoint]\ninterval = 1\n'
                     '[output]\nfolder = "out"\n')
     yield path, name, tmp_path / "out"
     for proc in psutil.process_iter(["pid", "cmdline"]):
