@@ -6,8 +6,10 @@ optimizer and seeds. Run it as ``python -m gadei_workloads.measure_textcnn --dat
 (the package must be installed); ``--steps N`` times N steps without evaluating.
 ``--optimizer adagrad`` trains with the update a job file's server applies by default
 (``s += g²; w -= lr g / (√s + 1e-10)``, torch's Adagrad with the same epsilon); ``sgd``
-(the default) is plain SGD with the text CNN's max-norm constraint. ``--data job:JOBFILE``
-reads the ``[data]`` of a job file, as ``gadei run`` does (e.g. banking77's CSV files).
+(the default) is plain SGD with the text CNN's max-norm constraint. ``--data`` takes the
+workload's data specs (``gadei_workloads.text.load``), ``banking77:FOLDER`` among them; a job
+file's ``[data]`` is gadei's (this package imports nothing of gadei): ``gadei bench quality``
+runs a PyTorch baseline on job files.
 
 Examples::
 
@@ -18,7 +20,7 @@ Examples::
         --batch-size 4 --steps 500
     python -m gadei_workloads.measure_textcnn --data sst2:../shared/data/sst2 \
         --optimizer adagrad --batch-size 2 --epochs 5
-    python -m gadei_workloads.measure_textcnn --data job:docs/examples/banking77.toml \
+    python -m gadei_workloads.measure_textcnn --data banking77:../shared/data/banking77 \
         --optimizer adagrad --batch-size 4 --epochs 8
 """
 
