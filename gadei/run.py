@@ -278,10 +278,7 @@ class Node:
 
         if bridge.launched_ranks() < 2:
             return None
-        b = job.bridge
-        options = bridge.BridgeOptions(strategy=b.strategy, interval=b.interval, every=b.every, alpha=b.alpha,
-                                 bucket_mb=None if b.bucket_mb == "auto" else float(b.bucket_mb),
-                                 float16=b.float16, timeout=b.timeout)
+        options = job.bridge  # the job file's [bridge] is the bridge's own BridgeOptions
         MPI = bridge.mpi()
         comm = MPI.COMM_WORLD
         comm.Set_errhandler(MPI.ERRORS_RETURN)

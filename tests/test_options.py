@@ -14,6 +14,7 @@ import pytest
 
 import gadei
 from gadei import jobfile, options
+from gadei.bridge import BridgeError, BridgeOptions
 from gadei.checkpoint import CheckpointOptions
 from gadei.cli import build_parser
 from gadei.modes import RuleOptions, read_options
@@ -23,6 +24,7 @@ from gadei.transport.options import TransportOptions
 from helpers import finish, wait_for
 
 SERVE_FLAGS = {a.dest: a for a in build_parser().verbs["serve"]._actions}
+BRIDGE_FLAGS = {a.dest: a for a in build_parser().verbs["bridge"]._actions}
 
 
 @pytest.mark.parametrize("cls, section", [(RuleOptions, "train"), (TransportOptions, "transport"),
@@ -62,6 +64,42 @@ def test_the_job_file_and_the_flag_refuse_a_value_alike(tmp_path, key, value):
     flag = subprocess.run([sys.executable, "-m", "gadei", "serve", "x", "--params", "10", options.flag(key), str(value)],
                           capture_output=True, text=True, timeout=60)
     assert flag.returncode == 2 and f"allowed: {allowed}" in flag.stderr, (allowed, flag.stderr)
+
+
+def test_the_bridge_flags_and_the_job_files_bridge_section_are_the_declared_bridge_options():
+    """`gadei bridge`'s flags and a job file's [bridge] keys both come from BridgeOptions; what
+    only one of them has is the set its docstring says why of."""
+    declared = {f.name: f for f in options.declared(BridgeOptions)}
+    flags = {name for name, f in declared.items() if f.metadata["option"]["flag"]}
+    assert set(options.job_keys(BridgeOptions)) == set(jobfile._SCHEMA["bridge"])
+    assert set(declared) - set(options.job_keys(BridgeOptions)) == {"checkpoint_dir", "save", "json", "trace"}
+    assert set(declared) - flags == {"node_lr"}
+    for name in flags:
+        action = BRIDGE_FLAGS[name]
+        assert action.default == declared[name].default, name
+        assert declared[name].metadata["option"]["help"] in action.help, name
+    parse = build_parser().verbs["bridge"].parse_args
+    assert options.from_args(BridgeOptions, parse(["job"])) == BridgeOptions()
+    assert options.from_args(BridgeOptions, parse(["job", "--bucket-mb", "auto", "--every", "0.5"])) == \
+        BridgeOptions(bucket_mb=None, every=0.5)
+    assert options.from_args(BridgeOptions, parse(["job", "--bucket-mb", "0", "--float16"])) == \
+        BridgeOptions(bucket_mb=0.0, float16=True)
+
+
+@pytest.mark.parametrize("key, value", [("strategy", "averge"), ("interval", 0), ("every", -1), ("alpha", 1.5),
+                                        ("bucket_mb", -1), ("bucket_mb", "big"), ("timeout", 0)])
+def test_the_bridge_job_file_and_the_bridge_flag_refuse_a_value_alike(tmp_path, key, value):
+    path = _job_file(tmp_path, "[bridge]\nstrategy = \"elastic\"\n" if key == "alpha" else "[bridge]\n")
+    path.write_text(path.read_text() + f"{key} = {json.dumps(value)}\n")
+    with pytest.raises(jobfile.JobFileError) as err:
+        jobfile.load(path)
+    allowed = str(err.value).split("allowed: ", 1)[1]
+    flag = subprocess.run([sys.executable, "-m", "gadei", "bridge", "x", options.flag(key), str(value)],
+                          capture_output=True, text=True, timeout=60)
+    assert flag.returncode == 2 and f"allowed: {allowed}" in flag.stderr, (allowed, flag.stderr)
+    with pytest.raises(BridgeError) as err:
+        BridgeOptions(**{key: value}).check(2)  # built in code (gadei.run's node): checked as the bridge starts
+    assert str(err.value).startswith(f"bridge options: {key} = ") and str(err.value).endswith(f"allowed: {allowed}")
 
 
 def test_server_keywords_are_the_declared_options():
