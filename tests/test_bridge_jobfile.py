@@ -11,17 +11,16 @@ import json
 import os
 import textwrap
 
-import psutil
 import pytest
 import test_bridge
 
-from helpers import communicate, trec_job
+from helpers import communicate, end_jobs, job_processes, trec_job
 from gadei import jobfile
 from gadei._proc import gadei_command
 from gadei.bridge import BridgeOptions, child_environment, launched_ranks, local_mpiexec
 from gadei.errors import GadeiError
 from gadei.jobfile import JobFileError
-from gadei.region import inspect, remove
+from gadei.region import inspect
 from test_bridge import _EXEC
 
 mpi_env = test_bridge.mpi_env  # the fixture: mpiexec's environment here, or a skip with the reason
@@ -36,13 +35,6 @@ train = "train.csv"
 format = "csv"
 label_column = "category"
 """
-
-
-@pytest.fixture
-def small(tmp_path):
-    rows = [f'"sentence number {i}, about {"dogs" if i % 2 else "cats"}",{"dog" if i % 2 else "cat"}' for i in range(40)]
-    (tmp_path / "train.csv").write_text("text,category\n" + "\n".join(rows) + "\n")
-    return tmp_path
 
 
 def _load(folder, body: str, name: str = "job.toml") -> jobfile.Job:
@@ -186,29 +178,6 @@ def test_a_node_goes_on_only_with_as_many_nodes_as_made_its_shards(small):
 # ------------------------------------------------------------------ mpiexec -n 2 gadei run job.toml
 
 
-def _leftovers(names: list[str]) -> list[str]:
-    """Processes whose command line names one of the jobs (gadei run, serve, watchdog, learners)."""
-    found = []
-    for proc in psutil.process_iter(["pid", "cmdline"]):
-        line = " ".join(proc.info["cmdline"] or [])
-        if any(name in line for name in names) and proc.pid != os.getpid():
-            found.append(f"{proc.pid}: {line[:200]}")
-    return found
-
-
-def _kill(names: list[str]) -> None:
-    for proc in psutil.process_iter(["pid", "cmdline"]):
-        if any(name in " ".join(proc.info["cmdline"] or []) for name in names) and proc.pid != os.getpid():
-            try:
-                proc.kill()
-                proc.wait(10)
-            except (psutil.NoSuchProcess, psutil.TimeoutExpired):
-                pass
-    for name in names:
-        if inspect(name) is not None:
-            remove(name)
-
-
 def _mpiexec_run(procs, mpi_env, path, nodes: int = 2):
     argv, _ = local_mpiexec(nodes, *gadei_command("run", path))
     return procs.start("-c", _EXEC, *argv, env=mpi_env)
@@ -227,9 +196,9 @@ def test_when_one_node_cannot_start_none_does(small, procs, mpi_env):
         assert "node-1 holds a previous run" in err, out + err
         assert "node 0: another node could not prepare its job (see its error); nothing started" in err, out + err
         assert "serving job" not in out + err and not (small / "runs" / name / "node-0" / "logs" / "serve.log").exists()
-        assert _leftovers([f"{name}-r0", f"{name}-r1"]) == []
+        assert job_processes(f"{name}-r0", f"{name}-r1") == []
     finally:
-        _kill([f"{name}-r0", f"{name}-r1"])
+        end_jobs(f"{name}-r0", f"{name}-r1")
 
 
 @pytest.mark.slow
@@ -287,9 +256,9 @@ def test_mpiexec_runs_one_job_file_as_two_bridged_nodes(tmp_path, procs, mpi_env
         schedule = 2 * sum(-(-len(range(k, 5452, 2)) // 2) for k in range(2))
         assert steps == schedule, (steps, schedule, published)
         assert all(inspect(job) is None for job in jobs)
-        assert _leftovers(jobs) == []
+        assert job_processes(*jobs) == []
     finally:
-        _kill(jobs)
+        end_jobs(*jobs)
 
 
 # ------------------------------------------------------------------ accuracy against one node (slow)
@@ -330,7 +299,7 @@ def _job_accuracy(procs, mpi_env, folder, strategy: str | None, seed: int) -> fl
             assert results[0]["test_accuracy"] == results[1]["test_accuracy"], results  # one model
         return results[0]["test_accuracy"]
     finally:
-        _kill(jobs)
+        end_jobs(*jobs)
 
 
 @pytest.mark.soak  # 12 runs of about a minute each: 12-15 minutes here
