@@ -21,7 +21,7 @@ from gadei.modes import RuleOptions, read_options
 from gadei.region import Region
 from gadei.transport.options import TransportOptions
 
-from helpers import finish, wait_for
+from helpers import finish, small_csv, wait_for
 
 SERVE_FLAGS = {a.dest: a for a in build_parser().verbs["serve"]._actions}
 BRIDGE_FLAGS = {a.dest: a for a in build_parser().verbs["bridge"]._actions}
@@ -138,10 +138,10 @@ def test_serve_takes_the_job_file_and_a_flag_given_too_wins(tmp_path, procs):
 
 def _job_file(folder: Path, sections: str) -> Path:
     """A job file of the text CNN on a small CSV in `folder`, with `sections` added."""
-    (folder / "train.csv").write_text("text,label\n" + "".join(f"words {i} here,{i % 2}\n" for i in range(40)))
+    small_csv(folder)
     path = folder / "job.toml"
     path.write_text('[job]\nname = "opt"\nworkload = "textcnn"\n[data]\ntrain = "train.csv"\nformat = "csv"\n'
-                    + textwrap.dedent(sections))
+                    'label_column = "category"\n' + textwrap.dedent(sections))
     return path
 
 
