@@ -22,7 +22,7 @@ from gadei.errors import GadeiError
 from gadei.region import Region
 from gadei.ring import claim
 from gadei.server import Server
-from gadei.transport import CopyPull, PublishPush, SlotWriter, ThreadPush, ViewPull
+from gadei.transport import CopyPull, DevicePull, DevicePush, PublishPush, SlotWriter, ThreadPush, ViewPull
 from gadei.transport.options import TransportOptions
 from worker import TABLE_ROWS, TABLE_WIDTH, Flat, Table
 
@@ -72,7 +72,7 @@ def _decoded(values: torch.Tensor, grad_dtype: str) -> torch.Tensor:
 VALUES = torch.tensor([0.25, -1.5, 1 / 3, 0.1, 1e-6, 300.5, -2.0])
 
 
-@pytest.mark.parametrize("push_cls", [PublishPush, ThreadPush])
+@pytest.mark.parametrize("push_cls", [PublishPush, ThreadPush, DevicePush])  # DevicePush on a CPU "device"
 @pytest.mark.parametrize("grad_dtype", ["float32", "float16", "bfloat16"])
 def test_a_dense_gradient_arrives_as_its_slot_type_converts_it_and_is_applied_once(job, push_cls, grad_dtype):
     model = Flat(64, 1.0)
@@ -134,8 +134,9 @@ def _count(count_addr: int) -> int:
     return ctypes.c_uint64.from_address(count_addr).value
 
 
+@pytest.mark.parametrize("push_cls", [PublishPush, DevicePush])
 @pytest.mark.parametrize("grad_dtype", ["float32", "bfloat16"])
-def test_a_row_sparse_gradient_travels_as_its_touched_rows_each_once_and_only_they_move(job, grad_dtype):
+def test_a_row_sparse_gradient_travels_as_its_touched_rows_each_once_and_only_they_move(job, grad_dtype, push_cls):
     model = Table(N, 1.0)
     rows = torch.arange(4 * TABLE_WIDTH, dtype=torch.float32).reshape(4, TABLE_WIDTH) / 8  # exact in bfloat16
     with serving(job, model, serve=False, row_sparse=True, grad_dtype=grad_dtype, max_rows=8) as \
@@ -158,10 +159,25 @@ def test_a_row_sparse_gradient_travels_as_its_touched_rows_each_once_and_only_th
         assert _count(count_addr) == 2 and indices[:2].tolist() == [7, 60]
         assert torch.equal(written[:2].float(), dense[[7, 60]])
 
+        # the push itself (the device push stages the rows on its device and writes them from its thread)
+        push = push_cls(region, producer, parameters, spec, lambda: None, server.options)
+        try:
+            push.bind()
+            slot = producer.slot
+            for p in parameters:
+                p.grad = _sparse([9, 5, 9], rows[:3]) if p.dim() == 2 else torch.full(p.shape, 0.5)
+            assert push.push(0, 0, 1)
+            protocol.wait_for(lambda: push.pending == 0, 10, "the push to be published")
+            count_addr, indices, written = writer.rows_area(slot, table)
+            assert _count(count_addr) == 2 and indices[:2].tolist() == [5, 9]
+            assert torch.equal(written[:2].float(), torch.stack([rows[1], rows[0] + rows[2]]))
+        finally:
+            push.close()
+
     # through the apply loop: only the touched rows and the bias move
     with serving(job, Table(N, 1.0), row_sparse=True, grad_dtype=grad_dtype, max_rows=8) as \
             (server, region, producer, parameters, spec):
-        push = PublishPush(region, producer, parameters, spec, lambda: None, server.options)
+        push = push_cls(region, producer, parameters, spec, lambda: None, server.options)
         push.bind()
         for p in parameters:
             p.grad = _sparse([5, 0, 5, 9], rows) if p.dim() == 2 else torch.full(p.shape, 0.5)
@@ -228,24 +244,31 @@ def _bump(server_region, region, producer, value: float, step: int) -> None:
     _applied(region, step + 1)
 
 
-def test_a_view_pull_sees_each_update_as_it_happens_and_a_copy_pull_between_steps(job):
+@pytest.mark.parametrize("copy_cls", [CopyPull, DevicePull])  # DevicePull on a CPU "device"
+def test_a_view_pull_sees_each_update_as_it_happens_and_a_copy_pull_between_steps(job, copy_cls):
     model = Flat(64, 1.0)
     with serving(job, model) as (server, region, producer, parameters, spec):
+        region.weights[:] = np.arange(64, dtype=np.float32) / 8  # each weight its own (exact) value
+        start = torch.from_numpy(region.weights.copy())
         view_model, copy_model = Flat(64, 0.0), Flat(64, 0.0)
         pulled = []
         view = ViewPull(region, list(view_model.parameters()), spec, lambda v: None)
-        copy = CopyPull(region, list(copy_model.parameters()), spec, pulled.append)
+        copy = copy_cls(region, list(copy_model.parameters()), spec, pulled.append)
         view.start()
         copy.start()
+
+        def flat(m):
+            return torch.cat([p.detach().flatten() for p in m.parameters()]).cpu()
+
         try:
-            assert torch.equal(view_model.weight, torch.ones(57)) and torch.equal(copy_model.weight, torch.ones(57))
+            assert torch.equal(flat(view_model), start) and torch.equal(flat(copy_model), start)
             assert pulled == [0] and copy.version() == 0
             _bump(server.region, region, producer, 0.25, 0)
-            assert torch.equal(view_model.weight, torch.full((57,), 0.875))  # a view: no pull
-            assert torch.equal(copy_model.weight, torch.ones(57))  # a copy: unchanged until between steps
+            assert torch.equal(flat(view_model), start - 0.125)  # a view: no pull
+            assert torch.equal(flat(copy_model), start)  # a copy: unchanged until between steps
             protocol.wait_for(lambda: copy._ready, 10, "the pull thread to stage version 1")
             copy.between_steps()
-            assert torch.equal(copy_model.weight, torch.full((57,), 0.875)) and copy.version() == 1
+            assert torch.equal(flat(copy_model), start - 0.125) and copy.version() == 1
             assert pulled == [0, 1]
             copy.between_steps()  # nothing newer: nothing swapped
             assert pulled == [0, 1]
@@ -254,8 +277,7 @@ def test_a_view_pull_sees_each_update_as_it_happens_and_a_copy_pull_between_step
             view.finish()
         # finish leaves each model a private copy of the latest weights
         _bump(server.region, region, producer, 0.25, 1)
-        assert torch.equal(view_model.weight, torch.full((57,), 0.875))
-        assert torch.equal(copy_model.weight, torch.full((57,), 0.875))
+        assert torch.equal(flat(view_model), start - 0.125) and torch.equal(flat(copy_model), start - 0.125)
 
 
 def test_a_pull_threads_error_is_raised_in_the_train_thread_at_its_next_step(job, monkeypatch):
