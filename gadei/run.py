@@ -329,6 +329,7 @@ class Node:
         import numpy as np
 
         from .bridge import LinkDown, mpi, wait_all
+        from .protocol import Deadline
 
         MPI = mpi()
         t = prepared.job.train if prepared else None
@@ -337,7 +338,7 @@ class Node:
         low, high = np.empty_like(mine), np.empty_like(mine)
         try:
             wait_all([self.comm.Iallreduce(mine, low, op=MPI.MIN), self.comm.Iallreduce(mine, high, op=MPI.MAX)],
-                     time.monotonic() + self.options.timeout, "the nodes agreeing to start")
+                     Deadline(self.options.timeout), "the nodes agreeing to start")
         except LinkDown as err:
             self.clean = False
             raise GadeiError(f"node {self.rank}: {err}; not starting (is every rank running `gadei run` on the same "
