@@ -68,9 +68,10 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from . import device
+from .bridge.options import DEFAULT_INTERVAL, BridgeOptions
 from .checkpoint import CheckpointOptions
 from .errors import GadeiError
-from .modes import MAX_LR, MODES, RuleOptions
+from .modes import MODES, RuleOptions
 from .options import check as check_option
 from .options import declared, job_keys, option, said
 from .transport.options import TransportOptions
@@ -145,20 +146,6 @@ class Train(RuleOptions):
 
 
 @dataclass(frozen=True)
-class Bridge:
-    """How the nodes of a job run under `mpiexec -n NODES gadei run` exchange (gadei.bridge.BridgeOptions)."""
-
-    strategy: str = "average"
-    interval: int | None = None  # None (and no `every`): the bridge's default, every 100 local versions
-    every: float | None = None
-    alpha: float | None = None  # None: 0.9 / nodes
-    bucket_mb: float | str = "auto"
-    float16: bool = False
-    timeout: float = 60.0
-    node_lr: float | None = None  # None: [train] lr x nodes, elastic x (nodes + 1) (gadei.run.Node.lr)
-
-
-@dataclass(frozen=True)
 class Job:
     """A job as its file says (paths absolute); `with_defaults` fills what depends on the data."""
 
@@ -170,7 +157,7 @@ class Job:
     transport: TransportOptions = field(default_factory=TransportOptions)
     output: Path = Path("runs")
     private: bool = True  # [output] private: the output folder 0700 and its files 0600, whatever the umask
-    bridge: Bridge | None = None  # None: the job runs on one node
+    bridge: BridgeOptions | None = None  # None: the job runs on one node
     path: Path | None = None
 
     def with_defaults(self, samples: int) -> tuple["Job", list[str]]:
@@ -201,8 +188,6 @@ class Job:
             chosen.append(line)
         bridge = self.bridge
         if bridge is not None and bridge.interval is None and bridge.every is None:
-            from .bridge import DEFAULT_INTERVAL
-
             bridge = replace(bridge, interval=DEFAULT_INTERVAL)
         return replace(self, train=train, bridge=bridge), chosen
 
@@ -247,13 +232,23 @@ class Job:
             "output": {"folder": self.output, "private": self.private},
         }
         if self.bridge is not None:
-            sections["bridge"] = asdict(self.bridge)
+            sections["bridge"] = _table(self.bridge)
         lines = []
         for section, fields in sections.items():
             lines.append(f"[{section}]")
             lines += [f"{key} = {value(v)}" for key, v in fields.items() if v is not None]
             lines.append("")
         return "\n".join(lines)
+
+
+def _table(options) -> dict:
+    """A declared part's job-file keys and values (`auto` options left to the part: "auto")."""
+    table = {}
+    for f in declared(type(options)):
+        if f.metadata["option"]["job"]:
+            value = getattr(options, f.name)
+            table[f.name] = "auto" if value is None and f.metadata["option"]["auto"] else value
+    return table
 
 
 def default_batch(samples: int) -> int:
@@ -282,7 +277,7 @@ def default_epochs(samples: int, batch: int, optimizer: str = "adagrad") -> int:
 
 # key -> (kind, required): kinds are checked by _value below. The sections of options declared
 # with `gadei.options.option` take their keys, and their checks, from those declarations.
-DECLARED = {"train": Train, "checkpoint": CheckpointOptions, "transport": TransportOptions}
+DECLARED = {"train": Train, "checkpoint": CheckpointOptions, "transport": TransportOptions, "bridge": BridgeOptions}
 _SCHEMA = {
     "job": {"name": ("name", True), "workload": ("workload", True)},
     "data": {"train": ("paths", True), "test": ("paths", False), "format": ("format", True),
@@ -292,9 +287,6 @@ _SCHEMA = {
              "validation": ("paths", False), "validation_holdout": ("fraction", False)},
     **{section: {key: ("declared", False) for key in job_keys(cls)} for section, cls in DECLARED.items()},
     "output": {"folder": ("text", False), "private": ("bool", False)},
-    "bridge": {"strategy": ("strategy", False), "interval": ("positive_int", False), "every": ("positive_float", False),
-               "alpha": ("rate", False), "bucket_mb": ("bucket", False), "float16": ("bool", False),
-               "timeout": ("positive_float", False), "node_lr": ("positive_float", False)},
 }
 
 
@@ -397,7 +389,7 @@ def parse(raw: dict, path: Path, *, data_files: bool = True) -> Job:
                private=values["output"].get("private", True), bridge=bridge, path=path)
 
 
-def _check_bridge(where: str, raw: dict, given: dict, train: dict) -> Bridge | None:
+def _check_bridge(where: str, raw: dict, given: dict, train: dict) -> BridgeOptions | None:
     """The [bridge] section, or None without one. The bridge writes its move through a ring as
     one slot, which the server applies as sent outside the update rule; sync rounds cannot
     take it (gadei.bridge.LocalNode)."""
@@ -417,7 +409,7 @@ def _check_bridge(where: str, raw: dict, given: dict, train: dict) -> Bridge | N
     if train.get("mode") == "sync":
         raise JobFileError(f"{where}: [train] mode = 'sync' with a [bridge] section: the bridge would be a member of "
                            "every round; allowed with [bridge]: async, consistent, elastic")
-    return Bridge(**given)
+    return BridgeOptions(**given)
 
 
 def _close(word: str, known) -> str:
@@ -451,7 +443,7 @@ def _value(where: str, section: str, key: str, kind: str, value, base: Path):
         except ValueError as err:
             raise JobFileError(said(field_, err)) from None
 
-    if kind in ("text", "name", "workload", "format", "strategy", "encoding"):
+    if kind in ("text", "name", "workload", "format", "encoding"):
         if not isinstance(value, str) or not value.strip():
             refuse("a non-empty string")
         if kind == "encoding":
@@ -474,10 +466,6 @@ def _value(where: str, section: str, key: str, kind: str, value, base: Path):
                 raise JobFileError(f"{field_}: unknown workload{_close(value, WORKLOADS)}; allowed: "
                                    f"{', '.join(sorted(WORKLOADS))}")
         choices = {"format": FORMATS}.get(kind)
-        if kind == "strategy":
-            from .bridge.options import STRATEGY_NAMES
-
-            choices = STRATEGY_NAMES
         if choices and value not in choices:
             raise JobFileError(f"{field_}: not a {kind}{_close(value, choices)}; allowed: {', '.join(choices)}")
         return value
@@ -495,40 +483,16 @@ def _value(where: str, section: str, key: str, kind: str, value, base: Path):
         if not items or not all(isinstance(v, str) and v.strip() for v in items):
             refuse("a path (string) or, for per-label, a list of paths or a folder")
         return tuple(_absolute(v, base, field_) for v in items)
-    if kind == "positive_int":
-        if isinstance(value, bool) or not isinstance(value, int):
-            refuse("an integer")
-        low, high = 1, 10**9
-        if not low <= value <= high:
-            raise JobFileError(f"{field_} is out of range; allowed: {low} to {high:,}")
-        return value
-    if kind == "row_sparse":
-        if not isinstance(value, bool) and value != "auto":
-            refuse('true, false or "auto" (row-sparse when the model\'s embedding gradients are sparse)')
-        return value
     if kind == "bool":
         if not isinstance(value, bool):
             refuse("true or false")
         return value
-    if kind == "bucket" and value == "auto":
-        return value
-    if kind in ("positive_float", "fraction", "rate", "bucket"):
+    if kind == "fraction":
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            refuse('a number of megabytes (0: the whole model in one message) or "auto"' if kind == "bucket" else
-                   "a number")
+            refuse("a number")
         value = float(value)
-        if kind == "fraction" and not 0.0 < value < 0.5:
+        if not 0.0 < value < 0.5:
             raise JobFileError(f"{field_} is out of range; allowed: more than 0 and less than 0.5")
-        if kind == "rate" and not 0.0 < value < 1.0:
-            raise JobFileError(f"{field_} is out of range; allowed: more than 0 and less than 1")
-        if kind == "bucket" and not (value >= 0 and math.isfinite(value)):
-            raise JobFileError(f'{field_} is out of range; allowed: 0 (the whole model in one message), a number of '
-                               'megabytes above 0, or "auto"')
-        if kind == "positive_float" and not (value > 0 and math.isfinite(value)):
-            raise JobFileError(f"{field_} is out of range; allowed: a number above 0")
-        if key == "node_lr" and value > MAX_LR:
-            raise JobFileError(f"{field_} is out of range: a step that large makes the loss overflow (NaN) at "
-                               f"once; allowed: more than 0, up to {MAX_LR:g}")
         return value
     raise AssertionError(kind)
 

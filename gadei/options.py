@@ -182,12 +182,13 @@ def flag(name: str) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls, *,
-                  skip: tuple[str, ...] = ()) -> None:
+                  skip: tuple[str, ...] = (), only: tuple[str, ...] | None = None) -> None:
     """A flag for each option of `cls` that has one (`--name-with-dashes`), its help and default
-    from the declaration; a flag's value is checked as a job file's is."""
+    from the declaration; a flag's value is checked as a job file's is ("auto" taken for an
+    `auto` option). `skip`: options left out; `only`: just these (a mutually exclusive group's)."""
     for f in declared(cls):
         meta = f.metadata["option"]
-        if not meta["flag"] or f.name in skip:
+        if not meta["flag"] or f.name in skip or only is not None and f.name not in only:
             continue
         kind, optional = _types(cls, f)
         default = meta["shown"] or ("auto" if f.default is None and meta["auto"] else "none" if f.default is None else "on" if f.default is True else
@@ -203,7 +204,11 @@ def add_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls
 
 
 def _parser(cls, name: str, kind: type) -> Callable[[str], Any]:
+    meta = next(f for f in declared(cls) if f.name == name).metadata["option"]
+
     def parse(text: str):
+        if text == "auto" and meta["auto"]:
+            return None
         try:
             value = kind(text)
         except ValueError:

@@ -200,7 +200,7 @@ def describe(prepared: Prepared, node) -> list[str]:
         lines.append(f"  node {node.rank} of {node.size}: learners' shards {', '.join(node.shards(t.learners))}; "
                      f"bridge {b.strategy}, "
                      + (f"every {b.every:g} s" if b.every is not None else f"every {b.interval} versions")
-                     + f", buckets {b.bucket_mb if b.bucket_mb == 'auto' else f'{b.bucket_mb:g} MB'}"
+                     + f", buckets {'auto' if b.bucket_mb is None else f'{b.bucket_mb:g} MB'}"
                      + (", float16" if b.float16 else "") + f", timeout {b.timeout:g} s; lr {node.lr(job):g} per node"
                      + ("" if b.node_lr else f" (lr {t.lr:g} x {node.shares(job)}: "
                         + (f"{node.size} nodes and the centre share" if b.strategy == "elastic" else

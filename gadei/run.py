@@ -289,10 +289,7 @@ class Node:
 
         if bridge.launched_ranks() < 2:
             return None
-        b = job.bridge
-        options = bridge.BridgeOptions(strategy=b.strategy, interval=b.interval, every=b.every, alpha=b.alpha,
-                                 bucket_mb=None if b.bucket_mb == "auto" else float(b.bucket_mb),
-                                 float16=b.float16, timeout=b.timeout)
+        options = job.bridge  # the job file's [bridge] is the bridge's own BridgeOptions
         MPI = bridge.mpi()
         comm = MPI.COMM_WORLD
         comm.Set_errhandler(MPI.ERRORS_RETURN)
@@ -343,6 +340,7 @@ class Node:
         import numpy as np
 
         from .bridge import LinkDown, mpi, wait_all
+        from .protocol import Deadline
 
         MPI = mpi()
         t = prepared.job.train if prepared else None
@@ -351,7 +349,7 @@ class Node:
         low, high = np.empty_like(mine), np.empty_like(mine)
         try:
             wait_all([self.comm.Iallreduce(mine, low, op=MPI.MIN), self.comm.Iallreduce(mine, high, op=MPI.MAX)],
-                     time.monotonic() + self.options.timeout, "the nodes agreeing to start")
+                     Deadline(self.options.timeout), "the nodes agreeing to start")
         except LinkDown as err:
             self.clean = False
             raise GadeiError(f"node {self.rank}: {err}; not starting (is every rank running `gadei run` on the same "

@@ -7,7 +7,7 @@ import os
 import uuid
 
 import pytest
-from helpers import Procs
+from helpers import Procs, small_csv
 
 from gadei.region import inspect, remove
 
@@ -65,3 +65,10 @@ def procs():
     children = Procs()
     yield children
     children.reap()
+
+
+@pytest.fixture
+def small(tmp_path):
+    """A folder holding a small text data set (`helpers.small_csv`: train.csv, 40 rows)."""
+    small_csv(tmp_path)
+    return tmp_path

@@ -17,6 +17,7 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from gadei import protocol
@@ -57,6 +58,46 @@ def trec_job(name: str, output="out", **sections: dict) -> str:
 
     return "\n".join(f"[{section}]\n" + "".join(f"{k} = {value(v)}\n" for k, v in keys.items())
                      for section, keys in body.items())
+
+
+def small_csv(folder: Path) -> Path:
+    """A small text data set, `folder`/train.csv: 40 sentences about cats and dogs (columns text
+    and category, the labels alternating): a job file on it (format "csv", label_column
+    "category") parses and loads in well under a second. The `small` fixture writes it."""
+    rows = [f'"sentence number {i}, about {"dogs" if i % 2 else "cats"}",{"dog" if i % 2 else "cat"}' for i in range(40)]
+    path = folder / "train.csv"
+    path.write_text("text,category\n" + "\n".join(rows) + "\n")
+    return path
+
+
+def job_processes(*names: str) -> list[psutil.Process]:
+    """Live processes (not zombies, not this one) whose command line names one of the jobs
+    `names`: a job's `gadei run`, server, watchdog and learners each carry its name (or its
+    folder's) in their arguments, whoever their parent is."""
+    found = []
+    for proc in psutil.process_iter(["pid", "cmdline", "status"]):
+        line = " ".join(proc.info["cmdline"] or [])
+        if proc.pid != os.getpid() and proc.info["status"] != psutil.STATUS_ZOMBIE and any(n in line for n in names):
+            found.append(proc)
+    return found
+
+
+def end_jobs(*names: str, timeout: float = 10, keep_regions: bool = False) -> None:
+    """Kill every process of the jobs `names` (`job_processes`: those that are not this test's
+    children too, a restarted server, an orphaned learner), wait up to `timeout` s for each,
+    and remove the jobs' regions (unless `keep_regions`: the test still looks at them): what a
+    test leaves behind, whatever it did."""
+    from gadei.region import inspect, remove
+
+    for proc in job_processes(*names):
+        try:
+            proc.kill()
+            proc.wait(timeout)
+        except (psutil.NoSuchProcess, psutil.TimeoutExpired):
+            pass
+    for name in () if keep_regions else names:
+        if inspect(name) is not None:
+            remove(name)
 
 
 def wait_for(predicate, timeout: float, what: str, interval: float = 0.01):

@@ -11,17 +11,16 @@ import json
 import os
 import textwrap
 
-import psutil
 import pytest
 import test_bridge
 
-from helpers import communicate, trec_job
+from helpers import communicate, end_jobs, job_processes, trec_job
 from gadei import jobfile
 from gadei._proc import gadei_command
-from gadei.bridge import child_environment, launched_ranks, local_mpiexec
+from gadei.bridge import BridgeOptions, child_environment, launched_ranks, local_mpiexec
 from gadei.errors import GadeiError
 from gadei.jobfile import JobFileError
-from gadei.region import inspect, remove
+from gadei.region import inspect
 from test_bridge import _EXEC
 
 mpi_env = test_bridge.mpi_env  # the fixture: mpiexec's environment here, or a skip with the reason
@@ -36,13 +35,6 @@ train = "train.csv"
 format = "csv"
 label_column = "category"
 """
-
-
-@pytest.fixture
-def small(tmp_path):
-    rows = [f'"sentence number {i}, about {"dogs" if i % 2 else "cats"}",{"dog" if i % 2 else "cat"}' for i in range(40)]
-    (tmp_path / "train.csv").write_text("text,category\n" + "\n".join(rows) + "\n")
-    return tmp_path
 
 
 def _load(folder, body: str, name: str = "job.toml") -> jobfile.Job:
@@ -65,8 +57,8 @@ def test_a_bridge_section_parses_keeps_the_adagrad_default_and_writes_itself_bac
         timeout = 20
         node_lr = 0.05
     """)
-    assert job.bridge == jobfile.Bridge(strategy="elastic", every=0.5, alpha=0.3, bucket_mb=2.0, float16=True,
-                                        timeout=20.0, node_lr=0.05)
+    assert job.bridge == BridgeOptions(strategy="elastic", every=0.5, alpha=0.3, bucket_mb=2.0, float16=True,
+                                       timeout=20.0, node_lr=0.05)
     filled, chosen = job.with_defaults(36)
     assert filled.train.optimizer == "adagrad"  # the bridge's moves land outside the update rule
     again = _load(small, filled.to_toml(), "as-run.toml")
@@ -74,32 +66,33 @@ def test_a_bridge_section_parses_keeps_the_adagrad_default_and_writes_itself_bac
     assert "[bridge]" in filled.to_toml() and "[bridge]" not in _load(small, BASE).with_defaults(36)[0].to_toml()
 
     plain = _load(small, BASE + "[bridge]\n").with_defaults(36)[0]  # an empty section: the bridge's defaults
-    assert plain.bridge == jobfile.Bridge(strategy="average", interval=100, bucket_mb="auto", timeout=60.0)
+    assert plain.bridge == BridgeOptions(strategy="average", interval=100, bucket_mb=None, timeout=60.0)
     assert 'bucket_mb = "auto"' in plain.to_toml()
     assert _load(small, BASE).with_defaults(36)[0].train.optimizer == "adagrad"  # without [bridge]: the same
 
 
 @pytest.mark.parametrize("section, message", [
     ('stratgy = "average"', "[bridge] unknown key 'stratgy' (did you mean 'strategy'?); allowed: strategy, interval, "
-                            "every, alpha, bucket_mb, float16, timeout"),
-    ('strategy = "averge"', "[bridge] strategy = 'averge': not a strategy (did you mean 'average'?); allowed: "
-                            "average, elastic, gossip"),
-    ("strategy = 1", "[bridge] strategy = 1 is an integer; allowed: a non-empty string"),
+                            "every, alpha, bucket_mb, float16, timeout, node_lr"),
+    ('strategy = "averge"', "[bridge] strategy = 'averge' is not one of the choices (did you mean 'average'?); "
+                            "allowed: average, elastic, gossip"),
+    ("strategy = 1", "[bridge] strategy = 1 is an integer; allowed: a string (average, elastic, gossip)"),
     ("interval = 0", "[bridge] interval = 0 is out of range; allowed: 1 to 1,000,000,000"),
     ("interval = 1.5", "[bridge] interval = 1.5 is a number; allowed: an integer"),
     ("every = -1", "[bridge] every = -1 is out of range; allowed: a number above 0"),
     ("interval = 10\nevery = 2", "[bridge] interval = 10 and every = 2: exchange after versions or every seconds; "
                                  "allowed: one of them"),
-    ('strategy = "elastic"\nalpha = 1.5', "[bridge] alpha = 1.5 is out of range; allowed: more than 0 and less than 1"),
+    ('strategy = "elastic"\nalpha = 1.5', "[bridge] alpha = 1.5 is out of range; allowed: a number above 0, below 1"),
     ("alpha = 0.5", "[bridge] alpha = 0.5 with strategy = 'average': alpha is the elastic strategy's moving rate; "
                     "allowed: with strategy = 'elastic'"),
-    ('bucket_mb = "big"', "[bridge] bucket_mb = 'big' is a string; allowed: a number of megabytes (0: the whole model "
-                          'in one message) or "auto"'),
+    ('bucket_mb = "big"', "[bridge] bucket_mb = 'big' is a string; allowed: 0 (the whole model in one message), a "
+                          'number of megabytes above 0, or "auto"'),
     ("bucket_mb = -1", "[bridge] bucket_mb = -1 is out of range; allowed: 0 (the whole model in one message)"),
     ('float16 = "yes"', "[bridge] float16 = 'yes' is a string; allowed: true or false"),
     ("float16 = 1", "[bridge] float16 = 1 is an integer; allowed: true or false"),
     ("timeout = 0", "[bridge] timeout = 0 is out of range; allowed: a number above 0"),
-    ("node_lr = -0.1", "[bridge] node_lr = -0.1 is out of range; allowed: a number above 0"),
+    ("node_lr = -0.1", "[bridge] node_lr = -0.1 is out of range; allowed: a number above 0, up to 10"),
+    ("node_lr = 11", "[bridge] node_lr = 11 is out of range; allowed: a number above 0, up to 10"),
 ])
 def test_a_bad_bridge_section_is_refused_naming_field_value_and_what_is_allowed(small, section, message):
     with pytest.raises(JobFileError) as err:
@@ -185,29 +178,6 @@ def test_a_node_goes_on_only_with_as_many_nodes_as_made_its_shards(small):
 # ------------------------------------------------------------------ mpiexec -n 2 gadei run job.toml
 
 
-def _leftovers(names: list[str]) -> list[str]:
-    """Processes whose command line names one of the jobs (gadei run, serve, watchdog, learners)."""
-    found = []
-    for proc in psutil.process_iter(["pid", "cmdline"]):
-        line = " ".join(proc.info["cmdline"] or [])
-        if any(name in line for name in names) and proc.pid != os.getpid():
-            found.append(f"{proc.pid}: {line[:200]}")
-    return found
-
-
-def _kill(names: list[str]) -> None:
-    for proc in psutil.process_iter(["pid", "cmdline"]):
-        if any(name in " ".join(proc.info["cmdline"] or []) for name in names) and proc.pid != os.getpid():
-            try:
-                proc.kill()
-                proc.wait(10)
-            except (psutil.NoSuchProcess, psutil.TimeoutExpired):
-                pass
-    for name in names:
-        if inspect(name) is not None:
-            remove(name)
-
-
 def _mpiexec_run(procs, mpi_env, path, nodes: int = 2):
     argv, _ = local_mpiexec(nodes, *gadei_command("run", path))
     return procs.start("-c", _EXEC, *argv, env=mpi_env)
@@ -226,9 +196,9 @@ def test_when_one_node_cannot_start_none_does(small, procs, mpi_env):
         assert "node-1 holds a previous run" in err, out + err
         assert "node 0: another node could not prepare its job (see its error); nothing started" in err, out + err
         assert "serving job" not in out + err and not (small / "runs" / name / "node-0" / "logs" / "serve.log").exists()
-        assert _leftovers([f"{name}-r0", f"{name}-r1"]) == []
+        assert job_processes(f"{name}-r0", f"{name}-r1") == []
     finally:
-        _kill([f"{name}-r0", f"{name}-r1"])
+        end_jobs(f"{name}-r0", f"{name}-r1")
 
 
 @pytest.mark.slow
@@ -287,9 +257,9 @@ def test_mpiexec_runs_one_job_file_as_two_bridged_nodes(tmp_path, procs, mpi_env
         schedule = 2 * sum(-(-len(range(k, 4906, 2)) // 2) for k in range(2))
         assert steps == schedule, (steps, schedule, published)
         assert all(inspect(job) is None for job in jobs)
-        assert _leftovers(jobs) == []
+        assert job_processes(*jobs) == []
     finally:
-        _kill(jobs)
+        end_jobs(*jobs)
 
 
 # ------------------------------------------------------------------ accuracy against one node (slow)
@@ -330,7 +300,7 @@ def _job_accuracy(procs, mpi_env, folder, strategy: str | None, seed: int) -> fl
             assert results[0]["test_accuracy"] == results[1]["test_accuracy"], results  # one model
         return results[0]["test_accuracy"]
     finally:
-        _kill(jobs)
+        end_jobs(*jobs)
 
 
 @pytest.mark.soak  # 12 runs of about a minute each: 12-15 minutes here

@@ -16,7 +16,7 @@ import time
 import psutil
 import pytest
 
-from helpers import communicate, data_dir, finish, missing, trec_job, wait_for
+from helpers import communicate, data_dir, finish, job_processes, missing, trec_job, wait_for
 from gadei import checkpoint
 from gadei.daemon import request
 from gadei.region import inspect
@@ -73,9 +73,7 @@ def test_submit_status_cancel_and_a_restarted_daemon_knows_every_job(tmp_path, p
     assert _jobs(procs, daemon_env)[long]["state"] == "cancelled"
     wait_for(lambda: inspect(long) is None, 60, "the cancelled job's region to go")
     assert checkpoint.latest(out / "checkpoints") is not None and (out / "logs" / "serve.log").exists()
-    wait_for(lambda: not [p for p in psutil.process_iter(["cmdline", "status"])
-                          if long in (p.info["cmdline"] or []) and p.info["status"] != psutil.STATUS_ZOMBIE],
-             60, "the cancelled job's processes to end")
+    wait_for(lambda: not job_processes(long), 60, "the cancelled job's processes to end")
 
     daemon.terminate()  # the running job goes on without the daemon
     communicate(daemon, 60)

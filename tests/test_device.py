@@ -14,7 +14,6 @@ import textwrap
 import threading
 import time
 
-import numpy as np
 import pytest
 import torch
 
@@ -23,8 +22,8 @@ from helpers import communicate, finish, read_line, wait_for
 from gadei import device, jobfile, status
 from gadei.jobfile import JobFileError
 from gadei.region import Region
-from test_exactly_once import LR, N, STEPS, VALUES
-from worker import TABLE_ROWS, TABLE_WIDTH, TOUCHED, Flat
+from test_exactly_once import LR, N, VALUES, push_known_gradients
+from worker import Flat
 
 GPUS = device.cuda_count()
 NO_GPU = f"needs a CUDA GPU: torch {torch.__version__} sees none on this machine"
@@ -33,59 +32,11 @@ no_cuda = pytest.mark.skipif(GPUS > 0, reason="checks the refusal on a machine w
 DEADLINE = 120  # seconds a learner may take for its pushes; far above what they need, far below a hang
 
 
-def _exactly_once(job, procs, tmp_path, devices, *, slots=2, grad_dtype="float32", model="flat",
-                  row_sparse=False, mode="async", jitter=None):
-    """One learner per entry of `devices` pushes STEPS known gradients through the device
-    transports, each step's different (V, 2V, 3V, V, ...: a gradient overwritten by the next
-    one while it is copied changes the sums); the final weights and counters must hold each
-    of them once."""
-    values = [VALUES[i % len(VALUES)] for i in range(len(devices))]
-    dump = tmp_path / "weights.npy"
-    server = procs.worker("serve", job, "--model", model, "--n", N, "--lr", LR, "--learners", len(devices),
-                          "--slots", slots, "--grad-dtype", grad_dtype, "--mode", mode,
-                          *(["--row-sparse"] if row_sparse else []), "--dump", dump)
-    read_line(server, 60)
-    learners = [
-        procs.worker("push", job, "--model", model, "--n", N, "--value", v, "--steps", STEPS, "--pull", "device",
-                     "--push", "device", "--device", d, "--vary",
-                     *(["--jitter", jitter * 100 + i] if jitter is not None else []))
-        for i, (v, d) in enumerate(zip(values, devices))
-    ]
-    for learner in learners:
-        read_line(learner, 60)  # attaching
-        read_line(learner, 60)  # attached
-    done = [read_line(l, DEADLINE) for l in learners]
-    for learner in learners:
-        finish(learner)
-    assert [d["pushed"] for d in done] == [STEPS] * len(devices)
-
-    server.send_signal(signal.SIGTERM)
-    report = read_line(server, 60)
-    finish(server)
-    expected = _expected(model, sum(v * (1 + k % 3) for v in values for k in range(STEPS)))
-    np.testing.assert_array_equal(np.load(dump), expected)
-    assert report["applied"] == report["version"] == STEPS * len(devices)
-    assert report["heads"] == report["tails"] and sum(report["heads"]) == STEPS * len(devices)
-    itemsize = 4 if grad_dtype == "float32" else 2
-    dense = N - TABLE_ROWS * TABLE_WIDTH if row_sparse else N
-    per_gradient = dense * itemsize + (len(set(TOUCHED)) * (8 + TABLE_WIDTH * itemsize) if row_sparse else 0)
-    assert report["applied_bytes"] == per_gradient * STEPS * len(devices)
-    final = float(expected[-TABLE_ROWS * TABLE_WIDTH if model == "table" else -1])  # the last parameter's first
-    # each learner left with the weights of the version it last saw in its model: the last to
-    # leave saw every gradient applied, so it holds exactly the final weights
-    assert max(d["version"] for d in done) == report["version"]
-    assert all(d["weight0"] == final for d in done if d["version"] == report["version"])
-
-
-def _expected(model: str, total: float) -> np.ndarray:
-    """Initial weights 1 minus lr times `total` (every gradient element's sum); a table's
-    touched rows only (row 0 twice per gradient)."""
-    if model == "flat":
-        return np.full(N, 1.0 - LR * total, dtype=np.float32)
-    table = np.ones((TABLE_ROWS, TABLE_WIDTH), dtype=np.float32)
-    for row in TOUCHED:
-        table[row] -= LR * total
-    return np.concatenate([np.full(N - table.size, 1.0 - LR * total, dtype=np.float32), table.ravel()])  # bias first
+def _on_devices(job, procs, tmp_path, devices, **options):
+    """test_exactly_once's contract through the device transports: one learner per entry of
+    `devices`, each step's gradient different (V, 2V, 3V, V, ...)."""
+    push_known_gradients(job, procs, tmp_path, values=[VALUES[i % len(VALUES)] for i in range(len(devices))],
+                         pull="device", push="device", devices=devices, vary=True, deadline=DEADLINE, **options)
 
 
 # ------------------------------------------------------------------ the three-thread hand-off
@@ -103,8 +54,8 @@ STRESS = [  # (slots, gradient transport, model, row-sparse, mode): every slot f
 def test_random_delays_in_the_train_push_and_pull_threads_neither_deadlock_nor_lose_a_gradient(
         job, procs, tmp_path, dev, seed, case):
     slots, grad_dtype, model, row_sparse, mode = case
-    _exactly_once(job, procs, tmp_path, [dev] * len(VALUES), slots=slots, grad_dtype=grad_dtype, model=model,
-                  row_sparse=row_sparse, mode=mode, jitter=seed)
+    _on_devices(job, procs, tmp_path, [dev] * len(VALUES), slots=slots, grad_dtype=grad_dtype, model=model,
+                row_sparse=row_sparse, mode=mode, jitter=seed)
 
 
 @pytest.mark.parametrize("dev", ["cpu", pytest.param("cuda", marks=cuda)])
@@ -156,23 +107,23 @@ def test_a_killed_server_ends_every_device_learner_with_server_gone(job, procs, 
 
 @cuda
 def test_gpu_learners_apply_every_gradient_exactly_once(job, procs, tmp_path):
-    _exactly_once(job, procs, tmp_path, ["cuda:0"] * 3)
+    _on_devices(job, procs, tmp_path, ["cuda:0"] * 3)
 
 
 @cuda
 def test_gpu_learners_convert_to_16_bits_on_the_device_and_send_table_rows(job, procs, tmp_path):
-    _exactly_once(job, procs, tmp_path, ["cuda:0"] * 3, grad_dtype="bfloat16", model="table", row_sparse=True)
+    _on_devices(job, procs, tmp_path, ["cuda:0"] * 3, grad_dtype="bfloat16", model="table", row_sparse=True)
 
 
 @cuda
 def test_gpu_and_cpu_learners_train_one_job(job, procs, tmp_path):
-    _exactly_once(job, procs, tmp_path, ["cuda:0", "cpu", "cuda:0"])
+    _on_devices(job, procs, tmp_path, ["cuda:0", "cpu", "cuda:0"])
 
 
 @cuda
 def test_more_learners_than_gpus_share_them(job, procs, tmp_path):
     gpus = tuple(f"cuda:{i}" for i in range(GPUS))
-    _exactly_once(job, procs, tmp_path, device.spread(gpus, 2 * GPUS + 1))
+    _on_devices(job, procs, tmp_path, device.spread(gpus, 2 * GPUS + 1))
 
 
 @cuda
@@ -300,13 +251,6 @@ label_column = "category"
 [train]
 learners = 3
 """
-
-
-@pytest.fixture
-def small(tmp_path):
-    rows = [f'"sentence {i} about {"dogs" if i % 2 else "cats"}",{"dog" if i % 2 else "cat"}' for i in range(40)]
-    (tmp_path / "train.csv").write_text("text,category\n" + "\n".join(rows) + "\n")
-    return tmp_path
 
 
 def _load(folder, devices_line: str):

@@ -38,13 +38,6 @@ def _job(folder, body, name="job.toml"):
     return path
 
 
-@pytest.fixture
-def small(tmp_path):
-    _csv(tmp_path, [f'"sentence number {i}, about {"dogs" if i % 2 else "cats"}",{"dog" if i % 2 else "cat"}'
-                    for i in range(40)])
-    return tmp_path
-
-
 def test_a_job_file_parses_with_defaults_and_writes_itself_back(small):
     job = jobfile.load(_job(small, GOOD.format(name="pets")))
     assert job.name == "pets" and job.data.train == (small / "train.csv",) and job.data.test is None

@@ -14,15 +14,17 @@ import pytest
 
 import gadei
 from gadei import jobfile, options
+from gadei.bridge import BridgeError, BridgeOptions
 from gadei.checkpoint import CheckpointOptions
 from gadei.cli import build_parser
 from gadei.modes import RuleOptions, read_options
 from gadei.region import Region
 from gadei.transport.options import TransportOptions
 
-from helpers import finish, wait_for
+from helpers import finish, small_csv, wait_for
 
 SERVE_FLAGS = {a.dest: a for a in build_parser().verbs["serve"]._actions}
+BRIDGE_FLAGS = {a.dest: a for a in build_parser().verbs["bridge"]._actions}
 
 
 @pytest.mark.parametrize("cls, section", [(RuleOptions, "train"), (TransportOptions, "transport"),
@@ -64,6 +66,42 @@ def test_the_job_file_and_the_flag_refuse_a_value_alike(tmp_path, key, value):
     assert flag.returncode == 2 and f"allowed: {allowed}" in flag.stderr, (allowed, flag.stderr)
 
 
+def test_the_bridge_flags_and_the_job_files_bridge_section_are_the_declared_bridge_options():
+    """`gadei bridge`'s flags and a job file's [bridge] keys both come from BridgeOptions; what
+    only one of them has is the set its docstring says why of."""
+    declared = {f.name: f for f in options.declared(BridgeOptions)}
+    flags = {name for name, f in declared.items() if f.metadata["option"]["flag"]}
+    assert set(options.job_keys(BridgeOptions)) == set(jobfile._SCHEMA["bridge"])
+    assert set(declared) - set(options.job_keys(BridgeOptions)) == {"checkpoint_dir", "save", "json", "trace"}
+    assert set(declared) - flags == {"node_lr"}
+    for name in flags:
+        action = BRIDGE_FLAGS[name]
+        assert action.default == declared[name].default, name
+        assert declared[name].metadata["option"]["help"] in action.help, name
+    parse = build_parser().verbs["bridge"].parse_args
+    assert options.from_args(BridgeOptions, parse(["job"])) == BridgeOptions()
+    assert options.from_args(BridgeOptions, parse(["job", "--bucket-mb", "auto", "--every", "0.5"])) == \
+        BridgeOptions(bucket_mb=None, every=0.5)
+    assert options.from_args(BridgeOptions, parse(["job", "--bucket-mb", "0", "--float16"])) == \
+        BridgeOptions(bucket_mb=0.0, float16=True)
+
+
+@pytest.mark.parametrize("key, value", [("strategy", "averge"), ("interval", 0), ("every", -1), ("alpha", 1.5),
+                                        ("bucket_mb", -1), ("bucket_mb", "big"), ("timeout", 0)])
+def test_the_bridge_job_file_and_the_bridge_flag_refuse_a_value_alike(tmp_path, key, value):
+    path = _job_file(tmp_path, "[bridge]\nstrategy = \"elastic\"\n" if key == "alpha" else "[bridge]\n")
+    path.write_text(path.read_text() + f"{key} = {json.dumps(value)}\n")
+    with pytest.raises(jobfile.JobFileError) as err:
+        jobfile.load(path)
+    allowed = str(err.value).split("allowed: ", 1)[1]
+    flag = subprocess.run([sys.executable, "-m", "gadei", "bridge", "x", options.flag(key), str(value)],
+                          capture_output=True, text=True, timeout=60)
+    assert flag.returncode == 2 and f"allowed: {allowed}" in flag.stderr, (allowed, flag.stderr)
+    with pytest.raises(BridgeError) as err:
+        BridgeOptions(**{key: value}).check(2)  # built in code (gadei.run's node): checked as the bridge starts
+    assert str(err.value).startswith(f"bridge options: {key} = ") and str(err.value).endswith(f"allowed: {allowed}")
+
+
 def test_server_keywords_are_the_declared_options():
     job = f"test-opt-{uuid.uuid4().hex[:8]}"
     with gadei.Server(job, n_params=10, lr=0.5, stale_bound=3, slots=3, learners=2) as server:
@@ -100,10 +138,10 @@ def test_serve_takes_the_job_file_and_a_flag_given_too_wins(tmp_path, procs):
 
 def _job_file(folder: Path, sections: str) -> Path:
     """A job file of the text CNN on a small CSV in `folder`, with `sections` added."""
-    (folder / "train.csv").write_text("text,label\n" + "".join(f"words {i} here,{i % 2}\n" for i in range(40)))
+    small_csv(folder)
     path = folder / "job.toml"
     path.write_text('[job]\nname = "opt"\nworkload = "textcnn"\n[data]\ntrain = "train.csv"\nformat = "csv"\n'
-                    + textwrap.dedent(sections))
+                    'label_column = "category"\n' + textwrap.dedent(sections))
     return path
 
 

@@ -3,14 +3,13 @@ updates only), reports dead and hung learners, refuses a second watchdog, ends w
 and when the server is killed, says so and the job goes on from its last checkpoint."""
 
 import json
-import os
 import signal
 import time
 
 import numpy as np
 import psutil
 
-from helpers import communicate, finish, read_line, wait_for
+from helpers import communicate, end_jobs, finish, read_line, wait_for
 from gadei import checkpoint
 from gadei.region import Region, inspect
 
@@ -86,13 +85,6 @@ def test_the_watchdog_reports_dead_and_hung_learners_and_a_dead_server(job, proc
     read_line(resumed, 60)
 
 
-def _end_job_processes(job):
-    """Kill what a test leaves that is not its child (a restarted server and its watchdog)."""
-    for proc in psutil.process_iter(["cmdline"]):
-        if proc.pid != os.getpid() and job in (proc.info["cmdline"] or []):
-            proc.kill()
-
-
 def _ended(proc: psutil.Process) -> bool:
     try:
         return not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE
@@ -143,7 +135,7 @@ def test_gadei_serve_restarts_a_killed_server_from_its_last_checkpoint(job, proc
             wait_for(lambda: _ended(proc), 60, f"pid {proc.pid} to end")
         assert inspect(job) is None
     finally:
-        _end_job_processes(job)
+        end_jobs(job)
 
 
 def test_the_watchdog_gives_up_after_too_many_restarts(job, procs, tmp_path):
@@ -159,7 +151,7 @@ def test_the_watchdog_gives_up_after_too_many_restarts(job, procs, tmp_path):
     try:
         wait_for(lambda: _ended(dog), 60, "the watchdog to give up")
     finally:
-        _end_job_processes(job)
+        end_jobs(job, keep_regions=True)
     assert inspect(job).state == "leftover"
     assert any("gave up: the server was restarted 3 times within 300 s" in line for line in serve.err_lines)
 

@@ -29,7 +29,7 @@ from torch import nn
 
 from ..errors import DeviceError
 from ..modes import RuleOptions
-from .timing import median, table
+from .timing import median, start_server, table
 
 log = logging.getLogger(__name__)
 
@@ -146,11 +146,15 @@ def _copies(learner) -> tuple[tuple[int, float], tuple[int, float]]:
     return (push.bytes, push.copy_seconds), (pull.bytes, pull.copy_seconds)
 
 
-def _server_main(job: str, model: str, learners: int) -> None:
+def _server_main(job: str, model: str, learners: int, failed) -> None:
     from ..server import Server
 
     torch.set_num_threads(1)
-    server = Server(job, model=build(model), learners=learners, rule=RuleOptions(lr=LR))
+    try:
+        server = Server(job, model=build(model), learners=learners, rule=RuleOptions(lr=LR))
+    except Exception as err:  # start_server says what, not only an exit code
+        failed.put(f"{type(err).__name__}: {err}")
+        raise
     try:
         server.serve()
     finally:
@@ -163,24 +167,8 @@ class _Job:
     def __init__(self, model: str, learners: int, timeout: float = 120.0):
         import torch.multiprocessing as mp
 
-        from ..errors import GadeiTimeout, RegionNotFound
-        from ..region import Region
-
         self.job = f"bench-gpu-{os.getpid()}-{time.monotonic_ns() % 10**9}"
-        self.proc = mp.get_context("spawn").Process(target=_server_main, args=(self.job, model, learners))
-        self.proc.start()
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                Region.attach(self.job, readonly=True).close()
-                return
-            except (RegionNotFound, GadeiTimeout):
-                pass
-            if not self.proc.is_alive() or time.monotonic() >= deadline:
-                self.proc.kill()
-                self.proc.join()
-                raise RuntimeError(f"bench job {self.job!r}: the server did not start (exit code {self.proc.exitcode})")
-            time.sleep(0.02)
+        self.proc = start_server(mp.get_context("spawn"), self.job, _server_main, (self.job, model, learners), timeout)
 
     def __enter__(self):
         return self.job

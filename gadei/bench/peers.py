@@ -143,7 +143,9 @@ def _collect(queue, procs, n: int, timeout: float, what: str) -> list[dict]:
     """`n` reports from `queue`; raises if a process died first or `timeout` passed."""
     import queue as queues
 
-    got, deadline = [], time.monotonic() + timeout
+    from ..protocol import Deadline
+
+    got, deadline = [], Deadline(timeout)
     while len(got) < n:
         try:
             got.append(queue.get(timeout=1.0))
@@ -153,7 +155,7 @@ def _collect(queue, procs, n: int, timeout: float, what: str) -> list[dict]:
         dead = [p for p in procs if p.exitcode not in (None, 0)]
         if dead:
             raise RuntimeError(f"bench {what}: process {dead[0].pid} exited with code {dead[0].exitcode}")
-        if time.monotonic() > deadline:
+        if deadline.expired():
             raise TimeoutError(f"bench {what}: {len(got)} of {n} reports after {timeout:g} s")
     return got
 

@@ -6,7 +6,7 @@ import logging
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
@@ -96,7 +96,7 @@ class BridgeRank:
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
         options.check(self.size)
         if options.interval is None and options.every is None:
-            options.interval = DEFAULT_INTERVAL
+            options = replace(options, interval=DEFAULT_INTERVAL)
         self.options = options
         self.job = job
         self.node = LocalNode(job)
@@ -301,7 +301,7 @@ def main(job: str, options: BridgeOptions, per_rank: bool = False) -> int:
     MPI = mpi()
     rank = MPI.COMM_WORLD.Get_rank()
     if options.checkpoint_dir:
-        options.checkpoint_dir = options.checkpoint_dir.replace("{rank}", str(rank))
+        options = replace(options, checkpoint_dir=options.checkpoint_dir.replace("{rank}", str(rank)))
     bridge = BridgeRank(job_name(job, rank, per_rank), options)
     report = bridge.run()
     if options.save:

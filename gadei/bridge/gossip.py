@@ -10,6 +10,7 @@ from enum import Enum
 import numpy as np
 
 from ..errors import GadeiTimeout
+from ..protocol import Deadline
 from .mpi import LinkDown, link_errors, mpi, pause, wait_all
 from .strategies import Strategy
 from .wire import from16, to16
@@ -95,7 +96,7 @@ class Gossip(Strategy):
             return None
         sender = self._status.Get_source()
         buffer = np.empty(1, dtype=np.int64)
-        wait_all([self.comm.Irecv(buffer, sender, tag)], time.monotonic() + self.options.timeout,
+        wait_all([self.comm.Irecv(buffer, sender, tag)], Deadline(self.options.timeout),
                  f"gossip: a control message from rank {sender}")
         return sender, int(buffer[0])
 
@@ -160,7 +161,7 @@ class Gossip(Strategy):
         self._id += 1
         asked = time.monotonic()
         self._post(peer, _REQ, self._id)
-        answered = self._await_ack(peer, self._id, asked + self._patience())
+        answered = self._await_ack(peer, self._id, Deadline(self._patience()))
         if answered is _Answer.LEFT:
             return None
         if answered is _Answer.BUSY:  # alive: try another, but do not count towards dropping it
@@ -182,7 +183,7 @@ class Gossip(Strategy):
         self.peer, self.pair = peer, (self.rank, self._id)
         return _mean(weights, other)
 
-    def _await_ack(self, peer: int, ident: int, deadline: float) -> _Answer:
+    def _await_ack(self, peer: int, ident: int, deadline: Deadline) -> _Answer:
         """How `peer` answered request `ident`, waiting for it until `deadline`."""
         started = time.monotonic()
         while True:
@@ -197,11 +198,10 @@ class Gossip(Strategy):
             self._read_control()
             if peer not in self.peers:
                 return _Answer.LEFT
-            now = time.monotonic()
-            if now >= deadline:
+            if deadline.expired():
                 return _Answer.SILENT
             self.wire.poll()
-            pause(now - started)
+            pause(time.monotonic() - started)
 
     def _serve(self, weights):
         """Passive: answer the request taken in `ready`, unless its asker gave up on it."""
@@ -239,7 +239,7 @@ class Gossip(Strategy):
     @link_errors
     def _receive_then_reply(self, peer: int, ident: int, weights):
         """The asker's weights (after which ours go to it), or None when it cancelled after our ACK."""
-        deadline = time.monotonic() + self.options.timeout
+        deadline = Deadline(self.options.timeout)
         started = time.monotonic()
         # Look before receiving: the data comes only if the asker saw the ACK before it gave up.
         while not self.comm.Iprobe(source=peer, tag=_DATA):
@@ -249,11 +249,10 @@ class Gossip(Strategy):
                 return None
             if peer not in self.peers:
                 return None
-            now = time.monotonic()
-            if now >= deadline:
+            if deadline.expired():
                 raise GadeiTimeout(f"gossip: rank {peer} asked but sent nothing within {self.options.timeout:g} s")
             self._on_poll()
-            pause(now - started)
+            pause(time.monotonic() - started)
         return self._passive_swap(peer, weights)
 
     @link_errors
@@ -261,7 +260,7 @@ class Gossip(Strategy):
         """Receive the asker's buckets, then send ours (so nothing of ours waits on a cancelled asker)."""
         MPI = mpi()
         wire = self.wire
-        deadline = time.monotonic() + self.options.timeout
+        deadline = Deadline(self.options.timeout)
         slices = wire._slices(weights.size)
         if wire.float16:
             incoming = np.empty(weights.size, dtype=np.uint16)
@@ -287,8 +286,8 @@ class Gossip(Strategy):
     def leave(self) -> None:
         for peer in sorted(self.peers):
             self._post(peer, _BYE, 0)
-        deadline = time.monotonic() + min(2.0, self.options.timeout)
-        while self._small and time.monotonic() < deadline:
+        deadline = Deadline(min(2.0, self.options.timeout))
+        while self._small and not deadline.expired():
             self._small = [(r, b) for r, b in self._small if not r.Test()]
             time.sleep(0.001)
         if self._small:

@@ -53,7 +53,7 @@ class Background:
         job: the local job's name.
         options: how to exchange.
         ended: true once the local job's server process is gone (no wait for it to serve then).
-        on_event: as `Bridge`'s.
+        on_event: as `BridgeRank`'s.
         wait: seconds to wait for the job to serve.
     """
 

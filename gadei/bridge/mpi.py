@@ -5,6 +5,7 @@ import functools
 import time
 
 from ..errors import GadeiError, GadeiTimeout
+from ..protocol import Deadline
 
 
 class BridgeError(GadeiError):
@@ -45,9 +46,10 @@ def pause(waited: float) -> None:
     time.sleep(0 if waited < 0.02 else min(0.002, waited / 20))
 
 
-def wait_all(requests: list, deadline: float, what: str, on_poll=None) -> None:
-    """Poll `requests` until all completed; LinkDown (a GadeiTimeout) naming `what` at
-    `deadline`, or at once when MPI reports that a peer failed.
+def wait_all(requests: list, deadline: Deadline, what: str, on_poll=None) -> None:
+    """Poll `requests` until all completed; LinkDown (a GadeiTimeout) naming `what` once
+    `deadline` expired, or at once when MPI reports that a peer failed. One deadline may
+    bound several waits (the buckets of one exchange).
 
     `on_poll` is called between polls (the bridge beats its ring entry there).
     """
@@ -55,12 +57,12 @@ def wait_all(requests: list, deadline: float, what: str, on_poll=None) -> None:
     started = time.monotonic()
     try:
         while not MPI.Request.Testall(requests):
-            now = time.monotonic()
-            if now >= deadline:
-                raise LinkDown(f"{what}: no answer within {now - started:.1f} s")
+            waited = time.monotonic() - started
+            if deadline.expired():
+                raise LinkDown(f"{what}: no answer within {waited:.1f} s")
             if on_poll is not None:
                 on_poll()
-            pause(now - started)
+            pause(waited)
     except MPI.Exception as err:
         raise LinkDown(f"{what}: MPI error: {err.Get_error_string()}") from None
 

@@ -1,9 +1,12 @@
-"""The bridge's options (`gadei bridge --help`, a job file's [bridge]) and the limits they are
-checked against."""
+"""The bridge's options, declared once (`gadei.options.option`): `gadei bridge`'s flags and
+`--help` and a job file's [bridge] keys and their checks are made from `BridgeOptions`; and
+the limits they are checked against."""
 
 import logging
 from dataclasses import dataclass
 
+from ..modes import MAX_LR
+from ..options import check_all, option
 from .mpi import BridgeError
 
 log = logging.getLogger(__name__)
@@ -20,18 +23,27 @@ LEAVING = 2048.0
 MAX_RANKS = int(LEAVING) - 1
 
 
-@dataclass
+@dataclass(frozen=True)
 class BridgeOptions:
-    """How the bridge exchanges; see `gadei bridge --help`.
+    """How the bridge exchanges: `gadei bridge --help`, or a job file's [bridge] under
+    `mpiexec -n NODES gadei run`.
+
+    What only one of them has, and why: where a rank's output goes (checkpoint_dir, save,
+    json, trace) is `gadei bridge`'s alone, a bridged job's outputs being its output folder's;
+    node_lr is the job file's alone, `gadei bridge` attaching to a job already served at its
+    rate (`gadei serve --lr`).
 
     Attributes:
         strategy: 'average', 'elastic' or 'gossip'.
-        interval: exchange after this many local versions (None: use `every`).
+        interval: exchange after this many local versions (None: use `every`, or
+            DEFAULT_INTERVAL when neither is given).
         every: exchange every this many seconds (None: use `interval`).
-        alpha: elastic moving rate (default 0.9 / nodes).
-        bucket_mb: megabytes per bucket; 0: no buckets; None: sized from the measured link.
+        alpha: elastic moving rate (None: 0.9 / nodes).
+        bucket_mb: megabytes per bucket; 0: no buckets; None ("auto"): sized from the measured link.
         float16: float16 on the wire, float32 accumulation.
         timeout: seconds any MPI wait may last before the peer counts as lost.
+        node_lr: a bridged job's lr on each node (None: [train] lr x nodes, elastic x (nodes + 1):
+            gadei.run.Node.lr).
         checkpoint_dir: average/elastic write a checkpoint of the local job here when they end on a lost peer.
         save: once every node's job finished, write the model they agreed on here.
         json: print JSON lines (one per exchange and one at the end) on stdout.
@@ -39,37 +51,49 @@ class BridgeOptions:
             the model per exchange, for tests and debugging).
     """
 
-    strategy: str = "average"
-    interval: int | None = None
-    every: float | None = None
-    alpha: float | None = None
-    bucket_mb: float | None = None
-    float16: bool = False
-    timeout: float = 60.0
-    checkpoint_dir: str | None = None
-    save: str | None = None
-    json: bool = False
-    trace: str | None = None
+    strategy: str = option("average", "average: allreduce of the deltas, every node ends an exchange with the mean "
+                           "model; elastic: nodes pulled towards a global centre with moving rate --alpha; gossip: "
+                           "average with one random peer at a time, even ranks asking, odd ranks answering",
+                           choices=STRATEGY_NAMES)
+    interval: int | None = option(None, "exchange after N local versions", low=1, high=10**9, metavar="N",
+                                  shown=str(DEFAULT_INTERVAL))
+    every: float | None = option(None, "exchange every S seconds instead", low=0, low_open=True, metavar="S")
+    alpha: float | None = option(None, "elastic: moving rate", low=0, high=1, low_open=True, high_open=True,
+                                 shown="0.9 / nodes")
+    bucket_mb: float | None = option(None, "megabytes per message; 0: the whole model in one; auto: sized from the "
+                                     "measured latency and per-byte cost", low=0, auto=True, metavar="MB|auto",
+                                     allowed='0 (the whole model in one message), a number of megabytes above 0, '
+                                     'or "auto"')
+    float16: bool = option(False, "float16 on the wire, float32 sums")
+    timeout: float = option(60.0, "seconds any wait on a peer may last", low=0, low_open=True)
+    node_lr: float | None = option(None, "each node's learning rate", low=0, low_open=True, high=MAX_LR, flag=False,
+                                   shown="[train] lr x nodes, elastic x (nodes + 1)")
+    checkpoint_dir: str | None = option(None, "average/elastic: when a peer is lost, write a checkpoint of the local "
+                                        "job here", job=False, metavar="DIR")
+    save: str | None = option(None, "once every node's job finished, write the model they agreed on here (average, "
+                              "elastic: the last exchange's; gossip: the mean of the final weights); '{rank}' is "
+                              "replaced by this rank's number", job=False, metavar="PATH")
+    json: bool = option(False, "JSON lines on stdout: ready, one per exchange, ended", job=False)
+    trace: str | None = option(None, "write each exchange's vectors to DIR/rank-R/N.npz (the weights sent, the "
+                               "target, elastic's centre, gossip's pair): a copy of the model per exchange, for tests "
+                               "and debugging", job=False, metavar="DIR")
 
     def check(self, nodes: int) -> None:
-        if self.strategy not in STRATEGY_NAMES:
-            raise BridgeError(f"strategy {self.strategy!r} is not one of {list(STRATEGY_NAMES)}")
+        """The options against their declarations and against `nodes` ranks.
+
+        Raises:
+            BridgeError: an option's value is not allowed, or not with this many ranks.
+        """
+        try:
+            check_all(self)
+        except ValueError as err:
+            raise BridgeError(f"bridge options: {err}") from None
         if nodes < 2:
             raise BridgeError(f"the bridge runs on {nodes} rank: start one rank per node, `mpiexec -n NODES gadei bridge`")
         if nodes > MAX_RANKS:
             raise BridgeError(f"the bridge runs on {nodes} ranks: at most {MAX_RANKS}")
         if self.interval is not None and self.every is not None:
             raise BridgeError("give --interval or --every, not both")
-        if self.interval is not None and self.interval < 1:
-            raise BridgeError(f"--interval {self.interval}: must be at least 1 version")
-        if self.every is not None and self.every < 0:
-            raise BridgeError(f"--every {self.every}: must not be negative")
-        if not self.timeout > 0:
-            raise BridgeError(f"--timeout {self.timeout}: must be positive seconds")
-        if self.bucket_mb is not None and self.bucket_mb < 0:
-            raise BridgeError(f"--bucket-mb {self.bucket_mb}: must be 0 (no buckets), positive, or auto")
-        if self.alpha is not None and not 0 < self.alpha < 1:
-            raise BridgeError(f"--alpha {self.alpha}: must be in (0, 1)")
         if self.strategy == "elastic" and self.alpha is not None and self.alpha * nodes > 1:
             log.warning("elastic alpha %g x %d nodes > 1: the centre overshoots the nodes (EASGD needs alpha * nodes <= 1)",
                         self.alpha, nodes)

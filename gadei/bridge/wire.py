@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..protocol import Deadline
 from .mpi import BridgeError, link_errors, mpi, wait_all
 
 
@@ -82,12 +83,12 @@ def measure_link(comm, timeout: float, sizes=(4 << 10, 64 << 10, 512 << 10, 2 <<
         times = []
         for _ in range(repeats + 1):
             start = time.perf_counter()
-            wait_all([comm.Iallreduce(x, out, op=MPI.SUM)], time.monotonic() + timeout, "measuring the link", on_poll)
+            wait_all([comm.Iallreduce(x, out, op=MPI.SUM)], Deadline(timeout), "measuring the link", on_poll)
             times.append(time.perf_counter() - start)
         samples.append((size, statistics.median(times[1:])))
     link = fit_link(samples)
     agreed = np.array([link.alpha, link.beta])
-    wait_all([comm.Iallreduce(MPI.IN_PLACE, agreed, op=MPI.MAX)], time.monotonic() + timeout, "agreeing on the link",
+    wait_all([comm.Iallreduce(MPI.IN_PLACE, agreed, op=MPI.MAX)], Deadline(timeout), "agreeing on the link",
              on_poll)
     return Link(alpha=float(agreed[0]), beta=float(agreed[1]))
 
@@ -130,7 +131,7 @@ class Wire:
     def allreduce_sum(self, x: np.ndarray, out: np.ndarray, what: str = "allreduce") -> np.ndarray:
         """out = the sum over ranks of x (float32; the same on every rank)."""
         MPI = mpi()
-        deadline = time.monotonic() + self.timeout
+        deadline = Deadline(self.timeout)
         self._check16(x)
         pending: list[tuple] = []
         for s in self._slices(x.size):
@@ -161,7 +162,7 @@ class Wire:
              what: str) -> np.ndarray:
         """Send x to `peer` and receive its vector into out (float32), bucket by bucket."""
         MPI = mpi()
-        deadline = time.monotonic() + self.timeout
+        deadline = Deadline(self.timeout)
         self._check16(x)
         slices = self._slices(x.size)
         if self.float16:
