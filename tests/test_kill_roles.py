@@ -214,12 +214,13 @@ def _ended(procs, env, name) -> dict | None:
     return record if record["state"] != "running" else None
 
 
-@pytest.mark.parametrize("role", ["server", "watchdog", "learner", "daemon", "daemon until the job ended"])
+@pytest.mark.parametrize("role", ["server", "watchdog", "learner", "gadei run", "daemon", "daemon until the job ended"])
 def test_the_daemon_reports_the_real_outcome_when_a_role_of_its_job_is_killed(small, procs, daemon_env, role):
     """The daemon's `gadei run` of the job follows a killed server, watchdog or learner as it
-    does in the foreground, and the daemon's record says done; a killed daemon is restarted
-    (at once, or only after the job ended) and the new one finds the job by its record and
-    reports its real outcome."""
+    does in the foreground, and the daemon's record says done; a killed `gadei run` leaves the
+    job to its watchdog, which the daemon follows (orphaned) to its end; a killed daemon is
+    restarted (at once, or only after the job ended) and the new one finds the job by its
+    record and reports its real outcome."""
     path, name, out = small
     daemon = _daemon(procs, daemon_env)
     finish(procs.gadei("submit", path, env=daemon_env))
@@ -227,8 +228,8 @@ def test_the_daemon_reports_the_real_outcome_when_a_role_of_its_job_is_killed(sm
     record = _record(procs, daemon_env, name)
     assert record["state"] == "running" and record["pid"], record
     run_pid = record["pid"]
-    victim = {"server": roles["server"], "watchdog": roles["watchdog"], "learner": roles["learners"][0]}.get(role,
-                                                                                                            daemon.pid)
+    victim = {"server": roles["server"], "watchdog": roles["watchdog"], "learner": roles["learners"][0],
+              "gadei run": run_pid}.get(role, daemon.pid)
     os.kill(victim, signal.SIGKILL)
     killed = time.monotonic()
     if role.startswith("daemon"):
@@ -240,19 +241,22 @@ def test_the_daemon_reports_the_real_outcome_when_a_role_of_its_job_is_killed(sm
     record = wait_for(lambda: _ended(procs, daemon_env, name), STOP_WITHIN, "the daemon to report the job's end", 0.5)
     seconds = time.monotonic() - killed
     assert record["state"] == "done" and record["returncode"] in (0, None), record
-    assert not record["orphaned"] and record["pid"] == 0, record
+    assert record["orphaned"] == (role == "gadei run") and record["pid"] == 0, record
+    if role == "gadei run":
+        assert f"its `gadei run` (pid {run_pid}) was killed by signal 9" in record["message"], record
     if role == "daemon until the job ended":
         assert "ended while the daemon was down" in record["message"], record
     else:  # the new daemon found the job's gadei run alive and followed it to its end
         assert "ended while the daemon was down" not in record["message"], record
-    if not role.startswith("daemon"):
+    if role in ("server", "watchdog", "learner"):
         assert record["returncode"] == 0, record  # the daemon's own child: its exit status is known
     log = (out / "logs" / "run.log").read_text()
     if role == "server":
         assert "the server exited -9; its watchdog restarts it" in log, log[-3000:]
     if role == "watchdog":
         assert f"its watchdog (pid {victim}) died; starting a new one" in log, log[-3000:]
-    result = _outputs_written(out, run_pid)  # the job's gadei run lived through each of these: it wrote them
+    # the job's gadei run wrote them, or its watchdog where gadei run was killed
+    result = _outputs_written(out, roles["watchdog"] if role == "gadei run" else run_pid)
     assert (result["outcome"], result["finished"]) == ("done", True), result
     assert result["test_accuracy"] > 0.9, result
     wait_for(lambda: _gone(name), 60, "every process of the job to end")

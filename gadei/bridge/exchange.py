@@ -165,7 +165,8 @@ class BridgeRank:
                         broken = leaving = True
                 elif final is None and held is None:
                     node.beat()
-                    if not broken and node.crashed():
+                    serving = node.serving()
+                    if not serving and not broken and node.crashed():
                         held, restart = np.empty_like(weights), Deadline(RESTART_WAIT)
                         node.snapshot(held)  # the node's last weights: the region stays mapped here
                         log.warning("bridge rank %d: the server (pid %d) of job %r died; taking part with its last "
@@ -173,7 +174,7 @@ class BridgeRank:
                                     node.server[0], self.job, RESTART_WAIT)
                         self._emit({"event": "server-died", "pid": node.server[0], "t": time.time()})
                         continue
-                    leaving = broken or not node.serving()
+                    leaving = broken or not serving
                     if leaving and strategy.collective and node.finished(o.timeout / 4):
                         final, leaving = np.empty_like(weights), False
                         node.snapshot(final)
