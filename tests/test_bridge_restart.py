@@ -22,11 +22,21 @@ import torch
 
 from gadei.region import Region, inspect
 from helpers import communicate, wait_for
-from test_bridge_jobfile import _kill, _leftovers, _mpiexec_run
+from test_bridge_jobfile import _kill as _kill_once, _leftovers, _mpiexec_run
 
 mpi_env = test_bridge.mpi_env  # the fixture: mpiexec's environment here, or a skip (a failure under CI)
 
 pytestmark = pytest.mark.slow
+
+
+def _kill(jobs: list[str]) -> None:
+    """Kill every process of the jobs, again while any is left: a watchdog killed after its
+    server may have started a new one meanwhile."""
+    def gone():
+        _kill_once(jobs)
+        return not _leftovers(jobs)
+
+    wait_for(gone, 60, "every process of the jobs to be gone", interval=0.2)
 
 
 def _events(folder) -> list[dict]:

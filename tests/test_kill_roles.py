@@ -17,6 +17,7 @@ import time
 import psutil
 import pytest
 
+from gadei.protocol import Deadline
 from gadei.region import Region, inspect, remove
 from gadei.ring import lease_owner
 from helpers import communicate, finish, wait_for
@@ -42,8 +43,10 @@ def small(tmp_path):
                     'holdout = 0.2\n[train]\nlearners = 2\nepochs = 12\nlr = 0.05\n[checkpoint]\ninterval = 1\n'
                     '[output]\nfolder = "out"\n')
     yield path, name, tmp_path / "out"
-    for proc in psutil.process_iter(["pid", "cmdline"]):
-        if name in " ".join(proc.info["cmdline"] or []) and proc.pid != os.getpid():
+    deadline = Deadline(60)  # again while any is left: a watchdog killed after its server may have started another
+    while (left := [p for p in psutil.process_iter(["pid", "cmdline"])
+                    if name in " ".join(p.info["cmdline"] or []) and p.pid != os.getpid()]) and not deadline.expired():
+        for proc in left:
             try:
                 proc.kill()
                 proc.wait(10)
