@@ -17,6 +17,7 @@ import time
 import psutil
 import pytest
 
+from gadei.protocol import Deadline
 from gadei.region import Region, inspect, remove
 from gadei.ring import lease_owner
 from helpers import communicate, finish, wait_for
@@ -42,8 +43,10 @@ def small(tmp_path):
                     'holdout = 0.2\n[train]\nlearners = 2\nepochs = 12\npatience = 12\nlr = 0.05\n[checkpoint]\ninterval = 1\n'
                     '[output]\nfolder = "out"\n')
     yield path, name, tmp_path / "out"
-    for proc in psutil.process_iter(["pid", "cmdline"]):
-        if name in " ".join(proc.info["cmdline"] or []) and proc.pid != os.getpid():
+    deadline = Deadline(60)  # again while any is left: a watchdog killed after its server may have started another
+    while (left := [p for p in psutil.process_iter(["pid", "cmdline"])
+                    if name in " ".join(p.info["cmdline"] or []) and p.pid != os.getpid()]) and not deadline.expired():
+        for proc in left:
             try:
                 proc.kill()
                 proc.wait(10)
@@ -206,3 +209,80 @@ def test_the_daemon_reports_the_real_outcome_when_gadei_run_the_server_and_the_d
     wait_for(lambda: _gone(name), 60, "every process of the job to end")
     _say("server, then gadei run, then the daemon, under the daemon", "record done, result.json outcome done",
          seconds)
+
+
+def _ended(procs, env, name) -> dict | None:
+    """The daemon's record of the job once it is no longer running (None before)."""
+    record = _record(procs, env, name)
+    return record if record["state"] != "running" else None
+
+
+@pytest.mark.parametrize("role", ["server", "watchdog", "learner", "gadei run", "daemon", "daemon until the job ended"])
+def test_the_daemon_reports_the_real_outcome_when_a_role_of_its_job_is_killed(small, procs, daemon_env, role):
+    """The daemon's `gadei run` of the job follows a killed server, watchdog or learner as it
+    does in the foreground, and the daemon's record says done; a killed `gadei run` leaves the
+    job to its watchdog, which the daemon follows (orphaned) to its end; a killed daemon is
+    restarted (at once, or only after the job ended) and the new one finds the job by its
+    record and reports its real outcome."""
+    path, name, out = small
+    daemon = _daemon(procs, daemon_env)
+    finish(procs.gadei("submit", path, env=daemon_env))
+    roles = _when_training(name)
+    record = _record(procs, daemon_env, name)
+    assert record["state"] == "running" and record["pid"], record
+    run_pid = record["pid"]
+    victim = {"server": roles["server"], "watchdog": roles["watchdog"], "learner": roles["learners"][0],
+              "gadei run": run_pid}.get(role, daemon.pid)
+    os.kill(victim, signal.SIGKILL)
+    killed = time.monotonic()
+    if role.startswith("daemon"):
+        daemon.wait()
+        if role == "daemon until the job ended":
+            wait_for(lambda: not psutil.pid_exists(run_pid) and (out / "result.json").exists(), STOP_WITHIN,
+                     "the job to end while no daemon runs", 0.2)
+        daemon = _daemon(procs, daemon_env)  # the new daemon finds the job by its record
+    record = wait_for(lambda: _ended(procs, daemon_env, name), STOP_WITHIN, "the daemon to report the job's end", 0.5)
+    seconds = time.monotonic() - killed
+    assert record["state"] == "done" and record["returncode"] in (0, None), record
+    assert record["orphaned"] == (role == "gadei run") and record["pid"] == 0, record
+    if role == "gadei run":
+        assert f"its `gadei run` (pid {run_pid}) was killed by signal 9" in record["message"], record
+    if role == "daemon until the job ended":
+        assert "ended while the daemon was down" in record["message"], record
+    else:  # the new daemon found the job's gadei run alive and followed it to its end
+        assert "ended while the daemon was down" not in record["message"], record
+    if role in ("server", "watchdog", "learner"):
+        assert record["returncode"] == 0, record  # the daemon's own child: its exit status is known
+    log = (out / "logs" / "run.log").read_text()
+    if role == "server":
+        assert "the server exited -9; its watchdog restarts it" in log, log[-3000:]
+    if role == "watchdog":
+        assert f"its watchdog (pid {victim}) died; starting a new one" in log, log[-3000:]
+    # the job's gadei run wrote them, or its watchdog where gadei run was killed
+    result = _outputs_written(out, roles["watchdog"] if role == "gadei run" else run_pid)
+    assert (result["outcome"], result["finished"]) == ("done", True), result
+    assert result["test_accuracy"] > 0.9, result
+    wait_for(lambda: _gone(name), 60, "every process of the job to end")
+    daemon.terminate()
+    communicate(daemon, 60)
+    _say(f"{role} under the daemon", f"record {record['state']}, result.json outcome {result['outcome']}", seconds)
+
+
+def test_the_daemon_reports_a_failed_job_when_its_watchdog_dies_and_cannot_be_replaced(small, procs, daemon_env):
+    path, name, out = small
+    daemon = _daemon(procs, daemon_env)
+    finish(procs.gadei("submit", path, env=daemon_env))
+    roles = _when_training(name)
+    os.unlink(os.path.join(daemon_env["GADEI_RUNTIME_DIR"], f"{name}.watchdog.json"))  # nothing to adopt from
+    os.kill(roles["watchdog"], signal.SIGKILL)
+    killed = time.monotonic()
+    record = wait_for(lambda: _ended(procs, daemon_env, name), STOP_WITHIN, "the daemon to report the job's end", 0.5)
+    seconds = time.monotonic() - killed
+    assert (record["state"], record["returncode"]) == ("failed", 1), record
+    assert "no new one could take over" in record["message"], record
+    result = json.loads((out / "result.json").read_text())
+    assert result["outcome"] == "failed" and "no new one could take over" in result["message"], result
+    wait_for(lambda: _gone(name) or None, 60, "the job's processes to end")
+    daemon.terminate()
+    communicate(daemon, 60)
+    _say("watchdog (no state to adopt) under the daemon", "record failed, result.json outcome failed", seconds)

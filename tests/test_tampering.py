@@ -253,6 +253,31 @@ def test_stop_ends_a_stopped_server_whose_magic_is_corrupt(job, procs):
     _nothing_left(procs, job)
 
 
+@pytest.mark.parametrize("moment", ["created", "published"])
+def test_a_server_signalled_the_moment_its_region_appears_stops_cleanly(job, procs, moment):
+    """SIGTERM (`gadei stop` by pid, `gadei run`'s Ctrl-C, the daemon's cancel) can reach a
+    server the moment its region can be seen: while the server still makes it ("created": the
+    name exists), or just after it was published, before the server serves. The server stops
+    as on `gadei stop` and removes its region; it never dies of the signal leaving the region
+    behind."""
+    server = procs.gadei("serve", job, "--params", str(1 << 22), "--learners", "2", "--slots", "1", "--threads", "1")
+    path = os.path.join("/dev/shm", shm_name(job).lstrip("/"))
+
+    def appeared():
+        if server.poll() is not None:
+            pytest.fail(f"the server exited {server.returncode} before its region appeared")
+        if moment == "created":
+            return os.path.exists(path)
+        found = inspect(job)
+        return found is not None and found.state == "running"
+
+    wait_for(appeared, 60, f"the server's region to be {moment}", interval=0.0005)
+    server.send_signal(signal.SIGTERM)
+    _, err = communicate(server, 60)
+    assert server.returncode == 0, err[-3000:]
+    _nothing_left(procs, job)
+
+
 # ------------------------------------------------------------------ the watchdog
 
 

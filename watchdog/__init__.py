@@ -192,10 +192,10 @@ class Watchdog:
         from gadei import jobfile, outputs
 
         out = Path(self.settings.outputs)
-        deadline = time.monotonic() + timeout  # the server writes the model at its stop, then removes its region
+        deadline = Deadline(timeout)  # the server writes the model at its stop, then removes its region
         while (found := inspect(self.job)) is not None and found.state in ("running", "starting") \
-                and time.monotonic() < deadline:
-            time.sleep(0.05)
+                and not deadline.expired():
+            deadline.sleep(0.05)
         try:
             outputs.write_ending(out, outputs.Ending(code, self.finished, self.reason, os.getpid(), time.time()))
             if outputs.owned(out):

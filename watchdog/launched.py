@@ -25,6 +25,7 @@ import psutil
 from gadei import _proc
 from gadei.env import runtime_dir
 from gadei.layout import ACTIVE, DEAD
+from gadei.protocol import Deadline
 from gadei.ring import lease_owner
 
 log = logging.getLogger(__name__)
@@ -145,11 +146,11 @@ class Learners:
 
     def reap(self, timeout: float) -> None:
         """At the job's end: wait for the learners to leave, then kill what still runs."""
-        deadline = time.monotonic() + timeout
+        deadline = Deadline(timeout)
         for l in self.table:
             if l.proc is not None:
                 try:
-                    l.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+                    l.proc.wait(timeout=deadline.left())
                 except subprocess.TimeoutExpired:
                     log.warning("job %r: launched learner %d (pid %d) did not leave; killing it", self.job, l.number, l.pid)
                     l.proc.kill()
@@ -208,9 +209,9 @@ class Learners:
             # The server applies what the dead learner published; once its ring is empty,
             # applied_samples is exactly the samples it contributed (its samples counter may
             # miss the last step: it counts after publishing).
-            deadline = time.monotonic() + 2.0
-            while entry.get("tail") != entry.get("head") and time.monotonic() < deadline:
-                time.sleep(0.01)
+            deadline = Deadline(2.0)
+            while entry.get("tail") != entry.get("head") and not deadline.expired():
+                deadline.sleep(0.01)
             if entry.get("tail") == entry.get("head") and lease_owner(entry.get("lease")) == l.pid:
                 # The counters are its own once it wrote its pid (after resetting them);
                 # one that died before that, taking the entry over, published nothing.
@@ -260,13 +261,13 @@ def left_record(region, pid: int, timeout: float = 2.0) -> int | None:
     Its ring is waited for (up to `timeout`) to be drained first: a learner that left because
     the job stopped or the server died may leave published gradients the server still applies.
     """
-    deadline = time.monotonic() + timeout
+    deadline = Deadline(timeout)
     for i in range(region.shape.capacity):
         entry = region.entry(i)
         while True:
             if entry.get("pid") == pid:
-                if entry.get("tail") != entry.get("head") and time.monotonic() < deadline:
-                    time.sleep(0.01)
+                if entry.get("tail") != entry.get("head") and not deadline.expired():
+                    deadline.sleep(0.01)
                     continue
                 drained = entry.get("tail") == entry.get("head")
                 applied, samples = entry.get("applied_samples"), entry.get("samples")
@@ -284,9 +285,9 @@ def left_record(region, pid: int, timeout: float = 2.0) -> int | None:
 
 
 def _wait_gone(pid: int, started: float, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while _proc.alive(pid, started) and time.monotonic() < deadline:
-        time.sleep(0.02)
+    deadline = Deadline(timeout)
+    while _proc.alive(pid, started) and not deadline.expired():
+        deadline.sleep(0.02)
 
 
 # ------------------------------------------------------------------ the saved state

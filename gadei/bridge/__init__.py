@@ -59,6 +59,11 @@ can wait forever on a rank that died without any survivor noticing, so it is bou
 A passive gossip rank held by one asker for a quarter of the timeout answers the others'
 requests BUSY, so they try another peer and do not take it for lost while it waits out a
 dead asker.
+A local server that dies without stopping its job is restarted by the node's watchdog into
+a new region: the bridge takes part with the dead server's last weights (moved in memory,
+never in the dead region) until the restarted one serves, then attaches to it
+(`LocalNode.successor`); with no watchdog left, or none serving within RESTART_WAIT, it
+leaves the exchanges and says why.
 
 The package, one noun a module:
     mpi         mpi4py loaded once, the bridge's errors, every wait polled against a deadline

@@ -12,10 +12,11 @@ import numpy as np
 
 from .. import _native
 from ..errors import GadeiError, GadeiTimeout, JobStopped, ServerGone
+from ..protocol import Deadline
 from ..ring import WAIT_SLICE
 from .gossip import Gossip
 from .mpi import LinkDown, PeerLost, mpi
-from .node import LocalNode
+from .node import RESTART_WAIT, LocalNode
 from .options import DEFAULT_INTERVAL, BridgeOptions
 from .strategies import Average, Elastic, Ended, Strategy
 from .wire import MB, Wire, measure_link
@@ -24,6 +25,7 @@ log = logging.getLogger(__name__)
 
 
 PEER_LOST = 3  # exit code: a peer did not answer in time and average/elastic ended the exchanges
+RESTART_LOOK = 0.1  # seconds between two looks for a crashed local server's restarted one
 
 
 STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in (Average, Elastic, Gossip)}
@@ -46,6 +48,7 @@ class Report:
     lost: list[int] = field(default_factory=list)
     checkpoint: str | None = None
     bucket_bytes: int = 0
+    restarts: int = 0  # restarts of the local server the bridge followed (attached to the restarted one)
 
     @property
     def rate(self) -> float:
@@ -104,6 +107,7 @@ class BridgeRank:
         self.clean = False  # after run(): MPI may be finalised (no peer lost, nothing in flight)
         self.final: np.ndarray | None = None  # after run(): the job's model when every node finished (collective)
         self._spec = None
+        self._published = 0  # moves handed to the servers before the current one (restarted since)
 
     def _emit(self, record: dict) -> None:
         record = {**record, "rank": self.rank}
@@ -118,13 +122,13 @@ class BridgeRank:
         started = time.monotonic()
         try:
             if o.bucket_mb is None:
-                link = measure_link(self.comm, o.timeout, on_poll=node.beat)
+                link = measure_link(self.comm, o.timeout, on_poll=self._beat)
                 bucket = link.bucket_bytes()
                 log.info("bridge rank %d: link alpha %.1f us, beta %.3f ns/byte: buckets of %.2f MB", self.rank,
                          link.alpha * 1e6, link.beta * 1e9, bucket / MB)
             else:
                 link, bucket = None, int(o.bucket_mb * MB) // 4 * 4
-            wire = Wire(self.comm, bucket, o.float16, o.timeout, on_poll=node.beat)
+            wire = Wire(self.comm, bucket, o.float16, o.timeout, on_poll=self._beat)
             strategy = STRATEGIES[o.strategy](self.comm, wire, o, node.n)
         except GadeiTimeout as err:
             self._lost(str(err), [r for r in range(self.size) if r != self.rank])
@@ -138,13 +142,39 @@ class BridgeRank:
         weights = np.empty(node.n, dtype=np.float32)
         broken = False
         final: np.ndarray | None = None  # a finished job's last weights, moved to each target here
+        held: np.ndarray | None = None  # a crashed server's last weights, moved to each target here until
+        restart: Deadline | None = None  # its restarted server serves (then the bridge attaches to that one)
+        look = Deadline(0.0)  # the next look for the restarted server
         self.report.reason = "the local job stopped"
+        why_left = ""  # why this rank left the exchanges, when it was not the local job stopping
         try:
             while not strategy.done:
                 leaving = False
-                if final is None:
+                if held is not None and look.expired():  # the local server died: follow its restart, or leave
+                    look = Deadline(RESTART_LOOK)
+                    successor = node.successor()
+                    if successor is not None:
+                        node = self._reattach(node, successor)
+                        held = None
+                        schedule.version = node.version()  # a restart goes back to the last checkpoint
+                    elif not node.watchdog_alive() or restart.expired():
+                        why_left = (f"the local server (pid {node.server[0]}) died and " +
+                                    ("no watchdog restarts it" if not node.watchdog_alive() else
+                                     f"no restarted server served within {restart.seconds:g} s"))
+                        log.error("bridge rank %d: %s; leaving the exchanges", self.rank, why_left)
+                        broken = leaving = True
+                elif final is None and held is None:
                     node.beat()
-                    leaving = broken or not node.serving()
+                    serving = node.serving()
+                    if not serving and not broken and node.crashed():
+                        held, restart = np.empty_like(weights), Deadline(RESTART_WAIT)
+                        node.snapshot(held)  # the node's last weights: the region stays mapped here
+                        log.warning("bridge rank %d: the server (pid %d) of job %r died; taking part with its last "
+                                    "weights until its watchdog's restarted server serves (at most %g s)", self.rank,
+                                    node.server[0], self.job, RESTART_WAIT)
+                        self._emit({"event": "server-died", "pid": node.server[0], "t": time.time()})
+                        continue
+                    leaving = broken or not serving
                     if leaving and strategy.collective and node.finished(o.timeout / 4):
                         final, leaving = np.empty_like(weights), False
                         node.snapshot(final)
@@ -156,11 +186,12 @@ class BridgeRank:
                     time.sleep(0.001)
                     continue
                 began = time.monotonic()
-                if final is None:
+                kept = final if final is not None else held  # weights kept here, not in a live region
+                if kept is None:
                     seen = node.snapshot(weights)
                 else:
                     seen = node.version()
-                    weights[:] = final
+                    weights[:] = kept
                 target = strategy.exchange(weights, leaving, final is not None)
                 took = time.monotonic() - began
                 if target is not None:
@@ -168,17 +199,17 @@ class BridgeRank:
                     self.report.exchange_seconds += took
                     if o.trace:
                         write_trace(o.trace, self.rank, self.report.exchanges, weights, target, strategy, seen)
-                    if final is not None:
-                        final[:] = target
+                    if kept is not None:
+                        kept[:] = target
                     elif not leaving:
                         try:
                             node.move(target, weights)
                             self.report.moves += 1
                         except (JobStopped, ServerGone, GadeiTimeout) as err:
-                            # finished (the next look tells) or not: then the others learn it at
-                            # the next exchange (collective) or from BYE
+                            # finished or crashed (the next look tells) or not: then the others
+                            # learn it at the next exchange (collective) or from BYE
                             log.warning("bridge rank %d: %s", self.rank, err)
-                            broken = not isinstance(err, JobStopped)
+                            broken = isinstance(err, GadeiTimeout)  # alive, but it did not apply the move
                     self._emit({"event": "exchange", "n": self.report.exchanges, "t": time.time(), "seconds": took,
                                 "version": seen, "peer": strategy.peer, "final": strategy.final})
                 if strategy.final:
@@ -189,7 +220,7 @@ class BridgeRank:
             else:
                 self.report.reason = "no peers left"
         except Ended as end:
-            self.report.reason = f"the exchanges ended: {end}"
+            self.report.reason = why_left or f"the exchanges ended: {end}"
         except PeerLost as err:
             self._lost(str(err), err.peers)
         except LinkDown as err:  # MPI failed outside an exchange with a known peer
@@ -197,14 +228,34 @@ class BridgeRank:
         except (JobStopped, ServerGone) as err:
             self.report.reason = f"the local job ended: {err}"
         finally:
+            if why_left and self.report.reason == "the local job stopped":
+                self.report.reason = why_left
             self.report.lost = sorted(set(self.report.lost) | set(strategy.lost))
             self.report.bytes_sent = wire.sent
-            self.report.published = node.published
+            self.report.published = self._published + node.published
         if self.report.reason != "peer lost":
             strategy.leave()
             if not strategy.collective:
                 self._final_average(strategy, weights, broken)
         return self._finish(started, strategy)
+
+    def _beat(self) -> None:
+        self.node.beat()  # the node attached now (a restarted server's, after a restart)
+
+    def _reattach(self, old: LocalNode, new: LocalNode) -> LocalNode:
+        """The local server was restarted (by its watchdog, from its last checkpoint): the
+        bridge goes on with the restarted one; the next exchange copies its weights."""
+        self._published += old.published
+        self.node = new
+        try:
+            old.close()
+        except GadeiError as err:
+            log.warning("bridge rank %d: %s", self.rank, err)
+        self.report.restarts += 1
+        log.warning("bridge rank %d: job %r: attached to the restarted server (pid %d) at version %d", self.rank,
+                    self.job, new.server[0], new.version())
+        self._emit({"event": "reattached", "pid": new.server[0], "version": new.version(), "t": time.time()})
+        return new
 
     def _final_average(self, strategy: Strategy, weights: np.ndarray, broken: bool) -> None:
         """gossip: once the local job finished, one allreduce of every node's final weights

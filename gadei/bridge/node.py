@@ -1,5 +1,7 @@
 """The node's job seen from its bridge rank: attach like a learner, copy the weights, write the
-move to a target back through the bridge's own ring as one MOVE slot."""
+move to a target back through the bridge's own ring as one MOVE slot, and notice a server
+that died without stopping the job and the restarted one its watchdog brings up (a new
+region under the job's name: `successor`)."""
 
 import logging
 import time
@@ -9,13 +11,16 @@ import numpy as np
 from .. import _native
 from ..env import settings
 from ..errors import GadeiError, GadeiTimeout, JobStopped, ServerGone
-from ..layout import MOVE
+from ..layout import MOVE, SERVING, STOPPING
 from ..protocol import RunState, Version
 from ..region import Region
 from ..ring import WAIT_SLICE, claim
 from .mpi import BridgeError
 
 log = logging.getLogger(__name__)
+
+RESTART_WAIT = 150.0  # seconds a bridge waits for its node's watchdog to restart a dead server (which the
+# watchdog gives 120 s to serve), while the node's watchdog lives
 
 
 class LocalNode:
@@ -86,6 +91,42 @@ class LocalNode:
     def serving(self) -> bool:
         """True while the job serves and its server lives."""
         return self._state.serving() and self.server_alive()
+
+    @property
+    def server(self) -> tuple[int, float]:
+        """The server this node attached to: its pid and start time."""
+        return self._server
+
+    def crashed(self) -> bool:
+        """The server died without stopping the job (the run state still says serving or
+        stopping): its watchdog, if it has one, restarts it into a new region (`successor`)."""
+        return self._state.get() in (SERVING, STOPPING) and not self.server_alive()
+
+    def watchdog_alive(self) -> bool:
+        """The job's watchdog (the one this region's header names) still runs."""
+        from .. import _proc
+
+        h = self.region.header
+        return _proc.alive(h.get("watchdog_pid"), h.get("watchdog_start"))
+
+    def successor(self) -> "LocalNode | None":
+        """After a crash: the job as a restarted server serves it (the job's region is another
+        one now, whose header names another live server), attached as this node was; None
+        while there is none yet (or it could not be attached this time)."""
+        from .. import _proc
+
+        try:
+            with Region.attach(self.job, readonly=True) as region:
+                h = region.header
+                server = (h.get("server_pid"), h.get("server_start"))
+                if server == self._server or not RunState(region).serving() or not _proc.alive(*server):
+                    return None
+            return LocalNode(self.job, attach_timeout=self.timeout)
+        except BridgeError:
+            raise  # the restarted job cannot be bridged: not a thing to try again
+        except GadeiError as err:  # it stopped or died again meanwhile, or no ring is free yet
+            log.info("job %r: the restarted server cannot be attached yet: %s", self.job, err)
+            return None
 
     def _on_slice(self) -> None:
         self.beat()

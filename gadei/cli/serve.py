@@ -50,26 +50,35 @@ def cmd_serve(args) -> int:
             resume = checkpoint.latest(args.resume)
             if resume is None:
                 raise GadeiError(f"--resume {args.resume}: no checkpoint there that reads and verifies")
-    server = Server(
-        args.job,
-        model=model,
-        n_params=args.params,
-        mode=args.mode,
-        rule=options.from_args(RuleOptions, args),
-        transport=options.from_args(TransportOptions, args),
-        learners=args.learners,
-        threads=args.threads,
-        spin_us=args.spin_us,
-        replace=args.replace,
-        resume=resume,
-    )
+    # SIGTERM/SIGINT stop the server cleanly from the moment its region can be seen (published
+    # inside Server(): `gadei stop` may come at once), not only once it serves; one that comes
+    # while the region is made is taken as soon as the server exists (it then stops at once and
+    # removes its region), never as a death that would leave the region behind.
+    asked: list[int] = []
+    server = None
+
+    def stop(sig, _frame) -> None:
+        asked.append(sig)
+        if server is not None:
+            server.request_stop()
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        server = Server(args.job, model=model, n_params=args.params, mode=args.mode,
+                        rule=options.from_args(RuleOptions, args), transport=options.from_args(TransportOptions, args),
+                        learners=args.learners, threads=args.threads, spin_us=args.spin_us, replace=args.replace,
+                        resume=resume)
+    except BaseException:  # Server removed what it had made
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        raise
+    if asked:
+        server.request_stop()
     restarts = [t for t in os.environ.get("GADEI_RESTARTS", "").split(",") if t.strip()]
     server.region.header.set("restarts", len(restarts))  # this server is a watchdog's restart number n
     dog = None
     try:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: server.request_stop())
-        if args.checkpoint_dir and not args.no_watchdog:
+        if args.checkpoint_dir and not args.no_watchdog and not asked:
             dog = _start_watchdog(args, learners, resume.progress if resume is not None else None)
         print(f"gadei: serving job {args.job!r} (pid {os.getpid()}); stop it with `gadei stop {args.job}`",
               file=sys.stderr, flush=True)

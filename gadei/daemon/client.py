@@ -10,6 +10,7 @@ import time
 
 from .. import _proc
 from ..errors import GadeiError, GadeiTimeout
+from ..protocol import Deadline, wait_for
 from .jobs import socket_path
 
 log = logging.getLogger(__name__)
@@ -25,24 +26,23 @@ def request(path: str | None, message: dict, timeout: float = 30.0) -> dict:
         GadeiTimeout: no answer within `timeout`.
     """
     path = path or socket_path()
-    deadline = time.monotonic() + timeout
-    refused_until = time.monotonic() + min(2.0, timeout)
+    deadline = Deadline(timeout)
+    refused = Deadline(min(2.0, timeout))  # how long a refused connection is tried again
     pause = 0.005
     while True:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            sock.settimeout(max(0.001, deadline - time.monotonic()))
+            sock.settimeout(max(0.001, deadline.left()))
             sock.connect(path)
             break
         except (BlockingIOError, InterruptedError, ConnectionRefusedError) as err:
             sock.close()
-            now = time.monotonic()
-            if isinstance(err, ConnectionRefusedError) and now >= refused_until:
+            if isinstance(err, ConnectionRefusedError) and refused.expired():
                 raise
-            if now >= deadline:
+            if deadline.expired():
                 raise GadeiTimeout(f"the gadei daemon on {path} did not take the connection within {timeout:g} s "
                                    "(its listen backlog stayed full)") from None
-            time.sleep(min(pause, max(0.0, deadline - now)))
+            deadline.sleep(pause)
             pause = min(0.1, pause * 2)
         except BaseException:
             sock.close()
@@ -52,7 +52,7 @@ def request(path: str | None, message: dict, timeout: float = 30.0) -> dict:
             sock.sendall((json.dumps(message) + "\n").encode())
             data = b""
             while not data.endswith(b"\n"):
-                sock.settimeout(max(0.001, deadline - time.monotonic()))
+                sock.settimeout(max(0.001, deadline.left()))
                 chunk = sock.recv(65536)
                 if not chunk:
                     break
@@ -87,11 +87,7 @@ def stop(timeout: float = 30.0) -> int:
         GadeiTimeout: it did not end within `timeout`.
     """
     pid = client({"op": "stop"}, timeout)["pid"]
-    deadline = time.monotonic() + timeout
-    while _proc_running(pid):
-        if time.monotonic() >= deadline:
-            raise GadeiTimeout(f"the gadei daemon (pid {pid}) did not stop within {timeout:g} s")
-        time.sleep(0.05)
+    wait_for(lambda: not _proc_running(pid), timeout, f"the gadei daemon (pid {pid}) to stop")
     return pid
 
 

@@ -12,6 +12,7 @@ import struct
 import time
 
 from ..errors import GadeiError
+from ..protocol import Deadline
 
 
 log = logging.getLogger(__name__)
@@ -240,11 +241,10 @@ class Loop:
 
     def _flush_answers(self, timeout: float) -> None:
         """Before the loop ends: send the answers being computed or ready (bounded by `timeout`)."""
-        deadline = time.monotonic() + timeout
+        deadline = Deadline(timeout)
         self._take_answers()
-        while (any(c.outbox or c.deadline == float("inf") for c in self.conns.values())
-               and time.monotonic() < deadline):
-            for key, events in self.selector.select(timeout=max(0.0, deadline - time.monotonic())):
+        while any(c.outbox or c.deadline == float("inf") for c in self.conns.values()) and not deadline.expired():
+            for key, events in self.selector.select(timeout=deadline.left()):
                 if key.data == "wake":
                     self._woken()
                 elif isinstance(key.data, _Conn) and events & selectors.EVENT_WRITE:

@@ -1,0 +1,169 @@
+"""A bridged node whose server is restarted: `mpiexec -n 2 gadei run job.toml` of a small job
+with a [bridge] section, and node 1's server SIGKILLed mid-job. Its watchdog restarts the
+server into a new region from the last checkpoint; node 1's bridge rank takes part in the
+exchanges with the dead server's last weights meanwhile (never moving a dead region), then
+attaches to the restarted server and goes on, so both nodes finish with the model they
+agreed on. `-s` prints the seconds from the kill to the bridge's re-attachment:
+
+    python -m pytest -q -s tests/test_bridge_restart.py
+
+Fails under CI=true, skips elsewhere, where mpi4py or mpiexec is missing (test_bridge.py's
+`mpi_env`).
+"""
+
+import json
+import os
+import signal
+import time
+
+import pytest
+import test_bridge
+import torch
+
+from gadei.region import Region, inspect
+from helpers import communicate, wait_for
+from test_bridge_jobfile import _kill as _kill_once, _leftovers, _mpiexec_run
+
+mpi_env = test_bridge.mpi_env  # the fixture: mpiexec's environment here, or a skip (a failure under CI)
+
+pytestmark = pytest.mark.slow
+
+
+def _kill(jobs: list[str]) -> None:
+    """Kill every process of the jobs, again while any is left: a watchdog killed after its
+    server may have started a new one meanwhile."""
+    def gone():
+        _kill_once(jobs)
+        return not _leftovers(jobs)
+
+    wait_for(gone, 60, "every process of the jobs to be gone", interval=0.2)
+
+
+def _events(folder) -> list[dict]:
+    try:
+        text = (folder / "logs" / "bridge.log").read_text()
+    except FileNotFoundError:
+        return []
+    return [json.loads(line) for line in text.splitlines() if line.endswith("}")]
+
+
+def _blobs_job(folder, name: str, strategy: str) -> os.PathLike:
+    """A small bridged job: an MLP on 900 numeric samples, one learner per node, an exchange every 0.2 s."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    centres = rng.normal(0, 4, (3, 8))
+    y = rng.integers(0, 3, 900)
+    x = (centres[y] + rng.normal(0, 1, (900, 8))) * 10 + 100
+    np.savez(folder / "blobs.npz", x=x, y=np.array([f"class-{v}" for v in y]))
+    path = folder / "job.toml"
+    path.write_text(f'[job]\nname = "{name}"\nworkload = "mlp"\n[data]\ntrain = "blobs.npz"\nformat = "npz"\n'
+                    'holdout = 0.2\n[train]\nlearners = 1\nepochs = 16\nlr = 0.05\n[checkpoint]\ninterval = 1\n'
+                    f'[bridge]\nstrategy = "{strategy}"\nevery = 0.2\nbucket_mb = 0\ntimeout = 30\n'
+                    '[output]\nfolder = "out"\n')
+    return path
+
+
+def _exchanging(procs, mpi_env, tmp_path, strategy: str = "average"):
+    """Start the two nodes; (mpiexec, job names, node folders) once node 1's bridge exchanged
+    three times and its job wrote a checkpoint (a restart goes on from there)."""
+    name = f"restart-{os.getpid()}-{tmp_path.name[-10:]}".replace("_", "-")
+    jobs = [f"{name}-r{r}" for r in range(2)]
+    nodes = [tmp_path / "out" / f"node-{r}" for r in range(2)]
+    run = _mpiexec_run(procs, mpi_env, _blobs_job(tmp_path, name, strategy))
+
+    def exchanging():
+        if run.poll() is not None:
+            pytest.fail(f"mpiexec ended (rc {run.returncode}) before the nodes exchanged:\n"
+                        f"{''.join(run.err_lines)[-3000:]}")
+        return sum(e["event"] == "exchange" for e in _events(nodes[1])) >= 3
+
+    try:
+        wait_for(exchanging, 240, "node 1's bridge to exchange three times", interval=0.1)
+        wait_for(lambda: list((nodes[1] / "checkpoints").glob("*.pt")), 60, "node 1's first checkpoint")
+    except BaseException:
+        _kill(jobs)
+        raise
+    return run, jobs, nodes
+
+
+def _roles(job: str) -> tuple[int, int]:
+    with Region.attach(job, readonly=True) as region:
+        return region.header.get("server_pid"), region.header.get("watchdog_pid")
+
+
+def _first(folder, kinds: tuple[str, ...], timeout: float) -> dict:
+    return wait_for(lambda: [e for e in _events(folder) if e["event"] in kinds], timeout,
+                    f"node {folder.name}'s bridge to say {' or '.join(kinds)}", interval=0.1)[0]
+
+
+@pytest.mark.parametrize("strategy", ["average", "gossip"])  # collective (elastic's loop too), and not
+def test_a_bridged_nodes_bridge_follows_its_server_restart(tmp_path, procs, mpi_env, strategy):
+    run, jobs, nodes = _exchanging(procs, mpi_env, tmp_path, strategy)
+    try:
+        dead, _ = _roles(jobs[1])
+        os.kill(dead, signal.SIGKILL)
+        killed = time.monotonic()
+        after = _first(nodes[1], ("reattached", "ended"), 240)
+        seconds = time.monotonic() - killed
+        assert after["event"] == "reattached" and after["pid"] != dead, after
+
+        out, err = communicate(run, 600)
+        assert run.returncode == 0, (out + err)[-5000:]
+        for job in jobs:
+            assert f"gadei run: job {job} done in" in out, (out + err)[-5000:]
+        results = [json.loads((folder / "result.json").read_text()) for folder in nodes]
+        for r, result in enumerate(results):
+            assert (result["outcome"], result["finished"]) == ("done", True), result
+            bridge = result["bridge"]
+            assert bridge["reason"] == "every node finished" and bridge["lost"] == [], bridge
+            assert bridge["restarts"] == (1 if r == 1 else 0), bridge
+        events = _events(nodes[1])
+        kinds = [e["event"] for e in events]
+        died, again = kinds.index("server-died"), kinds.index("reattached")
+        assert events[died]["pid"] == dead and died < again, kinds
+        # after the restart the bridge moved the restarted server: exchanges that each ended in a move
+        after = [e for e in events[again:] if e["event"] == "exchange" and not e["final"]]
+        assert len(after) >= 2, kinds
+        assert events[-2]["event"] == "exchange" and events[-2]["final"], events[-2:]
+        stopped = [json.loads(line) for line in (nodes[1] / "logs" / "server.log").read_text().splitlines()
+                   if line.startswith('{"event": "stopped"')]
+        assert len(stopped) == 1, stopped  # the restarted server stopped at the job's end
+        models = [torch.load(folder / "model.pt", weights_only=True) for folder in nodes]
+        assert all(torch.equal(models[0][k], models[1][k]) for k in models[0]), "the nodes' models differ"
+        assert results[0]["test_accuracy"] == results[1]["test_accuracy"] > 0.9, results
+        assert all(inspect(job) is None for job in jobs)
+        assert _leftovers(jobs) == []
+        print(f"\n{strategy}: bridged node 1's server killed: its bridge attached to the restarted server {seconds:.1f} s after "
+              f"the kill; both nodes done, bridge 'every node finished'", flush=True)
+    finally:
+        _kill(jobs)
+
+
+def test_a_bridged_node_whose_server_dies_for_good_leaves_the_exchanges_and_says_why(tmp_path, procs, mpi_env):
+    """Node 1's watchdog is stopped, its server killed, then the watchdog too: nothing restarts
+    the server. Node 1's bridge leaves the exchanges saying so (never moving the dead region),
+    its job fails with the reason, and node 0 trains on alone to its end."""
+    run, jobs, nodes = _exchanging(procs, mpi_env, tmp_path)
+    try:
+        server, watchdog = _roles(jobs[1])
+        os.kill(watchdog, signal.SIGSTOP)  # it cannot restart the server, and gadei run sees it alive
+        os.kill(server, signal.SIGKILL)
+        os.kill(watchdog, signal.SIGKILL)
+        killed = time.monotonic()
+        ended = _first(nodes[1], ("ended",), 120)
+        seconds = time.monotonic() - killed
+        assert ended["reason"] == f"the local server (pid {server}) died and no watchdog restarts it", ended
+        kinds = [e["event"] for e in _events(nodes[1])]
+        assert "server-died" in kinds and "reattached" not in kinds, kinds
+        communicate(run, 600)
+        results = [json.loads((folder / "result.json").read_text()) for folder in nodes]
+        assert results[1]["outcome"] == "failed" and "is gone" in results[1]["message"], results[1]
+        assert results[1]["bridge"]["reason"] == ended["reason"], results[1]["bridge"]
+        assert (results[0]["outcome"], results[0]["finished"]) == ("done", True), results[0]
+        assert results[0]["bridge"]["reason"] == "the exchanges ended: 1 rank(s) left", results[0]["bridge"]
+        assert inspect(jobs[0]) is None and _leftovers(jobs) == []  # node 1's killed server left its region
+        print(f"\nbridged node 1's server and watchdog killed: its bridge left the exchanges {seconds:.1f} s after "
+              "the kill (no watchdog restarts it); node 1 failed, node 0 done alone", flush=True)
+    finally:
+        _kill(jobs)
