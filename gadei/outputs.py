@@ -288,9 +288,12 @@ def last_epoch(out: Path) -> dict:
 
 def write_metrics(out: Path) -> list[dict]:
     """metrics.jsonl: per epoch of the evaluating learner (a restarted one's epochs replace the
-    lost ones)."""
+    lost ones; its catch-up record of the epoch it went on after, "restarted", is kept only
+    where the epoch has no record of its own: its last run was killed before writing it)."""
     by_epoch: dict[int, dict] = {}
     for record in epoch_records(out):
+        if record.get("restarted") and record["epoch"] in by_epoch:
+            continue
         by_epoch[record["epoch"]] = {k: v for k, v in record.items() if k not in ("event", "job", "learner")}
     metrics = [by_epoch[e] for e in sorted(by_epoch)]
     _replace(out / "metrics.jsonl", "".join(json.dumps(record) + "\n" for record in metrics))

@@ -117,6 +117,10 @@ class Selection:
         self._write(self.folder / BEST_STATE, lambda handle: handle.write(json.dumps(self.state()).encode()))
         return improved
 
+    def evaluated(self, epoch) -> bool:
+        """Whether an evaluation at `epoch` was counted (a restarted learner's catch-up)."""
+        return any(h.get("epoch") == epoch for h in self.history)
+
     def state(self) -> dict:
         return {"best": asdict(self.best) if self.best else None, "evaluations": self.evaluations,
                 "since_best": self.since_best, "patience": self.patience, "stopped": self.stopped,

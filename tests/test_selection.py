@@ -51,6 +51,28 @@ def test_a_best_model_newer_than_the_state_file_is_believed(tmp_path):
         selection.Selection.open(tmp_path, patience=3)
 
 
+def test_a_restarted_learners_catch_up_fills_only_an_epoch_its_last_run_did_not_record(tmp_path):
+    """Learner 0 killed between an epoch's last step and its record: the restarted one records
+    that epoch ("restarted"); metrics.jsonl keeps an epoch's own record where there is one,
+    and the selection counts an epoch's evaluation once."""
+    from gadei import outputs
+
+    (tmp_path / "logs").mkdir()
+    lines = [{"event": "epoch", "learner": 0, "epoch": 1, "loss": 0.5, "validation_accuracy": 0.7},
+             {"event": "epoch", "learner": 0, "epoch": 2, "version": 9, "restarted": True, "validation_accuracy": 0.8},
+             {"event": "epoch", "learner": 0, "epoch": 1, "version": 5, "restarted": True},
+             {"event": "epoch", "learner": 0, "epoch": 3, "loss": 0.3, "validation_accuracy": 0.9}]
+    (tmp_path / "logs" / "learner-0.log").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    metrics = outputs.write_metrics(tmp_path)
+    assert [m["epoch"] for m in metrics] == [1, 2, 3]
+    assert metrics[0]["loss"] == 0.5 and "restarted" not in metrics[0]  # epoch 1's own record stays
+    assert metrics[1]["restarted"] and metrics[1]["validation_accuracy"] == 0.8  # epoch 2 had none
+    chosen = selection.Selection.open(tmp_path / "sel", patience=3)
+    chosen.offer(selection.Evaluation(1, 10, 0.7, 0.9), _weights(1.0))
+    assert chosen.evaluated(1) and not chosen.evaluated(2)
+    assert selection.Selection.open(tmp_path / "sel", patience=3).evaluated(1)
+
+
 def test_large_data_sets_are_evaluated_within_an_epoch_too():
     """Above EVALUATE_SAMPLES training samples the evaluating learner evaluates every
     EVALUATE_SAMPLES of the job's samples (its shard's share), besides each epoch's end."""

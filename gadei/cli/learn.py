@@ -39,6 +39,8 @@ def cmd_learn(args) -> int:
         staleness = _Staleness(learner.region)
         if chooser is not None and chooser.selection.stopped:  # decided before a restart: say it again
             learner.end_training(TRAIN_STOP_PATIENCE)
+        elif first_epoch > 0 and skip == 0 and (args.eval or chooser is not None):
+            _catch_up(args, learner, chooser, workload, model, test, first_epoch)
         for epoch in range(first_epoch, args.epochs):
             if learner.training_ended:
                 break
@@ -97,6 +99,29 @@ def cmd_learn(args) -> int:
             if learner.training_ended:
                 break
     return 0
+
+
+def _catch_up(args, learner, chooser, workload, model, test, epoch: int) -> None:
+    """A restarted evaluating learner whose schedule goes on at the start of an epoch: its last
+    run may have been killed between epoch `epoch`'s last step and that epoch's record (the
+    evaluations take a while). Evaluate now, as at that epoch's end, so that neither the job's
+    metrics nor the model selection miss the epoch. The record says "restarted": the metrics
+    keep the epoch's own record where the last run wrote it (`gadei.outputs.write_metrics`),
+    and the selection counts an epoch once."""
+    learner.refresh()
+    record = {"event": "epoch", "job": args.job, "learner": learner.learner_id, "epoch": epoch,
+              "version": learner.version, "restarted": True}
+    weights = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+    if chooser is not None and not chooser.selection.evaluated(epoch):
+        record.update(chooser.evaluate(weights, epoch, learner.version))
+        if chooser.selection.stopped:
+            learner.end_training(TRAIN_STOP_PATIENCE)
+    if args.eval:
+        if chooser is not None:
+            chooser.eval_model.load_state_dict(weights)  # a copy: the shared weights move while it evaluates
+        record["test_accuracy"] = workload.evaluate(chooser.eval_model if chooser else model, test)
+    model.train()
+    _report(args, record)
 
 
 # A data set larger than this (training samples) is also evaluated every this many samples
@@ -205,6 +230,10 @@ def _report(args, record: dict) -> None:
         emit(record)
         return
     acc = f", test accuracy {record['test_accuracy']:.2%}" if "test_accuracy" in record else ""
+    if record.get("restarted"):
+        print(f"learner {record['learner']} restarted after epoch {record['epoch']}: version "
+              f"{record['version']:,}{acc}", flush=True)
+        return
     print(f"learner {record['learner']} epoch {record['epoch']}: loss {record['loss']:.4f}, "
           f"{record['samples_per_s']:.0f} samples/s, version {record['version']:,}{acc}", flush=True)
 
