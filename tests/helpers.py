@@ -84,17 +84,20 @@ def job_processes(*names: str) -> list[psutil.Process]:
 
 def end_jobs(*names: str, timeout: float = 10, keep_regions: bool = False) -> None:
     """Kill every process of the jobs `names` (`job_processes`: those that are not this test's
-    children too, a restarted server, an orphaned learner), wait up to `timeout` s for each,
+    children too, a restarted server, an orphaned learner), wait up to `timeout` s for each
+    (and kill again while any is left, up to 6 x `timeout`),
     and remove the jobs' regions (unless `keep_regions`: the test still looks at them): what a
     test leaves behind, whatever it did."""
     from gadei.region import inspect, remove
 
-    for proc in job_processes(*names):
-        try:
-            proc.kill()
-            proc.wait(timeout)
-        except (psutil.NoSuchProcess, psutil.TimeoutExpired):
-            pass
+    deadline = protocol.Deadline(6 * timeout)  # again while any is left: a watchdog killed after its
+    while (left := job_processes(*names)) and not deadline.expired():  # server may have started another
+        for proc in left:
+            try:
+                proc.kill()
+                proc.wait(timeout)
+            except (psutil.NoSuchProcess, psutil.TimeoutExpired):
+                pass
     for name in () if keep_regions else names:
         if inspect(name) is not None:
             remove(name)

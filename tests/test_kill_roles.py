@@ -17,10 +17,9 @@ import time
 import psutil
 import pytest
 
-from gadei.protocol import Deadline
-from gadei.region import Region, inspect, remove
+from gadei.region import Region, inspect
 from gadei.ring import lease_owner
-from helpers import communicate, finish, wait_for
+from helpers import communicate, end_jobs, finish, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -43,17 +42,7 @@ def small(tmp_path):
                     'holdout = 0.2\n[train]\nlearners = 2\nepochs = 12\npatience = 12\nlr = 0.05\n[checkpoint]\ninterval = 1\n'
                     '[output]\nfolder = "out"\n')
     yield path, name, tmp_path / "out"
-    deadline = Deadline(60)  # again while any is left: a watchdog killed after its server may have started another
-    while (left := [p for p in psutil.process_iter(["pid", "cmdline"])
-                    if name in " ".join(p.info["cmdline"] or []) and p.pid != os.getpid()]) and not deadline.expired():
-        for proc in left:
-            try:
-                proc.kill()
-                proc.wait(10)
-            except (psutil.NoSuchProcess, psutil.TimeoutExpired):
-                pass
-    if inspect(name) is not None:
-        remove(name)
+    end_jobs(name)
 
 
 def _roles(name: str) -> dict:

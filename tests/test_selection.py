@@ -76,7 +76,7 @@ def test_a_restarted_learners_catch_up_fills_only_an_epoch_its_last_run_did_not_
 def test_large_data_sets_are_evaluated_within_an_epoch_too():
     """Above EVALUATE_SAMPLES training samples the evaluating learner evaluates every
     EVALUATE_SAMPLES of the job's samples (its shard's share), besides each epoch's end."""
-    from gadei.cli.learn import _Chooser
+    from gadei.trainer import _Chooser
 
     chooser = _Chooser(None, None, None, None, every=100)
     due = [position for position in range(0, 450, 4) if chooser.due(position, per_epoch=450)]

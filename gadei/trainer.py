@@ -1,0 +1,262 @@
+"""The learner program: train a built-in workload as one learner of a job (what `gadei learn`
+runs, and so what the watchdog launches for `gadei run`): its shard of each epoch, seeded data
+order and dropout, a restarted learner going on where its gradients end (`--start-at`), the
+epoch records its log carries, and, for the evaluating learner, validation-driven training
+(`_Chooser`: evaluate, keep the best model, end every learner's training on patience)."""
+
+import logging
+import time
+
+from .cli.common import emit, workload_model
+from .errors import GadeiError
+from .layout import TRAIN_STOP_PATIENCE
+
+log = logging.getLogger(__name__)
+
+
+def run(args) -> int:
+    """Train as `gadei learn ARGS` says; the exit code."""
+    import torch
+
+    from .device import resolve
+    from .learner import Learner
+
+    device = resolve(args.device)  # a CUDA device on a machine without one fails here, before the data loads
+    torch.set_num_threads(args.torch_threads)
+    workload, train, validation, test, model = workload_model(args)
+    model.to(device)
+    batches = workload.batches
+    chooser = _Chooser.start(args, workload, train, validation, device) if args.validate else None
+
+    shard, shards = _shard(args.shard)
+    if args.start_at < 0:
+        raise GadeiError(f"--start-at {args.start_at}: must be >= 0")
+    # Dropout masks: each learner (and each restart of one) draws its own, reproducibly. Left
+    # at torch's fixed default seed, every learner would use the same mask at the same step,
+    # which weakens dropout (on SST-2, two learners ended 1-2 points below one).
+    torch.manual_seed(hash((args.seed, shard, shards, args.start_at)) & 0x7FFF_FFFF_FFFF_FFFF)
+    per_epoch = len(range(shard, len(train), shards))
+    first_epoch, skip = divmod(args.start_at, per_epoch) if per_epoch else (args.epochs, 0)
+    model.train()
+    started = time.monotonic()
+    samples = 0
+    with Learner(model, args.job, pull=args.pull, push=args.push, device=device) as learner:
+        staleness = _Staleness(learner.region)
+        if chooser is not None and chooser.selection.stopped:  # decided before a restart: say it again
+            learner.end_training(TRAIN_STOP_PATIENCE)
+        elif first_epoch > 0 and skip == 0 and (args.eval or chooser is not None):
+            _catch_up(args, learner, chooser, workload, model, test, first_epoch)
+        for epoch in range(first_epoch, args.epochs):
+            if learner.training_ended:
+                break
+            epoch_start, steps, seen, position = time.monotonic(), 0, 0, 0
+            loss_sum = torch.zeros((), device=device)  # summed on the device: no GPU wait per step
+            correct = torch.zeros((), dtype=torch.int64, device=device)
+            for x, y in batches(train, args.batch, epoch=epoch, seed=args.seed, shard=shard, shards=shards):
+                position += len(y)
+                if skip > 0:  # a restarted learner: these samples' gradients are in the weights already
+                    skip -= len(y)
+                    continue
+                if learner.training_ended:  # the evaluating learner decided for the job: end the schedule
+                    break
+                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                loss, right = workload.loss_and_correct(model, x, y)
+                workload.backward(model, loss, learner.constraint_lr)
+                learner.step(samples=len(y))
+                loss_sum += loss.detach()
+                steps += 1
+                samples += len(y)
+                seen += len(y)
+                correct += right
+                if chooser is not None and chooser.due(position, per_epoch):  # a large data set: within the epoch too
+                    learner.refresh()
+                    at = round(epoch + position / per_epoch, 3)
+                    weights = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+                    found = chooser.evaluate(weights, at, learner.version)
+                    model.train()
+                    _report_evaluation(args, {"event": "evaluation", "job": args.job, "learner": learner.learner_id,
+                                              "epoch": at, "version": learner.version, **found})
+                    if chooser.selection.stopped:
+                        learner.end_training(TRAIN_STOP_PATIENCE)
+            record = {
+                "event": "epoch", "job": args.job, "learner": learner.learner_id, "epoch": epoch + 1,
+                "loss": loss_sum.item() / max(1, steps), "train_accuracy": correct.item() / max(1, seen), "steps": steps,
+                "samples_per_s": steps and (samples / (time.monotonic() - started)),
+                "epoch_seconds": time.monotonic() - epoch_start, "version": learner.version,
+                **staleness.since_last(), "nonfinite_skipped": learner.region.header.get("nonfinite_skipped"),
+            }
+            if learner.training_ended and chooser is None:
+                break  # a part of an epoch: nothing to report
+            if args.eval or chooser is not None:
+                learner.refresh()
+                weights = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+            if chooser is not None:
+                record.update(chooser.evaluate(weights, epoch + 1, learner.version))
+                if chooser.selection.stopped:
+                    learner.end_training(TRAIN_STOP_PATIENCE)
+            if args.eval:
+                # the chooser's model holds `weights` already; the test set only reports, never chooses
+                record["test_accuracy"] = workload.evaluate(chooser.eval_model if chooser else model, test)
+            model.train()
+            _report(args, record)
+            if chooser is not None:
+                chooser.new_epoch()
+            if learner.training_ended:
+                break
+    return 0
+
+
+def _catch_up(args, learner, chooser, workload, model, test, epoch: int) -> None:
+    """A restarted evaluating learner whose schedule goes on at the start of an epoch: its last
+    run may have been killed between epoch `epoch`'s last step and that epoch's record (the
+    evaluations take a while). Evaluate now, as at that epoch's end, so that neither the job's
+    metrics nor the model selection miss the epoch. The record says "restarted": the metrics
+    keep the epoch's own record where the last run wrote it (`gadei.outputs.write_metrics`),
+    and the selection counts an epoch once."""
+    learner.refresh()
+    record = {"event": "epoch", "job": args.job, "learner": learner.learner_id, "epoch": epoch,
+              "version": learner.version, "restarted": True}
+    weights = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+    if chooser is not None and not chooser.selection.evaluated(epoch):
+        record.update(chooser.evaluate(weights, epoch, learner.version))
+        if chooser.selection.stopped:
+            learner.end_training(TRAIN_STOP_PATIENCE)
+    if args.eval:
+        if chooser is not None:
+            chooser.eval_model.load_state_dict(weights)  # a copy: the shared weights move while it evaluates
+        record["test_accuracy"] = workload.evaluate(chooser.eval_model if chooser else model, test)
+    model.train()
+    _report(args, record)
+
+
+# A data set larger than this (training samples) is also evaluated every this many samples
+# of the job within an epoch, so that an epoch of a large set is not the unit of patience.
+EVALUATE_SAMPLES = 100_000
+
+
+class _Chooser:
+    """The evaluating learner's part in validation-driven training: evaluate a copy of the
+    weights on the validation set, offer it to the job's `gadei.selection.Selection` (kept in
+    --best), which keeps the best and says when patience ran out."""
+
+    def __init__(self, workload, validation, eval_model, selection, every: int = 0):
+        self.workload, self.validation, self.eval_model, self.selection = workload, validation, eval_model, selection
+        self.every = every  # samples of this learner's shard between evaluations within an epoch (0: none)
+        self._mark = 0
+
+    def new_epoch(self) -> None:
+        self._mark = 0
+
+    def due(self, position: int, per_epoch: int) -> bool:
+        """An evaluation within the epoch is due at `position` samples into this learner's
+        shard of it (a large data set: every EVALUATE_SAMPLES of the job's; the end of the
+        epoch has its own)."""
+        if not self.every or position >= per_epoch:
+            return False
+        mark = position // self.every
+        if mark <= self._mark:
+            return False
+        self._mark = mark
+        return True
+
+    @classmethod
+    def start(cls, args, workload, train, validation, device) -> "_Chooser":
+        from .selection import Selection
+
+        if validation is None:
+            raise GadeiError(f"--validate: --data {args.data!r} has no validation set; give a job file's data "
+                             "(job:JOBFILE), whose [data] validation (or held-out share of train) is one")
+        if not args.best:
+            raise GadeiError("--validate: give --best FOLDER, where the best model and the selection's state are kept")
+        eval_model = workload.build_model(train, args.seed).to(device)
+        eval_model.eval()
+        shards = _shard(args.shard)[1]
+        every = EVALUATE_SAMPLES // shards if len(train) > EVALUATE_SAMPLES else 0
+        return cls(workload, validation, eval_model, Selection.open(args.best, args.patience), every)
+
+    def evaluate(self, weights: dict, epoch: int, version: int) -> dict:
+        """Validation loss and accuracy of `weights`; whether they are the best so far (and
+        kept); the record's fields."""
+        from .selection import Evaluation
+
+        import torch
+
+        self.eval_model.load_state_dict(weights)
+        device = next(self.eval_model.parameters()).device
+        loss, correct = 0.0, 0
+        with torch.no_grad():
+            for x, y in self.workload.batches(self.validation, 256, epoch=0, seed=0):
+                x, y = x.to(device), y.to(device)
+                batch_loss, right = self.workload.loss_and_correct(self.eval_model, x, y)
+                loss += float(batch_loss) * len(y)
+                correct += int(right)
+        n = max(1, len(self.validation))
+        evaluation = Evaluation(epoch=epoch, version=version, validation_accuracy=correct / n,
+                                validation_loss=loss / n)
+        improved = self.selection.offer(evaluation, weights)
+        best = self.selection.best
+        return {"validation_loss": evaluation.validation_loss, "validation_accuracy": evaluation.validation_accuracy,
+                "best": improved, "best_epoch": best.epoch, "since_best": self.selection.since_best,
+                **({"stopped": self.selection.stopped} if self.selection.stopped else {})}
+
+
+class _Staleness:
+    """The job's gradient staleness (versions between the weights a gradient was computed on
+    and the version it was applied at), over every learner of the region, between two calls.
+    Counted per ring owner, so a learner that leaves or is restarted does not skew it."""
+
+    def __init__(self, region):
+        self.region = region
+        self.last = self._counts()
+
+    def _counts(self) -> dict[tuple[int, int], tuple[float, int, int]]:
+        from . import status
+
+        return {(l.learner, l.pid): (l.stale_mean * l.applied, l.applied, l.stale_max)
+                for l in status.read(self.region).learners}
+
+    def since_last(self) -> dict:
+        """`staleness_mean` of the gradients applied since the last call (all learners) and
+        `staleness_max`, the largest any of them had."""
+        now = self._counts()
+        stale = applied = most = 0
+        for owner, (total, count, top) in now.items():
+            before_total, before_count, before_top = self.last.get(owner, (0.0, 0, 0))
+            if count > before_count:
+                stale += total - before_total
+                applied += count - before_count
+                most = max(most, top)  # the owner's largest ever; its new gradients are among them
+        self.last = now
+        return {"staleness_mean": round(stale / applied, 3) if applied else 0.0, "staleness_max": most}
+
+
+def _report(args, record: dict) -> None:
+    if args.json:
+        emit(record)
+        return
+    acc = f", test accuracy {record['test_accuracy']:.2%}" if "test_accuracy" in record else ""
+    if record.get("restarted"):
+        print(f"learner {record['learner']} restarted after epoch {record['epoch']}: version "
+              f"{record['version']:,}{acc}", flush=True)
+        return
+    print(f"learner {record['learner']} epoch {record['epoch']}: loss {record['loss']:.4f}, "
+          f"{record['samples_per_s']:.0f} samples/s, version {record['version']:,}{acc}", flush=True)
+
+
+def _report_evaluation(args, record: dict) -> None:
+    if args.json:
+        emit(record)
+        return
+    print(f"learner {record['learner']} at epoch {record['epoch']}: validation accuracy "
+          f"{record['validation_accuracy']:.2%}, loss {record['validation_loss']:.4f}"
+          + (" (best so far)" if record["best"] else ""), flush=True)
+
+
+def _shard(text: str) -> tuple[int, int]:
+    try:
+        index, count = (int(part) for part in text.split("/"))
+    except ValueError:
+        raise GadeiError(f"--shard {text!r}: expected INDEX/COUNT, e.g. 0/2") from None
+    if not 0 <= index < count:
+        raise GadeiError(f"--shard {text!r}: INDEX must be in 0..COUNT-1")
+    return index, count
