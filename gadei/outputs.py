@@ -28,6 +28,7 @@ from pathlib import Path
 
 from . import data, jobfile
 from .errors import GadeiError
+from .protocol import Deadline
 
 LOCK = "logs/run.lock"  # held by the run's owner (`gadei run`) and by whoever writes the outputs
 END = "logs/watchdog-end.json"  # the watchdog's record of how the job ended
@@ -157,17 +158,17 @@ def finish(job: jobfile.Job, *, owner: Owner | None = None, interrupted: bool = 
 def _lock(out: Path, wait: float) -> int:
     (out / "logs").mkdir(parents=True, exist_ok=True)
     fd = os.open(out / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    deadline = time.monotonic() + wait
+    deadline = Deadline(wait)
     while True:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             return fd
         except BlockingIOError:
-            if time.monotonic() >= deadline:
+            if deadline.expired():
                 os.close(fd)
                 raise GadeiError(f"{out / LOCK} is still held after {wait:g} s: another process writes the run's "
                                  "outputs") from None
-            time.sleep(0.1)
+            deadline.sleep(0.1)
 
 
 def outcome(job: jobfile.Job, metrics: list[dict], ending: Ending | None, interrupted: bool,
