@@ -21,22 +21,12 @@ import test_bridge
 import torch
 
 from gadei.region import Region, inspect
-from helpers import communicate, wait_for
-from test_bridge_jobfile import _kill as _kill_once, _leftovers, _mpiexec_run
+from helpers import communicate, end_jobs, wait_for
+from test_bridge_jobfile import _leftovers, _mpiexec_run
 
 mpi_env = test_bridge.mpi_env  # the fixture: mpiexec's environment here, or a skip (a failure under CI)
 
 pytestmark = pytest.mark.slow
-
-
-def _kill(jobs: list[str]) -> None:
-    """Kill every process of the jobs, again while any is left: a watchdog killed after its
-    server may have started a new one meanwhile."""
-    def gone():
-        _kill_once(jobs)
-        return not _leftovers(jobs)
-
-    wait_for(gone, 60, "every process of the jobs to be gone", interval=0.2)
 
 
 def _events(folder) -> list[dict]:
@@ -82,7 +72,7 @@ def _exchanging(procs, mpi_env, tmp_path, strategy: str = "average"):
         wait_for(exchanging, 240, "node 1's bridge to exchange three times", interval=0.1)
         wait_for(lambda: list((nodes[1] / "checkpoints").glob("*.pt")), 60, "node 1's first checkpoint")
     except BaseException:
-        _kill(jobs)
+        end_jobs(*jobs)
         raise
     return run, jobs, nodes
 
@@ -137,7 +127,7 @@ def test_a_bridged_nodes_bridge_follows_its_server_restart(tmp_path, procs, mpi_
         print(f"\n{strategy}: bridged node 1's server killed: its bridge attached to the restarted server {seconds:.1f} s after "
               f"the kill; both nodes done, bridge 'every node finished'", flush=True)
     finally:
-        _kill(jobs)
+        end_jobs(*jobs)
 
 
 def test_a_bridged_node_whose_server_dies_for_good_leaves_the_exchanges_and_says_why(tmp_path, procs, mpi_env):
@@ -166,4 +156,4 @@ def test_a_bridged_node_whose_server_dies_for_good_leaves_the_exchanges_and_says
         print(f"\nbridged node 1's server and watchdog killed: its bridge left the exchanges {seconds:.1f} s after "
               "the kill (no watchdog restarts it); node 1 failed, node 0 done alone", flush=True)
     finally:
-        _kill(jobs)
+        end_jobs(*jobs)
