@@ -21,8 +21,8 @@ import test_bridge
 import torch
 
 from gadei.region import Region, inspect
-from helpers import communicate, end_jobs, wait_for
-from test_bridge_jobfile import _leftovers, _mpiexec_run
+from helpers import communicate, end_jobs, job_processes, wait_for
+from test_bridge_jobfile import _mpiexec_run
 
 mpi_env = test_bridge.mpi_env  # the fixture: mpiexec's environment here, or a skip (a failure under CI)
 
@@ -123,7 +123,7 @@ def test_a_bridged_nodes_bridge_follows_its_server_restart(tmp_path, procs, mpi_
         assert all(torch.equal(models[0][k], models[1][k]) for k in models[0]), "the nodes' models differ"
         assert results[0]["test_accuracy"] == results[1]["test_accuracy"] > 0.9, results
         assert all(inspect(job) is None for job in jobs)
-        assert _leftovers(jobs) == []
+        assert job_processes(*jobs) == []
         print(f"\n{strategy}: bridged node 1's server killed: its bridge attached to the restarted server {seconds:.1f} s after "
               f"the kill; both nodes done, bridge 'every node finished'", flush=True)
     finally:
@@ -152,7 +152,7 @@ def test_a_bridged_node_whose_server_dies_for_good_leaves_the_exchanges_and_says
         assert results[1]["bridge"]["reason"] == ended["reason"], results[1]["bridge"]
         assert (results[0]["outcome"], results[0]["finished"]) == ("done", True), results[0]
         assert results[0]["bridge"]["reason"] == "the exchanges ended: 1 rank(s) left", results[0]["bridge"]
-        assert inspect(jobs[0]) is None and _leftovers(jobs) == []  # node 1's killed server left its region
+        assert inspect(jobs[0]) is None and job_processes(*jobs) == []  # node 1's killed server left its region
         print(f"\nbridged node 1's server and watchdog killed: its bridge left the exchanges {seconds:.1f} s after "
               "the kill (no watchdog restarts it); node 1 failed, node 0 done alone", flush=True)
     finally:
