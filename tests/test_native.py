@@ -96,13 +96,15 @@ def test_poll_rings_dozing_finds_work_published_meanwhile_and_sleeps_otherwise()
     table = np.zeros(stride * count // 8, dtype=np.uint64)
     base = table.ctypes.data
     head_off, tail_off = 8, 72
-    cpu = time.thread_time()
-    assert _native.poll_rings(base, count, stride, head_off, tail_off, 0, 200_000_000) == -1
-    spinning = time.thread_time() - cpu
     cpu, start = time.thread_time(), time.monotonic()
     assert _native.poll_rings(base, count, stride, head_off, tail_off, 0, 200_000_000, 50_000) == -1
-    assert time.monotonic() - start >= 0.2
-    assert time.thread_time() - cpu < spinning / 2  # the same 0.2 s spinning: all the CPU it was given
+    elapsed = time.monotonic() - start
+    assert elapsed >= 0.2
+    # A spinning poll uses all the CPU it is given over those 0.2 s (all of it on an idle core);
+    # a doze of 50 us naps a few percent. Measured against the doze's own wall time, not a
+    # spinning run's CPU: on a loaded machine that one is given a fraction of a core.
+    dozing = time.thread_time() - cpu
+    assert dozing < 0.25 * elapsed, (dozing, elapsed)
     publisher = threading.Timer(0.05, lambda: _native.store64(base + 2 * stride + head_off, 1))
     publisher.start()
     start = time.monotonic()
