@@ -34,6 +34,7 @@ once its job serves, and learner i trains shard rank*L + i of NODES*L.
 """
 
 import json
+import os
 import logging
 import shlex
 import signal
@@ -189,6 +190,11 @@ class JobRun:
         if ending is not None:
             return code is not None and not serving
         if code is not None and not serving and not dog_alive:
+            if code == 0 and self._learners_done():
+                outputs.write_ending(self.job.output, outputs.Ending(
+                    0, True, "every learner finished (its watchdog died before it recorded the end)", os.getpid(),
+                    time.time()))
+                return True
             if self.dog is None or code == 0:
                 self.note = self.note or f"the server exited {code} without a watchdog"
             else:
@@ -202,6 +208,27 @@ class JobRun:
         if self.dog is not None and not dog_alive and serving:
             self._adopt()
         return False
+
+    def _learners_done(self) -> bool:
+        """Whether every launched learner finished its schedule, for a job whose watchdog died
+        between stopping it and recording its end: the server's stop record (serve.log) holds
+        as many applied gradients as the learners' whole schedules have mini-batches (each is
+        applied once, restarts included), or the newest checkpoint that records the learners'
+        progress says each one is done."""
+        from . import checkpoint
+
+        if self.node is None and self.job.train.mode != "sync":
+            n, t = len(self.prepared.train), self.job.train
+            steps = t.epochs * sum(-(-len(range(k, n, t.learners)) // t.batch) for k in range(t.learners))
+            stops = [line for line in _lines(self.job.output / "logs" / "serve.log") if '"event": "stopped"' in line]
+            try:
+                if stops and json.loads(stops[-1])["applied_total"] == steps:
+                    return True
+            except (ValueError, KeyError, TypeError):
+                pass
+        found = checkpoint.latest(self.job.output / "checkpoints", with_progress=True)
+        return (found is not None and len(found.progress) >= self.job.train.learners
+                and all(v == "done" for v in found.progress.values()))
 
     def _look(self) -> None:
         """Who the region names as the job's server and watchdog (they change on a restart, an adoption)."""
@@ -236,6 +263,13 @@ class JobRun:
         print(f"gadei run: job {self.job.name}: {self.note}; stopping the job", file=sys.stderr, flush=True)
         self.dog = None
         self._stop()
+
+
+def _lines(path: Path) -> list[str]:
+    try:
+        return path.read_text(errors="replace").splitlines()
+    except FileNotFoundError:
+        return []
 
 
 WATCHDOG_GRACE = 90  # seconds a new watchdog may take to take over from a dead one

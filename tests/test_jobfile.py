@@ -408,3 +408,21 @@ def test_row_sparse_is_the_servers_choice_unless_the_job_file_says(small):
         jobfile.load(_job(small, bridged))
 
 
+
+
+def test_a_finished_job_whose_watchdog_died_before_recording_its_end_is_done(small):
+    """The watchdog killed between stopping a finished job and writing its end record: `gadei
+    run` finds every learner's schedule applied (the server's stop record) and reports the job
+    done; one gradient short, it cannot, and does not."""
+    from gadei import prepare
+    from gadei.run import JobRun
+
+    job = jobfile.load(_job(small, GOOD.format(name="pets") + "[train]\nlearners = 2\nepochs = 3\nbatch = 2\n"))
+    run = JobRun(prepare.check(job, False, None), quiet=True)
+    n = len(run.prepared.train)
+    steps = 3 * (-(-len(range(0, n, 2)) // 2) + -(-len(range(1, n, 2)) // 2))
+    logs = run.job.output / "logs"
+    logs.mkdir(parents=True)
+    for applied, done in ((steps - 1, False), (steps, True)):
+        (logs / "serve.log").write_text('gadei: serving\n{"event": "stopped", "applied_total": %d}\n' % applied)
+        assert run._learners_done() is done
