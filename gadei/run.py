@@ -190,7 +190,7 @@ class JobRun:
         if ending is not None:
             return code is not None and not serving
         if code is not None and not serving and not dog_alive:
-            if code == 0 and self._learners_done():
+            if code == 0 and not self.note and self._learners_done():  # not when this run stopped it (note)
                 outputs.write_ending(self.job.output, outputs.Ending(
                     0, True, "every learner finished (its watchdog died before it recorded the end)", os.getpid(),
                     time.time()))

@@ -216,10 +216,11 @@ def test_the_daemon_reports_the_real_outcome_when_a_role_of_its_job_is_killed(sm
     path, name, out = small
     daemon = _daemon(procs, daemon_env)
     finish(procs.gadei("submit", path, env=daemon_env))
-    roles = _when_training(name)
-    record = _record(procs, daemon_env, name)
-    assert record["state"] == "running" and record["pid"], record
+    # the record first: a status call takes a second or two, and the small job itself about five
+    record = wait_for(lambda: (r := _record(procs, daemon_env, name))["state"] == "running" and r["pid"] and r, 120,
+                      "the daemon to run the job", 0.2)
     run_pid = record["pid"]
+    roles = _when_training(name)
     victim = {"server": roles["server"], "watchdog": roles["watchdog"], "learner": roles["learners"][0],
               "gadei run": run_pid}.get(role, daemon.pid)
     os.kill(victim, signal.SIGKILL)
