@@ -67,6 +67,10 @@ def run_bench(args) -> int:
     unknown = [w for w in args.what if w not in BENCHES]
     if unknown:
         raise ValueError(f"unknown benchmark(s) {unknown}; choose from {sorted(BENCHES)}")
+    if getattr(args, "data", None):
+        from ..data import resolve
+
+        args.data = resolve(args.data)  # a shared data set's bare name ('trec'), as `gadei learn --data` takes it
     built, processors = _native.openmp()
     out = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
                        "torch": torch.__version__, "openmp": built, "kernel_threads_default": settings().threads},
