@@ -46,7 +46,7 @@ def run_demo(args) -> int:
                 now = status.read(region)
                 rate = status.rates(before, now)
                 print(f"  version {now.version:,}: {rate.updates:,.0f} updates/s, "
-                      f"{sum(rate.samples.values()):,.0f} samples/s, "
+                      f"{rate.updates * args.batch:,.0f} samples/s, "  # each update: one learner's mini-batch
                       f"{rate.bytes / 1e9:.2f} GB/s of gradients", flush=True)
                 before = now
             codes = [p.wait() for p in local.learners]
