@@ -37,8 +37,10 @@ def _events(folder) -> list[dict]:
     return [json.loads(line) for line in text.splitlines() if line.endswith("}")]
 
 
-def _blobs_job(folder, name: str, strategy: str) -> os.PathLike:
-    """A small bridged job: an MLP on 900 numeric samples, one learner per node, an exchange every 0.2 s."""
+def _blobs_job(folder, name: str, strategy: str, timeout: float) -> os.PathLike:
+    """A small bridged job: an MLP on 900 numeric samples, one learner per node, an exchange every
+    0.2 s; 40 epochs (about 15 s here, 30 s on a loaded machine), so node 0 still trains when node
+    1's restarted server serves (which can take 6 s under load)."""
     import numpy as np
 
     rng = np.random.default_rng(0)
@@ -48,19 +50,19 @@ def _blobs_job(folder, name: str, strategy: str) -> os.PathLike:
     np.savez(folder / "blobs.npz", x=x, y=np.array([f"class-{v}" for v in y]))
     path = folder / "job.toml"
     path.write_text(f'[job]\nname = "{name}"\nworkload = "mlp"\n[data]\ntrain = "blobs.npz"\nformat = "npz"\n'
-                    'holdout = 0.2\n[train]\nlearners = 1\nepochs = 16\nlr = 0.05\n[checkpoint]\ninterval = 1\n'
-                    f'[bridge]\nstrategy = "{strategy}"\nevery = 0.2\nbucket_mb = 0\ntimeout = 30\n'
+                    'holdout = 0.2\n[train]\nlearners = 1\nepochs = 40\nlr = 0.05\n[checkpoint]\ninterval = 1\n'
+                    f'[bridge]\nstrategy = "{strategy}"\nevery = 0.2\nbucket_mb = 0\ntimeout = {timeout:g}\n'
                     '[output]\nfolder = "out"\n')
     return path
 
 
-def _exchanging(procs, mpi_env, tmp_path, strategy: str = "average"):
+def _exchanging(procs, mpi_env, tmp_path, strategy: str = "average", timeout: float = 30):
     """Start the two nodes; (mpiexec, job names, node folders) once node 1's bridge exchanged
     three times and its job wrote a checkpoint (a restart goes on from there)."""
     name = f"restart-{os.getpid()}-{tmp_path.name[-10:]}".replace("_", "-")
     jobs = [f"{name}-r{r}" for r in range(2)]
     nodes = [tmp_path / "out" / f"node-{r}" for r in range(2)]
-    run = _mpiexec_run(procs, mpi_env, _blobs_job(tmp_path, name, strategy))
+    run = _mpiexec_run(procs, mpi_env, _blobs_job(tmp_path, name, strategy, timeout))
 
     def exchanging():
         if run.poll() is not None:
@@ -128,6 +130,48 @@ def test_a_bridged_nodes_bridge_follows_its_server_restart(tmp_path, procs, mpi_
               f"the kill; both nodes done, bridge 'every node finished'", flush=True)
     finally:
         end_jobs(*jobs)
+
+
+def test_a_gossip_node_restarted_after_its_peers_finished_joins_the_final_average(tmp_path, procs, mpi_env):
+    """The CI's unlucky timing made deliberate: node 1's server dies, and its watchdog (held
+    with SIGSTOP) restarts it only after node 0 finished and left the gossip. Node 1's bridge
+    waits for the restart rather than ending with 'no peers left', and its restarted job's
+    final weights join node 0's in the final average (which waits up to the timeout, 90 s)."""
+    run, jobs, nodes = _exchanging(procs, mpi_env, tmp_path, "gossip", timeout=90)
+    try:
+        server, watchdog = _roles(jobs[1])
+        os.kill(watchdog, signal.SIGSTOP)
+        try:
+            os.kill(server, signal.SIGKILL)
+            _first(nodes[1], ("server-died",), 60)
+            wait_for(lambda: '"event": "stopped"' in _text(nodes[0] / "logs" / "serve.log"), 240,
+                     "node 0's job to finish")
+            wait_for(lambda: any("every peer left the exchanges while job" in line for line in run.err_lines) or
+                     any(e["event"] == "ended" for e in _events(nodes[1])), 60,
+                     "node 1's bridge to see every peer leave", interval=0.1)
+        finally:
+            os.kill(watchdog, signal.SIGCONT)
+        out, err = communicate(run, 600)
+        assert run.returncode == 0, (out + err)[-5000:]
+        kinds = [e["event"] for e in _events(nodes[1])]
+        assert kinds.index("server-died") < kinds.index("reattached"), kinds
+        results = [json.loads((folder / "result.json").read_text()) for folder in nodes]
+        for r, result in enumerate(results):
+            assert (result["outcome"], result["finished"]) == ("done", True), result
+            assert result["bridge"]["reason"] == "every node finished", result["bridge"]
+        assert results[1]["bridge"]["restarts"] == 1, results[1]["bridge"]
+        models = [torch.load(folder / "model.pt", weights_only=True) for folder in nodes]
+        assert all(torch.equal(models[0][k], models[1][k]) for k in models[0]), "the nodes' models differ"
+        assert job_processes(*jobs) == []
+    finally:
+        end_jobs(*jobs)
+
+
+def _text(path) -> str:
+    try:
+        return path.read_text()
+    except FileNotFoundError:
+        return ""
 
 
 def test_a_bridged_node_whose_server_dies_for_good_leaves_the_exchanges_and_says_why(tmp_path, procs, mpi_env):

@@ -152,16 +152,11 @@ class BridgeRank:
                 leaving = False
                 if held is not None and look.expired():  # the local server died: follow its restart, or leave
                     look = Deadline(RESTART_LOOK)
-                    successor = node.successor()
+                    successor, why_left = self._restarted(node, restart)
                     if successor is not None:
-                        node = self._reattach(node, successor)
-                        held = None
+                        node, held = successor, None
                         schedule.version = node.version()  # a restart goes back to the last checkpoint
-                    elif not node.watchdog_alive() or restart.expired():
-                        why_left = (f"the local server (pid {node.server[0]}) died and " +
-                                    ("no watchdog restarts it" if not node.watchdog_alive() else
-                                     f"no restarted server served within {restart.seconds:g} s"))
-                        log.error("bridge rank %d: %s; leaving the exchanges", self.rank, why_left)
+                    elif why_left:
                         broken = leaving = True
                 elif final is None and held is None:
                     node.beat()
@@ -235,12 +230,45 @@ class BridgeRank:
             self.report.published = self._published + node.published
         if self.report.reason != "peer lost":
             strategy.leave()
+            if not strategy.collective and held is not None and not broken:
+                broken = not self._await_restart(node, restart)  # the peers finished while it restarts
             if not strategy.collective:
                 self._final_average(strategy, weights, broken)
         return self._finish(started, strategy)
 
     def _beat(self) -> None:
         self.node.beat()  # the node attached now (a restarted server's, after a restart)
+
+    def _restarted(self, node: LocalNode, restart: Deadline) -> tuple[LocalNode | None, str]:
+        """One look for the restarted server of a node whose server died: (the node attached
+        to it, "") once it serves; (None, why) when none will (no watchdog, or none served
+        within RESTART_WAIT); (None, "") while one may yet."""
+        successor = node.successor()
+        if successor is not None:
+            return self._reattach(node, successor), ""
+        if node.watchdog_alive() and not restart.expired():
+            return None, ""
+        why = (f"the local server (pid {node.server[0]}) died and " +
+               ("no watchdog restarts it" if not node.watchdog_alive() else
+                f"no restarted server served within {restart.seconds:g} s"))
+        log.error("bridge rank %d: %s; leaving the exchanges", self.rank, why)
+        return None, why
+
+    def _await_restart(self, node: LocalNode, restart: Deadline) -> bool:
+        """Every peer left the exchanges while the local server was dead (gossip): wait for
+        its restart, so that the restarted job's final weights still join the final average.
+        True once attached to the restarted server."""
+        log.warning("bridge rank %d: every peer left the exchanges while job %r's server was down; waiting for its "
+                    "restart (at most %.0f s more) so that its final weights join the final average", self.rank,
+                    self.job, restart.left())
+        while True:
+            successor, why = self._restarted(node, restart)
+            if successor is not None:
+                return True
+            if why:
+                self.report.reason = why
+                return False
+            time.sleep(RESTART_LOOK)
 
     def _reattach(self, old: LocalNode, new: LocalNode) -> LocalNode:
         """The local server was restarted (by its watchdog, from its last checkpoint): the
