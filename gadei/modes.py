@@ -509,10 +509,10 @@ def adam_reference(w: np.ndarray, m: np.ndarray, v: np.ndarray, g: np.ndarray, l
     b1, a1 = np.float32(ADAM_BETA1), np.float32(1.0 - ADAM_BETA1)
     b2, a2 = np.float32(ADAM_BETA2), np.float32(1.0 - ADAM_BETA2)
     size = np.float32(lr / (1.0 - ADAM_BETA1 ** step))
-    c2 = np.float32(math.sqrt(1.0 - ADAM_BETA2 ** step))
+    c2 = np.float32(1.0 / math.sqrt(1.0 - ADAM_BETA2 ** step))
     m[:] = b1 * m + a1 * g
     v[:] = b2 * v + a2 * (g * g)
-    w -= size * (m / (np.sqrt(v) / c2 + np.float32(ADAM_EPS)))
+    w -= size * (m / (np.sqrt(v) * c2 + np.float32(ADAM_EPS)))
 
 
 def adam_rows_reference(table: np.ndarray, m: np.ndarray, v: np.ndarray, indices: np.ndarray, rows: np.ndarray,

@@ -432,7 +432,7 @@ gd_adagrad_rows(float *w, float *s, size_t n_rows, size_t width, const int64_t *
 struct gd_adam {
     float b1, a1, b2, a2; /* beta1, 1 - beta1, beta2, 1 - beta2 */
     float step;           /* lr / (1 - beta1^t) */
-    float c2;             /* sqrt(1 - beta2^t) */
+    float c2;             /* 1 / sqrt(1 - beta2^t): a multiply, not a second division per element */
     float eps;
 };
 
@@ -446,13 +446,14 @@ gd_adam_scalars(double lr, double beta1, double beta2, double eps, uint64_t step
     c.b2 = (float)beta2;
     c.a2 = (float)(1.0 - beta2);
     c.step = (float)(lr / (1.0 - pow(beta1, t)));
-    c.c2 = (float)sqrt(1.0 - pow(beta2, t));
+    c.c2 = (float)(1.0 / sqrt(1.0 - pow(beta2, t)));
     c.eps = (float)eps;
     return c;
 }
 
-/* One element of Adam (torch.optim.Adam's order of operations, float32):
- * m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g^2; w -= step m / (sqrt(v) / c2 + eps).
+/* One element of Adam (torch.optim.Adam's order of operations, float32, but for the bias
+ * correction of v, a multiply by c2 = 1 / sqrt(1 - b2^t)):
+ * m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g^2; w -= step m / (sqrt(v) c2 + eps).
  * A zero gradient still decays m and v and moves w (dense Adam updates every weight). */
 static inline void
 gd_adam_one(float *w, float *m, float *v, float g, const struct gd_adam *c)
@@ -461,7 +462,7 @@ gd_adam_one(float *w, float *m, float *v, float g, const struct gd_adam *c)
     float v1 = c->b2 * *v + c->a2 * (g * g);
     *m = m1;
     *v = v1;
-    *w -= c->step * (m1 / (sqrtf(v1) / c->c2 + c->eps));
+    *w -= c->step * (m1 / (sqrtf(v1) * c->c2 + c->eps));
 }
 
 static void
@@ -483,7 +484,7 @@ gd_adam8(float *w, float *m, float *v, __m256 g, __m256 b1, __m256 a1, __m256 b2
     __m256 v1 = _mm256_add_ps(_mm256_mul_ps(b2, _mm256_loadu_ps(v)), _mm256_mul_ps(a2, _mm256_mul_ps(g, g)));
     _mm256_storeu_ps(m, m1);
     _mm256_storeu_ps(v, v1);
-    __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v1), c2), eps);
+    __m256 denom = _mm256_add_ps(_mm256_mul_ps(_mm256_sqrt_ps(v1), c2), eps);
     _mm256_store_ps(w, _mm256_sub_ps(_mm256_load_ps(w), _mm256_mul_ps(step, _mm256_div_ps(m1, denom))));
 }
 
