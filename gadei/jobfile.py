@@ -118,7 +118,8 @@ def _devices(value: str) -> str:
 @dataclass(frozen=True)
 class Train(RuleOptions):
     """A job's [train] section: the update rule's options (`gadei.modes.RuleOptions`, declared
-    there: lr, momentum, optimizer, stale_lr, stale_bound, alpha, tau, drop_after, nonfinite)
+    there: lr, momentum, optimizer, adam_beta1, adam_beta2, adam_eps, stale_lr, stale_bound, alpha, tau,
+    drop_after, nonfinite)
     and the job's own. What depends on the data (batch, epochs, and the optimizer: adagrad,
     or sgd in elastic mode) is chosen by `Job.with_defaults` where the file leaves it out;
     `given` holds the keys the file gave."""

@@ -123,6 +123,9 @@ HEADER, HEADER_BYTES = _record(
         _LINE_BREAK,
         # the job's options, written once by the creator
         ("momentum", "f64"),
+        ("adam_beta1", "f64"),  # Adam's moment decays and epsilon (optimizer adam)
+        ("adam_beta2", "f64"),
+        ("adam_eps", "f64"),
         ("optimizer", "u32"),  # 0: sgd; 1: adagrad (state: the sums of squared gradients); 2: adam (state: m, v)
         ("stale_lr", "u32"),  # 1: divide the learning rate by each gradient's staleness
         ("stale_bound", "u32"),  # 0: none; K: no gradient is applied more than K versions stale

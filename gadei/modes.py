@@ -34,7 +34,8 @@ ASYNC = ("async", "consistent")
 OPTIMIZERS = ("sgd", "adagrad", "adam")  # index = the header's code
 NONFINITE = ("skip", "stop")  # what the server does with a gradient holding NaN or inf; index = the header's code
 ADAGRAD_EPS = 1e-10
-ADAM_BETA1, ADAM_BETA2, ADAM_EPS = 0.9, 0.999, 1e-8  # torch.optim.Adam's defaults
+ADAM_BETA1, ADAM_BETA2, ADAM_EPS = 0.9, 0.999, 1e-8  # torch.optim.Adam's defaults (RuleOptions' adam_*)
+ADAM_OPTIONS = ("adam_beta1", "adam_beta2", "adam_eps")
 MAX_LR = 10.0  # a larger step makes every workload's loss overflow at once
 
 
@@ -47,14 +48,16 @@ class RuleOptions:
         momentum: momentum mu kept by the server (0: none): v = mu v + g; w -= lr v.
         optimizer: "sgd" (w -= lr g, with momentum if set), "adagrad" (per weight: s += g^2;
             w -= lr g / (sqrt(s) + 1e-10); the server keeps s, and checkpoints it) or "adam"
-            (per weight, torch.optim.Adam's rule with betas 0.9, 0.999 and eps 1e-8: the
-            server keeps the moments m and v, and checkpoints them; the step t of the bias
+            (per weight, torch.optim.Adam's rule with betas adam_beta1, adam_beta2 and
+            adam_eps: the server keeps the moments m and v, and checkpoints them; the step t of the bias
             correction is the weights' version after the update; row-sparse tables are
             updated lazily, as torch.optim.SparseAdam: only the rows a gradient carries).
             Adagrad gives rarely seen weights (the embedding rows of rare words) larger
             steps, as Kim 2014's Adadelta did: on SST-2 the text CNN reaches 78-79% in 3
             epochs at lr 0.01, where plain SGD stays near 77% after 20. Adam's usual lr is
             0.001.
+        adam_beta1, adam_beta2, adam_eps: Adam's decay of its first and second moments and
+            its epsilon (torch's defaults 0.9, 0.999, 1e-8); only with optimizer adam.
         stale_lr: divide the learning rate by each gradient's staleness (async, consistent).
         stale_bound: 0, or K: no gradient is applied more than K versions after the weights
             it was computed on (async, consistent). A learner does not publish a gradient
@@ -80,6 +83,12 @@ class RuleOptions:
                             "root of the sum of its squared gradients) or adam (per weight, moments kept by the "
                             "server; usual lr 0.001); async, consistent, sync", choices=OPTIMIZERS,
                             modes=SERVER_STEPS)
+    adam_beta1: float = option(ADAM_BETA1, "adam: decay of the first moment m (torch's beta1)", low=0, high=1,
+                               high_open=True, modes=SERVER_STEPS)
+    adam_beta2: float = option(ADAM_BETA2, "adam: decay of the second moment v (torch's beta2)", low=0, high=1,
+                               high_open=True, modes=SERVER_STEPS)
+    adam_eps: float = option(ADAM_EPS, "adam: added to the root of v before dividing (torch's eps)", low=0, high=1,
+                             low_open=True, modes=SERVER_STEPS)
     stale_lr: bool = option(False, "async/consistent: divide lr by each gradient's staleness", modes=ASYNC)
     stale_bound: int = option(0, "async/consistent: no gradient applied more than K versions late (0: no bound)",
                               low=0, high=10**9, metavar="K", modes=ASYNC)
@@ -102,6 +111,10 @@ class RuleOptions:
         if self.optimizer != "sgd" and self.momentum:
             raise ValueError(f"momentum applies to the sgd optimizer, not {self.optimizer}"
                              + (" (Adam keeps its own first moment, beta1 0.9)" if self.optimizer == "adam" else ""))
+        for name in ADAM_OPTIONS:
+            if self.optimizer != "adam" and getattr(self, name) != RuleOptions.__dataclass_fields__[name].default:
+                raise ValueError(f"{name} applies to the adam optimizer only; give optimizer = 'adam' (--optimizer "
+                                 "adam) with it, or leave it out")
         if self.optimizer != "sgd" and mode == "elastic":
             raise ValueError(f"the {self.optimizer} optimizer applies to async, consistent and sync modes, not "
                              "elastic (elastic learners take their own local steps)")
@@ -215,15 +228,17 @@ class SlotFormat:
                             ADAGRAD_EPS, int(clear), self.threads, self.dtype)
         self._rows(weights, state, payload, lr, clear, "adagrad")
 
-    def adam(self, weights: int, state: int, payload: int, lr: float, step: int, *, clear: bool = True) -> None:
-        """Adam at step `step`, in place, its moments m at `state` and v n weights after: every
-        dense weight moves (a zero gradient decays m and v too), a row-sparse table only in the
-        rows the gradient carries (lazy Adam, as torch.optim.SparseAdam)."""
+    def adam(self, weights: int, state: int, payload: int, lr: float, step: int, betas: tuple[float, float, float],
+             *, clear: bool = True) -> None:
+        """Adam at step `step` with `betas` (beta1, beta2, eps), in place, its moments m at
+        `state` and v n weights after: every dense weight moves (a zero gradient decays m and v
+        too), a row-sparse table only in the rows the gradient carries (lazy Adam, as
+        torch.optim.SparseAdam)."""
         second = state + 4 * self.n
         for offset, length, slot in self.segments:
             _native.adam(weights + 4 * offset, state + 4 * offset, second + 4 * offset, payload + self.itemsize * slot,
-                         length, lr, ADAM_BETA1, ADAM_BETA2, ADAM_EPS, step, int(clear), self.threads, self.dtype)
-        self._rows(weights, state, payload, lr, clear, "adam", step)
+                         length, lr, *betas, step, int(clear), self.threads, self.dtype)
+        self._rows(weights, state, payload, lr, clear, "adam", step, betas)
 
     def momentum(self, weights: int, state: int, payload: int, lr: float, mu: float, *, clear: bool = True) -> None:
         """v = mu v + gradient; weights -= lr v, in place over every weight (tables too)."""
@@ -236,7 +251,7 @@ class SlotFormat:
         self._rows(weights, state, payload, lr, clear)
 
     def _rows(self, weights: int, state: int, payload: int, lr: float, clear: bool, rule: str = "sgd",
-              step: int = 0) -> None:
+              step: int = 0, betas: tuple[float, float, float] = (ADAM_BETA1, ADAM_BETA2, ADAM_EPS)) -> None:
         for table, area in zip(self.tables, self.areas):
             count = _native.load64(payload + area.count)
             if count == 0:
@@ -247,8 +262,8 @@ class SlotFormat:
             if rule == "adam":
                 bad = _native.adam_rows(weights + 4 * table.offset, state + 4 * table.offset,
                                         state + 4 * (self.n + table.offset), table.rows, table.width,
-                                        payload + area.indices, payload + area.rows, count, lr, ADAM_BETA1,
-                                        ADAM_BETA2, ADAM_EPS, step, self.dtype)
+                                        payload + area.indices, payload + area.rows, count, lr, *betas, step,
+                                        self.dtype)
             elif rule == "adagrad":
                 bad = _native.adagrad_rows(weights + 4 * table.offset, state + 4 * table.offset, table.rows,
                                            table.width, payload + area.indices, payload + area.rows, count, lr,
@@ -285,6 +300,7 @@ class UpdateRule(ABC):
         self.state = region.base + region.layout.state if region.layout.state is not None else 0
         self.format = SlotFormat(region, self.threads)
         self._header = region.header
+        self.betas = (options.adam_beta1, options.adam_beta2, options.adam_eps)
 
     def step(self) -> int:
         """The step t of the update being made: the weights' version after it (updates applied
@@ -340,7 +356,7 @@ class AsyncSGD(UpdateRule):
 
     def _update(self, payload: int, lr: float) -> None:
         if self.options.optimizer == "adam":
-            self.format.adam(self.weights, self.state, payload, lr, self.step())
+            self.format.adam(self.weights, self.state, payload, lr, self.step(), self.betas)
         elif self.options.optimizer == "adagrad":
             self.format.adagrad(self.weights, self.state, payload, lr)
         elif self.options.momentum:
@@ -356,7 +372,7 @@ class AsyncSGD(UpdateRule):
             if options.optimizer == "adam":  # update i makes version + i + 1
                 n = len(weights)
                 adam_reference(weights, state[:n], state[n:], grad, options.lr / s if options.stale_lr and s > 1 else
-                               options.lr, version + i + 1)
+                               options.lr, version + i + 1, options.adam_beta1, options.adam_beta2, options.adam_eps)
             elif options.optimizer == "adagrad":
                 touched = grad != 0
                 state[touched] += grad[touched] * grad[touched]
@@ -428,7 +444,7 @@ class SyncSGD(AsyncSGD):
         m, v = self.state, self.state + 4 * n
         for offset, length, _ in self.format.segments:
             _native.adam(self.weights + 4 * offset, m + 4 * offset, v + 4 * offset, self._sum_addr + 4 * offset, length,
-                         lr, ADAM_BETA1, ADAM_BETA2, ADAM_EPS, step, 1, self.threads, f32)
+                         lr, *self.betas, step, 1, self.threads, f32)
         for k, table in enumerate(self.format.tables):
             indices = np.unique(np.concatenate([rows[k] for rows in touched]))
             if not indices.size:
@@ -437,7 +453,7 @@ class SyncSGD(AsyncSGD):
             rows = np.ascontiguousarray(area[indices])
             _native.adam_rows(self.weights + 4 * table.offset, m + 4 * table.offset, v + 4 * table.offset,
                               table.rows, table.width, int(indices.ctypes.data), int(rows.ctypes.data), len(indices),
-                              lr, ADAM_BETA1, ADAM_BETA2, ADAM_EPS, step, f32)
+                              lr, *self.betas, step, f32)
             area[indices] = 0.0
 
     @staticmethod
@@ -446,7 +462,9 @@ class SyncSGD(AsyncSGD):
         for grad in grads:
             mean += np.float32(1.0 / len(grads)) * grad
         AsyncSGD.reference(weights, [mean], RuleOptions(lr=options.lr, momentum=options.momentum,
-                                                    optimizer=options.optimizer), state, version=version)
+                                                    optimizer=options.optimizer, adam_beta1=options.adam_beta1,
+                                                    adam_beta2=options.adam_beta2, adam_eps=options.adam_eps),
+                           state, version=version)
 
 
 class _Float32Dense:
@@ -503,16 +521,17 @@ def nonfinite_reference(values: np.ndarray) -> int:
     return int(np.count_nonzero(~np.isfinite(values)))
 
 
-def adam_reference(w: np.ndarray, m: np.ndarray, v: np.ndarray, g: np.ndarray, lr: float, step: int) -> None:
+def adam_reference(w: np.ndarray, m: np.ndarray, v: np.ndarray, g: np.ndarray, lr: float, step: int,
+                   beta1: float = ADAM_BETA1, beta2: float = ADAM_BETA2, eps: float = ADAM_EPS) -> None:
     """One Adam update at step `step` in NumPy, in place on float32 arrays: the scalars in
     double (as the kernel computes them), the elements in float32, in the kernel's order."""
-    b1, a1 = np.float32(ADAM_BETA1), np.float32(1.0 - ADAM_BETA1)
-    b2, a2 = np.float32(ADAM_BETA2), np.float32(1.0 - ADAM_BETA2)
-    size = np.float32(lr / (1.0 - ADAM_BETA1 ** step))
-    c2 = np.float32(1.0 / math.sqrt(1.0 - ADAM_BETA2 ** step))
+    b1, a1 = np.float32(beta1), np.float32(1.0 - beta1)
+    b2, a2 = np.float32(beta2), np.float32(1.0 - beta2)
+    size = np.float32(lr / (1.0 - beta1 ** step))
+    c2 = np.float32(1.0 / math.sqrt(1.0 - beta2 ** step))
     m[:] = b1 * m + a1 * g
     v[:] = b2 * v + a2 * (g * g)
-    w -= size * (m / (np.sqrt(v) * c2 + np.float32(ADAM_EPS)))
+    w -= size * (m / (np.sqrt(v) * c2 + np.float32(eps)))
 
 
 def adam_rows_reference(table: np.ndarray, m: np.ndarray, v: np.ndarray, indices: np.ndarray, rows: np.ndarray,

@@ -360,11 +360,13 @@ def test_adagrad_matches_its_reference_and_its_sums_survive_a_checkpoint(job, tm
 def test_adam_matches_its_reference_and_goes_on_from_a_checkpoint(job, tmp_path):
     """Four gradients, a checkpoint, a new server resumed from it, three more: the weights and
     both moments are those of seven uninterrupted steps (t goes on from the version), and
-    the checkpoint names the moments. A checkpoint without them is refused."""
+    the checkpoint names the moments. A checkpoint without them is refused. Betas other than
+    torch's defaults travel through the header (the sync test holds the defaults to torch)."""
     from gadei import checkpoint
+    from gadei.modes import read_options
 
     grads = [np.full(100, v, np.float32) for v in (1.0, -2.0, 0.5, 3.0, 0.0, -1.0, 0.25)]
-    rule = RuleOptions(lr=0.5, optimizer="adam")
+    rule = RuleOptions(lr=0.5, optimizer="adam", adam_beta1=0.8, adam_beta2=0.99, adam_eps=1e-3)
     w, state = np.ones(100, np.float32), np.zeros(200, np.float32)
     server, learner = _in_process_job(job, rule=rule)
     try:
@@ -383,6 +385,7 @@ def test_adam_matches_its_reference_and_goes_on_from_a_checkpoint(job, tmp_path)
     server, learner = _in_process_job(job, rule=rule, resume=checkpoint.latest(tmp_path))
     try:
         assert server.region.header.get("optimizer") == 2 and server.version == 4
+        assert read_options(server.region) == rule
         np.testing.assert_array_equal(server.region.state, state)
         for g in grads[4:]:
             _push(server, learner, float(g[0]), server.version)
@@ -467,6 +470,10 @@ def test_options_a_mode_cannot_use_are_refused(job):
         ("async", {"optimizer": "rmsprop"}, "optimizer = 'rmsprop' is not one of the choices; allowed: sgd, adagrad, adam"),
         ("async", {"optimizer": "adam", "momentum": 0.9}, "momentum applies to the sgd optimizer, not adam"),
         ("elastic", {"optimizer": "adam"}, "adam optimizer applies to async, consistent and sync"),
+        ("async", {"adam_beta1": 0.5}, "adam_beta1 applies to the adam optimizer only; give optimizer = 'adam'"),
+        ("sync", {"optimizer": "adagrad", "adam_eps": 1e-6}, "adam_eps applies to the adam optimizer only"),
+        ("async", {"optimizer": "adam", "adam_beta2": 1.0}, "adam_beta2 = 1.0 is out of range; allowed: a number "
+                                                             "from 0, below 1"),
         ("async", {"slots": 0}, "slots = 0 is out of range; allowed: 1 to 64"),
         ("async", {"optimizer": "adagrad", "momentum": 0.9}, "momentum applies to the sgd optimizer"),
         ("elastic", {"optimizer": "adagrad"}, "adagrad optimizer applies to async, consistent and sync"),
