@@ -44,6 +44,14 @@ def adagrad(w: int, s: int, g: int, n: int, lr: float, eps: float, clear: int, t
 def adagrad_rows(w: int, s: int, n_rows: int, width: int, idx: int, rows: int, count: int, lr: float, eps: float,
                  dtype: int, /) -> int:
     """Adagrad on `count` rows of a table (indices int64 at `idx`); how many indices were out of range."""
+def adam(w: int, m: int, v: int, g: int, n: int, lr: float, beta1: float, beta2: float, eps: float, step: int,
+         clear: int, threads: int, dtype: int, /) -> None:
+    """Adam at step t (bias correction): m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g^2;
+    w -= lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps), every element."""
+def adam_rows(w: int, m: int, v: int, n_rows: int, width: int, idx: int, rows: int, count: int, lr: float,
+              beta1: float, beta2: float, eps: float, step: int, dtype: int, /) -> int:
+    """Lazy Adam on `count` rows of a table: only those rows' moments and weights change; how many
+    indices were out of range."""
 def sgd_rows(w: int, v: int, n_rows: int, width: int, idx: int, rows: int, count: int, lr: float, dtype: int,
              /) -> int:
     """SGD on `count` rows of a table; how many indices were out of range."""

@@ -7,11 +7,11 @@ every checkpoint written there), that plain PyTorch reads without running pickle
     model.load_state_dict(ckpt["model"])
 
 It holds the weights as a state dict (`model`), the version they are at and the gradients
-applied, the server's optimiser state (`optimizer`: the momentum buffer where the mode keeps
-one; EASGD's centre is the weights themselves), every learner's counters and the job's
-configuration (both JSON text), the progress of the learners a watchdog launched
-(`progress`: samples of each one's schedule that the weights hold, or "done"), and a SHA-256
-`checksum` over all of it.
+applied, the server's optimiser state (`optimizer`: the momentum buffer, Adagrad's sums or
+Adam's two moments where the job keeps them; EASGD's centre is the weights themselves),
+every learner's counters and the job's configuration (both JSON text), the progress of the
+learners a watchdog launched (`progress`: samples of each one's schedule that the weights
+hold, or "done"), and a SHA-256 `checksum` over all of it.
 
 Writing is crash safe: the file is written under a temporary name, flushed and fsync'ed,
 renamed over its final name (atomic), and the folder is fsync'ed, so a crash at any instant
@@ -66,8 +66,9 @@ class Checkpoint:
         version: the weights' version (updates applied to them, ever).
         applied: gradients the server applied, ever.
         model: the weights, parameter name -> float32 tensor (a state dict).
-        optimizer: the server's optimiser state, name -> float32 tensor (`momentum`, or
-            `adagrad_sums`).
+        optimizer: the server's optimiser state, name -> float32 tensor of n_params
+            (`momentum`, `adagrad_sums`, or Adam's `adam_m` and `adam_v`; Adam's step is the
+            version).
         config: the job's configuration (shape, mode, options), JSON-compatible.
         learners: each learner entry's counters, JSON-compatible.
         progress: for each learner the watchdog launched (by its number, as text): the
@@ -216,20 +217,21 @@ def _check(region) -> None:
 def _copy(region) -> Checkpoint:
     """The job's state as it is in `region` now (whole only while nothing updates it)."""
     from . import params
-    from .modes import read_options, state_name
+    from .modes import read_options, state_names
 
     h, shape = region.header, region.shape
     version, applied = h.get("version"), h.get("applied")
     weights = np.array(region.weights, dtype=np.float32, copy=True)
-    state = region.state
-    optimizer = {state_name(read_options(region)): torch.from_numpy(np.array(state, copy=True))} \
-        if state is not None else {}
+    state, n = region.state, shape.n_params
+    names = state_names(read_options(region)) if state is not None else ()
+    optimizer = {name: torch.from_numpy(np.array(state[k * n : (k + 1) * n], copy=True))
+                 for k, name in enumerate(names)}
     spec = region.read_spec()
     model = params.state_dict(spec, weights) if spec else {"weights": torch.from_numpy(weights)}
     learners = [{name: region.entry(i).get(name) for name in _ENTRY_COUNTERS} for i in range(shape.capacity)]
     config = {
         "job": region.job, "mode": shape.mode, "n_params": shape.n_params, "grad_dtype": shape.grad_dtype,
-        "learners": shape.capacity, "slots": shape.slots, "state_array": shape.state_array,
+        "learners": shape.capacity, "slots": shape.slots, "state_arrays": shape.state_arrays,
         "sparse": [[t.offset, t.rows, t.width, t.max_rows] for t in shape.sparse],
         "spec": [[name, list(dims)] for name, dims in spec] if spec else None,
         "options": dataclasses.asdict(read_options(region)),

@@ -22,12 +22,12 @@ validated `Job` before anything starts.
     learners = 2
     mode = "async"                # async, consistent, sync, elastic
     batch = 2                     # default: 2 below 10k samples, 4 up to 100k, 32 above
-    optimizer = "adagrad"         # adagrad or sgd (default: adagrad; elastic mode: sgd)
+    optimizer = "adagrad"         # adagrad, adam (usual lr 0.001) or sgd (default: adagrad; elastic mode: sgd)
     nonfinite = "skip"            # a gradient with NaN or inf: skip it and count it (default), or stop the job
     row_sparse = "auto"           # embedding gradients travel as the touched rows: true, false, or "auto" (default:
                                   # when the model's embedding gradients are sparse, as the text CNN's; not elastic)
     lr = 0.01
-    epochs = 20                   # the cap; default: about 60,000 updates with adagrad, 120,000 with sgd (3 to 40)
+    epochs = 20                   # the cap; default: about 60,000 updates (adagrad, adam), 120,000 with sgd (3 to 40)
     patience = 3                  # stop when the validation accuracy did not improve for this many evaluations
     seed = 0
     devices = "cpu"               # "cpu", "auto" (every visible GPU, else the CPU) or "cuda:0,cuda:1": learners round-robin
@@ -118,7 +118,8 @@ def _devices(value: str) -> str:
 @dataclass(frozen=True)
 class Train(RuleOptions):
     """A job's [train] section: the update rule's options (`gadei.modes.RuleOptions`, declared
-    there: lr, momentum, optimizer, stale_lr, stale_bound, alpha, tau, drop_after, nonfinite)
+    there: lr, momentum, optimizer, adam_beta1, adam_beta2, adam_eps, stale_lr, stale_bound, alpha, tau,
+    drop_after, nonfinite)
     and the job's own. What depends on the data (batch, epochs, and the optimizer: adagrad,
     or sgd in elastic mode) is chosen by `Job.with_defaults` where the file leaves it out;
     `given` holds the keys the file gave."""
@@ -130,7 +131,7 @@ class Train(RuleOptions):
                                shown="2 below 10,000 samples, 4 up to 100,000, 32 above")
     epochs: int | None = option(None, "the most passes over the training data (training stops earlier when the "
                                 "validation accuracy stopped improving: patience)", low=1, high=10**9,
-                                shown="about 60,000 updates with adagrad, 120,000 with sgd, 3 to 40")
+                                shown="about 60,000 updates with adagrad or adam, 120,000 with sgd, 3 to 40")
     patience: int = option(3, "evaluations on the validation set without improvement before training stops",
                            low=1, high=10**6)
     seed: int = option(0, "seed of the initial weights, the data order and a held-out split", low=0, high=2**32 - 1)
@@ -256,7 +257,7 @@ def default_batch(samples: int) -> int:
     return 2 if samples < 10_000 else 4 if samples <= 100_000 else 32
 
 
-UPDATES = {"adagrad": 60_000, "sgd": 120_000}
+UPDATES = {"adagrad": 60_000, "adam": 60_000, "sgd": 120_000}
 MAX_EPOCHS = 40
 
 
@@ -371,9 +372,9 @@ def parse(raw: dict, path: Path, *, data_files: bool = True) -> Job:
     if data_files:
         _check_data_files(where, data)
     train = values["train"]
-    if train.get("optimizer") == "adagrad" and train.get("mode") == "elastic":
-        raise JobFileError(f"{where}: [train] optimizer = 'adagrad' with mode = 'elastic': elastic learners take "
-                           "their own local steps; allowed with elastic: sgd")
+    if train.get("optimizer", "sgd") != "sgd" and train.get("mode") == "elastic":
+        raise JobFileError(f"{where}: [train] optimizer = {train['optimizer']!r} with mode = 'elastic': elastic "
+                           "learners take their own local steps; allowed with elastic: sgd")
     try:
         Train(**train).rule.check(train.get("mode", "async"))
     except ValueError as err:

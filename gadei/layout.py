@@ -11,8 +11,9 @@ region is, in order (each section page-aligned):
     learner table `capacity` entries of ENTRY_BYTES, each split into lines by writer
                   (learner-owned head, server-owned tail, staleness histogram)
     weights       n_params float32 (in elastic mode: the centre variable)
-    state         n_params float32 of server optimiser state (the momentum buffer, or
-                  Adagrad's sums of squared gradients), only when the job uses one
+    state         `state_arrays` x n_params float32 of server optimiser state, end to end:
+                  none, the momentum buffer, Adagrad's sums of squared gradients, or Adam's
+                  first and second moments (m, then v)
     rings         per learner: `slots` slot headers (one cache line each), then `slots`
                   page-aligned payloads
 
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 MAGIC = 0x31304945_44414701  # bytes b"\x01GADEI01" in little-endian order
-LAYOUT_VERSION = 10
+LAYOUT_VERSION = 11
 PAGE = 4096
 LINE = 64
 NAME_BYTES = 64
@@ -116,13 +117,16 @@ HEADER, HEADER_BYTES = _record(
         ("mode", "u32"),
         ("creator_uid", "u32"),
         ("spec_bytes", "u32"),
-        ("state_array", "u32"),
+        ("state_arrays", "u32"),  # n_params float32 arrays of optimiser state: 0, 1 or 2 (Adam)
         ("created_ns", "u64"),
         ("job", "name"),
         _LINE_BREAK,
         # the job's options, written once by the creator
         ("momentum", "f64"),
-        ("optimizer", "u32"),  # 0: sgd; 1: adagrad (the state array holds the sums of squared gradients)
+        ("adam_beta1", "f64"),  # Adam's moment decays and epsilon (optimizer adam)
+        ("adam_beta2", "f64"),
+        ("adam_eps", "f64"),
+        ("optimizer", "u32"),  # 0: sgd; 1: adagrad (state: the sums of squared gradients); 2: adam (state: m, v)
         ("stale_lr", "u32"),  # 1: divide the learning rate by each gradient's staleness
         ("stale_bound", "u32"),  # 0: none; K: no gradient is applied more than K versions stale
         ("alpha", "f64"),  # elastic moving rate
@@ -262,7 +266,8 @@ class Shape:
         capacity: learner entries (most learners attached at once).
         slots: gradient slots per learner ring.
         mode: the server's update rule (a key of MODE_CODES).
-        state_array: whether a second n_params array of optimiser state (momentum) exists.
+        state_arrays: n_params float32 arrays of optimiser state after the weights (0, 1 for
+            momentum or Adagrad, 2 for Adam).
         sparse: the row-sparse tables, in order of offset.
         spec_bytes: room for the model's parameter spec (JSON).
     """
@@ -272,7 +277,7 @@ class Shape:
     capacity: int = 8
     slots: int = 2
     mode: str = "async"
-    state_array: bool = False
+    state_arrays: int = 0
     sparse: tuple[SparseTable, ...] = ()
     spec_bytes: int = DEFAULT_SPEC_BYTES
 
@@ -285,6 +290,8 @@ class Shape:
             raise ValueError(f"capacity (learners) must be 1..1024, not {self.capacity!r}")
         if not 1 <= self.slots <= 64:
             raise ValueError(f"slots per ring must be 1..64, not {self.slots!r}")
+        if self.state_arrays not in (0, 1, 2):
+            raise ValueError(f"state_arrays (optimiser state arrays) must be 0, 1 or 2, not {self.state_arrays!r}")
         if self.mode not in MODE_CODES:
             raise ValueError(f"mode {self.mode!r} is not one of {sorted(MODE_CODES)}")
         if self.spec_bytes < PAGE or self.spec_bytes % PAGE:
@@ -368,8 +375,8 @@ def layout(shape: Shape) -> Layout:
     spec = _round_up(HEADER_BYTES, PAGE)
     table = spec + shape.spec_bytes
     weights = table + _round_up(shape.capacity * ENTRY_BYTES, PAGE)
-    state = weights + weights_bytes if shape.state_array else None
-    rings = weights + weights_bytes * (2 if shape.state_array else 1)
+    state = weights + weights_bytes if shape.state_arrays else None
+    rings = weights + weights_bytes + _round_up(shape.state_arrays * shape.n_params * 4, PAGE)
     itemsize = shape.grad_itemsize
     dense_bytes = _round_up(shape.dense_count * itemsize, LINE)
     areas, offset = [], dense_bytes

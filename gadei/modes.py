@@ -15,6 +15,7 @@ learner accumulates into it.
 | elastic | EASGD: the region holds the centre c; a learner's weights w move it, c += alpha (w - c) | their own local model |
 """
 
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
@@ -30,9 +31,11 @@ from .region import Region
 MODES = ("async", "consistent", "sync", "elastic")  # the update rules (RULES), as a job file and --mode name them
 SERVER_STEPS = ("async", "consistent", "sync")  # the modes whose server takes the optimiser step
 ASYNC = ("async", "consistent")
-OPTIMIZERS = ("sgd", "adagrad")  # index = the header's code
+OPTIMIZERS = ("sgd", "adagrad", "adam")  # index = the header's code
 NONFINITE = ("skip", "stop")  # what the server does with a gradient holding NaN or inf; index = the header's code
 ADAGRAD_EPS = 1e-10
+ADAM_BETA1, ADAM_BETA2, ADAM_EPS = 0.9, 0.999, 1e-8  # torch.optim.Adam's defaults (RuleOptions' adam_*)
+ADAM_OPTIONS = ("adam_beta1", "adam_beta2", "adam_eps")
 MAX_LR = 10.0  # a larger step makes every workload's loss overflow at once
 
 
@@ -43,11 +46,18 @@ class RuleOptions:
     Attributes:
         lr: learning rate.
         momentum: momentum mu kept by the server (0: none): v = mu v + g; w -= lr v.
-        optimizer: "sgd" (w -= lr g, with momentum if set) or "adagrad" (per weight: s += g^2;
-            w -= lr g / (sqrt(s) + 1e-10); the server keeps s, and checkpoints it). Adagrad
-            gives rarely seen weights (the embedding rows of rare words) larger steps, as
-            Kim 2014's Adadelta did: on SST-2 the text CNN reaches 78-79% in 3 epochs at lr
-            0.01, where plain SGD stays near 77% after 20.
+        optimizer: "sgd" (w -= lr g, with momentum if set), "adagrad" (per weight: s += g^2;
+            w -= lr g / (sqrt(s) + 1e-10); the server keeps s, and checkpoints it) or "adam"
+            (per weight, torch.optim.Adam's rule with betas adam_beta1, adam_beta2 and
+            adam_eps: the server keeps the moments m and v, and checkpoints them; the step t of the bias
+            correction is the weights' version after the update; row-sparse tables are
+            updated lazily, as torch.optim.SparseAdam: only the rows a gradient carries).
+            Adagrad gives rarely seen weights (the embedding rows of rare words) larger
+            steps, as Kim 2014's Adadelta did: on SST-2 the text CNN reaches 78-79% in 3
+            epochs at lr 0.01, where plain SGD stays near 77% after 20. Adam's usual lr is
+            0.001.
+        adam_beta1, adam_beta2, adam_eps: Adam's decay of its first and second moments and
+            its epsilon (torch's defaults 0.9, 0.999, 1e-8); only with optimizer adam.
         stale_lr: divide the learning rate by each gradient's staleness (async, consistent).
         stale_bound: 0, or K: no gradient is applied more than K versions after the weights
             it was computed on (async, consistent). A learner does not publish a gradient
@@ -69,9 +79,16 @@ class RuleOptions:
     lr: float = option(0.01, "learning rate", low=0, low_open=True, high=MAX_LR)
     momentum: float = option(0.0, "momentum kept by the server (0: none; sgd)", low=0, high=1, high_open=True,
                              modes=SERVER_STEPS)
-    optimizer: str = option("sgd", "the server's update: sgd (w -= lr g) or adagrad (per weight, lr divided by the "
-                            "root of the sum of its squared gradients; async, consistent, sync)", choices=OPTIMIZERS,
+    optimizer: str = option("sgd", "the server's update: sgd (w -= lr g), adagrad (per weight, lr divided by the "
+                            "root of the sum of its squared gradients) or adam (per weight, moments kept by the "
+                            "server; usual lr 0.001); async, consistent, sync", choices=OPTIMIZERS,
                             modes=SERVER_STEPS)
+    adam_beta1: float = option(ADAM_BETA1, "adam: decay of the first moment m (torch's beta1)", low=0, high=1,
+                               high_open=True, modes=SERVER_STEPS)
+    adam_beta2: float = option(ADAM_BETA2, "adam: decay of the second moment v (torch's beta2)", low=0, high=1,
+                               high_open=True, modes=SERVER_STEPS)
+    adam_eps: float = option(ADAM_EPS, "adam: added to the root of v before dividing (torch's eps)", low=0, high=1,
+                             low_open=True, modes=SERVER_STEPS)
     stale_lr: bool = option(False, "async/consistent: divide lr by each gradient's staleness", modes=ASYNC)
     stale_bound: int = option(0, "async/consistent: no gradient applied more than K versions late (0: no bound)",
                               low=0, high=10**9, metavar="K", modes=ASYNC)
@@ -91,11 +108,16 @@ class RuleOptions:
         wait behind one from each of the other rings.
         """
         check_all(self)
-        if self.optimizer == "adagrad" and self.momentum:
-            raise ValueError("momentum applies to the sgd optimizer, not adagrad")
-        if self.optimizer == "adagrad" and mode == "elastic":
-            raise ValueError("the adagrad optimizer applies to async, consistent and sync modes, not elastic "
-                             "(elastic learners take their own local steps)")
+        if self.optimizer != "sgd" and self.momentum:
+            raise ValueError(f"momentum applies to the sgd optimizer, not {self.optimizer}"
+                             + (" (Adam keeps its own first moment, beta1 0.9)" if self.optimizer == "adam" else ""))
+        for name in ADAM_OPTIONS:
+            if self.optimizer != "adam" and getattr(self, name) != RuleOptions.__dataclass_fields__[name].default:
+                raise ValueError(f"{name} applies to the adam optimizer only; give optimizer = 'adam' (--optimizer "
+                                 "adam) with it, or leave it out")
+        if self.optimizer != "sgd" and mode == "elastic":
+            raise ValueError(f"the {self.optimizer} optimizer applies to async, consistent and sync modes, not "
+                             "elastic (elastic learners take their own local steps)")
         if mode in MODES:  # an option of another mode, given: say so rather than ignore it
             for f in declared(RuleOptions):
                 if not used_in(RuleOptions, f.name, mode) and getattr(self, f.name) != f.default:
@@ -145,6 +167,7 @@ class SlotFormat:
         self.n = shape.n_params
         self.threads = threads
         self.job = region.job
+        self._region = region
 
     def rows_in(self, payload: int) -> list[int]:
         """Rows each row-sparse table of the gradient at `payload` carries."""
@@ -183,13 +206,39 @@ class SlotFormat:
                         self.dtype)
         self._rows(weights, 0, payload, lr, clear)
 
+    def indices_in(self, payload: int) -> list[np.ndarray]:
+        """A copy of the row indices each row-sparse table of the gradient at `payload` carries.
+
+        Raises:
+            RegionCorrupt: a row count is more than the table allows.
+        """
+        out = []
+        for table, area, count in zip(self.tables, self.areas, self.rows_in(payload)):
+            if count > table.max_rows:
+                raise RegionCorrupt(f"job {self.job!r}: a gradient's row count of a row-sparse table is {count:,}, "
+                                    f"allowed 0..{table.max_rows:,}: the slot is corrupt")
+            out.append(self._region.array(payload - self._region.base + area.indices, count, np.int64).copy())
+        return out
+
     def adagrad(self, weights: int, state: int, payload: int, lr: float, *, clear: bool = True) -> None:
         """s += g^2; weights -= lr g / (sqrt(s) + eps), in place, where g is not zero (tables:
         only the rows the gradient carries)."""
         for offset, length, slot in self.segments:
             _native.adagrad(weights + 4 * offset, state + 4 * offset, payload + self.itemsize * slot, length, lr,
                             ADAGRAD_EPS, int(clear), self.threads, self.dtype)
-        self._rows(weights, state, payload, lr, clear, adagrad=True)
+        self._rows(weights, state, payload, lr, clear, "adagrad")
+
+    def adam(self, weights: int, state: int, payload: int, lr: float, step: int, betas: tuple[float, float, float],
+             *, clear: bool = True) -> None:
+        """Adam at step `step` with `betas` (beta1, beta2, eps), in place, its moments m at
+        `state` and v n weights after: every dense weight moves (a zero gradient decays m and v
+        too), a row-sparse table only in the rows the gradient carries (lazy Adam, as
+        torch.optim.SparseAdam)."""
+        second = state + 4 * self.n
+        for offset, length, slot in self.segments:
+            _native.adam(weights + 4 * offset, state + 4 * offset, second + 4 * offset, payload + self.itemsize * slot,
+                         length, lr, *betas, step, int(clear), self.threads, self.dtype)
+        self._rows(weights, state, payload, lr, clear, "adam", step, betas)
 
     def momentum(self, weights: int, state: int, payload: int, lr: float, mu: float, *, clear: bool = True) -> None:
         """v = mu v + gradient; weights -= lr v, in place over every weight (tables too)."""
@@ -201,7 +250,8 @@ class SlotFormat:
                              self.threads, self.dtype)
         self._rows(weights, state, payload, lr, clear)
 
-    def _rows(self, weights: int, state: int, payload: int, lr: float, clear: bool, adagrad: bool = False) -> None:
+    def _rows(self, weights: int, state: int, payload: int, lr: float, clear: bool, rule: str = "sgd",
+              step: int = 0, betas: tuple[float, float, float] = (ADAM_BETA1, ADAM_BETA2, ADAM_EPS)) -> None:
         for table, area in zip(self.tables, self.areas):
             count = _native.load64(payload + area.count)
             if count == 0:
@@ -209,7 +259,12 @@ class SlotFormat:
             if count > table.max_rows:
                 raise RegionCorrupt(f"job {self.job!r}: a gradient's row count of a row-sparse table is {count:,}, "
                                     f"allowed 0..{table.max_rows:,}: the slot is corrupt")
-            if adagrad:
+            if rule == "adam":
+                bad = _native.adam_rows(weights + 4 * table.offset, state + 4 * table.offset,
+                                        state + 4 * (self.n + table.offset), table.rows, table.width,
+                                        payload + area.indices, payload + area.rows, count, lr, *betas, step,
+                                        self.dtype)
+            elif rule == "adagrad":
                 bad = _native.adagrad_rows(weights + 4 * table.offset, state + 4 * table.offset, table.rows,
                                            table.width, payload + area.indices, payload + area.rows, count, lr,
                                            ADAGRAD_EPS, self.dtype)
@@ -244,6 +299,13 @@ class UpdateRule(ABC):
         self.weights = region.weights_addr
         self.state = region.base + region.layout.state if region.layout.state is not None else 0
         self.format = SlotFormat(region, self.threads)
+        self._header = region.header
+        self.betas = (options.adam_beta1, options.adam_beta2, options.adam_eps)
+
+    def step(self) -> int:
+        """The step t of the update being made: the weights' version after it (updates applied
+        to them, ever, across restarts; Adam's bias correction counts it)."""
+        return self._header.get("version") + 1
 
     @abstractmethod
     def apply(self, grads: list[Gradient]) -> None:
@@ -258,8 +320,9 @@ class UpdateRule(ABC):
     @staticmethod
     @abstractmethod
     def reference(weights: np.ndarray, grads: list[np.ndarray], options: RuleOptions, state: np.ndarray | None = None,
-                  staleness: list[int] | None = None) -> None:
-        """The same update in NumPy on float32 arrays, in place (for tests)."""
+                  staleness: list[int] | None = None, version: int = 0) -> None:
+        """The same update in NumPy on float32 arrays, in place (for tests), from weights at
+        `version` (Adam's bias correction counts the updates)."""
 
 
 class AsyncSGD(UpdateRule):
@@ -269,10 +332,14 @@ class AsyncSGD(UpdateRule):
         momentum 0:   w <- w - lr_s * g
         momentum mu:  v <- mu * v + g;  w <- w - lr_s * v
         adagrad:      s <- s + g^2;  w <- w - lr_s * g / (sqrt(s) + eps)   (where g != 0)
+        adam:         m <- b1 m + (1 - b1) g;  v <- b2 v + (1 - b2) g^2;
+                      w <- w - lr_s / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
+                      (t: the weights' version after the update; b1 0.9, b2 0.999, eps 1e-8)
 
     No lock: learners may read the weights while they change (that is what `view` pulls
     see). Row-sparse tables update only the rows a gradient carries (with momentum, their
-    v decays everywhere and the carried rows are added).
+    v decays everywhere and the carried rows are added; Adam is lazy there, as SparseAdam: an
+    untouched row's moments do not decay).
     """
 
     name = "async"
@@ -288,7 +355,9 @@ class AsyncSGD(UpdateRule):
             self._update(grad.payload, self.learning_rate(grad.staleness))
 
     def _update(self, payload: int, lr: float) -> None:
-        if self.options.optimizer == "adagrad":
+        if self.options.optimizer == "adam":
+            self.format.adam(self.weights, self.state, payload, lr, self.step(), self.betas)
+        elif self.options.optimizer == "adagrad":
             self.format.adagrad(self.weights, self.state, payload, lr)
         elif self.options.momentum:
             self.format.momentum(self.weights, self.state, payload, lr, self.options.momentum)
@@ -296,11 +365,15 @@ class AsyncSGD(UpdateRule):
             self.format.sgd(self.weights, payload, lr)
 
     @staticmethod
-    def reference(weights, grads, options, state=None, staleness=None):
+    def reference(weights, grads, options, state=None, staleness=None, version=0):
         for i, grad in enumerate(grads):
             s = staleness[i] if staleness else 0
             lr = np.float32(options.lr / s if options.stale_lr and s > 1 else options.lr)
-            if options.optimizer == "adagrad":
+            if options.optimizer == "adam":  # update i makes version + i + 1
+                n = len(weights)
+                adam_reference(weights, state[:n], state[n:], grad, options.lr / s if options.stale_lr and s > 1 else
+                               options.lr, version + i + 1, options.adam_beta1, options.adam_beta2, options.adam_eps)
+            elif options.optimizer == "adagrad":
                 touched = grad != 0
                 state[touched] += grad[touched] * grad[touched]
                 weights[touched] -= lr * grad[touched] / (np.sqrt(state[touched]) + np.float32(ADAGRAD_EPS))
@@ -327,7 +400,11 @@ class SyncSGD(AsyncSGD):
     """SSGD: one gradient from every live learner, averaged, applied as one update.
 
         g = (1 / k) * sum of the round's k gradients
-        w <- w - lr * g   (with momentum mu: v <- mu * v + g; w <- w - lr * v)
+        w <- w - lr * g   (with momentum mu: v <- mu * v + g; w <- w - lr * v; adagrad and
+                           adam as in AsyncSGD, on g, with t the round's version)
+
+    With Adam, a row-sparse table moves only in the rows some gradient of the round carried
+    (lazy, as in async mode).
 
     The average is summed in a server-private float32 buffer; the version moves once per
     round. A learner that stops beating for `drop_after` seconds is left out of the round
@@ -346,23 +423,48 @@ class SyncSGD(AsyncSGD):
     def apply(self, grads: list[Gradient]) -> None:
         if not grads:
             return
+        touched = [self.format.indices_in(g.payload) for g in grads] if self.options.optimizer == "adam" else None
         scale = -1.0 / len(grads)  # sgd with a negative lr adds: sum += g / k
         for grad in grads:
             self.format.sgd(self._sum_addr, grad.payload, scale)
-        if self.options.optimizer == "adagrad":
+        if touched is not None:
+            self._adam(touched)
+        elif self.options.optimizer == "adagrad":
             self._sum_format.adagrad(self.weights, self.state, self._sum_addr, self.options.lr)
         elif self.options.momentum:
             self._sum_format.momentum(self.weights, self.state, self._sum_addr, self.options.lr, self.options.momentum)
         else:
             self._sum_format.sgd(self.weights, self._sum_addr, self.options.lr)  # also zeroes the sum
 
+    def _adam(self, touched: list[list[np.ndarray]]) -> None:
+        """Adam on the round's mean gradient (in the sum buffer, zeroed after): dense weights
+        every one, a table's rows only where some gradient of the round (`touched`: each one's
+        row indices per table) carried them."""
+        lr, step, n, f32 = self.options.lr, self.step(), len(self._sum), DTYPE_CODES["float32"]
+        m, v = self.state, self.state + 4 * n
+        for offset, length, _ in self.format.segments:
+            _native.adam(self.weights + 4 * offset, m + 4 * offset, v + 4 * offset, self._sum_addr + 4 * offset, length,
+                         lr, *self.betas, step, 1, self.threads, f32)
+        for k, table in enumerate(self.format.tables):
+            indices = np.unique(np.concatenate([rows[k] for rows in touched]))
+            if not indices.size:
+                continue
+            area = self._sum[table.offset : table.offset + table.size].reshape(table.rows, table.width)
+            rows = np.ascontiguousarray(area[indices])
+            _native.adam_rows(self.weights + 4 * table.offset, m + 4 * table.offset, v + 4 * table.offset,
+                              table.rows, table.width, int(indices.ctypes.data), int(rows.ctypes.data), len(indices),
+                              lr, *self.betas, step, f32)
+            area[indices] = 0.0
+
     @staticmethod
-    def reference(weights, grads, options, state=None, staleness=None):
+    def reference(weights, grads, options, state=None, staleness=None, version=0):
         mean = np.zeros_like(weights)
         for grad in grads:
             mean += np.float32(1.0 / len(grads)) * grad
         AsyncSGD.reference(weights, [mean], RuleOptions(lr=options.lr, momentum=options.momentum,
-                                                    optimizer=options.optimizer), state)
+                                                    optimizer=options.optimizer, adam_beta1=options.adam_beta1,
+                                                    adam_beta2=options.adam_beta2, adam_eps=options.adam_eps),
+                           state, version=version)
 
 
 class _Float32Dense:
@@ -406,7 +508,7 @@ class ElasticAveraging(UpdateRule):
             _native.elastic(self.weights, grad.payload, self.n, self.options.alpha, self.threads)
 
     @staticmethod
-    def reference(weights, grads, options, state=None, staleness=None):
+    def reference(weights, grads, options, state=None, staleness=None, version=0):
         for w in grads:
             weights += np.float32(options.alpha) * (w - weights)
 
@@ -417,6 +519,26 @@ def nonfinite_reference(values: np.ndarray) -> int:
     if values.dtype == np.uint16:  # bfloat16 bits: exponent all ones
         return int(np.count_nonzero((values & 0x7F80) == 0x7F80))
     return int(np.count_nonzero(~np.isfinite(values)))
+
+
+def adam_reference(w: np.ndarray, m: np.ndarray, v: np.ndarray, g: np.ndarray, lr: float, step: int,
+                   beta1: float = ADAM_BETA1, beta2: float = ADAM_BETA2, eps: float = ADAM_EPS) -> None:
+    """One Adam update at step `step` in NumPy, in place on float32 arrays: the scalars in
+    double (as the kernel computes them), the elements in float32, in the kernel's order."""
+    b1, a1 = np.float32(beta1), np.float32(1.0 - beta1)
+    b2, a2 = np.float32(beta2), np.float32(1.0 - beta2)
+    size = np.float32(lr / (1.0 - beta1 ** step))
+    c2 = np.float32(1.0 / math.sqrt(1.0 - beta2 ** step))
+    m[:] = b1 * m + a1 * g
+    v[:] = b2 * v + a2 * (g * g)
+    w -= size * (m / (np.sqrt(v) * c2 + np.float32(eps)))
+
+
+def adam_rows_reference(table: np.ndarray, m: np.ndarray, v: np.ndarray, indices: np.ndarray, rows: np.ndarray,
+                        lr: float, step: int) -> None:
+    """Lazy Adam on a (rows x width) table in NumPy: each carried row in order, the others untouched."""
+    for index, row in zip(indices, rows):
+        adam_reference(table[index], m[index], v[index], row, lr, step)
 
 
 def rows_reference(table: np.ndarray, indices: np.ndarray, rows: np.ndarray, lr: float,
@@ -450,9 +572,15 @@ def _named(names: tuple[str, ...], code: int) -> str:
     return names[code] if code < len(names) else f"code {code}"
 
 
-def state_name(options: RuleOptions) -> str:
-    """What the region's state array holds under `options` (its name in a checkpoint)."""
-    return "adagrad_sums" if options.optimizer == "adagrad" else "momentum"
+def state_names(options: RuleOptions) -> tuple[str, ...]:
+    """What the region's state array holds under `options`, n_params float32 each, in order
+    (their names in a checkpoint): nothing, the momentum buffer, Adagrad's sums, or Adam's two
+    moments."""
+    if options.optimizer == "adam":
+        return ("adam_m", "adam_v")
+    if options.optimizer == "adagrad":
+        return ("adagrad_sums",)
+    return ("momentum",) if options.momentum else ()
 
 
 def write_options(region: Region, options: RuleOptions) -> None:

@@ -302,10 +302,11 @@ class Region:
 
     @property
     def state(self) -> np.ndarray | None:
-        """The optimiser state array (momentum buffer), or None when the job has none."""
+        """The optimiser state, `state_arrays` x n_params float32 end to end (the momentum
+        buffer, Adagrad's sums, or Adam's m then v), or None when the job has none."""
         if self.layout.state is None:
             return None
-        return self.array(self.layout.state, self.shape.n_params)
+        return self.array(self.layout.state, self.shape.state_arrays * self.shape.n_params)
 
     def _check_learner(self, learner: int) -> None:
         if not 0 <= learner < self.shape.capacity:
@@ -454,7 +455,7 @@ class Region:
         h.set("mode", MODE_CODES[shape.mode])
         h.set("creator_uid", os.geteuid())
         h.set("spec_bytes", shape.spec_bytes)
-        h.set("state_array", int(shape.state_array))
+        h.set("state_arrays", shape.state_arrays)
         h.set("sparse_count", len(shape.sparse))
         _write_sparse(h.addr("sparse"), shape.sparse)
         h.set("created_ns", time.time_ns())
@@ -561,7 +562,7 @@ def _shape_from_header(h: dict) -> Shape:
         capacity=h["capacity"],
         slots=h["slots"],
         mode=mode,
-        state_array=bool(h["state_array"]),
+        state_arrays=h["state_arrays"],
         sparse=h["sparse"],
         spec_bytes=h["spec_bytes"],
     )

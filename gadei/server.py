@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from . import params
-from .checkpoint import Checkpoint
+from .checkpoint import Checkpoint, CheckpointError
 from .checkpoint import take as take_checkpoint
 from .env import settings
 from .errors import NonFiniteGradient, RegionCorrupt, RegionMismatch
@@ -51,7 +51,7 @@ from .layout import (
     STOPPING,
     Shape,
 )
-from .modes import RULES, Gradient, RuleOptions, make_rule, state_name, write_options
+from .modes import RULES, Gradient, RuleOptions, make_rule, state_names, write_options
 from .options import check_all, declared
 from .transport.options import TransportOptions
 from .region import Region
@@ -185,7 +185,7 @@ class Server:
             raise ValueError(f"job {job!r}: row_sparse needs the model (serve it with --workload or --model), "
                              "not only --params")
         shape = Shape(n_params=int(n_params), grad_dtype=grad_dtype, capacity=learners, slots=slots, mode=mode,
-                      state_array=rule.momentum > 0 or rule.optimizer == "adagrad", sparse=sparse)
+                      state_arrays=len(state_names(rule)), sparse=sparse)
         self.region = Region.create(job, shape, replace=replace)
         self.job = job
         self.mode = mode
@@ -250,18 +250,39 @@ class Server:
             raise RegionMismatch(f"job {self.job!r}: checkpoint {checkpoint.path} holds {weights.size:,} parameters, "
                                  f"the job has {self.region.shape.n_params:,}")
         self.region.weights[:] = weights
-        state, kept = self.region.state, checkpoint.optimizer.get(state_name(self.options))
-        if state is not None and kept is not None:
-            state[:] = kept.numpy()
-        elif state is not None:
-            log.warning("job %r: checkpoint %s holds no %s (it was taken with other options); they start from zero",
-                        self.job, checkpoint.path, state_name(self.options))
+        self._resume_state(checkpoint)
         h.set("version", checkpoint.version)
         h.set("applied", checkpoint.applied)
         h.set("resumed_applied", checkpoint.applied)
         h.set("checkpointed_version", checkpoint.version)
         h.set("init", INIT_READY)
         log.info("job %r: resumed from %s at version %s", self.job, checkpoint.path, f"{checkpoint.version:,}")
+
+    def _resume_state(self, checkpoint: Checkpoint) -> None:
+        """Put a checkpoint's optimiser state in the region: each array the job keeps, by name.
+        Momentum or Adagrad sums it lacks (taken with other options) start from zero, with a
+        warning. An Adam job refuses a checkpoint without Adam's moments (CheckpointError): its
+        bias correction counts from the version, which goes on, so zero moments at a late step
+        would not be Adam's steps (the first ones about 3 lr instead of lr)."""
+        state, n = self.region.state, self.region.shape.n_params
+        names = state_names(self.options)
+        for k, name in enumerate(names):
+            kept = checkpoint.optimizer.get(name)
+            if kept is not None and kept.numel() != n:
+                raise CheckpointError(f"job {self.job!r}: checkpoint {checkpoint.path}: optimizer state {name!r} has "
+                                      f"{kept.numel():,} values, the job has {n:,} parameters")
+            if kept is not None:
+                state[k * n : (k + 1) * n] = kept.reshape(-1).numpy()
+            elif self.options.optimizer == "adam":
+                taken = checkpoint.config.get("options", {}).get("optimizer", "unknown")
+                raise CheckpointError(f"job {self.job!r}: checkpoint {checkpoint.path} holds no Adam moments ({name!r} "
+                                      f"is missing; it was taken with optimizer {taken!r}): an adam job cannot go on "
+                                      "from it, since Adam's bias correction counts the job's updates and zero "
+                                      f"moments at version {checkpoint.version:,} are not Adam's steps; resume it "
+                                      f"with optimizer = {taken!r}, or train a new adam job")
+            else:
+                log.warning("job %r: checkpoint %s holds no %s (it was taken with other options); they start from "
+                            "zero", self.job, checkpoint.path, name)
 
     # ------------------------------------------------------------------ the apply loop
 

@@ -378,6 +378,55 @@ py_adagrad_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     return PyLong_FromLongLong(bad);
 }
 
+/* adam(w, m, v, g, n, lr, beta1, beta2, eps, step, clear, threads, dtype): Adam at step t. */
+static PyObject *
+py_adam(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    uint64_t n, step, clear;
+    int64_t threads, dtype;
+    double lr, beta1, beta2, eps;
+    if (gd_nargs("adam", nargs, 13) < 0) return NULL;
+    GD_ADDR(args[0], w);
+    GD_ADDR(args[1], m);
+    GD_ADDR(args[2], v);
+    GD_ADDR(args[3], g);
+    if (gd_arg_u64(args[4], &n) < 0 || gd_arg_f64(args[5], &lr) < 0 || gd_arg_f64(args[6], &beta1) < 0 ||
+        gd_arg_f64(args[7], &beta2) < 0 || gd_arg_f64(args[8], &eps) < 0 || gd_arg_u64(args[9], &step) < 0 ||
+        gd_arg_u64(args[10], &clear) < 0 || gd_arg_i64(args[11], &threads) < 0 || gd_arg_i64(args[12], &dtype) < 0)
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    gd_adam((float *)(uintptr_t)w_raw, (float *)(uintptr_t)m_raw, (float *)(uintptr_t)v_raw,
+            (void *)(uintptr_t)g_raw, (int)dtype, (size_t)n, lr, beta1, beta2, eps, step, (int)clear, (int)threads);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* adam_rows(w, m, v, n_rows, width, idx, rows, count, lr, beta1, beta2, eps, step, dtype) -> indices out of range. */
+static PyObject *
+py_adam_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    uint64_t n_rows, width, count, step;
+    int64_t dtype, bad;
+    double lr, beta1, beta2, eps;
+    if (gd_nargs("adam_rows", nargs, 14) < 0) return NULL;
+    GD_ADDR(args[0], w);
+    GD_ADDR(args[1], m);
+    GD_ADDR(args[2], v);
+    if (gd_arg_u64(args[3], &n_rows) < 0 || gd_arg_u64(args[4], &width) < 0) return NULL;
+    GD_ADDR(args[5], idx);
+    GD_ADDR(args[6], rows);
+    if (gd_arg_u64(args[7], &count) < 0 || gd_arg_f64(args[8], &lr) < 0 || gd_arg_f64(args[9], &beta1) < 0 ||
+        gd_arg_f64(args[10], &beta2) < 0 || gd_arg_f64(args[11], &eps) < 0 || gd_arg_u64(args[12], &step) < 0 ||
+        gd_arg_i64(args[13], &dtype) < 0)
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    bad = gd_adam_rows((float *)(uintptr_t)w_raw, (float *)(uintptr_t)m_raw, (float *)(uintptr_t)v_raw,
+                       (size_t)n_rows, (size_t)width, (const int64_t *)(uintptr_t)idx_raw,
+                       (const void *)(uintptr_t)rows_raw, (int)dtype, (size_t)count, lr, beta1, beta2, eps, step);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLongLong(bad);
+}
+
 /* sgd_rows(w, v, n_rows, width, idx, rows, count, lr, dtype) -> indices out of range. */
 static PyObject *
 py_sgd_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
@@ -593,6 +642,10 @@ static PyMethodDef gd_methods[] = {
             "w -= lr g / (sqrt(s) + eps)"),
     GD_FAST("adagrad_rows", py_adagrad_rows, "adagrad_rows(w, s, n_rows, width, idx, rows, count, lr, eps, dtype) "
             "-> bad indices"),
+    GD_FAST("adam", py_adam, "adam(w, m, v, g, n, lr, beta1, beta2, eps, step, clear, threads, dtype): "
+            "m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g^2; w -= lr m_hat / (sqrt(v_hat) + eps)"),
+    GD_FAST("adam_rows", py_adam_rows, "adam_rows(w, m, v, n_rows, width, idx, rows, count, lr, beta1, beta2, eps, "
+            "step, dtype) -> bad indices"),
     GD_FAST("sgd_rows", py_sgd_rows, "sgd_rows(w, v, n_rows, width, idx, rows, count, lr, dtype) -> bad indices"),
     GD_FAST("nonfinite", py_nonfinite, "nonfinite(g, n, threads, dtype) -> elements that are NaN or infinite"),
     GD_FAST("elastic", py_elastic, "elastic(c, w, n, alpha, threads): c += alpha (w - c)"),

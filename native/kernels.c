@@ -426,6 +426,129 @@ gd_adagrad_rows(float *w, float *s, size_t n_rows, size_t width, const int64_t *
     return bad;
 }
 
+/* ------------------------------------------------------------------ adam */
+
+/* Adam's per-update scalars, computed once (in double) from the step t >= 1. */
+struct gd_adam {
+    float b1, a1, b2, a2; /* beta1, 1 - beta1, beta2, 1 - beta2 */
+    float step;           /* lr / (1 - beta1^t) */
+    float c2;             /* 1 / sqrt(1 - beta2^t): a multiply, not a second division per element */
+    float eps;
+};
+
+static struct gd_adam
+gd_adam_scalars(double lr, double beta1, double beta2, double eps, uint64_t step)
+{
+    struct gd_adam c;
+    double t = (double)(step ? step : 1);
+    c.b1 = (float)beta1;
+    c.a1 = (float)(1.0 - beta1);
+    c.b2 = (float)beta2;
+    c.a2 = (float)(1.0 - beta2);
+    c.step = (float)(lr / (1.0 - pow(beta1, t)));
+    c.c2 = (float)(1.0 / sqrt(1.0 - pow(beta2, t)));
+    c.eps = (float)eps;
+    return c;
+}
+
+/* One element of Adam (torch.optim.Adam's order of operations, float32, but for the bias
+ * correction of v, a multiply by c2 = 1 / sqrt(1 - b2^t)):
+ * m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g^2; w -= step m / (sqrt(v) c2 + eps).
+ * A zero gradient still decays m and v and moves w (dense Adam updates every weight). */
+static inline void
+gd_adam_one(float *w, float *m, float *v, float g, const struct gd_adam *c)
+{
+    float m1 = c->b1 * *m + c->a1 * g;
+    float v1 = c->b2 * *v + c->a2 * (g * g);
+    *m = m1;
+    *v = v1;
+    *w -= c->step * (m1 / (sqrtf(v1) * c->c2 + c->eps));
+}
+
+static void
+gd_adam_span(float *restrict w, float *restrict m, float *restrict v, void *restrict g, int dtype, size_t n,
+             const struct gd_adam *c, int clear)
+{
+    for (size_t i = 0; i < n; i++) gd_adam_one(w + i, m + i, v + i, gd_load(g, dtype, i), c);
+    if (clear) memset(g, 0, n * gd_itemsize(dtype));
+}
+
+#if GD_X86
+/* Eight elements of Adam: the same IEEE operations in the same order as gd_adam_one (so the
+ * results are bit-identical). */
+__attribute__((target("avx2,f16c"))) static inline void
+gd_adam8(float *w, float *m, float *v, __m256 g, __m256 b1, __m256 a1, __m256 b2, __m256 a2, __m256 step,
+         __m256 c2, __m256 eps)
+{
+    __m256 m1 = _mm256_add_ps(_mm256_mul_ps(b1, _mm256_loadu_ps(m)), _mm256_mul_ps(a1, g));
+    __m256 v1 = _mm256_add_ps(_mm256_mul_ps(b2, _mm256_loadu_ps(v)), _mm256_mul_ps(a2, _mm256_mul_ps(g, g)));
+    _mm256_storeu_ps(m, m1);
+    _mm256_storeu_ps(v, v1);
+    __m256 denom = _mm256_add_ps(_mm256_mul_ps(_mm256_sqrt_ps(v1), c2), eps);
+    _mm256_store_ps(w, _mm256_sub_ps(_mm256_load_ps(w), _mm256_mul_ps(step, _mm256_div_ps(m1, denom))));
+}
+
+__attribute__((target("avx2,f16c"))) static void
+gd_adam_avx2(float *restrict w, float *restrict m, float *restrict v, void *restrict g, int dtype, size_t n,
+             const struct gd_adam *c, int clear)
+{
+    size_t i = gd_peel(w, n);
+    gd_adam_span(w, m, v, g, dtype, i, c, clear);
+    const __m256 b1 = _mm256_set1_ps(c->b1), a1 = _mm256_set1_ps(c->a1), b2 = _mm256_set1_ps(c->b2),
+                 a2 = _mm256_set1_ps(c->a2), step = _mm256_set1_ps(c->step), c2 = _mm256_set1_ps(c->c2),
+                 eps = _mm256_set1_ps(c->eps);
+    for (; i + 16 <= n; i += 16) {
+        __m256 g0 = _mm256_setzero_ps(), g1 = _mm256_setzero_ps();
+        if (gd_load16(g, dtype, i, &g0, &g1) && clear) gd_clear16(g, dtype, i);
+        gd_adam8(w + i, m + i, v + i, g0, b1, a1, b2, a2, step, c2, eps);
+        gd_adam8(w + i + 8, m + i + 8, v + i + 8, g1, b1, a1, b2, a2, step, c2, eps);
+    }
+    gd_adam_span(w + i, m + i, v + i, (char *)g + i * gd_itemsize(dtype), dtype, n - i, c, clear);
+}
+#endif
+
+static void
+gd_adam_any(float *w, float *m, float *v, void *g, int dtype, size_t n, const struct gd_adam *c, int clear)
+{
+#if GD_X86
+    if (gd_avx2) {
+        gd_adam_avx2(w, m, v, g, dtype, n, c, clear);
+        return;
+    }
+#endif
+    gd_adam_span(w, m, v, g, dtype, n, c, clear);
+}
+
+void
+gd_adam(float *w, float *m, float *v, void *g, int dtype, size_t n, double lr, double beta1, double beta2,
+        double eps, uint64_t step, int clear, int threads)
+{
+    size_t item = gd_itemsize(dtype);
+    const struct gd_adam c = gd_adam_scalars(lr, beta1, beta2, eps, step);
+    GD_PARALLEL(w, n, threads, lo, hi, gd_adam_any(w + lo, m + lo, v + lo, (char *)g + lo * item, dtype, hi - lo,
+                                                   &c, clear));
+}
+
+int64_t
+gd_adam_rows(float *w, float *m, float *v, size_t n_rows, size_t width, const int64_t *idx, const void *rows,
+             int dtype, size_t count, double lr, double beta1, double beta2, double eps, uint64_t step)
+{
+    int64_t bad = 0;
+    size_t item = gd_itemsize(dtype);
+    const struct gd_adam c = gd_adam_scalars(lr, beta1, beta2, eps, step);
+    for (size_t r = 0; r < count; r++) {
+        int64_t row = idx[r];
+        if (row < 0 || (size_t)row >= n_rows) {
+            bad++;
+            continue;
+        }
+        size_t at = (size_t)row * width;
+        const void *gr = (const char *)rows + r * width * item;
+        for (size_t j = 0; j < width; j++) gd_adam_one(w + at + j, m + at + j, v + at + j, gd_load(gr, dtype, j), &c);
+    }
+    return bad;
+}
+
 /* ------------------------------------------------------------------ non-finite check */
 
 /* An element is NaN or infinite when its exponent bits are all ones; only the bits are

@@ -44,6 +44,21 @@ void gd_adagrad(float *w, float *s, void *g, int dtype, size_t n, float lr, floa
 int64_t gd_adagrad_rows(float *w, float *s, size_t n_rows, size_t width, const int64_t *idx, const void *rows,
                         int dtype, size_t count, float lr, float eps);
 
+/*
+ * Adam at step t (>= 1; 0 is taken as 1), m and v its first and second moments, every element
+ * updated (a zero gradient decays m and v and still moves w): m = b1 m + (1 - b1) g;
+ * v = b2 v + (1 - b2) g^2; w -= lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps); with
+ * clear, g[i] = 0. The scalars are computed in double, the elements in float32.
+ */
+void gd_adam(float *w, float *m, float *v, void *g, int dtype, size_t n, double lr, double beta1, double beta2,
+             double eps, uint64_t step, int clear, int threads);
+
+/* Lazy Adam on a table (rows and indices as gd_sgd_rows; m and v are the table's moments): only
+ * the rows a gradient carries update their moments and weights, as torch.optim.SparseAdam. */
+int64_t gd_adam_rows(float *w, float *m, float *v, size_t n_rows, size_t width, const int64_t *idx,
+                     const void *rows, int dtype, size_t count, double lr, double beta1, double beta2, double eps,
+                     uint64_t step);
+
 /* How many of g[0..n) are NaN or infinite (exponent bits all ones), read only: the server's
  * check of a gradient before it applies it. */
 int64_t gd_nonfinite(const void *g, int dtype, size_t n, int threads);

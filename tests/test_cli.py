@@ -147,15 +147,16 @@ def test_clean_removes_a_dead_watchdogs_state_once_its_job_is_gone(job, procs, t
     assert not state.exists()
 
 
-def test_bench_kernel_reports_sgd_and_adagrad_against_torch(procs, tmp_path):
+def test_bench_kernel_reports_sgd_adagrad_and_adam_against_torch(procs, tmp_path):
     """A smoke run of `gadei bench kernel`: the tables and the JSON hold every size and thread
     count, for both kernels (the figures themselves are for the README, not for a test)."""
     out_file = tmp_path / "kernel.json"
     out, _ = finish(procs.gadei("bench", "kernel", "--quick", "--repeats", "1", "--out", out_file), 300)
-    assert "gadei/torch" in out and "torch fused" in out
+    assert "gadei/torch" in out and "torch fused" in out and "kernel: Adam" in out
     kernel = json.loads(out_file.read_text())["kernel"]
     threads = sorted({1, os.cpu_count()})
-    for rows, methods in ((kernel["rows"], {"gadei", "plain_c", "torch_add_"}), (kernel["adagrad"], {"gadei", "torch_fused"})):
+    for rows, methods in ((kernel["rows"], {"gadei", "plain_c", "torch_add_"}), (kernel["adagrad"], {"gadei", "torch_fused"}),
+                          (kernel["adam"], {"gadei", "torch_fused"})):
         assert [(r["size_mb"], r["threads"]) for r in rows] == [(s, t) for s in (1, 16, 64) for t in threads]
         assert all(set(r["gb_per_s"]) == methods and min(r["gb_per_s"].values()) > 0 for r in rows)
     assert "check + update ms" in out

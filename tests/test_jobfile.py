@@ -59,7 +59,7 @@ def test_a_job_file_parses_with_defaults_and_writes_itself_back(small):
 @pytest.mark.parametrize("samples, batch, optimizer, epochs", [
     (36, 2, "adagrad", 40), (5_452, 2, "adagrad", 23), (6_920, 2, "adagrad", 18), (10_003, 4, "adagrad", 24),
     (5_452, 2, "sgd", 40), (6_920, 2, "sgd", 35), (40_000, 4, "sgd", 12), (100_000, 4, "adagrad", 3),
-    (200_000, 32, "adagrad", 10), (1_000_000, 32, "sgd", 4)])
+    (200_000, 32, "adagrad", 10), (1_000_000, 32, "sgd", 4), (5_452, 2, "adam", 23)])
 def test_the_default_epoch_cap_makes_a_fixed_number_of_updates_between_3_and_40(samples, batch, optimizer, epochs):
     assert jobfile.default_epochs(samples, batch, optimizer) == epochs
 
@@ -77,13 +77,18 @@ def test_the_default_mini_batch_follows_the_data_set_size(samples, batch):
     (("[train]\nlr = -0.1\n", None), "[train] lr = -0.1 is out of range; allowed: a number above 0"),
     (("[train]\nepochs = 1.5\n", None), "[train] epochs = 1.5 is a number; allowed: an integer"),
     (("[train]\nmode = \"hogwild\"\n", None), "[train] mode = 'hogwild' is not one of the choices; allowed: async, consistent"),
-    (("[train]\noptimizer = \"adam\"\n", None), "[train] optimizer = 'adam' is not one of the choices; allowed: sgd, adagrad"),
+    (("[train]\noptimizer = \"rmsprop\"\n", None),
+     "[train] optimizer = 'rmsprop' is not one of the choices; allowed: sgd, adagrad, adam"),
     (("[train]\nnonfinite = \"drop\"\n", None),
      "[train] nonfinite = 'drop' is not one of the choices; allowed: skip, stop"),
     (("[transport]\nrow_sparse = \"yes\"\n", None),
      "[transport] row_sparse = 'yes' is a string; allowed: true, false or \"auto\""),
     (("[train]\noptimizer = \"adagrad\"\nmode = \"elastic\"\n", None),
      "[train] optimizer = 'adagrad' with mode = 'elastic': elastic learners take their own local steps"),
+    (("[train]\noptimizer = \"adam\"\nmode = \"elastic\"\n", None),
+     "[train] optimizer = 'adam' with mode = 'elastic': elastic learners take their own local steps"),
+    (("[train]\noptimizer = \"adam\"\nmomentum = 0.9\n", None),
+     "[train]: momentum applies to the sgd optimizer, not adam"),
     (("[data2]\n", None), "unknown section [data2] (did you mean 'data'?)"),
     ((None, ("train = \"train.csv\"", "train = \"missing.csv\"")), "[data] train = '"),
     ((None, ("format = \"csv\"", "format = \"xml\"")), "[data] format = 'xml': not a format; allowed: csv, tsv"),

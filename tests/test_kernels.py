@@ -17,7 +17,8 @@ import torch
 
 from gadei import _native
 from gadei.layout import DTYPE_CODES
-from gadei.modes import ADAGRAD_EPS, AsyncSGD, ElasticAveraging, RuleOptions, SyncSGD, nonfinite_reference, rows_reference
+from gadei.modes import (ADAGRAD_EPS, ADAM_BETA1, ADAM_BETA2, ADAM_EPS, AsyncSGD, ElasticAveraging, RuleOptions,
+                         SyncSGD, adam_reference, adam_rows_reference, nonfinite_reference, rows_reference)
 
 SIZES = [1, 7, 8, 15, 16, 17, 31, 33, 64, 65, 1000, 4099, 65535, 65537, 131075, (1 << 20) + 13]
 THREADS = [1, 2, 3]
@@ -163,6 +164,99 @@ def test_adagrad_rows_update_only_the_rows_a_gradient_carries():
     assert np.count_nonzero(sums.any(axis=1)) == 2
 
 
+def adam(w, m, v, g, lr, step, threads, dtype, clear=0):
+    _native.adam(w.ctypes.data, m.ctypes.data, v.ctypes.data, g.ctypes.data, len(w), lr, ADAM_BETA1, ADAM_BETA2,
+                 ADAM_EPS, step, clear, threads, DTYPE_CODES[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("n", [1, 15, 33, 4099, 131075])
+def test_adam_kernel_matches_reference(n, threads, dtype):
+    w, g32 = weights_and_gradient(n, n + 3)
+    rng = np.random.default_rng(n)
+    m = rng.standard_normal(n).astype(np.float32) * np.float32(0.01)
+    v = np.abs(rng.standard_normal(n)).astype(np.float32) * np.float32(1e-4)
+    m[: n // 3], v[: n // 3] = 0.0, 0.0  # a weight's first step
+    g = to_wire(g32, dtype)
+    w_ref, m_ref, v_ref = w.copy(), m.copy(), v.copy()
+    for step in (1, 2, 7001):  # the bias correction at the first steps and after it faded
+        with np.errstate(invalid="ignore"):
+            adam_reference(w_ref, m_ref, v_ref, from_wire(g, dtype), 0.01, step)
+        adam(w, m, v, g, 0.01, step, threads, dtype)
+        np.testing.assert_array_equal(bits(w), bits(w_ref))
+        np.testing.assert_array_equal(bits(m), bits(m_ref))
+        np.testing.assert_array_equal(bits(v), bits(v_ref))
+    zero = from_wire(g, dtype) == 0
+    assert np.all(m[zero & (np.arange(n) >= n // 3)] != 0)  # a zero gradient decays m, it does not skip it
+    adam(w, m, v, g, 0.01, 7002, threads, dtype, clear=1)
+    assert not bits(g).any()  # clear: the slot is zero again
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_adam_kernel_follows_torch_adam(dtype):
+    """Eight steps of the kernel (t = 1..8) against torch.optim.Adam's on the same gradients."""
+    n, lr = 4099, 0.001
+    rng = np.random.default_rng(17)
+    w = rng.standard_normal(n).astype(np.float32)
+    start = w.copy()
+    param = torch.nn.Parameter(torch.from_numpy(w.copy()))
+    adam_torch = torch.optim.Adam([param], lr=lr, betas=(ADAM_BETA1, ADAM_BETA2), eps=ADAM_EPS, foreach=False)
+    m, v = np.zeros(n, np.float32), np.zeros(n, np.float32)
+    for step in range(1, 9):
+        g32 = rng.standard_normal(n).astype(np.float32) * np.float32(10.0 ** rng.integers(-4, 2))
+        g32[rng.choice(n, n // 10, replace=False)] = 0.0
+        g = to_wire(g32, dtype)
+        param.grad = torch.from_numpy(from_wire(g, dtype).copy())
+        adam_torch.step()
+        adam(w, m, v, g, lr, step, 2, dtype)
+        state = adam_torch.state[param]
+        for ours, theirs in ((m, state["exp_avg"]), (v, state["exp_avg_sq"])):  # torch's m is a lerp: rounds apart
+            np.testing.assert_allclose(ours, theirs.numpy(), rtol=1e-5, atol=1e-6 * float(theirs.abs().max()))
+        np.testing.assert_allclose(w, param.detach().numpy(), rtol=1e-6, atol=1e-7)
+    assert np.abs(w - start).max() > 4 * lr  # eight steps of about lr each moved the weights
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_adam_rows_is_lazy_adam_as_torch_sparse_adam(dtype):
+    """Only the rows a gradient carries move (their moments too); the rest keep their weights
+    and moments, as torch.optim.SparseAdam; out-of-range indices are counted and skipped.
+    SparseAdam adds eps before the bias correction of v (Adam after it), so the comparison
+    with it runs a second table with eps 1e-30 (SparseAdam refuses 0), where the two agree to rounding."""
+    rows_n, width, lr = 30, 19, 0.01
+    rng = np.random.default_rng(23)
+    table = rng.standard_normal((rows_n, width)).astype(np.float32)
+    m, v = np.zeros_like(table), np.zeros_like(table)
+    plain, m0, v0 = table.copy(), m.copy(), v.copy()  # the same rows with eps 1e-30
+    param = torch.nn.Parameter(torch.from_numpy(table.copy()))
+    sparse_adam = torch.optim.SparseAdam([param], lr=lr, betas=(ADAM_BETA1, ADAM_BETA2), eps=1e-30)
+    t_ref, m_ref, v_ref = table.copy(), m.copy(), v.copy()
+    ever = set()
+    for step, chosen in enumerate(([4, 11, 2], [11, 29, 0, 5], [4], [7, 11]), start=1):
+        indices = np.array(chosen + [-1, rows_n], dtype=np.int64)  # two indices outside the table
+        rows = to_wire(rng.standard_normal((len(indices), width)).astype(np.float32), dtype)
+        before = table.copy()
+        bad = _native.adam_rows(table.ctypes.data, m.ctypes.data, v.ctypes.data, rows_n, width, indices.ctypes.data,
+                                rows.ctypes.data, len(indices), lr, ADAM_BETA1, ADAM_BETA2, ADAM_EPS, step,
+                                DTYPE_CODES[dtype])
+        assert bad == 2
+        exact = from_wire(rows, dtype)[: len(chosen)]
+        adam_rows_reference(t_ref, m_ref, v_ref, indices[: len(chosen)], exact, lr, step)
+        np.testing.assert_array_equal(table, t_ref)
+        np.testing.assert_array_equal(m, m_ref)
+        np.testing.assert_array_equal(v, v_ref)
+        _native.adam_rows(plain.ctypes.data, m0.ctypes.data, v0.ctypes.data, rows_n, width, indices.ctypes.data,
+                          rows.ctypes.data, len(indices), lr, ADAM_BETA1, ADAM_BETA2, 1e-30, step, DTYPE_CODES[dtype])
+        param.grad = torch.sparse_coo_tensor(torch.tensor([chosen]), torch.from_numpy(exact.copy()), (rows_n, width),
+                                             check_invariants=True)
+        sparse_adam.step()
+        np.testing.assert_allclose(plain, param.detach().numpy(), rtol=1e-6, atol=1e-7)
+        ever |= set(chosen)
+        untouched = [i for i in range(rows_n) if i not in chosen]
+        np.testing.assert_array_equal(table[untouched], before[untouched])
+        assert not m[[i for i in range(rows_n) if i not in ever]].any()
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("with_state", [False, True])
 def test_row_kernel_adds_repeated_rows_and_skips_bad_indices(dtype, with_state):
@@ -259,8 +353,8 @@ def test_portable_kernels_without_avx2_match_reference():
         "import numpy as np\n"
         "from gadei import _native\n"
         "from gadei.layout import DTYPE_CODES\n"
-        "from gadei.modes import AsyncSGD, RuleOptions, nonfinite_reference\n"
-        "from test_kernels import weights_and_gradient, to_wire, from_wire, bits, gradient_with_nonfinite\n"
+        "from gadei.modes import AsyncSGD, RuleOptions, adam_reference, nonfinite_reference\n"
+        "from test_kernels import weights_and_gradient, to_wire, from_wire, bits, gradient_with_nonfinite, adam\n"
         "assert _native.kernel_isa() == 'generic', _native.kernel_isa()\n"
         "for dtype in ('float32', 'float16', 'bfloat16'):\n"
         "    for n in (1, 17, 4099, 200003):\n"
@@ -270,6 +364,11 @@ def test_portable_kernels_without_avx2_match_reference():
         "        assert (bits(w) == bits(wr)).all() and not bits(g).any(), (dtype, n)\n"
         "        g = gradient_with_nonfinite(n, dtype, n)\n"
         "        assert _native.nonfinite(g.ctypes.data, n, 2, DTYPE_CODES[dtype]) == nonfinite_reference(g), (dtype, n)\n"
+        "        w, g32 = weights_and_gradient(n, n); g = to_wire(g32, dtype); wr = w.copy()\n"
+        "        m = np.full(n, 0.01, np.float32); v = np.full(n, 1e-4, np.float32); mr = m.copy(); vr = v.copy()\n"
+        "        with np.errstate(invalid='ignore'): adam_reference(wr, mr, vr, from_wire(g, dtype), 0.01, 3)\n"
+        "        adam(w, m, v, g, 0.01, 3, 2, dtype)\n"
+        "        assert (bits(w) == bits(wr)).all() and (bits(m) == bits(mr)).all() and (bits(v) == bits(vr)).all(), (dtype, n)\n"
     )
     proc = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent)], capture_output=True, text=True,
                           env={**os.environ, "GADEI_NO_AVX2": "1"}, timeout=120)

@@ -22,7 +22,8 @@ from gadei.layout import (
         Shape(1),
         Shape(7, capacity=1, slots=1),
         Shape(2_807_511),
-        Shape(1_000_003, capacity=3, slots=4, state_array=True),
+        Shape(1_000_003, capacity=3, slots=4, state_arrays=1),
+        Shape(1_000_003, capacity=3, slots=4, state_arrays=2),
         Shape(1_000_003, grad_dtype="bfloat16", sparse=(SparseTable(0, 1000, 128, 300), SparseTable(500_000, 10, 7, 10))),
     ],
 )

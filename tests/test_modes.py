@@ -7,8 +7,11 @@
 - consistent pulls never hold half an update, where async ones do (so the check can fail).
 - a staleness bound holds with one learner slowed down, where it is broken without one.
 - momentum and the staleness-aware learning rate match their NumPy references.
+- Adam: sync mode is single-process torch Adam (SparseAdam on the embedding); an async Adam
+  job lowers the loss; its moments and step survive a checkpoint.
 """
 
+import importlib
 import signal
 
 import numpy as np
@@ -60,6 +63,9 @@ def _stop(server):
         ("sync", ["--momentum", "0.9", "--grad-dtype", "bfloat16"], []),
         ("async", ["--optimizer", "adagrad", "--row-sparse", "--grad-dtype", "float16"], []),
         ("sync", ["--optimizer", "adagrad", "--grad-dtype", "bfloat16"], []),
+        ("async", ["--optimizer", "adam", "--row-sparse", "--grad-dtype", "bfloat16"], []),
+        ("consistent", ["--optimizer", "adam", "--grad-dtype", "float16"], []),
+        ("sync", ["--optimizer", "adam", "--row-sparse", "--grad-dtype", "float16"], []),
         ("elastic", ["--tau", "4"], []),
         ("async", [], ["--push", "thread", "--pull", "copy"]),
         ("consistent", ["--grad-dtype", "float16", "--row-sparse"], ["--push", "thread", "--pull", "copy"]),
@@ -116,6 +122,86 @@ def test_sync_is_single_process_sgd_on_the_joint_mini_batch(job, procs, tmp_path
         optimizer.step()
     expected = torch.cat([p.detach().view(-1) for p in model.parameters()]).numpy()
     np.testing.assert_allclose(np.load(dump), expected, rtol=2e-5, atol=2e-6)
+
+
+def _lazy_adam(weight: torch.nn.Parameter, m: torch.Tensor, v: torch.Tensor, step: int, lr: float) -> None:
+    """torch.optim.Adam's maths (its functional form) on the rows a sparse gradient carries,
+    as SparseAdam picks them (SparseAdam itself adds eps before v's bias correction)."""
+    grad = weight.grad.coalesce()
+    index, values = grad.indices()[0], grad.values()
+    rows, m_rows, v_rows = weight.detach()[index].clone(), m[index].clone(), v[index].clone()
+    importlib.import_module("torch.optim.adam").adam(
+        [rows], [values], [m_rows], [v_rows], [], [torch.tensor(float(step - 1))], foreach=False, amsgrad=False,
+        beta1=0.9, beta2=0.999, lr=lr, weight_decay=0.0, eps=1e-8, maximize=False)
+    with torch.no_grad():
+        weight[index], m[index], v[index] = rows, m_rows, v_rows
+
+
+def test_sync_adam_is_single_process_adam_on_the_joint_mini_batch(job, procs, tmp_path):
+    """The server's Adam (moments in the region, t = the round's version, lazy on the row-sparse
+    embedding) against torch.optim.Adam in one process, lazily on the embedding's rows."""
+    learners, batch, steps = 2, 4, 30
+    dump = tmp_path / "weights.npy"
+    server = _serve(procs, job, "--model", "tokens", "--mode", "sync", "--learners", learners, "--lr", 0.01,
+                    "--optimizer", "adam", "--row-sparse", "--dump", dump)
+    workers = [procs.worker("sync-train", job, "--rank", r, "--learners", learners, "--batch", batch,
+                            "--steps", steps) for r in range(learners)]
+    for worker in workers:
+        read_line(worker, 60)
+        assert read_line(worker, 120)["done"] == steps
+        finish(worker)
+    report = _stop(server)
+    assert report["version"] == steps and report["applied"] == steps * learners
+
+    model = Tokens()
+    start = torch.cat([p.detach().view(-1) for p in model.parameters()]).numpy().copy()
+    tokens, labels = token_data(steps * learners * batch)
+    table = model.embedding.weight
+    dense = torch.optim.Adam([p for p in model.parameters() if p is not table], lr=0.01, foreach=False)
+    m, v = torch.zeros_like(table), torch.zeros_like(table)
+    for step in range(steps):
+        joint = slice(step * learners * batch, (step + 1) * learners * batch)
+        dense.zero_grad()
+        table.grad = None
+        torch.nn.functional.cross_entropy(model(tokens[joint]), labels[joint]).backward()
+        dense.step()
+        _lazy_adam(table, m, v, step + 1, 0.01)
+    expected = torch.cat([p.detach().view(-1) for p in model.parameters()]).numpy()
+    served = np.load(dump)
+    np.testing.assert_allclose(served, expected, rtol=2e-5, atol=2e-6)
+    assert np.abs(served - start).max() > 0.1  # 30 steps of lr 0.01 moved the weights
+    rows = served[: 40 * 8].reshape(40, 8)
+    used = torch.zeros(40, dtype=torch.bool)
+    used[tokens.flatten()] = True
+    np.testing.assert_array_equal(rows[~used.numpy()], start[: 40 * 8].reshape(40, 8)[~used.numpy()])  # lazy
+
+
+def test_an_async_adam_job_lowers_the_loss(job, procs, tmp_path):
+    """Two learners train Tokens through an async Adam server; the loss over the samples they
+    saw falls as much as it does with torch's Adam in one process."""
+    learners, batch, steps = 2, 4, 40
+    dump = tmp_path / "weights.npy"
+    server = _serve(procs, job, "--model", "tokens", "--learners", learners, "--lr", 0.03, "--optimizer", "adam",
+                    "--dump", dump)
+    workers = [procs.worker("sync-train", job, "--rank", r, "--learners", learners, "--batch", batch,
+                            "--steps", steps) for r in range(learners)]
+    for worker in workers:
+        read_line(worker, 60)
+        assert read_line(worker, 120)["done"] == steps
+        finish(worker)
+    report = _stop(server)
+    assert report["version"] == report["applied"] == steps * learners
+    model = Tokens()
+    tokens, labels = token_data(steps * learners * batch)
+    with torch.no_grad():
+        before = torch.nn.functional.cross_entropy(model(tokens), labels).item()
+        offset = 0
+        for p in model.parameters():
+            p.copy_(torch.from_numpy(np.load(dump)[offset : offset + p.numel()]).view(p.shape))
+            offset += p.numel()
+        after = torch.nn.functional.cross_entropy(model(tokens), labels).item()
+    # single-process torch Adam + SparseAdam, 80 steps of 4 at lr 0.03: 1.114 -> 0.905
+    assert after < 0.9 * before, (before, after)
 
 
 def test_sync_leaves_a_stalled_learner_out_and_takes_it_back(job, procs):
@@ -271,8 +357,59 @@ def test_adagrad_matches_its_reference_and_its_sums_survive_a_checkpoint(job, tm
         assert again.region.header.get("optimizer") == 1
 
 
+def test_adam_matches_its_reference_and_goes_on_from_a_checkpoint(job, tmp_path):
+    """Four gradients, a checkpoint, a new server resumed from it, three more: the weights and
+    both moments are those of seven uninterrupted steps (t goes on from the version), and
+    the checkpoint names the moments. A checkpoint without them is refused. Betas other than
+    torch's defaults travel through the header (the sync test holds the defaults to torch)."""
+    from gadei import checkpoint
+    from gadei.modes import read_options
+
+    grads = [np.full(100, v, np.float32) for v in (1.0, -2.0, 0.5, 3.0, 0.0, -1.0, 0.25)]
+    rule = RuleOptions(lr=0.5, optimizer="adam", adam_beta1=0.8, adam_beta2=0.99, adam_eps=1e-3)
+    w, state = np.ones(100, np.float32), np.zeros(200, np.float32)
+    server, learner = _in_process_job(job, rule=rule)
+    try:
+        for g in grads[:4]:
+            _push(server, learner, float(g[0]), server.version)
+        AsyncSGD.reference(w, grads[:4], rule, state)
+        np.testing.assert_array_equal(server.weights(), w)
+        np.testing.assert_array_equal(server.region.state, state)  # m, then v
+        saved = checkpoint.load(server.write_checkpoint(str(tmp_path)))
+        assert set(saved.optimizer) == {"adam_m", "adam_v"} and saved.version == 4
+        np.testing.assert_array_equal(saved.optimizer["adam_v"].numpy(), state[100:])
+    finally:
+        learner.close()
+        server.close()
+
+    server, learner = _in_process_job(job, rule=rule, resume=checkpoint.latest(tmp_path))
+    try:
+        assert server.region.header.get("optimizer") == 2 and server.version == 4
+        assert read_options(server.region) == rule
+        np.testing.assert_array_equal(server.region.state, state)
+        for g in grads[4:]:
+            _push(server, learner, float(g[0]), server.version)
+        AsyncSGD.reference(w, grads[4:], rule, state, version=4)
+        np.testing.assert_array_equal(server.weights(), w)
+        np.testing.assert_array_equal(server.region.state, state)
+    finally:
+        learner.close()
+        server.close()
+    fresh_steps = np.ones(100, np.float32), np.zeros(200, np.float32)
+    AsyncSGD.reference(fresh_steps[0], grads[4:], rule, fresh_steps[1])  # t from 1 again: a different model
+    assert not np.array_equal(fresh_steps[0], w)
+
+    other = tmp_path / "adagrad"
+    with gadei.Server(job, model=Flat(100, 1.0), learners=1, lr=0.5, optimizer="adagrad") as server:
+        server.write_checkpoint(str(other))
+    with pytest.raises(checkpoint.CheckpointError, match="holds no Adam moments .* taken with optimizer 'adagrad'"):
+        gadei.Server(job, model=Flat(100, 1.0), learners=1, rule=rule, resume=checkpoint.latest(other))
+    assert inspect(job) is None  # nothing left behind
+
+
 @pytest.mark.parametrize("mode, options", [
     ("async", {"optimizer": "adagrad"}),
+    ("async", {"optimizer": "adam"}),
     ("async", {"momentum": 0.9}),
     ("consistent", {"stale_lr": True, "stale_bound": 2}),
     ("elastic", {}),
@@ -330,7 +467,13 @@ def test_options_a_mode_cannot_use_are_refused(job):
         ("elastic", {"grad_dtype": "float16"}, "elastic mode pushes whole float32 weights"),
         ("async", {"stale_bound": 2}, "stale_bound 2 is below the 8 learner rings"),
         ("async", {"momentum": 1.5}, "momentum = 1.5 is out of range; allowed: a number from 0, below 1"),
-        ("async", {"optimizer": "adam"}, "optimizer = 'adam' is not one of the choices; allowed: sgd, adagrad"),
+        ("async", {"optimizer": "rmsprop"}, "optimizer = 'rmsprop' is not one of the choices; allowed: sgd, adagrad, adam"),
+        ("async", {"optimizer": "adam", "momentum": 0.9}, "momentum applies to the sgd optimizer, not adam"),
+        ("elastic", {"optimizer": "adam"}, "adam optimizer applies to async, consistent and sync"),
+        ("async", {"adam_beta1": 0.5}, "adam_beta1 applies to the adam optimizer only; give optimizer = 'adam'"),
+        ("sync", {"optimizer": "adagrad", "adam_eps": 1e-6}, "adam_eps applies to the adam optimizer only"),
+        ("async", {"optimizer": "adam", "adam_beta2": 1.0}, "adam_beta2 = 1.0 is out of range; allowed: a number "
+                                                             "from 0, below 1"),
         ("async", {"slots": 0}, "slots = 0 is out of range; allowed: 1 to 64"),
         ("async", {"optimizer": "adagrad", "momentum": 0.9}, "momentum applies to the sgd optimizer"),
         ("elastic", {"optimizer": "adagrad"}, "adagrad optimizer applies to async, consistent and sync"),

@@ -52,7 +52,7 @@ def test_the_lr_default_is_declared_once():
     assert sources == [], sources
 
 
-@pytest.mark.parametrize("key, value", [("lr", 11.0), ("lr", 0), ("momentum", 1.0), ("optimizer", "adam"),
+@pytest.mark.parametrize("key, value", [("lr", 11.0), ("lr", 0), ("momentum", 1.0), ("optimizer", "rmsprop"),
                                         ("stale_bound", -1), ("tau", 0), ("slots", 0), ("grad_dtype", "int8")])
 def test_the_job_file_and_the_flag_refuse_a_value_alike(tmp_path, key, value):
     cls = TransportOptions if key in {f.name for f in fields(TransportOptions)} else RuleOptions

@@ -1,5 +1,5 @@
 """`gadei bench kernel`: the update kernels' GB/s against a plain C loop, `torch.Tensor.add_`
-and PyTorch's fused CPU Adagrad, on the same buffers."""
+and PyTorch's fused CPU Adagrad and Adam, on the same buffers."""
 
 import os
 
@@ -15,7 +15,7 @@ def bench_kernel(args) -> dict:
     all_threads = os.cpu_count() or 1
     thread_counts = sorted({1, all_threads})
     lr = 0.01
-    rows, records, adagrad_records, check_records = [], [], [], []
+    rows, records, adagrad_records, adam_records, check_records = [], [], [], [], []
     torch_threads = torch.get_num_threads()
     try:
         for size in sizes:
@@ -48,6 +48,7 @@ def bench_kernel(args) -> dict:
                 rows.append((f"{size} MB", threads, f"{gbs['gadei']:.1f}", f"{gbs['plain_c']:.1f}",
                              f"{gbs['torch_add_']:.1f}", f"{record['vs_plain_c']:.2f}x", f"{record['vs_torch']:.2f}x"))
             adagrad_records.extend(_bench_adagrad(w, g, size, thread_counts, args))
+            adam_records.extend(_bench_adam(w, g, size, thread_counts, args))
     finally:
         torch.set_num_threads(torch_threads)
     print("\nkernel: w -= lr * g, GB/s counting 3 streams (read w, read g, write w); median of "
@@ -59,12 +60,18 @@ def bench_kernel(args) -> dict:
     print(table(("size", "threads", "gadei", "torch fused", "gadei/torch"),
                  [(f"{r['size_mb']} MB", r["threads"], f"{r['gb_per_s']['gadei']:.1f}",
                    f"{r['gb_per_s']['torch_fused']:.1f}", f"{r['vs_torch']:.2f}x") for r in adagrad_records]))
+    print("\nkernel: Adam (m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g^2; w -= lr m_hat / (sqrt(v_hat) + eps)), "
+          "GB/s counting 7 streams (read w, m, v, g; write w, m, v), against torch.optim.Adam(fused=True).step(); "
+          f"median of {10 * args.repeats} interleaved samples")
+    print(table(("size", "threads", "gadei", "torch fused", "gadei/torch"),
+                 [(f"{r['size_mb']} MB", r["threads"], f"{r['gb_per_s']['gadei']:.1f}",
+                   f"{r['gb_per_s']['torch_fused']:.1f}", f"{r['vs_torch']:.2f}x") for r in adam_records]))
     print("\nkernel: the server's non-finite check of a float32 gradient (one read-only pass) before w -= lr * g, "
           f"against the update alone; median of {10 * args.repeats} interleaved samples")
     print(table(("size", "threads", "update ms", "check + update ms", "added"),
                 [(f"{r['size_mb']} MB", r["threads"], f"{r['sgd_ms']:.3f}", f"{r['checked_ms']:.3f}",
                   f"{r['added']:+.0%}") for r in check_records]))
-    return {"rows": records, "adagrad": adagrad_records, "nonfinite_check": check_records}
+    return {"rows": records, "adagrad": adagrad_records, "adam": adam_records, "nonfinite_check": check_records}
 
 
 def _bench_adagrad(w: np.ndarray, g: np.ndarray, size: int, thread_counts, args) -> list[dict]:
@@ -90,5 +97,35 @@ def _bench_adagrad(w: np.ndarray, g: np.ndarray, size: int, thread_counts, args)
         torch.set_num_threads(threads)
         seconds = interleaved(methods, rounds=10 * args.repeats, min_seconds=0.002 if args.quick else 0.01)
         gbs = {name: 5 * n * 4 / sec / 1e9 for name, sec in seconds.items()}
+        records.append({"size_mb": size, "threads": threads, "gb_per_s": gbs, "vs_torch": gbs["gadei"] / gbs["torch_fused"]})
+    return records
+
+
+def _bench_adam(w: np.ndarray, g: np.ndarray, size: int, thread_counts, args) -> list[dict]:
+    """The server's Adam kernel against PyTorch's fused CPU Adam on the same weights and
+    gradient (each keeps its own moments, both start at zero; both take a step count that
+    grows, as a job's version does)."""
+    from ..layout import DTYPE_CODES
+    from ..modes import ADAM_BETA1, ADAM_BETA2, ADAM_EPS
+
+    n, lr = w.size, 0.001
+    m, v = aligned(n), aligned(n)
+    m[:], v[:] = 0.0, 0.0
+    param = torch.nn.Parameter(torch.from_numpy(w), requires_grad=True)
+    param.grad = torch.from_numpy(g)
+    optimizer = torch.optim.Adam([param], lr=lr, betas=(ADAM_BETA1, ADAM_BETA2), eps=ADAM_EPS, fused=True)
+    wa, ma, va, ga, f32 = w.ctypes.data, m.ctypes.data, v.ctypes.data, g.ctypes.data, DTYPE_CODES["float32"]
+    step = [0]
+
+    def gadei_step(threads: int) -> None:
+        step[0] += 1
+        _native.adam(wa, ma, va, ga, n, lr, ADAM_BETA1, ADAM_BETA2, ADAM_EPS, step[0], 0, threads, f32)
+
+    records = []
+    for threads in thread_counts:
+        methods = {"gadei": lambda: gadei_step(threads), "torch_fused": optimizer.step}
+        torch.set_num_threads(threads)
+        seconds = interleaved(methods, rounds=10 * args.repeats, min_seconds=0.002 if args.quick else 0.01)
+        gbs = {name: 7 * n * 4 / sec / 1e9 for name, sec in seconds.items()}
         records.append({"size_mb": size, "threads": threads, "gb_per_s": gbs, "vs_torch": gbs["gadei"] / gbs["torch_fused"]})
     return records

@@ -11,7 +11,7 @@ exchanges with the other nodes as its `Strategy` says, and gets a target t the l
 should move to. It writes the move back through its ring as one slot of kind MOVE holding
 w - t, which the server applies exactly once like any other slot but as it is, outside the
 job's update rule: w -= (w - t) (the centre, in elastic mode), with no learning rate,
-momentum, optimizer state (adagrad's sums), staleness scaling or bound. That leaves
+momentum, optimizer state (adagrad's sums, adam's moments), staleness scaling or bound. That leaves
 
     t + (whatever the learners added since w was copied)
 
