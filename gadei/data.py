@@ -46,7 +46,8 @@ def load_job(job: jobfile.Job, reports: list | None = None):
     from its file or held out of train ([data] holdout); validation, on which the model is
     chosen and training stops, from its file or held out of what is left of train ([data]
     validation_holdout), each label's share, with the job's seed: the same split in every
-    process. The test set never chooses anything. Each text file's
+    process; None when there is none (validation_holdout = 0: a bridged node's job, or one
+    that trains on all of train to its epochs cap). The test set never chooses anything. Each text file's
     `gadei_workloads.files.FileReport` (lines read, samples kept, what was left out and why)
     is appended to `reports`.
 
@@ -81,11 +82,11 @@ def load_job(job: jobfile.Job, reports: list | None = None):
         test_source = f"{source}: held-out {d.holdout:.0%} of train"
     else:
         test_source = ", ".join(map(str, d.test))
-    if validation is None:
+    if validation is None and d.validation_holdout > 0:
         train, validation = hold_out(train, d.validation_holdout, job.train.seed, stream=VALIDATION_STREAM)
         validation_source = f"{source}: held-out {d.validation_holdout:.0%} of train for validation"
     else:
-        validation_source = ", ".join(map(str, d.validation))
+        validation_source = ", ".join(map(str, d.validation or ()))
     try:
         return encode_splits(train, validation, test, name=source, validation_source=validation_source,
                              test_source=test_source)
@@ -118,14 +119,16 @@ def _load_arrays(job: jobfile.Job, reports: list | None):
             source = f"job {job.name}: held-out {d.holdout:.0%} of train"
         else:
             source = str(d.test[0])
-        if validation is None:
+        validation_set = None
+        if validation is None and d.validation_holdout > 0:
             train, validation = hold_out(train, d.validation_holdout, job.train.seed, stream=VALIDATION_STREAM)
             validation_source = f"job {job.name}: held-out {d.validation_holdout:.0%} of train for validation"
-        else:
+        elif validation is not None:
             validation_source = str(d.validation[0])
-        train_set, validation_set = make_split(train, validation, name=f"job {job.name}",
-                                               test_source=validation_source, split="validation")
-        _, test_set = make_split(train, test, name=f"job {job.name}", test_source=source)
+        if validation is not None:
+            _, validation_set = make_split(train, validation, name=f"job {job.name}",
+                                           test_source=validation_source, split="validation")
+        train_set, test_set = make_split(train, test, name=f"job {job.name}", test_source=source)
         return train_set, validation_set, test_set
     except DataError as err:
         raise jobfile.JobFileError(f"{where}: [data]: {err}") from None

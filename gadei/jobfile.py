@@ -16,7 +16,8 @@ validated `Job` before anything starts.
     fallback_encoding = "latin-1" # optional: read a file that is not `encoding` with this
     holdout = 0.1                 # share of train held out as the test set when there is none
     validation = "trec/dev.txt"   # optional: the file the model is chosen on (same format as train);
-    validation_holdout = 0.1      # without it, this share of train (each label's) is held out for that
+    validation_holdout = 0.1      # without it, this share of train (each label's) is held out for that; 0: none
+                                  # (train on all of it to the epochs cap; model.pt is the last weights)
 
     [train]
     learners = 2
@@ -99,7 +100,7 @@ class Data:
     fallback_encoding: str | None = None
     holdout: float = 0.1
     validation: tuple[Path, ...] | None = None  # None: `validation_holdout` of train is held out for validation
-    validation_holdout: float = 0.1
+    validation_holdout: float = 0.1  # 0: no validation set (a bridged node's job: its bridge chooses nothing)
 
 
 def _devices(value: str) -> str:
@@ -195,7 +196,8 @@ class Job:
     def for_node(self, node: int, nodes: int) -> "Job":
         """The job of node `node` of `nodes` in a bridged run (`mpiexec -n NODES gadei run`): its
         own job name `<name>-r<node>` and output folder `<folder>/node-<node>`, so that nodes
-        may share a machine (and a file system)."""
+        may share a machine (and a file system); dense gradients, and no validation share held
+        out of train (the model is the one the nodes' bridge agrees on, not chosen)."""
         from .region import check_job_name
 
         name = f"{self.name}-r{node}"
@@ -209,7 +211,10 @@ class Job:
         transport = self.transport
         if transport.row_sparse is None:  # the bridge moves every row: a bridged node's gradients stay dense
             transport = replace(transport, row_sparse=False)
-        return replace(self, name=name, output=self.output / f"node-{node}", transport=transport)
+        data = self.data
+        if data.validation is None:  # the nodes' model is the one their bridge agrees on: nothing is chosen on a
+            data = replace(data, validation_holdout=0.0)  # validation share, so none is held out of train
+        return replace(self, name=name, output=self.output / f"node-{node}", transport=transport, data=data)
 
     def to_toml(self) -> str:
         """The job as TOML, every field written (the job as run)."""
@@ -285,7 +290,7 @@ _SCHEMA = {
              "header": ("bool", False), "text_column": ("column", False), "label_column": ("column", False),
              "encoding": ("encoding", False),
              "fallback_encoding": ("encoding", False), "holdout": ("fraction", False),
-             "validation": ("paths", False), "validation_holdout": ("fraction", False)},
+             "validation": ("paths", False), "validation_holdout": ("fraction or 0", False)},
     **{section: {key: ("declared", False) for key in job_keys(cls)} for section, cls in DECLARED.items()},
     "output": {"folder": ("text", False), "private": ("bool", False)},
 }
@@ -488,11 +493,16 @@ def _value(where: str, section: str, key: str, kind: str, value, base: Path):
         if not isinstance(value, bool):
             refuse("true or false")
         return value
-    if kind == "fraction":
+    if kind in ("fraction", "fraction or 0"):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             refuse("a number")
         value = float(value)
+        if kind == "fraction or 0" and value == 0.0:
+            return value
         if not 0.0 < value < 0.5:
+            if kind == "fraction or 0":
+                raise JobFileError(f"{field_} is out of range; allowed: 0 (no validation set) or more than 0 and less "
+                                   "than 0.5")
             raise JobFileError(f"{field_} is out of range; allowed: more than 0 and less than 0.5")
         return value
     raise AssertionError(kind)

@@ -188,11 +188,13 @@ def describe(prepared: Prepared, node) -> list[str]:
     job, train, test, found = prepared.job, prepared.train, prepared.test, prepared.found
     t = job.train
     lines = [f"gadei run: job {job.name}: {job.workload} on {len(train):,} training / "
-             f"{len(prepared.validation):,} validation / {len(test):,} test samples, "
+             + (f"{len(prepared.validation):,} validation / " if prepared.validation is not None else "")
+             + f"{len(test):,} test samples, "
              f"{train.n_labels} labels, " + (f"vocabulary {len(train.vocab):,}" if train.vocab is not None else
                                              f"{train.features} features")
              + f"; {t.learners} learners, {t.mode}, {t.optimizer}, mini-batch {t.batch}, lr {t.lr:g}, "
-             f"at most {t.epochs} epochs (patience {t.patience}), seed {t.seed}"]
+             + (f"at most {t.epochs} epochs (patience {t.patience})" if prepared.validation is not None else
+                f"{t.epochs} epochs (no validation set)") + f", seed {t.seed}"]
     lines += [f"  read {report}" for report in prepared.read]
     lines += [f"  chose {line}" for line in prepared.chosen]
     if node is not None:

@@ -119,7 +119,8 @@ class JobRun:
             print("  learners' devices: " + ", ".join(f"{i}: {d}" for i, d in enumerate(devices)), flush=True)
         # Learner 0 evaluates and decides for the job (patience: the job file's); a bridged node's
         # does not choose (the nodes' model is the one their bridge agrees on; they stop at the cap).
-        evaluates = ["--eval"] + (["--validate", "--best", str(out / "checkpoints")] if node is None else [])
+        chooses = node is None and self.prepared.validation is not None  # validation_holdout = 0: nothing to choose on
+        evaluates = ["--eval"] + (["--validate", "--best", str(out / "checkpoints")] if chooses else [])
         for i, shard in enumerate(shards):
             extra = ["--shard", shard] + (evaluates if i == 0 else []) + (["--device", devices[i]]
                                                                           if devices[i] != "cpu" else [])

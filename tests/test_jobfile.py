@@ -142,6 +142,27 @@ def test_a_validation_file_is_read_and_a_label_it_alone_has_is_named(small):
         jobfile.load(_job(small, GOOD.format(name="pets") + "[train]\npatience = 0\n"))
 
 
+def test_validation_holdout_0_holds_nothing_out_and_a_bridged_node_holds_nothing_out(small):
+    """validation_holdout = 0: no validation set (all of train is trained on, to the cap); a
+    bridged node's job (Job.for_node) holds none out either: its model is the one the nodes'
+    bridge agrees on, so a validation share would be training data lost for nothing."""
+    job = jobfile.load(_job(small, GOOD.format(name="pets") + "validation_holdout = 0\n"))
+    train, validation, test = data.load_job(job)
+    assert validation is None and len(train) == 36 and len(test) == 4
+    again = jobfile.load(_job(small, job.to_toml()))  # the job as run (job.toml) reads back
+    assert again.data.validation_holdout == 0.0
+    for bad in ("0.5", "-0.1"):
+        with pytest.raises(JobFileError, match=r"validation_holdout = .* allowed: 0 \(no validation set\) or more than 0"):
+            jobfile.load(_job(small, GOOD.format(name="pets") + f"validation_holdout = {bad}\n"))
+    node = jobfile.load(_job(small, GOOD.format(name="pets"))).for_node(1, 2)
+    train, validation, test = data.load_job(node)
+    assert node.data.validation_holdout == 0.0 and validation is None and len(train) == 36
+    _csv(small, ["a dog barks,dog", "a cat purrs,cat"], name="dev.csv")
+    node = jobfile.load(_job(small, GOOD.format(name="pets") + 'validation = "dev.csv"\n')).for_node(0, 2)
+    train, validation, test = data.load_job(node)
+    assert len(validation) == 2 and len(train) == 36  # a validation file is the user's: kept (reported, unused)
+
+
 @pytest.mark.parametrize("rows, header, message", [
     ([], "text,category", "no samples"),
     (["hello,cat"], "text,label", "[data] label_column = 'category' is not a column of its header (columns: 'text', 'label')"),

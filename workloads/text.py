@@ -242,7 +242,7 @@ def encode_split(
 
 def encode_splits(
     train: list[tuple[list[str], str]],
-    validation: list[tuple[list[str], str]],
+    validation: list[tuple[list[str], str]] | None,
     test: list[tuple[list[str], str]],
     *,
     name: str,
@@ -252,7 +252,7 @@ def encode_splits(
     min_count: int = 1,
 ) -> tuple[TextDataset, TextDataset, TextDataset]:
     """(train, validation, test) datasets from (tokens, label) rows: vocabulary and label map
-    from train only.
+    from train only; validation None when there are no validation rows (None).
 
     Raises:
         ValueError: a validation or test label does not occur in train (the message starts
@@ -260,6 +260,8 @@ def encode_splits(
     """
     train_set, test_set = _encode_split(train, test, name=name, test_source=test_source, max_size=max_size,
                                         min_count=min_count)
+    if validation is None:
+        return train_set, None, test_set
     label_ids = {label: i for i, label in enumerate(train_set.label_names)}
     for _, label in validation:
         if label not in label_ids:
