@@ -175,15 +175,38 @@ def test_bench_quality_quick_reports_gadei_and_pytorch_on_trec(procs, tmp_path):
     if not (data_dir() / "trec" / "TREC.train").is_file():
         missing("TREC is not there")
     out_file = tmp_path / "quality.json"
-    out, _ = finish(procs.gadei("bench", "quality", "--quick", "--out", out_file,
+    out, _ = finish(procs.gadei("bench", "quality", "--quick", "--out", out_file, "--train", "optimizer=adam,lr=0.001",
                                 env={**os.environ, "GADEI_DATA_DIR": str(data_dir())}), 900)
-    assert "epoch chosen" in out and "pytorch" in out
+    assert "epoch chosen" in out and "pytorch" in out and "gadei-2 optimizer=adam,lr=0.001" in out
     quality = json.loads(out_file.read_text())["quality"]
-    assert set(quality["summary"]) == {"trec"} and set(quality["summary"]["trec"]) == {"gadei-1", "gadei-2", "pytorch"}
+    candidate = "gadei-2 optimizer=adam,lr=0.001"
+    assert set(quality["summary"]) == {"trec"}
+    assert set(quality["summary"]["trec"]) == {"gadei-1", "gadei-2", "pytorch", candidate}
     for config, runs in quality["runs"]["trec"].items():
         assert len(runs) == 1 and runs[0]["epoch"] == 1 and runs[0]["wall_seconds"] > 0, config
         assert runs[0]["test_accuracy"] > 0.3, (config, runs[0])  # 6 labels: chance is below 0.25
         assert runs[0]["stopped"] == "cap", config
+    runs = quality["runs"]["trec"]
+    assert (runs["gadei-2"][0]["optimizer"], runs["gadei-2"][0]["lr"]) == ("adagrad", 0.01)  # the defaults
+    assert (runs[candidate][0]["optimizer"], runs[candidate][0]["lr"]) == ("adam", 0.001)  # the candidate's, as run
+
+
+def test_bench_quality_refuses_a_candidate_it_cannot_run(procs, tmp_path):
+    """--train that is not KEY=VALUE, or that a job file refuses, is said before any run."""
+    from gadei.bench.quality import candidates
+
+    assert candidates(["optimizer=adam, lr=0.001"]) == {"gadei-2 optimizer=adam,lr=0.001":
+                                                        {"optimizer": '"adam"', "lr": "0.001"}}
+    with pytest.raises(ValueError, match="'lr' is not KEY=VALUE"):
+        candidates(["optimizer=adam,lr"])
+    with pytest.raises(ValueError, match="learners is the bench's own"):
+        candidates(["learners=4"])
+    from helpers import data_dir
+
+    bench = procs.gadei("bench", "quality", "--quick", "--out", tmp_path / "q.json", "--train", "optimizer=adamw",
+                        env={**os.environ, "GADEI_DATA_DIR": str(data_dir())})
+    out, err = communicate(bench, 120)
+    assert bench.returncode != 0 and "--train: optimizer=adamw: " in err and "pytorch" not in out, (out, err)
 
 
 def test_status_shows_every_mode_and_optimizer(procs):

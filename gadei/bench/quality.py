@@ -9,6 +9,10 @@ epoch that was chosen and the wall time, beside a plain single-process PyTorch l
 lr 0.001, mini-batch 32) on the same training, validation and test split with the same
 validation-based stopping: the strong baseline a user could write in a few lines.
 
+`--train KEY=VALUE,...` adds a candidate: gadei with 2 learners and those [train] keys set
+(`--train optimizer=adam,lr=0.001`), on the same sets and seeds, interleaved with the rest,
+so that a change of the defaults is chosen by measurement (issue 20).
+
 `--quick` is a smoke run cheap enough for a test: TREC cut to its first 600 training
 questions, one seed, an epoch cap of 1.
 """
@@ -48,9 +52,11 @@ def data_dir() -> Path:
     return Path(settings().data_dir or Path.cwd().parent / "shared" / "data")
 
 
-def job_file(folder: Path, name: str, data: dict, *, learners: int, seed: int, epochs: int | None = None) -> Path:
+def job_file(folder: Path, name: str, data: dict, *, learners: int, seed: int, epochs: int | None = None,
+             train: dict | None = None) -> Path:
     """A job file for data set `name` that sets only its data, learners and seed (and, for a
-    smoke run, the epoch cap); its output folder is `folder`/runs/<job>."""
+    smoke run, the epoch cap; for a candidate, its `train` keys, TOML values); its output
+    folder is `folder`/runs/<job>."""
     def value(v):
         return json.dumps(v) if not isinstance(v, bool) else ("true" if v else "false")
 
@@ -58,6 +64,7 @@ def job_file(folder: Path, name: str, data: dict, *, learners: int, seed: int, e
     lines = ["[job]", f'name = "{job}"', 'workload = "textcnn"', "", "[data]"]
     lines += [f"{key} = {value(v)}" for key, v in data.items()]
     lines += ["", "[train]", f"learners = {learners}", f"seed = {seed}"] + ([f"epochs = {epochs}"] if epochs else [])
+    lines += [f"{key} = {value}" for key, value in (train or {}).items()]
     lines += ["", "[output]", f'folder = "{folder / "runs" / job}"', ""]
     path = folder / f"{job}.toml"
     path.write_text("\n".join(lines))
@@ -77,6 +84,8 @@ def run_gadei(path: Path) -> dict:
         raise RuntimeError(f"gadei run {path} exited {done.returncode}: {done.stdout[-2000:]}")
     result = json.loads((out / "result.json").read_text())
     result["wall_seconds"] = round(wall, 1)
+    ran = jobfile.load(out / "job.toml", data_files=False).train  # the job as run: the defaults filled in
+    result.update(optimizer=ran.optimizer, lr=ran.lr, batch=ran.batch)
     return result
 
 
@@ -125,6 +134,33 @@ def run_pytorch(path: Path, *, patience: int | None = None, epochs: int | None =
             "wall_seconds": round(time.monotonic() - started, 1)}
 
 
+def candidates(specs: list[str]) -> dict[str, dict]:
+    """`--train` specs as {label: {key: TOML value}}: "optimizer=adam,lr=0.001" becomes
+    {"optimizer": '"adam"', "lr": "0.001"} (a value that is not TOML is a string).
+
+    Raises:
+        ValueError: a spec that is not KEY=VALUE,..., or sets learners or seed (the bench's own).
+    """
+    import tomllib
+
+    found = {}
+    for spec in specs:
+        train = {}
+        for item in spec.split(","):
+            key, eq, value = (part.strip() for part in item.partition("="))
+            if not eq or not key or not value:
+                raise ValueError(f"--train {spec!r}: {item!r} is not KEY=VALUE (e.g. --train optimizer=adam,lr=0.001)")
+            if key in ("learners", "seed"):
+                raise ValueError(f"--train {spec!r}: {key} is the bench's own (2 learners, seeds 0..repeats-1)")
+            try:
+                tomllib.loads(f"v = {value}")
+            except tomllib.TOMLDecodeError:
+                value = json.dumps(value)
+            train[key] = value
+        found["gadei-2 " + ",".join(f"{k}={v.strip(chr(34))}" for k, v in train.items())] = train
+    return found
+
+
 def bench_quality(args) -> dict:
     """Every chosen set x (gadei 1 learner, gadei 2 learners, PyTorch) x seed, interleaved
     (the machine's noise falls on all alike); the table, and every run's figures."""
@@ -135,16 +171,27 @@ def bench_quality(args) -> dict:
         raise ValueError(f"--sets: unknown data set(s) {', '.join(unknown)}; choose from {', '.join(SETS)}")
     seeds = [0] if args.quick else list(range(args.repeats))
     epochs = QUICK_EPOCHS if args.quick else None
-    configs = ("gadei-1", "gadei-2", "pytorch")
+    trained = candidates(getattr(args, "train", None) or [])
+    configs = ("gadei-1", "gadei-2", "pytorch", *trained)
     runs: dict = {name: {c: [] for c in configs} for name in names}
     with tempfile.TemporaryDirectory(prefix="gadei-quality-") as tmp:
         folder = Path(tmp)
+        if trained:  # a candidate a job file refuses is said now, not after the first runs
+            from .. import jobfile
+
+            data = _data(names[0], base, folder, quick=args.quick)
+            for label, train in trained.items():
+                try:
+                    jobfile.load(job_file(folder, names[0], data, learners=2, seed=0, train=train))
+                except jobfile.JobFileError as err:
+                    raise ValueError(f"--train: {label[len('gadei-2 '):]}: {err}") from None
         for name in names:
             data = _data(name, base, folder, quick=args.quick)
             for seed in seeds:
                 for config in configs:
                     learners = 1 if config == "gadei-1" else 2
-                    path = job_file(folder, name, data, learners=learners, seed=seed, epochs=epochs)
+                    path = job_file(folder, name, data, learners=learners, seed=seed, epochs=epochs,
+                                    train=trained.get(config))
                     result = run_pytorch(path, epochs=epochs) if config == "pytorch" else run_gadei(path)
                     result["seed"] = seed
                     runs[name][config].append(result)
@@ -161,7 +208,8 @@ def bench_quality(args) -> dict:
     print("\nquality: test accuracy of the model handed back, median (range) over seeds " + ",".join(map(str, seeds))
           + "; the epoch chosen on validation; median wall seconds")
     print(table(["set", "run", "test accuracy", "epoch chosen", "wall s"], rows))
-    return {"seeds": seeds, "quick": args.quick, "baseline": BASELINE, "summary": summary, "runs": runs}
+    return {"seeds": seeds, "quick": args.quick, "baseline": BASELINE, "candidates": trained, "summary": summary,
+            "runs": runs}
 
 
 def _summary(results: list[dict]) -> dict:

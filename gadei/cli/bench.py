@@ -26,6 +26,9 @@ def add_parser(sub) -> None:
                    help="accuracy, modes: epochs per run (default 4)")
     p.add_argument("--sets", help="quality: shared data sets, comma-separated (default trec,sst2,subj,cr,banking77; "
                    "--quick: a cut of trec)")
+    p.add_argument("--train", action="append", default=[], metavar="KEY=VALUE,...",
+                   help="quality: a candidate setting of job-file [train] keys (e.g. optimizer=adam,lr=0.001), run "
+                   "with 2 learners beside the defaults; repeat it for more candidates")
     p.add_argument("--sizes", help="bridge: model sizes in MB, comma-separated (default 1,16,64,256; --quick 1,4)")
     p.add_argument("--ranks", type=int, default=2, help="bridge: MPI ranks started on this machine (default 2)")
     p.add_argument("--device", default="cuda:0", help="gpu: the GPU measured (default cuda:0; cpu: a smoke run of "
