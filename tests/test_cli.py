@@ -431,3 +431,51 @@ def test_bench_peers_and_scaling_quick(procs, tmp_path):
     assert all(0 < p["server_cpu_share"] < 1 for p in curve["gadei"])
     assert set(saved["scaling"]["smallest_batch"]) == {"gadei", "hogwild"}
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _dies(code: int) -> None:
+    if code < 0:
+        os.kill(os.getpid(), -code)
+    raise SystemExit(code)
+
+
+def test_a_peer_that_crashes_is_run_again_and_counted_but_gadei_never_is(monkeypatch):
+    """A peer's process killed by a signal (torch's gloo sparse allreduce corrupts the heap in
+    about 1 in 5 DDP runs at batch 2 here: malloc abort, SIGSEGV) is a PeerCrashed, and the
+    run is made again, its crashes counted for the table; an ordinary failure, or any crash of
+    gadei, stays the bench's error."""
+    import multiprocessing
+    import signal
+
+    from gadei.bench import peers
+
+    ctx = multiprocessing.get_context("spawn")
+    for code, error in ((-signal.SIGSEGV, peers.PeerCrashed), (1, RuntimeError)):
+        proc = ctx.Process(target=_dies, args=(code,))
+        proc.start()
+        proc.join(60)
+        with pytest.raises(error, match=f"exited with code {code}") as raised:
+            peers._collect(ctx.Queue(), [proc], 1, 30, "test")
+        assert (type(raised.value) is peers.PeerCrashed) == (code < 0)
+    calls, crashing = [], [2]  # how many calls crash
+
+    def run_peer(kind, world, batch, **run):
+        calls.append(kind)
+        if len(calls) <= crashing[0]:
+            raise peers.PeerCrashed(f"bench {kind} {world}: process 1 exited with code -6")
+        return {"samples_per_s": 1.0}
+
+    monkeypatch.setattr(peers, "run_peer", run_peer)
+    result = peers._run_surviving_crashes("ddp", 2, 2, seed=0)
+    assert len(calls) == 3 and len(result["crashes"]) == 2 and "code -6" in result["crashes"][0]
+    assert peers.summarise([{**result, "test_accuracy": 1, "cpu_s_per_sample": 1, "server_cpu_s": 0, "cpu_s": 1,
+                             "seconds": 1}])["crashes"] == 2
+    calls.clear()
+    with pytest.raises(peers.PeerCrashed):
+        peers._run_surviving_crashes("gadei", 2, 2, seed=0)
+    assert calls == ["gadei"]
+    calls.clear()
+    crashing[0] = 100
+    with pytest.raises(peers.PeerCrashed):
+        peers._run_surviving_crashes("ddp", 2, 2, seed=0)
+    assert len(calls) == peers.PEER_RETRIES + 1

@@ -139,8 +139,17 @@ def _gadei_weights(job: str) -> dict:
         return params.state_dict(region.read_spec(), region.weights)
 
 
+class PeerCrashed(RuntimeError):
+    """A process of a run was killed by a signal (a crash in the peer's own code, such as the
+    heap corruption torch's gloo sparse allreduce causes in some DDP runs at small batches)."""
+
+
+PEER_RETRIES = 3  # a peer's run that crashed is run again (its crashes counted) at most this many times
+
+
 def _collect(queue, procs, n: int, timeout: float, what: str) -> list[dict]:
-    """`n` reports from `queue`; raises if a process died first or `timeout` passed."""
+    """`n` reports from `queue`; raises if a process died first (PeerCrashed: by a signal) or
+    `timeout` passed."""
     import queue as queues
 
     from ..protocol import Deadline
@@ -154,7 +163,8 @@ def _collect(queue, procs, n: int, timeout: float, what: str) -> list[dict]:
             pass
         dead = [p for p in procs if p.exitcode not in (None, 0)]
         if dead:
-            raise RuntimeError(f"bench {what}: process {dead[0].pid} exited with code {dead[0].exitcode}")
+            error = PeerCrashed if dead[0].exitcode < 0 else RuntimeError
+            raise error(f"bench {what}: process {dead[0].pid} exited with code {dead[0].exitcode}")
         if deadline.expired():
             raise TimeoutError(f"bench {what}: {len(got)} of {n} reports after {timeout:g} s")
     return got
@@ -213,7 +223,8 @@ def interleaved_runs(keys: list[tuple[str, int, int]], args, data: str, lr: floa
         order = list(out)
         rng.shuffle(order)
         for kind, world, batch in order:
-            result = run_peer(kind, world, batch, epochs=args.epochs, seed=repeat, lr=lr, data=data, limit=limit)
+            result = _run_surviving_crashes(kind, world, batch, epochs=args.epochs, seed=repeat, lr=lr, data=data,
+                                            limit=limit)
             out[(kind, world, batch)].append(result)
             log.info("repeat %d batch %d %s %d: %.0f samples/s, accuracy %.3f, %.2f CPU ms/sample", repeat,
                      batch, kind, world, result["samples_per_s"], result["test_accuracy"],
@@ -221,9 +232,28 @@ def interleaved_runs(keys: list[tuple[str, int, int]], args, data: str, lr: floa
     return out
 
 
+def _run_surviving_crashes(kind: str, world: int, batch: int, **run) -> dict:
+    """`run_peer`, again after a crash of a peer's process (up to PEER_RETRIES times): a
+    user would run it again too; the crashes are counted in the result ("crashes") and shown
+    in the table. gadei's runs are never run again: a crash of gadei is the bench's error."""
+    crashes = []
+    while True:
+        try:
+            result = run_peer(kind, world, batch, **run)
+        except PeerCrashed as err:
+            if kind == "gadei" or len(crashes) >= PEER_RETRIES:
+                raise
+            crashes.append(str(err))
+            log.warning("%s; running it again (crash %d)", err, len(crashes))
+            continue
+        result["crashes"] = crashes
+        return result
+
+
 def summarise(rs: list[dict]) -> dict:
     keys = ("samples_per_s", "test_accuracy", "cpu_s_per_sample", "server_cpu_s", "cpu_s", "seconds")
-    return {**{k: median([r[k] for r in rs]) for k in keys}, "runs": rs}
+    return {**{k: median([r[k] for r in rs]) for k in keys}, "crashes": sum(len(r.get("crashes", ())) for r in rs),
+            "runs": rs}
 
 
 def bench_peers(args) -> dict:
@@ -254,7 +284,8 @@ def bench_peers(args) -> dict:
             ratio = "" if kind == "gadei" or mine is None else f"{mine['samples_per_s'] / m['samples_per_s']:.2f}x"
             if kind == "plain" and "gadei-1" in med:
                 ratio = f"{med['gadei-1']['samples_per_s'] / m['samples_per_s']:.2f}x (gadei 1)"
-            rows.append((f"{LABELS[kind]} {_who(kind, world)}", f"{m['samples_per_s']:.0f}", f"{m['test_accuracy']:.1%}",
+            crashed = f" ({m['crashes']} crashed, run again)" if m["crashes"] else ""
+            rows.append((f"{LABELS[kind]} {_who(kind, world)}{crashed}", f"{m['samples_per_s']:.0f}", f"{m['test_accuracy']:.1%}",
                          f"{1e3 * m['cpu_s_per_sample']:.2f}", ratio))
         print(table(("method", "samples/s", "test accuracy", "CPU ms/sample", "gadei N / this"), rows))
     return {"data": data, "epochs": args.epochs, "lr": lr, "limit": limit, "rows": records}
