@@ -98,11 +98,11 @@ def test_every_mode_and_transport_trains_stops_and_counts(job, procs, mode, opti
     assert inspect(job) is None  # stopped cleanly: the region is gone
 
 
-def test_sync_is_single_process_sgd_on_the_joint_mini_batch(job, procs, tmp_path):
-    learners, batch, steps, lr = 2, 4, 30, 0.1
-    dump = tmp_path / "weights.npy"
-    server = _serve(procs, job, "--model", "tokens", "--mode", "sync", "--learners", learners, "--lr", lr,
-                    "--row-sparse", "--dump", dump)
+def _sync_training(procs, job, learners: int, batch: int, steps: int, *serve_args) -> None:
+    """A sync-mode server of the tokens model (row-sparse) and `learners` sync-train workers
+    of `steps` mini-batches each; every round held every learner's gradient."""
+    server = _serve(procs, job, "--model", "tokens", "--mode", "sync", "--learners", learners, "--row-sparse",
+                    *serve_args)
     workers = [procs.worker("sync-train", job, "--rank", r, "--learners", learners, "--batch", batch,
                             "--steps", steps) for r in range(learners)]
     for worker in workers:
@@ -111,6 +111,12 @@ def test_sync_is_single_process_sgd_on_the_joint_mini_batch(job, procs, tmp_path
         finish(worker)
     report = _stop(server)
     assert report["version"] == steps and report["applied"] == steps * learners  # every round held both
+
+
+def test_sync_is_single_process_sgd_on_the_joint_mini_batch(job, procs, tmp_path):
+    learners, batch, steps, lr = 2, 4, 30, 0.1
+    dump = tmp_path / "weights.npy"
+    _sync_training(procs, job, learners, batch, steps, "--lr", lr, "--dump", dump)
 
     model = Tokens()
     tokens, labels = token_data(steps * learners * batch)
@@ -142,16 +148,7 @@ def test_sync_adam_is_single_process_adam_on_the_joint_mini_batch(job, procs, tm
     embedding) against torch.optim.Adam in one process, lazily on the embedding's rows."""
     learners, batch, steps = 2, 4, 30
     dump = tmp_path / "weights.npy"
-    server = _serve(procs, job, "--model", "tokens", "--mode", "sync", "--learners", learners, "--lr", 0.01,
-                    "--optimizer", "adam", "--row-sparse", "--dump", dump)
-    workers = [procs.worker("sync-train", job, "--rank", r, "--learners", learners, "--batch", batch,
-                            "--steps", steps) for r in range(learners)]
-    for worker in workers:
-        read_line(worker, 60)
-        assert read_line(worker, 120)["done"] == steps
-        finish(worker)
-    report = _stop(server)
-    assert report["version"] == steps and report["applied"] == steps * learners
+    _sync_training(procs, job, learners, batch, steps, "--lr", 0.01, "--optimizer", "adam", "--dump", dump)
 
     model = Tokens()
     start = torch.cat([p.detach().view(-1) for p in model.parameters()]).numpy().copy()
