@@ -194,7 +194,7 @@ def describe(prepared: Prepared, node) -> list[str]:
                                              f"{train.features} features")
              + f"; {t.learners} learners, {t.mode}, {t.optimizer}, mini-batch {t.batch}, lr {t.lr:g}, "
              + (f"at most {t.epochs} epochs (patience {t.patience})" if prepared.validation is not None else
-                f"{t.epochs} epochs (no validation set)") + f", seed {t.seed}"]
+                f"{t.epochs} epoch{'s' if t.epochs != 1 else ''} (no validation set)") + f", seed {t.seed}"]
     lines += [f"  read {report}" for report in prepared.read]
     lines += [f"  chose {line}" for line in prepared.chosen]
     if node is not None:
