@@ -147,6 +147,25 @@ def test_clean_removes_a_dead_watchdogs_state_once_its_job_is_gone(job, procs, t
     assert not state.exists()
 
 
+def test_bench_latency_reports_the_idle_pause_against_both_baselines(procs, tmp_path):
+    """A smoke run of `gadei bench latency`: every size, push and gap; for each paused row its
+    ratio to the copy and update alone, warm and after the same pause (what the pause costs
+    any code), and what the pause added to each."""
+    out_file = tmp_path / "latency.json"
+    out, _ = finish(procs.gadei("bench", "latency", "--quick", "--repeats", "1", "--out", out_file), 300)
+    assert "copy and update alone after the same pause" in out
+    latency = json.loads(out_file.read_text())["latency"]
+    assert [(r["size_mb"], r["push"], r["gap_ms"]) for r in latency["rows"]] == [
+        (s, p, g) for s in (1, 16) for p in ("publish", "thread") for g in (0.0, 5.0)]
+    assert all(r["median_us"] > 0 and r["ratio"] > 0 for r in latency["rows"])
+    wake = latency["wake_up"]
+    assert [(w["size_mb"], w["push"]) for w in wake] == [(s, p) for s in (1, 16) for p in ("publish", "thread")]
+    for w in wake:
+        row = next(r for r in latency["rows"] if (r["size_mb"], r["push"], r["gap_ms"]) == (w["size_mb"], w["push"], 5.0))
+        assert w["ratio_to_paused"] == row["median_us"] / row["copy_plus_update_after_pause_us"] > 0
+        assert w["pause_us"] == row["copy_plus_update_after_pause_us"] - row["copy_plus_update_us"]
+
+
 def test_bench_kernel_reports_sgd_adagrad_and_adam_against_torch(procs, tmp_path):
     """A smoke run of `gadei bench kernel`: the tables and the JSON hold every size and thread
     count, for both kernels (the figures themselves are for the README, not for a test)."""

@@ -12,6 +12,9 @@ from ..env import settings
 from .timing import MB, median, table, time_it
 
 
+GAP = 0.005  # seconds of the idle pause between pushes (the server dozes, then sleeps on its doorbell)
+
+
 def bench_latency(args) -> dict:
     from ..launch import LocalJob
     from ..learner import Learner
@@ -29,7 +32,7 @@ def bench_latency(args) -> dict:
                 # pull=view: no pull thread, so the figure is the push path alone
                 with Learner(model, job, push=push, pull="view") as learner:
                     tail_addr = learner.entry.addr("tail")
-                    for gap in (0.0, 0.005):
+                    for gap in (0.0, GAP):
                         samples = []
                         for _ in range(pushes):
                             if gap:
@@ -51,10 +54,16 @@ def bench_latency(args) -> dict:
                           for _ in range(args.repeats)])
         update_s = median([time_it(lambda: _native.sgd(w.ctypes.data, g.ctypes.data, n, 0.01, 1, threads), 0.05)
                             for _ in range(args.repeats)])
+        paused_us = _after_pause(lambda: (_native.copy(g.ctypes.data, src.ctypes.data, n * 4, 1),
+                                          _native.sgd(w.ctypes.data, g.ctypes.data, n, 0.01, 1, threads)),
+                                 GAP, 20 if args.quick else 100)
         for r in results:
             if r["size_mb"] == size:
                 r["copy_plus_update_us"] = (copy_s + update_s) * 1e6
                 r["ratio"] = r["median_us"] / r["copy_plus_update_us"]
+                if r["gap_ms"]:  # the same work after the same pause, in one process: what the pause costs any code
+                    r["copy_plus_update_after_pause_us"] = paused_us
+                    r["ratio_to_paused"] = r["median_us"] / paused_us
     rows = [(f"{r['size_mb']} MB", r["push"], f"{r['gap_ms']:.0f} ms", f"{r['median_us']:.0f}", f"{r['p90_us']:.0f}",
              f"{r['copy_plus_update_us']:.0f}", f"{r['ratio']:.2f}x") for r in results]
     print(f"\nlatency: push (learner.step) to applied by the server, microseconds; {pushes} pushes each; "
@@ -63,8 +72,9 @@ def bench_latency(args) -> dict:
     wake = wake_up(results)
     for w in wake:
         print(f"after a {w['gap_ms']:.0f} ms idle pause a {w['size_mb']} MB {w['push']} push is applied in "
-              f"{w['ratio']:.2f}x the copy and update alone (target: within 2x); waking the server added "
-              f"{w['wake_us']:.0f} us to the push-to-applied of gap 0")
+              f"{w['ratio']:.2f}x the copy and update alone (target: within 2x), {w['ratio_to_paused']:.2f}x the "
+              f"copy and update alone after the same pause; the pause added {w['wake_us']:.0f} us to the "
+              f"push-to-applied of gap 0, {w['pause_us']:.0f} us to the copy and update alone")
     return {"rows": results, "wake_up": wake}
 
 
@@ -76,8 +86,21 @@ def wake_up(results: list[dict]) -> list[dict]:
         if r["gap_ms"]:
             busy = next(b for b in results if b["size_mb"] == r["size_mb"] and b["push"] == r["push"] and not b["gap_ms"])
             out.append({"size_mb": r["size_mb"], "push": r["push"], "gap_ms": r["gap_ms"], "ratio": r["ratio"],
-                        "wake_us": r["median_us"] - busy["median_us"]})
+                        "wake_us": r["median_us"] - busy["median_us"], "ratio_to_paused": r["ratio_to_paused"],
+                        "pause_us": r["copy_plus_update_after_pause_us"] - r["copy_plus_update_us"]})
     return out
+
+
+def _after_pause(work, gap: float, times: int) -> float:
+    """Median microseconds of `work()` run right after an idle pause of `gap` seconds: the
+    pause's own cost to any code (a halted vCPU waking, caches gone cold), without gadei."""
+    samples = []
+    for _ in range(times):
+        _sleep(gap)
+        start = time.perf_counter_ns()
+        work()
+        samples.append((time.perf_counter_ns() - start) / 1e3)
+    return median(samples)
 
 
 def _sleep(seconds: float) -> None:
