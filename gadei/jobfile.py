@@ -234,7 +234,7 @@ class Job:
             "data": asdict(self.data),
             "train": {f.name: getattr(self.train, f.name) for f in declared(Train)},
             "checkpoint": asdict(self.checkpoint),
-            "transport": asdict(self.transport),
+            "transport": _table(self.transport),  # row_sparse None is written "auto"
             "output": {"folder": self.output, "private": self.private},
         }
         if self.bridge is not None:

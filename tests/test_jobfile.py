@@ -54,6 +54,7 @@ def test_a_job_file_parses_with_defaults_and_writes_itself_back(small):
     assert filled.train.epochs == 40 and "epochs = 40" in chosen[2]
     again = jobfile.load(_job(small, filled.to_toml(), "as-run.toml"))
     assert again == jobfile.Job(**{**filled.__dict__, "path": again.path})
+    assert 'row_sparse = "auto"' in filled.to_toml()  # the job as run says what it left to the server
 
 
 @pytest.mark.parametrize("samples, batch, optimizer, epochs", [
