@@ -452,7 +452,10 @@ def test_bench_peers_and_scaling_quick(procs, tmp_path):
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def _dies(code: int) -> None:
+def _dies(code: int, after: float = 0.0) -> None:
+    import time
+
+    time.sleep(after)
     if code < 0:
         os.kill(os.getpid(), -code)
     raise SystemExit(code)
@@ -476,6 +479,13 @@ def test_a_peer_that_crashes_is_run_again_and_counted_but_gadei_never_is(monkeyp
         with pytest.raises(error, match=f"exited with code {code}") as raised:
             peers._collect(ctx.Queue(), [proc], 1, 30, "test")
         assert (type(raised.value) is peers.PeerCrashed) == (code < 0)
+    # a crash that its peers beat to the exit (they failed on the closed connection first)
+    procs = [ctx.Process(target=_dies, args=(1,)), ctx.Process(target=_dies, args=(-signal.SIGSEGV, 3.0))]
+    for proc in procs:
+        proc.start()
+    procs[0].join(60)
+    with pytest.raises(peers.PeerCrashed, match=f"exited with code {-signal.SIGSEGV}"):
+        peers._collect(ctx.Queue(), procs, 2, 30, "test")
     calls, crashing = [], [2]  # how many calls crash
 
     def run_peer(kind, world, batch, **run):
