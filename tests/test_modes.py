@@ -98,18 +98,22 @@ def test_every_mode_and_transport_trains_stops_and_counts(job, procs, mode, opti
     assert inspect(job) is None  # stopped cleanly: the region is gone
 
 
-def _sync_training(procs, job, learners: int, batch: int, steps: int, *serve_args) -> None:
-    """A sync-mode server of the tokens model (row-sparse) and `learners` sync-train workers
-    of `steps` mini-batches each; every round held every learner's gradient."""
-    server = _serve(procs, job, "--model", "tokens", "--mode", "sync", "--learners", learners, "--row-sparse",
-                    *serve_args)
+def _trained(procs, job, learners: int, batch: int, steps: int, *serve_args) -> dict:
+    """A server of the tokens model (`serve_args`) and `learners` sync-train workers of `steps`
+    mini-batches each, to their end; the server's stop report."""
+    server = _serve(procs, job, "--model", "tokens", "--learners", learners, *serve_args)
     workers = [procs.worker("sync-train", job, "--rank", r, "--learners", learners, "--batch", batch,
                             "--steps", steps) for r in range(learners)]
     for worker in workers:
         read_line(worker, 60)
         assert read_line(worker, 120)["done"] == steps
         finish(worker)
-    report = _stop(server)
+    return _stop(server)
+
+
+def _sync_training(procs, job, learners: int, batch: int, steps: int, *serve_args) -> None:
+    """`_trained` in sync mode, row-sparse: every round held every learner's gradient."""
+    report = _trained(procs, job, learners, batch, steps, "--mode", "sync", "--row-sparse", *serve_args)
     assert report["version"] == steps and report["applied"] == steps * learners  # every round held both
 
 
@@ -178,15 +182,7 @@ def test_an_async_adam_job_lowers_the_loss(job, procs, tmp_path):
     saw falls as much as it does with torch's Adam in one process."""
     learners, batch, steps = 2, 4, 40
     dump = tmp_path / "weights.npy"
-    server = _serve(procs, job, "--model", "tokens", "--learners", learners, "--lr", 0.03, "--optimizer", "adam",
-                    "--dump", dump)
-    workers = [procs.worker("sync-train", job, "--rank", r, "--learners", learners, "--batch", batch,
-                            "--steps", steps) for r in range(learners)]
-    for worker in workers:
-        read_line(worker, 60)
-        assert read_line(worker, 120)["done"] == steps
-        finish(worker)
-    report = _stop(server)
+    report = _trained(procs, job, learners, batch, steps, "--lr", 0.03, "--optimizer", "adam", "--dump", dump)
     assert report["version"] == report["applied"] == steps * learners
     model = Tokens()
     tokens, labels = token_data(steps * learners * batch)
