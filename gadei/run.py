@@ -34,8 +34,8 @@ once its job serves, and learner i trains shard rank*L + i of NODES*L.
 """
 
 import json
-import os
 import logging
+import os
 import shlex
 import signal
 import subprocess

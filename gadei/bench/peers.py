@@ -166,8 +166,9 @@ def _collect(queue, procs, n: int, timeout: float, what: str) -> list[dict]:
             # the others of a run whose process crashed fail too (gloo: "connection reset by
             # peer"), often before the crashed one is gone (it may still be writing its core):
             # give them a moment, and name the crash where there is one
+            settle = Deadline(min(5.0, deadline.left()))  # one moment for them all, not one each
             for p in procs:
-                p.join(timeout=max(0.0, min(5.0, deadline.left())))
+                p.join(timeout=settle.left())
             dead = sorted((p for p in procs if p.exitcode not in (None, 0)), key=lambda p: p.exitcode >= 0)
             error = PeerCrashed if dead[0].exitcode < 0 else RuntimeError
             raise error(f"bench {what}: process {dead[0].pid} exited with code {dead[0].exitcode}")

@@ -64,7 +64,7 @@ def job_file(folder: Path, name: str, data: dict, *, learners: int, seed: int, e
     lines = ["[job]", f'name = "{job}"', 'workload = "textcnn"', "", "[data]"]
     lines += [f"{key} = {value(v)}" for key, v in data.items()]
     lines += ["", "[train]", f"learners = {learners}", f"seed = {seed}"] + ([f"epochs = {epochs}"] if epochs else [])
-    lines += [f"{key} = {value}" for key, value in (train or {}).items()]
+    lines += [f"{key} = {setting}" for key, setting in (train or {}).items()]  # TOML values already
     lines += ["", "[output]", f'folder = "{folder / "runs" / job}"', ""]
     path = folder / f"{job}.toml"
     path.write_text("\n".join(lines))
