@@ -386,3 +386,31 @@ def test_daemon_stop_and_the_systemd_unit(tmp_path, procs, daemon_env):
     stop = procs.gadei("daemon", "stop", env=daemon_env)
     _, err = communicate(stop, 30)
     assert stop.returncode == 2 and "no gadei daemon listens" in err
+
+
+def test_a_job_lives_while_the_watchdog_that_recorded_its_end_writes_its_outputs(tmp_path, daemon_env, monkeypatch):
+    """The watchdog writes the end record, then takes the outputs' lock to write them: in that
+    moment the daemon must not count the job ended and write them itself (it did once in CI, and
+    result.json named the daemon as its writer). Once that watchdog is gone, or the end record is
+    older than the process that now has its pid, the job has ended."""
+    from gadei import outputs
+    from gadei.daemon.jobs import JobRecord, _job_alive
+
+    monkeypatch.setenv("GADEI_RUNTIME_DIR", daemon_env["GADEI_RUNTIME_DIR"])
+    out = tmp_path / "out"
+    (out / "logs").mkdir(parents=True)
+    record = JobRecord(name=f"ended-{os.getpid()}", jobfile=str(tmp_path / "job.toml"), output=str(out))
+    writer = subprocess.Popen(["sleep", "60"])
+    try:
+        started = psutil.Process(writer.pid).create_time()
+        outputs.write_ending(out, outputs.Ending(0, True, "", writer.pid, started + 1))
+        assert _job_alive(record), "the end record's writer still runs: the job's outputs are still to come"
+        outputs.write_ending(out, outputs.Ending(0, True, "", writer.pid, started - 5))
+        assert not _job_alive(record), "a process that started after the end record is not its writer"
+        outputs.write_ending(out, outputs.Ending(0, True, "", writer.pid, started + 1))
+        writer.kill()
+        writer.wait()
+        assert not _job_alive(record), "the end record's writer is gone"
+    finally:
+        writer.kill()
+        writer.wait()

@@ -415,8 +415,15 @@ def _job_alive(record: JobRecord) -> bool:
     if found is not None and found.state in ("running", "starting"):
         return True
     out = Path(record.output)
-    return outputs.owned(out) or (outputs.read_ending(out) is None and outputs.read_result(out) is None
-                                  and _watchdog_alive(record.name))
+    if outputs.owned(out):
+        return True
+    if outputs.read_result(out) is not None:
+        return False
+    ending = outputs.read_ending(out)
+    if ending is None:
+        return _watchdog_alive(record.name)
+    # the watchdog writes the end record, then takes the lock to write the outputs: between the two it lives on
+    return _proc.alive_since(ending.pid, ending.time)
 
 
 def _watchdog_alive(name: str) -> bool:
