@@ -110,6 +110,16 @@ def test_mixed_encodings_read_only_the_bad_lines_with_the_fallback(tmp_path):
     assert report.fallback_lines == [3] and "1 line read as latin-1 (line 3)" in str(report)
 
 
+def test_the_fallback_is_warned_about_once_per_file_however_often_it_is_read(tmp_path, caplog):
+    content = (H + "a\tcafé\n").encode("latin-1")
+    with caplog.at_level("WARNING", logger="gadei_workloads.files"):
+        for _ in range(3):  # gadei run reads the training file to prepare, and again to test the model
+            _read(tmp_path, content, "tsv", fallback="latin-1")
+        _read(tmp_path, content + "b\tdéjà\n".encode("latin-1"), "tsv", fallback="latin-1")
+    warnings = [r.getMessage() for r in caplog.records if "read those as latin-1" in r.getMessage()]
+    assert len(warnings) == 2, warnings  # once, and once more for the file's new content
+
+
 def test_a_latin1_file_reads_with_latin1(tmp_path):
     samples, _ = _read(tmp_path, (H + "a\tcafé\n").encode("latin-1"), "tsv", encoding="latin-1")
     assert samples == [("café", "a")]

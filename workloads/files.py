@@ -174,7 +174,7 @@ def decode(path: Path, encoding: str, fallback: str | None = None, report: FileR
         except LookupError:
             raise DataError(f"[data] fallback_encoding {fallback!r} is not a text encoding Python knows") from None
     if not ascii_compatible:  # lines cannot be told apart in bytes: all or nothing
-        log.warning("%s is not %s; reading it as %s", path, encoding, fallback)
+        _warn_once(raw, "%s is not %s; reading it as %s", path, encoding, fallback)
         try:
             return raw.decode(fallback)
         except UnicodeDecodeError as err:
@@ -196,8 +196,20 @@ def decode(path: Path, encoding: str, fallback: str | None = None, report: FileR
                 report.fallback_lines.append(number)
     for i in range(1, len(parts), 2):
         parts[i] = parts[i].decode("ascii")
-    log.warning("%s: some lines are not %s; read those as %s", path, encoding, fallback)
+    _warn_once(raw, "%s: some lines are not %s; read those as %s", path, encoding, fallback)
     return "".join(parts)
+
+
+_WARNED: set[tuple] = set()
+
+
+def _warn_once(raw: bytes, message: str, path, encoding: str, fallback: str) -> None:
+    """Warn about a file's fallback decoding once per process and file content (`gadei run`
+    reads the training file to prepare the job and again to test the model it hands back)."""
+    key = (str(path), encoding, fallback, len(raw), hash(raw))
+    if key not in _WARNED:
+        _WARNED.add(key)
+        log.warning(message, path, encoding, fallback)
 
 
 def _line_of(raw: bytes, at: int) -> int:
