@@ -61,7 +61,8 @@ class BridgeOptions:
                            choices=STRATEGY_NAMES)
     interval: int | None = option(None, "exchange after N local versions", low=1, high=10**9, metavar="N",
                                   shown=str(DEFAULT_INTERVAL))
-    every: float | None = option(None, "exchange every S seconds instead", low=0, low_open=True, metavar="S")
+    every: float | None = option(None, "exchange every S seconds instead of after local versions", low=0,
+                                 low_open=True, metavar="S")
     alpha: float | None = option(None, "elastic: moving rate", low=0, high=1, low_open=True, high_open=True,
                                  shown="0.9 / nodes")
     bucket_mb: float | None = option(None, "megabytes per message; 0: the whole model in one; auto: sized from the "
