@@ -42,15 +42,8 @@ validated `Job` before anything starts.
     private = true                # the folder 0700 and its files 0600 whatever the umask (default);
                                   # false: as the umask of `gadei run` (or of the daemon) makes them
 
-    [bridge]                      # optional: under `mpiexec -n NODES gadei run`, join the nodes' jobs
-    strategy = "average"          # average, elastic, gossip (see gadei.bridge)
-    interval = 100                # exchange after this many local versions (default 100), or instead:
-    # every = 0.5                 # every this many seconds (not both)
-    # alpha = 0.45                # elastic only: moving rate (default 0.9 / nodes)
-    bucket_mb = "auto"            # megabytes per message, 0: the whole model in one, "auto" (default)
-    float16 = false               # float16 on the wire, float32 sums
-    timeout = 60                  # seconds any wait on a peer may last
-    # node_lr = 0.02              # each node's lr (default: [train] lr x nodes, elastic x (nodes + 1))
+    [bridge]                      # optional: under `mpiexec -n NODES gadei run`, join the nodes' jobs;
+    strategy = "average"          # its keys are gadei.bridge.options.BridgeOptions (docs/jobs.md lists them)
 
 Relative paths are taken from the job file's folder. Every refusal (`JobFileError`) names
 the file, the field, the value and what is allowed: an unknown section or key (with the
@@ -69,7 +62,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from . import device
-from .bridge.options import DEFAULT_INTERVAL, BridgeOptions
+from .bridge.options import BridgeOptions
 from .checkpoint import CheckpointOptions
 from .errors import GadeiError
 from .modes import MODES, RuleOptions
@@ -188,9 +181,7 @@ class Job:
         if line is not None:
             train = replace(train, devices=",".join(devices))
             chosen.append(line)
-        bridge = self.bridge
-        if bridge is not None and bridge.interval is None and bridge.every is None:
-            bridge = replace(bridge, interval=DEFAULT_INTERVAL)
+        bridge = None if self.bridge is None else self.bridge.scheduled()
         return replace(self, train=train, bridge=bridge), chosen
 
     def for_node(self, node: int, nodes: int) -> "Job":
@@ -401,21 +392,22 @@ def _check_bridge(where: str, raw: dict, given: dict, train: dict) -> BridgeOpti
     take it (gadei.bridge.LocalNode)."""
     if "bridge" not in raw:
         return None
-    written = raw["bridge"]  # as the file has them, for the messages
-    if "interval" in given and "every" in given:
-        raise JobFileError(f"{where}: [bridge] interval = {written['interval']!r} and every = {written['every']!r}: "
-                           "exchange after versions or every seconds; allowed: one of them")
-    strategy = given.get("strategy", "average")
-    if "alpha" in given and strategy != "elastic":
-        raise JobFileError(f"{where}: [bridge] alpha = {written['alpha']!r} with strategy = {strategy!r}: alpha is the "
-                           "elastic strategy's moving rate; allowed: with strategy = 'elastic'")
+    options = BridgeOptions(**given)
+    written = raw["bridge"]  # a value as the file has it (every = 2, not 2.0), for the message
+
+    def shown(key, value) -> str:
+        return f"{key} = {_shown(written[key] if written.get(key) == value else value)}"
+
+    conflict = options.conflict(shown)
+    if conflict is not None:
+        raise JobFileError(f"{where}: [bridge] {conflict}")
     if raw.get("transport", {}).get("row_sparse") is True:
         raise JobFileError(f"{where}: [transport] row_sparse = true with a [bridge] section: the bridge moves every "
                            "row of the weights; allowed with [bridge]: false or \"auto\" (dense on a bridged node)")
     if train.get("mode") == "sync":
         raise JobFileError(f"{where}: [train] mode = 'sync' with a [bridge] section: the bridge would be a member of "
                            "every round; allowed with [bridge]: async, consistent, elastic")
-    return BridgeOptions(**given)
+    return options
 
 
 def _close(word: str, known) -> str:

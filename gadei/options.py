@@ -181,6 +181,13 @@ def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def as_flag(name: str, value: Any) -> str:
+    """Option `name` set to `value` as a command line gives it: `--every 2`, `--float16`."""
+    if isinstance(value, bool):
+        return flag(name) if value else "--no-" + name.replace("_", "-")
+    return f"{flag(name)} {value:g}" if isinstance(value, float) else f"{flag(name)} {value}"
+
+
 def add_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls, *,
                   skip: tuple[str, ...] = (), only: tuple[str, ...] | None = None) -> None:
     """A flag for each option of `cls` that has one (`--name-with-dashes`), its help and default

@@ -3,11 +3,11 @@ the Server's keyword arguments are made from that declaration: they agree on nam
 and what is allowed, and `gadei run` hands its processes the job file, not re-encoded flags."""
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
 import uuid
-from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -24,23 +24,46 @@ from gadei.transport.options import TransportOptions
 from helpers import finish, small_csv, wait_for
 
 SERVE_FLAGS = {a.dest: a for a in build_parser().verbs["serve"]._actions}
-BRIDGE_FLAGS = {a.dest: a for a in build_parser().verbs["bridge"]._actions}
 
 
-@pytest.mark.parametrize("cls, section", [(RuleOptions, "train"), (TransportOptions, "transport"),
-                                          (jobfile.Train, "train"), (CheckpointOptions, "checkpoint")])
+# (the declaring class, its job-file section, the verb whose flags it makes)
+DECLARATIONS = [(RuleOptions, "train", "serve"), (TransportOptions, "transport", "serve"),
+                (BridgeOptions, "bridge", "bridge")]
+
+
+def _said_why(cls) -> set[str]:
+    """The options `cls`'s docstring names in its "What only one of them has, and why" paragraph."""
+    doc = cls.__doc__ or ""
+    paragraph = doc[doc.index("What only one of them has"):].split("\n\n")[0] if "What only one of them has" in doc else ""
+    return {f.name for f in options.declared(cls) if re.search(rf"\b{f.name}\b", paragraph)}
+
+
+@pytest.mark.parametrize("cls, section", [(jobfile.Train, "train"), (CheckpointOptions, "checkpoint")])
 def test_every_declared_option_is_a_job_file_key(cls, section):
     assert set(options.job_keys(cls)) <= set(jobfile._SCHEMA[section])
     declared = {f.name for f in options.declared(cls)}
     assert declared == set(options.job_keys(cls)), "an option left out of job files must say why (job=False)"
 
 
-@pytest.mark.parametrize("cls", [RuleOptions, TransportOptions])
-def test_every_update_rule_and_transport_option_is_a_serve_flag_with_the_declared_default(cls):
+@pytest.mark.parametrize("cls, section, verb", DECLARATIONS, ids=lambda x: getattr(x, "__name__", x))
+def test_every_declared_option_is_a_job_file_key_and_a_flag_with_the_declared_default_and_help(cls, section, verb):
+    """An option is both, unless its declaration says it is not (`job=False`, `flag=False`) and
+    its class's docstring says why."""
+    flags = {a.dest: a for a in build_parser().verbs[verb]._actions}
     for f in options.declared(cls):
-        action = SERVE_FLAGS[f.name]
-        assert action.default == f.default, f.name
-        assert f.metadata["option"]["help"] in action.help, f.name
+        meta = f.metadata["option"]
+        if meta["job"]:
+            assert f.name in jobfile._SCHEMA[section], f.name
+        if meta["flag"]:
+            action = flags[f.name]
+            assert options.flag(f.name) in action.option_strings, f.name
+            assert action.default == f.default, f.name
+            assert meta["help"] in action.help, f.name
+        if not (meta["job"] and meta["flag"]):
+            assert f.name in _said_why(cls), f"{cls.__name__}.{f.name}: only one of job file and flags has it; " \
+                "its class's docstring must say why"
+    if section == "bridge":  # the whole section is the one class's
+        assert set(jobfile._SCHEMA[section]) == set(options.job_keys(cls))
 
 
 def test_the_lr_default_is_declared_once():
@@ -52,32 +75,57 @@ def test_the_lr_default_is_declared_once():
     assert sources == [], sources
 
 
-@pytest.mark.parametrize("key, value", [("lr", 11.0), ("lr", 0), ("momentum", 1.0), ("optimizer", "rmsprop"),
-                                        ("stale_bound", -1), ("tau", 0), ("slots", 0), ("grad_dtype", "int8")])
-def test_the_job_file_and_the_flag_refuse_a_value_alike(tmp_path, key, value):
-    cls = TransportOptions if key in {f.name for f in fields(TransportOptions)} else RuleOptions
-    section = "transport" if cls is TransportOptions else "train"
-    path = _job_file(tmp_path, f"[{section}]\n{key} = {json.dumps(value)}\n")
+# (the job-file section and the verb of an option, a value both refuse)
+REFUSED = [("train", "serve", "lr", 11.0), ("train", "serve", "lr", 0), ("train", "serve", "momentum", 1.0),
+           ("train", "serve", "optimizer", "rmsprop"), ("train", "serve", "stale_bound", -1),
+           ("train", "serve", "tau", 0), ("transport", "serve", "slots", 0), ("transport", "serve", "grad_dtype", "int8"),
+           ("bridge", "bridge", "strategy", "averge"), ("bridge", "bridge", "interval", 0),
+           ("bridge", "bridge", "every", -1), ("bridge", "bridge", "alpha", 1.5), ("bridge", "bridge", "bucket_mb", -1),
+           ("bridge", "bridge", "bucket_mb", "big"), ("bridge", "bridge", "timeout", 0)]
+VERB_ARGS = {"serve": ["x", "--params", "10"], "bridge": ["x"]}
+
+
+@pytest.mark.parametrize("section, verb, key, value", REFUSED, ids=lambda x: str(x))
+def test_the_job_file_and_the_flag_refuse_a_value_alike(tmp_path, section, verb, key, value):
+    extra = 'strategy = "elastic"\n' if key == "alpha" else ""  # alpha alone is elastic's
+    path = _job_file(tmp_path, f"[{section}]\n{extra}{key} = {json.dumps(value)}\n")
     with pytest.raises(jobfile.JobFileError) as err:
         jobfile.load(path)
     allowed = str(err.value).split("allowed: ", 1)[1]
-    flag = subprocess.run([sys.executable, "-m", "gadei", "serve", "x", "--params", "10", options.flag(key), str(value)],
+    flag = subprocess.run([sys.executable, "-m", "gadei", verb, *VERB_ARGS[verb], options.flag(key), str(value)],
                           capture_output=True, text=True, timeout=60)
     assert flag.returncode == 2 and f"allowed: {allowed}" in flag.stderr, (allowed, flag.stderr)
+    if section == "bridge":
+        with pytest.raises(BridgeError) as err:
+            BridgeOptions(**{key: value}).check(2)  # built in code (gadei.run's node): checked as the bridge starts
+        assert str(err.value).startswith(f"bridge options: {key} = ") and str(err.value).endswith(f"allowed: {allowed}")
 
 
-def test_the_bridge_flags_and_the_job_files_bridge_section_are_the_declared_bridge_options():
-    """`gadei bridge`'s flags and a job file's [bridge] keys both come from BridgeOptions; what
-    only one of them has is the set its docstring says why of."""
-    declared = {f.name: f for f in options.declared(BridgeOptions)}
-    flags = {name for name, f in declared.items() if f.metadata["option"]["flag"]}
-    assert set(options.job_keys(BridgeOptions)) == set(jobfile._SCHEMA["bridge"])
-    assert set(declared) - set(options.job_keys(BridgeOptions)) == {"checkpoint_dir", "save", "json", "trace"}
-    assert set(declared) - flags == {"node_lr"}
-    for name in flags:
-        action = BRIDGE_FLAGS[name]
-        assert action.default == declared[name].default, name
-        assert declared[name].metadata["option"]["help"] in action.help, name
+@pytest.mark.parametrize("given, why", [
+    ({"interval": 10, "every": 2}, "exchange after versions or every seconds; allowed: one of them"),
+    ({"alpha": 0.5}, "alpha is the elastic strategy's moving rate; allowed: with "),
+    ({"alpha": 0.5, "strategy": "gossip"}, "alpha is the elastic strategy's moving rate; allowed: with "),
+])
+def test_the_job_file_and_the_bridge_flags_refuse_options_that_conflict_alike(tmp_path, given, why):
+    """Two bridge options each allowed alone but not together: the job file, the flags and the
+    options built in code (gadei run's node) refuse them for the same reason, naming the values
+    as each writes them; nothing starts (no MPI is needed to be told)."""
+    path = _job_file(tmp_path, "[bridge]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in given.items()))
+    with pytest.raises(jobfile.JobFileError) as err:
+        jobfile.load(path)
+    assert why in str(err.value) and all(f"{k} = {v!r}" in str(err.value) for k, v in given.items()), err.value
+    argv = [a for k, v in given.items() for a in (options.flag(k), str(v))]
+    flag = subprocess.run([sys.executable, "-m", "gadei", "bridge", "x", *argv], capture_output=True, text=True,
+                          timeout=60)
+    assert flag.returncode == 2 and why in flag.stderr, flag.stderr
+    assert all(f"{options.flag(k)} {v}" in flag.stderr for k, v in given.items()), flag.stderr
+    with pytest.raises(BridgeError, match=f"^bridge options: .*{re.escape(why)}"):
+        BridgeOptions(**given).check(2)
+    alone = dict(list(given.items())[1:])  # without the first, the rest is fine
+    assert BridgeOptions(**alone).conflict(options.as_flag) is None
+
+
+def test_the_bridge_flags_make_the_bridge_options():
     parse = build_parser().verbs["bridge"].parse_args
     assert options.from_args(BridgeOptions, parse(["job"])) == BridgeOptions()
     assert options.from_args(BridgeOptions, parse(["job", "--bucket-mb", "auto", "--every", "0.5"])) == \
@@ -86,20 +134,19 @@ def test_the_bridge_flags_and_the_job_files_bridge_section_are_the_declared_brid
         BridgeOptions(bucket_mb=0.0, float16=True)
 
 
-@pytest.mark.parametrize("key, value", [("strategy", "averge"), ("interval", 0), ("every", -1), ("alpha", 1.5),
-                                        ("bucket_mb", -1), ("bucket_mb", "big"), ("timeout", 0)])
-def test_the_bridge_job_file_and_the_bridge_flag_refuse_a_value_alike(tmp_path, key, value):
-    path = _job_file(tmp_path, "[bridge]\nstrategy = \"elastic\"\n" if key == "alpha" else "[bridge]\n")
-    path.write_text(path.read_text() + f"{key} = {json.dumps(value)}\n")
-    with pytest.raises(jobfile.JobFileError) as err:
-        jobfile.load(path)
-    allowed = str(err.value).split("allowed: ", 1)[1]
-    flag = subprocess.run([sys.executable, "-m", "gadei", "bridge", "x", options.flag(key), str(value)],
-                          capture_output=True, text=True, timeout=60)
-    assert flag.returncode == 2 and f"allowed: {allowed}" in flag.stderr, (allowed, flag.stderr)
-    with pytest.raises(BridgeError) as err:
-        BridgeOptions(**{key: value}).check(2)  # built in code (gadei.run's node): checked as the bridge starts
-    assert str(err.value).startswith(f"bridge options: {key} = ") and str(err.value).endswith(f"allowed: {allowed}")
+@pytest.mark.parametrize("document, where", [("jobs.md", "[bridge]"), ("bridge.md", "Options:"),
+                                             ("cli.md", "gadei bridge JOB")])
+def test_the_docs_name_every_bridge_option(document, where):
+    """docs/jobs.md's example job file has every [bridge] key; docs/bridge.md's options and
+    docs/cli.md's `gadei bridge` line have every flag."""
+    text = (Path(__file__).resolve().parent.parent / "docs" / document).read_text()
+    part = text[text.index(where):].split("\n\n")[0]
+    if document == "jobs.md":
+        missing = [k for k in options.job_keys(BridgeOptions) if not re.search(rf"^#? ?{k} = ", part, re.M)]
+    else:
+        missing = [options.flag(f.name) for f in options.declared(BridgeOptions)
+                   if f.metadata["option"]["flag"] and not re.search(rf"{options.flag(f.name)}\b", part)]
+    assert not missing, f"docs/{document} does not name {missing}"
 
 
 def test_server_keywords_are_the_declared_options():

@@ -17,7 +17,7 @@ from ..ring import WAIT_SLICE
 from .gossip import Gossip
 from .mpi import LinkDown, PeerLost, mpi
 from .node import RESTART_WAIT, LocalNode
-from .options import DEFAULT_INTERVAL, BridgeOptions
+from .options import BridgeOptions
 from .strategies import Average, Elastic, Ended, Strategy
 from .wire import MB, Wire, measure_link
 
@@ -98,9 +98,7 @@ class BridgeRank:
         self.comm.Set_errhandler(MPI.ERRORS_RETURN)
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
         options.check(self.size)
-        if options.interval is None and options.every is None:
-            options = replace(options, interval=DEFAULT_INTERVAL)
-        self.options = options
+        self.options = options = options.scheduled()
         self.job = job
         self.node = LocalNode(job)
         self.report = Report(rank=self.rank, job=job, strategy=options.strategy)

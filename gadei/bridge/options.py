@@ -1,9 +1,11 @@
 """The bridge's options, declared once (`gadei.options.option`): `gadei bridge`'s flags and
-`--help` and a job file's [bridge] keys and their checks are made from `BridgeOptions`; and
+`--help` and a job file's [bridge] keys and their checks are made from `BridgeOptions`, and
+what two of them do not allow together (`BridgeOptions.conflict`) is said once for both; and
 the limits they are checked against."""
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any, Callable
 
 from ..modes import MAX_LR
 from ..options import check_all, option
@@ -33,6 +35,8 @@ class BridgeOptions:
     node_lr is the job file's alone, `gadei bridge` attaching to a job already served at its
     rate (`gadei serve --lr`).
 
+    Both refuse the same values, and the same pairs (`conflict`).
+
     Attributes:
         strategy: 'average', 'elastic' or 'gossip'.
         interval: exchange after this many local versions (None: use `every`, or
@@ -57,7 +61,8 @@ class BridgeOptions:
                            choices=STRATEGY_NAMES)
     interval: int | None = option(None, "exchange after N local versions", low=1, high=10**9, metavar="N",
                                   shown=str(DEFAULT_INTERVAL))
-    every: float | None = option(None, "exchange every S seconds instead", low=0, low_open=True, metavar="S")
+    every: float | None = option(None, "exchange every S seconds instead of after local versions", low=0,
+                                 low_open=True, metavar="S")
     alpha: float | None = option(None, "elastic: moving rate", low=0, high=1, low_open=True, high_open=True,
                                  shown="0.9 / nodes")
     bucket_mb: float | None = option(None, "megabytes per message; 0: the whole model in one; auto: sized from the "
@@ -78,22 +83,43 @@ class BridgeOptions:
                                "target, elastic's centre, gossip's pair): a copy of the model per exchange, for tests "
                                "and debugging", job=False, metavar="DIR")
 
+    def conflict(self, shown: Callable[[str, Any], str]) -> str | None:
+        """What these options do not allow together, in words, or None: a job file's [bridge]
+        and `gadei bridge`'s flags refuse alike, each naming an option as its source writes it
+        (`shown(name, value)`: "every = 2", "--every 2")."""
+        if self.interval is not None and self.every is not None:
+            return (f"{shown('interval', self.interval)} and {shown('every', self.every)}: exchange after versions or "
+                    "every seconds; allowed: one of them")
+        if self.alpha is not None and self.strategy != "elastic":
+            return (f"{shown('alpha', self.alpha)} with {shown('strategy', self.strategy)}: alpha is the elastic "
+                    f"strategy's moving rate; allowed: with {shown('strategy', 'elastic')}")
+        return None
+
+    def scheduled(self) -> "BridgeOptions":
+        """These options with the exchange schedule filled in: DEFAULT_INTERVAL local versions
+        when neither interval nor every is given."""
+        if self.interval is None and self.every is None:
+            return replace(self, interval=DEFAULT_INTERVAL)
+        return self
+
     def check(self, nodes: int) -> None:
-        """The options against their declarations and against `nodes` ranks.
+        """The options against their declarations, each other, and `nodes` ranks.
 
         Raises:
-            BridgeError: an option's value is not allowed, or not with this many ranks.
+            BridgeError: an option's value is not allowed, or not with another's, or not with
+                this many ranks.
         """
         try:
             check_all(self)
         except ValueError as err:
             raise BridgeError(f"bridge options: {err}") from None
+        conflict = self.conflict(lambda name, value: f"{name} = {value!r}")
+        if conflict is not None:
+            raise BridgeError(f"bridge options: {conflict}")
         if nodes < 2:
             raise BridgeError(f"the bridge runs on {nodes} rank: start one rank per node, `mpiexec -n NODES gadei bridge`")
         if nodes > MAX_RANKS:
             raise BridgeError(f"the bridge runs on {nodes} ranks: at most {MAX_RANKS}")
-        if self.interval is not None and self.every is not None:
-            raise BridgeError("give --interval or --every, not both")
         if self.strategy == "elastic" and self.alpha is not None and self.alpha * nodes > 1:
             log.warning("elastic alpha %g x %d nodes > 1: the centre overshoots the nodes (EASGD needs alpha * nodes <= 1)",
                         self.alpha, nodes)

@@ -1,13 +1,18 @@
 """`gadei bridge`: one MPI rank per node joins the nodes' jobs into one."""
 
+from ..bridge.mpi import BridgeError
 from ..bridge.options import BridgeOptions
-from ..options import add_arguments, from_args
+from ..options import add_arguments, as_flag, from_args
 
 
 def cmd_bridge(args) -> int:
     from ..bridge import main as bridge_main
 
-    return bridge_main(args.job, from_args(BridgeOptions, args), per_rank=args.job_per_rank)
+    options = from_args(BridgeOptions, args)
+    conflict = options.conflict(as_flag)  # before MPI: refused as a job file's [bridge] refuses it
+    if conflict is not None:
+        raise BridgeError(conflict)
+    return bridge_main(args.job, options, per_rank=args.job_per_rank)
 
 
 def add_parser(sub) -> None:
@@ -23,9 +28,7 @@ def add_parser(sub) -> None:
                        "--timeout, average and elastic end every rank's exchanges (exit 3, after a checkpoint with "
                        "--checkpoint-dir) and gossip stops pairing with it; the local jobs keep training.")
     p.add_argument("job", help="the local job; '{rank}' in it is replaced by this rank's number")
-    when = p.add_mutually_exclusive_group()
-    add_arguments(when, BridgeOptions, only=("interval", "every"))
-    add_arguments(p, BridgeOptions, skip=("interval", "every"))
+    add_arguments(p, BridgeOptions)
     p.add_argument("--job-per-rank", action="store_true", help="rank r attaches to job JOB-r (nodes simulated on "
                    "one machine)")
     p.set_defaults(func=cmd_bridge)
