@@ -4,10 +4,9 @@ created is removed at the end even if the test failed. What tests import is in h
 """
 
 import os
-import uuid
 
 import pytest
-from helpers import Procs, small_csv
+from helpers import Procs, small_csv, unique_name
 
 from gadei.region import inspect, remove
 
@@ -54,7 +53,7 @@ def _runtime_dir(tmp_path_factory):
 @pytest.fixture
 def job():
     """A job name no other test (or test run) uses; its region is removed afterwards."""
-    name = f"test-{os.getpid()}-{uuid.uuid4().hex[:10]}"
+    name = unique_name("test")
     yield name
     if inspect(name) is not None:
         remove(name)

@@ -1,6 +1,8 @@
-"""What the tests share: unique names, data sets, real child processes that are always reaped,
-and waits with deadlines (`wait_for`), never fixed sleeps. Import it as `from helpers import
-...`; the fixtures that use it are in conftest.py.
+"""What the tests share: unique names, data sets and the small job files on them, real child
+processes that are always reaped, one way to end a job's processes (`end_jobs`), the
+exactly-once contract (`push_known_gradients`), and waits with deadlines (`wait_for`), never
+fixed sleeps. Import it as `from helpers import ...`; the fixtures that use it are in
+conftest.py. The fault harness (tests/faults/, also run outside pytest) imports it too.
 
 A dependency CI installs (the shared data sets, MPI) is `missing()`: the test is skipped with
 the reason on a developer's machine, and fails under CI=true, where a skip would hide a
@@ -15,8 +17,10 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 
+import numpy as np
 import psutil
 import pytest
 
@@ -42,22 +46,63 @@ def data_dir() -> Path:
     return Path(os.environ.get("GADEI_DATA_DIR") or HERE.parent.parent / "shared" / "data")
 
 
+def unique_name(prefix: str) -> str:
+    """A job name no other test, and no other test run on this machine, uses: `prefix`, this
+    process's id and 10 random hex digits (a name made of the test's tmp_path is the same in
+    two concurrent runs of the suite)."""
+    return f"{prefix}-{os.getpid()}-{uuid.uuid4().hex[:10]}"
+
+
+def job_text(body: dict[str, dict]) -> str:
+    """A job file's text: {section: {key: value}}, in that order."""
+    def value(v) -> str:
+        return json.dumps(v) if isinstance(v, str) else str(v).lower() if isinstance(v, bool) else repr(v)
+
+    return "\n".join(f"[{section}]\n" + "".join(f"{k} = {value(v)}\n" for k, v in keys.items())
+                     for section, keys in body.items())
+
+
 def trec_job(name: str, output="out", **sections: dict) -> str:
     """The text of a job file that trains the text CNN on TREC (the calling test is skipped
     where TREC is missing); `sections` adds sections, e.g. train={"learners": 2, "lr": 0.05}."""
     trec = data_dir() / "trec"
     if not (trec / "TREC.train").is_file():
         missing(f"TREC is not at {trec} (set GADEI_DATA_DIR)")
-    body = {"job": {"name": name, "workload": "textcnn"},
-            "data": {"train": str(trec / "TREC.train"), "test": str(trec / "TREC.test"), "format": "trec",
-                     "encoding": "latin-1"},
-            **sections, "output": {"folder": str(output)}}
+    return job_text({"job": {"name": name, "workload": "textcnn"},
+                     "data": {"train": str(trec / "TREC.train"), "test": str(trec / "TREC.test"), "format": "trec",
+                              "encoding": "latin-1"},
+                     **sections, "output": {"folder": str(output)}})
 
-    def value(v) -> str:
-        return json.dumps(v) if isinstance(v, str) else str(v).lower() if isinstance(v, bool) else repr(v)
 
-    return "\n".join(f"[{section}]\n" + "".join(f"{k} = {value(v)}\n" for k, v in keys.items())
-                     for section, keys in body.items())
+def small_job(name: str = "pets") -> str:
+    """The text of the small job file: the text CNN on the small data set (`small_csv`, which the
+    `small` fixture writes next to it). It ends in its [data] section: append [data] keys, or
+    sections."""
+    return (f'\n[job]\nname = "{name}"\nworkload = "textcnn"\n\n'
+            '[data]\ntrain = "train.csv"\nformat = "csv"\nlabel_column = "category"\n')
+
+
+def blobs(n: int = 600, features: int = 8, labels: int = 3, seed: int = 0):
+    """`n` numeric samples in `labels` Gaussian clusters (labels 'class-0' ...): (x, y). Far from
+    0 and wide, so that standardising them matters."""
+    rng = np.random.default_rng(seed)
+    centres = rng.normal(0, 4, (labels, features))
+    y = rng.integers(0, labels, n)
+    x = (centres[y] + rng.normal(0, 1, (n, features))) * 10 + 100
+    return x, np.array([f"class-{v}" for v in y])
+
+
+def blobs_job(folder: Path, name: str, **sections: dict) -> Path:
+    """The small job: an MLP on 900 `blobs` (folder/blobs.npz, 20% held out), its output in
+    folder/out; `sections` adds sections, e.g. train={"learners": 2, "epochs": 4, "lr": 0.05}.
+    Writes folder/job.toml; its path."""
+    x, y = blobs(900)
+    np.savez(folder / "blobs.npz", x=x, y=y)
+    path = folder / "job.toml"
+    path.write_text(job_text({"job": {"name": name, "workload": "mlp"},
+                              "data": {"train": "blobs.npz", "format": "npz", "holdout": 0.2},
+                              **sections, "output": {"folder": "out"}}))
+    return path
 
 
 def small_csv(folder: Path) -> Path:
@@ -209,3 +254,80 @@ def read_line(proc: subprocess.Popen, timeout: float) -> dict:
             pytest.fail(f"{proc.args} printed no line within {timeout} s")
         if line.startswith("{"):
             return json.loads(line)
+
+
+# ------------------------------------------------------------------ the exactly-once contract
+# (tests/test_exactly_once.py runs it over every CPU transport, tests/test_device.py over the
+# device ones): learners push gradients of known values (small integers, the learning rate a
+# power of two, so that every partial sum is exact in float32, float16 and bfloat16)
+
+N = 100_003  # parameters: not a multiple of any vector width
+LR = 0.125
+STEPS = 300  # gradients each learner pushes
+VALUES = (1.0, 2.0, 3.0)  # one learner per value
+
+
+def expected_weights(model: str, total: float = STEPS * sum(VALUES)) -> np.ndarray:
+    """Initial weights 1, minus lr times `total` (the sum of one element over every gradient
+    pushed), in the region's parameter order; a table's touched rows only (row 0 twice per
+    gradient)."""
+    from worker import MODELS, TOUCHED
+
+    parts = []
+    for p in MODELS[model](N, 1.0).parameters():
+        part = np.full(tuple(p.shape), 1.0 - LR * total, dtype=np.float32)
+        if p.dim() == 2:  # the table: only the rows a gradient names move, row 0 twice
+            part[:] = 1.0
+            for row in TOUCHED:
+                part[row] -= LR * total
+        parts.append(part.ravel())
+    return np.concatenate(parts)
+
+
+def push_known_gradients(job, procs, tmp_path, *, values=VALUES, pull="copy", push="publish", slots=2,
+                         grad_dtype="float32", model="flat", row_sparse=False, mode="async", devices=None,
+                         vary=False, jitter=None, deadline=120) -> None:
+    """The exactly-once contract: one learner per entry of `values` pushes STEPS gradients of
+    that value (`vary`: V, 2V, 3V, V, ... so that a gradient overwritten by the next one while
+    it is copied changes the sums) through the `pull` and `push` transports (on `devices[i]`
+    for the device ones, with random delays seeded by `jitter`); the final weights must equal
+    the initial ones minus lr times everything pushed, to the bit, and the counters agree."""
+    from worker import TABLE_ROWS, TABLE_WIDTH, TOUCHED
+
+    dump = tmp_path / "weights.npy"
+    server = procs.worker("serve", job, "--model", model, "--n", N, "--lr", LR, "--learners", len(values),
+                          "--slots", slots, "--grad-dtype", grad_dtype, "--mode", mode,
+                          *(["--row-sparse"] if row_sparse else []), "--dump", dump)
+    read_line(server, 60)
+    learners = [
+        procs.worker("push", job, "--model", model, "--n", N, "--value", v, "--steps", STEPS, "--pull", pull,
+                     "--push", push, *(["--device", devices[i]] if devices else []), *(["--vary"] if vary else []),
+                     *(["--jitter", jitter * 100 + i] if jitter is not None else []))
+        for i, v in enumerate(values)
+    ]
+    for learner in learners:
+        read_line(learner, 60)  # attaching
+        read_line(learner, 60)  # attached
+    done = [read_line(l, deadline) for l in learners]
+    for learner in learners:
+        finish(learner)
+    assert [d["pushed"] for d in done] == [STEPS] * len(values)
+
+    server.send_signal(signal.SIGTERM)
+    report = read_line(server, 60)
+    finish(server)
+    expected = expected_weights(model, sum(v * ((1 + k % 3) if vary else 1) for v in values for k in range(STEPS)))
+    np.testing.assert_array_equal(np.load(dump), expected)
+    assert report["applied"] == report["version"] == STEPS * len(values)
+    # a learner that finished early leaves its ring to the next one: count over all rings
+    assert report["heads"] == report["tails"]
+    assert sum(report["heads"]) == STEPS * len(values)
+    itemsize = 4 if grad_dtype == "float32" else 2
+    dense = N - TABLE_ROWS * TABLE_WIDTH if row_sparse else N
+    per_gradient = dense * itemsize + (len(set(TOUCHED)) * (8 + TABLE_WIDTH * itemsize) if row_sparse else 0)
+    assert report["applied_bytes"] == per_gradient * STEPS * len(values)
+    final = float(expected[-TABLE_ROWS * TABLE_WIDTH if model == "table" else -1])  # the last parameter's first
+    # each learner left with the weights of the version it last saw in its model: the last to
+    # leave saw every gradient applied, so it holds exactly the final weights
+    assert max(d["version"] for d in done) == report["version"]
+    assert all(d["weight0"] == final for d in done if d["version"] == report["version"])

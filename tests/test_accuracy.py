@@ -20,7 +20,7 @@ import json
 
 import pytest
 
-from helpers import communicate, data_dir, missing
+from helpers import communicate, data_dir, missing, unique_name
 
 SEEDS = {"trec": (0, 1), "sst2": (0, 1, 2), "banking77": (0, 1, 2)}
 CASES = {
@@ -48,7 +48,7 @@ CASES = {
 
 
 def _run(procs, folder, case: str, learners: int, seed: int) -> dict:
-    name = f"acc-{case}-{learners}-{seed}-{folder.parent.name[-12:]}".replace("_", "-")
+    name = unique_name(f"acc-{case}-{learners}-{seed}")
     path = folder / f"{case}-{learners}-{seed}.toml"
     folder.mkdir(parents=True, exist_ok=True)
     path.write_text(f'[job]\nname = "{name}"\nworkload = "textcnn"\n'

@@ -14,7 +14,7 @@ import textwrap
 import pytest
 import test_bridge
 
-from helpers import communicate, end_jobs, job_processes, trec_job
+from helpers import communicate, end_jobs, job_processes, small_job, trec_job, unique_name
 from gadei import jobfile
 from gadei._proc import gadei_command
 from gadei.bridge import BridgeOptions, child_environment, launched_ranks, local_mpiexec
@@ -25,16 +25,7 @@ from test_bridge import _EXEC
 
 mpi_env = test_bridge.mpi_env  # the fixture: mpiexec's environment here, or a skip with the reason
 
-BASE = """
-[job]
-name = "pets"
-workload = "textcnn"
-
-[data]
-train = "train.csv"
-format = "csv"
-label_column = "category"
-"""
+BASE = small_job()
 
 
 def _load(folder, body: str, name: str = "job.toml") -> jobfile.Job:
@@ -184,7 +175,7 @@ def _mpiexec_run(procs, mpi_env, path, nodes: int = 2):
 
 
 def test_when_one_node_cannot_start_none_does(small, procs, mpi_env):
-    name = f"refuse-{small.name[-12:]}".replace("_", "-")
+    name = unique_name("refuse")
     path = small / "job.toml"
     path.write_text(textwrap.dedent(BASE.replace('"pets"', f'"{name}"') + "[bridge]\ntimeout = 60\n"))
     held = small / "runs" / name / "node-1" / "checkpoints"
@@ -205,7 +196,7 @@ def test_when_one_node_cannot_start_none_does(small, procs, mpi_env):
 def test_mpiexec_runs_one_job_file_as_two_bridged_nodes(tmp_path, procs, mpi_env):
     """Two nodes of one learner each, average every 100 versions: the same total work as one
     node with two learners (each mini-batch of two epochs trained once, by one of them)."""
-    name = f"bridged-{tmp_path.name[-12:]}".replace("_", "-")
+    name = unique_name("bridged")
     jobs = [f"{name}-r{r}" for r in range(2)]
     path = tmp_path / "job.toml"
     path.write_text(trec_job(name, train={"learners": 1, "epochs": 2, "optimizer": "sgd", "lr": 0.1},
@@ -279,7 +270,7 @@ def _job_accuracy(procs, mpi_env, folder, strategy: str | None, seed: int) -> fl
     2): one node with two learners (strategy None), or `mpiexec -n 2 gadei run` of two nodes
     with one learner each joined by `strategy` (the model the nodes agreed on at the end)."""
     folder.mkdir()
-    name = f"acc-{strategy or 'one'}-{seed}-{folder.parent.name[-10:]}".replace("_", "-")
+    name = unique_name(f"acc-{strategy or 'one'}-{seed}")
     path = folder / "job.toml"
     _trec_job(path, name, 1 if strategy else 2, seed, strategy)
     jobs = [f"{name}-r{r}" for r in range(2)] if strategy else [name]

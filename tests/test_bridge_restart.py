@@ -21,7 +21,7 @@ import test_bridge
 import torch
 
 from gadei.region import Region, inspect
-from helpers import communicate, end_jobs, job_processes, wait_for
+from helpers import blobs_job, communicate, end_jobs, job_processes, unique_name, wait_for
 from test_bridge_jobfile import _mpiexec_run
 
 mpi_env = test_bridge.mpi_env  # the fixture: mpiexec's environment here, or a skip (a failure under CI)
@@ -38,28 +38,17 @@ def _events(folder) -> list[dict]:
 
 
 def _blobs_job(folder, name: str, strategy: str, timeout: float) -> os.PathLike:
-    """A small bridged job: an MLP on 900 numeric samples, one learner per node, an exchange every
-    0.2 s; 40 epochs (about 15 s here, 30 s on a loaded machine), so node 0 still trains when node
+    """A small bridged job (`helpers.blobs_job`): one learner per node, an exchange every 0.2 s;
+    40 epochs (about 15 s here, 30 s on a loaded machine), so node 0 still trains when node
     1's restarted server serves (which can take 6 s under load)."""
-    import numpy as np
-
-    rng = np.random.default_rng(0)
-    centres = rng.normal(0, 4, (3, 8))
-    y = rng.integers(0, 3, 900)
-    x = (centres[y] + rng.normal(0, 1, (900, 8))) * 10 + 100
-    np.savez(folder / "blobs.npz", x=x, y=np.array([f"class-{v}" for v in y]))
-    path = folder / "job.toml"
-    path.write_text(f'[job]\nname = "{name}"\nworkload = "mlp"\n[data]\ntrain = "blobs.npz"\nformat = "npz"\n'
-                    'holdout = 0.2\n[train]\nlearners = 1\nepochs = 40\nlr = 0.05\n[checkpoint]\ninterval = 1\n'
-                    f'[bridge]\nstrategy = "{strategy}"\nevery = 0.2\nbucket_mb = 0\ntimeout = {timeout:g}\n'
-                    '[output]\nfolder = "out"\n')
-    return path
+    return blobs_job(folder, name, train={"learners": 1, "epochs": 40, "lr": 0.05}, checkpoint={"interval": 1},
+                     bridge={"strategy": strategy, "every": 0.2, "bucket_mb": 0, "timeout": timeout})
 
 
 def _exchanging(procs, mpi_env, tmp_path, strategy: str = "average", timeout: float = 30):
     """Start the two nodes; (mpiexec, job names, node folders) once node 1's bridge exchanged
     three times and its job wrote a checkpoint (a restart goes on from there)."""
-    name = f"restart-{os.getpid()}-{tmp_path.name[-10:]}".replace("_", "-")
+    name = unique_name("restart")
     jobs = [f"{name}-r{r}" for r in range(2)]
     nodes = [tmp_path / "out" / f"node-{r}" for r in range(2)]
     run = _mpiexec_run(procs, mpi_env, _blobs_job(tmp_path, name, strategy, timeout))

@@ -10,7 +10,6 @@ learners in one job, more learners than GPUs), are skipped where no GPU is visib
 """
 
 import signal
-import textwrap
 import threading
 import time
 
@@ -18,11 +17,10 @@ import pytest
 import torch
 
 import gadei
-from helpers import communicate, finish, read_line, wait_for
+from helpers import LR, N, VALUES, communicate, finish, push_known_gradients, read_line, small_job, unique_name, wait_for
 from gadei import device, jobfile, status
 from gadei.jobfile import JobFileError
 from gadei.region import Region
-from test_exactly_once import LR, N, VALUES, push_known_gradients
 from worker import Flat
 
 GPUS = device.cuda_count()
@@ -238,24 +236,12 @@ def test_learners_are_spread_round_robin_over_the_devices():
     assert device.spread(("cpu",), 2) == ["cpu", "cpu"]
 
 
-GOOD = """
-[job]
-name = "pets"
-workload = "textcnn"
-
-[data]
-train = "train.csv"
-format = "csv"
-label_column = "category"
-
-[train]
-learners = 3
-"""
+GOOD = small_job() + "\n[train]\nlearners = 3\n"
 
 
 def _load(folder, devices_line: str):
     path = folder / "job.toml"
-    path.write_text(textwrap.dedent(GOOD) + devices_line + "\n")
+    path.write_text(GOOD + devices_line + "\n")
     return jobfile.load(path)
 
 
@@ -316,9 +302,9 @@ def test_a_job_asking_for_a_gpu_on_a_machine_without_one_is_refused_before_it_st
 def test_gadei_run_spreads_the_learners_over_the_listed_devices(small, procs):
     """A job with GPU and CPU learners, more learners than GPUs: each learner trains where
     `devices` put it (its log says so) and the job ends with its model."""
-    name = f"dev-{small.name[-20:]}".replace("_", "-")
+    name = unique_name("dev")
     path = small / "job.toml"
-    path.write_text(textwrap.dedent(GOOD).replace('name = "pets"', f'name = "{name}"')
+    path.write_text(GOOD.replace('name = "pets"', f'name = "{name}"')
                     + 'devices = "cuda:0,cpu"\nepochs = 2\n[output]\nfolder = "out"\n')
     run = procs.gadei("run", path)
     out, err = communicate(run, 600)

@@ -9,21 +9,11 @@ import tomllib
 import pytest
 import torch
 
-from helpers import communicate, trec_job, wait_for
+from helpers import blobs, blobs_job, communicate, small_job, trec_job, unique_name, wait_for
 from gadei import data, jobfile
 from gadei.jobfile import JobFileError
 from gadei.region import inspect
 
-GOOD = """
-[job]
-name = "{name}"
-workload = "textcnn"
-
-[data]
-train = "train.csv"
-format = "csv"
-label_column = "category"
-"""
 
 
 def _csv(folder, rows, name="train.csv", header="text,category"):
@@ -39,7 +29,7 @@ def _job(folder, body, name="job.toml"):
 
 
 def test_a_job_file_parses_with_defaults_and_writes_itself_back(small):
-    job = jobfile.load(_job(small, GOOD.format(name="pets")))
+    job = jobfile.load(_job(small, small_job()))
     assert job.name == "pets" and job.data.train == (small / "train.csv",) and job.data.test is None
     assert (job.train.learners, job.train.mode, job.train.batch, job.train.lr) == (2, "async", None, 0.01)
     assert job.transport.row_sparse is None  # "auto"
@@ -113,7 +103,7 @@ def test_the_default_mini_batch_follows_the_data_set_size(samples, batch):
 ])
 def test_a_bad_job_file_is_refused_naming_field_value_and_what_is_allowed(small, edit, message):
     append, swap = edit
-    body = textwrap.dedent(GOOD.format(name="pets"))
+    body = textwrap.dedent(small_job())
     if swap:
         assert swap[0] in body
         body = body.replace(swap[0], swap[1], 1)
@@ -128,38 +118,38 @@ def test_a_validation_file_is_read_and_a_label_it_alone_has_is_named(small):
     """[data] validation names the file the model is chosen on (nothing of train is held out
     for it then); a share of train otherwise ([data] validation_holdout); [train] patience."""
     _csv(small, ["a dog barks,dog", "a cat purrs,cat", "the cat sleeps,cat"], name="dev.csv")
-    job = jobfile.load(_job(small, GOOD.format(name="pets") + 'validation = "dev.csv"\n[train]\npatience = 5\n'))
+    job = jobfile.load(_job(small, small_job() + 'validation = "dev.csv"\n[train]\npatience = 5\n'))
     assert job.data.validation == (small / "dev.csv",) and job.train.patience == 5
     train, validation, test = data.load_job(job)
     assert len(validation) == 3 and len(train) == 36 and len(test) == 4
-    job = jobfile.load(_job(small, GOOD.format(name="pets") + "validation_holdout = 0.3\n"))
+    job = jobfile.load(_job(small, small_job() + "validation_holdout = 0.3\n"))
     train, validation, test = data.load_job(job)
     assert len(validation) == 10 and len(train) == 26  # 30% of each label (18) of the 36 left after the test share
     _csv(small, ["a bird sings,bird"], name="dev.csv")
-    job = jobfile.load(_job(small, GOOD.format(name="pets") + 'validation = "dev.csv"\n'))
+    job = jobfile.load(_job(small, small_job() + 'validation = "dev.csv"\n'))
     with pytest.raises(JobFileError, match=r"\[data\] validation: .*dev.csv: label 'bird' does not occur in the training set"):
         data.load_job(job)
     with pytest.raises(JobFileError, match=r"\[train\] patience"):
-        jobfile.load(_job(small, GOOD.format(name="pets") + "[train]\npatience = 0\n"))
+        jobfile.load(_job(small, small_job() + "[train]\npatience = 0\n"))
 
 
 def test_validation_holdout_0_holds_nothing_out_and_a_bridged_node_holds_nothing_out(small):
     """validation_holdout = 0: no validation set (all of train is trained on, to the cap); a
     bridged node's job (Job.for_node) holds none out either: its model is the one the nodes'
     bridge agrees on, so a validation share would be training data lost for nothing."""
-    job = jobfile.load(_job(small, GOOD.format(name="pets") + "validation_holdout = 0\n"))
+    job = jobfile.load(_job(small, small_job() + "validation_holdout = 0\n"))
     train, validation, test = data.load_job(job)
     assert validation is None and len(train) == 36 and len(test) == 4
     again = jobfile.load(_job(small, job.to_toml()))  # the job as run (job.toml) reads back
     assert again.data.validation_holdout == 0.0
     for bad in ("0.5", "-0.1"):
         with pytest.raises(JobFileError, match=r"validation_holdout = .* allowed: 0 \(no validation set\) or more than 0"):
-            jobfile.load(_job(small, GOOD.format(name="pets") + f"validation_holdout = {bad}\n"))
-    node = jobfile.load(_job(small, GOOD.format(name="pets"))).for_node(1, 2)
+            jobfile.load(_job(small, small_job() + f"validation_holdout = {bad}\n"))
+    node = jobfile.load(_job(small, small_job())).for_node(1, 2)
     train, validation, test = data.load_job(node)
     assert node.data.validation_holdout == 0.0 and validation is None and len(train) == 36
     _csv(small, ["a dog barks,dog", "a cat purrs,cat"], name="dev.csv")
-    node = jobfile.load(_job(small, GOOD.format(name="pets") + 'validation = "dev.csv"\n')).for_node(0, 2)
+    node = jobfile.load(_job(small, small_job() + 'validation = "dev.csv"\n')).for_node(0, 2)
     train, validation, test = data.load_job(node)
     assert len(validation) == 2 and len(train) == 36  # a validation file is the user's: kept (reported, unused)
 
@@ -172,7 +162,7 @@ def test_validation_holdout_0_holds_nothing_out_and_a_bridged_node_holds_nothing
 ])
 def test_bad_data_is_refused_before_anything_starts(small, rows, header, message):
     _csv(small, rows, header=header)
-    job = jobfile.load(_job(small, GOOD.format(name="pets")))
+    job = jobfile.load(_job(small, small_job()))
     with pytest.raises(JobFileError) as err:
         data.load_job(job)
     assert message in str(err.value)
@@ -180,10 +170,10 @@ def test_bad_data_is_refused_before_anything_starts(small, rows, header, message
 
 def test_a_file_that_does_not_decode_names_its_byte_and_the_fallback_reads_it(small):
     (small / "train.csv").write_bytes(b"text,category\ncaf\xe9 au lait,drink\ntea,drink\nbread,food\nrice,food\n")
-    job = jobfile.load(_job(small, GOOD.format(name="pets")))
+    job = jobfile.load(_job(small, small_job()))
     with pytest.raises(JobFileError, match=r"is not utf-8 \(line 2, byte 17: invalid continuation byte\); set \[data\] encoding"):
         data.load_job(job)
-    job = jobfile.load(_job(small, GOOD.format(name="pets") + 'fallback_encoding = "latin-1"\n'))
+    job = jobfile.load(_job(small, small_job() + 'fallback_encoding = "latin-1"\n'))
     train, validation, test = data.load_job(job)
     assert len(train) + len(validation) + len(test) == 4
     from gadei_workloads.files import read
@@ -250,7 +240,7 @@ def test_a_per_label_file_names_its_label():
 
 @pytest.mark.slow
 def test_gadei_run_trains_a_job_file_and_leaves_its_outputs(tmp_path, procs):
-    name = f"run-{tmp_path.name[-20:]}".replace("_", "-")
+    name = unique_name("run")
     path = _job(tmp_path, trec_job(name, train={"learners": 2, "epochs": 2, "lr": 0.05}, checkpoint={"interval": 5}))
     run = procs.gadei("run", path)
     out, err = communicate(run, 600)
@@ -278,7 +268,7 @@ def test_gadei_run_trains_a_job_file_and_leaves_its_outputs(tmp_path, procs):
 
 @pytest.mark.slow
 def test_a_stopped_run_goes_on_with_resume_and_trains_each_mini_batch_once(tmp_path, procs):
-    name = f"resume-{tmp_path.name[-20:]}".replace("_", "-")
+    name = unique_name("resume")
 
     def body(epochs: int, lr: float) -> str:
         return trec_job(name, train={"learners": 2, "epochs": epochs, "lr": lr}, checkpoint={"interval": 600})
@@ -329,16 +319,6 @@ def test_a_stopped_run_goes_on_with_resume_and_trains_each_mini_batch_once(tmp_p
                                                            for m in metrics)
 
 
-def _blobs(n=600, features=8, labels=3, seed=0):
-    import numpy as np
-
-    rng = np.random.default_rng(seed)
-    centres = rng.normal(0, 4, (labels, features))
-    y = rng.integers(0, labels, n)
-    x = (centres[y] + rng.normal(0, 1, (n, features))) * 10 + 100  # far from 0 and wide: standardising matters
-    return x, np.array([f"class-{v}" for v in y])
-
-
 def _numeric_job(folder, train, fmt, extra=""):
     return jobfile.load(_job(folder, f"""
         [job]
@@ -354,7 +334,7 @@ def _numeric_job(folder, train, fmt, extra=""):
 def test_numeric_data_reads_the_same_from_npz_and_csv_and_bad_cells_are_named(tmp_path):
     import numpy as np
 
-    x, y = _blobs(40)
+    x, y = blobs(40)
     np.savez(tmp_path / "d.npz", x=x, y=y)
     header = ",".join([f"f{i}" for i in range(x.shape[1])] + ["label"])
     (tmp_path / "d.csv").write_text(header + "\n" + "".join(",".join(map(repr, row)) + f",{label}\n"
@@ -376,26 +356,8 @@ def test_numeric_data_reads_the_same_from_npz_and_csv_and_bad_cells_are_named(tm
 
 @pytest.mark.slow
 def test_gadei_run_trains_the_mlp_on_numeric_data_and_predicts(tmp_path, procs):
-    import numpy as np
-
-    x, y = _blobs(900)
-    np.savez(tmp_path / "blobs.npz", x=x, y=y)
-    name = f"mlp-{tmp_path.name[-20:]}".replace("_", "-")
-    path = _job(tmp_path, f"""
-        [job]
-        name = "{name}"
-        workload = "mlp"
-        [data]
-        train = "blobs.npz"
-        format = "npz"
-        holdout = 0.2
-        [train]
-        learners = 2
-        epochs = 4
-        lr = 0.05
-        [output]
-        folder = "out"
-    """)
+    x, y = blobs(900)
+    path = blobs_job(tmp_path, unique_name("mlp"), train={"learners": 2, "epochs": 4, "lr": 0.05})
     run = procs.gadei("run", path)
     out, err = communicate(run, 300)
     assert run.returncode == 0, out + err
@@ -409,8 +371,8 @@ def test_gadei_run_trains_the_mlp_on_numeric_data_and_predicts(tmp_path, procs):
 
 @pytest.mark.slow
 def test_a_run_whose_loss_becomes_nan_fails_naming_the_epoch_and_the_learning_rate(small, procs):
-    name = f"nan-{small.name[-20:]}".replace("_", "-")
-    path = _job(small, GOOD.format(name=name) + '[train]\nlearners = 1\nlr = 10.0\noptimizer = "sgd"\nepochs = 3\n'
+    name = unique_name("nan")
+    path = _job(small, small_job(name) + '[train]\nlearners = 1\nlr = 10.0\noptimizer = "sgd"\nepochs = 3\n'
                 '[output]\nfolder = "out"\n')
     run = procs.gadei("run", "--quiet", path)
     out, err = communicate(run, 300)
@@ -424,13 +386,13 @@ def test_row_sparse_is_the_servers_choice_unless_the_job_file_says(small):
     where the model's embedding gradients are sparse), but a bridged node's gradients stay
     dense (the bridge moves every row); true and false reach the server as they are."""
     for value in ("true", "false", '"auto"'):
-        job = jobfile.load(_job(small, GOOD.format(name="pets") + f"[transport]\nrow_sparse = {value}\n"))
+        job = jobfile.load(_job(small, small_job() + f"[transport]\nrow_sparse = {value}\n"))
         expected = {"true": True, "false": False}.get(value)
         assert job.transport.row_sparse is expected
         again = jobfile.load(_job(small, job.to_toml(), "as-run.toml"))
         assert again.transport.row_sparse is expected
         assert job.for_node(0, 2).transport.row_sparse is (expected if expected is not None else False)
-    bridged = GOOD.format(name="pets") + "[transport]\nrow_sparse = true\n[bridge]\n"
+    bridged = small_job() + "[transport]\nrow_sparse = true\n[bridge]\n"
     with pytest.raises(JobFileError, match=r"\[transport\] row_sparse = true with a \[bridge\] section"):
         jobfile.load(_job(small, bridged))
 
@@ -444,7 +406,7 @@ def test_a_finished_job_whose_watchdog_died_before_recording_its_end_is_done(sma
     from gadei import prepare
     from gadei.run import JobRun
 
-    job = jobfile.load(_job(small, GOOD.format(name="pets") + "[train]\nlearners = 2\nepochs = 3\nbatch = 2\n"))
+    job = jobfile.load(_job(small, small_job() + "[train]\nlearners = 2\nepochs = 3\nbatch = 2\n"))
     run = JobRun(prepare.check(job, False, None), quiet=True)
     n = len(run.prepared.train)
     steps = 3 * (-(-len(range(0, n, 2)) // 2) + -(-len(range(1, n, 2)) // 2))

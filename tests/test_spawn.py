@@ -11,7 +11,7 @@ import ast
 import json
 from pathlib import Path
 
-from helpers import communicate
+from helpers import communicate, unique_name
 
 from gadei import _proc
 
@@ -42,7 +42,7 @@ def test_gadei_run_from_a_folder_of_decoy_packages_runs_the_installed_gadei(tmp_
         (here / name / "__init__.py").write_text(f"raise ImportError('the decoy {name} in the working directory')\n")
     rows = [f"{'dog' if i % 2 else 'cat'}\t\"a sentence {i} about {'dogs' if i % 2 else 'cats'}" for i in range(60)]
     (tmp_path / "train.tsv").write_text("label\ttext\n" + "\n".join(rows) + "\n\ncat\t\n")
-    name = f"spawn-{tmp_path.name[-20:]}".replace("_", "-")
+    name = unique_name("spawn")
     (tmp_path / "job.toml").write_text(f'[job]\nname = "{name}"\nworkload = "textcnn"\n'
                                        '[data]\ntrain = "train.tsv"\nformat = "tsv"\n'
                                        '[train]\nlearners = 2\nepochs = 1\n[output]\nfolder = "out"\n')

@@ -2,10 +2,14 @@
 apply loop on a thread, no subprocess), beside the end-to-end runs of tests/test_exactly_once.py.
 
 What each encoding must do to a gradient: a float32, float16 or bfloat16 slot holds it as
-that type converts it (and the server applies exactly that), a row-sparse table travels as
-its touched rows, each once with its rows summed; and what each refuses: a gradient that
+that type rounds it (to nearest, ties to even: checked against a NumPy reference of the
+rounding, not torch's own conversion) and the server applies exactly that; a row-sparse
+table travels as its touched rows, each once with its rows summed, and the server's apply of
+them equals the dense apply of the same gradient; and what each refuses: a gradient that
 does not fit its encoding (too many rows; a value float16 cannot hold) is never applied as
-something else, and an error in a push or pull thread reaches the train thread.
+something else, a slot whose rows a learner wrote wrong (a row count over the job's
+max_rows, a row index outside the table) stops the job as corrupt without writing outside
+the table, and an error in a push or pull thread reaches the train thread.
 """
 
 import ctypes
@@ -18,8 +22,9 @@ import pytest
 import torch
 
 from gadei import params, protocol
-from gadei.errors import GadeiError
-from gadei.region import Region
+from gadei.errors import GadeiError, RegionCorrupt
+from gadei.layout import FAILED
+from gadei.region import Region, inspect, remove
 from gadei.ring import claim
 from gadei.server import Server
 from gadei.transport import CopyPull, DevicePull, DevicePush, PublishPush, SlotWriter, ThreadPush, ViewPull
@@ -59,9 +64,27 @@ def _applied(region, count: int) -> None:
                       f"{count} gradients settled")
 
 
-def _decoded(values: torch.Tensor, grad_dtype: str) -> torch.Tensor:
-    """`values` as a slot of `grad_dtype` holds them, read back as float32."""
-    return values.to({"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[grad_dtype]).float()
+def _decoded(values: torch.Tensor, grad_dtype: str) -> np.ndarray:
+    """`values` as a slot of `grad_dtype` holds them, read back as float32: NumPy's float16, and
+    bfloat16 by hand (the upper 16 bits of the float32, rounded to nearest, ties to even), so
+    that the reference is not the conversion the code under test calls."""
+    x = values.numpy().astype(np.float32)
+    if grad_dtype == "float16":
+        return x.astype(np.float16).astype(np.float32)
+    if grad_dtype == "bfloat16":
+        bits = x.view(np.uint32).astype(np.uint64)  # finite values only: no NaN payloads to keep
+        return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16 << 16).astype(np.uint32).view(np.float32)
+    return x
+
+
+def test_the_rounding_reference_rounds_as_each_type_is_defined():
+    """The reference itself, on values whose rounding is known by hand."""
+    third = torch.tensor([1 / 3, 1 + 2 ** -8, 1 + 3 * 2 ** -8, 1e-6, 300.5])
+    # bfloat16 keeps 8 significant bits: 1/3 -> 0.333984375; 1 + 2^-8 is a tie: to even (1.0);
+    # 1 + 3 * 2^-8 a tie: to even (1 + 2^-6); 300.5 -> 300 (between 300 and 302)
+    assert _decoded(third, "bfloat16").tolist() == [0.333984375, 1.0, 1 + 2 ** -6, 9.98377799987793e-07, 300.0]
+    # float16 keeps 11: 1/3 -> 0.333251953125; 1e-6 is subnormal (a multiple of 2^-24)
+    assert _decoded(third, "float16").tolist() == [0.333251953125, 1 + 2 ** -8, 1 + 3 * 2 ** -8, 17 * 2 ** -24, 300.5]
 
 
 # ------------------------------------------------------------------ dense gradients: publish and thread
@@ -91,7 +114,7 @@ def test_a_dense_gradient_arrives_as_its_slot_type_converts_it_and_is_applied_on
         finally:
             push.close()
         flat = torch.cat([g.flatten() for g in grads])
-        expected = (torch.ones(64) - LR * _decoded(flat, grad_dtype)).numpy()
+        expected = np.float32(1) - np.float32(LR) * _decoded(flat, grad_dtype)
         np.testing.assert_array_equal(region.weights, expected)
         assert region.header.get("applied") == region.header.get("version") == 1
         if grad_dtype != "float32":  # the conversion happened: not the float32 values
@@ -193,10 +216,11 @@ def test_a_row_sparse_gradient_travels_as_its_touched_rows_each_once_and_only_th
     assert torch.equal(weights["bias"], torch.full((N - TABLE_ROWS * TABLE_WIDTH,), 1 - LR * 0.5))
 
 
-def test_a_gradient_touching_more_rows_than_a_slot_carries_is_refused_and_nothing_is_published(job):
+@pytest.mark.parametrize("push_cls", [PublishPush, DevicePush])  # the device push refuses it while staging
+def test_a_gradient_touching_more_rows_than_a_slot_carries_is_refused_and_nothing_is_published(job, push_cls):
     model = Table(N, 1.0)
     with serving(job, model, row_sparse=True, max_rows=4) as (server, region, producer, parameters, spec):
-        push = PublishPush(region, producer, parameters, spec, lambda: None, server.options)
+        push = push_cls(region, producer, parameters, spec, lambda: None, server.options)
         try:
             push.bind()
             for p in parameters:
@@ -213,6 +237,82 @@ def test_a_gradient_touching_more_rows_than_a_slot_carries_is_refused_and_nothin
         finally:
             push.close()
         assert region.header.get("applied") == region.header.get("version") == 1
+
+
+@pytest.mark.parametrize("grad_dtype", ["float32", "float16", "bfloat16"])
+def test_a_row_sparse_table_ends_as_the_same_gradient_sent_dense_would_leave_it(job, grad_dtype):
+    """row_sparse changes how a table's gradient travels, never what it does: the same sparse
+    gradient (rows that round in float16 and bfloat16, a row named three times) pushed into a
+    row-sparse job and into a dense one leaves the same weights, to the bit."""
+    rows = torch.arange(1, 5 * TABLE_WIDTH + 1, dtype=torch.float32).reshape(5, TABLE_WIDTH) / 3
+    indices = [40, 2, 40, 63, 40]
+    weights = {}
+    for row_sparse in (True, False):
+        name = f"{job}-{'rows' if row_sparse else 'dense'}"
+        try:
+            with serving(name, Table(N, 1.0), row_sparse=row_sparse, grad_dtype=grad_dtype, max_rows=8) as \
+                    (server, region, producer, parameters, spec):
+                assert len(region.shape.sparse) == int(row_sparse)
+                push = PublishPush(region, producer, parameters, spec, lambda: None, server.options)
+                push.bind()
+                for p in parameters:
+                    p.grad = _sparse(indices, rows) if p.dim() == 2 else torch.full(p.shape, 0.25)
+                assert push.push(0, 0, 1)
+                _applied(region, 1)
+                push.close()
+                weights[row_sparse] = params.state_dict(spec, region.weights)
+        finally:
+            if inspect(name) is not None:
+                remove(name)
+    for key in (TABLE, "bias"):
+        assert torch.equal(weights[True][key], weights[False][key]), key
+    table = weights[True][TABLE]
+    summed = {2: rows[1], 40: rows[0] + rows[2] + rows[4], 63: rows[3]}
+    for row in range(TABLE_ROWS):  # the touched rows moved by lr times their rounded sum, no other
+        expected = np.float32(1) - np.float32(LR) * _decoded(summed[row], grad_dtype) if row in summed else 1.0
+        np.testing.assert_array_equal(table[row].numpy(), np.broadcast_to(np.float32(expected), (TABLE_WIDTH,)))
+
+
+def _publish_rows(region, producer, writer, indices: list[int], count: int | None = None) -> None:
+    """Publish a gradient of the table whose slot says `indices` (rows of 0.5) and a row count of
+    `count` (default: the number of indices), written there by hand: what a learner that does not
+    keep to the format (or a stray write into the region) leaves; the dense area (the bias) is 0."""
+    producer.wait_space(lambda: None)
+    count_addr, index_area, row_area = writer.rows_area(producer.slot, 0)
+    index_area[: len(indices)] = torch.tensor(indices, dtype=torch.int64)
+    row_area[: len(indices)] = 0.5
+    ctypes.c_uint64.from_address(count_addr).value = len(indices) if count is None else count
+    producer.publish(region.header.get("version"), producer.head, 1)
+
+
+@pytest.mark.parametrize("indices, count, error", [
+    (list(range(8)), 9, r"learner ring 0: a gradient's row count of a row-sparse table is 9, allowed 0\.\.8: "
+                        r"the slot is corrupt"),
+    ([3, TABLE_ROWS], None, r"a gradient named 1 row indices outside the table's 0\.\.63: the slot is corrupt"),
+    ([-1, 3], None, r"a gradient named 1 row indices outside the table's 0\.\.63: the slot is corrupt"),
+    ([2 ** 40], None, r"a gradient named 1 row indices outside the table's 0\.\.63: the slot is corrupt"),
+], ids=["count-over-max-rows", "row-64", "row-minus-1", "row-2^40"])
+def test_a_slot_whose_rows_break_the_format_stops_the_job_as_corrupt_and_nothing_lands_outside_the_table(
+        job, indices, count, error):
+    """A gradient of exactly max_rows rows is applied; then one whose row count is over max_rows,
+    or that names a row the table does not have, stops the job (run state failed, RegionCorrupt
+    saying which rule it broke), and nothing is written outside the table: the weights after it
+    (the bias, where row 64 would land) are as they were."""
+    with serving(job, Table(N, 1.0), serve=False, row_sparse=True, max_rows=8) as \
+            (server, region, producer, parameters, spec):
+        writer = SlotWriter(region, producer.learner, parameters, spec)
+        _publish_rows(region, producer, writer, list(range(56, 64)))  # max_rows rows: fine
+        _publish_rows(region, producer, writer, indices, count)
+        protocol.RunState(region).request_stop()  # serve() applies what was published, then ends
+        with pytest.raises(RegionCorrupt, match=rf"job '{job}': {error}"):
+            server.serve(grace=0.2)
+        assert region.header.get("run_state") == FAILED
+        assert region.header.get("applied") == 1
+        weights = params.state_dict(spec, region.weights)
+        assert torch.equal(weights["bias"], torch.ones(N - TABLE_ROWS * TABLE_WIDTH))  # nothing past the table
+        moved = (weights[TABLE] != 1.0).any(dim=1).nonzero().flatten().tolist()
+        assert set(moved) - set(range(56, 64)) <= {i for i in indices if 0 <= i < TABLE_ROWS}
+        assert torch.equal(weights[TABLE][56:64], torch.full((8, TABLE_WIDTH), 1 - LR * 0.5))
 
 
 def test_a_push_threads_error_is_raised_in_the_train_thread_at_its_next_push(job):

@@ -1,4 +1,5 @@
-"""Fault injection into real gadei jobs: the harness behind `tests/faults/` (no pytest needed).
+"""Fault injection into real gadei jobs: the harness behind `tests/faults/` (it also runs outside
+pytest, from tests/faults/run.py; it needs the test extras, `pip install -e '.[test]'`).
 
 A `Job` is what a user runs: `gadei serve JOB --workload textcnn --data trec ...
 --checkpoint-dir DIR --learner ... --learner ...`, that is a server, its watchdog and the
@@ -40,7 +41,8 @@ from gadei import checkpoint
 from gadei._proc import gadei_command
 from gadei.errors import GadeiError
 from gadei.protocol import Deadline, wait_for
-from gadei.region import Region, inspect, remove
+from gadei.region import Region, inspect
+from helpers import end_jobs, job_processes
 
 HERE = Path(__file__).resolve().parent
 PR_SET_CHILD_SUBREAPER = 36
@@ -208,32 +210,18 @@ class Job:
         return time.monotonic() - self.started
 
     def processes(self) -> list[psutil.Process]:
-        """Live (not zombie) processes whose command line names this job."""
-        found = []
-        for proc in psutil.process_iter(["cmdline", "status"]):
-            if proc.pid != os.getpid() and self.name in (proc.info["cmdline"] or []) \
-                    and proc.info["status"] != psutil.STATUS_ZOMBIE:
-                found.append(proc)
-        return found
+        """Live (not zombie) processes whose command line names this job (`helpers.job_processes`)."""
+        return job_processes(self.name)
 
     def close(self) -> None:
-        """Kill whatever is left of the job, reap it, remove its region."""
-        for proc in self.processes():
-            try:
-                proc.kill()
-            except psutil.NoSuchProcess:
-                pass
-        if self.serve is not None and self.serve.poll() is None:
-            self.serve.kill()
+        """Kill whatever is left of the job (`helpers.end_jobs`: a restarted server, orphaned
+        learners), reap it, remove its region."""
         if self.serve is not None:
-            self.serve.wait()
-        deadline = time.monotonic() + 10
-        while self.processes() and time.monotonic() < deadline:
-            reap_orphans(self)
-            time.sleep(0.05)
+            if self.serve.poll() is None:
+                self.serve.kill()
+            self.serve.wait()  # before end_jobs, which would reap it behind Popen's back
+        end_jobs(self.name)  # waits for each; the orphans among them are our children (subreaper)
         reap_orphans(self)
-        if inspect(self.name) is not None:
-            remove(self.name)
 
     # ------------------------------------------------------------------ what it left
 

@@ -2,9 +2,9 @@
 
     python tests/faults/run.py [--runs 3] [--scenarios kill-server,stall-learner] [--epochs 4]
 
-Run it from the repository root with gadei installed (`pip install -e .`) and the shared
-data sets at GADEI_DATA_DIR (default ../shared/data). Every job trains with job seed
---job-seed; injection points and victims are drawn at random from --seed. A run passes
+Run it from the repository root with gadei and its test extras installed (`pip install -e
+'.[test]'`) and the shared data sets at GADEI_DATA_DIR (default ../shared/data). Every job
+trains with job seed --job-seed; injection points and victims are drawn at random from --seed. A run passes
 when every check of harness.py holds and its test accuracy is within --run-tolerance (3)
 points of the median of --references (5) fault-free runs; and the median accuracy of all
 faulted runs must be within --tolerance (1) point of it. (Same-seed Hogwild runs of this
@@ -26,6 +26,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # tests/: the harness imports helpers
 
 import harness  # noqa: E402
 
