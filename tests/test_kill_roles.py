@@ -148,6 +148,60 @@ def test_a_killed_gadei_run_leaves_the_outputs_to_the_watchdog(small, procs):
     _say("gadei run", "the watchdog wrote result.json, outcome done", seconds)
 
 
+def _kill_run_and_watchdog(procs, path, name, *, adoptable: bool):
+    """Start the job, SIGKILL its `gadei run` and then its watchdog (nothing supervises it
+    after that but its server); the roles before the kill, and the moment of it."""
+    run = procs.gadei("run", path)
+    roles = _when_training(name)
+    if not adoptable:
+        os.unlink(os.path.join(os.environ["GADEI_RUNTIME_DIR"], f"{name}.watchdog.json"))  # nothing to adopt from
+    run.send_signal(signal.SIGKILL)
+    os.kill(roles["watchdog"], signal.SIGKILL)
+    killed = time.monotonic()
+    run.wait()
+    return roles, killed
+
+
+def test_a_job_whose_gadei_run_and_watchdog_are_killed_is_adopted_and_finishes(small, procs):
+    """The server sees that neither its watchdog nor its `gadei run` lives, starts a new
+    watchdog that takes over the learners, and that watchdog finishes the job and writes its
+    outputs."""
+    path, name, out = small
+    roles, killed = _kill_run_and_watchdog(procs, path, name, adoptable=True)
+    wait_for(lambda: (out / "result.json").exists(), STOP_WITHIN, "a new watchdog to finish the job and write "
+             "result.json")
+    seconds = time.monotonic() - killed
+    ending = json.loads((out / "logs" / "watchdog-end.json").read_text())
+    assert ending["code"] == 0 and ending["finished"], ending
+    assert ending["pid"] not in (roles["watchdog"], roles["server"]), (ending, roles)
+    result = _outputs_written(out, ending["pid"])  # the new watchdog wrote them
+    assert (result["outcome"], result["finished"]) == ("done", True), result
+    assert result["test_accuracy"] > 0.9, result
+    log = (out / "logs" / "serve.log").read_text()
+    assert f"its watchdog (pid {roles['watchdog']}) and its `gadei run` are gone" in log, log[-3000:]
+    assert f"adopted by watchdog pid {ending['pid']};" in log, log[-3000:]
+    wait_for(lambda: _gone(name), 60, "every process of the job to end")
+    _say("gadei run and the watchdog", "a new watchdog finished the job and wrote result.json, outcome done",
+         seconds)
+
+
+def test_a_job_whose_gadei_run_and_watchdog_are_killed_and_cannot_be_adopted_fails_clearly(small, procs):
+    path, name, out = small
+    roles, killed = _kill_run_and_watchdog(procs, path, name, adoptable=False)
+    wait_for(lambda: (out / "result.json").exists() and _gone(name), STOP_WITHIN, "the job to end as failed, "
+             "every process of it gone")
+    seconds = time.monotonic() - killed
+    result = json.loads((out / "result.json").read_text())
+    assert result["outcome"] == "failed", result
+    assert result["message"].startswith(f"its watchdog (pid {roles['watchdog']}) and its gadei run died and no new "
+                                        "watchdog could take over: "), result
+    assert "no watchdog state to adopt" in result["message"], result
+    assert result["written_by"] == roles["server"], (result, roles)
+    assert (out / "metrics.jsonl").exists() and (out / "model.pt").exists()
+    _say("gadei run and the watchdog (no state to adopt)", "the server failed the job, result.json outcome failed",
+         seconds)
+
+
 @pytest.fixture
 def daemon_env(tmp_path):
     folder = tmp_path / "run"

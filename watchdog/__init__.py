@@ -54,7 +54,7 @@ from gadei.protocol import Deadline, RunState
 from gadei.region import Region, inspect
 from gadei.ring import lease_owner
 
-from .launched import Launched, Learners, load_state, remove_state, save_state
+from .launched import Launched, Learners, load_state, registering, remove_state, save_state
 
 log = logging.getLogger(__name__)
 
@@ -157,12 +157,13 @@ class Watchdog:
 
     def _register(self) -> None:
         h = self.region.header
-        pid, started = h.get("watchdog_pid"), h.get("watchdog_start")
-        if pid and pid != os.getpid() and _proc.alive(pid, started):
-            raise GadeiError(f"job {self.job!r} already has a live watchdog (pid {pid})")
-        h.set("watchdog_start", _proc.start_time())
-        h.set("watchdog_beat", time.monotonic_ns())
-        h.set("watchdog_pid", os.getpid())
+        with registering(self.job):  # the look and the registration are one step for every watchdog of the job
+            pid, started = h.get("watchdog_pid"), h.get("watchdog_start")
+            if pid and pid != os.getpid() and _proc.alive(pid, started):
+                raise GadeiError(f"job {self.job!r} already has a live watchdog (pid {pid})")
+            h.set("watchdog_start", _proc.start_time())  # before the pid: a reader never pairs ours with another's
+            h.set("watchdog_beat", time.monotonic_ns())
+            h.set("watchdog_pid", os.getpid())
         log.info("job %r: watchdog watching; checkpoints every %g s to %s%s", self.job, self.settings.every,
                  self.settings.checkpoint_dir,
                  f"; {len(self.learners.table)} learners launched" if self.learners.table else "")
