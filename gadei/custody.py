@@ -90,6 +90,9 @@ class Custody:
             if adopted:
                 log.warning("job %s: %s", name, reason)
                 continue
+            if self._unwatched() is None:  # another adopter won, or the job is ending: not a failure
+                log.warning("job %s: %s; the job is watched or ending now: not failing it", name, reason)
+                continue
             self.reason = (f"its watchdog (pid {dead}) and its gadei run died and no new watchdog could take over: "
                            f"{reason}")
             log.error("job %s: %s; stopping the job", name, self.reason)

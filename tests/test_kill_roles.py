@@ -202,6 +202,47 @@ def test_a_job_whose_gadei_run_and_watchdog_are_killed_and_cannot_be_adopted_fai
          seconds)
 
 
+def _waiting_at(path) -> set[int]:
+    """The pids that wait for the flock on `path` (/proc/locks lists each waiter after "->")."""
+    inode = os.stat(path).st_ino
+    with open("/proc/locks") as locks:
+        return {int(f[5]) for f in (line.split() for line in locks) if f[1] == "->" and f[6].endswith(f":{inode}")}
+
+
+def test_two_adoptions_at_once_leave_one_watchdog_and_the_loser_says_so(small, procs):
+    """gadei run and a second `gadei serve --adopt` take over a dead watchdog at the same moment
+    (held at the registration lock until both wait there): one registers, the other stands
+    down with a true message, and the job finishes."""
+    from gadei_watchdog.launched import registering
+
+    path, name, out = small
+    run = procs.gadei("run", path)
+    roles = _when_training(name)
+    with registering(name):
+        lock = os.path.join(os.environ["GADEI_RUNTIME_DIR"], f"{name}.watchdog.lock")
+        os.kill(roles["watchdog"], signal.SIGKILL)
+        wait_for(lambda: len(_waiting_at(lock)) == 1, 60, "gadei run's new watchdog to wait at the lock")
+        other = procs.gadei("serve", name, "--adopt")
+        waiting = wait_for(lambda: len(w := _waiting_at(lock)) == 2 and w, 60, "the second new watchdog to wait")
+        time.sleep(1.0)  # both wait: neither registers while the lock is held
+        assert _roles(name)["watchdog"] == roles["watchdog"], "a watchdog registered without the lock"
+    _, said = communicate(other, 90)
+    stdout, stderr = communicate(run, STOP_WITHIN)
+    assert run.returncode == 0, stdout + stderr
+    result = _outputs_written(out, run.pid)
+    assert result["outcome"] == "done", result
+    winner = json.loads((out / "logs" / "watchdog-end.json").read_text())["pid"]  # it watched the job to its end
+    assert winner in waiting, (winner, waiting)
+    if other.returncode == 0:
+        assert f"adopted by watchdog pid {winner};" in said, said
+    else:
+        assert (f"job {name!r} was adopted by watchdog pid {winner} at the same moment; this one stood down" in said
+                or f"exited with 2: job {name!r} already has a live watchdog (pid {winner})" in said), said
+    log = (out / "logs" / "watchdog.log").read_text()
+    assert f"job {name!r} already has a live watchdog (pid {winner})" in log, log[-3000:]  # the loser's refusal
+    wait_for(lambda: _gone(name), 60, "every process of the job to end")
+
+
 @pytest.fixture
 def daemon_env(tmp_path):
     folder = tmp_path / "run"

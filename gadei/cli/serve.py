@@ -206,8 +206,8 @@ def _adopt(args) -> int:
                 if live:  # another process adopted the job at the same moment: the header took one of us
                     raise GadeiError(f"job {args.job!r} was adopted by watchdog pid {live} at the same moment; this "
                                      "one stood down")
-                raise GadeiError(f"job {args.job!r}: the adopting watchdog exited with {dog.returncode} (see "
-                                 f"{out_path})")
+                raise GadeiError(f"job {args.job!r}: the adopting watchdog exited with {dog.returncode}"
+                                 + _last_error(out_path) + f" (see {out_path})")
             if deadline.expired():
                 dog.kill()
                 raise GadeiError(f"job {args.job!r}: the adopting watchdog did not register within 60 s")
@@ -215,6 +215,18 @@ def _adopt(args) -> int:
     print(f"gadei: job {args.job!r} adopted by watchdog pid {dog.pid}; its log: {out_path}", file=sys.stderr,
           flush=True)
     return 0
+
+
+def _last_error(log_path: str) -> str:
+    """": " and the last error a watchdog wrote to its log (`gadei watchdog: error: ...`), or ""."""
+    try:
+        with open(log_path, "rb") as log_file:
+            log_file.seek(max(0, os.fstat(log_file.fileno()).st_size - 8192))
+            lines = log_file.read().decode(errors="replace").splitlines()
+    except OSError:
+        return ""
+    said = [line.split(" error: ", 1)[1] for line in lines if line.startswith("gadei watchdog: error: ")]
+    return f": {said[-1]}" if said else ""
 
 
 def _live_watchdog(job: str) -> int:
