@@ -79,7 +79,8 @@ class JobRun:
     without an end record) is replaced within WATCHDOG_GRACE seconds (`gadei serve --adopt`,
     which takes over its launched learners); when that fails, the job is stopped and failed
     with the reason. This process holds the run's lock (`outputs.Owner`) throughout, so the
-    watchdog leaves the outputs to it; killed, it lets go, and the watchdog writes them."""
+    watchdog leaves the outputs to it; killed, it lets go, and the watchdog writes them (killed
+    with the watchdog, the server's custody has a new one adopt the job: `gadei.custody`)."""
 
     def __init__(self, prepared: Prepared, quiet: bool, node: "Node | None" = None):
         self.prepared, self.quiet, self.node = prepared, quiet, node

@@ -371,3 +371,29 @@ def test_the_daemon_reports_a_failed_job_when_its_watchdog_dies_and_cannot_be_re
     daemon.terminate()
     communicate(daemon, 60)
     _say("watchdog (no state to adopt) under the daemon", "record failed, result.json outcome failed", seconds)
+
+
+def test_the_daemon_reports_done_when_gadei_run_and_the_watchdog_are_killed(small, procs, daemon_env):
+    """The daemon follows the job as orphaned; its server has a new watchdog adopt it, which
+    finishes it and writes the outputs; the daemon's record says done."""
+    path, name, out = small
+    daemon = _daemon(procs, daemon_env)
+    finish(procs.gadei("submit", path, env=daemon_env))
+    record = wait_for(lambda: (r := _record(procs, daemon_env, name))["state"] == "running" and r["pid"] and r, 120,
+                      "the daemon to run the job", 0.2)
+    roles = _when_training(name)
+    os.kill(record["pid"], signal.SIGKILL)
+    os.kill(roles["watchdog"], signal.SIGKILL)
+    killed = time.monotonic()
+    record = wait_for(lambda: _ended(procs, daemon_env, name), STOP_WITHIN, "the daemon to report the job's end", 0.5)
+    seconds = time.monotonic() - killed
+    assert record["state"] == "done" and record["orphaned"], record
+    ending = json.loads((out / "logs" / "watchdog-end.json").read_text())
+    assert ending["pid"] not in (roles["watchdog"], roles["server"]), (ending, roles)
+    result = _outputs_written(out, ending["pid"])  # the watchdog the server started wrote them
+    assert (result["outcome"], result["finished"]) == ("done", True), result
+    wait_for(lambda: _gone(name), 60, "every process of the job to end")
+    daemon.terminate()
+    communicate(daemon, 60)
+    _say("gadei run and the watchdog under the daemon", "a new watchdog finished the job; record done, result.json "
+         "outcome done", seconds)

@@ -3,7 +3,9 @@ checkpoints of the job, and restarts what dies (installed as `gadei_watchdog`; r
 `gadei watchdog JOB`, or let `gadei serve --checkpoint-dir DIR` start it).
 
 It attaches to a running job, registers its pid, start time and heartbeat in the region
-header (refusing to run beside another live watchdog), and every `interval` seconds:
+header (refusing to run beside another live watchdog: the look and the registration are
+one step under `launched.registering`'s lock, so of two that adopt a job at once one
+attaches), and every `interval` seconds:
 - beats;
 - judges the server and each learner by pid plus process start time (pid reuse cannot fool
   it) and by heartbeat: a process is dead when it is gone, or hung after `interval *

@@ -289,7 +289,9 @@ def add_parser(sub) -> None:
                    "logs (default: --checkpoint-dir)")
     p.add_argument("--outputs", metavar="FOLDER", help="a `gadei run` output folder: when the job ends, the watchdog "
                    "records how (logs/watchdog-end.json) and, if the `gadei run` that started the job is gone, writes "
-                   "its outputs (metrics.jsonl, accuracy.png, result.json)")
+                   "its outputs (metrics.jsonl, accuracy.png, result.json); with --checkpoint-dir, the server starts a "
+                   "new watchdog (--adopt) when the watchdog and the `gadei run` are both gone, or fails the job "
+                   "with the reason when none can take over")
     p.add_argument("--learner", action="append", default=[], metavar="ARGS",
                    help="with --checkpoint-dir: the watchdog launches a learner `gadei learn JOB ARGS` (one "
                    "quoted string; repeat for more), restarts it where it was if it dies, and stops the job "
