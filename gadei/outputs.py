@@ -7,7 +7,9 @@ One writer wins. `gadei run` holds `logs/run.lock` (an exclusive `flock`) from b
 starts the job until it has written the outputs (`Owner`); the job's watchdog, which
 outlives a killed `gadei run`, records how the job ended in `logs/watchdog-end.json` and
 writes the outputs itself only when it can take that lock (the `gadei run` is gone), and so
-does the daemon for a job whose `gadei run` died. Whoever writes holds the lock, writes each
+does the daemon for a job whose `gadei run` died, and the job's server for a job it failed
+when its watchdog and its `gadei run` both died and no new watchdog could take over
+(`gadei.custody`). Whoever writes holds the lock, writes each
 file beside its place and renames it there, result.json last: a result.json exists only
 whole, and once it exists the others read it instead of writing (`finish`). A writer that is
 killed mid-way lets go of the lock with its life, and the next one writes it all again.

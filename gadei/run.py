@@ -44,6 +44,7 @@ import time
 from pathlib import Path
 
 from . import device, jobfile, outputs
+from .custody import adopt
 from .prepare import Prepared, describe, prepare
 from ._proc import gadei_command
 from .errors import GadeiError
@@ -78,7 +79,8 @@ class JobRun:
     without an end record) is replaced within WATCHDOG_GRACE seconds (`gadei serve --adopt`,
     which takes over its launched learners); when that fails, the job is stopped and failed
     with the reason. This process holds the run's lock (`outputs.Owner`) throughout, so the
-    watchdog leaves the outputs to it; killed, it lets go, and the watchdog writes them."""
+    watchdog leaves the outputs to it; killed, it lets go, and the watchdog writes them (killed
+    with the watchdog, the server's custody has a new one adopt the job: `gadei.custody`)."""
 
     def __init__(self, prepared: Prepared, quiet: bool, node: "Node | None" = None):
         self.prepared, self.quiet, self.node = prepared, quiet, node
@@ -253,13 +255,11 @@ class JobRun:
         dead = self.dog[0]
         print(f"\ngadei run: job {self.job.name}: its watchdog (pid {dead}) died; starting a new one that takes over "
               "its learners", file=sys.stderr, flush=True)
-        adopt = subprocess.run(gadei_command("serve", self.job.name, "--adopt"), stdin=subprocess.DEVNULL,
-                               capture_output=True, text=True, timeout=WATCHDOG_GRACE)
-        if adopt.returncode == 0:
+        adopted, reason = adopt(self.job.name)
+        if adopted:
             self.dog = None
             self._look()
             return
-        reason = (adopt.stderr.strip().splitlines() or [f"exit {adopt.returncode}"])[-1]
         self.note = f"its watchdog (pid {dead}) died and no new one could take over: {reason}"
         print(f"gadei run: job {self.job.name}: {self.note}; stopping the job", file=sys.stderr, flush=True)
         self.dog = None
@@ -271,9 +271,6 @@ def _lines(path: Path) -> list[str]:
         return path.read_text(errors="replace").splitlines()
     except FileNotFoundError:
         return []
-
-
-WATCHDOG_GRACE = 90  # seconds a new watchdog may take to take over from a dead one
 
 
 def report(job: jobfile.Job, result: dict, elapsed: float) -> int:

@@ -148,6 +148,101 @@ def test_a_killed_gadei_run_leaves_the_outputs_to_the_watchdog(small, procs):
     _say("gadei run", "the watchdog wrote result.json, outcome done", seconds)
 
 
+def _kill_run_and_watchdog(procs, path, name, *, adoptable: bool):
+    """Start the job, SIGKILL its `gadei run` and then its watchdog (nothing supervises it
+    after that but its server); the roles before the kill, and the moment of it."""
+    run = procs.gadei("run", path)
+    roles = _when_training(name)
+    if not adoptable:
+        os.unlink(os.path.join(os.environ["GADEI_RUNTIME_DIR"], f"{name}.watchdog.json"))  # nothing to adopt from
+    run.send_signal(signal.SIGKILL)
+    os.kill(roles["watchdog"], signal.SIGKILL)
+    killed = time.monotonic()
+    run.wait()
+    return roles, killed
+
+
+def test_a_job_whose_gadei_run_and_watchdog_are_killed_is_adopted_and_finishes(small, procs):
+    """The server sees that neither its watchdog nor its `gadei run` lives, starts a new
+    watchdog that takes over the learners, and that watchdog finishes the job and writes its
+    outputs."""
+    path, name, out = small
+    roles, killed = _kill_run_and_watchdog(procs, path, name, adoptable=True)
+    wait_for(lambda: (out / "result.json").exists(), STOP_WITHIN, "a new watchdog to finish the job and write "
+             "result.json")
+    seconds = time.monotonic() - killed
+    ending = json.loads((out / "logs" / "watchdog-end.json").read_text())
+    assert ending["code"] == 0 and ending["finished"], ending
+    assert ending["pid"] not in (roles["watchdog"], roles["server"]), (ending, roles)
+    result = _outputs_written(out, ending["pid"])  # the new watchdog wrote them
+    assert (result["outcome"], result["finished"]) == ("done", True), result
+    assert result["test_accuracy"] > 0.9, result
+    log = (out / "logs" / "serve.log").read_text()
+    assert f"its watchdog (pid {roles['watchdog']}) and its `gadei run` are gone" in log, log[-3000:]
+    assert f"adopted by watchdog pid {ending['pid']};" in log, log[-3000:]
+    wait_for(lambda: _gone(name), 60, "every process of the job to end")
+    _say("gadei run and the watchdog", "a new watchdog finished the job and wrote result.json, outcome done",
+         seconds)
+
+
+def test_a_job_whose_gadei_run_and_watchdog_are_killed_and_cannot_be_adopted_fails_clearly(small, procs):
+    path, name, out = small
+    roles, killed = _kill_run_and_watchdog(procs, path, name, adoptable=False)
+    wait_for(lambda: (out / "result.json").exists() and _gone(name), STOP_WITHIN, "the job to end as failed, "
+             "every process of it gone")
+    seconds = time.monotonic() - killed
+    result = json.loads((out / "result.json").read_text())
+    assert result["outcome"] == "failed", result
+    assert result["message"].startswith(f"its watchdog (pid {roles['watchdog']}) and its gadei run died and no new "
+                                        "watchdog could take over: "), result
+    assert "no watchdog state to adopt" in result["message"], result
+    assert result["written_by"] == roles["server"], (result, roles)
+    assert (out / "metrics.jsonl").exists() and (out / "model.pt").exists()
+    _say("gadei run and the watchdog (no state to adopt)", "the server failed the job, result.json outcome failed",
+         seconds)
+
+
+def _waiting_at(path) -> set[int]:
+    """The pids that wait for the flock on `path` (/proc/locks lists each waiter after "->")."""
+    inode = os.stat(path).st_ino
+    with open("/proc/locks") as locks:
+        return {int(f[5]) for f in (line.split() for line in locks) if f[1] == "->" and f[6].endswith(f":{inode}")}
+
+
+def test_two_adoptions_at_once_leave_one_watchdog_and_the_loser_says_so(small, procs):
+    """gadei run and a second `gadei serve --adopt` take over a dead watchdog at the same moment
+    (held at the registration lock until both wait there): one registers, the other stands
+    down with a true message, and the job finishes."""
+    from gadei_watchdog.launched import registering
+
+    path, name, out = small
+    run = procs.gadei("run", path)
+    roles = _when_training(name)
+    with registering(name):
+        lock = os.path.join(os.environ["GADEI_RUNTIME_DIR"], f"{name}.watchdog.lock")
+        os.kill(roles["watchdog"], signal.SIGKILL)
+        wait_for(lambda: len(_waiting_at(lock)) == 1, 60, "gadei run's new watchdog to wait at the lock")
+        other = procs.gadei("serve", name, "--adopt")
+        waiting = wait_for(lambda: len(w := _waiting_at(lock)) == 2 and w, 60, "the second new watchdog to wait")
+        time.sleep(1.0)  # both wait: neither registers while the lock is held
+        assert _roles(name)["watchdog"] == roles["watchdog"], "a watchdog registered without the lock"
+    _, said = communicate(other, 90)
+    stdout, stderr = communicate(run, STOP_WITHIN)
+    assert run.returncode == 0, stdout + stderr
+    result = _outputs_written(out, run.pid)
+    assert result["outcome"] == "done", result
+    winner = json.loads((out / "logs" / "watchdog-end.json").read_text())["pid"]  # it watched the job to its end
+    assert winner in waiting, (winner, waiting)
+    if other.returncode == 0:
+        assert f"adopted by watchdog pid {winner};" in said, said
+    else:
+        assert (f"job {name!r} was adopted by watchdog pid {winner} at the same moment; this one stood down" in said
+                or f"exited with 2: job {name!r} already has a live watchdog (pid {winner})" in said), said
+    log = (out / "logs" / "watchdog.log").read_text()
+    assert f"job {name!r} already has a live watchdog (pid {winner})" in log, log[-3000:]  # the loser's refusal
+    wait_for(lambda: _gone(name), 60, "every process of the job to end")
+
+
 @pytest.fixture
 def daemon_env(tmp_path):
     folder = tmp_path / "run"
@@ -276,3 +371,29 @@ def test_the_daemon_reports_a_failed_job_when_its_watchdog_dies_and_cannot_be_re
     daemon.terminate()
     communicate(daemon, 60)
     _say("watchdog (no state to adopt) under the daemon", "record failed, result.json outcome failed", seconds)
+
+
+def test_the_daemon_reports_done_when_gadei_run_and_the_watchdog_are_killed(small, procs, daemon_env):
+    """The daemon follows the job as orphaned; its server has a new watchdog adopt it, which
+    finishes it and writes the outputs; the daemon's record says done."""
+    path, name, out = small
+    daemon = _daemon(procs, daemon_env)
+    finish(procs.gadei("submit", path, env=daemon_env))
+    record = wait_for(lambda: (r := _record(procs, daemon_env, name))["state"] == "running" and r["pid"] and r, 120,
+                      "the daemon to run the job", 0.2)
+    roles = _when_training(name)
+    os.kill(record["pid"], signal.SIGKILL)
+    os.kill(roles["watchdog"], signal.SIGKILL)
+    killed = time.monotonic()
+    record = wait_for(lambda: _ended(procs, daemon_env, name), STOP_WITHIN, "the daemon to report the job's end", 0.5)
+    seconds = time.monotonic() - killed
+    assert record["state"] == "done" and record["orphaned"], record
+    ending = json.loads((out / "logs" / "watchdog-end.json").read_text())
+    assert ending["pid"] not in (roles["watchdog"], roles["server"]), (ending, roles)
+    result = _outputs_written(out, ending["pid"])  # the watchdog the server started wrote them
+    assert (result["outcome"], result["finished"]) == ("done", True), result
+    wait_for(lambda: _gone(name), 60, "every process of the job to end")
+    daemon.terminate()
+    communicate(daemon, 60)
+    _say("gadei run and the watchdog under the daemon", "a new watchdog finished the job; record done, result.json "
+         "outcome done", seconds)

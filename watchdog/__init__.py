@@ -3,7 +3,9 @@ checkpoints of the job, and restarts what dies (installed as `gadei_watchdog`; r
 `gadei watchdog JOB`, or let `gadei serve --checkpoint-dir DIR` start it).
 
 It attaches to a running job, registers its pid, start time and heartbeat in the region
-header (refusing to run beside another live watchdog), and every `interval` seconds:
+header (refusing to run beside another live watchdog: the look and the registration are
+one step under `launched.registering`'s lock, so of two that adopt a job at once one
+attaches), and every `interval` seconds:
 - beats;
 - judges the server and each learner by pid plus process start time (pid reuse cannot fool
   it) and by heartbeat: a process is dead when it is gone, or hung after `interval *
@@ -54,7 +56,7 @@ from gadei.protocol import Deadline, RunState
 from gadei.region import Region, inspect
 from gadei.ring import lease_owner
 
-from .launched import Launched, Learners, load_state, remove_state, save_state
+from .launched import Launched, Learners, load_state, registering, remove_state, save_state
 
 log = logging.getLogger(__name__)
 
@@ -157,12 +159,13 @@ class Watchdog:
 
     def _register(self) -> None:
         h = self.region.header
-        pid, started = h.get("watchdog_pid"), h.get("watchdog_start")
-        if pid and pid != os.getpid() and _proc.alive(pid, started):
-            raise GadeiError(f"job {self.job!r} already has a live watchdog (pid {pid})")
-        h.set("watchdog_start", _proc.start_time())
-        h.set("watchdog_beat", time.monotonic_ns())
-        h.set("watchdog_pid", os.getpid())
+        with registering(self.job):  # the look and the registration are one step for every watchdog of the job
+            pid, started = h.get("watchdog_pid"), h.get("watchdog_start")
+            if pid and pid != os.getpid() and _proc.alive(pid, started):
+                raise GadeiError(f"job {self.job!r} already has a live watchdog (pid {pid})")
+            h.set("watchdog_start", _proc.start_time())  # before the pid: a reader never pairs ours with another's
+            h.set("watchdog_beat", time.monotonic_ns())
+            h.set("watchdog_pid", os.getpid())
         log.info("job %r: watchdog watching; checkpoints every %g s to %s%s", self.job, self.settings.every,
                  self.settings.checkpoint_dir,
                  f"; {len(self.learners.table)} learners launched" if self.learners.table else "")

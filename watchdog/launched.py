@@ -12,12 +12,14 @@ learners of one that died: it cannot wait for processes that are not its childre
 tells a clean exit (the learner gave its ring back) from a death (its ring still names it).
 """
 
+import fcntl
 import json
 import logging
 import os
 import signal
 import subprocess
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
 import psutil
@@ -296,6 +298,21 @@ def _wait_gone(pid: int, started: float, timeout: float) -> None:
 def state_path(job: str) -> str:
     """Where a job's watchdog keeps its settings and launched learners (for `--adopt`)."""
     return os.path.join(runtime_dir(), f"{job}.watchdog.json")
+
+
+@contextmanager
+def registering(job: str):
+    """Held while a watchdog checks that the job has no live watchdog and registers itself in
+    the region header (an exclusive `flock` on `<job>.watchdog.lock` in the runtime folder):
+    two that take over a dead one at the same moment (`gadei run`'s and its server's adoption)
+    cannot both register; the second sees the first alive and refuses."""
+    fd = os.open(os.path.join(runtime_dir(), f"{job}.watchdog.lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW
+                 | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def save_state(job: str, settings: dict, table: list[Launched]) -> None:

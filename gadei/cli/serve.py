@@ -23,6 +23,8 @@ from .common import add_job_file, emit, factory_model, workload_model
 
 log = logging.getLogger("gadei.cli")
 
+CUSTODY_INTERVAL = 2.0  # seconds (at least) between the server's looks for a job left without watchdog and owner
+
 
 def cmd_serve(args) -> int:
     from ..server import Server
@@ -76,10 +78,16 @@ def cmd_serve(args) -> int:
         server.request_stop()
     restarts = [t for t in os.environ.get("GADEI_RESTARTS", "").split(",") if t.strip()]
     server.region.header.set("restarts", len(restarts))  # this server is a watchdog's restart number n
-    dog = None
+    dog = custody = None
     try:
         if args.checkpoint_dir and not args.no_watchdog and not asked:
             dog = _start_watchdog(args, learners, resume.progress if resume is not None else None)
+        if args.outputs and args.checkpoint_dir:  # a `gadei run` job's server (or one its watchdog restarted)
+            from ..custody import Custody
+            from pathlib import Path
+
+            custody = Custody(server.region, Path(args.outputs), server.request_stop,
+                              max(args.watch_interval, CUSTODY_INTERVAL)).start()
         print(f"gadei: serving job {args.job!r} (pid {os.getpid()}); stop it with `gadei stop {args.job}`",
               file=sys.stderr, flush=True)
         report = server.serve(grace=args.grace)
@@ -103,7 +111,11 @@ def cmd_serve(args) -> int:
                    "discarded": sum(e.get("discarded") for e in entries),
                    "nonfinite_skipped": h.get("nonfinite_skipped")})
     finally:
+        if custody is not None:
+            custody.close()
         server.close()
+        if custody is not None:
+            custody.write_outputs()  # after the stop: the job failed with no watchdog left to write them
         if dog is not None:
             try:
                 dog.wait(timeout=60)  # it sees the job stopped within one interval and reaps its learners
@@ -172,6 +184,9 @@ def _adopt(args) -> int:
     found = inspect(args.job)
     if found is None or found.state != "running":
         raise GadeiError(f"job {args.job!r} has no running server to adopt" + (f" ({found.state})" if found else ""))
+    live = _live_watchdog(args.job)
+    if live:
+        raise GadeiError(f"job {args.job!r} already has a live watchdog (pid {live}): nothing to adopt")
     try:
         saved, _ = load_state(args.job)
     except FileNotFoundError:
@@ -187,7 +202,12 @@ def _adopt(args) -> int:
     with Region.attach(args.job, readonly=True) as region:
         while region.header.get("watchdog_pid") != dog.pid:
             if dog.poll() is not None:
-                raise GadeiError(f"job {args.job!r}: the adopting watchdog exited with {dog.returncode}")
+                live = _live_watchdog(args.job)
+                if live:  # another process adopted the job at the same moment: the header took one of us
+                    raise GadeiError(f"job {args.job!r} was adopted by watchdog pid {live} at the same moment; this "
+                                     "one stood down")
+                raise GadeiError(f"job {args.job!r}: the adopting watchdog exited with {dog.returncode}"
+                                 + _last_error(out_path) + f" (see {out_path})")
             if deadline.expired():
                 dog.kill()
                 raise GadeiError(f"job {args.job!r}: the adopting watchdog did not register within 60 s")
@@ -195,6 +215,31 @@ def _adopt(args) -> int:
     print(f"gadei: job {args.job!r} adopted by watchdog pid {dog.pid}; its log: {out_path}", file=sys.stderr,
           flush=True)
     return 0
+
+
+def _last_error(log_path: str) -> str:
+    """": " and the last error a watchdog wrote to its log (`gadei watchdog: error: ...`), or ""."""
+    try:
+        with open(log_path, "rb") as log_file:
+            log_file.seek(max(0, os.fstat(log_file.fileno()).st_size - 8192))
+            lines = log_file.read().decode(errors="replace").splitlines()
+    except OSError:
+        return ""
+    said = [line.split(" error: ", 1)[1] for line in lines if line.startswith("gadei watchdog: error: ")]
+    return f": {said[-1]}" if said else ""
+
+
+def _live_watchdog(job: str) -> int:
+    """The pid of the job's live registered watchdog; 0 when none lives."""
+    from .. import _proc
+    from ..region import Region
+
+    try:
+        with Region.attach(job, readonly=True) as region:
+            pid, started = region.header.get("watchdog_pid"), region.header.get("watchdog_start")
+    except GadeiError:
+        return 0
+    return pid if pid and _proc.alive(pid, started) else 0
 
 
 def add_parser(sub) -> None:
@@ -244,7 +289,9 @@ def add_parser(sub) -> None:
                    "logs (default: --checkpoint-dir)")
     p.add_argument("--outputs", metavar="FOLDER", help="a `gadei run` output folder: when the job ends, the watchdog "
                    "records how (logs/watchdog-end.json) and, if the `gadei run` that started the job is gone, writes "
-                   "its outputs (metrics.jsonl, accuracy.png, result.json)")
+                   "its outputs (metrics.jsonl, accuracy.png, result.json); with --checkpoint-dir, the server starts a "
+                   "new watchdog (--adopt) when the watchdog and the `gadei run` are both gone, or fails the job "
+                   "with the reason when none can take over")
     p.add_argument("--learner", action="append", default=[], metavar="ARGS",
                    help="with --checkpoint-dir: the watchdog launches a learner `gadei learn JOB ARGS` (one "
                    "quoted string; repeat for more), restarts it where it was if it dies, and stops the job "

@@ -1,0 +1,125 @@
+"""Custody of a job: a new watchdog takes over from one that died (`adopt`, as `gadei run`
+does when its job's watchdog dies), and the server of a `gadei run` job makes sure that the
+job is never left to no one when its watchdog and its `gadei run` both died (`Custody`)."""
+
+import logging
+import os
+import subprocess
+import time
+from pathlib import Path
+
+from . import jobfile, outputs
+from ._proc import gadei_command
+from .errors import GadeiError
+
+log = logging.getLogger(__name__)
+
+WATCHDOG_GRACE = 90  # seconds a new watchdog may take to take over from a dead one
+
+
+def adopt(name: str) -> tuple[bool, str]:
+    """A new watchdog takes over the job `name` from one that died (`gadei serve NAME --adopt`):
+    (True, which watchdog) once a live one watches it (this call's, or one that another process
+    started at the same moment: the header takes one, the other stands down), else (False, why
+    none could)."""
+    try:
+        done = subprocess.run(gadei_command("serve", name, "--adopt"), stdin=subprocess.DEVNULL, capture_output=True,
+                              text=True, timeout=WATCHDOG_GRACE)
+    except subprocess.TimeoutExpired:
+        return False, f"`gadei serve {name} --adopt` did not end within {WATCHDOG_GRACE} s"
+    said = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
+    if done.returncode == 0:
+        return True, said
+    live = _watchdog(name)
+    if live is not None:
+        return True, f"{said} (watchdog pid {live} watches it)"
+    return False, said
+
+
+def _watchdog(name: str) -> int | None:
+    """The pid of the job's live registered watchdog (None: none lives, or no region)."""
+    from . import _proc
+    from .region import Region
+
+    try:
+        with Region.attach(name, readonly=True) as region:
+            pid, started = region.header.get("watchdog_pid"), region.header.get("watchdog_start")
+    except GadeiError:
+        return None
+    return pid if pid and _proc.alive(pid, started) else None
+
+
+class Custody:
+    """In the server of a `gadei run` job (`gadei serve --outputs FOLDER` with its watchdog):
+    the job is never left to no one. Every `interval` seconds, while it serves, it looks
+    whether the watchdog the header names is gone (pid and start time) and no live process
+    holds the run's lock (`outputs.owned`: its `gadei run`, the daemon's, or a writer of its
+    outputs). Both gone, a new watchdog takes over as `gadei run` would have it (`adopt`),
+    and writes the outputs at the end; when none can, the job ends as failed: its end record
+    says why (`reason`), the server stops (its orphaned learners stop with it), and the server
+    writes the outputs once it stopped (`write_outputs`).
+
+    A `gadei run` that lives adopts for itself (it holds the lock); if it was killed while
+    adopting, its adoption and this one race for the header, which takes one watchdog."""
+
+    def __init__(self, region, out: Path, stop, interval: float):
+        import threading
+
+        self.region, self.name, self.out, self._stop, self.interval = region, region.job, out, stop, interval
+        self.reason = ""  # why the job failed when no watchdog could take over
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="gadei-custody", daemon=True)
+
+    def start(self) -> "Custody":
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._closed.set()
+        self._thread.join()
+
+    def _watch(self) -> None:
+        while not self._closed.wait(self.interval):  # blocks between looks
+            dead = self._unwatched()
+            if dead is None:
+                continue
+            name = self.name
+            log.warning("job %s: its watchdog (pid %d) and its `gadei run` are gone; starting a new watchdog that "
+                        "takes over its learners", name, dead)
+            adopted, reason = adopt(name)
+            if adopted:
+                log.warning("job %s: %s", name, reason)
+                continue
+            if self._unwatched() is None:  # another adopter won, or the job is ending: not a failure
+                log.warning("job %s: %s; the job is watched or ending now: not failing it", name, reason)
+                continue
+            self.reason = (f"its watchdog (pid {dead}) and its gadei run died and no new watchdog could take over: "
+                           f"{reason}")
+            log.error("job %s: %s; stopping the job", name, self.reason)
+            from gadei_watchdog import JOB_FAILED
+
+            outputs.write_ending(self.out, outputs.Ending(JOB_FAILED, False, self.reason, os.getpid(), time.time()))
+            self._stop()
+            return
+
+    def _unwatched(self) -> int | None:
+        """The dead watchdog's pid when the serving job has neither it nor an owner of its run."""
+        from . import _proc
+        from .protocol import RunState
+
+        h = self.region.header
+        pid, started = h.get("watchdog_pid"), h.get("watchdog_start")
+        if not pid or not RunState(self.region).serving() or _proc.alive(pid, started) or outputs.owned(self.out):
+            return None
+        return pid
+
+    def write_outputs(self) -> None:
+        """After the server stopped a job no watchdog could take over: its outputs (result.json
+        says failed, and why), as its `gadei run` or watchdog would have written them."""
+        if not self.reason:
+            return
+        try:
+            result = outputs.finish(jobfile.load(self.out / "job.toml"), note=self.reason)
+            log.error("job %s: wrote its outputs in %s (%s)", self.name, self.out, result.get("outcome"))
+        except (OSError, GadeiError) as err:
+            log.error("job %s: cannot write the outputs in %s: %s", self.name, self.out, err)
