@@ -19,7 +19,7 @@ import pytest
 
 from gadei.region import Region, inspect
 from gadei.ring import lease_owner
-from helpers import communicate, end_jobs, finish, wait_for
+from helpers import blobs_job, communicate, end_jobs, finish, job_processes, unique_name, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -29,18 +29,9 @@ STOP_WITHIN = 120  # seconds from a kill to a clear stop, at most (the job itsel
 @pytest.fixture
 def small(tmp_path):
     """A job file of a small job, its name and output folder; every process of it is killed at the end."""
-    import numpy as np
-
-    rng = np.random.default_rng(0)
-    centres = rng.normal(0, 4, (3, 8))
-    y = rng.integers(0, 3, 900)
-    x = (centres[y] + rng.normal(0, 1, (900, 8))) * 10 + 100
-    np.savez(tmp_path / "blobs.npz", x=x, y=np.array([f"class-{v}" for v in y]))
-    name = f"kill-{os.getpid()}-{tmp_path.name[-12:]}".replace("_", "-")
-    path = tmp_path / "job.toml"
-    path.write_text(f'[job]\nname = "{name}"\nworkload = "mlp"\n[data]\ntrain = "blobs.npz"\nformat = "npz"\n'
-                    'holdout = 0.2\n[train]\nlearners = 2\nepochs = 12\npatience = 12\nlr = 0.05\n[checkpoint]\ninterval = 1\n'
-                    '[output]\nfolder = "out"\n')
+    name = unique_name("kill")
+    path = blobs_job(tmp_path, name, train={"learners": 2, "epochs": 12, "patience": 12, "lr": 0.05},
+                     checkpoint={"interval": 1})
     yield path, name, tmp_path / "out"
     end_jobs(name)
 
@@ -79,10 +70,7 @@ def _outputs_written(out, writer=None) -> dict:
 
 
 def _gone(name: str) -> bool:
-    for proc in psutil.process_iter(["cmdline"]):
-        if name in " ".join(proc.info["cmdline"] or []) and proc.pid != os.getpid():
-            return False
-    return inspect(name) is None
+    return not job_processes(name) and inspect(name) is None
 
 
 def _say(case: str, outcome: str, seconds: float) -> None:
@@ -268,12 +256,14 @@ def test_the_daemon_reports_the_real_outcome_when_gadei_run_the_server_and_the_d
     path, name, out = small
     daemon = _daemon(procs, daemon_env)
     finish(procs.gadei("submit", path, env=daemon_env))
+    # the record first: a status call takes seconds under load, and the small job may end meanwhile
+    run_pid = wait_for(lambda: (r := _record(procs, daemon_env, name))["state"] == "running" and r["pid"], 120,
+                       "the daemon to run the job", 0.2)
     os.environ["GADEI_RUNTIME_DIR"], saved = daemon_env["GADEI_RUNTIME_DIR"], os.environ["GADEI_RUNTIME_DIR"]
     try:
         roles = _when_training(name)
     finally:
         os.environ["GADEI_RUNTIME_DIR"] = saved
-    run_pid = _record(procs, daemon_env, name)["pid"]
     os.kill(roles["server"], signal.SIGKILL)
     os.kill(run_pid, signal.SIGKILL)
     killed = time.monotonic()
