@@ -67,6 +67,7 @@ class Custody:
 
         self.region, self.name, self.out, self._stop, self.interval = region, region.job, out, stop, interval
         self.reason = ""  # why the job failed when no watchdog could take over
+        self._last: tuple = (0, 0.0, False)  # the header's watchdog pid, its start, finished (at close)
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="gadei-custody", daemon=True)
 
@@ -75,8 +76,12 @@ class Custody:
         return self
 
     def close(self) -> None:
+        """Before the server closes its region: the looks end, and the header's last word on
+        the watchdog and the job's end is kept for `write_outputs`."""
         self._closed.set()
         self._thread.join()
+        h = self.region.header
+        self._last = (h.get("watchdog_pid"), h.get("watchdog_start"), h.get("finished") == 1)
 
     def _watch(self) -> None:
         while not self._closed.wait(self.interval):  # blocks between looks
@@ -114,12 +119,32 @@ class Custody:
         return pid
 
     def write_outputs(self) -> None:
-        """After the server stopped a job no watchdog could take over: its outputs (result.json
-        says failed, and why), as its `gadei run` or watchdog would have written them."""
+        """After the server stopped: the outputs that no one else is left to write, as its
+        `gadei run` or watchdog would have written them. Of a job no watchdog could take over
+        (result.json says failed, and why); and of a job that was stopping (every learner
+        done, or a `gadei stop`) when its watchdog and its `gadei run` both died, before the
+        watchdog recorded the end: the server records it (finished as the watchdog had said
+        in the header) and writes them."""
         if not self.reason:
-            return
+            if not self._orphaned_end():
+                return
+            pid, _, finished = self._last
+            outputs.write_ending(self.out, outputs.Ending(
+                0, finished, f"its watchdog (pid {pid}) and its gadei run died while the job was stopping; its server "
+                "recorded the end", os.getpid(), time.time()))
+            log.warning("job %s: its watchdog (pid %d) and its `gadei run` died while the job was stopping; writing "
+                        "its outputs", self.name, pid)
         try:
             result = outputs.finish(jobfile.load(self.out / "job.toml"), note=self.reason)
             log.error("job %s: wrote its outputs in %s (%s)", self.name, self.out, result.get("outcome"))
         except (OSError, GadeiError) as err:
             log.error("job %s: cannot write the outputs in %s: %s", self.name, self.out, err)
+
+    def _orphaned_end(self) -> bool:
+        """The stopped job's end is recorded by no one: its watchdog is dead (not merely slow
+        to write), nobody holds the run's lock, and neither an end record nor result.json is there."""
+        from . import _proc
+
+        pid, started, _ = self._last
+        return bool(pid) and not _proc.alive(pid, started) and not outputs.owned(self.out) \
+            and outputs.read_ending(self.out) is None and outputs.read_result(self.out) is None

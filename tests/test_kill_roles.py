@@ -197,6 +197,40 @@ def _waiting_at(path) -> set[int]:
         return {int(f[5]) for f in (line.split() for line in locks) if f[1] == "->" and f[6].endswith(f":{inode}")}
 
 
+def test_a_job_whose_gadei_run_and_watchdog_die_while_it_stops_is_ended_by_its_server(small, procs):
+    """The job was asked to stop, and its watchdog and `gadei run` die before the watchdog
+    recorded the end (the server no longer serves, so nothing is adopted): the server, once it
+    stopped, records the end and writes the outputs (outcome stopped: not every learner was done)."""
+    from gadei.protocol import RunState
+
+    path, name, out = small
+    run = procs.gadei("run", path)
+    roles = _when_training(name)
+    run.send_signal(signal.SIGKILL)
+    run.wait()
+    os.kill(roles["server"], signal.SIGSTOP)  # held until the watchdog is gone, so that it cannot record the end
+    try:
+        with Region.attach(name) as region:
+            assert RunState(region).request_stop()
+        os.kill(roles["watchdog"], signal.SIGKILL)
+        killed = time.monotonic()
+        wait_for(lambda: not psutil.pid_exists(roles["watchdog"]) or
+                 psutil.Process(roles["watchdog"]).status() == psutil.STATUS_ZOMBIE, 30, "the watchdog to die")
+    finally:
+        os.kill(roles["server"], signal.SIGCONT)
+    wait_for(lambda: (out / "result.json").exists() and _gone(name), STOP_WITHIN, "the server to write result.json "
+             "and every process of the job to end")
+    seconds = time.monotonic() - killed
+    ending = json.loads((out / "logs" / "watchdog-end.json").read_text())
+    assert ending["pid"] == roles["server"] and not ending["finished"], ending
+    assert "died while the job was stopping" in ending["reason"], ending
+    result = json.loads((out / "result.json").read_text())
+    assert result["outcome"] == "stopped" and result["written_by"] == roles["server"], result
+    assert (out / "metrics.jsonl").stat().st_size > 0 and (out / "accuracy.png").stat().st_size > 1000
+    _say("gadei run, then the watchdog while the job stops", "the server recorded the end, result.json outcome "
+         "stopped", seconds)
+
+
 def test_two_adoptions_at_once_leave_one_watchdog_and_the_loser_says_so(small, procs):
     """gadei run and a second `gadei serve --adopt` take over a dead watchdog at the same moment
     (held at the registration lock until both wait there): one registers, the other stands
