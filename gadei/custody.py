@@ -30,14 +30,15 @@ def adopt(name: str) -> tuple[bool, str]:
     said = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
     if done.returncode == 0:
         return True, said
-    live = _watchdog(name)
-    if live is not None:
+    live = live_watchdog(name)
+    if live:
         return True, f"{said} (watchdog pid {live} watches it)"
     return False, said
 
 
-def _watchdog(name: str) -> int | None:
-    """The pid of the job's live registered watchdog (None: none lives, or no region)."""
+def live_watchdog(name: str) -> int:
+    """The pid of the job's live registered watchdog (pid and start time in its region's
+    header); 0 when none lives, or the job has no region."""
     from . import _proc
     from .region import Region
 
@@ -45,8 +46,8 @@ def _watchdog(name: str) -> int | None:
         with Region.attach(name, readonly=True) as region:
             pid, started = region.header.get("watchdog_pid"), region.header.get("watchdog_start")
     except GadeiError:
-        return None
-    return pid if pid and _proc.alive(pid, started) else None
+        return 0
+    return pid if pid and _proc.alive(pid, started) else 0
 
 
 class Custody:

@@ -235,13 +235,13 @@ def test_two_adoptions_at_once_leave_one_watchdog_and_the_loser_says_so(small, p
     """gadei run and a second `gadei serve --adopt` take over a dead watchdog at the same moment
     (held at the registration lock until both wait there): one registers, the other stands
     down with a true message, and the job finishes."""
-    from gadei_watchdog.launched import registering
+    from gadei_watchdog.launched import lock_path, registering
 
     path, name, out = small
     run = procs.gadei("run", path)
     roles = _when_training(name)
     with registering(name):
-        lock = os.path.join(os.environ["GADEI_RUNTIME_DIR"], f"{name}.watchdog.lock")
+        lock = lock_path(name)
         os.kill(roles["watchdog"], signal.SIGKILL)
         wait_for(lambda: len(_waiting_at(lock)) == 1, 60, "gadei run's new watchdog to wait at the lock")
         other = procs.gadei("serve", name, "--adopt")
@@ -263,6 +263,7 @@ def test_two_adoptions_at_once_leave_one_watchdog_and_the_loser_says_so(small, p
     log = (out / "logs" / "watchdog.log").read_text()
     assert f"job {name!r} already has a live watchdog (pid {winner})" in log, log[-3000:]  # the loser's refusal
     wait_for(lambda: _gone(name), 60, "every process of the job to end")
+    assert not os.path.exists(lock), "the registration lock outlived the job"  # the watchdog removed it at the end
 
 
 @pytest.fixture

@@ -300,13 +300,17 @@ def state_path(job: str) -> str:
     return os.path.join(runtime_dir(), f"{job}.watchdog.json")
 
 
+def lock_path(job: str) -> str:
+    return os.path.join(runtime_dir(), f"{job}.watchdog.lock")
+
+
 @contextmanager
 def registering(job: str):
     """Held while a watchdog checks that the job has no live watchdog and registers itself in
     the region header (an exclusive `flock` on `<job>.watchdog.lock` in the runtime folder):
     two that take over a dead one at the same moment (`gadei run`'s and its server's adoption)
     cannot both register; the second sees the first alive and refuses."""
-    fd = os.open(os.path.join(runtime_dir(), f"{job}.watchdog.lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW
+    fd = os.open(lock_path(job), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW
                  | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
@@ -332,7 +336,10 @@ def load_state(job: str) -> tuple[dict, list[Launched]]:
 
 
 def remove_state(job: str) -> None:
-    try:
-        os.unlink(state_path(job))
-    except FileNotFoundError:
-        pass
+    """At the job's end: its saved state and its registration lock (`registering`) go, so
+    that a runtime folder does not gather one of each per job ever run."""
+    for path in (state_path(job), lock_path(job)):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass

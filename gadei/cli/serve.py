@@ -179,12 +179,13 @@ def _adopt(args) -> int:
     """`gadei serve --adopt JOB`: a new watchdog takes over a running job whose watchdog died."""
     from gadei_watchdog.launched import load_state
 
+    from ..custody import live_watchdog
     from ..region import Region, inspect
 
     found = inspect(args.job)
     if found is None or found.state != "running":
         raise GadeiError(f"job {args.job!r} has no running server to adopt" + (f" ({found.state})" if found else ""))
-    live = _live_watchdog(args.job)
+    live = live_watchdog(args.job)
     if live:
         raise GadeiError(f"job {args.job!r} already has a live watchdog (pid {live}): nothing to adopt")
     try:
@@ -202,7 +203,7 @@ def _adopt(args) -> int:
     with Region.attach(args.job, readonly=True) as region:
         while region.header.get("watchdog_pid") != dog.pid:
             if dog.poll() is not None:
-                live = _live_watchdog(args.job)
+                live = live_watchdog(args.job)
                 if live:  # another process adopted the job at the same moment: the header took one of us
                     raise GadeiError(f"job {args.job!r} was adopted by watchdog pid {live} at the same moment; this "
                                      "one stood down")
@@ -227,19 +228,6 @@ def _last_error(log_path: str) -> str:
         return ""
     said = [line.split(" error: ", 1)[1] for line in lines if line.startswith("gadei watchdog: error: ")]
     return f": {said[-1]}" if said else ""
-
-
-def _live_watchdog(job: str) -> int:
-    """The pid of the job's live registered watchdog; 0 when none lives."""
-    from .. import _proc
-    from ..region import Region
-
-    try:
-        with Region.attach(job, readonly=True) as region:
-            pid, started = region.header.get("watchdog_pid"), region.header.get("watchdog_start")
-    except GadeiError:
-        return 0
-    return pid if pid and _proc.alive(pid, started) else 0
 
 
 def add_parser(sub) -> None:
