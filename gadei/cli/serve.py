@@ -115,7 +115,7 @@ def cmd_serve(args) -> int:
             custody.close()
         server.close()
         if custody is not None:
-            custody.write_outputs()  # after the stop: the job failed with no watchdog left to write them
+            custody.write_outputs()  # after the stop: what no watchdog or `gadei run` is left to write
         if dog is not None:
             try:
                 dog.wait(timeout=60)  # it sees the job stopped within one interval and reaps its learners
