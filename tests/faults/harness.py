@@ -121,6 +121,7 @@ class Job:
         self.ckpt.mkdir(parents=True, exist_ok=True)
         self.ckpt_tmpfs_mb, self.shm_tmpfs_mb = ckpt_tmpfs_mb, shm_tmpfs_mb
         self.serve: subprocess.Popen | None = None
+        self._ckpt_fd: int | None = None  # the private checkpoint tmpfs, held open (see ckpt_view)
         self.serve_out = self.folder / "serve.out"
         self.serve_err = self.folder / "serve.err"
         self.started = 0.0
@@ -160,6 +161,7 @@ class Job:
                 raise Failed(f"gadei serve exited with {self.serve.returncode}:\n{self.errors()[-2000:]}")
             return self.read(lambda r: r.header.get("watchdog_pid") and len(self._learner_pids(r)) == self.s.learners)
         wait_until(ready, timeout, "the job to train")
+        self.ckpt_view()  # a private checkpoint folder is held open from here on
 
     def read(self, look, default=None):
         """`look(region)` on the job's current region (a restarted server has a new one)."""
@@ -222,6 +224,9 @@ class Job:
             self.serve.wait()  # before end_jobs, which would reap it behind Popen's back
         end_jobs(self.name)  # waits for each; the orphans among them are our children (subreaper)
         reap_orphans(self)
+        if self._ckpt_fd is not None:
+            os.close(self._ckpt_fd)
+            self._ckpt_fd = None
 
     # ------------------------------------------------------------------ what it left
 
@@ -236,11 +241,18 @@ class Job:
         return "\n".join(parts)
 
     def ckpt_view(self) -> Path:
-        """The checkpoint folder as the job's processes see it (inside their mount namespace
-        while one lives, through /proc/PID/root)."""
-        if self.ckpt_tmpfs_mb and self.serve is not None and self.serve.poll() is None:
-            return Path(f"/proc/{self.serve.pid}/root") / str(self.ckpt).lstrip("/")
-        return self.ckpt
+        """The checkpoint folder as the job's processes see it. A private tmpfs lives in their
+        mount namespace, which goes with the job's last process: the first look opens the folder
+        through /proc/PID/root and holds it open, so it can still be read after the job ended
+        (a job that ends while a check waits must not turn into a FileNotFoundError)."""
+        if not self.ckpt_tmpfs_mb:
+            return self.ckpt
+        if self._ckpt_fd is None:
+            if self.serve is None or self.serve.poll() is not None:
+                raise Failed("the job ended before its private checkpoint folder was looked at")
+            inside = Path(f"/proc/{self.serve.pid}/root") / str(self.ckpt).lstrip("/")
+            self._ckpt_fd = os.open(inside, os.O_RDONLY | os.O_DIRECTORY)
+        return Path(f"/proc/self/fd/{self._ckpt_fd}")
 
     def stopped_record(self) -> dict:
         """The last server's `stopped` JSON line (the first server's stdout, or a restarted
