@@ -1,12 +1,15 @@
 """The suite's options (--soak), markers and fixtures: unique job names, real child processes
-that are always reaped, a runtime folder of the suite's own. Every region a test's job
+that are always reaped, mpiexec's environment (`mpi_env`), a runtime folder of the suite's own. Every region a test's job
 created is removed at the end even if the test failed. What tests import is in helpers.py.
 """
 
+import importlib.util
 import os
+import subprocess
+import sys
 
 import pytest
-from helpers import Procs, small_csv, unique_name
+from helpers import Procs, missing, small_csv, unique_name
 
 from gadei.region import inspect, remove
 
@@ -71,3 +74,28 @@ def small(tmp_path):
     """A folder holding a small text data set (`helpers.small_csv`: train.csv, 40 rows)."""
     small_csv(tmp_path)
     return tmp_path
+
+
+@pytest.fixture(scope="module")
+def mpi_env(tmp_path_factory):
+    """The environment mpiexec runs in here, after checking that it starts two ranks at all.
+
+    Open MPI's shared-memory segments go to a folder of the test run's own, so a killed
+    rank leaves nothing in /dev/shm. Module-scoped: each module's mpiexec tests look once.
+    """
+    from gadei.bridge import BridgeError, local_mpiexec
+
+    if importlib.util.find_spec("mpi4py") is None:
+        missing("mpi4py is not installed (pip install 'gadei[mpi]')")
+    try:
+        argv, extra = local_mpiexec(2, sys.executable, "-c", "from mpi4py import MPI; print(MPI.COMM_WORLD.Get_size())")
+    except BridgeError as err:
+        missing(str(err))
+    env = {**os.environ, **extra, "OMPI_MCA_btl_sm_backing_directory": str(tmp_path_factory.mktemp("mpi-sm"))}
+    try:
+        done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        missing("mpiexec did not start two ranks within 120 s")
+    if done.returncode != 0 or done.stdout.split() != ["2", "2"]:
+        missing(f"mpiexec cannot start two ranks here (exit {done.returncode}): {done.stderr.strip()[-500:]}")
+    return extra | {"OMPI_MCA_btl_sm_backing_directory": env["OMPI_MCA_btl_sm_backing_directory"]}

@@ -148,6 +148,37 @@ def end_jobs(*names: str, timeout: float = 10, keep_regions: bool = False) -> No
             remove(name)
 
 
+EXEC = "import os, sys; os.execv(sys.argv[1], sys.argv[1:])"  # `procs.start("-c", EXEC, *argv)`: the child becomes argv[0]
+
+
+def mpiexec_run(procs, mpi_env: dict, path, nodes: int = 2) -> subprocess.Popen:
+    """`mpiexec -n NODES gadei run PATH` on this machine, as a child of `procs` (the mpiexec
+    itself, same pid), in the environment of the `mpi_env` fixture."""
+    from gadei.bridge import local_mpiexec
+
+    argv, _ = local_mpiexec(nodes, *gadei_command("run", path))
+    return procs.start("-c", EXEC, *argv, env=mpi_env)
+
+
+class Serving:
+    """A server applying gradients on a thread of this process (for in-process API tests)."""
+
+    def __init__(self, job, **kwargs):
+        from gadei import Server
+
+        self.server = Server(job, **kwargs)
+        self.thread = threading.Thread(target=self.server.serve, kwargs={"grace": 2.0}, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        return self.server
+
+    def __exit__(self, *exc):
+        self.server.request_stop()
+        self.thread.join(30)
+        self.server.close()
+
+
 def wait_for(predicate, timeout: float, what: str, interval: float = 0.01):
     """Poll `predicate` until it returns something truthy; fail the test after `timeout` s
     (`gadei.protocol.wait_for`, the one copy of this loop)."""

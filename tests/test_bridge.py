@@ -19,7 +19,6 @@ each strategy trains the text CNN on TREC as well as one node doing the same tot
 Skipped, with the reason, where mpi4py is missing or mpiexec cannot start two ranks.
 """
 
-import importlib.util
 import os
 import signal
 import subprocess
@@ -33,7 +32,7 @@ import psutil
 import pytest
 
 import gadei
-from helpers import finish, json_lines, missing, read_line, wait_for
+from helpers import EXEC, finish, json_lines, read_line, wait_for
 from gadei._proc import gadei_command
 from gadei.bridge import STRATEGIES, STRATEGY_NAMES, BridgeError, LocalNode, local_mpiexec
 from gadei.layout import SERVING
@@ -42,30 +41,6 @@ from gadei.region import Region, inspect, remove
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "bridge_worker.py"
 N = 100_003  # parameters of each node's model (0.4 MB: several 0.05 MB buckets)
-_EXEC = "import os, sys; os.execv(sys.argv[1], sys.argv[1:])"  # the child becomes mpiexec (same pid)
-
-
-@pytest.fixture(scope="module")
-def mpi_env(tmp_path_factory):
-    """The environment mpiexec runs in here, after checking that it starts two ranks at all.
-
-    Open MPI's shared-memory segments go to a folder of the test run's own, so a killed
-    rank leaves nothing in /dev/shm.
-    """
-    if importlib.util.find_spec("mpi4py") is None:
-        missing("mpi4py is not installed (pip install 'gadei[mpi]')")
-    try:
-        argv, extra = local_mpiexec(2, sys.executable, "-c", "from mpi4py import MPI; print(MPI.COMM_WORLD.Get_size())")
-    except BridgeError as err:
-        missing(str(err))
-    env = {**os.environ, **extra, "OMPI_MCA_btl_sm_backing_directory": str(tmp_path_factory.mktemp("mpi-sm"))}
-    try:
-        done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
-    except subprocess.TimeoutExpired:
-        missing("mpiexec did not start two ranks within 120 s")
-    if done.returncode != 0 or done.stdout.split() != ["2", "2"]:
-        missing(f"mpiexec cannot start two ranks here (exit {done.returncode}): {done.stderr.strip()[-500:]}")
-    return extra | {"OMPI_MCA_btl_sm_backing_directory": env["OMPI_MCA_btl_sm_backing_directory"]}
 
 
 class Ranks:
@@ -77,7 +52,7 @@ class Ranks:
         if more:  # ranks after the bridge's, running another program (mpiexec's ':')
             argv += [":", "-n", "1", *map(str, more)]
         self.nodes = nodes
-        self.proc = procs.start("-c", _EXEC, *argv, env=env)
+        self.proc = procs.start("-c", EXEC, *argv, env=env)
         self.events: list[dict] = []
 
     def _pump(self) -> None:

@@ -4,7 +4,7 @@ refusal), the node a rank runs (its job name, folder and shards), and one real
 learner and a bridge rank in its `gadei run` process.
 
 The mpiexec tests are skipped, with the reason, where mpi4py is missing or mpiexec cannot
-start two ranks (test_bridge.py's `mpi_env`).
+start two ranks (conftest.py's `mpi_env`).
 """
 
 import json
@@ -12,18 +12,13 @@ import os
 import textwrap
 
 import pytest
-import test_bridge
 
-from helpers import communicate, end_jobs, job_processes, small_job, trec_job, unique_name
+from helpers import communicate, end_jobs, job_processes, mpiexec_run, small_job, trec_job, unique_name
 from gadei import jobfile
-from gadei._proc import gadei_command
-from gadei.bridge import BridgeOptions, child_environment, launched_ranks, local_mpiexec
+from gadei.bridge import BridgeOptions, child_environment, launched_ranks
 from gadei.errors import GadeiError
 from gadei.jobfile import JobFileError
 from gadei.region import inspect
-from test_bridge import _EXEC
-
-mpi_env = test_bridge.mpi_env  # the fixture: mpiexec's environment here, or a skip with the reason
 
 BASE = small_job()
 
@@ -169,11 +164,6 @@ def test_a_node_goes_on_only_with_as_many_nodes_as_made_its_shards(small):
 # ------------------------------------------------------------------ mpiexec -n 2 gadei run job.toml
 
 
-def _mpiexec_run(procs, mpi_env, path, nodes: int = 2):
-    argv, _ = local_mpiexec(nodes, *gadei_command("run", path))
-    return procs.start("-c", _EXEC, *argv, env=mpi_env)
-
-
 def test_when_one_node_cannot_start_none_does(small, procs, mpi_env):
     name = unique_name("refuse")
     path = small / "job.toml"
@@ -181,7 +171,7 @@ def test_when_one_node_cannot_start_none_does(small, procs, mpi_env):
     held = small / "runs" / name / "node-1" / "checkpoints"
     held.mkdir(parents=True)
     (held / "ckpt-000001.pt").write_bytes(b"a previous run")
-    run = _mpiexec_run(procs, mpi_env, path)
+    run = mpiexec_run(procs, mpi_env, path)
     try:
         out, err = communicate(run, 300)
         assert "node-1 holds a previous run" in err, out + err
@@ -202,7 +192,7 @@ def test_mpiexec_runs_one_job_file_as_two_bridged_nodes(tmp_path, procs, mpi_env
     path.write_text(trec_job(name, train={"learners": 1, "epochs": 2, "optimizer": "sgd", "lr": 0.1},
                              bridge={"strategy": "average", "interval": 100, "bucket_mb": 0, "timeout": 60,
                                      "node_lr": 0.1}))
-    run = _mpiexec_run(procs, mpi_env, path)
+    run = mpiexec_run(procs, mpi_env, path)
     try:
         out, err = communicate(run, 900)
         assert run.returncode == 0, (out + err)[-5000:]
@@ -276,7 +266,7 @@ def _job_accuracy(procs, mpi_env, folder, strategy: str | None, seed: int) -> fl
     jobs = [f"{name}-r{r}" for r in range(2)] if strategy else [name]
     try:
         if strategy:
-            run = _mpiexec_run(procs, mpi_env, path)
+            run = mpiexec_run(procs, mpi_env, path)
         else:
             run = procs.gadei("run", path, "--quiet")
         out, err = communicate(run, 900)

@@ -7,7 +7,7 @@ agreed on. `-s` prints the seconds from the kill to the bridge's re-attachment:
 
     python -m pytest -q -s tests/test_bridge_restart.py
 
-Fails under CI=true, skips elsewhere, where mpi4py or mpiexec is missing (test_bridge.py's
+Fails under CI=true, skips elsewhere, where mpi4py or mpiexec is missing (conftest.py's
 `mpi_env`).
 """
 
@@ -17,14 +17,10 @@ import signal
 import time
 
 import pytest
-import test_bridge
 import torch
 
 from gadei.region import Region, inspect
-from helpers import blobs_job, communicate, end_jobs, job_processes, unique_name, wait_for
-from test_bridge_jobfile import _mpiexec_run
-
-mpi_env = test_bridge.mpi_env  # the fixture: mpiexec's environment here, or a skip (a failure under CI)
+from helpers import blobs_job, communicate, end_jobs, job_processes, mpiexec_run, unique_name, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -51,7 +47,7 @@ def _exchanging(procs, mpi_env, tmp_path, strategy: str = "average", timeout: fl
     name = unique_name("restart")
     jobs = [f"{name}-r{r}" for r in range(2)]
     nodes = [tmp_path / "out" / f"node-{r}" for r in range(2)]
-    run = _mpiexec_run(procs, mpi_env, _blobs_job(tmp_path, name, strategy, timeout))
+    run = mpiexec_run(procs, mpi_env, _blobs_job(tmp_path, name, strategy, timeout))
 
     def exchanging():
         if run.poll() is not None:

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import gadei
-from helpers import LR, N, VALUES, communicate, finish, push_known_gradients, read_line, small_job, unique_name, wait_for
+from helpers import LR, N, VALUES, Serving, communicate, finish, push_known_gradients, read_line, small_job, unique_name, wait_for
 from gadei import device, jobfile, status
 from gadei.jobfile import JobFileError
 from gadei.region import Region
@@ -126,10 +126,9 @@ def test_more_learners_than_gpus_share_them(job, procs, tmp_path):
 
 @cuda
 def test_a_gpu_learner_page_locks_the_region_and_unlocks_it_when_it_leaves(job):
-    from test_learner import _Serving
 
     model = Flat(N, 0.0)
-    with _Serving(job, model=Flat(N, 1.0), lr=LR):
+    with Serving(job, model=Flat(N, 1.0), lr=LR):
         with gadei.Learner(model, job, device="cuda:0") as learner:
             assert (learner.pull_mode, learner.push_mode) == ("device", "device")
             assert torch.from_numpy(learner.region.weights).is_pinned()
@@ -146,12 +145,11 @@ def test_gradients_the_push_thread_still_holds_count_towards_the_staleness_bound
     """Two gradients staged and held by the push thread (a copy that does not end) are ahead
     of the next one: with stale_bound 1 the third, computed on the same version, is dropped
     at once, where counting the ring alone would let it wait behind them to be applied too late."""
-    from test_learner import _Serving
 
     release = threading.Event()
     device.set_injector(lambda point: point == "push.copy" and release.wait(30))
     try:
-        with _Serving(job, model=Flat(100, 1.0), lr=0.5, learners=1, stale_bound=1):
+        with Serving(job, model=Flat(100, 1.0), lr=0.5, learners=1, stale_bound=1):
             model = Flat(100, 0.0)
             with gadei.Learner(model, job, pull="device", push="device", device="cpu") as learner:
                 for _ in range(2):
@@ -172,7 +170,6 @@ def test_gradients_the_push_thread_still_holds_count_towards_the_staleness_bound
 
 
 def test_an_error_in_the_pull_thread_is_raised_in_the_train_thread(job):
-    from test_learner import _Serving
 
     def fail(point):
         if point == "pull.copy":
@@ -180,7 +177,7 @@ def test_an_error_in_the_pull_thread_is_raised_in_the_train_thread(job):
 
     device.set_injector(fail)
     try:
-        with _Serving(job, model=Flat(100, 1.0), lr=0.5, learners=1):
+        with Serving(job, model=Flat(100, 1.0), lr=0.5, learners=1):
             model = Flat(100, 0.0)
             with pytest.raises(RuntimeError, match="injected pull failure"):
                 with gadei.Learner(model, job, pull="device", push="device", device="cpu") as learner:
@@ -195,9 +192,8 @@ def test_an_error_in_the_pull_thread_is_raised_in_the_train_thread(job):
 
 @cuda
 def test_a_gpu_learner_refuses_elastic_mode_by_name(job):
-    from test_learner import _Serving
 
-    with _Serving(job, model=Flat(100, 1.0), mode="elastic"):
+    with Serving(job, model=Flat(100, 1.0), mode="elastic"):
         with pytest.raises(gadei.RegionMismatch, match="elastic mode, which GPU learners do not support"):
             gadei.Learner(Flat(100, 0.0), job, device="cuda:0").attach()
 
@@ -224,9 +220,8 @@ def test_a_bad_device_name_is_refused(job):
 
 
 def test_a_cpu_learner_may_use_the_device_transports_but_not_in_elastic_mode(job):
-    from test_learner import _Serving
 
-    with _Serving(job, model=Flat(100, 1.0), mode="elastic"):
+    with Serving(job, model=Flat(100, 1.0), mode="elastic"):
         with pytest.raises(gadei.RegionMismatch, match="pull must be one of"):
             gadei.Learner(Flat(100, 0.0), job, pull="device", push="device").attach()
 

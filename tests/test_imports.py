@@ -108,3 +108,16 @@ def test_every_package_is_installed():
 def test_no_module_is_over_the_limit():
     long = {name: n for name, path in _modules().items() if (n := len(path.read_text().splitlines())) > MAX_LINES}
     assert long == {}
+
+
+def test_no_test_module_imports_another():
+    """What tests share is in helpers.py (functions) and conftest.py (fixtures): a test module
+    imported by another runs its module-level code twice and ties two files' tests together."""
+    tests = {path.stem for path in (ROOT / "tests").rglob("test_*.py")}
+    found = []
+    for path in (ROOT / "tests").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+            found += [f"{path.relative_to(ROOT)} imports {n}" for n in names if n.split(".")[-1] in tests]
+    assert found == []

@@ -1,7 +1,6 @@
 """The learner API: stopping, a dead server, full rings that block without spinning, capacity, .grad fallbacks."""
 
 import signal
-import threading
 import time
 
 import numpy as np
@@ -10,31 +9,14 @@ import pytest
 import torch
 
 import gadei
-from helpers import communicate, read_line, wait_for
+from helpers import Serving, communicate, read_line, wait_for
 from gadei.region import Region
 from worker import Flat
 
 
-class _Serving:
-    """A server applying gradients on a thread of this process (for in-process API tests)."""
-
-    def __init__(self, job, **kwargs):
-        self.server = gadei.Server(job, **kwargs)
-        self.thread = threading.Thread(target=self.server.serve, kwargs={"grace": 2.0}, daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        return self.server
-
-    def __exit__(self, *exc):
-        self.server.request_stop()
-        self.thread.join(30)
-        self.server.close()
-
-
 def test_stopping_the_job_ends_the_with_block_quietly(job):
     model = Flat(100, 0.0)
-    with _Serving(job, model=Flat(100, 1.0), lr=0.5) as server:
+    with Serving(job, model=Flat(100, 1.0), lr=0.5) as server:
         with gadei.Learner(model, job) as learner:
             for _ in range(3):
                 for p in model.parameters():
@@ -53,7 +35,7 @@ def test_stopping_the_job_ends_the_with_block_quietly(job):
 
 def test_replaced_grads_are_copied_into_the_ring(job, caplog):
     model = Flat(100, 0.0)
-    with _Serving(job, model=Flat(100, 0.0), lr=0.25) as server:
+    with Serving(job, model=Flat(100, 0.0), lr=0.25) as server:
         with gadei.Learner(model, job) as learner:
             for _ in range(4):
                 model.zero_grad(set_to_none=True)  # a habit from torch.optim: gadei must still see the gradient
@@ -68,7 +50,7 @@ def test_backward_accumulates_straight_into_the_ring_slot(job):
     model = torch.nn.Linear(4, 1, bias=False)
     with torch.no_grad():
         model.weight.fill_(0.0)
-    with _Serving(job, model=torch.nn.Linear(4, 1, bias=False), lr=1.0) as server:
+    with Serving(job, model=torch.nn.Linear(4, 1, bias=False), lr=1.0) as server:
         with torch.no_grad():
             server.region.weights[:] = 0.0
         with gadei.Learner(model, job) as learner:
@@ -85,7 +67,7 @@ def test_a_view_learners_gradient_counts_as_computed_on_the_version_its_forward_
     """Updates applied between attach (or the last step) and the forward pass are in the
     weights that pass reads: the gradient is not stale by them (staleness 0, not 5)."""
     model, other = Flat(100, 0.0), Flat(100, 0.0)
-    with _Serving(job, model=Flat(100, 0.0), lr=0.5, learners=2) as server:
+    with Serving(job, model=Flat(100, 0.0), lr=0.5, learners=2) as server:
         with gadei.Learner(model, job) as learner, gadei.Learner(other, job) as busy:
             for _ in range(5):  # another learner's updates after this one attached
                 for p in other.parameters():
@@ -100,7 +82,7 @@ def test_a_view_learners_gradient_counts_as_computed_on_the_version_its_forward_
 
 
 def test_a_full_learner_table_is_refused_naming_the_owners(job, procs):
-    with _Serving(job, model=Flat(100), learners=1):
+    with Serving(job, model=Flat(100), learners=1):
         holder = procs.worker("push", job, "--n", 100, "--steps", 10**9, "--slow")
         read_line(holder, 60)
         read_line(holder, 60)
