@@ -37,7 +37,7 @@ import torch
 
 from . import get
 from .text import TextDataset, batches
-from .textcnn import build_textcnn
+from .textcnn import EMBED_DIM, build_textcnn
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ def train_run(
     batch_size: int,
     lr: float,
     epochs: int,
-    embed_dim: int = 128,
+    embed_dim: int = EMBED_DIM,
     max_steps: int | None = None,
     optimizer: str = "sgd",
 ) -> list[dict]:
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="sgd (max-norm constraint kept) or adagrad (the job files' default)")
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
-    parser.add_argument("--embed-dim", type=int, default=128)
+    parser.add_argument("--embed-dim", type=int, default=EMBED_DIM)
     parser.add_argument("--steps", type=int, default=None, help="time this many steps only")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--json", type=Path, default=None, help="append JSON lines here")

@@ -199,7 +199,7 @@ TRANSPORTS = {  # name -> the Server's transport options
     "bfloat16": {"grad_dtype": "bfloat16"},
     "row-sparse": {"row_sparse": True},
 }
-_VOCAB = 20000  # embedding rows of the transport benchmark's text CNN (embedding width 128)
+_VOCAB = 20000  # embedding rows of the transport benchmark's text CNN (of the model's width)
 
 
 def _shared_data(name: str) -> str | None:
@@ -260,7 +260,9 @@ def bench_transport(args) -> dict:
         rows.append((batch,) + tuple(f"{m['bytes_per_step'] / MB:.2f} MB ({dense['bytes_per_step'] / m['bytes_per_step']:.1f}x"
                                      f" fewer), {m['samples_per_s']:.0f}/s ({m['samples_per_s'] / dense['samples_per_s']:.2f}x)"
                                      for m in med.values()))
-    print(f"\ntransport: text CNN, vocabulary {_VOCAB:,} x 128, one learner + server on {data}, {args.epochs} epoch(s), "
+    from gadei_workloads.textcnn import EMBED_DIM
+
+    print(f"\ntransport: text CNN, vocabulary {_VOCAB:,} x {EMBED_DIM}, one learner + server on {data}, {args.epochs} epoch(s), "
           f"lr 0.01; bytes per step (fewer than float32) and samples/s (ratio to float32), median of {args.repeats} runs")
     print(table(("batch", *TRANSPORTS), rows))
     return out

@@ -23,8 +23,10 @@ server are reparented to it and reaped, never left as zombies.
 """
 
 import ctypes
+import functools
 import json
 import logging
+import math
 import os
 import random
 import shutil
@@ -500,7 +502,7 @@ def _folder_whole(job: Job) -> list[str]:
 
 
 def checkpoint_folder_full(job: Job, rng: random.Random) -> Fault:
-    # The folder (a 12 MB tmpfs) holds two checkpoints of the 5 MB model; the third write fails.
+    # The folder (a tmpfs of 2.4 checkpoints) holds two checkpoints of the model; the third write fails.
     wait_until(lambda: "No space left on device" in job.logs(), 120, "a checkpoint write to fail for space")
     return Fault(time.monotonic(), lambda: True, expect_serve_rc=1, problems=_folder_whole(job), stops_nothing=True,
                  expect_in_logs=["no checkpoint this time", "No space left on device"])
@@ -528,12 +530,27 @@ class Scenario:
     name: str
     inject: object
     fast: bool = False  # in the normal test command (CI)
-    ckpt_tmpfs_mb: int | None = None
+    ckpt_tmpfs: float | None = None  # the checkpoint folder: a private tmpfs of this many checkpoints
     shm_tmpfs_mb: int | None = None
 
     @property
     def needs_unshare(self) -> bool:
-        return bool(self.ckpt_tmpfs_mb or self.shm_tmpfs_mb)
+        return bool(self.ckpt_tmpfs or self.shm_tmpfs_mb)
+
+    @property
+    def ckpt_tmpfs_mb(self) -> int | None:
+        return math.ceil(self.ckpt_tmpfs * checkpoint_mb()) if self.ckpt_tmpfs else None
+
+
+@functools.cache
+def checkpoint_mb() -> float:
+    """MB of one checkpoint of the jobs here: the text CNN's weights on TREC (the server's SGD
+    keeps no optimiser state; the checkpoint's own fields are a few KB)."""
+    from gadei_workloads import get
+
+    workload = get("textcnn")
+    train, _ = workload.load_data(f"trec:{data_dir() / 'trec'}")
+    return sum(p.numel() * p.element_size() for p in workload.build_model(train, 0).parameters()) / 2**20
 
 
 SCENARIOS = {s.name: s for s in [
@@ -545,8 +562,8 @@ SCENARIOS = {s.name: s for s in [
     Scenario("kill-during-checkpoint-write", kill_during_checkpoint_write),
     Scenario("corrupt-latest-checkpoint", corrupt_latest_checkpoint),
     Scenario("stall-learner", stall_learner, fast=True),
-    Scenario("checkpoint-folder-full", checkpoint_folder_full, fast=True, ckpt_tmpfs_mb=12),
-    Scenario("checkpoint-folder-read-only", checkpoint_folder_read_only, ckpt_tmpfs_mb=64),
+    Scenario("checkpoint-folder-full", checkpoint_folder_full, fast=True, ckpt_tmpfs=2.4),
+    Scenario("checkpoint-folder-read-only", checkpoint_folder_read_only, ckpt_tmpfs=6),
     Scenario("shm-too-small", shm_too_small, fast=True, shm_tmpfs_mb=2),
 ]}
 
