@@ -11,6 +11,7 @@ import psutil
 
 from helpers import communicate, end_jobs, finish, read_line, wait_for
 from gadei import checkpoint
+from gadei.errors import GadeiError
 from gadei.region import Region, inspect
 
 N = 200_000
@@ -167,3 +168,33 @@ def test_a_launched_learner_that_keeps_failing_is_given_up_and_the_job_ends(job,
     said = (tmp_path / "learner-0.log").read_text()
     assert said.count("gadei: error: TREC file") == 2 and "Traceback" not in said  # both runs said why, plainly
     assert inspect(job) is None
+
+
+def test_launched_learners_that_all_die_within_moments_are_seen_dying_at_once(job, procs, tmp_path):
+    """Two of three launched learners die, and the third a moment later, after the watchdog
+    already saw the first two: still all at once (the third before the others were restarted),
+    so the watchdog checkpoints the server's weights before they go on."""
+    learner = "--data generated --epochs 1000 --batch 2"
+    serve = procs.gadei("serve", job, "--workload", "textcnn", "--data", "generated", "--learners", 3,
+                        "--checkpoint-dir", tmp_path, "--checkpoint-every", 600, "--watch-interval", 0.1,
+                        "--learner", learner, "--learner", learner, "--learner", learner)
+
+    def learners() -> list[int]:
+        try:
+            with Region.attach(job, readonly=True) as region:
+                return [p for p in (region.entry(i).get("lease") >> 32 for i in range(region.shape.capacity)) if p]
+        except GadeiError:  # not there yet
+            return []
+    try:
+        wait_for(lambda: len(learners()) == 3, 120, "three launched learners to attach")
+        first, second, third = learners()
+        for pid in (first, second):
+            psutil.Process(pid).kill()
+        time.sleep(0.5)  # the fault is the gap: the watchdog (a look every 0.1 s) sees these two die first
+        psutil.Process(third).kill()
+        wait_for(lambda: len(learners()) == 3 and third not in learners(), 60, "the learners to be restarted")
+    finally:
+        end_jobs(job)
+    err = finish(serve, 60)[1]
+    assert "all launched learners died; checkpointing the server's weights" in err, err[-3000:]
+    assert len(checkpoint.listing(tmp_path)) >= 1

@@ -63,6 +63,7 @@ log = logging.getLogger(__name__)
 SERVER_DEAD = 3  # exit code: the server died or hung and was not (or could not be) restarted
 LEARNERS_FAILED = 4  # exit code: the job ended after the watchdog gave up on a launched learner
 JOB_FAILED = 5  # exit code: the server stopped the job as failed; nothing was restarted
+AT_ONCE = 2.0  # seconds: launched learners that all died within this died at once (a look may see some of them)
 
 
 @dataclass
@@ -133,6 +134,7 @@ class Watchdog:
         self._reported: set[tuple[int, int]] = set()  # (learner entry, pid) reported dead or hung
         self._stopped_it = False  # this watchdog's own stop (every launched learner done) is the job's
         self.checkpoints = 0
+        self._deaths: list[tuple[float, int]] = []  # (monotonic time, learner number) of recent deaths
         self.reason = ""  # why the job ended, when it did not end well
         self.finished = False  # the job stopped because every launched learner finished
         self.region = Region.attach(job)
@@ -299,9 +301,12 @@ class Watchdog:
         self._stopped_it = RunState(self.region).request_stop()
 
     def _supervise(self) -> None:
-        """Launched learners: notice deaths, restart them; all dead at once: checkpoint first."""
+        """Launched learners: notice deaths, restart them; all dead at once (within AT_ONCE seconds,
+        which one look may see in part): checkpoint first."""
         died, changed = self.learners.look(self.region)
-        if died and len(died) > 1 and not any(l.running for l in self.learners.table):
+        now = time.monotonic()
+        self._deaths = [(t, n) for t, n in self._deaths if now - t < AT_ONCE] + [(now, n) for n in died]
+        if died and len({n for _, n in self._deaths}) > 1 and not any(l.running for l in self.learners.table):
             log.warning("job %r: all launched learners died; checkpointing the server's weights before they go on",
                         self.job)
             self.checkpoint()
