@@ -13,6 +13,7 @@ from helpers import communicate, end_jobs, finish, read_line, wait_for
 from gadei import checkpoint
 from gadei.errors import GadeiError
 from gadei.region import Region, inspect
+from gadei.ring import lease_owner
 
 N = 200_000
 
@@ -182,7 +183,7 @@ def test_launched_learners_that_all_die_within_moments_are_seen_dying_at_once(jo
     def learners() -> list[int]:
         try:
             with Region.attach(job, readonly=True) as region:
-                return [p for p in (region.entry(i).get("lease") >> 32 for i in range(region.shape.capacity)) if p]
+                return [p for p in (lease_owner(region.entry(i).get("lease")) for i in range(region.shape.capacity)) if p]
         except GadeiError:  # not there yet
             return []
     try:
