@@ -34,7 +34,7 @@ from .layout import INIT_EMPTY, INIT_READY, INIT_WRITING, LEAVING, STOPPED
 from .protocol import WAIT_SLICE, Deadline, RunState, TrainStop, Version
 from .region import Region
 from .modes import read_options
-from .ring import claim
+from .ring import claim, lease_owner
 from .transport import PULLS, PUSHES
 
 log = logging.getLogger(__name__)
@@ -229,7 +229,7 @@ class Learner:
         heads = owned = 0
         for entry in self._entries:
             heads += entry.get("head")
-            owned += entry.get("lease") >> 32 != 0
+            owned += lease_owner(entry.get("lease")) != 0
         return heads + owned - 1
 
     def _catch_up(self, ahead: int, bound: int) -> None:

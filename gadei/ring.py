@@ -346,7 +346,7 @@ class Consumer:
 
     def learner_threads(self) -> int:
         """Cores the attached learners say they keep busy (a cheap sum, no liveness checks)."""
-        return sum(entry.get("threads") for entry in self._entries if entry.get("lease") >> 32)
+        return sum(entry.get("threads") for entry in self._entries if lease_owner(entry.get("lease")))
 
     def busy_entries(self) -> list[int]:
         """Entries owned by a live learner."""

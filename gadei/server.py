@@ -57,7 +57,7 @@ from .transport.options import TransportOptions
 from .region import Region
 from .server_record import drop_server_record, save_server_record
 from .protocol import WAIT_SLICE, Deadline, RunState, ServerHold, Version
-from .ring import Consumer, owner_alive
+from .ring import Consumer, lease_owner, owner_alive
 
 log = logging.getLogger(__name__)
 
@@ -461,8 +461,8 @@ class Server:
 
     def _members(self, drop_ns: int) -> list[int]:
         """Learners that take part in the next sync round: attached, active, beating."""
-        return [i for i, entry in enumerate(self._entries) if entry.get("lease") >> 32 and entry.get("state") == ACTIVE
-                and self._fresh(i, drop_ns)]
+        return [i for i, entry in enumerate(self._entries)
+                if lease_owner(entry.get("lease")) and entry.get("state") == ACTIVE and self._fresh(i, drop_ns)]
 
     def _fresh(self, learner: int, drop_ns: int) -> bool:
         entry = self._entries[learner]

@@ -12,6 +12,7 @@ import torch
 import gadei
 from gadei.layout import MAGIC, Shape, layout
 from gadei.region import SHM_DIR, Region, inspect, shm_name
+from gadei.ring import lease_owner
 from worker import Flat
 from helpers import communicate, finish, read_line
 
@@ -67,7 +68,7 @@ def test_attach_refuses_mismatches_naming_both_sides(job):
 
 def region_entry_free(job, learner):
     with Region.attach(job, readonly=True) as region:
-        return region.entry(learner).get("lease") >> 32 == 0
+        return lease_owner(region.entry(learner).get("lease")) == 0
 
 
 def test_bad_job_names_are_refused():

@@ -44,6 +44,7 @@ from gadei._proc import gadei_command
 from gadei.errors import GadeiError
 from gadei.protocol import Deadline, wait_for
 from gadei.region import Region, inspect
+from gadei.ring import lease_owner
 from helpers import end_jobs, job_processes
 
 HERE = Path(__file__).resolve().parent
@@ -175,7 +176,7 @@ class Job:
 
     @staticmethod
     def _learner_pids(region) -> list[int]:
-        return [p for p in (region.entry(i).get("lease") >> 32 for i in range(region.shape.capacity)) if p]
+        return [p for p in (lease_owner(region.entry(i).get("lease")) for i in range(region.shape.capacity)) if p]
 
     def version(self) -> int:
         return self.read(lambda r: r.header.get("version"), 0)
