@@ -113,19 +113,21 @@ def test_one_learners_decision_ends_every_learners_training(job):
 
 @pytest.mark.slow
 def test_gadei_run_stops_on_patience_and_hands_back_the_best_model(procs, tmp_path):
-    """Patience 1 on a cut of TREC with a learning rate that overfits fast: training ends before
-    the cap for both learners, model.pt is the best validation model, result.json says which
-    and why, metrics.jsonl has the validation figures."""
+    """Patience 1 on TREC with the default learning rate (the validation accuracy peaks within a
+    few epochs): training ends before the cap for both learners, model.pt is the best
+    validation model, result.json says which and why, metrics.jsonl has the validation figures.
+    (At lr 0.2 the 300-wide model learned slowly and once improved until the cap.)"""
     if not (data_dir() / "trec" / "TREC.train").is_file():
         missing("TREC is not there")
     job_name = f"sel-{os.getpid()}"
     (tmp_path / "job.toml").write_text(trec_job(job_name, output=tmp_path / "out",
-                                                train={"learners": 2, "epochs": 12, "patience": 1, "lr": 0.2}))
+                                                train={"learners": 2, "epochs": 12, "patience": 1}))
     out, err = finish(procs.gadei("run", str(tmp_path / "job.toml"), "--quiet"), 600)
     result = json.loads((tmp_path / "out" / "result.json").read_text())
     metrics = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert result["stopped"] == "patience", (out, err, result)
-    assert len(metrics) < 12 and all("validation_accuracy" in m and "validation_loss" in m for m in metrics)
+    seen = [(m["epoch"], m.get("validation_accuracy")) for m in metrics]
+    assert len(metrics) < 12 and all("validation_accuracy" in m and "validation_loss" in m for m in metrics), seen
     best = max(metrics, key=lambda m: (m["validation_accuracy"], -m["validation_loss"]))
     assert result["epoch"] == best["epoch"] and result["validation_accuracy"] == best["validation_accuracy"]
     assert metrics[-1]["epoch"] == best["epoch"] + 1  # patience 1: one evaluation without improvement
