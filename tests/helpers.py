@@ -127,6 +127,13 @@ def job_processes(*names: str) -> list[psutil.Process]:
     return found
 
 
+def learner_pids(region) -> list[int]:
+    """The pids of the learners that own one of the region's entries now."""
+    from gadei.ring import lease_owner
+
+    return [p for p in (lease_owner(region.entry(i).get("lease")) for i in range(region.shape.capacity)) if p]
+
+
 def end_jobs(*names: str, timeout: float = 10, keep_regions: bool = False) -> None:
     """Kill every process of the jobs `names` (`job_processes`: those that are not this test's
     children too, a restarted server, an orphaned learner), wait up to `timeout` s for each

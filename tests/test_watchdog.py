@@ -9,11 +9,10 @@ import time
 import numpy as np
 import psutil
 
-from helpers import communicate, end_jobs, finish, read_line, wait_for
+from helpers import communicate, end_jobs, finish, learner_pids, read_line, wait_for
 from gadei import checkpoint
 from gadei.errors import GadeiError
 from gadei.region import Region, inspect
-from gadei.ring import lease_owner
 
 N = 200_000
 
@@ -183,7 +182,7 @@ def test_launched_learners_that_all_die_within_moments_are_seen_dying_at_once(jo
     def learners() -> list[int]:
         try:
             with Region.attach(job, readonly=True) as region:
-                return [p for p in (lease_owner(region.entry(i).get("lease")) for i in range(region.shape.capacity)) if p]
+                return learner_pids(region)
         except GadeiError:  # not there yet
             return []
     try:

@@ -44,8 +44,7 @@ from gadei._proc import gadei_command
 from gadei.errors import GadeiError
 from gadei.protocol import Deadline, wait_for
 from gadei.region import Region, inspect
-from gadei.ring import lease_owner
-from helpers import end_jobs, job_processes
+from helpers import end_jobs, job_processes, learner_pids
 
 HERE = Path(__file__).resolve().parent
 PR_SET_CHILD_SUBREAPER = 36
@@ -162,7 +161,7 @@ class Job:
         def ready():
             if self.serve.poll() is not None:
                 raise Failed(f"gadei serve exited with {self.serve.returncode}:\n{self.errors()[-2000:]}")
-            return self.read(lambda r: r.header.get("watchdog_pid") and len(self._learner_pids(r)) == self.s.learners)
+            return self.read(lambda r: r.header.get("watchdog_pid") and len(learner_pids(r)) == self.s.learners)
         wait_until(ready, timeout, "the job to train")
         self.ckpt_view()  # a private checkpoint folder is held open from here on
 
@@ -174,10 +173,6 @@ class Job:
         except GadeiError:
             return default
 
-    @staticmethod
-    def _learner_pids(region) -> list[int]:
-        return [p for p in (lease_owner(region.entry(i).get("lease")) for i in range(region.shape.capacity)) if p]
-
     def version(self) -> int:
         return self.read(lambda r: r.header.get("version"), 0)
 
@@ -188,7 +183,7 @@ class Job:
         return self.read(lambda r: r.header.get("watchdog_pid"), 0)
 
     def learner_pids(self) -> list[int]:
-        return self.read(self._learner_pids, [])
+        return self.read(learner_pids, [])
 
     def expected_steps(self) -> int:
         """Mini-batches in the whole schedule (every learner's epochs over its shard)."""
