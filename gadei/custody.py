@@ -69,6 +69,8 @@ class Custody:
         self.region, self.name, self.out, self._stop, self.interval = region, region.job, out, stop, interval
         self.reason = ""  # why the job failed when no watchdog could take over
         self._last: tuple = (0, 0.0, False)  # the header's watchdog pid, its start, finished (at close)
+        self._seen: tuple = (0, 0.0)  # the last watchdog the header named (pid, start): a watchdog that ends
+        # on an exception (SIGINT too) clears its pid there first, and is gone all the same
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="gadei-custody", daemon=True)
 
@@ -109,12 +111,17 @@ class Custody:
             return
 
     def _unwatched(self) -> int | None:
-        """The dead watchdog's pid when the serving job has neither it nor an owner of its run."""
+        """The dead watchdog's pid when the serving job has neither it nor an owner of its run.
+        A header naming no watchdog is unwatched once one was seen (it cleared its pid as it
+        ended); before the first one registers, the job is starting, not unwatched."""
         from . import _proc
         from .protocol import RunState
 
         h = self.region.header
         pid, started = h.get("watchdog_pid"), h.get("watchdog_start")
+        if pid:
+            self._seen = (pid, started)
+        pid, started = self._seen
         if not pid or not RunState(self.region).serving() or _proc.alive(pid, started) or outputs.owned(self.out):
             return None
         return pid

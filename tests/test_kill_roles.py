@@ -69,6 +69,14 @@ def _outputs_written(out, writer=None) -> dict:
     return result
 
 
+def _dead(pid: int) -> bool:
+    """The process is gone or a zombie."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
 def _gone(name: str) -> bool:
     return not job_processes(name) and inspect(name) is None
 
@@ -136,26 +144,32 @@ def test_a_killed_gadei_run_leaves_the_outputs_to_the_watchdog(small, procs):
     _say("gadei run", "the watchdog wrote result.json, outcome done", seconds)
 
 
-def _kill_run_and_watchdog(procs, path, name, *, adoptable: bool):
-    """Start the job, SIGKILL its `gadei run` and then its watchdog (nothing supervises it
-    after that but its server); the roles before the kill, and the moment of it."""
+def _kill_run_and_watchdog(procs, path, name, *, adoptable: bool, watchdog_signal=signal.SIGKILL):
+    """Start the job, SIGKILL its `gadei run` and then signal its watchdog (nothing supervises
+    it after that but its server); the roles before the kill, and the moment of it."""
     run = procs.gadei("run", path)
     roles = _when_training(name)
     if not adoptable:
         os.unlink(os.path.join(os.environ["GADEI_RUNTIME_DIR"], f"{name}.watchdog.json"))  # nothing to adopt from
     run.send_signal(signal.SIGKILL)
-    os.kill(roles["watchdog"], signal.SIGKILL)
+    os.kill(roles["watchdog"], watchdog_signal)
     killed = time.monotonic()
     run.wait()
     return roles, killed
 
 
-def test_a_job_whose_gadei_run_and_watchdog_are_killed_is_adopted_and_finishes(small, procs):
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGINT"])
+def test_a_job_whose_gadei_run_and_watchdog_are_killed_is_adopted_and_finishes(small, procs, how):
     """The server sees that neither its watchdog nor its `gadei run` lives, starts a new
     watchdog that takes over the learners, and that watchdog finishes the job and writes its
-    outputs."""
+    outputs. SIGINT: the watchdog ends on KeyboardInterrupt, clearing its pid in the region as
+    it goes, so that the region names no watchdog at all; the job is no less unwatched."""
     path, name, out = small
-    roles, killed = _kill_run_and_watchdog(procs, path, name, adoptable=True)
+    roles, killed = _kill_run_and_watchdog(procs, path, name, adoptable=True, watchdog_signal=getattr(signal, how))
+    if how == "SIGINT":  # the case under test: it ended naming no watchdog (or, already, the new one)
+        wait_for(lambda: _dead(roles["watchdog"]), 30, "the interrupted watchdog to end")
+        with Region.attach(name, readonly=True) as region:
+            assert region.header.get("watchdog_pid") != roles["watchdog"], "the watchdog did not clear its pid"
     wait_for(lambda: (out / "result.json").exists(), STOP_WITHIN, "a new watchdog to finish the job and write "
              "result.json")
     seconds = time.monotonic() - killed
@@ -214,8 +228,7 @@ def test_a_job_whose_gadei_run_and_watchdog_die_while_it_stops_is_ended_by_its_s
             assert RunState(region).request_stop()
         os.kill(roles["watchdog"], signal.SIGKILL)
         killed = time.monotonic()
-        wait_for(lambda: not psutil.pid_exists(roles["watchdog"]) or
-                 psutil.Process(roles["watchdog"]).status() == psutil.STATUS_ZOMBIE, 30, "the watchdog to die")
+        wait_for(lambda: _dead(roles["watchdog"]), 30, "the watchdog to die")
     finally:
         os.kill(roles["server"], signal.SIGCONT)
     wait_for(lambda: (out / "result.json").exists() and _gone(name), STOP_WITHIN, "the server to write result.json "
