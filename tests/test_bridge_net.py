@@ -143,7 +143,22 @@ class Ranks:
 
     def logs(self) -> str:
         return "".join(f"--- rank {r}\n{self.log(r)[-2000:]}" for r in range(NODES)) + "--- mpiexec\n" + \
-            "".join(self.proc.err_lines)[-2000:]
+            "".join(self.proc.err_lines)[-2000:] + "--- mpiexec's processes\n" + self._tree()
+
+    def _tree(self) -> str:
+        """mpiexec's descendants (its daemons in the namespaces, the ranks), one a line: which
+        of them a launch that never became ready left running."""
+        try:
+            tree = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return "(mpiexec has exited)\n"
+        lines = []
+        for child in tree:
+            try:
+                lines.append(f"{child.pid} {child.status()} {' '.join(child.cmdline())[:200]}")
+            except psutil.NoSuchProcess:
+                pass
+        return "\n".join(lines) + "\n" if lines else "(none)\n"
 
     def wait(self, predicate, timeout: float, what: str):
         try:
