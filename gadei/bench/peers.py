@@ -181,6 +181,8 @@ def _reap(procs, server, job) -> None:
     from ..region import remove
 
     for p in procs + ([server] if server else []):
+        if p.pid is None:  # never started (a start before it failed): nothing to reap, and join would raise
+            continue
         p.join(30 if p is server else 10)
         if p.is_alive():
             p.kill()
