@@ -127,6 +127,14 @@ def job_processes(*names: str) -> list[psutil.Process]:
     return found
 
 
+def dead(pid: int) -> bool:
+    """The process `pid` is gone or a zombie (killed, its parent not yet told)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
 def learner_pids(region) -> list[int]:
     """The pids of the learners that own one of the region's entries now."""
     from gadei.ring import lease_owner

@@ -18,8 +18,7 @@ import psutil
 import pytest
 
 from gadei.region import Region, inspect
-from gadei.ring import lease_owner
-from helpers import blobs_job, communicate, end_jobs, finish, job_processes, unique_name, wait_for
+from helpers import blobs_job, communicate, dead, end_jobs, finish, job_processes, learner_pids, unique_name, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -41,9 +40,8 @@ def _roles(name: str) -> dict:
     try:
         with Region.attach(name, readonly=True) as region:
             h = region.header
-            learners = [lease_owner(region.entry(i).get("lease")) for i in range(region.shape.capacity)]
             return {"server": h.get("server_pid"), "watchdog": h.get("watchdog_pid"), "version": h.get("version"),
-                    "learners": [pid for pid in learners if pid]}
+                    "learners": learner_pids(region)}
     except Exception:
         return {}
 
@@ -67,14 +65,6 @@ def _outputs_written(out, writer=None) -> dict:
     if writer is not None:
         assert result["written_by"] == writer
     return result
-
-
-def _dead(pid: int) -> bool:
-    """The process is gone or a zombie."""
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
 
 
 def _gone(name: str) -> bool:
@@ -167,7 +157,7 @@ def test_a_job_whose_gadei_run_and_watchdog_are_killed_is_adopted_and_finishes(s
     path, name, out = small
     roles, killed = _kill_run_and_watchdog(procs, path, name, adoptable=True, watchdog_signal=getattr(signal, how))
     if how == "SIGINT":  # the case under test: it ended naming no watchdog (or, already, the new one)
-        wait_for(lambda: _dead(roles["watchdog"]), 30, "the interrupted watchdog to end")
+        wait_for(lambda: dead(roles["watchdog"]), 30, "the interrupted watchdog to end")
         with Region.attach(name, readonly=True) as region:
             assert region.header.get("watchdog_pid") != roles["watchdog"], "the watchdog did not clear its pid"
     wait_for(lambda: (out / "result.json").exists(), STOP_WITHIN, "a new watchdog to finish the job and write "
@@ -228,7 +218,7 @@ def test_a_job_whose_gadei_run_and_watchdog_die_while_it_stops_is_ended_by_its_s
             assert RunState(region).request_stop()
         os.kill(roles["watchdog"], signal.SIGKILL)
         killed = time.monotonic()
-        wait_for(lambda: _dead(roles["watchdog"]), 30, "the watchdog to die")
+        wait_for(lambda: dead(roles["watchdog"]), 30, "the watchdog to die")
     finally:
         os.kill(roles["server"], signal.SIGCONT)
     wait_for(lambda: (out / "result.json").exists() and _gone(name), STOP_WITHIN, "the server to write result.json "

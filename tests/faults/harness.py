@@ -44,7 +44,7 @@ from gadei._proc import gadei_command
 from gadei.errors import GadeiError
 from gadei.protocol import Deadline, wait_for
 from gadei.region import Region, inspect
-from helpers import end_jobs, job_processes, learner_pids
+from helpers import dead, end_jobs, job_processes, learner_pids
 
 HERE = Path(__file__).resolve().parent
 PR_SET_CHILD_SUBREAPER = 36
@@ -394,8 +394,7 @@ def _resume_point(job: Job, pid: int):
 
 
 def _adopt(job: Job, old: int) -> None:
-    wait_until(lambda: not psutil.pid_exists(old) or psutil.Process(old).status() == psutil.STATUS_ZOMBIE, 10,
-               "the watchdog to die")
+    wait_until(lambda: dead(old), 10, "the watchdog to die")
     reap_orphans(job)
     adopt = subprocess.run(gadei_command("serve", "--adopt", job.name), capture_output=True,
                            text=True, timeout=120)
