@@ -34,6 +34,11 @@ def poll_rings(table: int, count: int, stride: int, head_off: int, tail_off: int
     """The first ring from `start` (round-robin) whose head is past its tail, spinning up to
     `spin_ns` (with `nap_ns`: sleeping that long between looks instead of spinning); -1 when none."""
 
+# how near two CPUs are
+def cross_cpu_ns(cpu_a: int, cpu_b: int, rounds: int, timeout_s: float, /) -> float:
+    """Nanoseconds per round trip of a cache line between two threads pinned to the two CPUs
+    (OSError: a thread cannot run on its CPU; TimeoutError: the rounds took over timeout_s)."""
+
 # update kernels
 def sgd(w: int, g: int, n: int, lr: float, clear: int, threads: int, dtype: int = ..., /) -> None:
     """w -= lr * g in place over n elements; with `clear`, g = 0 after."""

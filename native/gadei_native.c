@@ -8,14 +8,16 @@
  *
  * Python owns validation, types and errors; functions here take raw addresses inside a
  * mapping the caller keeps alive and trust their arguments. The kernels live in kernels.c;
- * this file holds the atomics, the waits, a deadline for calls that hold the GIL
- * (exit_after) and the Python bindings (py_ wrap a kernel, gd_ do the work themselves).
+ * this file holds the atomics, the waits, a probe of how near two CPUs are (cross_cpu_ns),
+ * a deadline for calls that hold the GIL (exit_after) and the Python bindings (py_ wrap a
+ * kernel, gd_ do the work themselves).
  * Every loop runs with the GIL released.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
 #include <errno.h>
+#include <sched.h>
 #include <limits.h>
 #include <pthread.h>
 #include <stdlib.h>
@@ -279,6 +281,139 @@ gd_poll_rings(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     }
     Py_END_ALLOW_THREADS
     return PyLong_FromLong(found);
+}
+
+/* ------------------------------------------------------------------ a cache line between two CPUs */
+
+/*
+ * How near two CPUs are: two threads, each pinned to one, pass a counter back and forth in
+ * one cache line (what a ring's head and tail do between a learner and the server). On a
+ * virtual machine the host may move the vCPUs between cores that share a cache and cores
+ * that do not, and this round trip shows which (`gadei bench` records it around each run).
+ */
+struct gd_pingpong {
+    uint64_t word __attribute__((aligned(64)));
+    char pad[64 - sizeof(uint64_t)];
+    uint64_t rounds;
+    int cpu[2];
+    int failed;       /* a thread could not pin itself, or waited past the deadline */
+    int pin_error;    /* the errno of a failed pin */
+    double deadline;  /* CLOCK_MONOTONIC seconds */
+    double ns;        /* per round trip, from side 0 */
+};
+
+struct gd_pingpong_side {
+    struct gd_pingpong *pp;
+    int side;
+};
+
+static double
+gd_now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* Spin until the word holds `want`; 0, or -1 once the other side failed or the deadline passed. */
+static int
+gd_pingpong_wait(struct gd_pingpong *pp, uint64_t want)
+{
+    for (uint64_t spins = 1;; spins++) {
+        if (__atomic_load_n(&pp->word, __ATOMIC_ACQUIRE) == want) return 0;
+        if ((spins & 4095) == 0 && (__atomic_load_n(&pp->failed, __ATOMIC_ACQUIRE) || gd_now() > pp->deadline)) {
+            __atomic_store_n(&pp->failed, 1, __ATOMIC_RELEASE);
+            return -1;
+        }
+        GD_CPU_RELAX();
+    }
+}
+
+static void *
+gd_pingpong_thread(void *arg)
+{
+    struct gd_pingpong_side *me = arg;
+    struct gd_pingpong *pp = me->pp;
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(pp->cpu[me->side], &set);
+    int err = pthread_setaffinity_np(pthread_self(), sizeof set, &set);
+    if (err) {
+        pp->pin_error = err;
+        __atomic_store_n(&pp->failed, 1, __ATOMIC_RELEASE);
+        return NULL;
+    }
+    if (me->side == 1) {  /* ready: 1; then answers 2i + 2 with 2i + 3 */
+        __atomic_store_n(&pp->word, 1, __ATOMIC_RELEASE);
+        for (uint64_t i = 0; i < pp->rounds; i++) {
+            if (gd_pingpong_wait(pp, 2 * i + 2) < 0) return NULL;
+            __atomic_store_n(&pp->word, 2 * i + 3, __ATOMIC_RELEASE);
+        }
+        return NULL;
+    }
+    if (gd_pingpong_wait(pp, 1) < 0) return NULL;
+    double start = gd_now();
+    for (uint64_t i = 0; i < pp->rounds; i++) {
+        __atomic_store_n(&pp->word, 2 * i + 2, __ATOMIC_RELEASE);
+        if (gd_pingpong_wait(pp, 2 * i + 3) < 0) return NULL;
+    }
+    pp->ns = 1e9 * (gd_now() - start) / (double)pp->rounds;
+    return NULL;
+}
+
+/*
+ * cross_cpu_ns(cpu_a, cpu_b, rounds, timeout_s) -> nanoseconds per round trip of a cache line
+ * between the two CPUs. OSError when a thread cannot be pinned to its CPU; TimeoutError when
+ * the rounds take longer than timeout_s (the other CPU was not given to the thread).
+ */
+static PyObject *
+gd_cross_cpu_ns(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    int64_t a, b;
+    uint64_t rounds;
+    if (gd_nargs("cross_cpu_ns", nargs, 4) < 0) return NULL;
+    if (gd_arg_i64(args[0], &a) < 0 || gd_arg_i64(args[1], &b) < 0 || gd_arg_u64(args[2], &rounds) < 0) return NULL;
+    double timeout = PyFloat_AsDouble(args[3]);
+    if (timeout == -1.0 && PyErr_Occurred()) return NULL;
+    if (a < 0 || b < 0 || a >= CPU_SETSIZE || b >= CPU_SETSIZE || rounds < 1 || !(timeout > 0.0 && timeout < 1e6)) {
+        PyErr_Format(PyExc_ValueError, "cross_cpu_ns: CPUs must be in 0..%d, rounds >= 1, 0 < timeout_s < 1e6",
+                     CPU_SETSIZE - 1);
+        return NULL;
+    }
+    struct gd_pingpong *pp = aligned_alloc(64, sizeof *pp);
+    if (!pp) return PyErr_NoMemory();
+    memset(pp, 0, sizeof *pp);
+    pp->rounds = rounds;
+    pp->cpu[0] = (int)a;
+    pp->cpu[1] = (int)b;
+    struct gd_pingpong_side sides[2] = {{pp, 0}, {pp, 1}};
+    pthread_t threads[2];
+    int started = 0, err = 0;
+    Py_BEGIN_ALLOW_THREADS
+    pp->deadline = gd_now() + timeout;
+    for (; started < 2; started++) {
+        if ((err = pthread_create(&threads[started], NULL, gd_pingpong_thread, &sides[started])) != 0) {
+            __atomic_store_n(&pp->failed, 1, __ATOMIC_RELEASE);
+            break;
+        }
+    }
+    for (int i = 0; i < started; i++) pthread_join(threads[i], NULL);
+    Py_END_ALLOW_THREADS
+    PyObject *result = NULL;
+    if (err) {
+        errno = err;
+        PyErr_SetFromErrno(PyExc_OSError);
+    } else if (pp->pin_error) {
+        PyErr_Format(PyExc_OSError, "cross_cpu_ns: cannot run a thread on CPU %d or %d: %s", pp->cpu[0], pp->cpu[1],
+                     strerror(pp->pin_error));
+    } else if (pp->failed) {
+        PyErr_Format(PyExc_TimeoutError, "cross_cpu_ns: %llu round trips between CPUs %d and %d took over %g s",
+                     (unsigned long long)rounds, pp->cpu[0], pp->cpu[1], timeout);
+    } else {
+        result = PyFloat_FromDouble(pp->ns);
+    }
+    free(pp);
+    return result;
 }
 
 /* ------------------------------------------------------------------ kernels (kernels.c) */
@@ -635,6 +770,7 @@ static PyMethodDef gd_methods[] = {
     GD_FAST("cas32", gd_cas32, "cas32(addr, e, d) -> bool"),
     GD_FAST("futex_wait", gd_futex_wait, "futex_wait(addr, expected, timeout_s) -> 0 woken / 1 timed out"),
     GD_FAST("futex_wake", gd_futex_wake, "futex_wake(addr, n) -> woken"),
+    GD_FAST("cross_cpu_ns", gd_cross_cpu_ns, "cross_cpu_ns(cpu_a, cpu_b, rounds, timeout_s) -> ns per round trip of a cache line"),
     GD_FAST("poll_rings", gd_poll_rings, "poll_rings(table, count, stride, head_off, tail_off, start, spin_ns[, nap_ns]) -> index or -1"),
     GD_FAST("sgd", py_sgd, "sgd(w, g, n, lr, clear, threads[, dtype]): w -= lr * g in place"),
     GD_FAST("momentum", py_momentum, "momentum(w, v, g, n, lr, mu, clear, threads, dtype): v = mu v + g; w -= lr v"),

@@ -432,6 +432,7 @@ def test_bench_peers_and_scaling_quick(procs, tmp_path):
     out, _ = finish(procs.gadei("bench", "peers", "scaling", "--quick", "--repeats", "1", "--data", f"trec:{trec}",
                                 "--out", out_file, "--plot", plot), 600)
     assert "RPC parameter server 1 + 2" in out and "DDP gloo 2 processes" in out and "gadei N / this" in out
+    assert "a cache line's round trip between the first two CPUs, before and after each run" in out
     saved = json.loads(out_file.read_text())
     (row,) = saved["peers"]["rows"]
     assert row["batch"] == 4
@@ -441,6 +442,8 @@ def test_bench_peers_and_scaling_quick(procs, tmp_path):
         (run,) = m["runs"]
         assert m["samples_per_s"] > 0 and m["cpu_s_per_sample"] > 0 and 0 < m["test_accuracy"] <= 1, name
         assert 0 < run["samples"] <= 320 + 8, name  # --quick: about 320 samples
+        # how near the two CPUs were, before and after the run (a cache line's round trip)
+        assert len(run["cross_cpu_ns"]) == 2 and all(0 < t < 1e5 for t in run["cross_cpu_ns"]), name
     # the synchronous peers take equal steps on every rank; the servers' CPU is counted
     assert methods["ddp-2"]["runs"][0]["samples"] == methods["rpc-2"]["runs"][0]["samples"] == 320
     assert methods["gadei-2"]["server_cpu_s"] > 0 and methods["rpc-2"]["server_cpu_s"] > 0

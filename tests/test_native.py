@@ -119,6 +119,30 @@ def test_built_with_openmp():
     assert processors >= 1
 
 
+def test_cross_cpu_ns_times_a_cache_line_between_two_cpus_and_says_when_it_cannot():
+    """`gadei bench` records how near the host placed the CPUs around each run: a cache line's
+    round trip between two pinned threads, tens to hundreds of nanoseconds, never zero; a
+    CPU the process may not run on is an OSError, not a hang."""
+    import os
+
+    from gadei.bench.timing import cross_cpu_ns, placement
+
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("one CPU: no pair to time")
+    for ns in (_native.cross_cpu_ns(cpus[0], cpus[1], 20_000, 5.0), cross_cpu_ns()):
+        assert 10 < ns < 100_000, ns
+    # two threads on one CPU take turns by the scheduler's timeslice: far slower, still ends
+    assert _native.cross_cpu_ns(cpus[0], cpus[0], 20, 5.0) > 0
+    absent = next(c for c in range(1023, -1, -1) if c not in cpus)
+    with pytest.raises(OSError, match=f"cannot run a thread on CPU {cpus[0]} or {absent}"):
+        _native.cross_cpu_ns(cpus[0], absent, 1000, 5.0)
+    with pytest.raises(ValueError, match="rounds >= 1"):
+        _native.cross_cpu_ns(cpus[0], cpus[1], 0, 5.0)
+    assert "changed more than 2x" in placement([75.0, 80.0, 340.0])
+    assert "changed" not in placement([75.0, 80.0, 90.0]) and "75-90 ns (median 80)" in placement([75.0, 80.0, 90.0])
+
+
 def test_exit_after_ends_a_process_stuck_holding_the_gil_unless_disarmed():
     """The deadline MPI_Finalize gets: a native thread, because the stuck call holds the GIL
     (no Python thread could run: builtin sum over a range is one C call)."""

@@ -7,7 +7,10 @@ DDP and the RPC parameter server average N gradients per update, so after the sa
 they made 1/N of the updates the asynchronous ones made; `ddp-lr` is DDP with lr x N, the
 usual linear scaling, which reaches the others' accuracy (the fair comparison at equal
 accuracy). Each figure is the median of `--repeats` runs; in every repeat the methods run
-in a shuffled order, so that the machine's noise falls on all of them alike.
+in a shuffled order, so that the machine's noise falls on all of them alike. Before and
+after each run the bench measures how near the host placed the CPUs (`timing.cross_cpu_ns`):
+on a virtual machine that changes for seconds at a time, and with it what data crossing
+between the CPUs costs; each table says so under it.
 """
 
 import logging
@@ -18,7 +21,7 @@ import time
 
 import torch
 
-from .timing import median, start_server, table
+from .timing import cross_cpu_ns, median, placement, start_server, table
 from .train import _default_data
 
 log = logging.getLogger(__name__)
@@ -232,8 +235,10 @@ def interleaved_runs(keys: list[tuple[str, int, int]], args, data: str, lr: floa
         order = list(out)
         rng.shuffle(order)
         for kind, world, batch in order:
+            before = cross_cpu_ns()
             result = _run_surviving_crashes(kind, world, batch, epochs=args.epochs, seed=repeat, lr=lr, data=data,
                                             limit=limit)
+            result["cross_cpu_ns"] = [before, cross_cpu_ns()]
             out[(kind, world, batch)].append(result)
             log.info("repeat %d batch %d %s %d: %.0f samples/s, accuracy %.3f, %.2f CPU ms/sample", repeat,
                      batch, kind, world, result["samples_per_s"], result["test_accuracy"],
@@ -297,6 +302,9 @@ def bench_peers(args) -> dict:
             rows.append((f"{LABELS[kind]} {_who(kind, world)}{crashed}", f"{m['samples_per_s']:.0f}", f"{m['test_accuracy']:.1%}",
                          f"{1e3 * m['cpu_s_per_sample']:.2f}", ratio))
         print(table(("method", "samples/s", "test accuracy", "CPU ms/sample", "gadei N / this"), rows))
+        trips = [t for m in med.values() for r in m["runs"] for t in r.get("cross_cpu_ns") or () if t is not None]
+        if trips:
+            print(placement(trips))
     return {"data": data, "epochs": args.epochs, "lr": lr, "limit": limit, "rows": records}
 
 

@@ -1,12 +1,14 @@
 """What every benchmark shares: medians of interleaved, repeated timings, page-aligned
-buffers, and plain-text tables."""
+buffers, plain-text tables, and how near the host placed the CPUs the runs shared."""
 
+import os
 import random
 import statistics
 import time
 
 import numpy as np
 
+from .. import _native
 
 MB = 1 << 20
 
@@ -49,6 +51,36 @@ def time_it(fn, min_seconds: float) -> float:
         elapsed = time.perf_counter() - start
         if calls >= 2 and elapsed >= min_seconds:
             return elapsed / calls
+
+
+def cross_cpu_ns(rounds: int = 20_000, samples: int = 5) -> float | None:
+    """How near the host placed the first two CPUs this process may run on: the median
+    nanoseconds of a cache line's round trip between two threads pinned to them (`samples`
+    times `rounds` round trips, a few milliseconds). On a virtual machine it changes when the
+    host moves the vCPUs (the 2-vCPU development machine: about 75 ns near, 330-370 ns far,
+    for seconds at a time), and so does what any data crossing between them costs: a
+    gradient from a learner to the server, the weights between Hogwild's processes.
+    None with fewer than two CPUs, or where the threads could not be pinned or were not run
+    within seconds (a benchmark goes on without it)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return None
+    try:
+        return median([_native.cross_cpu_ns(cpus[0], cpus[1], rounds, 5.0) for _ in range(samples)])
+    except OSError:  # TimeoutError included
+        return None
+
+
+def placement(trips: list[float]) -> str:
+    """One line on how near the CPUs were around a benchmark's runs (`cross_cpu_ns` taken
+    before and after each), and whether that changed while they ran."""
+    low, high = min(trips), max(trips)
+    line = (f"a cache line's round trip between the first two CPUs, before and after each run: {low:.0f}-{high:.0f} ns "
+            f"(median {median(trips):.0f})")
+    if high > 2 * low:
+        line += ("; it changed more than 2x: the host moved the CPUs during the runs, so they ran under different "
+                 "placements (each run's is in the JSON: cross_cpu_ns)")
+    return line
 
 
 def aligned(n: int) -> np.ndarray:
