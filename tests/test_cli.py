@@ -154,7 +154,9 @@ def test_bench_latency_reports_the_idle_pause_against_both_baselines(procs, tmp_
     out_file = tmp_path / "latency.json"
     out, _ = finish(procs.gadei("bench", "latency", "--quick", "--repeats", "1", "--out", out_file), 300)
     assert "copy and update alone after the same pause" in out
+    assert "a cache line's round trip between the first two CPUs, before, between and after the sizes" in out
     latency = json.loads(out_file.read_text())["latency"]
+    assert len(latency["cross_cpu_ns"]) == 3 and all(0 < t < 1e5 for t in latency["cross_cpu_ns"])
     assert [(r["size_mb"], r["push"], r["gap_ms"]) for r in latency["rows"]] == [
         (s, p, g) for s in (1, 16) for p in ("publish", "thread") for g in (0.0, 5.0)]
     assert all(r["median_us"] > 0 and r["ratio"] > 0 for r in latency["rows"])

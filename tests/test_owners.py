@@ -11,12 +11,13 @@ FOLDERS = {"gadei": ROOT / "gadei", "gadei_watchdog": ROOT / "watchdog", "gadei_
 
 # The modules that own a protocol or a kernel, and so call gadei._native (see gadei/_native.pyi):
 # the region's atomic words and futexes, the rings, the update kernels, the transports'
-# payload kernels, the bridge's weights copy and exit guard, and the kernel benchmarks.
+# payload kernels, the bridge's weights copy and exit guard, the kernel benchmarks, and the
+# benchmarks' probe of how near the CPUs are (timing.cross_cpu_ns).
 NATIVE_OWNERS = {
     "gadei/region.py", "gadei/ring.py", "gadei/modes.py",
     "gadei/transport/slot.py", "gadei/transport/pull.py", "gadei/transport/device.py",
     "gadei/bridge/node.py", "gadei/bridge/exchange.py",
-    "gadei/bench/__init__.py", "gadei/bench/latency.py", "gadei/bench/kernel.py",
+    "gadei/bench/__init__.py", "gadei/bench/latency.py", "gadei/bench/kernel.py", "gadei/bench/timing.py",
 }
 
 # Header words of the run-state machine, the stop handshake, the doorbell, the version waits

@@ -9,7 +9,7 @@ import torch
 
 from .. import _native
 from ..env import settings
-from .timing import MB, median, table, time_it
+from .timing import MB, cross_cpu_ns, median, placement, table, time_it
 
 
 GAP = 0.005  # seconds of the idle pause between pushes (the server dozes, then sleeps on its doorbell)
@@ -20,6 +20,7 @@ def bench_latency(args) -> dict:
     from ..learner import Learner
 
     results = []
+    trips = [cross_cpu_ns()]  # how near the CPUs were: a push crosses from the learner's to the server's
     pushes = 50 if args.quick else 300
     torch.set_num_threads(1)  # this learner computes nothing: leave the server its core
     for size in (1, 16):
@@ -46,6 +47,7 @@ def bench_latency(args) -> dict:
                         results.append({"size_mb": size, "push": push, "gap_ms": gap * 1e3,
                                         "median_us": median(samples), "p90_us": float(np.percentile(samples, 90))})
             local.stop()
+        trips.append(cross_cpu_ns())
         # the copy and the update on their own, on private buffers of the same size
         src = np.ones(n, dtype=np.float32)
         w, g = np.zeros(n, dtype=np.float32), np.zeros(n, dtype=np.float32)
@@ -75,7 +77,10 @@ def bench_latency(args) -> dict:
               f"{w['ratio']:.2f}x the copy and update alone (target: within 2x), {w['ratio_to_paused']:.2f}x the "
               f"copy and update alone after the same pause; the pause added {w['wake_us']:.0f} us to the "
               f"push-to-applied of gap 0, {w['pause_us']:.0f} us to the copy and update alone")
-    return {"rows": results, "wake_up": wake}
+    known = [t for t in trips if t is not None]
+    if known:
+        print(placement(known, "before, between and after the sizes"))
+    return {"rows": results, "wake_up": wake, "cross_cpu_ns": trips}
 
 
 def wake_up(results: list[dict]) -> list[dict]:

@@ -71,12 +71,11 @@ def cross_cpu_ns(rounds: int = 20_000, samples: int = 5) -> float | None:
         return None
 
 
-def placement(trips: list[float]) -> str:
-    """One line on how near the CPUs were around a benchmark's runs (`cross_cpu_ns` taken
-    before and after each), and whether that changed while they ran."""
+def placement(trips: list[float], taken: str = "before and after each run") -> str:
+    """One line on how near the CPUs were around a benchmark's runs (`cross_cpu_ns`, `taken`
+    when), and whether that changed while they ran."""
     low, high = min(trips), max(trips)
-    line = (f"a cache line's round trip between the first two CPUs, before and after each run: {low:.0f}-{high:.0f} ns "
-            f"(median {median(trips):.0f})")
+    line = f"a cache line's round trip between the first two CPUs, {taken}: {low:.0f}-{high:.0f} ns (median {median(trips):.0f})"
     if high > 2 * low:
         line += ("; it changed more than 2x: the host moved the CPUs during the runs, so they ran under different "
                  "placements (each run's is in the JSON: cross_cpu_ns)")
