@@ -17,9 +17,9 @@
 #include <Python.h>
 
 #include <errno.h>
-#include <sched.h>
 #include <limits.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdlib.h>
 #include <stdint.h>
 #include <string.h>
