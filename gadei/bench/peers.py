@@ -264,6 +264,12 @@ def _run_surviving_crashes(kind: str, world: int, batch: int, **run) -> dict:
         return result
 
 
+def placement_of(runs: list[dict]) -> str | None:
+    """The line on how near the CPUs were around these runs (None where none was measured)."""
+    trips = [t for r in runs for t in r.get("cross_cpu_ns") or () if t is not None]
+    return placement(trips) if trips else None
+
+
 def summarise(rs: list[dict]) -> dict:
     keys = ("samples_per_s", "test_accuracy", "cpu_s_per_sample", "server_cpu_s", "cpu_s", "seconds")
     return {**{k: median([r[k] for r in rs]) for k in keys}, "crashes": sum(len(r.get("crashes", ())) for r in rs),
@@ -302,9 +308,9 @@ def bench_peers(args) -> dict:
             rows.append((f"{LABELS[kind]} {_who(kind, world)}{crashed}", f"{m['samples_per_s']:.0f}", f"{m['test_accuracy']:.1%}",
                          f"{1e3 * m['cpu_s_per_sample']:.2f}", ratio))
         print(table(("method", "samples/s", "test accuracy", "CPU ms/sample", "gadei N / this"), rows))
-        trips = [t for m in med.values() for r in m["runs"] for t in r.get("cross_cpu_ns") or () if t is not None]
-        if trips:
-            print(placement(trips))
+        where = placement_of([r for m in med.values() for r in m["runs"]])
+        if where:
+            print(where)
     return {"data": data, "epochs": args.epochs, "lr": lr, "limit": limit, "rows": records}
 
 
