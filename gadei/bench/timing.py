@@ -57,7 +57,7 @@ def cross_cpu_ns(rounds: int = 20_000, samples: int = 5) -> float | None:
     """How near the host placed the first two CPUs this process may run on: the median
     nanoseconds of a cache line's round trip between two threads pinned to them (`samples`
     times `rounds` round trips, a few milliseconds). On a virtual machine it changes when the
-    host moves the vCPUs (the 2-vCPU development machine: about 75 ns near, 330-370 ns far,
+    host moves the vCPUs (the 2-vCPU development machine: 60-90 ns near, 330-380 ns far,
     for seconds at a time), and so does what any data crossing between them costs: a
     gradient from a learner to the server, the weights between Hogwild's processes.
     None with fewer than two CPUs, or where the threads could not be pinned or were not run
