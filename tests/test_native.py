@@ -139,7 +139,7 @@ def test_cross_cpu_ns_times_a_cache_line_between_two_cpus_and_says_when_it_canno
         _native.cross_cpu_ns(cpus[0], absent, 1000, 5.0)
     with pytest.raises(ValueError, match="rounds >= 1"):
         _native.cross_cpu_ns(cpus[0], cpus[1], 0, 5.0)
-    assert "changed more than 2x" in placement([75.0, 80.0, 340.0])
+    assert "changed more than 2x" in placement([75.0, None, 80.0, 340.0]) and placement([None]) is None
     assert "changed" not in placement([75.0, 80.0, 90.0]) and "75-90 ns (median 80)" in placement([75.0, 80.0, 90.0])
 
 

@@ -77,9 +77,9 @@ def bench_latency(args) -> dict:
               f"{w['ratio']:.2f}x the copy and update alone (target: within 2x), {w['ratio_to_paused']:.2f}x the "
               f"copy and update alone after the same pause; the pause added {w['wake_us']:.0f} us to the "
               f"push-to-applied of gap 0, {w['pause_us']:.0f} us to the copy and update alone")
-    known = [t for t in trips if t is not None]
-    if known:
-        print(placement(known, "before, between and after the sizes"))
+    where = placement(trips, "before, between and after the sizes")
+    if where:
+        print(where)
     return {"rows": results, "wake_up": wake, "cross_cpu_ns": trips}
 
 

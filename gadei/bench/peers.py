@@ -266,8 +266,7 @@ def _run_surviving_crashes(kind: str, world: int, batch: int, **run) -> dict:
 
 def placement_of(runs: list[dict]) -> str | None:
     """The line on how near the CPUs were around these runs (None where none was measured)."""
-    trips = [t for r in runs for t in r.get("cross_cpu_ns") or () if t is not None]
-    return placement(trips) if trips else None
+    return placement([t for r in runs for t in r.get("cross_cpu_ns") or ()])
 
 
 def summarise(rs: list[dict]) -> dict:

@@ -56,7 +56,7 @@ def time_it(fn, min_seconds: float) -> float:
 def cross_cpu_ns(rounds: int = 20_000, samples: int = 5) -> float | None:
     """How near the host placed the first two CPUs this process may run on: the median
     nanoseconds of a cache line's round trip between two threads pinned to them (`samples`
-    times `rounds` round trips, a few milliseconds). On a virtual machine it changes when the
+    times `rounds` round trips: 6-40 ms here). On a virtual machine it changes when the
     host moves the vCPUs (the 2-vCPU development machine: 60-90 ns near, 330-380 ns far,
     for seconds at a time), and so does what any data crossing between them costs: a
     gradient from a learner to the server, the weights between Hogwild's processes.
@@ -71,9 +71,12 @@ def cross_cpu_ns(rounds: int = 20_000, samples: int = 5) -> float | None:
         return None
 
 
-def placement(trips: list[float], taken: str = "before and after each run") -> str:
+def placement(trips: list[float | None], taken: str = "before and after each run") -> str | None:
     """One line on how near the CPUs were around a benchmark's runs (`cross_cpu_ns`, `taken`
-    when), and whether that changed while they ran."""
+    when), and whether that changed while they ran; None where none was measured."""
+    trips = [t for t in trips if t is not None]
+    if not trips:
+        return None
     low, high = min(trips), max(trips)
     line = f"a cache line's round trip between the first two CPUs, {taken}: {low:.0f}-{high:.0f} ns (median {median(trips):.0f})"
     if high > 2 * low:
