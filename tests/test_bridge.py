@@ -9,6 +9,7 @@ own region, joined by bridge ranks that mpiexec starts (rank r attaches to job J
   adagrad and momentum, since moves land outside the update rule), the
   local server applied every move the bridge published exactly once, and the bridges end
   cleanly when the jobs stop.
+- A move still in the ring when its job stops is applied by the stopping server and counted.
 - A killed rank does not hang the others: average ends on every other rank within the
   timeout, with a checkpoint, while the jobs keep serving; gossip goes on without it.
 - gossip with one rank slowed 10x (stopped 90 % of the time) keeps the others' exchange rate.
@@ -236,6 +237,35 @@ def _finish_job(job: str) -> None:
         h.cas("run_state", SERVING, STOPPING)
         _native.add32(h.addr("doorbell"), 1)
         _native.futex_wake(h.addr("doorbell"), 1)
+
+
+def _pending(job: str) -> bool:
+    """Whether some ring of `job` holds a published entry its server has not taken."""
+    with Region.attach(job, readonly=True) as region:
+        return any(region.entry(i).get("head") != region.entry(i).get("tail") for i in range(region.shape.capacity))
+
+
+def test_a_move_the_job_stopped_under_counts_once_the_stopping_server_applied_it(job, procs, bridges):
+    """The job stops while a move waits in the ring (the bridge's wait for it ends with "was
+    stopped"): the stopping server still applies it, and the report counts it as a move."""
+    server = _serve(procs, job, 2)
+    ranks = bridges(2, "--strategy", "average", "--every", 0.1, "--timeout", 20)
+    ranks.ready()
+    ranks.wait(lambda: all(len(ranks.of("exchange", r)) >= 2 for r in range(2)), 120, "two exchanges on every rank")
+    server.send_signal(signal.SIGSTOP)  # the servers take nothing from their rings
+    try:
+        wait_for(lambda: all(_pending(f"{job}-{r}") for r in range(2)), 30, "a move waiting in each ring")
+        for r in range(2):
+            _finish_job(f"{job}-{r}")
+        ranks.wait(lambda: ranks.log().count("was stopped") >= 2, 30, "each bridge to see its job stopped")
+    finally:
+        server.send_signal(signal.SIGCONT)
+    ended = ranks.finish(60)
+    assert sorted(ended) == [0, 1], ranks.log()[-3000:]
+    applied = _stop(server)
+    for r, end in ended.items():
+        assert end["reason"] == "every node finished" and end["lost"] == [], end
+        assert applied[r] == end["published"] == end["moves"] >= 3, (applied, end)
 
 
 @pytest.mark.parametrize("strategy", ["average", "elastic", "gossip"])

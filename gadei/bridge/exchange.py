@@ -39,7 +39,7 @@ class Report:
     job: str
     strategy: str
     exchanges: int = 0
-    moves: int = 0  # moves the server applied while the bridge waited for them
+    moves: int = 0  # moves the bridge saw the server apply (also one it applied while the job stopped)
     published: int = 0  # moves handed to the server's ring (it applies every one exactly once)
     seconds: float = 0.0
     exchange_seconds: float = 0.0
@@ -106,6 +106,7 @@ class BridgeRank:
         self.final: np.ndarray | None = None  # after run(): the job's model when every node finished (collective)
         self._spec = None
         self._published = 0  # moves handed to the servers before the current one (restarted since)
+        self._unconfirmed = 0  # moves in the ring when the job stopped: the stopping server still applies them
 
     def _emit(self, record: dict) -> None:
         record = {**record, "rank": self.rank}
@@ -168,7 +169,7 @@ class BridgeRank:
                         self._emit({"event": "server-died", "pid": node.server[0], "t": time.time()})
                         continue
                     leaving = broken or not serving
-                    if leaving and strategy.collective and node.finished(o.timeout / 4):
+                    if leaving and strategy.collective and self._finished(node):
                         final, leaving = np.empty_like(weights), False
                         node.snapshot(final)
                         log.info("bridge rank %d: job %r finished; taking part with its final weights until every "
@@ -195,6 +196,7 @@ class BridgeRank:
                     if kept is not None:
                         kept[:] = target
                     elif not leaving:
+                        before = node.published
                         try:
                             node.move(target, weights)
                             self.report.moves += 1
@@ -203,6 +205,8 @@ class BridgeRank:
                             # learn it at the next exchange (collective) or from BYE
                             log.warning("bridge rank %d: %s", self.rank, err)
                             broken = isinstance(err, GadeiTimeout)  # alive, but it did not apply the move
+                            if isinstance(err, JobStopped):  # published, unless the ring had no room
+                                self._unconfirmed += node.published - before
                     self._emit({"event": "exchange", "n": self.report.exchanges, "t": time.time(), "seconds": took,
                                 "version": seen, "peer": strategy.peer, "final": strategy.final})
                 if strategy.final:
@@ -283,6 +287,15 @@ class BridgeRank:
         self._emit({"event": "reattached", "pid": new.server[0], "version": new.version(), "t": time.time()})
         return new
 
+    def _finished(self, node: LocalNode) -> bool:
+        """The local job finished (LocalNode.finished): then the ring is drained, so the moves
+        published as it stopped were applied too."""
+        if not node.finished(self.options.timeout / 4):
+            return False
+        self.report.moves += self._unconfirmed
+        self._unconfirmed = 0
+        return True
+
     def _final_average(self, strategy: Strategy, weights: np.ndarray, broken: bool) -> None:
         """gossip: once the local job finished, one allreduce of every node's final weights
         (each node waits up to the timeout for the others to finish): their mean is the job's
@@ -291,7 +304,7 @@ class BridgeRank:
         while not broken and node.serving():  # no peers left, but the local job still trains
             node.beat()
             time.sleep(WAIT_SLICE)
-        if broken or strategy.lost or not node.finished(self.options.timeout / 4):
+        if broken or strategy.lost or not self._finished(node):
             return
         node.snapshot(weights)
         log.info("bridge rank %d: job %r finished; averaging the nodes' final weights", self.rank, self.job)
