@@ -56,6 +56,7 @@ def run_demo(args) -> int:
         elapsed = time.monotonic() - started
         local.stop()
         if any(codes):
+            local.keep_logs = True
             print(f"gadei demo: learners exited with {codes}; their logs are in {local.log_dir}")
             return 1
     accuracy = workload.evaluate(model, test)

@@ -7,6 +7,7 @@ process is `python -m gadei serve|learn ...`, readiness is polled with a deadlin
 
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -98,8 +99,9 @@ class LocalJob:
         job: the job name.
         serve_args: arguments after `gadei serve JOB`.
         learner_args: one list of arguments after `gadei learn JOB` per learner.
-        log_dir: where each child's output goes (`server.log`, `learner-<i>.log`); a
-            temporary folder by default.
+        log_dir: where each child's output goes (`server.log`, `learner-<i>.log`); by
+            default a temporary folder, which `close()` removes unless `keep_logs` was set
+            or an exception leaves the `with` block (then its path is logged).
         env: extra environment variables for the children.
         inherit: learner indices whose output goes to this process's stdout instead.
     """
@@ -110,6 +112,8 @@ class LocalJob:
         self.serve_args = serve_args
         self.learner_args = learner_args
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix=f"gadei-{job}-"))
+        self._temporary = log_dir is None
+        self.keep_logs = False  # True: close() leaves a temporary log folder (its caller names it to the user)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.env = {**os.environ, **(env or {})}
         self.inherit = inherit
@@ -187,7 +191,8 @@ class LocalJob:
             raise GadeiTimeout(f"job {self.job!r}: server process did not exit within {timeout:g} s") from None
 
     def close(self) -> None:
-        """Kill whatever still runs, reap every child, close the log files."""
+        """Kill whatever still runs, reap every child, close the log files; remove a
+        temporary log folder unless `keep_logs`."""
         for proc in [*self.learners, self.server]:
             if proc is not None and proc.poll() is None:
                 proc.send_signal(signal.SIGKILL)
@@ -199,9 +204,14 @@ class LocalJob:
         found = inspect(self.job)
         if found is not None and found.state == "leftover":
             remove(self.job)
+        if self._temporary and not self.keep_logs:
+            shutil.rmtree(self.log_dir, ignore_errors=True)
 
     def __enter__(self) -> "LocalJob":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, kind, error, trace) -> None:
+        if kind is not None and self._temporary:
+            self.keep_logs = True
+            log.warning("job %r: its processes' logs are in %s", self.job, self.log_dir)
         self.close()

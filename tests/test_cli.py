@@ -168,6 +168,32 @@ def test_bench_latency_reports_the_idle_pause_against_both_baselines(procs, tmp_
         assert w["pause_us"] == row["copy_plus_update_after_pause_us"] - row["copy_plus_update_us"]
 
 
+def test_a_local_job_removes_its_temporary_log_folder_unless_something_went_wrong(job, tmp_path, monkeypatch):
+    """`gadei bench latency` and `gadei demo` start their processes as a LocalJob: every run
+    left a folder of logs in /tmp. It is removed on close, and kept (its path logged) when an
+    error leaves the job's `with` block or the caller names it to the user (keep_logs)."""
+    import tempfile
+
+    from gadei.launch import LocalJob
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    for case in ("clean", "kept", "error"):
+        name = f"{job}-{case}"
+        try:
+            with LocalJob(name, ["--params", "1000", "--learners", "1"], []) as local:
+                local.start_server()
+                folder = local.log_dir
+                assert folder.parent == tmp_path and (folder / "server.log").exists()
+                local.stop()
+                local.keep_logs = case == "kept"
+                if case == "error":
+                    raise RuntimeError("a failure inside the job's block")
+        except RuntimeError:
+            assert case == "error"
+        assert folder.exists() == (case != "clean"), case
+        assert inspect(name) is None
+
+
 def test_bench_kernel_reports_sgd_adagrad_and_adam_against_torch(procs, tmp_path):
     """A smoke run of `gadei bench kernel`: the tables and the JSON hold every size and thread
     count, for both kernels (the figures themselves are for the README, not for a test)."""
