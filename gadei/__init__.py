@@ -1,8 +1,8 @@
 """gadei: a shared-memory scale-up parameter server for deep-learning training.
 
 A server process holds a job's weights in one POSIX shared-memory region and applies, in
-place and lock-free, every gradient its learners publish into their rings. See DESIGN in
-the README for the data flow; the public API is `Server`, `Learner` and the errors.
+place and lock-free, every gradient its learners publish into their rings. docs/how-it-works.md
+gives the data flow; the public API is `Server`, `Learner` and the errors.
 """
 
 from .errors import (

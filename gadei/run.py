@@ -3,7 +3,7 @@
 Everything that can be wrong with the job file and its data is found before anything
 starts (`gadei.jobfile`). Then the job runs as `gadei serve` with a watchdog that launches
 the learners (`--learner`), so a crashed learner or server is restarted from its last
-checkpoint (see the README's Checkpoints section). The output folder gets:
+checkpoint (docs/fault-tolerance.md). The output folder gets:
 
     job.toml        the job as run, with the defaults filled in (its processes read this one)
     labels.json     label names, index = the model's output

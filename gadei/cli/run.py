@@ -29,11 +29,12 @@ def add_parser(sub) -> None:
     p = sub.add_parser("run", help="run a job file in the foreground: server, watchdog, learners, outputs",
                        description="Check a job file and its data (any problem is refused before anything "
                        "starts), fill in the defaults, run the job with a watchdog that restarts what crashes, "
-                       "print progress, and leave the model, label and vocabulary maps, metrics.jsonl, "
-                       "checkpoints and logs in its output folder. See the README's Job files section. A job "
+                       "print progress, and leave the model chosen on validation, result.json, the label and "
+                       "vocabulary maps, metrics.jsonl, accuracy.png, checkpoints and logs in its output folder "
+                       "(docs/jobs.md). A job "
                        "file with a [bridge] section run as `mpiexec -n NODES gadei run JOB.toml` runs one node per "
                        "rank: rank R runs job NAME-rR in FOLDER/node-R with one ring more for the bridge, which it "
-                       "runs itself once its job serves (see the README's Across nodes section); alone, or as one "
+                       "runs itself once its job serves (docs/bridge.md); alone, or as one "
                        "rank, the file runs on one node.")
     p.add_argument("jobfile", help="the job's TOML file")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
