@@ -17,6 +17,7 @@ import time
 import psutil
 import pytest
 
+from gadei.outputs import epoch_records
 from gadei.region import Region, inspect
 from helpers import blobs_job, communicate, dead, end_jobs, finish, job_processes, learner_pids, unique_name, wait_for
 
@@ -210,6 +211,9 @@ def test_a_job_whose_gadei_run_and_watchdog_die_while_it_stops_is_ended_by_its_s
     path, name, out = small
     run = procs.gadei("run", path)
     roles = _when_training(name)
+    # an epoch done before the stop, whose metrics the server's outputs must keep (600 updates
+    # are not always learner 0's first epoch on a loaded machine: CI dry run, an empty metrics.jsonl)
+    wait_for(lambda: epoch_records(out), 180, "learner 0's first epoch record")
     run.send_signal(signal.SIGKILL)
     run.wait()
     os.kill(roles["server"], signal.SIGSTOP)  # held until the watchdog is gone, so that it cannot record the end
