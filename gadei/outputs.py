@@ -202,7 +202,7 @@ def _write(job: jobfile.Job, interrupted: bool, note: str, bridge: dict | None, 
     kind, message = outcome(job, metrics, ending, interrupted, note)
     result = {"job": job.name, "outcome": kind, "finished": kind == DONE, "message": message}
     if (out / "model.pt").exists() and kind in (DONE, STOPPED):
-        result.update(chosen(job, kind))
+        result.update(chosen(job, kind, since))
         if result["stopped"] == "patience":
             result["message"] = (f"training stopped when the validation accuracy had not improved for "
                                  f"{job.train.patience} evaluations")
@@ -216,11 +216,12 @@ def _write(job: jobfile.Job, interrupted: bool, note: str, bridge: dict | None, 
     return result
 
 
-def chosen(job: jobfile.Job, kind: str) -> dict:
+def chosen(job: jobfile.Job, kind: str, since: float | None = None) -> dict:
     """Hand back the model chosen on the validation set: model.pt becomes checkpoints/best.pt
     (learner 0's best evaluation, `gadei.selection`) in place of the weights the job ended
     with, and result.json's fields say which evaluation it is (epoch, version, validation
-    accuracy and loss) and why training stopped: "patience" (the validation accuracy stopped
+    accuracy and loss, and `seconds_to_best`: how long after `since`, the run's start, it was
+    made) and why training stopped: "patience" (the validation accuracy stopped
     improving), "cap" (the [train] epochs ran out) or "cancelled" (the job was stopped before
     either). A run without a selection (a bridged node's: the nodes' model is the one their
     bridge agreed on) keeps its last weights and says only why it stopped. Safe to repeat: a
@@ -240,6 +241,9 @@ def chosen(job: jobfile.Job, kind: str) -> dict:
     best = state.get("best") or {}
     fields.update({key: best[key] for key in ("epoch", "version", "validation_accuracy", "validation_loss")
                    if key in best})
+    at = best.get("at")
+    if since and isinstance(at, (int, float)) and at >= since:  # not for a best made before a resumed run's start
+        fields["seconds_to_best"] = round(at - since, 1)
     fields["evaluations"] = state.get("evaluations", 0)
     return fields
 

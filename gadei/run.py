@@ -293,7 +293,8 @@ def report(job: jobfile.Job, result: dict, elapsed: float) -> int:
               f"`gadei run --resume {job.path}`", flush=True)
         return 130  # as a shell reports a Ctrl-C'd command
     chose = (f", stopped by {result['stopped']}" if "stopped" in result else "") + (
-        f", chose epoch {result['epoch']:g} (validation accuracy {result['validation_accuracy']:.2%})"
+        f", chose epoch {result['epoch']:g} (validation accuracy {result['validation_accuracy']:.2%}"
+        + (f", reached after {result['seconds_to_best']:.0f} s" if "seconds_to_best" in result else "") + ")"
         if "epoch" in result else "")
     print(f"gadei run: job {job.name} done in {elapsed:.0f} s{chose}{accuracy}; model {out / 'model.pt'}", flush=True)
     return 0

@@ -39,6 +39,7 @@ class Evaluation:
     version: int
     validation_accuracy: float
     validation_loss: float
+    at: float = 0.0  # wall clock (time.time()) when it was made; 0: not known (a selection older than this field)
 
     def better_than(self, other: "Evaluation | None") -> bool:
         if other is None:

@@ -192,7 +192,7 @@ class _Chooser:
                 correct += int(right)
         n = max(1, len(self.validation))
         evaluation = Evaluation(epoch=epoch, version=version, validation_accuracy=correct / n,
-                                validation_loss=loss / n)
+                                validation_loss=loss / n, at=time.time())
         improved = self.selection.offer(evaluation, weights)
         best = self.selection.best
         return {"validation_loss": evaluation.validation_loss, "validation_accuracy": evaluation.validation_accuracy,

@@ -224,18 +224,21 @@ def test_bench_quality_quick_reports_gadei_and_pytorch_on_trec(procs, tmp_path):
     out_file = tmp_path / "quality.json"
     out, _ = finish(procs.gadei("bench", "quality", "--quick", "--out", out_file, "--train", "optimizer=adam,lr=0.001",
                                 env={**os.environ, "GADEI_DATA_DIR": str(data_dir())}), 900)
-    assert "epoch chosen" in out and "pytorch" in out and "gadei-2 optimizer=adam,lr=0.001" in out
+    assert "epoch chosen" in out and "to best s" in out and "pytorch" in out and "gadei-2 optimizer=adam,lr=0.001" in out
     quality = json.loads(out_file.read_text())["quality"]
     candidate = "gadei-2 optimizer=adam,lr=0.001"
     assert set(quality["summary"]) == {"trec"}
     assert set(quality["summary"]["trec"]) == {"gadei-1", "gadei-2", "pytorch", candidate}
     for config, runs in quality["runs"]["trec"].items():
         assert len(runs) == 1 and runs[0]["epoch"] == 1 and runs[0]["wall_seconds"] > 0, config
+        assert 0 < runs[0]["seconds_to_best"] <= runs[0]["wall_seconds"], (config, runs[0])
         assert runs[0]["test_accuracy"] > 0.3, (config, runs[0])  # 6 labels: chance is below 0.25
         assert runs[0]["stopped"] == "cap", config
     runs = quality["runs"]["trec"]
     assert (runs["gadei-2"][0]["optimizer"], runs["gadei-2"][0]["lr"]) == ("adagrad", 0.01)  # the defaults
     assert (runs[candidate][0]["optimizer"], runs[candidate][0]["lr"]) == ("adam", 0.001)  # the candidate's, as run
+    ratio = runs["gadei-2"][0]["seconds_to_best"] / runs["gadei-1"][0]["seconds_to_best"]
+    assert quality["to_best_2_over_1"]["trec"] == pytest.approx(ratio) and f"trec {ratio:.2f}x" in out
 
 
 def test_bench_quality_refuses_a_candidate_it_cannot_run(procs, tmp_path):

@@ -51,6 +51,32 @@ def test_a_best_model_newer_than_the_state_file_is_believed(tmp_path):
         selection.Selection.open(tmp_path, patience=3)
 
 
+def test_result_says_how_long_after_the_start_the_chosen_model_was_made(tmp_path):
+    """result.json's seconds_to_best: from the run's start to the evaluation that chose the
+    model handed back (the time to the final model); none for a best made before a resumed
+    run started, or kept by a selection older than the evaluations' times (read as before)."""
+    from gadei import jobfile, outputs
+    from helpers import small_job
+
+    (tmp_path / "job.toml").write_text(small_job("picked") + '\n[output]\nfolder = "out"\n')
+    job = jobfile.load(tmp_path / "job.toml", data_files=False)
+    folder = job.output / "checkpoints"
+    chosen = selection.Selection.open(folder, patience=3)
+    E = selection.Evaluation
+    chosen.offer(E(1, 10, 0.7, 0.9, at=1000.0), _weights(1.0))
+    chosen.offer(E(2, 20, 0.8, 0.8, at=1030.5), _weights(2.0))
+    chosen.offer(E(3, 30, 0.7, 0.8, at=1060.0), _weights(3.0))
+    fields = outputs.chosen(job, outputs.DONE, since=990.0)
+    assert (fields["epoch"], fields["seconds_to_best"]) == (2, 40.5)
+    assert "seconds_to_best" not in outputs.chosen(job, outputs.DONE, since=1040.0)  # resumed after it
+    state = json.loads((folder / selection.BEST_STATE).read_text())
+    del state["best"]["at"]
+    (folder / selection.BEST_STATE).write_text(json.dumps(state))
+    assert selection.Selection.open(folder, patience=3).best.epoch == 2
+    fields = outputs.chosen(job, outputs.DONE, since=990.0)
+    assert fields["epoch"] == 2 and "seconds_to_best" not in fields
+
+
 def test_a_restarted_learners_catch_up_fills_only_an_epoch_its_last_run_did_not_record(tmp_path):
     """Learner 0 killed between an epoch's last step and its record: the restarted one records
     that epoch ("restarted"); metrics.jsonl keeps an epoch's own record where there is one,
@@ -130,6 +156,10 @@ def test_gadei_run_stops_on_patience_and_hands_back_the_best_model(procs, tmp_pa
     assert len(metrics) < 12 and all("validation_accuracy" in m and "validation_loss" in m for m in metrics), seen
     best = max(metrics, key=lambda m: (m["validation_accuracy"], -m["validation_loss"]))
     assert result["epoch"] == best["epoch"] and result["validation_accuracy"] == best["validation_accuracy"]
+    # the time to the chosen model: after its epochs were trained, before the run ended
+    trained = sum(m["epoch_seconds"] for m in metrics if m["epoch"] <= best["epoch"])
+    assert trained - 2 <= result["seconds_to_best"] < result["seconds"], (trained, result)
+    assert f"reached after {result['seconds_to_best']:.0f} s" in out
     assert metrics[-1]["epoch"] == best["epoch"] + 1  # patience 1: one evaluation without improvement
     # model.pt is the best model's weights, not the last ones
     saved = torch.load(tmp_path / "out" / "model.pt", weights_only=True)
