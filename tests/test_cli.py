@@ -239,6 +239,24 @@ def test_bench_quality_quick_reports_gadei_and_pytorch_on_trec(procs, tmp_path):
     assert (runs[candidate][0]["optimizer"], runs[candidate][0]["lr"]) == ("adam", 0.001)  # the candidate's, as run
     ratio = runs["gadei-2"][0]["seconds_to_best"] / runs["gadei-1"][0]["seconds_to_best"]
     assert quality["to_best_2_over_1"]["trec"] == pytest.approx(ratio) and f"trec {ratio:.2f}x" in out
+    for config in ("gadei-1", "gadei-2"):  # one evaluation (one epoch): the chosen one, with its time
+        [evaluation] = runs[config][0]["evaluations"]
+        assert evaluation["seconds"] == pytest.approx(runs[config][0]["seconds_to_best"], abs=0.11), runs[config][0]
+    assert "time to 1 learner's chosen validation accuracy" in out and "trec" in quality["to_level_2_over_1"]
+
+
+def test_bench_quality_times_two_learners_to_one_learners_accuracy():
+    """The time to the same accuracy: when run two first reached the validation accuracy of
+    run one's chosen model, against when run one reached it."""
+    from gadei.bench.quality import to_level
+
+    one = {"validation_accuracy": 0.85, "seconds_to_best": 40.0}
+    two = {"evaluations": [{"epoch": 1, "validation_accuracy": 0.80, "seconds": 10.0},
+                           {"epoch": 2, "validation_accuracy": 0.86, "seconds": 20.0},
+                           {"epoch": 3, "validation_accuracy": 0.90, "seconds": 30.0}]}
+    assert to_level(one, two) == 0.5  # epoch 2, the first at or above 0.85
+    assert to_level({**one, "validation_accuracy": 0.95}, two) is None  # never reached
+    assert to_level({"validation_accuracy": 0.85}, two) is None  # a run without the times
 
 
 def test_bench_quality_refuses_a_candidate_it_cannot_run(procs, tmp_path):
