@@ -241,11 +241,20 @@ def chosen(job: jobfile.Job, kind: str, since: float | None = None) -> dict:
     best = state.get("best") or {}
     fields.update({key: best[key] for key in ("epoch", "version", "validation_accuracy", "validation_loss")
                    if key in best})
-    at = best.get("at")
-    if since and isinstance(at, (int, float)) and at >= since:  # not for a best made before a resumed run's start
-        fields["seconds_to_best"] = round(at - since, 1)
+    took = seconds_after(since, best.get("at"))
+    if took is not None:
+        fields["seconds_to_best"] = took
     fields["evaluations"] = state.get("evaluations", 0)
     return fields
+
+
+def seconds_after(since: float | None, at) -> float | None:
+    """Seconds from a run's start `since` to an evaluation made at `at` (both wall clock); None
+    where either is unknown, or the evaluation was made before the run started (a resumed
+    run's start comes after the evaluations of the runs before it)."""
+    if not since or not isinstance(at, (int, float)) or at < since:
+        return None
+    return round(at - since, 1)
 
 
 def evaluate(job: jobfile.Job) -> dict:

@@ -100,8 +100,9 @@ def _evaluations(out: Path) -> list[dict]:
 
     since = outputs.started(out)
     history = (selection.read_state(out / "checkpoints") or {}).get("history", [])
-    return [{"epoch": h["epoch"], "validation_accuracy": h["validation_accuracy"], "seconds": round(h["at"] - since, 1)}
-            for h in history if since and h.get("at")]
+    timed = [(h, outputs.seconds_after(since, h.get("at"))) for h in history]
+    return [{"epoch": h["epoch"], "validation_accuracy": h["validation_accuracy"], "seconds": seconds}
+            for h, seconds in timed if seconds is not None]
 
 
 def to_level(one: dict, two: dict) -> float | None:
