@@ -379,6 +379,24 @@ def test_predict_needs_only_the_output_folder_and_names_a_bad_model_file(procs, 
             assert "it names code (" in err and "nothing was run" in err, err
 
 
+def test_predict_takes_one_text_and_its_own_parser_says_so(capsys):
+    """`gadei predict FOLDER A B` (an unquoted text of two words): predict's usage and what it
+    takes, not the top-level usage with "unrecognized arguments"; words after an option too,
+    and an option it does not know is answered by predict's own parser."""
+    from gadei.cli import main
+
+    two = "argument TEXT: one text, got 2 ('A', 'B'): quote a text of several words, e.g. gadei predict runs/cr 'A B'"
+    for argv, message in [(["predict", "runs/cr", "A", "B"], two),
+                          (["predict", "runs/cr", "A", "--top", "2", "B"], two),
+                          (["predict", "runs/cr", "A", "--tpo", "2"], "unrecognized arguments: --tpo 2")]:
+        with pytest.raises(SystemExit) as exit:
+            main(argv)
+        err = capsys.readouterr().err
+        assert exit.value.code == 2
+        assert err.startswith("usage: gadei predict [-h] [--top N] RUN_DIR TEXT\n"), err
+        assert f"gadei predict: error: {message}" in err, err
+
+
 def _tiny_job(tmp_path, name: str, extra: str = "") -> "os.PathLike":
     data = tmp_path / "tiny.csv"
     rows = ["text,label"] + [f"how many {w} are there,NUM" for w in ("cats", "dogs", "cars", "ants")] + \

@@ -46,6 +46,9 @@ def main(argv=None) -> int:
         return 2
     if defaults:
         parser.verbs[argv[0]].set_defaults(**defaults)
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # the verb's own parser answers, with its usage (and the verb's words for them, if it has any)
+        said = getattr(args, "leftover", lambda _args, _extra: None)(args, extra)
+        parser.verbs[args.command].error(said or f"unrecognized arguments: {' '.join(extra)}")
     args.argv = argv  # how this command was started (the watchdog restarts a server with it)
     return console.run(args.func, args)

@@ -1,6 +1,7 @@
 """`gadei run` (a job file in the foreground) and `gadei predict` (a finished run's model)."""
 
 import logging
+import shlex
 
 log = logging.getLogger("gadei.cli")
 
@@ -49,7 +50,17 @@ def add_parser(sub) -> None:
     p = sub.add_parser("predict", help="the top labels of a finished run's model for a text",
                        description="Load the model, label and vocabulary maps of a `gadei run` output folder "
                        "and print the most likely labels of TEXT with their probabilities.")
-    p.add_argument("run_dir", help="a `gadei run` output folder")
-    p.add_argument("text")
-    p.add_argument("--top", type=int, default=3, help="labels to print (default 3)")
-    p.set_defaults(func=cmd_predict)
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a `gadei run` output folder")
+    p.add_argument("text", metavar="TEXT", help="one text (quote a text of several words)")
+    p.add_argument("--top", type=int, default=3, metavar="N", help="labels to print (default 3)")
+    p.set_defaults(func=cmd_predict, leftover=_more_texts)
+
+
+def _more_texts(args, extra: list[str]) -> str | None:
+    """What `gadei predict` says of arguments left over (`gadei.cli.main`): words of an unquoted
+    text; None for an option it does not know."""
+    if any(arg.startswith("-") for arg in extra):
+        return None
+    texts = [args.text, *extra]
+    return (f"argument TEXT: one text, got {len(texts)} ({', '.join(map(repr, texts))}): quote a text of several "
+            f"words, e.g. gadei predict {args.run_dir} {shlex.quote(' '.join(texts))}")
