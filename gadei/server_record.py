@@ -47,6 +47,42 @@ def drop_server_record(job: str, pid: int, started: float) -> None:
         pass
 
 
+def gone_server_records(jobs: list[str] | None = None) -> list[tuple[str, str, str]]:
+    """The server records in this user's runtime folder whose server is gone (killed, or
+    exited without dropping it), of `jobs` only when given: (job, path, which server it
+    named: "server pid 123", or "an unreadable record"). The record of a server that still
+    runs is kept for `gadei stop`; a file whose name is not a job's is not gadei's.
+
+    Raises:
+        PermissionError: the runtime folder is another user's or others may write to it.
+    """
+    import glob
+
+    from .env import runtime_dir
+    from .errors import GadeiError
+
+    gone = []
+    for path in sorted(glob.glob(os.path.join(runtime_dir(), "*.server.json"))):
+        job = os.path.basename(path)[: -len(".server.json")]
+        try:
+            if jobs and job not in jobs or _record_path(job) != path:
+                continue
+        except GadeiError:  # not a job name gadei writes: not ours to remove
+            continue
+        try:
+            with open(path) as handle:
+                record = json.load(handle)
+            pid, started = int(record["pid"]), float(record["start"])
+        except FileNotFoundError:  # its server dropped it meanwhile
+            continue
+        except (OSError, ValueError, KeyError, TypeError):
+            gone.append((job, path, "an unreadable record"))
+            continue
+        if not _proc.alive(pid, started):
+            gone.append((job, path, f"server pid {pid}"))
+    return gone
+
+
 def live_server(job: str) -> tuple[int, float, str] | None:
     """(pid, start time, where it was found) of `job`'s server when a process of this user runs
     as it: from the server's record, else from the region header's pid fields read as raw

@@ -147,6 +147,44 @@ def test_clean_removes_a_dead_watchdogs_state_once_its_job_is_gone(job, procs, t
     assert not state.exists()
 
 
+def test_clean_removes_the_records_of_servers_that_are_gone_and_keeps_live_ones(tmp_path, monkeypatch, capsys):
+    """A server killed with SIGKILL leaves its record (JOB.server.json) in the runtime folder:
+    `gadei clean` removes it (after saying so with --dry-run), and keeps the record of a server
+    that still runs (`gadei stop` finds that server by it) and of a job not named."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    from gadei.cli import main
+    from gadei.server_record import save_server_record
+
+    monkeypatch.setenv("GADEI_RUNTIME_DIR", str(tmp_path / "run"))
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    started = psutil.Process(dead.pid).create_time()
+    dead.wait()
+    me = psutil.Process()
+    gone, live, other = (f"rec-{os.getpid()}-{what}" for what in ("gone", "live", "other"))
+    save_server_record(gone, dead.pid, started)
+    save_server_record(live, me.pid, me.create_time())
+    save_server_record(other, dead.pid, started)
+    record = {job: tmp_path / "run" / f"{job}.server.json" for job in (gone, live, other)}
+    torn = tmp_path / "run" / f"rec-{os.getpid()}-torn.server.json"
+    torn.write_text('{"pid": ')
+
+    assert main(["clean", gone, live, "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert f"{gone}: would remove the record of server pid {dead.pid}, which is gone" in out, out
+    assert all(path.exists() for path in record.values())
+    assert main(["clean", gone, live]) == 0
+    out = capsys.readouterr().out
+    assert f"{gone}: removed the record of server pid {dead.pid}, which is gone" in out, out
+    assert not record[gone].exists() and record[live].exists() and record[other].exists() and torn.exists()
+    assert main(["clean", f"rec-{os.getpid()}-torn"]) == 0
+    assert "removed an unreadable record of a server" in capsys.readouterr().out and not torn.exists()
+    assert live not in out.replace(f"{live}: no region", "")
+
+
 def test_bench_latency_reports_the_idle_pause_against_both_baselines(procs, tmp_path):
     """A smoke run of `gadei bench latency`: every size, push and gap; for each paused row its
     ratio to the copy and update alone, warm and after the same pause (what the pause costs

@@ -1,4 +1,5 @@
-"""`gadei clean`: remove what crashed servers and dead watchdogs left behind."""
+"""`gadei clean`: remove what crashed servers and dead watchdogs left behind (regions, watchdog
+states, server records)."""
 
 import logging
 import os
@@ -37,6 +38,7 @@ def cmd_clean(args) -> int:
         removed += 1
         print(f"{job}: removed {SHM_DIR}/gadei-{job} ({what}, {found.size / 1e6:.1f} MB)")
     _clean_watchdog_states(args)
+    _clean_server_records(args)
     if not args.dry_run:
         print(f"gadei: removed {removed} region(s)", file=sys.stderr)
     return 0
@@ -69,8 +71,31 @@ def _clean_watchdog_states(args) -> None:
         print(f"{job}: removed the dead watchdog's state {path}")
 
 
+def _clean_server_records(args) -> None:
+    """Remove the records of servers that are gone (`JOB.server.json`, kept outside the region
+    for `gadei stop`); a live server's record stays."""
+    from ..server_record import gone_server_records
+
+    try:
+        gone = gone_server_records(args.jobs)
+    except PermissionError as err:
+        print(f"gadei: server records skipped: {err}", file=sys.stderr)
+        return
+    for job, path, which in gone:
+        what = f"the record of {which}, which is gone" if which.startswith("server") else f"{which} of a server"
+        if args.dry_run:
+            print(f"{job}: would remove {what} ({path})")
+            continue
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            continue
+        print(f"{job}: removed {what} ({path})")
+
+
 def add_parser(sub) -> None:
-    p = sub.add_parser("clean", help="remove regions left behind by crashed servers (and dead watchdogs' state)")
+    p = sub.add_parser("clean", help="remove regions left behind by crashed servers (and dead watchdogs' state and "
+                       "dead servers' records)")
     p.add_argument("jobs", nargs="*", help="jobs to clean (default: all of this user's leftovers)")
     p.add_argument("--force", action="store_true", help="also remove objects that are not readable gadei regions")
     p.add_argument("--dry-run", action="store_true", help="say what would be removed")
