@@ -189,25 +189,36 @@ def as_flag(name: str, value: Any) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls, *,
-                  skip: tuple[str, ...] = (), only: tuple[str, ...] | None = None) -> None:
+                  skip: tuple[str, ...] = (), only: tuple[str, ...] | None = None,
+                  exclusive: tuple[tuple[str, ...], ...] = ()) -> None:
     """A flag for each option of `cls` that has one (`--name-with-dashes`), its help and default
     from the declaration; a flag's value is checked as a job file's is ("auto" taken for an
-    `auto` option). `skip`: options left out; `only`: just these (a mutually exclusive group's)."""
+    `auto` option). `skip`: options left out; `only`: just these; `exclusive`: sets of options
+    given one at a time, each a mutually exclusive group where its first option is declared (the
+    usage shows `[--a N | --b S]`, and argparse refuses two of them)."""
+    groups: dict[tuple[str, ...], argparse._MutuallyExclusiveGroup] = {}
     for f in declared(cls):
         meta = f.metadata["option"]
         if not meta["flag"] or f.name in skip or only is not None and f.name not in only:
             continue
+        names = next((names for names in exclusive if f.name in names), None)
+        if names is not None:
+            if names not in groups:
+                groups[names] = parser.add_mutually_exclusive_group()
+            parser_of_this = groups[names]
+        else:
+            parser_of_this = parser
         kind, optional = _types(cls, f)
         default = meta["shown"] or ("auto" if f.default is None and meta["auto"] else "none" if f.default is None else "on" if f.default is True else
                                     "off" if f.default is False else f"{f.default:g}" if kind is float else
                                     str(f.default))
         text = f"{meta['help']} (default {default})"
         if kind is bool:
-            parser.add_argument(flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
-                                help=text)
+            parser_of_this.add_argument(flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction,
+                                        default=f.default, help=text)
             continue
-        parser.add_argument(flag(f.name), dest=f.name, type=_parser(cls, f.name, kind), default=f.default,
-                            choices=meta["choices"], metavar=meta["metavar"], help=text)
+        parser_of_this.add_argument(flag(f.name), dest=f.name, type=_parser(cls, f.name, kind), default=f.default,
+                                    choices=meta["choices"], metavar=meta["metavar"], help=text)
 
 
 def _parser(cls, name: str, kind: type) -> Callable[[str], Any]:

@@ -117,8 +117,12 @@ def test_the_job_file_and_the_bridge_flags_refuse_options_that_conflict_alike(tm
     argv = [a for k, v in given.items() for a in (options.flag(k), str(v))]
     flag = subprocess.run([sys.executable, "-m", "gadei", "bridge", "x", *argv], capture_output=True, text=True,
                           timeout=60)
-    assert flag.returncode == 2 and why in flag.stderr, flag.stderr
-    assert all(f"{options.flag(k)} {v}" in flag.stderr for k, v in given.items()), flag.stderr
+    if set(given) == {"interval", "every"}:  # alternatives in the usage: the parser refuses them together
+        assert flag.returncode == 2 and "error: argument --every: not allowed with argument --interval" in \
+            flag.stderr and "[--interval N | --every S]" in flag.stderr, flag.stderr
+    else:
+        assert flag.returncode == 2 and why in flag.stderr, flag.stderr
+        assert all(f"{options.flag(k)} {v}" in flag.stderr for k, v in given.items()), flag.stderr
     with pytest.raises(BridgeError, match=f"^bridge options: .*{re.escape(why)}"):
         BridgeOptions(**given).check(2)
     alone = dict(list(given.items())[1:])  # without the first, the rest is fine
@@ -132,6 +136,13 @@ def test_the_bridge_flags_make_the_bridge_options():
         BridgeOptions(bucket_mb=None, every=0.5)
     assert options.from_args(BridgeOptions, parse(["job", "--bucket-mb", "0", "--float16"])) == \
         BridgeOptions(bucket_mb=0.0, float16=True)
+
+
+def test_the_bridge_usage_shows_interval_and_every_as_alternatives():
+    """Exchanges are scheduled by versions or by seconds, never both: `gadei bridge --help`
+    shows the two flags as alternatives, where the schedule is declared among the options."""
+    usage = " ".join(build_parser().verbs["bridge"].format_usage().split())
+    assert "[--strategy {average,elastic,gossip}] [--interval N | --every S] [--alpha ALPHA]" in usage, usage
 
 
 @pytest.mark.parametrize("document, where", [("jobs.md", "[bridge]"), ("bridge.md", "Options:"),

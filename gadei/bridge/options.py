@@ -16,6 +16,7 @@ log = logging.getLogger(__name__)
 
 STRATEGY_NAMES = ("average", "elastic", "gossip")  # the classes: gadei.bridge.exchange.STRATEGIES
 DEFAULT_INTERVAL = 100  # local versions between exchanges when neither interval nor every is given
+SCHEDULES = ("interval", "every")  # the exchange schedule: after local versions or every seconds, one of them
 
 
 # An exchange's flag element: 1 from a rank whose job finished, LEAVING from one that leaves
@@ -35,7 +36,9 @@ class BridgeOptions:
     node_lr is the job file's alone, `gadei bridge` attaching to a job already served at its
     rate (`gadei serve --lr`).
 
-    Both refuse the same values, and the same pairs (`conflict`).
+    Both refuse the same values, and the same pairs (`conflict`); `gadei bridge` shows interval
+    and every as alternatives (`[--interval N | --every S]`), and its parser refuses the two
+    together before `conflict` would.
 
     Attributes:
         strategy: 'average', 'elastic' or 'gossip'.

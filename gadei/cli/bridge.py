@@ -1,7 +1,7 @@
 """`gadei bridge`: one MPI rank per node joins the nodes' jobs into one."""
 
 from ..bridge.mpi import BridgeError
-from ..bridge.options import BridgeOptions
+from ..bridge.options import SCHEDULES, BridgeOptions
 from ..options import add_arguments, as_flag, from_args
 
 
@@ -9,7 +9,8 @@ def cmd_bridge(args) -> int:
     from ..bridge import main as bridge_main
 
     options = from_args(BridgeOptions, args)
-    conflict = options.conflict(as_flag)  # before MPI: refused as a job file's [bridge] refuses it
+    conflict = options.conflict(as_flag)  # before MPI: refused as a job file's [bridge] refuses it (argparse
+    # already refused --interval with --every: alternatives in the usage)
     if conflict is not None:
         raise BridgeError(conflict)
     return bridge_main(args.job, options, per_rank=args.job_per_rank)
@@ -28,7 +29,7 @@ def add_parser(sub) -> None:
                        "--timeout, average and elastic end every rank's exchanges (exit 3, after a checkpoint with "
                        "--checkpoint-dir) and gossip stops pairing with it; the local jobs keep training.")
     p.add_argument("job", help="the local job; '{rank}' in it is replaced by this rank's number")
-    add_arguments(p, BridgeOptions)
+    add_arguments(p, BridgeOptions, exclusive=(SCHEDULES,))
     p.add_argument("--job-per-rank", action="store_true", help="rank r attaches to job JOB-r (nodes simulated on "
                    "one machine)")
     p.set_defaults(func=cmd_bridge)
