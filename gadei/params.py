@@ -6,6 +6,7 @@ names the first parameter that differs. Buffers (e.g. batch-norm statistics) are
 shared: each learner keeps its own.
 """
 
+import contextlib
 import math
 import os
 
@@ -108,10 +109,22 @@ def flatten_into(model: torch.nn.Module, flat: np.ndarray) -> None:
 
 def save(state: dict[str, torch.Tensor], path: str) -> None:
     """Write a state dict that `torch.load(path, weights_only=True)` reads, atomically (a
-    temporary file renamed over `path`)."""
+    temporary file renamed over `path`), mode 0600 whatever the umask: a model is as private
+    as `gadei run`'s model.pt (`gadei serve --save`, `gadei bridge --save`)."""
     tmp = f"{path}.tmp{os.getpid()}"
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)  # a leftover temporary file keeps its mode through O_TRUNC
+        with os.fdopen(fd, "wb") as out:
+            fd = -1
+            torch.save(state, out)
+        os.replace(tmp, path)
+    except BaseException:
+        if fd >= 0:
+            os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def state_dict(spec: Spec, flat: np.ndarray) -> dict[str, torch.Tensor]:

@@ -185,6 +185,26 @@ def test_clean_removes_the_records_of_servers_that_are_gone_and_keeps_live_ones(
     assert live not in out.replace(f"{live}: no region", "")
 
 
+def test_serve_saves_the_final_weights_private_whatever_the_umask(job, tmp_path):
+    """`gadei serve --save` writes the weights 0600 under a umask of 022, as `gadei run` writes
+    its model.pt (another local user read them); the server's own save, in this process."""
+    from gadei.server import Server
+
+    model = torch.nn.Linear(4, 2)
+    server = Server(job, model=model, learners=1)
+    try:
+        old = os.umask(0o022)
+        try:
+            server.save(str(tmp_path / "final.pt"))
+        finally:
+            os.umask(old)
+    finally:
+        server.close()
+    assert (tmp_path / "final.pt").stat().st_mode & 0o777 == 0o600
+    assert [p.name for p in tmp_path.iterdir()] == ["final.pt"]  # no temporary file left
+    assert torch.equal(torch.load(tmp_path / "final.pt", weights_only=True)["weight"], model.weight.detach())
+
+
 def test_bench_latency_reports_the_idle_pause_against_both_baselines(procs, tmp_path):
     """A smoke run of `gadei bench latency`: every size, push and gap; for each paused row its
     ratio to the copy and update alone, warm and after the same pause (what the pause costs

@@ -255,7 +255,8 @@ def add_parser(sub) -> None:
     p.add_argument("--spin-us", type=float, help="microseconds to spin for work before sleeping (GADEI_SPIN_US)")
     p.add_argument("--replace", action="store_true", help="replace a region left behind by a crashed server")
     p.add_argument("--grace", type=float, default=5.0, help="seconds to wait for learners to leave on stop")
-    p.add_argument("--save", help="write the final weights here (a state dict torch.load reads)")
+    p.add_argument("--save", help="write the final weights here (a state dict torch.load reads; mode 0600 whatever "
+                   "the umask, as `gadei run`'s model.pt)")
     p.add_argument("--checkpoint-dir", help="checkpoints go here: the job's watchdog takes one every "
                    "--checkpoint-every seconds and restarts a crashed server from the newest; one more at clean stop")
     p.add_argument("--checkpoint-every", type=float, default=CheckpointOptions.interval,
