@@ -8,7 +8,7 @@
 | GADEI_SERVER_TIMEOUT | seconds without a server heartbeat before a waiting learner gives up | 30 |
 | GADEI_LOG | log level of the command-line tools (DEBUG, INFO, WARNING) | INFO |
 | GADEI_DATA_DIR | folder of the shared text data sets (tests, `gadei learn --data trec`) | ../shared/data |
-| GADEI_STATE_DIR | the daemon's job records | $XDG_STATE_HOME/gadei, else ~/.local/state/gadei |
+| GADEI_STATE_DIR | the daemon's state folder: its lock, and the job records in its jobs/ | $XDG_STATE_HOME/gadei, else ~/.local/state/gadei |
 | GADEI_RUNTIME_DIR | this user's folder for gadei's runtime files (a watchdog's state, for `gadei serve --adopt`) | $XDG_RUNTIME_DIR/gadei, else /tmp/gadei-UID |
 
 Two more are read outside Python: GADEI_NO_OPENMP=1 at build time (setup.py builds the

@@ -414,3 +414,34 @@ def test_a_job_lives_while_the_watchdog_that_recorded_its_end_writes_its_outputs
     finally:
         writer.kill()
         writer.wait()
+
+
+@pytest.mark.parametrize("xdg", [False, True], ids=["home", "xdg-state-home"])
+def test_job_records_are_where_the_docs_say(tmp_path, monkeypatch, xdg):
+    """Without GADEI_STATE_DIR the daemon keeps a job's record in the jobs/ folder of
+    $XDG_STATE_HOME/gadei, else of ~/.local/state/gadei; docs/jobs.md, daemon.md and cli.md each
+    name that folder, in those words (once they disagreed on it)."""
+    from pathlib import Path
+
+    from gadei.daemon.jobs import Daemon, JobRecord
+
+    monkeypatch.delenv("GADEI_STATE_DIR")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    if xdg:
+        monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "xdg"))
+    else:
+        monkeypatch.delenv("XDG_STATE_HOME", raising=False)
+    daemon = Daemon()
+    try:
+        daemon._save(JobRecord(name="rec", jobfile=str(tmp_path / "rec.toml"), output=str(tmp_path / "out")))
+    finally:
+        daemon.close()
+    folder = tmp_path / "xdg" / "gadei" / "jobs" if xdg else tmp_path / "home" / ".local" / "state" / "gadei" / "jobs"
+    assert [p.name for p in folder.iterdir()] == ["rec.json"]
+
+    said = "`$GADEI_STATE_DIR/jobs/`, default `$XDG_STATE_HOME/gadei/jobs/`, else `~/.local/state/gadei/jobs/`"
+    docs = Path(__file__).resolve().parent.parent / "docs"
+    for name in ("jobs.md", "daemon.md", "cli.md"):
+        text = " ".join((docs / name).read_text().split())
+        assert said in text, name
+        assert text.count(".local/state/gadei") == text.count(".local/state/gadei/jobs/"), name

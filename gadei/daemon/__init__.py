@@ -5,9 +5,9 @@ The socket is `daemon.sock` in the user's runtime folder (`gadei.env.runtime_dir
 0700), itself mode 0600, and every request's peer uid is read with SO_PEERCRED: a request
 from another user is refused even where the file modes would let it through.
 
-Each job's record is a JSON file in the state folder (`GADEI_STATE_DIR`, default
-`$XDG_STATE_HOME/gadei` or `~/.local/state/gadei`), written atomically on every change, so
-a daemon that is restarted knows every job's state and output. Jobs run in sessions of
+Each job's record is a JSON file in the state folder's jobs/ (`$GADEI_STATE_DIR/jobs/`,
+default `$XDG_STATE_HOME/gadei/jobs/` or `~/.local/state/gadei/jobs/`), written atomically
+on every change, so a daemon that is restarted knows every job's state and output. Jobs run in sessions of
 their own: a daemon that stops or dies leaves them running, and the next one finds them
 again by pid and start time (or, if they ended meanwhile, by their result.json). A job whose
 `gadei run` died while the job went on under its watchdog is `orphaned`: followed by its
