@@ -1,4 +1,5 @@
-"""The suite's options (--soak), markers and fixtures: unique job names, real child processes
+"""The suite's two tiers (the default one, and the long one that --long adds), the --soak
+option, markers and fixtures: unique job names, real child processes
 that are always reaped, mpiexec's environment (`mpi_env`), a runtime folder of the suite's
 own. Every region a test's job created is removed at the end even if the test failed. What
 tests import is in helpers.py.
@@ -16,24 +17,32 @@ from gadei.region import inspect, remove
 
 
 def pytest_addoption(parser):
+    parser.addoption("--long", action="store_true",
+                     help="also run the long tier (tests marked long: the accuracy medians over seeds, the "
+                          "fault-injection scenarios, the deep protocol-model checks); `--long -m long` runs it alone")
     parser.addoption("--soak", action="store_true",
-                     help="also run the long opt-in tests (marked soak: the rest of the fault-injection suite)")
+                     help="also run the long tier and the soak runs (marked soak: accuracy on SST-2 and banking77, "
+                          "the rest of the fault scenarios, the bridge's repeated runs; in neither tier, not in CI)")
 
 
 def pytest_configure(config):
     config.addinivalue_line(
-        "markers", "slow: end-to-end training runs of a few minutes (in the default suite; -m 'not slow' skips them)"
+        "markers", "long: the long tier (minutes a test: accuracy medians, fault scenarios, deep model checks), "
+                   "skipped unless --long is given"
     )
-    config.addinivalue_line("markers", "soak: long runs, skipped unless --soak is given")
+    config.addinivalue_line("markers", "soak: soak runs (tens of minutes), skipped unless --soak is given")
 
 
 def pytest_collection_modifyitems(config, items):
-    if config.getoption("--soak"):
-        return
-    skip = pytest.mark.skip(reason="a long soak run: give --soak to run it")
+    soak = config.getoption("--soak")  # the soak runs come on top of both tiers
+    skips = {marker: pytest.mark.skip(reason=f"{why}: give --{marker} to run it")
+             for marker, why, given in (("long", "in the long tier", config.getoption("--long") or soak),
+                                        ("soak", "a soak run", soak))
+             if not given}
     for item in items:
-        if "soak" in item.keywords:
-            item.add_marker(skip)
+        for marker, skip in skips.items():
+            if marker in item.keywords:
+                item.add_marker(skip)
 
 
 @pytest.fixture(autouse=True, scope="session")
