@@ -1,13 +1,22 @@
-"""End to end: two learners and a server train the text CNN on TREC as well as one learner does.
+"""End to end, by hand: `gadei serve` and two `gadei learn` processes, each learner on its shard,
+train the text CNN on TREC.
 
-Each run is a real job: `gadei serve` plus `gadei learn` processes, each learner on its
-shard of the data, for the same number of epochs over the whole training set (so both
-runs do the same total work). The test accuracy is that of the server's final weights.
-Test accuracy on TREC's 500 questions moves by a point or two between seeds, so the
-comparison is of the mean over SEEDS seeds.
+The layer under `gadei run`: a server started with its flags, learners started with theirs
+(`--shard i/2`), each reporting its epochs, and the server's final weights read from its
+region. Each learner sees every sample of its shard once an epoch, one update per
+mini-batch, so the final version is the sum of the learners' steps and the shards together
+cover the training set; and the weights learn. Whether two learners lose accuracy against
+one, over seeds and `gadei run`'s defaults, is `tests/test_accuracy.py`'s claim (the long
+tier); this is the fast check of the hand-run job, on a budget of EPOCHS epochs.
+
+FLOOR was measured with this very budget (EPOCHS epochs, batch BATCH, lr LR, two learners):
+over seeds 0-5 the final weights scored 83.6-88.4% on TREC's test set (86.7% the median;
+`python tests/test_e2e.py` prints the figure of each seed again), so a run below FLOOR is a
+broken job, not noise.
 """
 
 import json
+import sys
 import time
 
 import pytest
@@ -17,10 +26,11 @@ from gadei import params
 from gadei.launch import LocalJob
 from gadei.region import Region
 
-EPOCHS = 8
+EPOCHS = 2
 BATCH = 2
 LR = 0.05
-SEEDS = (0, 1)
+SEED = 0
+FLOOR = 0.80
 
 
 def _train(tmp_path, learners: int, seed: int) -> dict:
@@ -36,31 +46,39 @@ def _train(tmp_path, learners: int, seed: int) -> dict:
              for i in range(learners)]
     with LocalJob(job, serve, learn, log_dir=tmp_path) as local:
         local.start()
-        codes = local.wait_learners(timeout=1200)
+        codes = local.wait_learners(timeout=600)
         assert codes == [0] * learners, [local.log(f"learner-{i}") for i in range(learners)]
         with Region.attach(job, readonly=True) as region:
             model = workload.build_model(train, seed)
             model.load_state_dict(params.state_dict(region.read_spec(), region.weights))
             version = region.header.get("version")
         local.stop()
-        epochs = [json.loads(line) for i in range(learners)
+        epochs = [{**json.loads(line), "shard": i} for i in range(learners)  # learner i ran shard i/learners
                   for line in local.log(f"learner-{i}").splitlines() if line.startswith("{")]
-    return {"accuracy": workload.evaluate(model, test), "version": version, "epochs": epochs}
+    return {"accuracy": workload.evaluate(model, test), "version": version, "epochs": epochs, "train": len(train)}
 
 
-@pytest.mark.slow
-def test_two_learners_reach_the_accuracy_of_one_on_trec(tmp_path):
+def test_serve_and_two_learners_on_their_shards_train_trec(tmp_path):
     if not (data_dir() / "trec" / "TREC.train").exists():
         missing(f"TREC is not at {data_dir() / 'trec'} (set GADEI_DATA_DIR)")
-    runs = {1: [], 2: []}
-    for seed in SEEDS:
-        for learners in (1, 2):
-            result = _train(tmp_path / f"{learners}-{seed}", learners, seed)
-            runs[learners].append(result)
-            # the same total work: every sample seen EPOCHS times, one update per mini-batch
-            assert result["version"] == sum(e["steps"] for e in result["epochs"])
-    accuracy = {n: [r["accuracy"] for r in rs] for n, rs in runs.items()}
-    mean = {n: sum(a) / len(a) for n, a in accuracy.items()}
-    assert min(accuracy[2]) >= 0.85, accuracy
-    assert min(accuracy[1]) >= 0.85, accuracy
-    assert mean[2] >= mean[1] - 0.01, accuracy
+    result = _train(tmp_path, 2, SEED)
+    epochs = [e for e in result["epochs"] if e.get("event") == "epoch"]
+    assert sorted((e["shard"], e["epoch"]) for e in epochs) == [(i, n) for i in (0, 1) for n in range(1, EPOCHS + 1)]
+    # each shard's samples once an epoch, one update per mini-batch of BATCH: the shards cover the set
+    shard = {i: (result["train"] - i + 1) // 2 for i in (0, 1)}
+    assert sorted(e["steps"] for e in epochs) == sorted(-(-shard[e["shard"]] // BATCH) for e in epochs)
+    # every mini-batch of both schedules applied once
+    assert result["version"] == sum(e["steps"] for e in epochs)
+    assert result["accuracy"] >= FLOOR, result["accuracy"]
+
+
+if __name__ == "__main__":  # the figure FLOOR was set from: this test's budget over seeds 0-5
+    import tempfile
+    from pathlib import Path
+
+    for seed in range(6):
+        with tempfile.TemporaryDirectory() as folder:
+            started = time.monotonic()
+            result = _train(Path(folder), 2, seed)
+            print(f"seed {seed}: {result['accuracy']:.2%} in {time.monotonic() - started:.0f} s", flush=True)
+    sys.exit(0)
