@@ -10,8 +10,8 @@ point to one learner (async Hogwild updates from stale weights must not cost acc
 Hogwild runs are not deterministic: on SST-2, same-seed runs with two learners ended
 between 77.6% and 79.2%. So each side is the median over SEEDS (the job's seed: initial
 weights, data order, dropout), and the comparison is of those medians. TREC runs in the
-default suite with two seeds (about seven minutes here); SST-2 and banking77 run with
-`--soak`, three seeds each (about ten and twenty minutes on a 2-core machine).
+long tier (`--long`) with two seeds (four to eight minutes on a 2-core machine); SST-2 and
+banking77 run with `--soak`, three seeds each (about ten and twenty minutes).
 """
 
 import statistics
@@ -64,7 +64,7 @@ def _run(procs, folder, case: str, learners: int, seed: int) -> dict:
 
 
 @pytest.mark.parametrize("case", [
-    pytest.param("trec", marks=pytest.mark.slow),
+    pytest.param("trec", marks=pytest.mark.long),
     pytest.param("sst2", marks=pytest.mark.soak),
     pytest.param("banking77", marks=pytest.mark.soak),
 ])

@@ -49,7 +49,16 @@ def _by_name(name):
 
 # ------------------------------------------------------------------ the model verifies
 
-@pytest.mark.parametrize("name", [c.name for c in check.CHECKS if c.expect is None and not c.deep])
+LONG_CHECKS = ("kill-after-release",)  # under a minute, but the longest of the rest by far
+
+
+def _tiered(checks):
+    """The checks' names as test parameters: a deep check (minutes, GBs) and LONG_CHECKS are in
+    the long tier."""
+    return [pytest.param(c.name, marks=pytest.mark.long) if c.deep or c.name in LONG_CHECKS else c.name for c in checks]
+
+
+@pytest.mark.parametrize("name", _tiered(c for c in check.CHECKS if c.expect is None))
 def test_the_model_verifies(name, tmp_path):
     _need_tools()
     result = check.run(_by_name(name), tmp_path)
@@ -61,7 +70,7 @@ def test_the_model_verifies(name, tmp_path):
 
 # ------------------------------------------------------------------ mistakes are found
 
-@pytest.mark.parametrize("name", [c.name for c in check.CHECKS if c.expect is not None and not c.deep])
+@pytest.mark.parametrize("name", _tiered(c for c in check.CHECKS if c.expect is not None))
 def test_a_faulty_variant_gives_a_counter_example(name, tmp_path):
     _need_tools()
     variant = _by_name(name)

@@ -1,5 +1,6 @@
-"""The fast subset of the fault-injection suite (the full randomized one: `python
-tests/faults/run.py`; see harness.py for what each scenario does and checks).
+"""The fault-injection scenarios, in the long tier (`--long`): the fast subset, and with
+`--soak` the rest (the full randomized suite: `python tests/faults/run.py`; see harness.py for
+what each scenario does and checks).
 
 Each test runs a real job (server, watchdog, three launched learners training the text CNN
 on TREC), injects one fault and checks that the job finishes with every mini-batch of its
@@ -18,7 +19,7 @@ import pytest
 import harness
 from helpers import missing
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.long
 
 FAST = [name for name, s in harness.SCENARIOS.items() if s.fast]
 SLOW = [name for name, s in harness.SCENARIOS.items() if not s.fast]
