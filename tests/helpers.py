@@ -41,6 +41,15 @@ HERE = Path(__file__).resolve().parent
 WORKER = HERE / "worker.py"
 
 
+def tiered(cases, default) -> list:
+    """Parameters of a test whose cases are variations of one claim: the cases in `default` run
+    in the default tier, the others are marked long (the long tier, `--long`). A case is a
+    value or a tuple of values, as `pytest.mark.parametrize` takes them."""
+    return [case if case in default else pytest.param(*(case if isinstance(case, tuple) else (case,)),
+                                                      marks=pytest.mark.long)
+            for case in cases]
+
+
 def data_dir() -> Path:
     """The shared data sets: GADEI_DATA_DIR, else ../shared/data next to the repository."""
     return Path(os.environ.get("GADEI_DATA_DIR") or HERE.parent.parent / "shared" / "data")

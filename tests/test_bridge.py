@@ -33,7 +33,7 @@ import psutil
 import pytest
 
 import gadei
-from helpers import EXEC, finish, json_lines, read_line, wait_for
+from helpers import EXEC, finish, json_lines, read_line, tiered, wait_for
 from gadei._proc import gadei_command
 from gadei.bridge import STRATEGIES, STRATEGY_NAMES, BridgeError, LocalNode, local_mpiexec
 from gadei.layout import SERVING
@@ -194,13 +194,17 @@ def test_bucketed_and_float16_sums_match_the_float32_sum(mpi_env):
 
 @pytest.mark.parametrize(
     "strategy, mode, rule, nodes, options",
-    [
+    tiered([
         ("average", "async", [], 2, ["--bucket-mb", "0"]),
         ("average", "consistent", ["--optimizer", "adagrad"], 3, ["--bucket-mb", "0.05", "--float16"]),
         ("average", "elastic", [], 2, []),
         ("elastic", "async", ["--momentum", "0.9"], 2, ["--bucket-mb", "0.05"]),
         ("gossip", "async", ["--optimizer", "adagrad"], 2, []),
-    ],
+    ], default=[  # each strategy once; a third node, float16 buckets and an elastic job: --long
+        ("average", "async", [], 2, ["--bucket-mb", "0"]),
+        ("elastic", "async", ["--momentum", "0.9"], 2, ["--bucket-mb", "0.05"]),
+        ("gossip", "async", ["--optimizer", "adagrad"], 2, []),
+    ]),
 )
 def test_every_strategy_brings_the_nodes_to_their_mean_through_the_ring(job, procs, bridges, strategy, mode, rule,
                                                                         nodes, options):
@@ -268,7 +272,7 @@ def test_a_move_the_job_stopped_under_counts_once_the_stopping_server_applied_it
         assert applied[r] == end["published"] == end["moves"] >= 3, (applied, end)
 
 
-@pytest.mark.parametrize("strategy", ["average", "elastic", "gossip"])
+@pytest.mark.parametrize("strategy", tiered(["average", "elastic", "gossip"], default=["average"]))
 def test_nodes_that_finished_end_with_one_model_which_every_rank_saves(job, procs, bridges, strategy, tmp_path):
     """A node whose job finished keeps its part (average, elastic: the others go on exchanging
     with it) until every node finished; then every rank has the same model (average, gossip:
@@ -371,6 +375,7 @@ def test_average_under_training_gives_every_node_the_mean_at_each_exchange(job, 
         assert np.abs(targets[0] - sent.mean(axis=0)).max() <= tolerance, n  # the mean of what they sent
 
 
+@pytest.mark.long  # mpiexec runs of 10-20 s: average's are the default tier's
 def test_elastic_under_training_moves_each_node_by_alpha_and_the_centre_by_the_sum(job, procs, bridges, tmp_path):
     """node i: w_i - alpha (w_i - c); centre: c + alpha sum_i (w_i - c), at the documented
     default alpha = 0.9 / nodes; the first exchange sets the centre to the mean."""
@@ -402,6 +407,7 @@ def test_elastic_under_training_moves_each_node_by_alpha_and_the_centre_by_the_s
         centre = after[0].astype(np.float64)
 
 
+@pytest.mark.long  # mpiexec runs of 10-20 s: average's are the default tier's
 def test_gossip_under_training_averages_exactly_one_active_passive_pair_per_exchange(job, procs, bridges, tmp_path):
     """Each exchange shows up on exactly two ranks, an asking (even) one and the passive (odd)
     one it asked, under the asker's request id, and both move to the mean of what the two
@@ -454,6 +460,7 @@ def test_a_killed_rank_ends_average_on_the_others_within_the_timeout(job, procs,
     _stop(server)
 
 
+@pytest.mark.long  # mpiexec runs of 10-20 s: average's are the default tier's
 def test_gossip_goes_on_without_a_killed_rank(job, procs, bridges):
     server = _serve(procs, job, 3)
     ranks = bridges(3, "--strategy", "gossip", "--every", 0.05, "--timeout", 5)
@@ -469,6 +476,7 @@ def test_gossip_goes_on_without_a_killed_rank(job, procs, bridges):
         assert ended[r]["reason"] in ("the local job stopped", "no peers left"), ended[r]
 
 
+@pytest.mark.long  # mpiexec runs of 10-20 s: average's are the default tier's
 def test_a_passive_rank_held_up_by_one_asker_stays_the_others_peer(job, procs, bridges):
     """Rank 2 asks passive rank 1 by hand and holds each exchange half the timeout; rank 0
     (active, its only peer rank 1) is answered BUSY meanwhile and never takes rank 1 for
@@ -496,6 +504,7 @@ def test_a_passive_rank_held_up_by_one_asker_stays_the_others_peer(job, procs, b
     assert ended[1]["lost"] == [2], ended[1]
 
 
+@pytest.mark.long  # mpiexec runs of 10-20 s: average's are the default tier's
 def test_gossip_with_a_rank_slowed_tenfold_keeps_the_others_exchange_rate(job, procs, bridges):
     """Ranks 0 and 2 ask, 1 and 3 answer. Rank 3 is then stopped 90 % of the time (SIGSTOP
     900 ms, SIGCONT 100 ms: a period much longer than the 0.1 s exchange pace, or a

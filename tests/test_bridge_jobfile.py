@@ -182,7 +182,7 @@ def test_when_one_node_cannot_start_none_does(small, procs, mpi_env):
         end_jobs(f"{name}-r0", f"{name}-r1")
 
 
-@pytest.mark.slow
+@pytest.mark.long  # two bridged TREC nodes: half a minute
 def test_mpiexec_runs_one_job_file_as_two_bridged_nodes(tmp_path, procs, mpi_env):
     """Two nodes of one learner each, average every 100 versions: the same total work as one
     node with two learners (each mini-batch of two epochs trained once, by one of them)."""

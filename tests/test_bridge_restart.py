@@ -5,7 +5,7 @@ exchanges with the dead server's last weights meanwhile (never moving a dead reg
 attaches to the restarted server and goes on, so both nodes finish with the model they
 agreed on. `-s` prints the seconds from the kill to the bridge's re-attachment:
 
-    python -m pytest -q -s tests/test_bridge_restart.py
+    python -m pytest -q -s tests/test_bridge_restart.py --long
 
 Fails under CI=true, skips elsewhere, where mpi4py or mpiexec is missing (conftest.py's
 `mpi_env`).
@@ -22,7 +22,7 @@ import torch
 from gadei.region import Region, inspect
 from helpers import blobs_job, communicate, end_jobs, job_processes, mpiexec_run, unique_name, wait_for
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.long  # minutes of mpiexec jobs: the long tier
 
 
 def _events(folder) -> list[dict]:

@@ -41,6 +41,7 @@ def test_serve_learn_status_stop(job, procs):
     assert stopped["event"] == "stopped" and stopped["applied"] > 20
 
 
+@pytest.mark.long  # a training run of 10-20 s
 def test_learn_evaluates_and_reports_epochs(job, procs):
     server = procs.gadei("serve", job, "--params", "0", "--learners", "1")
     _, err = communicate(server, 60)
@@ -205,6 +206,7 @@ def test_serve_saves_the_final_weights_private_whatever_the_umask(job, tmp_path)
     assert torch.equal(torch.load(tmp_path / "final.pt", weights_only=True)["weight"], model.weight.detach())
 
 
+@pytest.mark.long  # a bench's --quick run: minutes of timing loops
 def test_bench_latency_reports_the_idle_pause_against_both_baselines(procs, tmp_path):
     """A smoke run of `gadei bench latency`: every size, push and gap; for each paused row its
     ratio to the copy and update alone, warm and after the same pause (what the pause costs
@@ -252,6 +254,7 @@ def test_a_local_job_removes_its_temporary_log_folder_unless_something_went_wron
         assert inspect(name) is None
 
 
+@pytest.mark.long  # a bench's --quick run: minutes of timing loops
 def test_bench_kernel_reports_sgd_adagrad_and_adam_against_torch(procs, tmp_path):
     """A smoke run of `gadei bench kernel`: the tables and the JSON hold every size and thread
     count, for both kernels (the figures themselves are for the README, not for a test)."""
@@ -270,7 +273,7 @@ def test_bench_kernel_reports_sgd_adagrad_and_adam_against_torch(procs, tmp_path
     assert all(r["checked_ms"] > 0 and r["sgd_ms"] > 0 for r in kernel["nonfinite_check"])
 
 
-@pytest.mark.slow
+@pytest.mark.long  # a bench's --quick run: minutes of training
 def test_bench_quality_quick_reports_gadei_and_pytorch_on_trec(procs, tmp_path):
     """A smoke run of `gadei bench quality --quick`: a cut of TREC, one seed, one epoch; the
     table and the JSON hold 1 and 2 learners and the PyTorch baseline, each with a test
@@ -543,6 +546,7 @@ def test_a_squatted_region_name_is_a_clear_error_naming_its_owner(procs, tmp_pat
             os.unlink(path)
 
 
+@pytest.mark.long  # a bench's --quick run: minutes of timing loops
 def test_bench_peers_and_scaling_quick(procs, tmp_path):
     """A smoke run of `gadei bench peers scaling --quick` (what CI runs): every peer trains on
     TREC (gadei 1 and 2 learners, plain PyTorch, Hogwild, DDP over gloo, the RPC parameter
@@ -589,6 +593,7 @@ def _dies(code: int, after: float = 0.0) -> None:
     raise SystemExit(code)
 
 
+@pytest.mark.long  # a training run of 10-20 s
 def test_a_peer_that_crashes_is_run_again_and_counted_but_gadei_never_is(monkeypatch):
     """A peer's process killed by a signal (torch's gloo sparse allreduce corrupts the heap in
     about 1 in 5 DDP runs at batch 2 here: malloc abort, SIGSEGV) is a PeerCrashed, and the

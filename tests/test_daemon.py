@@ -51,7 +51,7 @@ def _jobs(procs, env) -> dict:
     return {j["name"]: j for j in record["jobs"]}
 
 
-@pytest.mark.slow
+@pytest.mark.long  # two TREC jobs through a restarted daemon: a minute
 def test_submit_status_cancel_and_a_restarted_daemon_knows_every_job(tmp_path, procs, daemon_env):
     if not (data_dir() / "trec").is_dir():
         missing("TREC is not in the shared data")

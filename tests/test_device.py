@@ -17,7 +17,8 @@ import pytest
 import torch
 
 import gadei
-from helpers import LR, N, VALUES, Serving, communicate, finish, push_known_gradients, read_line, small_job, unique_name, wait_for
+from helpers import (LR, N, VALUES, Serving, communicate, finish, push_known_gradients, read_line, small_job, tiered,
+                     unique_name, wait_for)
 from gadei import device, jobfile, status
 from gadei.jobfile import JobFileError
 from gadei.region import Region
@@ -48,7 +49,7 @@ STRESS = [  # (slots, gradient transport, model, row-sparse, mode): every slot f
 
 
 @pytest.mark.parametrize("dev", ["cpu", pytest.param("cuda", marks=cuda)])
-@pytest.mark.parametrize("seed, case", list(enumerate(STRESS)))
+@pytest.mark.parametrize("seed, case", tiered(list(enumerate(STRESS)), default=[(0, STRESS[0])]))  # all: --long
 def test_random_delays_in_the_train_push_and_pull_threads_neither_deadlock_nor_lose_a_gradient(
         job, procs, tmp_path, dev, seed, case):
     slots, grad_dtype, model, row_sparse, mode = case
@@ -293,7 +294,6 @@ def test_a_job_asking_for_a_gpu_on_a_machine_without_one_is_refused_before_it_st
 
 
 @cuda
-@pytest.mark.slow
 def test_gadei_run_spreads_the_learners_over_the_listed_devices(small, procs):
     """A job with GPU and CPU learners, more learners than GPUs: each learner trains where
     `devices` put it (its log says so) and the job ends with its model."""

@@ -7,17 +7,18 @@ counters must agree. The same contract runs against every push and pull transpor
 size and gradient transport (float32, float16, bfloat16, row-sparse tables with a row named
 twice in one gradient, and a sparse gradient sent into a dense float16 slot). The contract
 itself is `helpers.push_known_gradients` (tests/test_device.py runs it over the device
-transports).
+transports). The default tier runs each push and pull transport, a one-slot ring, a 16-bit slot
+and a row-sparse table; the long tier (`--long`) every case.
 """
 
 import pytest
 
-from helpers import push_known_gradients
+from helpers import push_known_gradients, tiered
 
 
 @pytest.mark.parametrize(
     "pull, push, slots, grad_dtype, model, row_sparse",
-    [
+    tiered([
         ("copy", "publish", 2, "float32", "flat", False),
         ("view", "publish", 2, "float32", "flat", False),
         ("copy", "thread", 2, "float32", "flat", False),
@@ -29,7 +30,13 @@ from helpers import push_known_gradients
         ("view", "publish", 2, "float32", "table", True),
         ("copy", "thread", 2, "bfloat16", "table", True),
         ("view", "publish", 2, "float16", "table", False),
-    ],
+    ], default=[  # each push, each pull, a one-slot ring, a 16-bit slot and a row-sparse table; the rest: --long
+        ("copy", "publish", 2, "float32", "flat", False),
+        ("view", "thread", 2, "float32", "flat", False),
+        ("copy", "publish", 1, "float32", "flat", False),
+        ("view", "thread", 2, "bfloat16", "flat", False),
+        ("view", "publish", 2, "float32", "table", True),
+    ]),
 )
 def test_every_gradient_is_applied_exactly_once(job, procs, tmp_path, pull, push, slots, grad_dtype, model,
                                                 row_sparse):

@@ -237,7 +237,6 @@ def test_a_per_label_file_names_its_label():
         ["positive", "pos", "objective", "neg"]
 
 
-@pytest.mark.slow
 def test_gadei_run_trains_a_job_file_and_leaves_its_outputs(tmp_path, procs):
     name = unique_name("run")
     path = _job(tmp_path, trec_job(name, train={"learners": 2, "epochs": 2, "lr": 0.05}, checkpoint={"interval": 5}))
@@ -265,7 +264,7 @@ def test_gadei_run_trains_a_job_file_and_leaves_its_outputs(tmp_path, procs):
     assert again.returncode == 2 and "holds a previous run" in err
 
 
-@pytest.mark.slow
+@pytest.mark.long  # two TREC runs: most of a minute
 def test_a_stopped_run_goes_on_with_resume_and_trains_each_mini_batch_once(tmp_path, procs):
     name = unique_name("resume")
 
@@ -353,7 +352,7 @@ def test_numeric_data_reads_the_same_from_npz_and_csv_and_bad_cells_are_named(tm
         data.load_job(_numeric_job(tmp_path, "wrong.npz", "npz"))
 
 
-@pytest.mark.slow
+@pytest.mark.long  # a second whole gadei run (TREC's is the default tier's)
 def test_gadei_run_trains_the_mlp_on_numeric_data_and_predicts(tmp_path, procs):
     x, y = blobs(900)
     path = blobs_job(tmp_path, unique_name("mlp"), train={"learners": 2, "epochs": 4, "lr": 0.05})
@@ -368,7 +367,6 @@ def test_gadei_run_trains_the_mlp_on_numeric_data_and_predicts(tmp_path, procs):
     assert predicted.returncode == 0 and out.split()[-1] == y[0], out + err
 
 
-@pytest.mark.slow
 def test_a_run_whose_loss_becomes_nan_fails_naming_the_epoch_and_the_learning_rate(small, procs):
     name = unique_name("nan")
     path = _job(small, small_job(name) + '[train]\nlearners = 1\nlr = 10.0\noptimizer = "sgd"\nepochs = 3\n'

@@ -6,7 +6,12 @@ Each case runs a small job (an MLP on 900 numeric samples, two learners, checkpo
 second), kills one process once the job has made some updates, and measures the seconds
 from the kill to a clear stop (the job's outcome reported); `-s` prints them:
 
-    python -m pytest -q -s tests/test_kill_roles.py
+    python -m pytest -q -s tests/test_kill_roles.py --long
+
+The default tier kills one role of each kind of supervisor: the server under `gadei run`
+(restarted from its checkpoint), `gadei run` itself (its watchdog writes the outputs) and
+`gadei run` with its watchdog (the server has a new watchdog adopt the job). The other roles,
+the adoption variants and every kill under the daemon, a small job each, are the long tier.
 """
 
 import json
@@ -19,9 +24,8 @@ import pytest
 
 from gadei.outputs import epoch_records
 from gadei.region import Region, inspect
-from helpers import blobs_job, communicate, dead, end_jobs, finish, job_processes, learner_pids, unique_name, wait_for
-
-pytestmark = pytest.mark.slow
+from helpers import (blobs_job, communicate, dead, end_jobs, finish, job_processes, learner_pids, tiered, unique_name,
+                     wait_for)
 
 STOP_WITHIN = 120  # seconds from a kill to a clear stop, at most (the job itself takes about 15 s)
 
@@ -76,7 +80,7 @@ def _say(case: str, outcome: str, seconds: float) -> None:
     print(f"\nkill {case}: {outcome}; {seconds:.1f} s from the kill to a clear stop", flush=True)
 
 
-@pytest.mark.parametrize("role", ["server", "watchdog", "learner"])
+@pytest.mark.parametrize("role", tiered(["server", "watchdog", "learner"], default=["server"]))
 def test_gadei_run_reports_the_real_outcome_when_a_role_of_its_job_is_killed(small, procs, role):
     path, name, out = small
     run = procs.gadei("run", path)
@@ -99,6 +103,7 @@ def test_gadei_run_reports_the_real_outcome_when_a_role_of_its_job_is_killed(sma
     _say(f"{role} under gadei run", "gadei run exit 0, result.json outcome done", seconds)
 
 
+@pytest.mark.long
 def test_a_watchdog_that_dies_and_cannot_be_replaced_ends_the_job_with_a_clear_error(small, procs):
     path, name, out = small
     run = procs.gadei("run", path)
@@ -149,7 +154,7 @@ def _kill_run_and_watchdog(procs, path, name, *, adoptable: bool, watchdog_signa
     return roles, killed
 
 
-@pytest.mark.parametrize("how", ["SIGKILL", "SIGINT"])
+@pytest.mark.parametrize("how", tiered(["SIGKILL", "SIGINT"], default=["SIGKILL"]))
 def test_a_job_whose_gadei_run_and_watchdog_are_killed_is_adopted_and_finishes(small, procs, how):
     """The server sees that neither its watchdog nor its `gadei run` lives, starts a new
     watchdog that takes over the learners, and that watchdog finishes the job and writes its
@@ -178,6 +183,7 @@ def test_a_job_whose_gadei_run_and_watchdog_are_killed_is_adopted_and_finishes(s
          seconds)
 
 
+@pytest.mark.long
 def test_a_job_whose_gadei_run_and_watchdog_are_killed_and_cannot_be_adopted_fails_clearly(small, procs):
     path, name, out = small
     roles, killed = _kill_run_and_watchdog(procs, path, name, adoptable=False)
@@ -202,6 +208,7 @@ def _waiting_at(path) -> set[int]:
         return {int(f[5]) for f in (line.split() for line in locks) if f[1] == "->" and f[6].endswith(f":{inode}")}
 
 
+@pytest.mark.long
 def test_a_job_whose_gadei_run_and_watchdog_die_while_it_stops_is_ended_by_its_server(small, procs):
     """The job was asked to stop, and its watchdog and `gadei run` die before the watchdog
     recorded the end (the server no longer serves, so nothing is adopted): the server, once it
@@ -238,6 +245,7 @@ def test_a_job_whose_gadei_run_and_watchdog_die_while_it_stops_is_ended_by_its_s
          "stopped", seconds)
 
 
+@pytest.mark.long
 def test_two_adoptions_at_once_leave_one_watchdog_and_the_loser_says_so(small, procs):
     """gadei run and a second `gadei serve --adopt` take over a dead watchdog at the same moment
     (held at the registration lock until both wait there): one registers, the other stands
@@ -293,6 +301,7 @@ def _record(procs, env, name) -> dict:
     return {j["name"]: j for j in json.loads(out.splitlines()[0])["jobs"]}[name]
 
 
+@pytest.mark.long
 def test_the_daemon_reports_the_real_outcome_when_gadei_run_the_server_and_the_daemon_are_killed(small, procs,
                                                                                                  daemon_env):
     path, name, out = small
@@ -333,6 +342,7 @@ def _ended(procs, env, name) -> dict | None:
     return record if record["state"] != "running" else None
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("role", ["server", "watchdog", "learner", "gadei run", "daemon", "daemon until the job ended"])
 def test_the_daemon_reports_the_real_outcome_when_a_role_of_its_job_is_killed(small, procs, daemon_env, role):
     """The daemon's `gadei run` of the job follows a killed server, watchdog or learner as it
@@ -385,6 +395,7 @@ def test_the_daemon_reports_the_real_outcome_when_a_role_of_its_job_is_killed(sm
     _say(f"{role} under the daemon", f"record {record['state']}, result.json outcome {result['outcome']}", seconds)
 
 
+@pytest.mark.long
 def test_the_daemon_reports_a_failed_job_when_its_watchdog_dies_and_cannot_be_replaced(small, procs, daemon_env):
     path, name, out = small
     daemon = _daemon(procs, daemon_env)
@@ -405,6 +416,7 @@ def test_the_daemon_reports_a_failed_job_when_its_watchdog_dies_and_cannot_be_re
     _say("watchdog (no state to adopt) under the daemon", "record failed, result.json outcome failed", seconds)
 
 
+@pytest.mark.long
 def test_the_daemon_reports_done_when_gadei_run_and_the_watchdog_are_killed(small, procs, daemon_env):
     """The daemon follows the job as orphaned; its server has a new watchdog adopt it, which
     finishes it and writes the outputs; the daemon's record says done."""

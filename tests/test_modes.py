@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import gadei
-from helpers import communicate, finish, read_line, wait_for
+from helpers import communicate, finish, read_line, tiered, wait_for
 from gadei.modes import AsyncSGD, RuleOptions
 from gadei.region import Region, inspect
 from worker import Flat, Tokens, token_data
@@ -50,7 +50,7 @@ def _stop(server):
 
 @pytest.mark.parametrize(
     "mode, options, transports",
-    [
+    tiered([
         ("async", [], []),
         ("async", ["--grad-dtype", "bfloat16", "--row-sparse"], []),
         ("async", ["--grad-dtype", "float16", "--momentum", "0.9"], []),
@@ -69,7 +69,13 @@ def _stop(server):
         ("elastic", ["--tau", "4"], []),
         ("async", [], ["--push", "thread", "--pull", "copy"]),
         ("consistent", ["--grad-dtype", "float16", "--row-sparse"], ["--push", "thread", "--pull", "copy"]),
-    ],
+    ], default=[  # each mode once, and the thread push with the copy pull; every combination: --long
+        ("async", [], []),
+        ("consistent", ["--grad-dtype", "bfloat16", "--row-sparse", "--momentum", "0.5"], []),
+        ("sync", ["--grad-dtype", "float16", "--row-sparse"], []),
+        ("elastic", ["--tau", "4"], []),
+        ("async", [], ["--push", "thread", "--pull", "copy"]),
+    ]),
 )
 def test_every_mode_and_transport_trains_stops_and_counts(job, procs, mode, options, transports):
     server = _serve(procs, job, "--model", "table", "--n", N, "--mode", mode, "--learners", 2, "--lr", "0.001",
@@ -278,7 +284,7 @@ def test_a_consistent_pull_does_not_wait_forever_on_a_server_that_died_mid_updat
     assert "ServerGone" in err and "the server died during an update; copying the weights as they are" in err
 
 
-@pytest.mark.parametrize("bound", [4, 0])
+@pytest.mark.parametrize("bound", tiered([4, 0], default=[4]))  # 0: the control run, --long
 def test_a_staleness_bound_holds_with_one_learner_slowed(job, procs, bound):
     server = _serve(procs, job, "--learners", 3, "--stale-bound", bound, "--lr", "0.001")
     fast = [_learn(procs, job, "--steps", 10**9) for _ in range(2)]

@@ -21,7 +21,7 @@ from gadei.modes import RuleOptions, read_options
 from gadei.region import Region
 from gadei.transport.options import TransportOptions
 
-from helpers import finish, small_csv, wait_for
+from helpers import finish, small_csv, tiered, wait_for
 
 SERVE_FLAGS = {a.dest: a for a in build_parser().verbs["serve"]._actions}
 
@@ -85,7 +85,8 @@ REFUSED = [("train", "serve", "lr", 11.0), ("train", "serve", "lr", 0), ("train"
 VERB_ARGS = {"serve": ["x", "--params", "10"], "bridge": ["x"]}
 
 
-@pytest.mark.parametrize("section, verb, key, value", REFUSED, ids=lambda x: str(x))
+@pytest.mark.parametrize("section, verb, key, value",  # a CLI process each: one per section, all with --long
+                         tiered(REFUSED, default=[REFUSED[0], REFUSED[6], REFUSED[8]]), ids=lambda x: str(x))
 def test_the_job_file_and_the_flag_refuse_a_value_alike(tmp_path, section, verb, key, value):
     extra = 'strategy = "elastic"\n' if key == "alpha" else ""  # alpha alone is elastic's
     path = _job_file(tmp_path, f"[{section}]\n{extra}{key} = {json.dumps(value)}\n")

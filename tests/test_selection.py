@@ -137,7 +137,7 @@ def test_one_learners_decision_ends_every_learners_training(job):
         server.close()
 
 
-@pytest.mark.slow
+@pytest.mark.long  # TREC until patience stops it: most of a minute
 def test_gadei_run_stops_on_patience_and_hands_back_the_best_model(procs, tmp_path):
     """Patience 1 on TREC with the default learning rate (the validation accuracy peaks within a
     few epochs): training ends before the cap for both learners, model.pt is the best

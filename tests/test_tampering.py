@@ -17,7 +17,7 @@ import numpy as np
 import posix_ipc
 import pytest
 
-from helpers import communicate, finish, wait_for
+from helpers import communicate, finish, tiered, wait_for
 from gadei import checkpoint
 from gadei.layout import MAGIC
 from gadei.region import Region, inspect, shm_name
@@ -97,6 +97,7 @@ def test_tail_far_ahead_of_head_stops_the_job(job, procs):
     _nothing_left(procs, job)
 
 
+@pytest.mark.long  # a server each: the default tier keeps one corrupt counter, magic and version
 def test_head_far_ahead_of_tail_stops_the_job(job, procs):
     server = _serve(procs, job)
     with Region.attach(job) as region:
@@ -121,6 +122,7 @@ def test_head_behind_tail_by_one_stops_the_job(job, procs):
 # ------------------------------------------------------------------ slot and header counters
 
 
+@pytest.mark.long  # a server each: the default tier keeps one corrupt counter, magic and version
 def test_huge_samples_in_a_slot_stops_the_job(job, procs):
     server = _serve(procs, job)
     with Region.attach(job) as region:
@@ -140,6 +142,7 @@ def test_version_near_two_to_the_64_stops_the_job(job, procs):
     _nothing_left(procs, job)
 
 
+@pytest.mark.long  # a server each: the default tier keeps one corrupt counter, magic and version
 def test_hold_other_than_0_or_1_stops_the_job(job, procs):
     server = _serve(procs, job)
     with Region.attach(job) as region:
@@ -158,6 +161,7 @@ def test_corrupted_magic_stops_the_job(job, procs):
     _nothing_left(procs, job)
 
 
+@pytest.mark.long  # a server each: the default tier keeps one corrupt counter, magic and version
 def test_corrupted_shape_field_stops_the_job(job, procs):
     server = _serve(procs, job)
     with Region.attach(job) as region:
@@ -166,6 +170,7 @@ def test_corrupted_shape_field_stops_the_job(job, procs):
     _nothing_left(procs, job)
 
 
+@pytest.mark.long  # a server each: the default tier keeps one corrupt counter, magic and version
 def test_unknown_run_state_stops_the_job(job, procs):
     server = _serve(procs, job)
     with Region.attach(job) as region:
@@ -183,7 +188,7 @@ def _status(procs, job):
     return json.loads(out.splitlines()[-1])
 
 
-@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("value", tiered([math.nan, math.inf, -math.inf], default=[math.nan]))
 def test_a_non_finite_gradient_is_skipped_and_counted_by_default(job, procs, value):
     server = _serve(procs, job, "--json")
     with Region.attach(job, readonly=True) as seen, Region.attach(job) as region:

@@ -8,6 +8,7 @@ import time
 
 import numpy as np
 import psutil
+import pytest
 
 from helpers import communicate, end_jobs, finish, learner_pids, read_line, wait_for
 from gadei import checkpoint
@@ -157,6 +158,7 @@ def test_the_watchdog_gives_up_after_too_many_restarts(job, procs, tmp_path):
     assert any("gave up: the server was restarted 3 times within 300 s" in line for line in serve.err_lines)
 
 
+@pytest.mark.long  # a job of 10-15 s
 def test_a_launched_learner_that_keeps_failing_is_given_up_and_the_job_ends(job, procs, tmp_path):
     serve = procs.gadei("serve", job, "--params", 1000, "--checkpoint-dir", tmp_path, "--checkpoint-every", 60,
                         "--max-restarts", 1, "--learner", f"--data trec:{tmp_path}/no-such-folder --epochs 1")
@@ -170,6 +172,7 @@ def test_a_launched_learner_that_keeps_failing_is_given_up_and_the_job_ends(job,
     assert inspect(job) is None
 
 
+@pytest.mark.long  # a job of 10-15 s
 def test_launched_learners_that_all_die_within_moments_are_seen_dying_at_once(job, procs, tmp_path):
     """Two of three launched learners die, and the third a moment later, after the watchdog
     already saw the first two: still all at once (the third before the others were restarted),
