@@ -35,15 +35,21 @@ def save_server_record(job: str, pid: int, started: float) -> None:
                     "region): %s", job, err)
 
 
+def _read_record(path: str) -> tuple[int, float]:
+    """(pid, start time) of the record at `path`. Raises OSError (FileNotFoundError: none),
+    or ValueError, KeyError, TypeError for a record that is not one."""
+    with open(path) as handle:
+        record = json.load(handle)
+    return int(record["pid"]), float(record["start"])
+
+
 def drop_server_record(job: str, pid: int, started: float) -> None:
     """Remove `job`'s server record if it is still the one of (pid, started)."""
     try:
         path = _record_path(job)
-        with open(path) as handle:
-            record = json.load(handle)
-        if record.get("pid") == pid and record.get("start") == started:
+        if _read_record(path) == (pid, started):
             os.unlink(path)
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, KeyError, TypeError):
         pass
 
 
@@ -70,9 +76,7 @@ def gone_server_records(jobs: list[str] | None = None) -> list[tuple[str, str, s
         except GadeiError:  # not a job name gadei writes: not ours to remove
             continue
         try:
-            with open(path) as handle:
-                record = json.load(handle)
-            pid, started = int(record["pid"]), float(record["start"])
+            pid, started = _read_record(path)
         except FileNotFoundError:  # its server dropped it meanwhile
             continue
         except (OSError, ValueError, KeyError, TypeError):
@@ -92,10 +96,8 @@ def live_server(job: str) -> tuple[int, float, str] | None:
 
     candidates = []
     try:
-        with open(_record_path(job)) as handle:
-            record = json.load(handle)
-        candidates.append((int(record["pid"]), float(record["start"]), "the server's record"))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        candidates.append((*_read_record(_record_path(job)), "the server's record"))
+    except (OSError, ValueError, KeyError, TypeError):
         pass
     try:
         with open(os.path.join(SHM_DIR, shm_name(job).lstrip("/")), "rb") as handle:
