@@ -1,8 +1,7 @@
 """The suite's two tiers (the default one, and the long one that --long adds), the --soak
-option, markers and fixtures: unique job names, real child processes
-that are always reaped, mpiexec's environment (`mpi_env`), a runtime folder of the suite's
-own. Every region a test's job created is removed at the end even if the test failed. What
-tests import is in helpers.py.
+option, markers and fixtures: unique job names, real child processes that are always reaped,
+mpiexec's environment (`mpi_env`), a runtime folder of the suite's own. Every region a test's
+job created is removed at the end even if the test failed. What tests import is in helpers.py.
 """
 
 import importlib.util

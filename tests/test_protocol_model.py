@@ -23,6 +23,7 @@ import pytest
 
 from gadei import checkpoint, layout, ring, server
 from gadei.layout import ENTRY, SLOT
+from helpers import tiered
 
 _HERE = Path(__file__).parent
 _spec = importlib.util.spec_from_file_location("protocol_model_check", _HERE / "model" / "check.py")
@@ -55,7 +56,8 @@ LONG_CHECKS = ("kill-after-release",)  # under a minute, but the longest of the 
 def _tiered(checks):
     """The checks' names as test parameters: a deep check (minutes, GBs) and LONG_CHECKS are in
     the long tier."""
-    return [pytest.param(c.name, marks=pytest.mark.long) if c.deep or c.name in LONG_CHECKS else c.name for c in checks]
+    checks = list(checks)
+    return tiered([c.name for c in checks], default=[c.name for c in checks if not c.deep and c.name not in LONG_CHECKS])
 
 
 @pytest.mark.parametrize("name", _tiered(c for c in check.CHECKS if c.expect is None))
