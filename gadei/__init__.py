@@ -5,6 +5,10 @@ place and lock-free, every gradient its learners publish into their rings. docs/
 gives the data flow; the public API is `Server`, `Learner` and the errors.
 """
 
+from .env import quiet_openmp
+
+quiet_openmp()  # before anything loads OpenMP (torch, gadei._native): idle kernel threads sleep
+
 from .errors import (
     BadJobName,
     CapacityError,

@@ -2,8 +2,8 @@
 
 | variable | meaning | default |
 |---|---|---|
-| GADEI_THREADS | OpenMP threads of the server's update kernel | half the cores, at least 1 |
-| GADEI_SPIN_US | microseconds the server spins for the next gradient before sleeping on its doorbell, while gradients flow and it has a core of its own | 2000 |
+| GADEI_THREADS | the most OpenMP threads of the server's update kernel (a team has one thread per 262,144 elements of the update) | half the cores, at least 1 |
+| GADEI_SPIN_US | the most microseconds the server spins for the next gradient, while they come less than 200 us apart and it has a core of its own | 2000 |
 | GADEI_ATTACH_TIMEOUT | seconds a learner waits for the job's region and weights | 30 |
 | GADEI_SERVER_TIMEOUT | seconds without a server heartbeat before a waiting learner gives up | 30 |
 | GADEI_LOG | log level of the command-line tools (DEBUG, INFO, WARNING) | INFO |
@@ -16,6 +16,9 @@ kernel serial) and GADEI_NO_AVX2=1 when gadei._native loads (the portable kernel
 the CPU has AVX2; the tests use it to check that path). GADEI_RESTARTS is gadei's own
 bookkeeping, not a setting: the times of a job's recent server restarts, which a
 watchdog hands to the server it restarts (the server shows their count in `gadei status`).
+
+One variable of OpenMP's own is set, at import, by `quiet_openmp`: OMP_WAIT_POLICY=PASSIVE,
+unless it or GOMP_SPINCOUNT is set already.
 """
 
 import os
@@ -57,6 +60,41 @@ def settings() -> Settings:
         log_level=os.environ.get("GADEI_LOG", "INFO").upper(),
         data_dir=os.environ.get("GADEI_DATA_DIR") or None,
     )
+
+
+_OPENMP_LATE = False  # OpenMP was loaded before quiet_openmp could set its wait policy
+
+
+def quiet_openmp() -> None:
+    """Make this process's idle OpenMP threads sleep instead of spinning: OMP_WAIT_POLICY=PASSIVE
+    (children inherit it), unless the user set OMP_WAIT_POLICY or GOMP_SPINCOUNT. GNU OpenMP's
+    default keeps every thread of a team spinning for about 3 ms after each parallel region;
+    the server's kernel team runs for tens of microseconds per update, so between updates its
+    threads would take as many cores as they are, on any machine. The runtime reads the
+    policy once, when it loads (with torch or gadei._native), so gadei calls this on import;
+    `openmp_spins` says when that was too late."""
+    global _OPENMP_LATE
+    if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
+        return
+    _OPENMP_LATE = _openmp_loaded()
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+
+
+def openmp_spins() -> bool:
+    """Whether this process's OpenMP threads spin between parallel regions: the runtime was
+    loaded (torch imported before gadei) before `quiet_openmp` set the passive policy, or the
+    user asked for it (OMP_WAIT_POLICY=ACTIVE, GOMP_SPINCOUNT above 0)."""
+    policy = os.environ.get("OMP_WAIT_POLICY", "").strip().upper()
+    spin = os.environ.get("GOMP_SPINCOUNT", "").strip()
+    return _OPENMP_LATE or policy == "ACTIVE" or (policy != "PASSIVE" and spin not in ("", "0"))
+
+
+def _openmp_loaded() -> bool:
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return any(b"libgomp" in line or b"libomp" in line or b"libiomp" in line for line in f)
+    except OSError:  # not Linux: unknown, taken as not loaded
+        return False
 
 
 def runtime_dir() -> str:

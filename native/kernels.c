@@ -22,8 +22,15 @@
 #define GD_X86 0
 #endif
 
-/* Below this many elements a kernel runs on the calling thread: waking a team costs more. */
-#define GD_PARALLEL_MIN 65536
+/*
+ * Elements each thread of a team must have before a kernel wakes one: a team is sized from
+ * the work, never larger than the caller's `threads`. Waking a sleeping thread and joining it
+ * costs tens of microseconds; one thread updates this many float32 elements in about as long
+ * (`gadei bench kernel` and `gadei bench server` show both).
+ */
+#ifndef GD_THREAD_MIN
+#define GD_THREAD_MIN 262144
+#endif
 
 static int gd_avx2; /* the CPU runs AVX2 (and F16C): set by gd_kernels_init */
 
@@ -62,14 +69,13 @@ gd_processors(void)
 static int
 gd_threads(int threads, size_t n)
 {
-    if (n < GD_PARALLEL_MIN || threads <= 1) return 1;
 #if GD_HAVE_OPENMP
-    int most = omp_get_num_procs();
-    if (threads > most) threads = most;
-    size_t by_size = n / (GD_PARALLEL_MIN / 2);
-    if ((size_t)threads > by_size) threads = (int)(by_size ? by_size : 1);
-    return threads;
+    size_t by_size = n / GD_THREAD_MIN;
+    if (threads <= 1 || by_size < 2) return 1;
+    return (size_t)threads > by_size ? (int)by_size : threads; /* more than the cores only when asked for */
 #else
+    (void)threads;
+    (void)n;
     return 1;
 #endif
 }

@@ -241,8 +241,8 @@ class Procs:
         self.children.append(proc)
         return proc
 
-    def worker(self, *args) -> subprocess.Popen:
-        return self.start(WORKER, *args)
+    def worker(self, *args, env: dict | None = None) -> subprocess.Popen:
+        return self.start(WORKER, *args, env=env)
 
     def gadei(self, *args, env: dict | None = None, cwd=None) -> subprocess.Popen:
         return self.spawn(gadei_command(*args), env, cwd)

@@ -1,7 +1,8 @@
 """The update kernels against their NumPy references, bit for bit, for every gradient dtype.
 
 Lengths sit around the vector widths (8 and 16 elements), the 64-byte peel and the
-65,536-element threshold where the kernels start OpenMP threads; gradients have dense
+524,288-element size from which the kernels split the work over a team of OpenMP threads
+(262,144 elements a thread, GD_THREAD_MIN); gradients have dense
 stretches, all-zero lines (which the kernels skip) and signed zeros, weights have -0.0,
 infinities and NaN. The portable path is checked in a process with GADEI_NO_AVX2=1.
 """
@@ -20,7 +21,7 @@ from gadei.layout import DTYPE_CODES
 from gadei.modes import (ADAGRAD_EPS, ADAM_BETA1, ADAM_BETA2, ADAM_EPS, AsyncSGD, ElasticAveraging, RuleOptions,
                          SyncSGD, adam_reference, adam_rows_reference, nonfinite_reference, rows_reference)
 
-SIZES = [1, 7, 8, 15, 16, 17, 31, 33, 64, 65, 1000, 4099, 65535, 65537, 131075, (1 << 20) + 13]
+SIZES = [1, 7, 8, 15, 16, 17, 31, 33, 64, 65, 1000, 4099, 65535, 65537, 524289, (1 << 20) + 13]
 THREADS = [1, 2, 3]
 DTYPES = ["float32", "float16", "bfloat16"]
 

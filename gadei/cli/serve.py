@@ -251,8 +251,10 @@ def add_parser(sub) -> None:
     options.add_arguments(p.add_argument_group("update rule (gadei.modes.RuleOptions)"), RuleOptions)
     options.add_arguments(p.add_argument_group("transport (gadei.transport.options.TransportOptions)"), TransportOptions)
     p.add_argument("--learners", type=int, default=8, help="most learners attached at once (default 8)")
-    p.add_argument("--threads", type=int, help="OpenMP threads of the update kernel (default GADEI_THREADS)")
-    p.add_argument("--spin-us", type=float, help="microseconds to spin for work before sleeping (GADEI_SPIN_US)")
+    p.add_argument("--threads", type=int, help="the most OpenMP threads of the update kernel: one per 262,144 "
+                   "elements of an update (default GADEI_THREADS)")
+    p.add_argument("--spin-us", type=float, help="the most microseconds to spin for the next gradient, while they "
+                   "come less than 200 us apart (GADEI_SPIN_US)")
     p.add_argument("--replace", action="store_true", help="replace a region left behind by a crashed server")
     p.add_argument("--grace", type=float, default=5.0, help="seconds to wait for learners to leave on stop")
     p.add_argument("--save", help="write the final weights here (a state dict torch.load reads; mode 0600 whatever "
