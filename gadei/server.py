@@ -2,11 +2,14 @@
 
 The apply loop looks at the learners' rings round-robin, takes one published slot at a
 time, applies it with the job's update rule (a native kernel, GIL released), bumps the
-weights version, records the gradient's staleness, and hands the slot back. While
-gradients flow it spins up to GADEI_SPIN_US (2 ms) for the next one, but only while the
-machine has a core for it (the threads the attached learners keep busy, plus the server,
-fit the cores): on a machine the learners fill, a spinning server would take their CPU. When no gradient comes it sleeps
-on the region's doorbell, so an idle server costs no CPU. It never waits for a learner: a
+weights version, records the gradient's staleness, and hands the slot back. Between
+gradients it spins (up to GADEI_SPIN_US) only while they come faster than a sleep and a
+wake-up cost, and otherwise dozes for a while, looking at the rings every 50 us; both only
+while the machine has a core for it (the threads the attached learners keep busy, plus the
+server, fit the cores) and no other server on the machine does the same (`SpinToken`): on a
+machine the learners fill, a spinning server would take their CPU. When no gradient comes
+it sleeps on the region's doorbell, so an idle server costs no CPU. Its kernel's OpenMP
+threads sleep between updates too (`env.quiet_openmp`). It never waits for a learner: a
 learner that dies or stops simply stops publishing.
 
 The region is untrusted input: every process of the user can write it. The server checks
@@ -35,7 +38,7 @@ import torch
 from . import params
 from .checkpoint import Checkpoint, CheckpointError
 from .checkpoint import take as take_checkpoint
-from .env import settings
+from .env import openmp_spins, settings
 from .errors import NonFiniteGradient, RegionCorrupt, RegionMismatch
 from .layout import (
     ACTIVE,
@@ -67,6 +70,10 @@ DOZE = 0.05  # seconds after the last gradient that an idle server dozes (see _s
 _DOZE_NS = int(DOZE * 1e9)
 DOZE_SLICE = 50e-6  # seconds between two looks at the rings while it dozes
 _NAP_NS = int(DOZE_SLICE * 1e9)
+# Spinning for the next gradient pays only when gradients come faster than the server sleeps
+# and wakes (a futex sleep and wake-up, and a halted vCPU's exit: tens of microseconds, up to
+# 100 on a virtual machine); `gadei bench server` shows what it costs when they do not.
+SPIN_PAYS_NS = 200_000
 
 
 def _runnable() -> int:
@@ -76,6 +83,49 @@ def _runnable() -> int:
             return int(f.read().split()[3].split(b"/")[0])
     except (OSError, IndexError, ValueError):
         return 0
+
+
+class SpinToken:
+    """The machine's one permit to spin or doze (this user's, a lock file in `env.runtime_dir`):
+    of several servers running side by side, at most one keeps a core busy while it waits for
+    gradients, the others sleep on their doorbells. Taken without waiting; dropped by the
+    kernel when its holder dies."""
+
+    def __init__(self):
+        self._fd, self._held = -1, False
+
+    def take(self) -> bool:
+        """Hold the permit (True), or False when another server holds it (or no lock file can be
+        made: then none spins)."""
+        if self._held:
+            return True
+        import fcntl
+
+        try:
+            if self._fd < 0:
+                from .env import runtime_dir
+
+                self._fd = os.open(os.path.join(runtime_dir(), "spin.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC,
+                                   0o600)
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return False
+        self._held = True
+        return True
+
+    def give(self) -> None:
+        """Let the permit go (no-op when not held)."""
+        if self._held:
+            import fcntl
+
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            self._held = False
+
+    def close(self) -> None:
+        self.give()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
 
 def _short_timer_slack() -> None:
@@ -131,9 +181,10 @@ class Server:
         **options: any option of those two by name (`lr=0.1, grad_dtype="float16"`),
             replacing the one in `rule` or `transport`.
         learners: most learners attached at once (one ring each).
-        threads: OpenMP threads of the update kernel (default: GADEI_THREADS).
-        spin_us: microseconds to spin for the next gradient before sleeping, while the server
-            has a core of its own (GADEI_SPIN_US).
+        threads: the most OpenMP threads of the update kernel (default: GADEI_THREADS); a team
+            has one thread per 262,144 elements of an update (native GD_THREAD_MIN).
+        spin_us: the most microseconds to spin for the next gradient, while gradients come
+            less than SPIN_PAYS_NS apart and the server has a core of its own (GADEI_SPIN_US).
         replace: replace a region left behind by a crashed server instead of refusing.
         resume: a checkpoint (`gadei.checkpoint.load` / `latest`) to go on from: its
             weights, version, gradients applied and momentum replace the initial ones. Its
@@ -169,6 +220,11 @@ class Server:
         self.threads = env.threads if threads is None else max(1, int(threads))
         self.spin_ns = int(1000 * (env.spin_us if spin_us is None else spin_us))
         self._cores = os.cpu_count() or 1
+        if self.threads > 1 and openmp_spins():
+            log.warning("job %r: OpenMP's idle threads spin here (OMP_WAIT_POLICY=ACTIVE, GOMP_SPINCOUNT, or torch was "
+                        "imported before gadei): the update kernel's %d threads will keep up to %d cores busy between "
+                        "updates; import gadei before torch, or set OMP_WAIT_POLICY=PASSIVE", job, self.threads,
+                        self.threads)
         spec, sparse = None, ()
         auto = row_sparse is None
         if auto:
@@ -380,42 +436,53 @@ class Server:
     def _serve_each(self) -> None:
         """async, consistent, elastic: one update per gradient, rings taken round-robin.
 
-        While gradients flow it spins (up to spin_ns) for the next one; after that, for DOZE
+        After each update it spins (up to spin_ns, and at most 4 gaps) for the next gradient,
+        but only while gradients come faster than a sleep and a wake-up cost (the gap between
+        them, averaged, under SPIN_PAYS): only then does spinning buy time. Otherwise, for DOZE
         seconds since the last gradient, it dozes: looks at the rings every DOZE_SLICE and
-        sleeps in between (natively, GIL released; a vCPU halted that briefly wakes at once,
-        so a pause of a few milliseconds does not cost the next gradient a deep wake-up, and
+        sleeps in between (natively, GIL released; a vCPU halted that briefly wakes at once, so
+        a pause of a few milliseconds does not cost the next gradient a deep wake-up, and
         learners need not ring); then it sleeps on the doorbell. It spins and dozes only while
-        it has a core of its own: the attached learners' threads and the server fit the cores,
-        and the machine's runnable threads (other jobs' too, /proc/loadavg) do not exceed
-        them; else it sleeps at once and leaves the cores to the learners.
+        it has a core of its own (the attached learners' threads and the server fit the cores,
+        and the machine's runnable threads, /proc/loadavg, do not exceed them) and holds the
+        machine's one `SpinToken` (jobs side by side: one server at a time spins or dozes, the
+        others sleep); else it sleeps at once and leaves the cores to the learners.
         """
         serving, held = self._state.serving, self._hold.requested
         consumer = self._consumer
         next_beat, spin_ns, own_core, last = 0, 0, False, 0
+        gap = _DOZE_NS  # the gap between two gradients, averaged (ns): long until measured
         flowing = False  # the last look found a gradient: spin for the next one before sleeping
+        token = SpinToken()
         _short_timer_slack()
-        while serving():
-            if held():
-                self._pause()
-            learner = consumer.poll(spin_ns if flowing else 0)
-            if learner < 0:
-                self._beat()
-                idle = time.monotonic_ns() - last
-                if own_core and idle < _DOZE_NS:
-                    learner = consumer.poll(min(_DOZE_NS - idle, _BEAT_NS), _NAP_NS)
-                else:
-                    learner = consumer.sleep(WAIT_SLICE)
-                flowing = learner >= 0
+        try:
+            while serving():
+                if held():
+                    self._pause()
+                learner = consumer.poll(min(spin_ns, 4 * gap) if flowing and gap < SPIN_PAYS_NS else 0)
                 if learner < 0:
-                    continue
-            flowing = True
-            self._update([self._take(learner)])
-            last = now = time.monotonic_ns()
-            if now >= next_beat:
-                self._beat(now)
-                next_beat = now + _BEAT_NS
-                own_core = consumer.learner_threads() + 1 <= self._cores and _runnable() <= self._cores
-                spin_ns = self.spin_ns if own_core else 0
+                    self._beat()
+                    idle = time.monotonic_ns() - last
+                    if own_core and idle < _DOZE_NS and token.take():
+                        learner = consumer.poll(min(_DOZE_NS - idle, _BEAT_NS), _NAP_NS)
+                    else:
+                        token.give()
+                        learner = consumer.sleep(WAIT_SLICE)
+                    flowing = learner >= 0
+                    if learner < 0:
+                        continue
+                flowing = True
+                self._update([self._take(learner)])
+                now = time.monotonic_ns()
+                gap += (min(now - last, _DOZE_NS) - gap) // 8
+                last = now
+                if now >= next_beat:
+                    self._beat(now)
+                    next_beat = now + _BEAT_NS
+                    own_core = consumer.learner_threads() + 1 <= self._cores and _runnable() <= self._cores
+                    spin_ns = self.spin_ns if own_core else 0
+        finally:
+            token.close()
 
     def _serve_rounds(self) -> None:
         """sync: one update per round of one gradient from every live learner."""
