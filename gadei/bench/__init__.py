@@ -30,6 +30,9 @@ quality  what a job file with nothing tuned hands back on each shared data set (
          --repeats seeds), the epoch chosen on validation and the wall time, with 1 and 2
          learners, beside a plain PyTorch loop (Adam, mini-batch 32, the same validation
          stopping) (gadei.bench.quality); --sets picks some.
+server   the `gadei serve` process's CPU seconds per 1,000 applied updates with a kernel team
+         of 1, 2, 4 and 8 threads, one learner pushing at a fixed pace, against the kernel's
+         own work: what idle or spinning threads cost (gadei.bench.server).
 gpu      GPU learners (gadei.bench.gpu): per-step time of one GPU learner + server against a
          plain PyTorch GPU loop, samples/s and GPU busy fraction with 1-8 learners on one GPU,
          the transports' copy bandwidth against pinned copies; needs CUDA (--device).
@@ -55,12 +58,13 @@ from .kernel import bench_kernel
 from .latency import bench_latency
 from .peers import bench_peers
 from .scaling import bench_scaling
+from .server import bench_server
 from .quality import bench_quality
 from .train import bench_accuracy, bench_modes, bench_train, bench_transport
 
 BENCHES = {"kernel": bench_kernel, "latency": bench_latency, "train": bench_train, "transport": bench_transport,
            "accuracy": bench_accuracy, "modes": bench_modes, "bridge": bench_bridge, "gpu": bench_gpu,
-           "peers": bench_peers, "scaling": bench_scaling, "quality": bench_quality}
+           "peers": bench_peers, "scaling": bench_scaling, "quality": bench_quality, "server": bench_server}
 
 
 def run_bench(args) -> int:
