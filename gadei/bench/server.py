@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from .. import _native
-from .timing import MB, aligned, median, table, time_it
+from .timing import MB, aligned, median, table
 
 TEAMS = (1, 2, 4, 8)
 PACE = 0.002  # seconds between two pushes
@@ -50,7 +50,7 @@ def bench_server(args) -> dict:
                             "os_threads": max(r["os_threads"] for r in mine), "runs": mine})
     print(f"\nserver alone: CPU seconds of the `gadei serve` process per 1,000 applied updates, one learner pushing a "
           f"dense float32 gradient every {PACE * 1e3:g} ms, {updates} updates a run, median of {repeats} run(s) in "
-          f"shuffled order; the kernel's work is the same updates on one thread in this process; {os.cpu_count()} "
+          f"shuffled order; the kernel's work is the CPU the same updates take one thread of this process; {os.cpu_count()} "
           "cores")
     print(table(("gradient", "kernel threads", "server CPU s / 1,000", "kernel's work", "above the work",
                  "server cores", "OS threads"),
@@ -115,9 +115,21 @@ def _wait_applied(tail_addr: int, head: int, timeout: float = 60.0) -> None:
 
 
 def _kernel_seconds(size_mb: float) -> float:
-    """Seconds of one update of a `size_mb` float32 gradient on one thread (w -= lr g; the
-    gradient kept, since a cleared one would be skipped line by line), median of 5."""
+    """CPU seconds of one update of a `size_mb` float32 gradient on this thread (w -= lr g; the
+    gradient kept, since a cleared one would be skipped line by line): the median of 5 samples
+    of 0.02 s each, in this thread's CPU time, so that other processes' load does not count."""
     n = int(size_mb * MB) // 4
     w, g = aligned(n), aligned(n)
     w[:], g[:] = 0.0, np.float32(1e-6)
-    return median([time_it(lambda: _native.sgd(w.ctypes.data, g.ctypes.data, n, 0.01, 0, 1), 0.02) for _ in range(5)])
+
+    def sample() -> float:
+        calls, start = 0, time.thread_time()
+        while True:
+            _native.sgd(w.ctypes.data, g.ctypes.data, n, 0.01, 0, 1)
+            calls += 1
+            spent = time.thread_time() - start
+            if spent >= 0.02 and calls >= 2:
+                return spent / calls
+
+    sample()  # pages touched
+    return median([sample() for _ in range(5)])
