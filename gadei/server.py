@@ -287,8 +287,8 @@ class Server:
             (" (chosen: the model's embedding gradients are sparse)" if auto and sparse else "")
         log.info(
             "job %r: serving %s parameters (%s) in %s mode, %s, %d learner rings of %d slots, lr %g, "
-            "%d kernel threads", job, f"{shape.n_params:,}", _mb(shape.n_params * 4), mode, described,
-            shape.capacity, slots, rule.lr, self.threads,
+            "kernel teams of up to %d threads (one per 262,144 elements of an update)", job, f"{shape.n_params:,}",
+            _mb(shape.n_params * 4), mode, described, shape.capacity, slots, rule.lr, self.threads,
         )
 
     def _resume(self, checkpoint: Checkpoint, spec) -> None:

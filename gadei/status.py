@@ -226,7 +226,7 @@ def format_table(status: JobStatus, rate: Rates | None) -> str:
     transport = status.grad_dtype + (f" + {status.row_sparse_tables} row-sparse tables" if status.row_sparse_tables else "")
     lines = [
         f"job {status.job}: {status.run_state}; server {server}; mode {status.mode}, lr {status.lr:g}"
-        + "".join(_option(k, v) for k, v in options.items()) + f"; {status.threads} kernel threads",
+        + "".join(_option(k, v) for k, v in options.items()) + f"; kernel teams of up to {status.threads} threads",
         f"  weights: {status.n_params:,} parameters ({status.n_params * 4 / 1e6:.1f} MB), {transport} gradients, "
         f"version {status.version:,}, {status.applied:,} gradients applied"
         + (f", {status.nonfinite_skipped:,} non-finite gradients skipped" if status.nonfinite_skipped else "")
