@@ -2,12 +2,13 @@
 and PyTorch's fused CPU Adagrad and Adam, on the same buffers."""
 
 import os
+import time
 
 import numpy as np
 import torch
 
 from .. import _native
-from .timing import MB, aligned, interleaved, table
+from .timing import MB, aligned, interleaved, median, table
 
 
 def bench_kernel(args) -> dict:
@@ -129,3 +130,24 @@ def _bench_adam(w: np.ndarray, g: np.ndarray, size: int, thread_counts, args) ->
         gbs = {name: 7 * n * 4 / sec / 1e9 for name, sec in seconds.items()}
         records.append({"size_mb": size, "threads": threads, "gb_per_s": gbs, "vs_torch": gbs["gadei"] / gbs["torch_fused"]})
     return records
+
+
+def sgd_thread_seconds(size_mb: float) -> float:
+    """CPU seconds of one update of a `size_mb` float32 gradient on this thread (w -= lr g; the
+    gradient kept, since a cleared one would be skipped line by line): the median of 5 samples
+    of 0.02 s each, in this thread's CPU time, so that other processes' load does not count."""
+    n = int(size_mb * MB) // 4
+    w, g = aligned(n), aligned(n)
+    w[:], g[:] = 0.0, np.float32(1e-6)
+
+    def sample() -> float:
+        calls, start = 0, time.thread_time()
+        while True:
+            _native.sgd(w.ctypes.data, g.ctypes.data, n, 0.01, 0, 1)
+            calls += 1
+            spent = time.thread_time() - start
+            if spent >= 0.02 and calls >= 2:
+                return spent / calls
+
+    sample()  # pages touched
+    return median([sample() for _ in range(5)])

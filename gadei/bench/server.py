@@ -6,7 +6,7 @@ for T = 1, 2, 4 and 8, whatever the cores: on a small machine the larger teams
 over-subscribe it, which is the point. The bench reads the server process's CPU seconds
 (/proc/PID/stat, all its threads) over the paced pushes and reports them per 1,000 applied
 updates, beside what the same updates cost a single thread in this process (the kernel's
-work, `_native.sgd`): whatever the server spends above that is waiting, spinning and
+work, `kernel.sgd_thread_seconds`): whatever the server spends above that is waiting, spinning and
 bookkeeping. A server whose idle threads sleep costs about the same at every team size; one
 whose team spins between updates costs more with every thread, on any number of cores.
 """
@@ -15,11 +15,10 @@ import os
 import random
 import time
 
-import numpy as np
 import torch
 
-from .. import _native
-from .timing import MB, aligned, median, table
+from .kernel import sgd_thread_seconds
+from .timing import MB, median, table
 
 TEAMS = (1, 2, 4, 8)
 PACE = 0.002  # seconds between two pushes
@@ -41,7 +40,7 @@ def bench_server(args) -> dict:
                              **_paced_run(size, team, updates)})
     records = []
     for size in sizes:
-        work = _kernel_seconds(size) * 1000
+        work = sgd_thread_seconds(size) * 1000
         for team in TEAMS:
             mine = [r for r in runs if r["size_mb"] == size and r["threads"] == team]
             cpu = median([r["cpu_s"] / r["updates"] * 1000 for r in mine])
@@ -89,47 +88,26 @@ def _paced_run(size_mb: float, team: int, updates: int) -> dict:
         model = _Flat(n)
         model.weight.grad = torch.full((n,), 1e-6)
         with Learner(model, job, push="publish", pull="view") as learner:
-            tail = learner.entry.addr("tail")
             for _ in range(20):  # warm up: the team exists, the pages are touched
                 learner.step()
-            _wait_applied(tail, learner._producer.head)
+            _wait_applied(learner._producer)
             cpu0, start = process_cpu_s(pid), time.perf_counter()
             next_push = start
             for _ in range(updates):
                 learner.step()
                 next_push += PACE
                 _sleep(max(0.0, next_push - time.perf_counter()))
-            _wait_applied(tail, learner._producer.head)
+            _wait_applied(learner._producer)
             seconds, cpu = time.perf_counter() - start, process_cpu_s(pid) - cpu0
             threads = process_threads(pid)
         local.stop()
     return {"updates": updates, "seconds": seconds, "cpu_s": cpu, "os_threads": threads}
 
 
-def _wait_applied(tail_addr: int, head: int, timeout: float = 60.0) -> None:
+def _wait_applied(producer, timeout: float = 60.0) -> None:
+    """Until the server has taken every gradient `producer` published."""
     end = time.monotonic() + timeout
-    while _native.load64(tail_addr) < head:
+    while producer.tail() < producer.head:
         if time.monotonic() > end:
             raise TimeoutError(f"the server applied no gradient for {timeout:g} s")
         time.sleep(0.0005)
-
-
-def _kernel_seconds(size_mb: float) -> float:
-    """CPU seconds of one update of a `size_mb` float32 gradient on this thread (w -= lr g; the
-    gradient kept, since a cleared one would be skipped line by line): the median of 5 samples
-    of 0.02 s each, in this thread's CPU time, so that other processes' load does not count."""
-    n = int(size_mb * MB) // 4
-    w, g = aligned(n), aligned(n)
-    w[:], g[:] = 0.0, np.float32(1e-6)
-
-    def sample() -> float:
-        calls, start = 0, time.thread_time()
-        while True:
-            _native.sgd(w.ctypes.data, g.ctypes.data, n, 0.01, 0, 1)
-            calls += 1
-            spent = time.thread_time() - start
-            if spent >= 0.02 and calls >= 2:
-                return spent / calls
-
-    sample()  # pages touched
-    return median([sample() for _ in range(5)])
