@@ -310,3 +310,17 @@ def test_gadei_run_spreads_the_learners_over_the_listed_devices(small, procs):
     assert "cpu, pull view, push publish" in (logs / "learner-1.log").read_text()
     assert "cuda:0, pull device, push device" in (logs / "learner-2.log").read_text()
     assert (small / "out" / "model.pt").exists()
+
+
+def test_the_gpu_busy_figure_counts_only_the_samples_taken_while_the_learners_trained():
+    """`gadei bench gpu`'s share runs read the GPU's utilisation from the learners' start to
+    their end; their start (spawn, imports, CUDA's set-up) is an idle GPU for seconds, longer
+    than the timed steps, and counted it read 0% of a GPU that trained (issue 35): only the
+    samples inside every learner's timed window count, and none there gives no figure."""
+    from gadei.bench.gpu import _Busy
+
+    busy = _Busy(torch.device("cpu"))
+    busy.samples = [(1.0, 0.0), (2.0, 0.0), (3.0, 0.0), (5.0, 0.9), (6.0, 0.7), (9.0, 0.0)]
+    assert busy.fraction([(4.0, 7.0), (4.5, 8.0)]) == pytest.approx(0.8)  # the overlap: 5 and 6
+    assert busy.fraction([(4.0, 5.5), (5.8, 6.5)]) == pytest.approx(0.8)  # no overlap: their span
+    assert busy.fraction([(3.5, 4.5)]) is None  # a window shorter than the sampling: no figure

@@ -7,7 +7,7 @@ step   per-step time of one GPU learner + server against a plain single-process 
 share  samples/s of the text CNN (mini-batch 4) with 1, 2, 4 and 8 learner processes on one
        GPU (over-subscription), against one plain loop, and the fraction of time the GPU was
        busy (NVML utilisation sampled every 50 ms, through torch.cuda.utilization or
-       nvidia-smi).
+       nvidia-smi, the mean of the samples taken while every learner ran its timed steps).
 copy   bytes per second the learner's push thread (device -> region) and pull thread
        (region -> device) moved while copying, in the `step` runs, against the bandwidth of
        pinned-buffer copies of the same size measured here.
@@ -130,12 +130,12 @@ def gadei_steps(model: nn.Module, job: str, data: list, warmup: int, device: tor
             nn.functional.cross_entropy(model(x), y).backward()
             learner.step(samples=len(y))
         _sync(device)
-        seconds = time.perf_counter() - start
+        seconds, wall = time.perf_counter() - start, time.time()  # the timed steps' window, in wall-clock time
         push1, pull1 = _copies(learner)
     finally:
         learner.close()
     steps = len(data) - warmup
-    return {"step_seconds": seconds / steps,
+    return {"step_seconds": seconds / steps, "window": (wall - seconds, wall),
             "push_bytes": push1[0] - push0[0], "push_copy_seconds": push1[1] - push0[1],
             "pull_bytes": pull1[0] - pull0[0], "pull_copy_seconds": pull1[1] - pull0[1],
             "moved_bytes_per_s": (push1[0] - push0[0] + pull1[0] - pull0[0]) / seconds}
@@ -230,7 +230,10 @@ def _share_worker(job: str, device: str, steps: int, warmup: int, barrier, queue
 
 
 class _Busy:
-    """Samples the GPU's utilisation (NVML) every 50 ms on a thread, until stopped."""
+    """Samples the GPU's utilisation (NVML) every 50 ms on a thread, until stopped; each
+    sample with its wall-clock time, so that only those taken while the learners trained
+    count (`fraction`): the processes' start (spawn, imports, CUDA's set-up) takes seconds
+    of an idle GPU, longer than the timed steps, and counted it read 0% of a GPU that trains."""
 
     def __init__(self, device: torch.device):
         self.device, self.samples, self.source = device, [], None
@@ -256,7 +259,7 @@ class _Busy:
         while not self._stop.wait(0.05) and self.source != "none":
             value = self._read()
             if value is not None:
-                self.samples.append(value)
+                self.samples.append((time.time(), value))
 
     def __enter__(self):
         if self.device.type == "cuda":
@@ -268,9 +271,15 @@ class _Busy:
         if self._thread.is_alive():
             self._thread.join(10)
 
-    @property
-    def fraction(self) -> float | None:
-        return median(self.samples) if self.samples else None
+    def fraction(self, windows: list[tuple[float, float]]) -> float | None:
+        """The mean utilisation of the samples taken while every learner ran its timed steps
+        (the windows' overlap; their span where they do not overlap); None without a sample
+        in it (NVML's own period is 1/6 to 1 s: a shorter run has no true figure)."""
+        start, end = max(w[0] for w in windows), min(w[1] for w in windows)
+        if start >= end:
+            start, end = min(w[0] for w in windows), max(w[1] for w in windows)
+        inside = [value for at, value in self.samples if start <= at <= end]
+        return sum(inside) / len(inside) if inside else None
 
 
 def bench_share(args, device: torch.device) -> dict:
@@ -301,7 +310,7 @@ def bench_share(args, device: torch.device) -> dict:
                         p.join()
             # each learner's own rate, added: they ran side by side
             rates.append(sum(SHARE_BATCH / r["step_seconds"] for r in results))
-            busy.append(sampler.fraction)
+            busy.append(sampler.fraction([r["window"] for r in results]))
         busy = [b for b in busy if b is not None]
         rows.append({"learners": learners, "samples_per_s": median(rates), "vs_plain": median(rates) / plain,
                      "gpu_busy": median(busy) if busy else None})
