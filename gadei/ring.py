@@ -116,9 +116,18 @@ class Producer:
     def tail(self) -> int:
         return _native.load64(self._tail_addr)
 
+    def _pending(self) -> tuple[int, int]:
+        """Published slots the server has not handed back, and the tail read: RegionCorrupt
+        (check_ring) unless 0 <= head - tail <= slots. The learner checks what it reads as the
+        server does: a tail written ahead of the head would otherwise read as room to write
+        over a slot the server has not consumed yet."""
+        tail = _native.load64(self._tail_addr)
+        check_ring(self.region.job, self.learner, self.head, tail, self.slots)
+        return self.head - tail, tail
+
     def has_space(self) -> bool:
         """True when slot `self.slot` is free (consumed by the server, or never used)."""
-        return self.head - _native.load64(self._tail_addr) < self.slots
+        return self._pending()[0] < self.slots
 
     def publish(self, version: int, step: int, samples: int, kind: int = GRADIENT) -> None:
         """Hand slot `self.slot` (payload already written) to the server, and ring if it sleeps.
@@ -141,12 +150,11 @@ class Producer:
         raises to end the wait.
         """
         while True:
-            tail = _native.load64(self._tail_addr)
-            if self.head - tail < self.slots:
+            if self._pending()[0] < self.slots:
                 return
             _native.store32(self._waiting_addr, 1)
-            tail = _native.load64(self._tail_addr)
-            if self.head - tail < self.slots:
+            pending, tail = self._pending()
+            if pending < self.slots:
                 _native.store32(self._waiting_addr, 0)
                 return
             _native.futex_wait(self._tail_addr, tail & _U32, WAIT_SLICE)
@@ -156,12 +164,12 @@ class Producer:
     def drain(self, timeout: float, server_alive) -> bool:
         """Wait until the server consumed every published slot; False if it did not in time."""
         deadline = Deadline(timeout)
-        while _native.load64(self._tail_addr) != self.head:
+        while self._pending()[0]:
             if deadline.expired() or not server_alive():
                 return False
             _native.store32(self._waiting_addr, 1)
-            tail = _native.load64(self._tail_addr)
-            if tail != self.head:
+            pending, tail = self._pending()
+            if pending:
                 _native.futex_wait(self._tail_addr, tail & _U32, deadline.slice(WAIT_SLICE))
             _native.store32(self._waiting_addr, 0)
         return True

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from gadei import protocol
-from gadei.errors import GadeiTimeout
+from gadei.errors import GadeiTimeout, RegionCorrupt
 from gadei.layout import SERVING, STOPPED, STOPPING
 from gadei.region import Region
 from gadei.ring import Consumer, claim
@@ -56,6 +56,25 @@ def test_a_published_slot_is_taken_once_and_its_release_frees_the_ring(served):
     assert consumer.take(producer.learner) == 1
     consumer.release(producer.learner)
     assert consumer.poll(0) == -1 and producer.drain(1.0, lambda: True)
+
+
+@pytest.mark.parametrize("ahead", [5, 2**64 - 3], ids=["by-5", "wrapped"])
+def test_a_learner_refuses_a_corrupt_tail_and_never_writes_over_a_pending_slot(served, ahead):
+    """Both ends of a ring check what they read (issue 33): with the ring full, a tail written
+    ahead of the head (head - tail = -5, or a counter wrapped to near 2**64) would read as room
+    to write over a slot the server has not taken; the producer stops with the server's
+    message instead."""
+    server, region = served
+    producer = claim(region, drain_timeout=5, server_alive=lambda: True)
+    _publish(region, producer, 0.25, 0)
+    _publish(region, producer, 0.5, 1)  # full: both slots wait for the server
+    region.entry(producer.learner).set("tail", (producer.head + ahead) % 2**64)
+    pending = [region.dense(producer.learner, s).copy() for s in range(2)]
+    for look in (producer.has_space, lambda: producer.wait_space(lambda: None),
+                 lambda: producer.drain(1.0, lambda: True)):
+        with pytest.raises(RegionCorrupt, match=f"learner ring {producer.learner}: head - tail = .*allowed 0..2"):
+            look()
+    assert all(np.array_equal(region.dense(producer.learner, s), pending[s]) for s in range(2))
 
 
 def test_the_apply_loop_applies_each_gradient_once_and_stops_on_request(served):
