@@ -61,6 +61,7 @@ from .region import Region
 from .server_record import drop_server_record, save_server_record
 from .protocol import WAIT_SLICE, Deadline, RunState, ServerHold, Version
 from .ring import Consumer, lease_owner, owner_alive
+from .spin import SPIN_PAYS_NS, SpinToken, runnable, short_timer_slack
 
 log = logging.getLogger(__name__)
 
@@ -70,75 +71,6 @@ DOZE = 0.05  # seconds after the last gradient that an idle server dozes (see _s
 _DOZE_NS = int(DOZE * 1e9)
 DOZE_SLICE = 50e-6  # seconds between two looks at the rings while it dozes
 _NAP_NS = int(DOZE_SLICE * 1e9)
-# Spinning for the next gradient pays only when gradients come faster than the server sleeps
-# and wakes (a futex sleep and wake-up, and a halted vCPU's exit: tens of microseconds, up to
-# 100 on a virtual machine); `gadei bench server` shows what it costs when they do not.
-SPIN_PAYS_NS = 200_000
-
-
-def _runnable() -> int:
-    """Threads runnable on the machine now, this one included (/proc/loadavg); 0 where unknown."""
-    try:
-        with open("/proc/loadavg", "rb") as f:
-            return int(f.read().split()[3].split(b"/")[0])
-    except (OSError, IndexError, ValueError):
-        return 0
-
-
-class SpinToken:
-    """The machine's one permit to spin or doze (this user's, a lock file in `env.runtime_dir`):
-    of several servers running side by side, at most one keeps a core busy while it waits for
-    gradients, the others sleep on their doorbells. Taken without waiting; dropped by the
-    kernel when its holder dies."""
-
-    def __init__(self):
-        self._fd, self._held = -1, False
-
-    def take(self) -> bool:
-        """Hold the permit (True), or False when another server holds it (or no lock file can be
-        made: then none spins)."""
-        if self._held:
-            return True
-        import fcntl
-
-        try:
-            if self._fd < 0:
-                from .env import runtime_dir
-
-                self._fd = os.open(os.path.join(runtime_dir(), "spin.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC,
-                                   0o600)
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            return False
-        self._held = True
-        return True
-
-    def give(self) -> None:
-        """Let the permit go (no-op when not held)."""
-        if self._held:
-            import fcntl
-
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
-            self._held = False
-
-    def close(self) -> None:
-        self.give()
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-
-
-def _short_timer_slack() -> None:
-    """Let this thread's short sleeps end on time: Linux adds up to 50 us of timer slack to
-    each by default, as long as a DOZE_SLICE itself (prctl PR_SET_TIMERSLACK, 1 ns)."""
-    import ctypes
-
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(29, 1, 0, 0, 0)
-    except (OSError, AttributeError):  # not Linux: the default slack
-        pass
-
-
 @dataclass(frozen=True)
 class ServeReport:
     """What one `Server.serve` run did."""
@@ -438,7 +370,7 @@ class Server:
 
         After each update it spins (up to spin_ns, and at most 4 gaps) for the next gradient,
         but only while gradients come faster than a sleep and a wake-up cost (the gap between
-        them, averaged, under SPIN_PAYS): only then does spinning buy time. Otherwise, for DOZE
+        them, averaged, under SPIN_PAYS_NS): only then does spinning buy time. Otherwise, for DOZE
         seconds since the last gradient, it dozes: looks at the rings every DOZE_SLICE and
         sleeps in between (natively, GIL released; a vCPU halted that briefly wakes at once, so
         a pause of a few milliseconds does not cost the next gradient a deep wake-up, and
@@ -454,7 +386,7 @@ class Server:
         gap = _DOZE_NS  # the gap between two gradients, averaged (ns): long until measured
         flowing = False  # the last look found a gradient: spin for the next one before sleeping
         token = SpinToken()
-        _short_timer_slack()
+        short_timer_slack()
         try:
             while serving():
                 if held():
@@ -479,7 +411,7 @@ class Server:
                 if now >= next_beat:
                     self._beat(now)
                     next_beat = now + _BEAT_NS
-                    own_core = consumer.learner_threads() + 1 <= self._cores and _runnable() <= self._cores
+                    own_core = consumer.learner_threads() + 1 <= self._cores and runnable() <= self._cores
                     spin_ns = self.spin_ns if own_core else 0
         finally:
             token.close()

@@ -158,11 +158,11 @@ def test_deadline_and_wait_for():
 def test_one_server_at_a_time_holds_the_spin_token_and_a_dead_holder_frees_it(tmp_path, procs, monkeypatch):
     """Servers side by side: only the holder of the machine's spin token spins or dozes while it
     waits for gradients, the others sleep; a holder that dies (SIGKILL) leaves it free."""
-    from gadei.server import SpinToken
+    from gadei.spin import SpinToken
     from helpers import read_line
 
     monkeypatch.setenv("GADEI_RUNTIME_DIR", str(tmp_path))
-    holder = procs.start("-c", "from gadei.server import SpinToken; import json, time; t = SpinToken(); "
+    holder = procs.start("-c", "from gadei.spin import SpinToken; import json, time; t = SpinToken(); "
                          "print(json.dumps({'held': t.take()}), flush=True); time.sleep(600)",
                          env={"GADEI_RUNTIME_DIR": str(tmp_path)})
     assert read_line(holder, 60) == {"held": True}

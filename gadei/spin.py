@@ -1,0 +1,71 @@
+"""How a server may wait for the next gradient without taking a core from others: whether
+spinning pays (`SPIN_PAYS_NS`), how busy the machine is (`runnable`), the machine's one
+permit to spin or doze (`SpinToken`), and sleeps that end on time (`short_timer_slack`).
+`gadei.server`'s apply loop (`Server._serve_each`) decides with them."""
+
+import fcntl
+import os
+
+from .env import runtime_dir
+
+# Spinning for the next gradient pays only when gradients come faster than the server sleeps
+# and wakes (a futex sleep and wake-up, and a halted vCPU's exit: tens of microseconds, up to
+# 100 on a virtual machine); `gadei bench server` shows what it costs when they do not.
+SPIN_PAYS_NS = 200_000
+
+
+def runnable() -> int:
+    """Threads runnable on the machine now, this one included (/proc/loadavg); 0 where unknown."""
+    try:
+        with open("/proc/loadavg", "rb") as f:
+            return int(f.read().split()[3].split(b"/")[0])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+class SpinToken:
+    """The machine's one permit to spin or doze (this user's, a lock file in `env.runtime_dir`):
+    of several servers running side by side, at most one keeps a core busy while it waits for
+    gradients, the others sleep on their doorbells. Taken without waiting; dropped by the
+    kernel when its holder dies."""
+
+    def __init__(self):
+        self._fd, self._held = -1, False
+
+    def take(self) -> bool:
+        """Hold the permit (True), or False when another server holds it (or no lock file can be
+        made: then none spins)."""
+        if self._held:
+            return True
+        try:
+            if self._fd < 0:
+                self._fd = os.open(os.path.join(runtime_dir(), "spin.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC,
+                                   0o600)
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return False
+        self._held = True
+        return True
+
+    def give(self) -> None:
+        """Let the permit go (no-op when not held)."""
+        if self._held:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            self._held = False
+
+    def close(self) -> None:
+        self.give()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def short_timer_slack() -> None:
+    """Let this thread's short sleeps end on time: Linux adds up to 50 us of timer slack to
+    each by default, as long as a DOZE_SLICE itself (prctl PR_SET_TIMERSLACK, 1 ns)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(29, 1, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: the default slack
+        pass
