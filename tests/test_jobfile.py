@@ -296,7 +296,7 @@ def test_a_stopped_run_goes_on_with_resume_and_trains_each_mini_batch_once(tmp_p
     changed = _job(tmp_path, body(epochs=2, lr=0.1))  # another lr: the schedules' maths differ
     refused = procs.gadei("run", changed, "--resume")
     _, err = communicate(refused, 60)
-    assert refused.returncode == 2 and "[train] lr" in err and "only [train] epochs, patience and devices may change" in err, err
+    assert refused.returncode == 2 and "[train] lr" in err and "only [train] epochs, patience, devices and threads may change" in err, err
 
     longer = _job(tmp_path, body(epochs=2, lr=0.05))  # more epochs may be asked for
     resumed = procs.gadei("run", longer, "--resume", "--quiet")
