@@ -118,8 +118,9 @@ class Train(RuleOptions):
     there: lr, momentum, optimizer, adam_beta1, adam_beta2, adam_eps, stale_lr, stale_bound, alpha, tau,
     drop_after, nonfinite)
     and the job's own. What depends on the data (batch, epochs, and the optimizer: adagrad,
-    or sgd in elastic mode) is chosen by `Job.with_defaults` where the file leaves it out;
-    `given` holds the keys the file gave."""
+    or sgd in elastic mode) and what depends on the machine (threads) is chosen by
+    `Job.with_defaults` where the file leaves it out; `given` holds the keys the file gave a
+    value ("auto" is none: the option's own choice)."""
 
     learners: int = option(2, "learners the job trains with", low=1, high=MAX_LEARNERS, flag=False)
     mode: str = option("async", "update rule: async (Hogwild ASGD), consistent (ASGD, pulls never see half an "
@@ -415,7 +416,7 @@ def parse(raw: dict, path: Path, *, data_files: bool = True) -> Job:
     output = (_absolute(output, path.parent, f"{where}: [output] folder = {output!r}", follow=False) if output else
               path.parent / "runs" / job["name"])
     return Job(name=job["name"], workload=job["workload"], data=Data(**data),
-               train=Train(**values["train"], given=frozenset(values["train"])),
+               train=Train(**values["train"], given=frozenset(k for k, v in values["train"].items() if v is not None)),
                checkpoint=CheckpointOptions(**values["checkpoint"]), transport=TransportOptions(**values["transport"]),
                output=output,
                private=values["output"].get("private", True), bridge=bridge, path=path)
