@@ -32,6 +32,8 @@ validated `Job` before anything starts.
     patience = 3                  # stop when the validation accuracy did not improve for this many evaluations
     seed = 0
     devices = "cpu"               # "cpu", "auto" (every visible GPU, else the CPU) or "cuda:0,cuda:1": learners round-robin
+    threads = "auto"              # each learner's PyTorch intra-op threads; auto: the cores less one for the
+                                  # server, shared by the learners (one each where that is all there is)
 
     [checkpoint]
     interval = 60                 # seconds
@@ -73,6 +75,7 @@ from .transport.options import TransportOptions
 FORMATS = ("csv", "tsv", "jsonl", "label-text", "trec", "per-label", "npz")
 NUMERIC_FORMATS = ("csv", "npz")
 MAX_LEARNERS = 64
+MAX_THREADS = 1024  # [train] threads: PyTorch intra-op threads of one learner
 MAX_PATH = 4096  # characters of a path (Linux's PATH_MAX)
 MAX_TEXT = 1024  # characters of any other string of a job file
 
@@ -115,8 +118,9 @@ class Train(RuleOptions):
     there: lr, momentum, optimizer, adam_beta1, adam_beta2, adam_eps, stale_lr, stale_bound, alpha, tau,
     drop_after, nonfinite)
     and the job's own. What depends on the data (batch, epochs, and the optimizer: adagrad,
-    or sgd in elastic mode) is chosen by `Job.with_defaults` where the file leaves it out;
-    `given` holds the keys the file gave."""
+    or sgd in elastic mode) and what depends on the machine (threads) is chosen by
+    `Job.with_defaults` where the file leaves it out; `given` holds the keys the file gave a
+    value ("auto" is none: the option's own choice)."""
 
     learners: int = option(2, "learners the job trains with", low=1, high=MAX_LEARNERS, flag=False)
     mode: str = option("async", "update rule: async (Hogwild ASGD), consistent (ASGD, pulls never see half an "
@@ -132,7 +136,17 @@ class Train(RuleOptions):
     devices: str = option("cpu", 'where learners train, round-robin: "cpu", "auto" (every visible GPU, else the CPU) '
                           'or devices such as "cuda:0,cuda:1"', check=_devices,
                           allowed='"cpu", "auto" (every visible GPU, else the CPU) or devices such as "cuda:0,cuda:1"')
+    threads: int | None = option(None, "each learner's PyTorch intra-op threads (torch.set_num_threads); auto: the "
+                                 "usable cores less one for the server, shared by the learners, at least one each",
+                                 low=1, high=MAX_THREADS, auto=True, flag=False,
+                                 allowed=f'an integer from 1 to {MAX_THREADS:,}, or "auto" (the cores less one for the '
+                                 'server, shared by the learners)')
     given: frozenset = field(default=frozenset(), compare=False, repr=False)
+
+    @property
+    def learner_threads(self) -> int:
+        """Each learner's PyTorch threads: [train] threads, or `auto_threads` of the learners."""
+        return self.threads if self.threads is not None else auto_threads(self.learners)
 
     @property
     def rule(self) -> RuleOptions:
@@ -177,6 +191,8 @@ class Job:
             chosen.append(f"epochs = {epochs} (default: about {UPDATES:,} updates of mini-batch "
                           f"{train.batch} over {samples:,} samples, 3 to {MAX_EPOCHS} epochs; the cap: "
                           f"training stops when {train.patience} evaluations on the validation set did not improve)")
+        if train.threads is None:  # the job as run says the threads its learners take (job.toml, `gadei learn`)
+            train = replace(train, threads=train.learner_threads)
         devices, line = device.choose(device.parse_devices(train.devices))
         if line is not None:
             train = replace(train, devices=",".join(devices))
@@ -223,7 +239,7 @@ class Job:
         sections = {
             "job": {"name": self.name, "workload": self.workload},
             "data": asdict(self.data),
-            "train": {f.name: getattr(self.train, f.name) for f in declared(Train)},
+            "train": _table(self.train),  # threads None (not yet chosen: `with_defaults`) is written "auto"
             "checkpoint": asdict(self.checkpoint),
             "transport": _table(self.transport),  # row_sparse None is written "auto"
             "output": {"folder": self.output, "private": self.private},
@@ -251,6 +267,27 @@ def _table(options) -> dict:
 def default_batch(samples: int) -> int:
     """DESIGN.md's conservative mini-batch: 2 below 10k samples, 4 up to 100k, 32 above."""
     return 2 if samples < 10_000 else 4 if samples <= 100_000 else 32
+
+
+def usable_cores() -> int:
+    """The CPUs this process may run on (its affinity: a container's or taskset's share of the
+    machine, not `os.cpu_count()`)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def auto_threads(learners: int, cores: int | None = None) -> int:
+    """[train] threads = "auto": each learner's PyTorch intra-op threads, so that the learners'
+    threads and the server fit the `cores` (default: `usable_cores()`): one core for the
+    server, the rest shared by the learners, and one each where that is all there is (as
+    torchrun sets OMP_NUM_THREADS=1): 2 learners on 2 cores get 1 each, on 16 cores 7 each.
+    The same rule for GPU learners: their threads run the host's share of a step (the data,
+    the launches, the transports' copies), and a GPU job's learners share the cores as a CPU
+    job's do."""
+    cores = usable_cores() if cores is None else cores
+    return max(1, (cores - 1) // max(1, learners))
 
 
 UPDATES = 120_000
@@ -379,7 +416,7 @@ def parse(raw: dict, path: Path, *, data_files: bool = True) -> Job:
     output = (_absolute(output, path.parent, f"{where}: [output] folder = {output!r}", follow=False) if output else
               path.parent / "runs" / job["name"])
     return Job(name=job["name"], workload=job["workload"], data=Data(**data),
-               train=Train(**values["train"], given=frozenset(values["train"])),
+               train=Train(**values["train"], given=frozenset(k for k, v in values["train"].items() if v is not None)),
                checkpoint=CheckpointOptions(**values["checkpoint"]), transport=TransportOptions(**values["transport"]),
                output=output,
                private=values["output"].get("private", True), bridge=bridge, path=path)

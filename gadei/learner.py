@@ -136,8 +136,9 @@ class Learner:
         except BaseException:
             self._teardown(drain=False)
             raise
-        log.info("job %r: learner %d attached (pid %d, %s, pull %s, push %s)", self.job, self.learner_id,
-                 os.getpid(), self.device, self.pull_mode, self.push_mode)
+        log.info("job %r: learner %d attached (pid %d, %s, %d PyTorch thread%s, pull %s, push %s)", self.job,
+                 self.learner_id, os.getpid(), self.device, torch.get_num_threads(),
+                 "s" if torch.get_num_threads() != 1 else "", self.pull_mode, self.push_mode)
         return self
 
     def _ensure_weights(self, spec) -> None:

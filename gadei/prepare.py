@@ -197,6 +197,7 @@ def describe(prepared: Prepared, node) -> list[str]:
                 f"{t.epochs} epoch{'s' if t.epochs != 1 else ''} (no validation set)") + f", seed {t.seed}"]
     lines += [f"  read {report}" for report in prepared.read]
     lines += [f"  chose {line}" for line in prepared.chosen]
+    lines.append(f"  learners: {_threads_line(t)}")
     if node is not None:
         b = job.bridge
         lines.append(f"  node {node.rank} of {node.size}: learners' shards {', '.join(node.shards(t.learners))}; "
@@ -217,6 +218,18 @@ def describe(prepared: Prepared, node) -> list[str]:
     return lines
 
 
+def _threads_line(t: jobfile.Train) -> str:
+    """How many PyTorch threads each learner takes, and why ([train] threads)."""
+    n, cores = t.learner_threads, jobfile.usable_cores()
+    said = f"{t.learners} x {n} PyTorch thread{'s' if n != 1 else ''}"
+    if "threads" in t.given:
+        over = t.learners * n + 1 > cores
+        return said + " ([train] threads" + (f"; with the server more than the {cores} cores" if over else "") + ")"
+    if cores - 1 >= t.learners:
+        return said + f" (auto: {cores} cores: one for the server, {cores - 1} for the learners)"
+    return said + f" (auto: {cores} core{'s' if cores != 1 else ''}: one for the server, and one thread a learner at least)"
+
+
 def _compared(section) -> dict:
     """A job file section's fields that say what the job is (not `Train.given`)."""
     return {f.name: getattr(section, f.name) for f in dataclasses.fields(section) if f.compare}
@@ -226,7 +239,7 @@ def resume_point(job: jobfile.Job, *, remove_model: bool = True, nodes: int = 1)
     """The checkpoint a resumed run goes on from: the newest one of its output folder that says
     how far each learner got (a watchdog's periodic or final-stage one; the server's own stop
     checkpoint does not, so up to one checkpoint interval is trained again). The folder's
-    job.toml must be this job with at most other epochs, patience or devices: the learners' schedules (data,
+    job.toml must be this job with at most other epochs, patience, devices or threads: the learners' schedules (data,
     shards, mini-batch, seed) must be the ones the progress counts in; a bridged node's
     folder (node.json) must come from a run of as many `nodes`, whose shards these are."""
     from . import checkpoint
@@ -236,14 +249,15 @@ def resume_point(job: jobfile.Job, *, remove_model: bool = True, nodes: int = 1)
     if not as_run.is_file():
         raise GadeiError(f"--resume: {out} holds no run to go on with (no job.toml)")
     before = jobfile.load(as_run)
-    free = {("train", "epochs"), ("train", "devices"), ("train", "patience")}  # none changes a learner's schedule
+    free = {("train", "epochs"), ("train", "devices"), ("train", "patience"),  # none changes a learner's schedule
+            ("train", "threads")}
     changed = [f"[{section}] {key}" for section in ("data", "train")
                for key, value in _compared(getattr(before, section)).items()
                if (section, key) not in free and getattr(getattr(job, section), key) != value]
     changed += [f"[job] {key}" for key in ("name", "workload") if getattr(job, key) != getattr(before, key)]
     if changed:
         raise GadeiError(f"--resume: the job differs from the run in {out} in " + ", ".join(changed)
-                         + " (only [train] epochs, patience and devices may change); run it with another [output] "
+                         + " (only [train] epochs, patience, devices and threads may change); run it with another [output] "
                          "folder instead")
     try:
         before_nodes = json.loads((out / "node.json").read_text())["nodes"]

@@ -584,6 +584,38 @@ def test_bench_peers_and_scaling_quick(procs, tmp_path):
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.long  # a bench's --quick run: about a minute of training runs
+def test_bench_threads_quick(procs, tmp_path):
+    """A smoke run of `gadei bench threads --quick`: one gadei learner + server and the plain
+    PyTorch loop at mini-batches 2 and 32, each at 1, 2 and 4 PyTorch threads (4 over-subscribing
+    a 2-core machine), their training processes running with those threads as they report them;
+    samples/s, CPU per sample and the speed-up over one thread in the table and the JSON."""
+    from helpers import data_dir, missing
+
+    from gadei.bench.threads import thread_counts
+
+    trec = data_dir() / "trec"
+    if not (trec / "TREC.train").exists():
+        missing(f"TREC under {data_dir()}")
+    out_file = tmp_path / "threads.json"
+    out, _ = finish(procs.gadei("bench", "threads", "--quick", "--repeats", "1", "--data", f"trec:{trec}",
+                                "--out", out_file), 600)
+    assert "1 gadei learner + server against the plain PyTorch loop" in out and "gadei / plain" in out, out
+    saved = json.loads(out_file.read_text())["threads"]
+    counts = thread_counts(len(os.sched_getaffinity(0)))
+    assert counts[:3] == [1, 2, 4] and saved["threads"] == counts and saved["batches"] == [2, 32]
+    assert [(r["batch"], r["threads"]) for r in saved["rows"]] == [(b, t) for b in (2, 32) for t in counts]
+    for row in saved["rows"]:
+        for kind in ("plain", "gadei"):
+            m = row[kind]
+            (run,) = m["runs"]
+            assert run["torch_threads"] == [row["threads"]], (kind, row["threads"], run["torch_threads"])
+            assert m["samples_per_s"] > 0 and m["cpu_s_per_sample"] > 0 and run["samples"] >= row["batch"], kind
+        assert row["gadei"]["server_cpu_s"] > 0 and row["plain"]["server_cpu_s"] == 0
+        assert row["gadei/plain"] == pytest.approx(row["gadei"]["samples_per_s"] / row["plain"]["samples_per_s"])
+    assert all(r["plain"]["speedup"] == r["gadei"]["speedup"] == 1 for r in saved["rows"] if r["threads"] == 1)
+
+
 def _dies(code: int, after: float = 0.0) -> None:
     import time
 

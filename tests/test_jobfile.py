@@ -99,6 +99,11 @@ def test_the_default_mini_batch_follows_the_data_set_size(samples, batch):
                                                                    "a column name (string) or a column number"),
     ((None, ("format = \"csv\"\nlabel_column = \"category\"", "format = \"jsonl\"\nlabel_column = 2")),
      "[data] label_column = 2: jsonl names keys; allowed: a key (string)"),
+    (("[train]\nthreads = 0\n", None),
+     '[train] threads = 0 is out of range; allowed: an integer from 1 to 1,024, or "auto" (the cores less one'),
+    (("[train]\nthreads = \"many\"\n", None),
+     '[train] threads = \'many\' is a string; allowed: an integer from 1 to 1,024, or "auto"'),
+    (("[train]\nthreads = 2.5\n", None), "[train] threads = 2.5 is a number; allowed: an integer from 1 to 1,024"),
 ])
 def test_a_bad_job_file_is_refused_naming_field_value_and_what_is_allowed(small, edit, message):
     append, swap = edit
@@ -264,6 +269,22 @@ def test_gadei_run_trains_a_job_file_and_leaves_its_outputs(tmp_path, procs):
     assert again.returncode == 2 and "holds a previous run" in err
 
 
+def test_gadei_run_says_the_learners_threads_and_its_learners_run_them(small, procs):
+    """[train] threads reaches every learner `gadei run` starts (through the job as run,
+    job.toml): each learner's log says the PyTorch threads it trains with, and the run's opening
+    lines say what was chosen (3 a learner here, over-subscribing a small machine on purpose)."""
+    name = unique_name("threads")
+    path = _job(small, small_job(name) + '[train]\nlearners = 2\nepochs = 1\nthreads = 3\n[output]\nfolder = "out"\n')
+    run = procs.gadei("run", path, "--quiet")
+    out, err = communicate(run, 300)
+    assert run.returncode == 0, out + err
+    assert "  learners: 2 x 3 PyTorch threads ([train] threads" in out, out
+    assert "threads = 3\n" in (small / "out" / "job.toml").read_text()
+    for i in range(2):
+        log = (small / "out" / "logs" / f"learner-{i}.log").read_text()
+        assert "3 PyTorch threads, pull" in log, log  # torch.get_num_threads() in the learner, once it attached
+
+
 @pytest.mark.long  # two TREC runs: most of a minute
 def test_a_stopped_run_goes_on_with_resume_and_trains_each_mini_batch_once(tmp_path, procs):
     name = unique_name("resume")
@@ -296,7 +317,7 @@ def test_a_stopped_run_goes_on_with_resume_and_trains_each_mini_batch_once(tmp_p
     changed = _job(tmp_path, body(epochs=2, lr=0.1))  # another lr: the schedules' maths differ
     refused = procs.gadei("run", changed, "--resume")
     _, err = communicate(refused, 60)
-    assert refused.returncode == 2 and "[train] lr" in err and "only [train] epochs, patience and devices may change" in err, err
+    assert refused.returncode == 2 and "[train] lr" in err and "only [train] epochs, patience, devices and threads may change" in err, err
 
     longer = _job(tmp_path, body(epochs=2, lr=0.05))  # more epochs may be asked for
     resumed = procs.gadei("run", longer, "--resume", "--quiet")
@@ -376,6 +397,44 @@ def test_a_run_whose_loss_becomes_nan_fails_naming_the_epoch_and_the_learning_ra
     assert run.returncode == 3, out + err
     assert "the training loss is nan after epoch 1" in err and "lr 10" in err and "lower [train] lr" in err, err
     assert "done in" not in out and inspect(name) is None
+
+
+@pytest.mark.parametrize("cores, learners, threads", [(2, 1, 1), (2, 2, 1), (1, 4, 1), (4, 1, 3), (16, 2, 7),
+                                                     (16, 4, 3), (16, 16, 1), (64, 3, 21)])
+def test_auto_threads_fit_the_learners_and_the_server_on_the_cores(small, monkeypatch, cores, learners, threads):
+    """[train] threads = "auto" (the default): the usable cores (this process's affinity, not
+    the machine's count) less one for the server, shared by the learners, one each where that
+    is all there is; the job as run (job.toml) and its learners (`gadei learn --job-file`) take
+    the number chosen."""
+    from gadei.cli import build_parser
+    from gadei.cli.common import job_file_defaults
+
+    monkeypatch.setattr(jobfile.os, "sched_getaffinity", lambda pid: set(range(cores)))
+    job = jobfile.load(_job(small, small_job() + f"[train]\nlearners = {learners}\n"))
+    assert job.train.threads is None and 'threads = "auto"' in job.to_toml()
+    filled, _ = job.with_defaults(32)
+    assert filled.train.threads == threads and filled.train.learners * threads + 1 <= max(cores, learners + 1)
+    as_run = _job(small, filled.to_toml(), "as-run.toml")
+    assert f"threads = {threads}\n" in as_run.read_text()
+    monkeypatch.setattr(jobfile.os, "sched_getaffinity", lambda pid: set(range(cores * 2)))  # another machine:
+    argv = ["learn", "pets", "--job-file", str(as_run)]  # a restarted learner takes what the run chose
+    parser = build_parser()
+    parser.verbs["learn"].set_defaults(**job_file_defaults(argv))
+    assert parser.parse_args(argv).torch_threads == threads
+    assert build_parser().parse_args(["learn", "pets"]).torch_threads == 1  # no job file: its own default
+
+
+def test_threads_given_in_the_job_file_are_kept_whatever_the_cores(small, monkeypatch):
+    monkeypatch.setattr(jobfile.os, "sched_getaffinity", lambda pid: {0, 1})
+    job = jobfile.load(_job(small, small_job() + "[train]\nlearners = 2\nthreads = 3\n"))
+    filled, _ = job.with_defaults(32)
+    assert job.train.threads == filled.train.threads == 3 and "threads = 3\n" in filled.to_toml()
+    from gadei.prepare import _threads_line
+
+    assert _threads_line(filled.train) == "2 x 3 PyTorch threads ([train] threads; with the server more than the 2 cores)"
+    auto = jobfile.load(_job(small, small_job() + '[train]\nlearners = 2\nthreads = "auto"\n')).train
+    assert auto.threads is None and _threads_line(auto) == ("2 x 1 PyTorch thread (auto: 2 cores: one for the server, "
+                                                            "and one thread a learner at least)")
 
 
 def test_row_sparse_is_the_servers_choice_unless_the_job_file_says(small):

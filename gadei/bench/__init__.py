@@ -33,6 +33,10 @@ quality  what a job file with nothing tuned hands back on each shared data set (
 server   the `gadei serve` process's CPU seconds per 1,000 applied updates with a kernel team
          of 1, 2, 4 and 8 threads, one learner pushing at a fixed pace, against the kernel's
          own work: what idle or spinning threads cost (gadei.bench.server).
+threads  one gadei learner + server against the plain PyTorch loop at 1, 2 and 4 PyTorch threads
+         per process (more up to the cores on a larger machine) and mini-batches 2 and 32: samples/s,
+         CPU ms per sample, the speed-up over one thread: when a learner's threads pay
+         (gadei.bench.threads, `[train] threads`).
 gpu      GPU learners (gadei.bench.gpu): per-step time of one GPU learner + server against a
          plain PyTorch GPU loop, samples/s and GPU busy fraction with 1-8 learners on one GPU,
          the transports' copy bandwidth against pinned copies; needs CUDA (--device).
@@ -59,12 +63,14 @@ from .latency import bench_latency
 from .peers import bench_peers
 from .scaling import bench_scaling
 from .server import bench_server
+from .threads import bench_threads
 from .quality import bench_quality
 from .train import bench_accuracy, bench_modes, bench_train, bench_transport
 
 BENCHES = {"kernel": bench_kernel, "latency": bench_latency, "train": bench_train, "transport": bench_transport,
            "accuracy": bench_accuracy, "modes": bench_modes, "bridge": bench_bridge, "gpu": bench_gpu,
-           "peers": bench_peers, "scaling": bench_scaling, "quality": bench_quality, "server": bench_server}
+           "peers": bench_peers, "scaling": bench_scaling, "quality": bench_quality, "server": bench_server,
+           "threads": bench_threads}
 
 
 def run_bench(args) -> int:

@@ -14,8 +14,9 @@ rpc      1 parameter server + N trainers over `torch.distributed.rpc` (PyTorch's
 gadei    N learners (`gadei.Learner`, the default transports) and a server (`gadei.Server`
          with its defaults) in their own processes.
 
-Every process uses one PyTorch thread; every worker reports its wall-clock start and end,
-samples, and the CPU seconds of its process (all threads) over its training loop, so that
+Every process uses one PyTorch thread (plain and gadei's learners: `threads`, for `gadei bench
+threads`); every worker reports its wall-clock start and end,
+samples, its PyTorch threads, and the CPU seconds of its process (all threads) over its training loop, so that
 the runner can put CPU seconds per sample beside samples/s. A run's test accuracy is
 measured by the runner on the final weights.
 """
@@ -28,8 +29,8 @@ import warnings
 import torch
 
 
-def _setup():
-    torch.set_num_threads(1)
+def _setup(threads: int = 1):
+    torch.set_num_threads(threads)
     from gadei_workloads import get
 
     return get("textcnn")
@@ -90,9 +91,9 @@ def numpy_state(model) -> dict:
     return {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
 
 
-def local_worker(kind, rank, world, batch, epochs, seed, lr, data, limit, shared, barrier, queue):
-    """plain (world 1) or hogwild (`shared` is the shared model)."""
-    workload = _setup()
+def local_worker(kind, rank, world, batch, epochs, seed, lr, data, limit, shared, barrier, queue, threads=1):
+    """plain (world 1) or hogwild (`shared` is the shared model), with `threads` PyTorch threads."""
+    workload = _setup(threads)
     train, _ = workload.load_data(data)
     model = shared if shared is not None else model_for(workload, train, seed)
     model.train()
@@ -101,13 +102,15 @@ def local_worker(kind, rank, world, batch, epochs, seed, lr, data, limit, shared
     start, end, samples, cpu = _loop(workload, model, train, rank, world, batch, epochs, seed, lr, limit,
                                      lambda _: optimizer.step(), lambda: optimizer.zero_grad())
     queue.put({"rank": rank, "start": start, "end": end, "samples": samples, "cpu": cpu,
+               "threads": torch.get_num_threads(),
                "state": numpy_state(model) if kind == "plain" else None})
 
 
-def gadei_learner(rank, world, batch, epochs, seed, lr, data, limit, job, barrier, queue):
+def gadei_learner(rank, world, batch, epochs, seed, lr, data, limit, job, barrier, queue, threads=1):
+    """A gadei learner with `threads` PyTorch threads."""
     from ..learner import Learner
 
-    workload = _setup()
+    workload = _setup(threads)
     train, _ = workload.load_data(data)
     model = model_for(workload, train, seed)
     model.train()
@@ -116,7 +119,8 @@ def gadei_learner(rank, world, batch, epochs, seed, lr, data, limit, job, barrie
     start, end, samples, cpu = _loop(workload, model, train, rank, world, batch, epochs, seed, lr, limit,
                                      lambda n: learner.step(samples=n))
     learner.close()
-    queue.put({"rank": rank, "start": start, "end": end, "samples": samples, "cpu": cpu, "state": None})
+    queue.put({"rank": rank, "start": start, "end": end, "samples": samples, "cpu": cpu,
+               "threads": torch.get_num_threads(), "state": None})
 
 
 def gadei_server(job, data, seed, world, lr, options, queue, failed):
@@ -165,6 +169,7 @@ def ddp_worker(rank, world, batch, epochs, seed, lr, data, limit, port, queue):
                                          lr, limit, lambda _: optimizer.step(), lambda: optimizer.zero_grad(),
                                          lockstep=True)
         queue.put({"rank": rank, "start": start, "end": end, "samples": samples, "cpu": cpu,
+                   "threads": torch.get_num_threads(),
                    "state": numpy_state(model) if rank == 0 else None})
     finally:
         dist.destroy_process_group()
@@ -230,7 +235,8 @@ def _rpc_trainer(ps_rref, rank, world, batch, epochs, seed, lr, data, limit):
     # the model object is a new one after every step: forward and the constraint use the current one
     start, end, samples, cpu = _loop(workload, _Front(lambda x: state["model"](x), lambda: state["model"]), train, rank, world, batch, epochs, seed, lr, limit, step,
                                      before, lockstep=True)
-    return {"rank": rank, "start": start, "end": end, "samples": samples, "cpu": cpu, "state": None}
+    return {"rank": rank, "start": start, "end": end, "samples": samples, "cpu": cpu,
+            "threads": torch.get_num_threads(), "state": None}
 
 
 def rpc_worker(rank, trainers, batch, epochs, seed, lr, data, limit, port, queue):

@@ -41,13 +41,15 @@ def free_port() -> int:
 
 
 def run_peer(kind: str, world: int, batch: int, *, epochs: int, seed: int, lr: float, data: str, limit: int = 0,
-             options: dict | None = None, timeout: float = 3600.0) -> dict:
+             options: dict | None = None, timeout: float = 3600.0, threads: int = 1) -> dict:
     """One timed training run of `kind` with `world` learners (processes, trainers).
 
     Returns samples/s, seconds, samples, test accuracy, CPU seconds of every process over
-    its training loop (`cpu_s`, the server's or parameter server's part in `server_cpu_s`)
-    and CPU seconds per sample. `limit`: stop after about this many samples (smoke runs).
-    `options`: the gadei Server's options.
+    its training loop (`cpu_s`, the server's or parameter server's part in `server_cpu_s`),
+    CPU seconds per sample, and the PyTorch threads the training processes reported
+    (`torch_threads`, each value once). `limit`: stop after about this many samples (smoke runs).
+    `options`: the gadei Server's options. `threads`: the PyTorch threads of the plain
+    process, of each Hogwild process and of each gadei learner (the others keep one).
     """
     from gadei_workloads import get
 
@@ -67,14 +69,16 @@ def run_peer(kind: str, world: int, batch: int, *, epochs: int, seed: int, lr: f
                 shared.share_memory()
             barrier = ctx.Barrier(world)
             procs = [ctx.Process(target=w.local_worker,
-                                 args=(kind, r, world, batch, epochs, seed, lr, data, limit, shared, barrier, queue))
+                                 args=(kind, r, world, batch, epochs, seed, lr, data, limit, shared, barrier, queue),
+                                 kwargs={"threads": threads})
                      for r in range(world)]
         elif kind == "gadei":
             job = f"bench-peers-{os.getpid()}-{time.monotonic_ns() % 10**9}"
             server = _start_server(ctx, job, (data, seed, world, lr, options or {}), queue)
             barrier = ctx.Barrier(world)
             procs = [ctx.Process(target=w.gadei_learner,
-                                 args=(r, world, batch, epochs, seed, lr, data, limit, job, barrier, queue))
+                                 args=(r, world, batch, epochs, seed, lr, data, limit, job, barrier, queue),
+                                 kwargs={"threads": threads})
                      for r in range(world)]
         elif kind in ("ddp", "ddp-lr"):
             port = free_port()
@@ -113,7 +117,8 @@ def run_peer(kind: str, world: int, batch: int, *, epochs: int, seed: int, lr: f
     server_cpu = sum(r["cpu"] for r in results if r["rank"] == -1)
     return {"method": kind, "learners": world, "batch": batch, "lr": lr_used, "samples": samples,
             "seconds": end - start, "samples_per_s": samples / (end - start), "test_accuracy": workload.evaluate(model, test),
-            "cpu_s": cpu, "server_cpu_s": server_cpu, "cpu_s_per_sample": cpu / samples}
+            "cpu_s": cpu, "server_cpu_s": server_cpu, "cpu_s_per_sample": cpu / samples,
+            "torch_threads": sorted({r["threads"] for r in trained})}
 
 
 def _context():

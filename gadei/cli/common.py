@@ -74,7 +74,7 @@ def job_file_defaults(argv: list[str]) -> dict | None:
         if t.epochs is None or t.batch is None:
             raise GadeiError(f"{JOB_FILE} {path}: [train] epochs and batch must be given (the job as `gadei run` "
                              "ran it, in its output folder, has them)")
-        values.update(epochs=t.epochs, batch=t.batch, patience=t.patience)
+        values.update(epochs=t.epochs, batch=t.batch, patience=t.patience, torch_threads=t.learner_threads)
     return values
 
 

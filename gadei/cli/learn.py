@@ -9,6 +9,18 @@ def cmd_learn(args) -> int:
     return run(args)
 
 
+def _threads(text: str) -> int:
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: allowed: an integer from 1")
+    return value
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser("learn", help="train a built-in workload as one learner of a job",
                        description="Attach to a served job and train a built-in workload on one shard of "
@@ -37,7 +49,9 @@ def add_parser(sub) -> None:
                    "--job-file: its [train] patience)")
     p.add_argument("--best", metavar="FOLDER", help="--validate: where the best model (best.pt) and the selection's "
                    "state (best.json) are kept, crash safely (a restarted learner goes on with them)")
-    p.add_argument("--torch-threads", type=int, default=1, help="PyTorch intra-op threads (default 1)")
+    p.add_argument("--torch-threads", type=_threads, default=1, metavar="N",
+                   help="PyTorch intra-op threads (default 1; --job-file: its [train] threads, where \"auto\" is "
+                   "the cores less one for the server, shared by the job's learners)")
     p.add_argument("--start-at", type=int, default=0, metavar="SAMPLES",
                    help="skip this many samples of the schedule (epochs x shard): a restarted learner goes on "
                    "where its gradients in the weights end (the watchdog sets it)")

@@ -44,7 +44,7 @@ def add_parser(sub) -> None:
                    "starting and 'check passed'; start nothing, write nothing (exit 0, or 2 with the reason)")
     p.add_argument("--resume", action="store_true", help="go on with the run in the job's output folder (one that "
                    "was cancelled, failed, or ended early) from its newest checkpoint that records the learners' "
-                   "progress; only [train] epochs, patience and devices may differ from that run's job.toml")
+                   "progress; only [train] epochs, patience, devices and threads may differ from that run's job.toml")
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("predict", help="the top labels of a finished run's model for a text",

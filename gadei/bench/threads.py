@@ -1,0 +1,90 @@
+"""`gadei bench threads`: when more PyTorch threads per learner pay, and when they do not.
+
+One gadei learner + server (`gadei.bench.peers.run_peer`, the learner in its own process)
+against the plain single-process PyTorch loop, the text CNN on the same data, epochs, seed and
+lr, each process training with 1, 2 and 4 PyTorch intra-op threads (more on a larger machine,
+up to the cores less one; 4 even on 2 cores, over-subscribing it on purpose: what a learner
+given more threads than the machine has costs) at mini-batches 2 and 32 (`--batches`). For
+each: samples/s and CPU milliseconds per sample (every process, the server's included), the
+speed-up over one thread, and gadei's ratio to the plain loop at the same threads. A small
+mini-batch's step is too short to split across threads; a large one's matrix products split
+well: that is where `[train] threads` (`gadei.jobfile.auto_threads`) pays for the cores it
+takes. Each figure is the median of `--repeats` runs, the runs of a repeat in shuffled order.
+"""
+
+import logging
+import os
+import random
+
+from ..jobfile import usable_cores
+from .peers import QUICK_LIMIT, _batches, placement_of, run_peer
+from .timing import cross_cpu_ns, median, table
+from .train import _default_data
+
+log = logging.getLogger(__name__)
+
+THREADS = (1, 2, 4, 8, 16, 32)
+BATCHES = (2, 32)
+OVERSUBSCRIBE = 4  # threads measured even where the machine has fewer cores
+METHODS = ("plain", "gadei")
+LABELS = {"plain": "plain PyTorch", "gadei": "gadei 1 learner"}
+
+
+def thread_counts(cores: int) -> list[int]:
+    """The threads measured on `cores` usable cores: 1, 2, 4 whatever the cores, and more up to
+    the cores less one (the server's)."""
+    return [t for t in THREADS if t <= max(OVERSUBSCRIBE, cores - 1)]
+
+
+def bench_threads(args) -> dict:
+    data = _default_data(args)
+    batches = _batches(args) if getattr(args, "batches", None) else list(BATCHES)
+    cores = usable_cores()
+    counts = thread_counts(cores)
+    lr = 0.01
+    keys = [(kind, threads, batch) for kind in METHODS for threads in counts for batch in batches]
+    runs = {key: [] for key in keys}
+    rng = random.Random(0)
+    for repeat in range(args.repeats):
+        order = list(keys)
+        rng.shuffle(order)
+        for kind, threads, batch in order:
+            # --quick: at least 20 steps of the larger batches, so that a step's time is measured
+            limit = max(QUICK_LIMIT, 20 * batch) if args.quick else 0
+            before = cross_cpu_ns()
+            result = run_peer(kind, 1, batch, epochs=args.epochs, seed=repeat, lr=lr, data=data, limit=limit,
+                              threads=threads)
+            result["cross_cpu_ns"] = [before, cross_cpu_ns()]
+            runs[(kind, threads, batch)].append(result)
+            log.info("repeat %d batch %d %s %d threads: %.0f samples/s, %.2f CPU ms/sample", repeat, batch, kind,
+                     threads, result["samples_per_s"], 1e3 * result["cpu_s_per_sample"])
+    records = []
+    for batch in batches:
+        med = {(kind, t): {k: median([r[k] for r in runs[(kind, t, batch)]])
+                           for k in ("samples_per_s", "cpu_s_per_sample", "test_accuracy", "server_cpu_s")}
+               for kind in METHODS for t in counts}
+        for t in counts:
+            row = {"batch": batch, "threads": t}
+            for kind in METHODS:
+                m = med[(kind, t)]
+                row[kind] = {**m, "speedup": m["samples_per_s"] / med[(kind, counts[0])]["samples_per_s"],
+                             "runs": runs[(kind, t, batch)]}
+            row["gadei/plain"] = row["gadei"]["samples_per_s"] / row["plain"]["samples_per_s"]
+            records.append(row)
+    limit = f" (quick: about {QUICK_LIMIT} samples, or 20 mini-batches)" if args.quick else ""
+    print(f"\nthreads: text CNN on {data}, 1 gadei learner + server against the plain PyTorch loop, each with 1 to "
+          f"{counts[-1]} PyTorch threads, {args.epochs} epoch(s){limit}, lr {lr}, seeds 0..{args.repeats - 1}; medians "
+          f"of {args.repeats} interleaved runs; {cores} usable cores (CPU ms/sample: every process, the server's "
+          "included)")
+    print(table(("batch", "threads", "plain samples/s", "CPU ms/sample", "x 1 thread", "gadei samples/s",
+                 "CPU ms/sample", "x 1 thread", "gadei / plain"),
+                [(r["batch"], r["threads"] if r["threads"] <= cores else f"{r['threads']} (> {cores} cores)",
+                  f"{r['plain']['samples_per_s']:.0f}", f"{1e3 * r['plain']['cpu_s_per_sample']:.2f}",
+                  f"{r['plain']['speedup']:.2f}x", f"{r['gadei']['samples_per_s']:.0f}",
+                  f"{1e3 * r['gadei']['cpu_s_per_sample']:.2f}", f"{r['gadei']['speedup']:.2f}x",
+                  f"{r['gadei/plain']:.2f}x") for r in records]))
+    where = placement_of([r for rs in runs.values() for r in rs])
+    if where:
+        print(where)
+    return {"data": data, "epochs": args.epochs, "lr": lr, "cores": cores, "cpus": os.cpu_count(), "threads": counts,
+            "batches": batches, "rows": records}
