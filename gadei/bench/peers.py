@@ -45,8 +45,10 @@ def run_peer(kind: str, world: int, batch: int, *, epochs: int, seed: int, lr: f
     """One timed training run of `kind` with `world` learners (processes, trainers).
 
     Returns samples/s, seconds, samples, test accuracy, CPU seconds of every process over
-    its training loop (`cpu_s`, the server's or parameter server's part in `server_cpu_s`)
-    and CPU seconds per sample. `limit`: stop after about this many samples (smoke runs).
+    its training loop (`cpu_s`, the server's or parameter server's part in `server_cpu_s`),
+    CPU seconds per sample, and `processes`: each process's role, rank (None for a server),
+    pid, CPU seconds and OS threads at the end of its loop, servers first.
+    `limit`: stop after about this many samples (smoke runs).
     `options`: the gadei Server's options.
     """
     from gadei_workloads import get
@@ -111,9 +113,11 @@ def run_peer(kind: str, world: int, batch: int, *, epochs: int, seed: int, lr: f
     samples = sum(r["samples"] for r in trained)
     cpu = sum(r["cpu"] for r in results if "cpu" in r)
     server_cpu = sum(r["cpu"] for r in results if r["rank"] == -1)
+    processes = [{"role": r["role"], "rank": None if r["rank"] == -1 else r["rank"], "pid": r["pid"], "cpu_s": r["cpu"],
+                  "threads": r["threads"]} for r in sorted((r for r in results if "role" in r), key=lambda r: r["rank"])]
     return {"method": kind, "learners": world, "batch": batch, "lr": lr_used, "samples": samples,
             "seconds": end - start, "samples_per_s": samples / (end - start), "test_accuracy": workload.evaluate(model, test),
-            "cpu_s": cpu, "server_cpu_s": server_cpu, "cpu_s_per_sample": cpu / samples}
+            "cpu_s": cpu, "server_cpu_s": server_cpu, "cpu_s_per_sample": cpu / samples, "processes": processes}
 
 
 def _context():
@@ -275,6 +279,25 @@ def summarise(rs: list[dict]) -> dict:
             "runs": rs}
 
 
+def threads_line(kind: str, world: int, runs: list[dict]) -> str:
+    """One method's OS threads per process at the end of its loop, by role, in its first run:
+    'gadei 2 learners: server 3, learners 2, 2'."""
+    processes = runs[0].get("processes", []) if runs else []
+    roles: dict[str, list[str]] = {}
+    for p in processes:
+        roles.setdefault(p["role"], []).append(str(p["threads"]))
+    parts = [f"{role}{'s' if len(n) > 1 and not role.endswith('s') else 'es' if len(n) > 1 else ''} {', '.join(n)}"
+             for role, n in roles.items()]
+    return f"{LABELS[kind]} {_who(kind, world)}: {'; '.join(parts) or 'not recorded'}"
+
+
+def print_threads(names, raw: dict, batch: int) -> None:
+    """Under a table: the OS threads per process of each method (`threads_line`) at `batch`."""
+    print("threads per process (OS threads at the end of each one's loop, first run):")
+    for kind, world in names:
+        print("  " + threads_line(kind, world, raw[(kind, world, batch)]))
+
+
 def bench_peers(args) -> dict:
     data = _default_data(args)
     batches = _batches(args)
@@ -307,6 +330,7 @@ def bench_peers(args) -> dict:
             rows.append((f"{LABELS[kind]} {_who(kind, world)}{crashed}", f"{m['samples_per_s']:.0f}", f"{m['test_accuracy']:.1%}",
                          f"{1e3 * m['cpu_s_per_sample']:.2f}", ratio))
         print(table(("method", "samples/s", "test accuracy", "CPU ms/sample", "gadei N / this"), rows))
+        print_threads(runs, raw, batch)
         where = placement_of([r for m in med.values() for r in m["runs"]])
         if where:
             print(where)
