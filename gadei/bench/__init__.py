@@ -33,6 +33,9 @@ quality  what a job file with nothing tuned hands back on each shared data set (
 server   the `gadei serve` process's CPU seconds per 1,000 applied updates with a kernel team
          of 1, 2, 4 and 8 threads, one learner pushing at a fixed pace, against the kernel's
          own work: what idle or spinning threads cost (gadei.bench.server).
+jobs     N identical jobs (text CNN on TREC, 2 learners) side by side under one `gadei daemon
+         --max-jobs N`, N = 1, 2, 4: the total samples/s against one job alone, the CPU
+         seconds per sample and the threads of every process (gadei.bench.jobs).
 gpu      GPU learners (gadei.bench.gpu): per-step time of one GPU learner + server against a
          plain PyTorch GPU loop, samples/s and GPU busy fraction with 1-8 learners on one GPU,
          the transports' copy bandwidth against pinned copies; needs CUDA (--device).
@@ -54,6 +57,7 @@ from .. import _native
 from ..env import settings
 from .bridge import bench_bridge
 from .gpu import bench_gpu
+from .jobs import bench_jobs
 from .kernel import bench_kernel
 from .latency import bench_latency
 from .peers import bench_peers
@@ -64,7 +68,8 @@ from .train import bench_accuracy, bench_modes, bench_train, bench_transport
 
 BENCHES = {"kernel": bench_kernel, "latency": bench_latency, "train": bench_train, "transport": bench_transport,
            "accuracy": bench_accuracy, "modes": bench_modes, "bridge": bench_bridge, "gpu": bench_gpu,
-           "peers": bench_peers, "scaling": bench_scaling, "quality": bench_quality, "server": bench_server}
+           "peers": bench_peers, "scaling": bench_scaling, "quality": bench_quality, "server": bench_server,
+           "jobs": bench_jobs}
 
 
 def run_bench(args) -> int:
