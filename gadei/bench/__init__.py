@@ -84,7 +84,8 @@ def run_bench(args) -> int:
     # the cores this process may run on beside the machine's; the OpenMP settings as the bench's
     # processes see them (gadei sets OMP_WAIT_POLICY=PASSIVE at import unless the user set it)
     out = {"machine": {"cpus": os.cpu_count(), "usable_cpus": len(os.sched_getaffinity(0)),
-                       "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"), "GADEI_THREADS": os.environ.get("GADEI_THREADS"),
+                       "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"),
+                       "GADEI_THREADS": os.environ.get("GADEI_THREADS"),
                        "platform": platform.platform(), "python": platform.python_version(),
                        "torch": torch.__version__, "openmp": built, "kernel_threads_default": settings().threads},
            "repeats": args.repeats, "quick": args.quick, "started": time.strftime("%Y-%m-%dT%H:%M:%S")}

@@ -71,7 +71,8 @@ def bench_jobs(args) -> dict:
                         "seconds": median([r["seconds"] for r in mine]),
                         "job_seconds": median([s for r in mine for s in r["job_seconds"]]),
                         "cpu_s_per_sample": median([r["cpu_s_per_sample"] for r in mine]),
-                        "server_cpu_s": median([p["cpu_s"] for r in mine for p in r["processes"] if p["role"] == "server"]),
+                        "server_cpu_s": median([p["cpu_s"] for r in mine for p in r["processes"]
+                                                if p["role"] == "server"]),
                         "cores": median([r["cpu_s"] / r["seconds"] for r in mine]), "runs": mine})
     one = records[0]["samples_per_s"]
     for r in records:
@@ -147,7 +148,8 @@ def _side_by_side(folder: Path, data: dict, n: int, *, seed: int, epochs: int, s
             live.clear()
         failed = [j for j in jobs if j["state"] != "done"]
         if failed:
-            raise RuntimeError(f"gadei bench jobs: job {failed[0]['name']} {failed[0]['state']}: {failed[0]['message']}")
+            bad = failed[0]
+            raise RuntimeError(f"gadei bench jobs: job {bad['name']} {bad['state']}: {bad['message']}")
         start, end = min(j["started"] for j in jobs), max(j["ended"] for j in jobs)
         processes = readings.processes()
         cpu = sum(p["cpu_s"] for p in processes)

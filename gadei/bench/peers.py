@@ -113,8 +113,9 @@ def run_peer(kind: str, world: int, batch: int, *, epochs: int, seed: int, lr: f
     samples = sum(r["samples"] for r in trained)
     cpu = sum(r["cpu"] for r in results if "cpu" in r)
     server_cpu = sum(r["cpu"] for r in results if r["rank"] == -1)
+    reports = sorted((r for r in results if "role" in r), key=lambda r: r["rank"])  # a server's rank is -1: first
     processes = [{"role": r["role"], "rank": None if r["rank"] == -1 else r["rank"], "pid": r["pid"], "cpu_s": r["cpu"],
-                  "threads": r["threads"]} for r in sorted((r for r in results if "role" in r), key=lambda r: r["rank"])]
+                  "threads": r["threads"]} for r in reports]
     return {"method": kind, "learners": world, "batch": batch, "lr": lr_used, "samples": samples,
             "seconds": end - start, "samples_per_s": samples / (end - start), "test_accuracy": workload.evaluate(model, test),
             "cpu_s": cpu, "server_cpu_s": server_cpu, "cpu_s_per_sample": cpu / samples, "processes": processes}
