@@ -306,6 +306,52 @@ def test_bench_quality_quick_reports_gadei_and_pytorch_on_trec(procs, tmp_path):
     assert "time to 1 learner's chosen validation accuracy" in out and "trec" in quality["to_level_2_over_1"]
 
 
+@pytest.mark.long  # a bench's --quick run: seven TREC jobs under three daemons, a minute or two
+def test_bench_jobs_quick_runs_1_2_and_4_jobs_side_by_side_under_a_daemon_of_its_own(procs, tmp_path):
+    """A smoke run of `gadei bench jobs --quick`: the table and the JSON hold 1, 2 and 4 jobs,
+    each run with every job's samples, its wall time, the CPU and threads of every process (a
+    daemon, and a server and two learners per job); 1 job is 1.00x itself; N jobs ran side by
+    side (each started before the first ended); the daemons and servers it started are gone,
+    its folder removed, and the user's own state folder (GADEI_STATE_DIR here) untouched."""
+    import glob
+    import tempfile
+
+    import psutil
+
+    from helpers import data_dir, missing
+
+    if not (data_dir() / "trec" / "TREC.train").is_file():
+        missing("TREC is not there")
+    out_file, state = tmp_path / "jobs.json", tmp_path / "users-state"
+    folders = os.path.join(tempfile.gettempdir(), "gadei-bench-jobs-*")
+    before = set(glob.glob(folders))
+    out, _ = finish(procs.gadei("bench", "jobs", "--quick", "--repeats", "1", "--out", out_file,
+                                env={**os.environ, "GADEI_DATA_DIR": str(data_dir()), "GADEI_STATE_DIR": str(state)}),
+                    600)
+    assert "against 1 job" in out and "CPU ms/sample" in out and "threads per process" in out
+    jobs = json.loads(out_file.read_text())["jobs"]
+    records = {r["jobs"]: r for r in jobs["records"]}
+    assert sorted(records) == [1, 2, 4]
+    assert records[1]["against_one"] == 1.0
+    for n, r in records.items():
+        [run] = r["runs"]
+        assert run["samples"] == n * jobs["samples_per_job"] > 0
+        assert r["samples_per_s"] == pytest.approx(run["samples"] / run["seconds"])
+        assert len(run["job_seconds"]) == n and 0 < max(run["job_seconds"]) <= run["seconds"] + 1
+        roles = [p["role"] for p in run["processes"]]
+        assert roles.count("daemon") == 1 and roles.count("server") == n and roles.count("learner") == 2 * n, roles
+        assert all(p["threads"] >= 1 and p["cpu_s"] > 0 for p in run["processes"]), run["processes"]
+        first_end = min(ended for _, ended in run["started_ended"])
+        assert all(started < first_end for started, _ in run["started_ended"]), run["started_ended"]  # side by side
+        assert not any(psutil.pid_exists(p["pid"]) for p in run["processes"] if p["role"] in ("daemon", "server")), \
+            "a daemon or server of the bench outlived it"
+        assert f"{r['samples_per_s']:.0f}" in out
+    assert not state.exists()  # the bench's daemons kept to a state folder of their own
+    assert set(glob.glob(folders)) <= before  # and removed it
+    machine = json.loads(out_file.read_text())["machine"]
+    assert machine["usable_cpus"] >= 1 and "OMP_WAIT_POLICY" in machine
+
+
 def test_bench_quality_times_two_learners_to_one_learners_accuracy():
     """The time to the same accuracy: when run two first reached the validation accuracy of
     run one's chosen model, against when run one reached it."""

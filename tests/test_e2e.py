@@ -18,7 +18,6 @@ broken job, not noise.
 import json
 import time
 
-import pytest
 
 from helpers import data_dir, missing
 from gadei import params

@@ -37,6 +37,9 @@ threads  one gadei learner + server against the plain PyTorch loop at 1, 2 and 4
          per process (more up to the cores on a larger machine) and mini-batches 2 and 32: samples/s,
          CPU ms per sample, the speed-up over one thread: when a learner's threads pay
          (gadei.bench.threads, `[train] threads`).
+jobs     N identical jobs (text CNN on TREC, 2 learners) side by side under one `gadei daemon
+         --max-jobs N`, N = 1, 2, 4: the total samples/s against one job alone, the CPU
+         seconds per sample and the threads of every process (gadei.bench.jobs).
 gpu      GPU learners (gadei.bench.gpu): per-step time of one GPU learner + server against a
          plain PyTorch GPU loop, samples/s and GPU busy fraction with 1-8 learners on one GPU,
          the transports' copy bandwidth against pinned copies; needs CUDA (--device).
@@ -58,6 +61,7 @@ from .. import _native
 from ..env import settings
 from .bridge import bench_bridge
 from .gpu import bench_gpu
+from .jobs import bench_jobs
 from .kernel import bench_kernel
 from .latency import bench_latency
 from .peers import bench_peers
@@ -70,7 +74,7 @@ from .train import bench_accuracy, bench_modes, bench_train, bench_transport
 BENCHES = {"kernel": bench_kernel, "latency": bench_latency, "train": bench_train, "transport": bench_transport,
            "accuracy": bench_accuracy, "modes": bench_modes, "bridge": bench_bridge, "gpu": bench_gpu,
            "peers": bench_peers, "scaling": bench_scaling, "quality": bench_quality, "server": bench_server,
-           "threads": bench_threads}
+           "threads": bench_threads, "jobs": bench_jobs}
 
 
 def run_bench(args) -> int:
@@ -82,7 +86,12 @@ def run_bench(args) -> int:
 
         args.data = resolve(args.data)  # a shared data set's bare name ('trec'), as `gadei learn --data` takes it
     built, processors = _native.openmp()
-    out = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+    # the cores this process may run on beside the machine's; the OpenMP settings as the bench's
+    # processes see them (gadei sets OMP_WAIT_POLICY=PASSIVE at import unless the user set it)
+    out = {"machine": {"cpus": os.cpu_count(), "usable_cpus": len(os.sched_getaffinity(0)),
+                       "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"),
+                       "GADEI_THREADS": os.environ.get("GADEI_THREADS"),
+                       "platform": platform.platform(), "python": platform.python_version(),
                        "torch": torch.__version__, "openmp": built, "kernel_threads_default": settings().threads},
            "repeats": args.repeats, "quick": args.quick, "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
     for what in args.what:

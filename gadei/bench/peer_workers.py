@@ -15,18 +15,23 @@ gadei    N learners (`gadei.Learner`, the default transports) and a server (`gad
          with its defaults) in their own processes.
 
 Every process uses one PyTorch thread (plain and gadei's learners: `threads`, for `gadei bench
-threads`); every worker reports its wall-clock start and end,
-samples, its PyTorch threads, and the CPU seconds of its process (all threads) over its training loop, so that
-the runner can put CPU seconds per sample beside samples/s. A run's test accuracy is
-measured by the runner on the final weights.
+threads`); every worker reports its wall-clock start and end, samples, its PyTorch threads,
+and the CPU seconds of its process (all threads) over its training loop, so that the runner
+can put CPU seconds per sample beside samples/s; and every process (each learner, process or
+trainer, the gadei server, the RPC parameter server) its role, pid and OS thread count at the
+end of its loop, while its OpenMP, torch and gloo threads still exist (`_me`). A run's test
+accuracy is measured by the runner on the final weights.
 """
 
 import math
 import os
+import threading
 import time
 import warnings
 
 import torch
+
+from .timing import process_threads
 
 
 def _setup(threads: int = 1):
@@ -34,6 +39,21 @@ def _setup(threads: int = 1):
     from gadei_workloads import get
 
     return get("textcnn")
+
+
+def os_threads() -> int:
+    """The OS threads this process has now (its /proc/self/task; where there is no /proc, the
+    Python threads, which leave out OpenMP's and torch's own)."""
+    try:
+        return process_threads(os.getpid())
+    except OSError:
+        return threading.active_count()
+
+
+def _me(role: str, threads: int | None = None) -> dict:
+    """What a process reports of itself beside its figures: its role ("learner", "process",
+    "trainer", "server", "parameter server"), pid and OS threads (`threads`, else now)."""
+    return {"role": role, "pid": os.getpid(), "threads": os_threads() if threads is None else threads}
 
 
 def model_for(workload, train, seed: int):
@@ -48,9 +68,9 @@ def steps_in_lockstep(n: int, world: int, batch: int) -> int:
 
 
 def _loop(workload, model, train, rank: int, world: int, batch: int, epochs: int, seed: int, lr: float,
-          limit: int, step, before=None, lockstep: bool = False) -> tuple[float, float, int, float]:
+          limit: int, step, before=None, lockstep: bool = False) -> tuple[float, float, int, float, int]:
     """Train over this rank's shard: `before()` ahead of each backward, `step(samples)` after it.
-    Returns (start, end, samples, CPU seconds of this process)."""
+    Returns (start, end, samples, CPU seconds of this process, its OS threads at the end)."""
     from gadei_workloads.text import batches
 
     steps = steps_in_lockstep(len(train), world, batch) if lockstep else None
@@ -66,7 +86,7 @@ def _loop(workload, model, train, rank: int, world: int, batch: int, epochs: int
             workload.backward(model, workload.loss(model, x, y), lr)
             step(len(y))
             samples += len(y)
-    return start, time.time(), samples, time.process_time() - cpu
+    return start, time.time(), samples, time.process_time() - cpu, os_threads()
 
 
 class _Front:
@@ -99,10 +119,10 @@ def local_worker(kind, rank, world, batch, epochs, seed, lr, data, limit, shared
     model.train()
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     barrier.wait()
-    start, end, samples, cpu = _loop(workload, model, train, rank, world, batch, epochs, seed, lr, limit,
-                                     lambda _: optimizer.step(), lambda: optimizer.zero_grad())
+    start, end, samples, cpu, running = _loop(workload, model, train, rank, world, batch, epochs, seed, lr, limit,
+                                              lambda _: optimizer.step(), lambda: optimizer.zero_grad())
     queue.put({"rank": rank, "start": start, "end": end, "samples": samples, "cpu": cpu,
-               "threads": torch.get_num_threads(),
+               "torch_threads": torch.get_num_threads(), **_me("process", running),
                "state": numpy_state(model) if kind == "plain" else None})
 
 
@@ -116,15 +136,16 @@ def gadei_learner(rank, world, batch, epochs, seed, lr, data, limit, job, barrie
     model.train()
     learner = Learner(model, job).attach()
     barrier.wait()
-    start, end, samples, cpu = _loop(workload, model, train, rank, world, batch, epochs, seed, lr, limit,
-                                     lambda n: learner.step(samples=n))
+    start, end, samples, cpu, running = _loop(workload, model, train, rank, world, batch, epochs, seed, lr, limit,
+                                              lambda n: learner.step(samples=n))
     learner.close()
     queue.put({"rank": rank, "start": start, "end": end, "samples": samples, "cpu": cpu,
-               "threads": torch.get_num_threads(), "state": None})
+               "torch_threads": torch.get_num_threads(), **_me("learner", running), "state": None})
 
 
 def gadei_server(job, data, seed, world, lr, options, queue, failed):
-    """The server, through the Python API, until `stop_job`; reports the CPU seconds of `serve`."""
+    """The server, through the Python API, until `stop_job`; reports the CPU seconds of `serve`
+    and its OS threads when `serve` returns (its kernel's OpenMP team outlives the call)."""
     from ..server import Server
 
     try:
@@ -137,7 +158,7 @@ def gadei_server(job, data, seed, world, lr, options, queue, failed):
     try:
         cpu = time.process_time()
         server.serve()
-        queue.put({"rank": -1, "cpu": time.process_time() - cpu})
+        queue.put({"rank": -1, "cpu": time.process_time() - cpu, **_me("server")})
     finally:
         server.close()
 
@@ -165,11 +186,11 @@ def ddp_worker(rank, world, batch, epochs, seed, lr, data, limit, port, queue):
         dist.barrier()
         # forward through DDP; the constraint's correction (workload.backward) on the module's
         # gradients after the allreduce, the same on every rank
-        start, end, samples, cpu = _loop(workload, _Front(ddp_model, model), train, rank, world, batch, epochs, seed,
-                                         lr, limit, lambda _: optimizer.step(), lambda: optimizer.zero_grad(),
-                                         lockstep=True)
+        start, end, samples, cpu, running = _loop(workload, _Front(ddp_model, model), train, rank, world, batch,
+                                                  epochs, seed, lr, limit, lambda _: optimizer.step(),
+                                                  lambda: optimizer.zero_grad(), lockstep=True)
         queue.put({"rank": rank, "start": start, "end": end, "samples": samples, "cpu": cpu,
-                   "threads": torch.get_num_threads(),
+                   "torch_threads": torch.get_num_threads(), **_me("process", running),
                    "state": numpy_state(model) if rank == 0 else None})
     finally:
         dist.destroy_process_group()
@@ -233,10 +254,11 @@ def _rpc_trainer(ps_rref, rank, world, batch, epochs, seed, lr, data, limit):
                                       args=(ps_rref, grads))
 
     # the model object is a new one after every step: forward and the constraint use the current one
-    start, end, samples, cpu = _loop(workload, _Front(lambda x: state["model"](x), lambda: state["model"]), train, rank, world, batch, epochs, seed, lr, limit, step,
-                                     before, lockstep=True)
+    start, end, samples, cpu, running = _loop(workload, _Front(lambda x: state["model"](x), lambda: state["model"]),
+                                              train, rank, world, batch, epochs, seed, lr, limit, step, before,
+                                              lockstep=True)
     return {"rank": rank, "start": start, "end": end, "samples": samples, "cpu": cpu,
-            "threads": torch.get_num_threads(), "state": None}
+            "torch_threads": torch.get_num_threads(), **_me("trainer", running), "state": None}
 
 
 def rpc_worker(rank, trainers, batch, epochs, seed, lr, data, limit, port, queue):
@@ -260,7 +282,7 @@ def rpc_worker(rank, trainers, batch, epochs, seed, lr, data, limit, port, queue
                                   args=(ps_rref, r - 1, trainers, batch, epochs, seed, lr, data, limit), timeout=0)
                     for r in range(1, trainers + 1)]
             results = torch.futures.wait_all(futs)
-            queue.put({"rank": -1, "cpu": time.process_time() - cpu})
+            queue.put({"rank": -1, "cpu": time.process_time() - cpu, **_me("parameter server")})
             for result in results:
                 queue.put(result)
             queue.put({"rank": 0, "state": numpy_state(ps.model), "start": None})

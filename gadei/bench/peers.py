@@ -46,10 +46,12 @@ def run_peer(kind: str, world: int, batch: int, *, epochs: int, seed: int, lr: f
 
     Returns samples/s, seconds, samples, test accuracy, CPU seconds of every process over
     its training loop (`cpu_s`, the server's or parameter server's part in `server_cpu_s`),
-    CPU seconds per sample, and the PyTorch threads the training processes reported
-    (`torch_threads`, each value once). `limit`: stop after about this many samples (smoke runs).
-    `options`: the gadei Server's options. `threads`: the PyTorch threads of the plain
-    process, of each Hogwild process and of each gadei learner (the others keep one).
+    CPU seconds per sample, the PyTorch threads the training processes reported
+    (`torch_threads`, each value once), and `processes`: each process's role, rank (None for a
+    server), pid, CPU seconds and OS threads at the end of its loop, servers first.
+    `limit`: stop after about this many samples (smoke runs). `options`: the gadei Server's
+    options. `threads`: the PyTorch threads of the plain process, of each Hogwild process and
+    of each gadei learner (the others keep one).
     """
     from gadei_workloads import get
 
@@ -115,10 +117,13 @@ def run_peer(kind: str, world: int, batch: int, *, epochs: int, seed: int, lr: f
     samples = sum(r["samples"] for r in trained)
     cpu = sum(r["cpu"] for r in results if "cpu" in r)
     server_cpu = sum(r["cpu"] for r in results if r["rank"] == -1)
+    reports = sorted((r for r in results if "role" in r), key=lambda r: r["rank"])  # a server's rank is -1: first
+    processes = [{"role": r["role"], "rank": None if r["rank"] == -1 else r["rank"], "pid": r["pid"], "cpu_s": r["cpu"],
+                  "threads": r["threads"]} for r in reports]
     return {"method": kind, "learners": world, "batch": batch, "lr": lr_used, "samples": samples,
             "seconds": end - start, "samples_per_s": samples / (end - start), "test_accuracy": workload.evaluate(model, test),
             "cpu_s": cpu, "server_cpu_s": server_cpu, "cpu_s_per_sample": cpu / samples,
-            "torch_threads": sorted({r["threads"] for r in trained})}
+            "torch_threads": sorted({r["torch_threads"] for r in trained}), "processes": processes}
 
 
 def _context():
@@ -280,6 +285,25 @@ def summarise(rs: list[dict]) -> dict:
             "runs": rs}
 
 
+def threads_line(kind: str, world: int, runs: list[dict]) -> str:
+    """One method's OS threads per process at the end of its loop, by role, in its first run:
+    'gadei 2 learners: server 3, learners 2, 2'."""
+    processes = runs[0].get("processes", []) if runs else []
+    roles: dict[str, list[str]] = {}
+    for p in processes:
+        roles.setdefault(p["role"], []).append(str(p["threads"]))
+    parts = [f"{role}{'s' if len(n) > 1 and not role.endswith('s') else 'es' if len(n) > 1 else ''} {', '.join(n)}"
+             for role, n in roles.items()]
+    return f"{LABELS[kind]} {_who(kind, world)}: {'; '.join(parts) or 'not recorded'}"
+
+
+def print_threads(names, raw: dict, batch: int) -> None:
+    """Under a table: the OS threads per process of each method (`threads_line`) at `batch`."""
+    print("threads per process (OS threads at the end of each one's loop, first run):")
+    for kind, world in names:
+        print("  " + threads_line(kind, world, raw[(kind, world, batch)]))
+
+
 def bench_peers(args) -> dict:
     data = _default_data(args)
     batches = _batches(args)
@@ -312,6 +336,7 @@ def bench_peers(args) -> dict:
             rows.append((f"{LABELS[kind]} {_who(kind, world)}{crashed}", f"{m['samples_per_s']:.0f}", f"{m['test_accuracy']:.1%}",
                          f"{1e3 * m['cpu_s_per_sample']:.2f}", ratio))
         print(table(("method", "samples/s", "test accuracy", "CPU ms/sample", "gadei N / this"), rows))
+        print_threads(runs, raw, batch)
         where = placement_of([r for m in med.values() for r in m["runs"]])
         if where:
             print(where)

@@ -12,7 +12,7 @@ interleaved together.
 import logging
 from pathlib import Path
 
-from .peers import LABELS, QUICK_LIMIT, _batches, placement_of, scaling_methods, shared_runs, summarise
+from .peers import LABELS, QUICK_LIMIT, _batches, placement_of, print_threads, scaling_methods, shared_runs, summarise
 from .timing import table
 from .train import _default_data
 
@@ -46,6 +46,9 @@ def bench_scaling(args) -> dict:
           f"samples/s against learners, medians of {args.repeats} interleaved runs")
     print(table(("batch", "learners", "gadei", "Hogwild", "gadei / Hogwild", "plain 1 process",
                  "gadei server's CPU share"), rows))
+    for batch in _batches(args):
+        print(f"batch {batch}: ", end="")
+        print_threads(scaling_methods(args.quick), raw, batch)
     where = placement_of([r for rs in raw.values() for r in rs])
     if where:
         print(where)

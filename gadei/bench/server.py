@@ -18,7 +18,7 @@ import time
 import torch
 
 from .kernel import sgd_thread_seconds
-from .timing import MB, median, table
+from .timing import MB, median, process_cpu_s, process_threads, table
 
 TEAMS = (1, 2, 4, 8)
 PACE = 0.002  # seconds between two pushes
@@ -57,22 +57,6 @@ def bench_server(args) -> dict:
                   f"{r['cpu_s_per_1000'] - r['kernel_s_per_1000']:+.3f}", f"{r['cores']:.2f}", r["os_threads"])
                  for r in records]))
     return {"pace_s": PACE, "updates": updates, "records": records}
-
-
-def process_cpu_s(pid: int) -> float:
-    """CPU seconds (user + system, every thread) process `pid` has used so far."""
-    with open(f"/proc/{pid}/stat", "rb") as f:
-        fields = f.read().rsplit(b")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def process_threads(pid: int) -> int:
-    """The OS threads process `pid` has now."""
-    with open(f"/proc/{pid}/status", "rb") as f:
-        for line in f:
-            if line.startswith(b"Threads:"):
-                return int(line.split()[1])
-    return 0
 
 
 def _paced_run(size_mb: float, team: int, updates: int) -> dict:

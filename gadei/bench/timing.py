@@ -85,6 +85,22 @@ def placement(trips: list[float | None], taken: str = "before and after each run
     return line
 
 
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, every thread) process `pid` has used so far."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        fields = f.read().rsplit(b")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def process_threads(pid: int) -> int:
+    """The OS threads process `pid` has now."""
+    with open(f"/proc/{pid}/status", "rb") as f:
+        for line in f:
+            if line.startswith(b"Threads:"):
+                return int(line.split()[1])
+    return 0
+
+
 def aligned(n: int) -> np.ndarray:
     """A float32 array of n elements starting on a 4096-byte boundary."""
     raw = np.empty(n + 1024, dtype=np.float32)

@@ -14,7 +14,7 @@ def cmd_bench(args) -> int:
 def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="measure gadei against its alternatives, side by side")
     p.add_argument("what", nargs="*", default=["kernel", "latency", "train"],
-                   help="kernel, latency, train, transport, accuracy, modes, bridge, gpu, peers, scaling, quality, server, threads (default: the first three)")
+                   help="kernel, latency, train, transport, accuracy, modes, bridge, gpu, peers, scaling, quality, server, threads, jobs (default: the first three)")
     p.add_argument("--repeats", type=int, default=5, help="repeated runs (for accuracy and modes: seeds 0..N-1); medians are reported, "
                    "for accuracies the mean and range (default 5)")
     p.add_argument("--quick", action="store_true", help="fewer sizes and steps (a smoke run)")
