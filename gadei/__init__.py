@@ -3,7 +3,14 @@
 A server process holds a job's weights in one POSIX shared-memory region and applies, in
 place and lock-free, every gradient its learners publish into their rings. docs/how-it-works.md
 gives the data flow; the public API is `Server`, `Learner` and the errors.
+
+`Server`, `Learner`, `RuleOptions` and `TransportOptions` are imported when first touched
+(PEP 562), not with the package: the first two bring torch, which takes more than a second of
+CPU to import and which the commands that do not train (`gadei status`, `stop`, `clean`,
+`--help`) never need; `RuleOptions` brings NumPy and the native kernels.
 """
+
+import importlib
 
 from .env import quiet_openmp
 
@@ -25,12 +32,15 @@ from .errors import (
     RegionNotFound,
     ServerGone,
 )
-from .learner import Learner
-from .modes import RuleOptions
-from .server import Server
-from .transport.options import TransportOptions
 
 __version__ = "0.1.0"
+
+_LAZY = {  # public name -> the module that defines it, imported on first use
+    "Learner": ".learner",
+    "RuleOptions": ".modes",
+    "Server": ".server",
+    "TransportOptions": ".transport.options",
+}
 
 __all__ = [
     "BadJobName",
@@ -52,3 +62,16 @@ __all__ = [
     "ServerGone",
     "TransportOptions",
 ]
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value  # the next lookup finds it without coming here
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

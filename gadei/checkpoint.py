@@ -18,7 +18,12 @@ renamed over its final name (atomic), and the folder is fsync'ed, so a crash at 
 leaves either no new checkpoint or a whole one. Only the last `keep` are kept. Reading
 verifies the checksum; `latest()` skips a checkpoint that fails it (with a warning) for the
 one before.
+
+torch is imported by the functions that need it, not with the module: the watchdog package
+imports this one, and `gadei status`, `stop` and `clean` import that.
 """
+
+from __future__ import annotations
 
 import dataclasses
 import hashlib
@@ -28,13 +33,16 @@ import os
 import re
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import psutil
-import torch
 
 from .errors import GadeiError
 from .options import option
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +128,8 @@ class Checkpoint:
         Raises:
             CheckpointError: the checkpoint's parameters differ from `spec` (names the first).
         """
+        import torch
+
         parts = []
         for name, shape in spec:
             tensor = self.model.get(name)
@@ -216,6 +226,8 @@ def _check(region) -> None:
 
 def _copy(region) -> Checkpoint:
     """The job's state as it is in `region` now (whole only while nothing updates it)."""
+    import torch
+
     from . import params
     from .modes import read_options, state_names
 
@@ -248,6 +260,8 @@ def save(folder: str | os.PathLike, checkpoint: Checkpoint, keep: int = 3) -> Pa
         CheckpointError: the folder cannot be created or written (full, read-only, not
             allowed): nothing new is left in it, and the checkpoints already there are kept.
     """
+    import torch
+
     if keep < 1:
         raise ValueError(f"keep must be at least 1, not {keep!r}")
     folder = Path(folder)
@@ -345,6 +359,8 @@ def load(path: str | os.PathLike) -> Checkpoint:
         CheckpointError: the file cannot be read, is not a gadei checkpoint, or fails its
             checksum (the message says which).
     """
+    import torch
+
     path = Path(path)
     try:
         data = torch.load(path, weights_only=True, map_location="cpu")

@@ -11,6 +11,9 @@ exercise their threads.
 This module also holds the fault-injection hook of those transports' threads
 (`set_injector`): tests slow the train, push and pull threads at named points with random
 delays to shake out hand-off races.
+
+torch is imported by the functions that use it: the job file's checks import this module,
+and `gadei status`, `stop` and `clean` import those.
 """
 
 from __future__ import annotations
@@ -18,11 +21,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
-from typing import Callable
-
-import torch
+from typing import TYPE_CHECKING, Callable
 
 from .errors import DeviceError
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +39,8 @@ _injector: Callable[[str], None] | None = None
 
 def cuda_count() -> int:
     """CUDA GPUs visible to this process (0 without CUDA)."""
+    import torch
+
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
@@ -45,6 +51,8 @@ def resolve(device: str | torch.device) -> torch.device:
         DeviceError: not a device name, CUDA asked for on a machine without it, or a GPU
             index that is not visible.
     """
+    import torch
+
     text = str(device)
     if not _NAME.fullmatch(text):
         raise DeviceError(f"device {text!r}: not a device; allowed: cpu, cuda, cuda:N")
@@ -70,6 +78,8 @@ def parse_devices(text: str) -> tuple[str, ...]:
     """
     if text.strip() == "auto":
         return ("auto",)
+    import torch
+
     names = tuple(part.strip() for part in text.split(","))
     for name in names:
         if name == "auto":
@@ -103,6 +113,8 @@ def spread(devices: tuple[str, ...], learners: int) -> list[str]:
 
 def stream_context(stream):
     """`torch.cuda.stream(stream)`, or nothing for a CPU device (stream None)."""
+    import torch
+
     return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
@@ -120,6 +132,8 @@ class PageLock:
 
     def add(self, address: int, nbytes: int, what: str) -> bool:
         """Page-lock `nbytes` at `address`; True if this object registered it (and will unregister it)."""
+        import torch
+
         cudart = torch.cuda.cudart()
         code = int(cudart.cudaHostRegister(address, nbytes, _PORTABLE))
         if code == 0:
@@ -133,6 +147,8 @@ class PageLock:
 
     def release(self) -> None:
         """Unregister every range this object registered (before the region is unmapped)."""
+        import torch
+
         cudart = torch.cuda.cudart() if self._ranges else None
         while self._ranges:
             code = int(cudart.cudaHostUnregister(self._ranges.pop()))

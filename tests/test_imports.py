@@ -1,9 +1,17 @@
 """The import graph of gadei, gadei_watchdog and gadei_workloads has no circle, counting imports
-inside functions too (a circle hidden in a function still ties two modules into one), and no
-module is longer than the house limit."""
+inside functions too (a circle hidden in a function still ties two modules into one), no
+module is longer than the house limit, and the commands that do not train start without torch."""
 
 import ast
+import json
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
+
+import gadei
+from helpers import unique_name
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = {"gadei": ROOT / "gadei", "gadei_watchdog": ROOT / "watchdog", "gadei_workloads": ROOT / "workloads"}
@@ -121,3 +129,63 @@ def test_no_test_module_imports_another():
                 [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
             found += [f"{path.relative_to(ROOT)} imports {n}" for n in names if n.split(".")[-1] in tests]
     assert found == []
+
+
+def _fresh(code: str) -> dict:
+    """What `code` (run in a fresh interpreter) prints as its last line, read as JSON."""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def test_the_commands_that_do_not_train_start_without_torch():
+    """`import gadei`, `import gadei.cli` and `gadei status` / `clean` / `stop --help` leave torch
+    (more than a second of CPU to import) unloaded: the suite and its users start hundreds of them."""
+    job = unique_name("no-torch")
+    found = _fresh(f"""
+import contextlib, io, json, sys
+import gadei
+after = {{"import gadei": "torch" in sys.modules}}
+import gadei.cli
+after["import gadei.cli"] = "torch" in sys.modules
+for argv in (["status", "{job}"], ["clean", "{job}"], ["stop", "--help"]):
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        try:
+            code = gadei.cli.main(argv)
+        except SystemExit as exit:
+            code = exit.code
+    after["gadei " + " ".join(argv)] = "torch" in sys.modules
+    after["gadei " + argv[0] + " exit"] = code
+print(json.dumps(after))
+""")
+    assert found == {"import gadei": False, "import gadei.cli": False,
+                     f"gadei status {job}": False, "gadei status exit": 2,  # no such job
+                     f"gadei clean {job}": False, "gadei clean exit": 0,
+                     "gadei stop --help": False, "gadei stop exit": 0}
+
+
+def test_the_public_names_resolve_when_touched():
+    """`gadei.Server` and `gadei.Learner` import their modules (and torch) on first use, and are
+    the classes those modules define."""
+    found = _fresh("""
+import json, sys
+import gadei
+before = "torch" in sys.modules
+from gadei.learner import Learner
+from gadei.server import Server
+print(json.dumps({"before": before, "server": gadei.Server is Server, "learner": gadei.Learner is Learner,
+                  "after": "torch" in sys.modules}))
+""")
+    assert found == {"before": False, "server": True, "learner": True, "after": True}
+
+
+def test_every_public_name_is_there():
+    assert all(getattr(gadei, name) is not None for name in gadei.__all__)
+    assert set(gadei.__all__) <= set(dir(gadei))
+    assert gadei.__version__
+
+
+def test_an_unknown_name_is_an_attribute_error():
+    with pytest.raises(AttributeError, match="no attribute 'Srever'"):
+        gadei.__getattr__("Srever")
+    assert not hasattr(gadei, "Srever")

@@ -38,15 +38,47 @@ buffer out as a slot's dense area and hands table rows to the writer's areas).
 Every hand-off between the train thread and a push or pull thread holds at most one item,
 every wait on it is cut into WAIT_SLICE pieces that look for an error or a shutdown, and
 an error in a helper thread is raised in the train thread at its next step.
+
+`options` (`TransportOptions`) is torch-free, and the rest is imported when one of its names is
+first touched (PEP 562): the job file's checks import `options`, and `gadei status`, `stop` and
+`clean` import those, without torch.
 """
 
-from .device import DevicePull, DevicePush
-from .pull import CopyPull, LocalPull, Pull, ViewPull
-from .push import ElasticPush, PublishPush, Push, ThreadPush
-from .slot import TORCH_DTYPES, SlotWriter
+import importlib
 
-PUSHES: dict[str, type[Push]] = {cls.name: cls for cls in (PublishPush, ThreadPush, ElasticPush, DevicePush)}
-PULLS: dict[str, type[Pull]] = {cls.name: cls for cls in (ViewPull, CopyPull, LocalPull, DevicePull)}
+_LAZY = {  # name -> the module of this package that defines it
+    "DevicePull": ".device", "DevicePush": ".device",
+    "CopyPull": ".pull", "LocalPull": ".pull", "Pull": ".pull", "ViewPull": ".pull",
+    "ElasticPush": ".push", "PublishPush": ".push", "Push": ".push", "ThreadPush": ".push",
+    "TORCH_DTYPES": ".slot", "SlotWriter": ".slot",
+}
 
 __all__ = ["PULLS", "PUSHES", "TORCH_DTYPES", "CopyPull", "DevicePull", "DevicePush", "ElasticPush", "LocalPull",
            "PublishPush", "Pull", "Push", "SlotWriter", "ThreadPush", "ViewPull"]
+
+
+def _registries() -> dict:
+    """PUSHES and PULLS: each direction's implementations by their name (`TransportOptions`)."""
+    from .device import DevicePull, DevicePush
+    from .pull import CopyPull, LocalPull, ViewPull
+    from .push import ElasticPush, PublishPush, ThreadPush
+
+    return {"PUSHES": {cls.name: cls for cls in (PublishPush, ThreadPush, ElasticPush, DevicePush)},
+            "PULLS": {cls.name: cls for cls in (ViewPull, CopyPull, LocalPull, DevicePull)}}
+
+
+def __getattr__(name: str):
+    if name in ("PUSHES", "PULLS"):
+        found = _registries()
+        globals().update(found)  # the next lookup finds them without coming here
+        return found[name]
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
