@@ -139,12 +139,13 @@ def _server_cpu_share(job, procs, env=None):
 
 
 def test_a_server_kernel_team_sleeps_between_updates(job, procs):
-    """The update kernel's OpenMP threads sleep between updates (gadei sets a passive wait
-    policy): with gradients 5 ms apart the server costs a fraction of a core (0.07 here),
-    where a thread spinning for OpenMP's default 3 ms after each update takes about half of
-    one more (0.43-0.51 with OMP_WAIT_POLICY=ACTIVE or GOMP_SPINCOUNT=300000)."""
+    """The server sleeps between gradients 5 ms apart, and so do its kernel's OpenMP threads
+    (gadei sets a passive wait policy): it costs a fraction of a core (0.07-0.08 here), where
+    a team thread spinning for OpenMP's default 3 ms after each update takes about half of one
+    more (0.43-0.51 with OMP_WAIT_POLICY=ACTIVE or GOMP_SPINCOUNT=300000) and a server dozing
+    through the gaps (looking at the rings every 50 us) a quarter (0.24-0.27)."""
     share = _server_cpu_share(job, procs)
-    assert share < 0.25, f"the server used {share:.2f} cores for 100 updates 5 ms apart: its idle threads spin"
+    assert share < 0.15, f"the server used {share:.2f} cores for 100 updates 5 ms apart: it or its threads spin"
 
 
 def test_a_stalled_server_blocks_a_learner_until_it_resumes(job, procs):
