@@ -4,11 +4,12 @@ The apply loop looks at the learners' rings round-robin, takes one published slo
 time, applies it with the job's update rule (a native kernel, GIL released), bumps the
 weights version, records the gradient's staleness, and hands the slot back. Between
 gradients it spins (up to GADEI_SPIN_US) only while they come faster than a sleep and a
-wake-up cost, dozes (looking at the rings every 50 us) while they come less than 1 ms
-apart, and otherwise sleeps on the region's doorbell, so an idle server costs no CPU. It
-spins or dozes only while the machine has a core for it (the threads the attached learners
-keep busy, plus the server, fit the cores) and no other server on the machine does the same
-(`spin.SpinToken`): on a machine the learners fill, a spinning server would take their CPU.
+wake-up cost, dozes (looking at the rings every 50 us) while they come less than 1 ms apart
+or its updates take a quarter of the gap, and otherwise sleeps on the region's doorbell, so
+an idle server costs no CPU. It spins or dozes only while the machine has a core for it (the
+threads the attached learners keep busy, plus the server, fit the cores) and no other server
+on the machine does the same (`spin.SpinToken`): on a machine the learners fill, a spinning
+server would take their CPU.
 Its kernel's OpenMP threads sleep between updates too (`env.quiet_openmp`). It never waits
 for a learner: a learner that dies or stops simply stops publishing.
 
@@ -61,7 +62,7 @@ from .region import Region
 from .server_record import drop_server_record, save_server_record
 from .protocol import WAIT_SLICE, Deadline, RunState, ServerHold, Version
 from .ring import Consumer, lease_owner, owner_alive
-from .spin import DOZE_PAYS_NS, SPIN_PAYS_NS, SpinToken, runnable, short_timer_slack
+from .spin import SPIN_PAYS_NS, SpinToken, doze_pays, runnable, short_timer_slack
 
 log = logging.getLogger(__name__)
 
@@ -370,13 +371,14 @@ class Server:
 
         After each update it spins (up to spin_ns, and at most 4 gaps) for the next gradient,
         but only while gradients come faster than a sleep and a wake-up cost (the gap between
-        them, averaged, under SPIN_PAYS_NS): only then does spinning buy time. Otherwise, while
-        they come less than DOZE_PAYS_NS apart and for DOZE seconds since the last one, it
-        dozes: looks at the rings every DOZE_SLICE and sleeps in between (natively, GIL
-        released; a vCPU halted that briefly wakes at once, so a short pause does not cost the
-        next gradient a deep wake-up, and learners need not ring); else it sleeps on the
-        doorbell (gradients further apart are not kept waiting by a wake-up: a doze there cost
-        a quarter of a core for nothing a learner waits on). It spins and dozes only while
+        them, averaged, under SPIN_PAYS_NS): only then does spinning buy time. Otherwise, where
+        a doze pays (`spin.doze_pays`: gradients less than 1 ms apart, or updates that take a
+        quarter of the gap) and for DOZE seconds since the last gradient, it dozes: looks at the
+        rings every DOZE_SLICE and sleeps in between (natively, GIL released; a vCPU halted that
+        briefly wakes at once, so a short pause does not cost the next gradient a deep wake-up,
+        and learners need not ring); else it sleeps on the doorbell (small updates far apart are
+        not kept waiting by a wake-up: a doze there cost a quarter of a core for nothing a
+        learner waits on). It spins and dozes only while
         it has a core of its own (the attached learners' threads and the server fit the cores,
         and the machine's runnable threads, /proc/loadavg, do not exceed them) and holds the
         machine's one `SpinToken` (jobs side by side: one server at a time spins or dozes, the
@@ -386,6 +388,7 @@ class Server:
         consumer = self._consumer
         next_beat, spin_ns, own_core, last = 0, 0, False, 0
         gap = _DOZE_NS  # the gap between two gradients, averaged (ns): long until measured
+        work = 0  # an update's time, averaged (ns)
         flowing = False  # the last look found a gradient: spin for the next one before sleeping
         token = SpinToken()
         short_timer_slack()
@@ -397,7 +400,7 @@ class Server:
                 if learner < 0:
                     self._beat()
                     idle = time.monotonic_ns() - last
-                    if own_core and gap < DOZE_PAYS_NS and idle < _DOZE_NS and token.take():
+                    if own_core and idle < _DOZE_NS and doze_pays(gap, work) and token.take():
                         learner = consumer.poll(min(_DOZE_NS - idle, _BEAT_NS), _NAP_NS)
                     else:
                         token.give()
@@ -406,8 +409,10 @@ class Server:
                     if learner < 0:
                         continue
                 flowing = True
+                began = time.monotonic_ns()
                 self._update([self._take(learner)])
                 now = time.monotonic_ns()
+                work += (now - began - work) // 8
                 gap += (min(now - last, _DOZE_NS) - gap) // 8
                 last = now
                 if now >= next_beat:

@@ -1,5 +1,5 @@
 """How a server may wait for the next gradient without taking a core from others: whether
-spinning or dozing pays (`SPIN_PAYS_NS`, `DOZE_PAYS_NS`), how busy the machine is
+spinning or dozing pays (`SPIN_PAYS_NS`, `doze_pays`), how busy the machine is
 (`runnable`), the machine's one permit to spin or doze (`SpinToken`), and sleeps that end
 on time (`short_timer_slack`). `gadei.server`'s apply loop (`Server._serve_each`) decides
 with them."""
@@ -13,12 +13,22 @@ from .env import runtime_dir
 # and wakes (a futex sleep and wake-up, and a halted vCPU's exit: tens of microseconds, up to
 # 100 on a virtual machine); `gadei bench server` shows what it costs when they do not.
 SPIN_PAYS_NS = 200_000
-# Dozing (a look at the rings every 50 us between gradients) pays only while they come close
-# enough that a wake-up's delay (100-300 us on a virtual machine) would keep a learner waiting
-# on a full ring; further apart nothing waits on it. One learner of the text CNN at batch 2
-# (a gradient every 3.3 ms, 2 cores): the same 580 samples/s dozing or not, the server 0.33
-# cores dozing against 0.06 sleeping on the doorbell (2026-11-26, three runs each).
+# Dozing (a look at the rings every 50 us between gradients) pays while they come close
+# enough that a wake-up's delay (100-300 us on a virtual machine) could keep a learner waiting
+# on a full ring, or while the server's own work is a large part of the gap: a vCPU that
+# halted between two 16 MB updates 5 ms apart applied the next in 4-5 ms, one that dozed in
+# 2-2.7 (`gadei bench latency`). Otherwise nothing waits on the wake-up: one learner of the
+# text CNN at batch 2 (a gradient every 3.3 ms, 0.1 ms of work, 2 cores) ran at the same 580
+# samples/s dozing or not, the server at 0.33 cores dozing against 0.06 sleeping on the
+# doorbell (2026-11-26, three runs each).
 DOZE_PAYS_NS = 1_000_000
+DOZE_PAYS_WORK = 0.25  # the share of the gap the server's update takes, at and above which a doze pays
+
+
+def doze_pays(gap_ns: int, work_ns: int) -> bool:
+    """Whether dozing through the next gap pays, with gradients `gap_ns` apart and `work_ns`
+    of work each (both averaged)."""
+    return gap_ns < DOZE_PAYS_NS or work_ns >= DOZE_PAYS_WORK * gap_ns
 
 
 def runnable() -> int:
