@@ -231,29 +231,39 @@ def shared_runs(args, data: str, lr: float, limit: int) -> dict:
     keys = [(kind, world, batch) for kind, world in wanted for batch in _batches(args)]
     missing = [k for k in keys if (id(args), *k) not in _DONE]
     if missing:
-        for key, rs in interleaved_runs(missing, args, data, lr, limit).items():
+        for key, rs in interleaved_runs(missing, args.repeats, _peer_run(args, data, lr, limit)).items():
             _DONE[(id(args), *key)] = rs
     return {k: _DONE[(id(args), *k)] for k in keys}
 
 
-def interleaved_runs(keys: list[tuple[str, int, int]], args, data: str, lr: float, limit: int) -> dict:
-    """Every (method, learners, batch) of `keys`, `--repeats` times, in a shuffled order each
-    repeat (seed `repeat` for all of them in it); the runs by (method, learners, batch)."""
+def interleaved_runs(keys: list[tuple], repeats: int, run) -> dict:
+    """`run(key, repeat)` for every key of `keys`, `repeats` times, in a shuffled order each
+    repeat (the same seed, `repeat`, for all of them in it), each with how near the CPUs were
+    before and after it (`cross_cpu_ns`); the runs by key."""
     out = {key: [] for key in keys}
     rng = random.Random(0)
-    for repeat in range(args.repeats):
+    for repeat in range(repeats):
         order = list(out)
         rng.shuffle(order)
-        for kind, world, batch in order:
+        for key in order:
             before = cross_cpu_ns()
-            result = _run_surviving_crashes(kind, world, batch, epochs=args.epochs, seed=repeat, lr=lr, data=data,
-                                            limit=limit)
+            result = run(key, repeat)
             result["cross_cpu_ns"] = [before, cross_cpu_ns()]
-            out[(kind, world, batch)].append(result)
-            log.info("repeat %d batch %d %s %d: %.0f samples/s, accuracy %.3f, %.2f CPU ms/sample", repeat,
-                     batch, kind, world, result["samples_per_s"], result["test_accuracy"],
-                     1e3 * result["cpu_s_per_sample"])
+            out[key].append(result)
     return out
+
+
+def _peer_run(args, data: str, lr: float, limit: int):
+    """The run of one (method, learners, batch) of `peers` and `scaling`, for `interleaved_runs`."""
+    def run(key: tuple[str, int, int], repeat: int) -> dict:
+        kind, world, batch = key
+        result = _run_surviving_crashes(kind, world, batch, epochs=args.epochs, seed=repeat, lr=lr, data=data,
+                                        limit=limit)
+        log.info("repeat %d batch %d %s %d: %.0f samples/s, accuracy %.3f, %.2f CPU ms/sample", repeat, batch, kind,
+                 world, result["samples_per_s"], result["test_accuracy"], 1e3 * result["cpu_s_per_sample"])
+        return result
+
+    return run
 
 
 def _run_surviving_crashes(kind: str, world: int, batch: int, **run) -> dict:

@@ -14,11 +14,10 @@ takes. Each figure is the median of `--repeats` runs, the runs of a repeat in sh
 
 import logging
 import os
-import random
 
 from ..jobfile import usable_cores
-from .peers import QUICK_LIMIT, _batches, placement_of, run_peer
-from .timing import cross_cpu_ns, median, table
+from .peers import QUICK_LIMIT, _batches, interleaved_runs, placement_of, run_peer
+from .timing import median, table
 from .train import _default_data
 
 log = logging.getLogger(__name__)
@@ -43,21 +42,18 @@ def bench_threads(args) -> dict:
     counts = thread_counts(cores)
     lr = 0.01
     keys = [(kind, threads, batch) for kind in METHODS for threads in counts for batch in batches]
-    runs = {key: [] for key in keys}
-    rng = random.Random(0)
-    for repeat in range(args.repeats):
-        order = list(keys)
-        rng.shuffle(order)
-        for kind, threads, batch in order:
-            # --quick: at least 20 steps of the larger batches, so that a step's time is measured
-            limit = max(QUICK_LIMIT, 20 * batch) if args.quick else 0
-            before = cross_cpu_ns()
-            result = run_peer(kind, 1, batch, epochs=args.epochs, seed=repeat, lr=lr, data=data, limit=limit,
-                              threads=threads)
-            result["cross_cpu_ns"] = [before, cross_cpu_ns()]
-            runs[(kind, threads, batch)].append(result)
-            log.info("repeat %d batch %d %s %d threads: %.0f samples/s, %.2f CPU ms/sample", repeat, batch, kind,
-                     threads, result["samples_per_s"], 1e3 * result["cpu_s_per_sample"])
+
+    def run(key: tuple[str, int, int], repeat: int) -> dict:
+        kind, threads, batch = key
+        # --quick: at least 20 steps of the larger batches, so that a step's time is measured
+        limit = max(QUICK_LIMIT, 20 * batch) if args.quick else 0
+        result = run_peer(kind, 1, batch, epochs=args.epochs, seed=repeat, lr=lr, data=data, limit=limit,
+                          threads=threads)
+        log.info("repeat %d batch %d %s %d threads: %.0f samples/s, %.2f CPU ms/sample", repeat, batch, kind,
+                 threads, result["samples_per_s"], 1e3 * result["cpu_s_per_sample"])
+        return result
+
+    runs = interleaved_runs(keys, args.repeats, run)
     records = []
     for batch in batches:
         med = {(kind, t): {k: median([r[k] for r in runs[(kind, t, batch)]])
