@@ -2,7 +2,7 @@
 
 | variable | meaning | default |
 |---|---|---|
-| GADEI_THREADS | the most OpenMP threads of the server's update kernel (a team has one thread per 262,144 elements of the update) | half the cores, at least 1 |
+| GADEI_THREADS | the most OpenMP threads of the server's update kernel (a team has one thread per 262,144 elements of the update) | half the usable cores (the affinity), at least 1 |
 | GADEI_SPIN_US | the most microseconds the server spins for the next gradient, while they come less than 200 us apart and it has a core of its own | 2000 |
 | GADEI_ATTACH_TIMEOUT | seconds a learner waits for the job's region and weights | 30 |
 | GADEI_SERVER_TIMEOUT | seconds without a server heartbeat before a waiting learner gives up | 30 |
@@ -50,10 +50,19 @@ class Settings:
     data_dir: str | None
 
 
+def usable_cores() -> int:
+    """The CPUs this process may run on (its affinity: a container's or taskset's share of the
+    machine, not `os.cpu_count()`)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 def settings() -> Settings:
     """Read the GADEI_* environment variables now and return them typed."""
     return Settings(
-        threads=_number("GADEI_THREADS", max(1, (os.cpu_count() or 2) // 2), int),
+        threads=_number("GADEI_THREADS", max(1, usable_cores() // 2), int),
         spin_us=_number("GADEI_SPIN_US", 2000.0, float),
         attach_timeout=_number("GADEI_ATTACH_TIMEOUT", 30.0, float),
         server_timeout=_number("GADEI_SERVER_TIMEOUT", 30.0, float),

@@ -66,6 +66,7 @@ from pathlib import Path
 from . import device
 from .bridge.options import BridgeOptions
 from .checkpoint import CheckpointOptions
+from .env import usable_cores
 from .errors import GadeiError
 from .modes import MODES, RuleOptions
 from .options import check as check_option
@@ -267,15 +268,6 @@ def _table(options) -> dict:
 def default_batch(samples: int) -> int:
     """DESIGN.md's conservative mini-batch: 2 below 10k samples, 4 up to 100k, 32 above."""
     return 2 if samples < 10_000 else 4 if samples <= 100_000 else 32
-
-
-def usable_cores() -> int:
-    """The CPUs this process may run on (its affinity: a container's or taskset's share of the
-    machine, not `os.cpu_count()`)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 def auto_threads(learners: int, cores: int | None = None) -> int:

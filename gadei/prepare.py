@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import data, jobfile, outputs
+from .env import usable_cores
 from .errors import GadeiError
 
 
@@ -220,7 +221,7 @@ def describe(prepared: Prepared, node) -> list[str]:
 
 def _threads_line(t: jobfile.Train) -> str:
     """How many PyTorch threads each learner takes, and why ([train] threads)."""
-    n, cores = t.learner_threads, jobfile.usable_cores()
+    n, cores = t.learner_threads, usable_cores()
     said = f"{t.learners} x {n} PyTorch thread{'s' if n != 1 else ''}"
     if "threads" in t.given:
         over = t.learners * n + 1 > cores

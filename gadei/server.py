@@ -28,7 +28,6 @@ parameter count and the first learner to attach uploads its own model's paramete
 
 import dataclasses
 import logging
-import os
 import struct
 import time
 from dataclasses import dataclass
@@ -39,7 +38,7 @@ import torch
 from . import params
 from .checkpoint import Checkpoint, CheckpointError
 from .checkpoint import take as take_checkpoint
-from .env import openmp_spins, settings
+from .env import openmp_spins, settings, usable_cores
 from .errors import NonFiniteGradient, RegionCorrupt, RegionMismatch
 from .layout import (
     ACTIVE,
@@ -152,7 +151,7 @@ class Server:
         env = settings()
         self.threads = env.threads if threads is None else max(1, int(threads))
         self.spin_ns = int(1000 * (env.spin_us if spin_us is None else spin_us))
-        self._cores = os.cpu_count() or 1
+        self._cores = usable_cores()  # the spin and doze decide on the cores this process may use
         if self.threads > 1 and openmp_spins():
             log.warning("job %r: OpenMP's idle threads spin here (OMP_WAIT_POLICY=ACTIVE, GOMP_SPINCOUNT, or torch was "
                         "imported before gadei): the update kernel's %d threads will keep up to %d cores busy between "
