@@ -214,7 +214,10 @@ def test_adam_kernel_follows_torch_adam(dtype):
         state = adam_torch.state[param]
         for ours, theirs in ((m, state["exp_avg"]), (v, state["exp_avg_sq"])):  # torch's m is a lerp: rounds apart
             np.testing.assert_allclose(ours, theirs.numpy(), rtol=1e-5, atol=1e-6 * float(theirs.abs().max()))
-        np.testing.assert_allclose(w, param.detach().numpy(), rtol=1e-6, atol=1e-7)
+        # each step moves a weight by about lr: agreeing to a thousandth of that (atol 1e-3 lr) is
+        # one implementation; a wrong bias correction or eps is off by a percent. A CI run saw 36
+        # of 4,099 weights 1.7-3e-7 apart after some step (not reproduced in 10 runs since).
+        np.testing.assert_allclose(w, param.detach().numpy(), rtol=1e-6, atol=1e-3 * lr)
     assert np.abs(w - start).max() > 4 * lr  # eight steps of about lr each moved the weights
 
 
