@@ -32,7 +32,7 @@ from pathlib import Path
 import psutil
 
 from .._proc import gadei_command
-from ..protocol import Deadline
+from ..protocol import Deadline, wait_for
 from .quality import SETS, data_dir, job_file
 from .timing import median, process_cpu_s, process_threads, table
 
@@ -131,7 +131,8 @@ def _side_by_side(folder: Path, data: dict, n: int, *, seed: int, epochs: int, s
                                   stdout=subprocess.DEVNULL, stderr=daemon_log)
     live: list[str] = []  # jobs submitted and not yet seen to end
     try:
-        _wait(lambda: os.path.exists(sock) or daemon.poll() is not None, 60, "the daemon's socket")
+        wait_for(lambda: os.path.exists(sock) or daemon.poll() is not None, 60,
+                 "gadei bench jobs: the daemon's socket")
         if daemon.poll() is not None:
             raise RuntimeError(f"gadei bench jobs: the daemon exited {daemon.returncode}: "
                                f"{(folder / 'daemon.log').read_text()[-2000:]}")
@@ -157,14 +158,6 @@ def _side_by_side(folder: Path, data: dict, n: int, *, seed: int, epochs: int, s
                 "cpu_s": cpu, "cpu_s_per_sample": cpu / (n * samples), "processes": processes}
     finally:
         _stop(sock, daemon, live)
-
-
-def _wait(predicate, timeout: float, what: str) -> None:
-    deadline = Deadline(timeout)
-    while not predicate():
-        if deadline.expired():
-            raise TimeoutError(f"gadei bench jobs: waited {timeout:g} s for {what}")
-        time.sleep(0.05)
 
 
 def _wait_ended(sock: str, names: list[str], timeout: float) -> list[dict]:
