@@ -9,9 +9,9 @@ or its updates take a quarter of the gap, and otherwise sleeps on the region's d
 an idle server costs no CPU. It spins or dozes only while the machine has a core for it (the
 threads the attached learners keep busy, plus the server, fit the cores) and no other server
 on the machine does the same (`spin.SpinToken`): on a machine the learners fill, a spinning
-server would take their CPU.
-Its kernel's OpenMP threads sleep between updates too (`env.quiet_openmp`). It never waits
-for a learner: a learner that dies or stops simply stops publishing.
+server would take their CPU. Its kernel's OpenMP threads sleep between updates too
+(`env.quiet_openmp`). It never waits for a learner: a learner that dies or stops simply stops
+publishing.
 
 The region is untrusted input: every process of the user can write it. The server checks
 each ring's head - tail when it takes a gradient (`ring.Consumer.take`), a slot's counters,
@@ -61,16 +61,12 @@ from .region import Region
 from .server_record import drop_server_record, save_server_record
 from .protocol import WAIT_SLICE, Deadline, RunState, ServerHold, Version
 from .ring import Consumer, lease_owner, owner_alive
-from .spin import SPIN_PAYS_NS, SpinToken, doze_pays, runnable, short_timer_slack
+from .spin import DOZE_NS, DOZE_SLICE_NS, SPIN_PAYS_NS, SpinToken, doze_pays, runnable, short_timer_slack
 
 log = logging.getLogger(__name__)
 
 BEAT_INTERVAL = 0.05  # seconds between heartbeats while gradients flow
 _BEAT_NS = int(BEAT_INTERVAL * 1e9)
-DOZE = 0.05  # seconds after the last gradient that an idle server dozes (see _serve_each)
-_DOZE_NS = int(DOZE * 1e9)
-DOZE_SLICE = 50e-6  # seconds between two looks at the rings while it dozes
-_NAP_NS = int(DOZE_SLICE * 1e9)
 @dataclass(frozen=True)
 class ServeReport:
     """What one `Server.serve` run did."""
@@ -372,21 +368,21 @@ class Server:
         but only while gradients come faster than a sleep and a wake-up cost (the gap between
         them, averaged, under SPIN_PAYS_NS): only then does spinning buy time. Otherwise, where
         a doze pays (`spin.doze_pays`: gradients less than 1 ms apart, or updates that take a
-        quarter of the gap) and for DOZE seconds since the last gradient, it dozes: looks at the
-        rings every DOZE_SLICE and sleeps in between (natively, GIL released; a vCPU halted that
-        briefly wakes at once, so a short pause does not cost the next gradient a deep wake-up,
-        and learners need not ring); else it sleeps on the doorbell (small updates far apart are
-        not kept waiting by a wake-up: a doze there cost a quarter of a core for nothing a
-        learner waits on). It spins and dozes only while
-        it has a core of its own (the attached learners' threads and the server fit the cores,
-        and the machine's runnable threads, /proc/loadavg, do not exceed them) and holds the
-        machine's one `SpinToken` (jobs side by side: one server at a time spins or dozes, the
-        others sleep); else it sleeps at once and leaves the cores to the learners.
+        quarter of the gap) and for DOZE_NS since the last gradient, it dozes: looks at the
+        rings every DOZE_SLICE_NS and sleeps in between (natively, GIL released; a vCPU halted
+        that briefly wakes at once, so a short pause does not cost the next gradient a deep
+        wake-up, and learners need not ring); else it sleeps on the doorbell (small updates far
+        apart are not kept waiting by a wake-up: a doze there cost a quarter of a core for
+        nothing a learner waits on). It spins and dozes only while it has a core of its own
+        (the attached learners' threads and the server fit the cores, and the machine's
+        runnable threads, /proc/loadavg, do not exceed them) and holds the machine's one
+        `SpinToken` (jobs side by side: one server at a time spins or dozes, the others sleep);
+        else it sleeps at once and leaves the cores to the learners.
         """
         serving, held = self._state.serving, self._hold.requested
         consumer = self._consumer
         next_beat, spin_ns, own_core, last = 0, 0, False, 0
-        gap = _DOZE_NS  # the gap between two gradients, averaged (ns): long until measured
+        gap = DOZE_NS  # the gap between two gradients, averaged (ns): long until measured
         work = 0  # an update's time, averaged (ns)
         flowing = False  # the last look found a gradient: spin for the next one before sleeping
         token = SpinToken()
@@ -399,8 +395,8 @@ class Server:
                 if learner < 0:
                     self._beat()
                     idle = time.monotonic_ns() - last
-                    if own_core and idle < _DOZE_NS and doze_pays(gap, work) and token.take():
-                        learner = consumer.poll(min(_DOZE_NS - idle, _BEAT_NS), _NAP_NS)
+                    if own_core and idle < DOZE_NS and doze_pays(gap, work) and token.take():
+                        learner = consumer.poll(min(DOZE_NS - idle, _BEAT_NS), DOZE_SLICE_NS)
                     else:
                         token.give()
                         learner = consumer.sleep(WAIT_SLICE)
@@ -412,7 +408,7 @@ class Server:
                 self._update([self._take(learner)])
                 now = time.monotonic_ns()
                 work += (now - began - work) // 8
-                gap += (min(now - last, _DOZE_NS) - gap) // 8
+                gap += (min(now - last, DOZE_NS) - gap) // 8
                 last = now
                 if now >= next_beat:
                     self._beat(now)

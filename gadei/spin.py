@@ -13,6 +13,8 @@ from .env import runtime_dir
 # and wakes (a futex sleep and wake-up, and a halted vCPU's exit: tens of microseconds, up to
 # 100 on a virtual machine); `gadei bench server` shows what it costs when they do not.
 SPIN_PAYS_NS = 200_000
+DOZE_NS = 50_000_000  # the longest an idle server dozes after the last gradient
+DOZE_SLICE_NS = 50_000  # between two looks at the rings while it dozes
 # Dozing (a look at the rings every 50 us between gradients) pays while they come close
 # enough that a wake-up's delay (100-300 us on a virtual machine) could keep a learner waiting
 # on a full ring, or while the server's own work is a large part of the gap: a vCPU that
@@ -79,7 +81,7 @@ class SpinToken:
 
 def short_timer_slack() -> None:
     """Let this thread's short sleeps end on time: Linux adds up to 50 us of timer slack to
-    each by default, as long as a DOZE_SLICE itself (prctl PR_SET_TIMERSLACK, 1 ns)."""
+    each by default, as long as a DOZE_SLICE_NS itself (prctl PR_SET_TIMERSLACK, 1 ns)."""
     import ctypes
 
     try:

@@ -58,7 +58,7 @@ from pathlib import Path
 import torch
 
 from .. import _native
-from ..env import settings
+from ..env import settings, usable_cores
 from .bridge import bench_bridge
 from .gpu import bench_gpu
 from .jobs import bench_jobs
@@ -88,7 +88,7 @@ def run_bench(args) -> int:
     built, processors = _native.openmp()
     # the cores this process may run on beside the machine's; the OpenMP settings as the bench's
     # processes see them (gadei sets OMP_WAIT_POLICY=PASSIVE at import unless the user set it)
-    out = {"machine": {"cpus": os.cpu_count(), "usable_cpus": len(os.sched_getaffinity(0)),
+    out = {"machine": {"cpus": os.cpu_count(), "usable_cpus": usable_cores(),
                        "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"),
                        "GADEI_THREADS": os.environ.get("GADEI_THREADS"),
                        "platform": platform.platform(), "python": platform.python_version(),

@@ -227,7 +227,7 @@ class _Readings:
                 continue
             try:
                 cpu, threads = process_cpu_s(pid), process_threads(pid)
-            except (OSError, ValueError, IndexError):  # it ended between the listing and the reading
+            except psutil.Error:  # it ended between the listing and the reading
                 continue
             old = self.seen.get(pid, {})
             self.seen[pid] = {"role": "daemon" if pid == self.daemon_pid else _role(cmdline), "pid": pid,

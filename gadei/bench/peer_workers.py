@@ -25,7 +25,6 @@ accuracy is measured by the runner on the final weights.
 
 import math
 import os
-import threading
 import time
 import warnings
 
@@ -42,12 +41,8 @@ def _setup(threads: int = 1):
 
 
 def os_threads() -> int:
-    """The OS threads this process has now (its /proc/self/task; where there is no /proc, the
-    Python threads, which leave out OpenMP's and torch's own)."""
-    try:
-        return process_threads(os.getpid())
-    except OSError:
-        return threading.active_count()
+    """The OS threads this process has now (OpenMP's, torch's and gloo's included)."""
+    return process_threads(os.getpid())
 
 
 def _me(role: str, threads: int | None = None) -> dict:

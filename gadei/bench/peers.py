@@ -302,8 +302,8 @@ def threads_line(kind: str, world: int, runs: list[dict]) -> str:
     roles: dict[str, list[str]] = {}
     for p in processes:
         roles.setdefault(p["role"], []).append(str(p["threads"]))
-    parts = [f"{role}{'s' if len(n) > 1 and not role.endswith('s') else 'es' if len(n) > 1 else ''} {', '.join(n)}"
-             for role, n in roles.items()]
+    plural = {role: role + ("es" if role.endswith("s") else "s") for role in roles}  # processes, learners
+    parts = [f"{plural[role] if len(n) > 1 else role} {', '.join(n)}" for role, n in roles.items()]
     return f"{LABELS[kind]} {_who(kind, world)}: {'; '.join(parts) or 'not recorded'}"
 
 

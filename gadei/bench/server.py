@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from ..protocol import wait_for
 from .kernel import sgd_thread_seconds
 from .timing import MB, median, process_cpu_s, process_threads, table
 
@@ -90,8 +91,5 @@ def _paced_run(size_mb: float, team: int, updates: int) -> dict:
 
 def _wait_applied(producer, timeout: float = 60.0) -> None:
     """Until the server has taken every gradient `producer` published."""
-    end = time.monotonic() + timeout
-    while producer.tail() < producer.head:
-        if time.monotonic() > end:
-            raise TimeoutError(f"the server applied no gradient for {timeout:g} s")
-        time.sleep(0.0005)
+    wait_for(lambda: producer.tail() >= producer.head, timeout, "the server to apply every gradient pushed",
+             interval=0.0005, error=TimeoutError)

@@ -7,6 +7,7 @@ import statistics
 import time
 
 import numpy as np
+import psutil
 
 from .. import _native
 
@@ -86,19 +87,15 @@ def placement(trips: list[float | None], taken: str = "before and after each run
 
 
 def process_cpu_s(pid: int) -> float:
-    """CPU seconds (user + system, every thread) process `pid` has used so far."""
-    with open(f"/proc/{pid}/stat", "rb") as f:
-        fields = f.read().rsplit(b")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """CPU seconds (user + system, every thread) process `pid` has used so far (psutil.Error
+    when it is gone)."""
+    times = psutil.Process(pid).cpu_times()
+    return times.user + times.system
 
 
 def process_threads(pid: int) -> int:
-    """The OS threads process `pid` has now."""
-    with open(f"/proc/{pid}/status", "rb") as f:
-        for line in f:
-            if line.startswith(b"Threads:"):
-                return int(line.split()[1])
-    return 0
+    """The OS threads process `pid` has now (psutil.Error when it is gone)."""
+    return psutil.Process(pid).num_threads()
 
 
 def aligned(n: int) -> np.ndarray:
