@@ -576,6 +576,12 @@ class Outcome:
     accuracy: float | None = None
     reference: float | None = None
     seconds: float = 0.0
+    accuracy_off: bool = False  # the test accuracy was outside the tolerance (one of `problems`)
+
+    @property
+    def only_accuracy_off(self) -> bool:
+        """Every other check held; only the accuracy was outside the tolerance (noise or damage)."""
+        return self.accuracy_off and len(self.problems) == 1
 
 
 _references: dict[tuple, list[float]] = {}
@@ -704,6 +710,7 @@ def _check(job: Job, fault: Fault, outcome: Outcome, reference: float | None, to
                             f"before the fault (limit {limit:g} s)")
     outcome.accuracy = job.accuracy()
     if reference is not None and abs(outcome.accuracy - reference) > tolerance:
+        outcome.accuracy_off = True
         problems.append(f"test accuracy {outcome.accuracy:.1f}% vs {reference:.1f}% fault-free (more than "
                         f"{tolerance:g} points)")
 

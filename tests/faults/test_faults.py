@@ -8,8 +8,11 @@ schedule in the weights once, the exactly-once ledger, the lost progress, nothin
 behind, and test accuracy within 3 points of the median of three fault-free runs of the
 same seed: a guard against damage (a restart from the initial weights, gradients applied
 twice), not a noise test. Same-seed Hogwild runs of this job ended between 82.6% and 88.0%
-on TREC here (19 runs), so one run against another would fail on noise alone; the full
-suite also compares the median of all faulted runs.
+on TREC here (19 runs), and a faulted run that passed every other check once ended at 80.0%
+against 88.6% in CI (kill-server; 6 runs of it here: 86.2-90.0% against 88.0%): the low tail
+of one run is noise. So a run whose only failed check is its accuracy is run once more, with
+another injection point, and the test fails when that one is off too; damage moves every run.
+The full suite also compares the median of all faulted runs.
 """
 
 import random
@@ -43,6 +46,12 @@ def _run(name: str, workdir, seed: int = 0):
             pytest.skip(f"{name} needs a private mount namespace: {why_not}")
     outcome = harness.run_scenario(scenario, harness.Settings(seed=seed), workdir, tolerance=3.0, references=3,
                                    rng=random.Random(f"{name}-{seed}"))
+    if outcome.only_accuracy_off:  # one run's low tail, or damage: a second run tells them apart
+        first = outcome.problems[0]
+        outcome = harness.run_scenario(scenario, harness.Settings(seed=seed), workdir, tolerance=3.0, references=3,
+                                       rng=random.Random(f"{name}-{seed}-again"))
+        if outcome.accuracy_off:
+            outcome.problems.insert(0, f"the first run, too: {first}")
     assert outcome.passed, "\n".join(outcome.problems)
     return outcome
 
