@@ -55,6 +55,11 @@ class JobStopped(GadeiError):
     """The job was stopped; a learner's step raises it and `with Learner(...)` ends quietly."""
 
 
+class JobFailed(JobStopped):
+    """The server stopped the job as failed (a corrupt region, a non-finite gradient with
+    nonfinite = 'stop'); the message says why. Unlike a stop, `with Learner(...)` lets it through."""
+
+
 class NonFiniteGradient(GadeiError):
     """A gradient with NaN or infinite values reached a server told to stop on one (nonfinite = 'stop')."""
 

@@ -30,13 +30,14 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 MAGIC = 0x31304945_44414701  # bytes b"\x01GADEI01" in little-endian order
-LAYOUT_VERSION = 11
+LAYOUT_VERSION = 12
 PAGE = 4096
 LINE = 64
 NAME_BYTES = 64
 HIST_BUCKETS = 16
 MAX_SPARSE = 8  # row-sparse tables a job may have
 DEFAULT_SPEC_BYTES = 64 * 1024
+REASON_BYTES = 512  # a text field: UTF-8, NUL-padded (why the server stopped the job as failed)
 
 # Gradient transports: code stored in the header -> (name, bytes per element).
 DTYPES = MappingProxyType({1: ("float32", 4), 2: ("float16", 2), 3: ("bfloat16", 2)})
@@ -72,7 +73,8 @@ ENTRY_STATES = MappingProxyType({FREE: "free", CLAIMING: "claiming", ACTIVE: "ac
                                  DEAD: "dead"})
 
 _SPARSE_ENTRY = 32  # offset u64, rows u64, width u32, max_rows u32, reserved u64
-_SIZES = {"u32": 4, "u64": 8, "f64": 8, "name": NAME_BYTES, "hist": 8 * HIST_BUCKETS, "sparse": _SPARSE_ENTRY * MAX_SPARSE}
+_SIZES = {"u32": 4, "u64": 8, "f64": 8, "name": NAME_BYTES, "hist": 8 * HIST_BUCKETS, "sparse": _SPARSE_ENTRY * MAX_SPARSE,
+          "text": REASON_BYTES}
 FIELD_BYTES = MappingProxyType(_SIZES)  # bytes of a field of each kind
 _LINE_BREAK = ("", "")
 
@@ -184,6 +186,10 @@ HEADER, HEADER_BYTES = _record(
         # validation accuracy stopped improving; every learner ends its schedule when it sees it
         ("train_stop", "u32"),  # 0: train on; TRAIN_STOP_PATIENCE: patience ran out
         ("train_stop_version", "u64"),  # the weights' version when it was decided
+        _LINE_BREAK,
+        # why the server stopped the job as failed, in words (the server writes it once, before
+        # run_state FAILED; the watchdog's end record and `gadei status` show it)
+        ("fail_reason", "text"),
     ]
 )
 

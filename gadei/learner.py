@@ -29,7 +29,7 @@ import torch
 from . import _proc, params
 from . import device as _device
 from .env import settings
-from .errors import GadeiTimeout, JobStopped, RegionMismatch, ServerGone
+from .errors import GadeiTimeout, JobFailed, JobStopped, RegionMismatch, ServerGone
 from .layout import INIT_EMPTY, INIT_READY, INIT_WRITING, LEAVING, STOPPED
 from .protocol import WAIT_SLICE, Deadline, RunState, TrainStop, Version
 from .region import Region
@@ -101,7 +101,7 @@ class Learner:
             h = region.header
             self._state = RunState(region)
             if not self._state.serving():
-                raise JobStopped(f"job {self.job!r} is {self._state.name()}, not serving")
+                raise self._state.not_serving(self.job)
             region.expect(n_params=params.count(spec))
             self.mode = region.shape.mode
             self.options = read_options(region)
@@ -189,12 +189,14 @@ class Learner:
 
         Raises:
             JobStopped: the job is stopping or stopped (ends a `with Learner(...)` block quietly).
+            JobFailed: the server stopped the job as failed; the message says why (a `with`
+                block lets it through).
             ServerGone: the server died while this learner waited for ring space.
         """
         if self._push is None:
             raise RuntimeError(f"job {self.job!r}: learner is not attached; use `with Learner(...)`")
         if not self._state.serving():
-            raise JobStopped(f"job {self.job!r} was stopped")
+            raise self._state.not_serving(self.job)
         computed_on = self._pull.version()
         bound = self.options.stale_bound
         ahead = self._ahead() + self._push.pending if bound else 0
@@ -297,7 +299,7 @@ class Learner:
         """Called every wait slice while blocked: beat, and end the wait if the job or server ended."""
         self._beat.store(time.monotonic_ns())
         if not self._state.serving():
-            raise JobStopped(f"job {self.job!r} was stopped")
+            raise self._state.not_serving(self.job)
         if not self._server_alive():
             raise ServerGone(f"job {self.job!r}: server pid {self._server[0]} is gone")
         silent = time.monotonic_ns() - self._server_beat.load()
@@ -357,7 +359,7 @@ class Learner:
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         self.close()
-        return exc_type is not None and issubclass(exc_type, JobStopped)
+        return exc_type is not None and issubclass(exc_type, JobStopped) and not issubclass(exc_type, JobFailed)
 
 
 

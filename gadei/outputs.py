@@ -140,7 +140,7 @@ def finish(job: jobfile.Job, *, owner: Owner | None = None, interrupted: bool = 
     `owner`: the caller holds the run's lock (`gadei run`); otherwise the lock is taken here,
     waiting up to `wait` seconds for a writer that holds it. `interrupted`: the caller
     stopped the job (Ctrl-C, `gadei cancel`) before it finished. `note`: what the caller
-    saw go wrong, for result.json's message when the job failed without an end record.
+    saw go wrong, for result.json's reason when the job failed without an end record.
 
     Raises:
         GadeiError: the lock was held for longer than `wait` seconds.
@@ -199,12 +199,12 @@ def _write(job: jobfile.Job, interrupted: bool, note: str, bridge: dict | None, 
     if metrics:
         plot(metrics, out / "accuracy.png", job.name)
     ending = read_ending(out)
-    kind, message = outcome(job, metrics, ending, interrupted, note)
-    result = {"job": job.name, "outcome": kind, "finished": kind == DONE, "message": message}
+    kind, reason = outcome(job, metrics, ending, interrupted, note)
+    result = {"job": job.name, "outcome": kind, "finished": kind == DONE, "reason": reason}
     if (out / "model.pt").exists() and kind in (DONE, STOPPED):
         result.update(chosen(job, kind, since))
         if result["stopped"] == "patience":
-            result["message"] = (f"training stopped when the validation accuracy had not improved for "
+            result["reason"] = (f"training stopped when the validation accuracy had not improved for "
                                  f"{job.train.patience} evaluations")
     if (out / "model.pt").exists():
         result.update(evaluate(job))

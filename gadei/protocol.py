@@ -4,12 +4,13 @@ one way gadei waits for something with a time limit.
 
 Every process of a job (server, learners, watchdog, `gadei stop`, a checkpointer, a bridge)
 follows these rules on the same header words. This module is the only one that names those
-words (`run_state`, `doorbell`, `server_sleeping`, `version_waiters`, `seq`, `hold`, `held`,
+words (`run_state`, `fail_reason`, `doorbell`, `server_sleeping`, `version_waiters`, `seq`, `hold`, `held`,
 `hold_epoch`, `train_stop`); the others call it (`tests/test_imports.py` holds that).
 
 - Run state: CREATED -> SERVING (the server, once the weights are ready) -> STOPPING (anyone:
   a compare-and-swap from SERVING, then the doorbell) -> STOPPED (the server, after its
-  drain). FAILED (the server, on an error it must not go on from) is final.
+  drain). FAILED (the server, on an error it must not go on from) is final; the server
+  writes why (`fail_reason`) before it stores the state.
 - Doorbell: the server says it sleeps (`server_sleeping`), reads the bell, looks for work
   once more, then futex-waits on the bell; a learner that publishes rings (bump + wake) only
   when the server said it sleeps (a Dekker handshake: neither side can miss the other).
@@ -27,7 +28,7 @@ import logging
 import time
 from typing import Callable, TypeVar
 
-from .errors import GadeiTimeout
+from .errors import GadeiTimeout, JobFailed, JobStopped
 from .layout import FAILED, RUN_STATES, SERVING, STOPPED, STOPPING, TRAIN_ON
 
 log = logging.getLogger(__name__)
@@ -128,9 +129,10 @@ class Doorbell:
 class RunState:
     """The run-state machine of one job's region (see the module's docstring)."""
 
-    __slots__ = ("_word", "_doorbell")
+    __slots__ = ("_word", "_doorbell", "_header")
 
     def __init__(self, region):
+        self._header = region.header
         self._word = region.header.word("run_state")
         self._doorbell = Doorbell(region)
 
@@ -159,9 +161,23 @@ class RunState:
         if self._word.load() != FAILED:
             self._word.store(STOPPED)
 
-    def fail(self) -> None:
-        """Server: stop the job as failed (final: no checkpoint, no restart)."""
+    def fail(self, reason: str) -> None:
+        """Server: stop the job as failed (final: no checkpoint, no restart), `reason` recorded
+        first for every reader of the state (`reason()`)."""
+        self._header.set_text("fail_reason", reason)
         self._word.store(FAILED)
+
+    def reason(self) -> str:
+        """Why the server stopped the job as failed ("" unless the state is FAILED)."""
+        return self._header.text("fail_reason") if self._word.load() == FAILED else ""
+
+    def not_serving(self, job: str) -> JobStopped:
+        """The error for a learner or bridge that finds job `job` not serving: JobFailed with
+        the server's reason when it failed the job, else JobStopped."""
+        state = self._word.load()
+        if state == FAILED:
+            return JobFailed(f"job {job!r} failed: {self._header.text('fail_reason')}")
+        return JobStopped(f"job {job!r} is {RUN_STATES.get(state, '?')}, not serving")
 
     def wait_stopped(self, timeout: float, alive: Callable[[], bool]) -> bool:
         """Wait until the state is STOPPED, `alive()` turns false, or `timeout` passes; True when stopped."""

@@ -12,6 +12,7 @@ count, gradient dtype). A region whose server process is gone is a leftover: `se
 refuses to reuse it unless told to replace it, and `gadei clean` removes it.
 """
 
+import ctypes
 import errno
 import functools
 import json
@@ -28,36 +29,10 @@ import numpy as np
 import posix_ipc
 
 from . import _native, _proc
-from .errors import (
-    BadJobName,
-    ForeignOwner,
-    ForeignRegion,
-    GadeiTimeout,
-    JobRunning,
-    LeftoverRegion,
-    RegionError,
-    RegionMismatch,
-    RegionNotFound,
-)
-from .layout import (
-    DTYPE_CODES,
-    DTYPES,
-    ENTRY,
-    HEADER,
-    HEADER_BYTES,
-    HIST_BUCKETS,
-    MAX_SPARSE,
-    LAYOUT_VERSION,
-    MAGIC,
-    MODE_CODES,
-    MODES,
-    NAME_BYTES,
-    SLOT,
-    Layout,
-    Shape,
-    SparseTable,
-    layout,
-)
+from .errors import (BadJobName, ForeignOwner, ForeignRegion, GadeiTimeout, JobRunning, LeftoverRegion, RegionError,
+                     RegionMismatch, RegionNotFound)
+from .layout import (DTYPE_CODES, DTYPES, ENTRY, FIELD_BYTES, HEADER, HEADER_BYTES, HIST_BUCKETS, LAYOUT_VERSION, MAGIC,
+                     MAX_SPARSE, MODE_CODES, MODES, NAME_BYTES, SLOT, Layout, Shape, SparseTable, layout)
 from .protocol import Deadline
 
 log = logging.getLogger(__name__)
@@ -135,6 +110,18 @@ class Record:
             _native.store64(address, struct.unpack("<Q", struct.pack("<d", float(value)))[0])
         else:
             raise TypeError(f"field {name!r} of kind {field.kind!r} cannot be set as a number")
+
+    def text(self, name: str) -> str:
+        """Text field `name` as another process wrote it: bytes to the first NUL, bad UTF-8
+        replaced, anything unprintable shown as '?'."""
+        raw = ctypes.string_at(self.addr(name), FIELD_BYTES["text"]).split(b"\0", 1)[0]
+        return "".join(c if c.isprintable() else "?" for c in raw.decode("utf-8", "replace"))
+
+    def set_text(self, name: str, value: str) -> None:
+        """Write text field `name`: `value` as UTF-8, cut at a character's end to leave a NUL."""
+        size = FIELD_BYTES["text"]
+        raw = value.encode("utf-8")[: size - 1].decode("utf-8", "ignore").encode("utf-8")
+        ctypes.memmove(self.addr(name), raw.ljust(size, b"\0"), size)
 
     def add(self, name: str, delta: int) -> int:
         """Atomically add `delta`; return the value before."""

@@ -279,11 +279,11 @@ def report(job: jobfile.Job, result: dict, elapsed: float) -> int:
     accuracy = f", test accuracy {result['test_accuracy']:.2%}" if "test_accuracy" in result else ""
     kind = result.get("outcome")
     if kind == outputs.DIVERGED:
-        print(f"gadei run: job {job.name}: {result['message']}; its outputs and logs are in {out}", file=sys.stderr,
+        print(f"gadei run: job {job.name}: {result['reason']}; its outputs and logs are in {out}", file=sys.stderr,
               flush=True)
         return DIVERGED
     if kind == outputs.FAILED:
-        print(f"gadei run: job {job.name} failed: {result['message']}; see {out / 'logs'}", file=sys.stderr,
+        print(f"gadei run: job {job.name} failed: {result['reason']}; see {out / 'logs'}", file=sys.stderr,
               flush=True)
         return 1
     if kind == outputs.STOPPED:

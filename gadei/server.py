@@ -65,6 +65,14 @@ from .spin import DOZE_NS, DOZE_SLICE_NS, SPIN_PAYS_NS, SpinToken, doze_pays, ru
 
 log = logging.getLogger(__name__)
 
+# What to do about each error the server stops a job on (the end of its recorded reason).
+_ADVICE = {
+    RegionCorrupt: "something other than gadei wrote the job's shared memory; the newest checkpoint is from before "
+                   "this: go on from it with --resume",
+    NonFiniteGradient: "training diverged or the data hold NaN or inf: lower the learning rate (or set nonfinite = "
+                       "'skip' to skip such gradients) and train again",
+}
+
 BEAT_INTERVAL = 0.05  # seconds between heartbeats while gradients flow
 _BEAT_NS = int(BEAT_INTERVAL * 1e9)
 @dataclass(frozen=True)
@@ -307,11 +315,13 @@ class Server:
         return ServeReport(applied, seconds, h.get("version"), left)
 
     def _fail(self, err: Exception) -> None:
-        """Stop the job on `err`: run state 'failed' (final: no checkpoint is taken of the region
-        and a watchdog does not restart the server), every waiter woken."""
-        log.error("%s; the job stops as failed: the last checkpoint is from before this (a watchdog does not "
-                  "restart the server)", err)
-        self._state.fail()
+        """Stop the job on `err`: its reason recorded in the region (`RunState.fail`: the
+        watchdog's end record, result.json and `gadei status` show it), run state 'failed'
+        (final: no checkpoint is taken of the region and a watchdog does not restart the
+        server), every waiter woken."""
+        reason = f"{err}; {_ADVICE[type(err)]}"
+        log.error("%s; the job stops as failed (a watchdog does not restart the server)", reason)
+        self._state.fail(reason)
         self._consumer.wake_all()
         self._clock.wake_all()
 
@@ -564,7 +574,7 @@ class Server:
                 f"value{'s' if bad != 1 else ''} (NaN or inf)")
         if self.options.nonfinite == "stop":
             raise NonFiniteGradient(f"job {self.job!r}: {what}; nonfinite is 'stop' (--nonfinite stop, [train] "
-                                    "nonfinite = 'stop'), so the job stops")
+                                    "nonfinite = 'stop')")
         self.rule.format.discard(grad.payload)
         skipped = self._skipped_word.add(1) + 1
         if skipped & (skipped - 1) == 0:  # the 1st, 2nd, 4th, 8th ...: a diverging job does not flood the log

@@ -50,6 +50,7 @@ class JobStatus:
     job: str
     taken_at: float  # time.monotonic() of the snapshot
     run_state: str
+    fail_reason: str  # why the server stopped the job as failed ("" unless it did)
     server_pid: int
     server_alive: bool
     server_beat_age: float | None
@@ -139,6 +140,7 @@ def read(region: Region) -> JobStatus:
         job=region.job,
         taken_at=now / 1e9,
         run_state=RunState(region).name(),
+        fail_reason=RunState(region).reason(),
         server_pid=h.get("server_pid"),
         server_alive=region.server_alive(),
         server_beat_age=_age(h.get("server_beat"), now),
@@ -233,6 +235,8 @@ def format_table(status: JobStatus, rate: Rates | None) -> str:
         + (f", {rate.updates:,.1f} updates/s, {rate.bytes / 1e9:.2f} GB/s of gradients" if rate else ""),
         f"  learners: {len(status.learners)} of {status.capacity} entries, {status.slots} slots per ring",
     ]
+    if status.fail_reason:
+        lines.insert(1, f"  failed: {status.fail_reason}")
     if status.watchdog_pid or status.checkpointed_version or status.restarts:
         dog = "none"
         if status.watchdog_pid:

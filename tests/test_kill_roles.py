@@ -117,7 +117,7 @@ def test_a_watchdog_that_dies_and_cannot_be_replaced_ends_the_job_with_a_clear_e
     assert f"its watchdog (pid {roles['watchdog']}) died and no new one could take over" in stderr, stderr
     assert "no watchdog state to adopt" in stderr, stderr
     result = json.loads((out / "result.json").read_text())
-    assert result["outcome"] == "failed" and "no new one could take over" in result["message"], result
+    assert result["outcome"] == "failed" and "no new one could take over" in result["reason"], result
     assert (out / "metrics.jsonl").exists() and (out / "model.pt").exists()
     wait_for(lambda: _gone(name) or None, 60, "the job's processes to end")  # its orphaned learners stop with it
     _say("watchdog (no state to adopt) under gadei run", "gadei run exit 1, outcome failed", seconds)
@@ -192,9 +192,9 @@ def test_a_job_whose_gadei_run_and_watchdog_are_killed_and_cannot_be_adopted_fai
     seconds = time.monotonic() - killed
     result = json.loads((out / "result.json").read_text())
     assert result["outcome"] == "failed", result
-    assert result["message"].startswith(f"its watchdog (pid {roles['watchdog']}) and its gadei run died and no new "
+    assert result["reason"].startswith(f"its watchdog (pid {roles['watchdog']}) and its gadei run died and no new "
                                         "watchdog could take over: "), result
-    assert "no watchdog state to adopt" in result["message"], result
+    assert "no watchdog state to adopt" in result["reason"], result
     assert result["written_by"] == roles["server"], (result, roles)
     assert (out / "metrics.jsonl").exists() and (out / "model.pt").exists()
     _say("gadei run and the watchdog (no state to adopt)", "the server failed the job, result.json outcome failed",
@@ -409,7 +409,7 @@ def test_the_daemon_reports_a_failed_job_when_its_watchdog_dies_and_cannot_be_re
     assert (record["state"], record["returncode"]) == ("failed", 1), record
     assert "no new one could take over" in record["message"], record
     result = json.loads((out / "result.json").read_text())
-    assert result["outcome"] == "failed" and "no new one could take over" in result["message"], result
+    assert result["outcome"] == "failed" and "no new one could take over" in result["reason"], result
     wait_for(lambda: _gone(name) or None, 60, "the job's processes to end")
     daemon.terminate()
     communicate(daemon, 60)

@@ -2,14 +2,15 @@
 process, on a real region (no subprocess), beside the end-to-end tests that run them as
 `gadei serve` and `gadei learn`."""
 
+import ctypes
 import threading
 
 import numpy as np
 import pytest
 
-from gadei import protocol
-from gadei.errors import GadeiTimeout, RegionCorrupt
-from gadei.layout import SERVING, STOPPED, STOPPING
+from gadei import protocol, status
+from gadei.errors import GadeiTimeout, JobFailed, JobStopped, RegionCorrupt
+from gadei.layout import FIELD_BYTES, SERVING, STOPPED, STOPPING
 from gadei.region import Region
 from gadei.ring import Consumer, claim
 from gadei.server import Server
@@ -124,6 +125,22 @@ def test_a_stop_request_moves_serving_to_stopping_once_and_wakes_a_sleeping_serv
         sleeper.join(15)
     assert protocol.RunState(region).get() == STOPPING
     assert not protocol.RunState(region).request_stop()  # only from serving
+
+
+def test_a_failed_jobs_reason_is_read_by_every_attacher_and_bounded_and_printable(served):
+    server, region = served
+    view = protocol.RunState(region)
+    assert view.reason() == "" and isinstance(view.not_serving("j"), JobStopped)  # serving: no reason, no failure
+    protocol.RunState(server.region).fail("learner ring 1: head - tail = -5; résumé " + "x" * 1000)
+    said = view.reason()
+    assert said.startswith("learner ring 1: head - tail = -5; résumé x") and len(said.encode()) == FIELD_BYTES["text"] - 1
+    err = view.not_serving("j")
+    assert isinstance(err, JobFailed) and str(err).startswith("job 'j' failed: learner ring 1: head - tail = -5")
+    # what another process wrote is untrusted: bad UTF-8 and escape sequences never reach a terminal
+    tampered = b"bad \xff\x1b[31m red\0"
+    ctypes.memmove(region.header.addr("fail_reason"), tampered, len(tampered))
+    assert view.reason() == "bad \ufffd?[31m red"
+    assert status.format_table(status.read(region), None).splitlines()[1] == "  failed: bad \ufffd?[31m red"
 
 
 def test_a_version_wait_ends_at_the_bump_or_the_timeout(served):

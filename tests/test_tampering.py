@@ -16,9 +16,10 @@ import time
 import numpy as np
 import posix_ipc
 import pytest
+import torch
 
-from helpers import communicate, finish, tiered, wait_for
-from gadei import checkpoint
+from helpers import blobs_job, communicate, end_jobs, finish, tiered, unique_name, wait_for
+from gadei import JobFailed, Learner, checkpoint
 from gadei.layout import MAGIC
 from gadei.region import Region, inspect, shm_name
 
@@ -303,3 +304,72 @@ def test_the_watchdog_does_not_restart_from_a_corrupt_region_and_keeps_the_last_
     versions = [checkpoint.load(path).version for path in checkpoint.listing(folder)]
     assert versions and max(versions) == 5, versions
     _nothing_left(procs, job)
+
+
+# ------------------------------------------------------------------ the reason reaches the user
+
+
+def _failed_run(path, out, run) -> tuple[str, dict]:
+    """`gadei run` exited 1 within STOP_WITHIN; (its last line on stderr, result.json)."""
+    _, err = communicate(run, 120)
+    assert run.returncode == 1, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    return last, json.loads((out / "result.json").read_text())
+
+
+def test_gadei_run_says_which_field_of_a_corrupt_region_stopped_the_job(tmp_path, procs):
+    """The server's reason, not "see logs/serve.log": in gadei run's last line and result.json's
+    reason."""
+    name = unique_name("tamper-run")
+    path = blobs_job(tmp_path, name, train={"learners": 1, "epochs": 50, "lr": 0.05})
+    try:
+        run = procs.gadei("run", path)
+        wait_for(lambda: (f := inspect(name)) is not None and f.state == "running" and _version(name) >= 50, 120,
+                 "the job to train")
+        with Region.attach(name) as region:
+            region.header.set("hold", 5)  # allowed 0..1: the server's audit at its next beat stops the job
+            _ring(region)
+        last, result = _failed_run(path, tmp_path / "out", run)
+        for said in (last, result["reason"]):
+            assert "header field hold is 5, allowed 0..1" in said and "--resume" in said, said
+        assert result["outcome"] == "failed", result
+    finally:
+        end_jobs(name)
+
+
+def test_a_learner_of_a_failed_job_gets_the_servers_reason(job, procs):
+    """The Python API: `step` raises JobFailed with the server's reason, and a `with` block lets
+    it through (a stop ends the block quietly; a failure must not look like one)."""
+    server = _serve(procs, job)
+    model = torch.nn.Linear(64, 64, bias=False)  # N parameters
+    with pytest.raises(JobFailed, match="header field hold is 5, allowed 0..1.*--resume"):
+        with Learner(model, job, timeout=10) as learner:
+            with Region.attach(job) as region:
+                region.header.set("hold", 5)
+                _ring(region)
+            deadline = time.monotonic() + DEADLINE
+            while time.monotonic() < deadline:
+                model.weight.grad = torch.zeros_like(model.weight)
+                learner.step(1)
+    _stops_with(server, "header field hold is 5")
+
+
+def test_gadei_run_says_a_non_finite_gradient_stopped_the_job(tmp_path, procs):
+    name = unique_name("nonfinite-run")
+    path = blobs_job(tmp_path, name, train={"learners": 1, "epochs": 20, "lr": 10, "optimizer": "sgd",
+                                                   "momentum": 0.9, "nonfinite": "stop"})  # diverges at once
+    try:
+        last, result = _failed_run(path, tmp_path / "out", procs.gadei("run", path))
+        for said in (last, result["reason"]):
+            assert "non-finite value" in said and "learner ring 0" in said and "lower the learning rate" in said, said
+        assert result["outcome"] == "failed", result
+    finally:
+        end_jobs(name)
+
+
+def _version(name: str) -> int:
+    try:
+        with Region.attach(name, readonly=True) as region:
+            return region.header.get("version")
+    except Exception:
+        return 0

@@ -278,9 +278,11 @@ class Watchdog:
     def _failed(self) -> int:
         """The server stopped the job as failed: final. No checkpoint, no restart; the launched
         learners are stopped (they would only wait for a server that will not come back)."""
-        log.error("job %r: the server stopped the job as failed (see its log); not restarting it, no checkpoint "
-                  "taken; the newest checkpoint in %s (version %s) is from before the failure", self.job,
-                  self.settings.checkpoint_dir, f"{self.region.header.get('checkpointed_version'):,}")
+        why = RunState(self.region).reason() or "see logs/serve.log; the newest checkpoint is from before"
+        self.reason = f"the server stopped the job as failed: {why}"
+        log.error("job %r: %s; not restarting it, no checkpoint taken; the newest checkpoint in %s (version %s) is "
+                  "from before the failure", self.job, self.reason, self.settings.checkpoint_dir,
+                  f"{self.region.header.get('checkpointed_version'):,}")
         self.learners.kill_all()
         if self._server is not None:
             try:
@@ -288,7 +290,6 @@ class Watchdog:
             except subprocess.TimeoutExpired:
                 self._server.kill()
                 self._server.wait()
-        self.reason = "the server stopped the job as failed (see logs/serve.log); the newest checkpoint is from before"
         return JOB_FAILED
 
     def _stop_job(self) -> None:

@@ -10,7 +10,7 @@ import numpy as np
 
 from .. import _native
 from ..env import settings
-from ..errors import GadeiError, GadeiTimeout, JobStopped, ServerGone
+from ..errors import GadeiError, GadeiTimeout, ServerGone
 from ..layout import MOVE, SERVING, STOPPING
 from ..protocol import RunState, Version
 from ..region import Region
@@ -47,7 +47,7 @@ class LocalNode:
             self._server_beat_addr = h.addr("server_beat")
             self._server_timeout_ns = int(env.server_timeout * 1e9)
             if not self._state.serving():
-                raise JobStopped(f"job {job!r} is not serving")
+                raise self._state.not_serving(job)
             self.producer = claim(self.region, drain_timeout=self.timeout, server_alive=self.server_alive)
             self.entry = self.region.entry(self.producer.learner)
             self.entry.set("threads", 1)
@@ -131,7 +131,7 @@ class LocalNode:
     def _on_slice(self) -> None:
         self.beat()
         if not self._state.serving():
-            raise JobStopped(f"job {self.job!r} was stopped")
+            raise self._state.not_serving(self.job)
         if not self.server_alive():
             raise ServerGone(f"job {self.job!r}: server pid {self._server[0]} is gone")
 

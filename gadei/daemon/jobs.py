@@ -136,7 +136,7 @@ class Daemon:
         elif outcome == "done" or (outcome is None and code == 0):
             self._finish(record, DONE, code, why)
         elif result is not None:
-            self._finish(record, FAILED, code, f"{outcome}: {result.get('message', '')}" + (f" ({why})" if why else ""))
+            self._finish(record, FAILED, code, f"{outcome}: {result.get('reason', '')}" + (f" ({why})" if why else ""))
         else:
             self._finish(record, FAILED, code, (f"{why}; " if why else "") + f"gadei run exited {code}; see "
                          f"`gadei logs {record.name}`")
