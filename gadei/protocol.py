@@ -177,6 +177,8 @@ class RunState:
         state = self._word.load()
         if state == FAILED:
             return JobFailed(f"job {job!r} failed: {self._header.text('fail_reason')}")
+        if state in (STOPPING, STOPPED):
+            return JobStopped(f"job {job!r} was stopped")
         return JobStopped(f"job {job!r} is {RUN_STATES.get(state, '?')}, not serving")
 
     def wait_stopped(self, timeout: float, alive: Callable[[], bool]) -> bool:
