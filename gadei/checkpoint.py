@@ -175,6 +175,8 @@ def capture(region, timeout: float = 5.0, progress=None) -> Checkpoint:
         CheckpointError: another checkpoint holds the server, the server died while serving,
             did not pause within `timeout`, or went on before the copy was done.
     """
+    import torch  # noqa: F401  (here, not under the hold: a first import takes seconds the server would stand still)
+
     from .layout import SERVING, STOPPING
     from .protocol import RunState, hold_and_copy
 
