@@ -550,6 +550,23 @@ def test_run_outputs_are_private_whatever_the_umask(procs, tmp_path, job):
     assert _modes(tmp_path / "open") == {".": 0o755, "logs": 0o755, "logs/run.log": 0o644}
 
 
+def test_run_outputs_follow_the_umask_when_the_job_says_private_false(procs, tmp_path, job):
+    """[output] private = false leaves every output to the umask, model.pt too where the
+    server's --save writes it (no validation set: nothing chosen replaces it); `gadei serve
+    --save` writes 0600 only for a job that keeps its outputs private."""
+    path = _tiny_job(tmp_path, job, "private = false\n")
+    path.write_text(path.read_text().replace("holdout = 0.25\n", "holdout = 0.25\nvalidation_holdout = 0\n"))
+    old = os.umask(0o022)
+    try:
+        finish(procs.gadei("run", path, "--quiet"), 300)
+    finally:
+        os.umask(old)
+    modes = _modes(tmp_path / job)
+    assert "checkpoints/best.pt" not in modes  # model.pt is the server's --save
+    for name in ("model.pt", "result.json", "logs/serve.log"):
+        assert modes[name] == 0o644, (name, modes)
+
+
 def test_a_squatted_region_name_is_a_clear_error_naming_its_owner(procs, tmp_path, job):
     """Another user's object, or a symbolic link, in /dev/shm under the job's region name: `gadei
     run` refuses before anything starts and `gadei serve`, `learn` and `status` say whose it is,
