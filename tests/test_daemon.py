@@ -491,7 +491,9 @@ def _status_and_logs_without_the_daemon(tmp_path, procs, daemon_env, prefix, ran
     assert record["daemon"] == "not running" and [j["name"] for j in record["jobs"]] == [ran, never], out
 
     out, err = finish(procs.gadei("logs", ran, "--lines", 5, env=daemon_env))
-    assert f"==> {tmp_path / f'out-{ran}' / 'logs' / 'run.log'} <==" in out and not_running in err, out + err
+    logs = tmp_path / f"out-{ran}" / "logs"
+    assert all(f"==> {logs / name} <==" in out for name in ("run.log", "serve.log")), out  # as docs/jobs.md says
+    assert not_running in err, err
     out, err = finish(procs.gadei("logs", never, env=daemon_env))
     assert out.strip() == cancelled and not_running in err, out + err
     unknown = procs.gadei("logs", f"{prefix}-nope", env=daemon_env)

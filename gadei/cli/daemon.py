@@ -110,8 +110,8 @@ def add_parser(sub) -> None:
     p.set_defaults(func=cmd_cancel)
 
     p = sub.add_parser("logs", help="the last lines of a daemon job's logs",
-                       description="The last lines of a daemon job's logs (logs/run.log and each learner's in its "
-                       "output folder); while no daemon runs, found by the job record it left on disk. A job that "
+                       description="The last lines of a daemon job's logs (logs/run.log, serve.log and each learner's "
+                       "in its output folder); while no daemon runs, found by the job record it left on disk. A job that "
                        "never started (cancelled while queued) has none, and this says so.")
     p.add_argument("job")
     p.add_argument("--lines", type=int, default=50, help="lines per log (default 50)")

@@ -84,14 +84,16 @@ def read_records(folder: Path) -> dict[str, JobRecord]:
 
 
 def job_logs(record: JobRecord, lines: int) -> str:
-    """The last `lines` lines of each of a job's logs (`gadei logs`), or why it has none: a
-    job that never started (cancelled while queued, or one that could not start) says so."""
+    """The last `lines` lines of each of a job's logs (`gadei logs`: its `gadei run`'s, its
+    server's and watchdog's, each learner's), or why it has none: a job that never started
+    (cancelled while queued, or one that could not start) says so."""
     parts = []
+    folder = Path(record.output, "logs")
     try:
-        learners = sorted(Path(record.output, "logs").glob("learner-*.log"))
+        learners = sorted(folder.glob("learner-*.log"))
     except OSError:
         learners = []
-    for path in [record.log, *learners]:
+    for path in [record.log, str(folder / "serve.log"), *learners]:
         try:
             text = _tail(path, lines)
         except (FileNotFoundError, NotADirectoryError):
