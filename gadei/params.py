@@ -107,14 +107,18 @@ def flatten_into(model: torch.nn.Module, flat: np.ndarray) -> None:
             view.copy_(p.detach())
 
 
-def save(state: dict[str, torch.Tensor], path: str) -> None:
+def save(state: dict[str, torch.Tensor], path: str, private: bool = True) -> None:
     """Write a state dict that `torch.load(path, weights_only=True)` reads, atomically (a
-    temporary file renamed over `path`), mode 0600 whatever the umask: a model is as private
-    as `gadei run`'s model.pt (`gadei serve --save`, `gadei bridge --save`)."""
+    temporary file renamed over `path`). `private`: mode 0600 whatever the umask, as `gadei
+    run` writes its model.pt (`gadei serve --save`, `gadei bridge --save`); False: the umask
+    decides, as for a job file's `[output] private = false`."""
     tmp = f"{path}.tmp{os.getpid()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)  # a leftover would keep its mode: the file is made here, with the mode asked for
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600 if private else 0o666)
     try:
-        os.fchmod(fd, 0o600)  # a leftover temporary file keeps its mode through O_TRUNC
+        if private:
+            os.fchmod(fd, 0o600)  # a umask such as 0277 takes bits from 0600 too
         with os.fdopen(fd, "wb") as out:
             fd = -1
             torch.save(state, out)

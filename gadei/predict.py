@@ -12,10 +12,10 @@ from . import jobfile
 from .errors import GadeiError
 
 
-def predict(run_dir: str, text: str, top: int = 3) -> list[tuple[str, float]]:
-    """The `top` labels of the model in a `gadei run` output folder for `text` (a sentence;
-    for a numeric workload, the features separated by commas), with probabilities (plain
-    PyTorch: the model file is a state dict)."""
+def predict(run_dir: str, texts: list[str], top: int = 3) -> list[list[tuple[str, float]]]:
+    """For each of `texts` (a sentence; for a numeric workload, the features separated by
+    commas), the `top` labels of the model in a `gadei run` output folder, with
+    probabilities; the model is loaded once (plain PyTorch: the model file is a state dict)."""
     import numpy as np
     import torch
     from gadei_workloads import get
@@ -36,28 +36,35 @@ def predict(run_dir: str, text: str, top: int = 3) -> list[tuple[str, float]]:
     except (KeyError, TypeError, AttributeError) as err:
         raise GadeiError(f"{run_dir}: its label or vocabulary map is not one `gadei run` wrote ({err!r})") from None
     if workload.kind == "numeric":
-        try:
-            values = np.array([float(v) for v in text.replace(",", " ").split()], dtype=np.float64)
-        except ValueError:
-            raise GadeiError(f"{text!r}: give the {stats['features']} features as numbers separated by commas") from None
-        if values.size != stats["features"]:
-            raise GadeiError(f"{text!r}: {values.size} features, the model takes {stats['features']}")
-        x = torch.from_numpy(((values - np.array(stats["mean"])) / np.array(stats["std"])).astype(np.float32))[None]
         model = workload.build_from_maps(stats["features"], len(labels), job.train.seed)
     else:
         model = workload.build_from_maps(len(vocab), len(labels), job.train.seed)
-        ids = vocab.encode(tokenize(text)) or [vocab.encode(["<unk>"])[0]]
-        x = torch.tensor([ids + [0] * max(0, getattr(model, "min_len", 1) - len(ids))])  # the widest filter
     try:
         model.load_state_dict(state)
     except (RuntimeError, TypeError, AttributeError) as err:
         raise GadeiError(f"{folder / 'model.pt'}: does not fit the {job.workload} model of {folder / 'job.toml'}, "
                          f"labels.json and the vocabulary: {_first_lines(str(err))}") from None
     model.eval()
-    with torch.no_grad():
-        probs = torch.softmax(model(x), dim=-1)[0]
-    best = torch.topk(probs, min(top, len(labels)))
-    return [(labels[i], float(p)) for p, i in zip(best.values.tolist(), best.indices.tolist())]
+
+    def encoded(text: str):
+        if workload.kind != "numeric":
+            ids = vocab.encode(tokenize(text)) or [vocab.encode(["<unk>"])[0]]
+            return torch.tensor([ids + [0] * max(0, getattr(model, "min_len", 1) - len(ids))])  # the widest filter
+        try:
+            values = np.array([float(v) for v in text.replace(",", " ").split()], dtype=np.float64)
+        except ValueError:
+            raise GadeiError(f"{text!r}: give the {stats['features']} features as numbers separated by commas") from None
+        if values.size != stats["features"]:
+            raise GadeiError(f"{text!r}: {values.size} features, the model takes {stats['features']}")
+        return torch.from_numpy(((values - np.array(stats["mean"])) / np.array(stats["std"])).astype(np.float32))[None]
+
+    answers = []
+    for x in [encoded(text) for text in texts]:  # every text checked before any answer
+        with torch.no_grad():
+            probs = torch.softmax(model(x), dim=-1)[0]
+        best = torch.topk(probs, min(top, len(labels)))
+        answers.append([(labels[i], float(p)) for p, i in zip(best.values.tolist(), best.indices.tolist())])
+    return answers
 
 
 def _read_json(path: Path):

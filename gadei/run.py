@@ -161,7 +161,7 @@ class JobRun:
             while not self.ended():
                 time.sleep(0.2)
         if bridge is not None:
-            node.stop_bridge(bridge, out / "model.pt")
+            node.stop_bridge(bridge, out / "model.pt", private=job.private)
         result = outputs.finish(job, owner=owner, interrupted=interrupted, note=self.note,
                                 bridge=node.summary(bridge) if node is not None else None)
         return report(job, result, time.monotonic() - started)
@@ -421,11 +421,12 @@ class Node:
         self._events = events
         return Background(job.name, self.options, ended=lambda: serve.poll() is not None, on_event=on_event).start()
 
-    def stop_bridge(self, bridge, model: Path) -> None:
+    def stop_bridge(self, bridge, model: Path, private: bool = True) -> None:
         """After the local job ended: wait for the bridge to leave the exchanges (the others
         learn it at the next one, within a quarter of the timeout), or, when the job finished,
         for every node to finish (it takes part with its final weights meanwhile, as long as
-        the exchanges go on), and write the model they agreed on into `model`."""
+        the exchanges go on), and write the model they agreed on into `model` (`private`: the
+        job's [output] private)."""
         quiet = self.options.timeout + 30
         while not bridge.join(1.0):
             if time.monotonic() - bridge.last_event > quiet:
@@ -434,7 +435,7 @@ class Node:
                 break
         self.clean = bridge.clean and bridge.report is not None
         if bridge.bridge is not None and bridge.bridge.final is not None:
-            bridge.bridge.save_final(str(model))
+            bridge.bridge.save_final(str(model), private=private)
             print(f"gadei run: node {self.rank}: every node finished; {model} holds the model they agreed on",
                   flush=True)
         self._events.close()

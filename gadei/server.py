@@ -617,9 +617,10 @@ class Server:
             raise RuntimeError(f"job {self.job!r}: no model was recorded in the region yet")
         return params.state_dict(spec, self.region.weights)
 
-    def save(self, path: str) -> None:
-        """Write the current weights as a state dict that `torch.load(path, weights_only=True)` reads."""
-        params.save(self.state_dict(), path)
+    def save(self, path: str, private: bool = True) -> None:
+        """Write the current weights as a state dict that `torch.load(path, weights_only=True)` reads,
+        mode 0600 whatever the umask (`private` False: the umask decides)."""
+        params.save(self.state_dict(), path, private=private)
         log.info("job %r: saved weights of version %s to %s", self.job, f"{self.version:,}", path)
 
     def write_checkpoint(self, folder: str, keep: int = 3):

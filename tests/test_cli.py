@@ -486,22 +486,31 @@ def test_predict_needs_only_the_output_folder_and_names_a_bad_model_file(procs, 
             assert "it names code (" in err and "nothing was run" in err, err
 
 
-def test_predict_takes_one_text_and_its_own_parser_says_so(capsys):
-    """`gadei predict FOLDER A B` (an unquoted text of two words): predict's usage and what it
-    takes, not the top-level usage with "unrecognized arguments"; words after an option too,
-    and an option it does not know is answered by predict's own parser."""
+def test_predict_answers_each_of_several_texts_on_a_line_of_its_own(procs, tmp_path, capsys):
+    """`gadei predict FOLDER "A" "B"` predicts each text (the model loaded once): a line each,
+    the text first, its top labels after it, texts after an option too; one text keeps its
+    label-a-line answer, and an option predict does not know gets predict's own usage (it
+    got the top-level usage and "unrecognized arguments")."""
     from gadei.cli import main
 
-    two = "argument TEXT: one text, got 2 ('A', 'B'): quote a text of several words, e.g. gadei predict runs/cr 'A B'"
-    for argv, message in [(["predict", "runs/cr", "A", "B"], two),
-                          (["predict", "runs/cr", "A", "--top", "2", "B"], two),
-                          (["predict", "runs/cr", "A", "--tpo", "2"], "unrecognized arguments: --tpo 2")]:
-        with pytest.raises(SystemExit) as exit:
-            main(argv)
-        err = capsys.readouterr().err
-        assert exit.value.code == 2
-        assert err.startswith("usage: gadei predict [-h] [--top N] RUN_DIR TEXT\n"), err
-        assert f"gadei predict: error: {message}" in err, err
+    folder, _ = _run_folder(tmp_path)
+    texts = ["how many birds", "who is the king", "what"]
+    out, _ = finish(procs.gadei("predict", folder, texts[0], "--top", 2, *texts[1:]))
+    lines = out.splitlines()
+    assert [line.partition(": ")[0] for line in lines] == texts, out
+    for line in lines:
+        labels = [pair.split()[0] for pair in line.partition(": ")[2].split(", ")]
+        assert sorted(labels) == ["HUM", "NUM"], out
+    assert main(["predict", str(folder), texts[0], "--top", "2"]) == 0
+    one = capsys.readouterr().out.splitlines()
+    assert len(one) == 2 and sorted(line.split()[-1] for line in one) == ["HUM", "NUM"], one
+
+    with pytest.raises(SystemExit) as exit:
+        main(["predict", str(folder), "A", "--tpo", "2"])
+    err = capsys.readouterr().err
+    assert exit.value.code == 2
+    assert err.startswith("usage: gadei predict [-h] [--top N] RUN_DIR TEXT [TEXT ...]\n"), err
+    assert "gadei predict: error: unrecognized arguments: --tpo 2" in err, err
 
 
 def _tiny_job(tmp_path, name: str, extra: str = "") -> "os.PathLike":
@@ -548,6 +557,23 @@ def test_run_outputs_are_private_whatever_the_umask(procs, tmp_path, job):
     finally:
         os.umask(old)
     assert _modes(tmp_path / "open") == {".": 0o755, "logs": 0o755, "logs/run.log": 0o644}
+
+
+def test_run_outputs_follow_the_umask_when_the_job_says_private_false(procs, tmp_path, job):
+    """[output] private = false leaves every output to the umask, model.pt too where the
+    server's --save writes it (no validation set: nothing chosen replaces it); `gadei serve
+    --save` writes 0600 only for a job that keeps its outputs private."""
+    path = _tiny_job(tmp_path, job, "private = false\n")
+    path.write_text(path.read_text().replace("holdout = 0.25\n", "holdout = 0.25\nvalidation_holdout = 0\n"))
+    old = os.umask(0o022)
+    try:
+        finish(procs.gadei("run", path, "--quiet"), 300)
+    finally:
+        os.umask(old)
+    modes = _modes(tmp_path / job)
+    assert "checkpoints/best.pt" not in modes  # model.pt is the server's --save
+    for name in ("model.pt", "result.json", "logs/serve.log"):
+        assert modes[name] == 0o644, (name, modes)
 
 
 def test_a_squatted_region_name_is_a_clear_error_naming_its_owner(procs, tmp_path, job):

@@ -19,7 +19,7 @@ import pytest
 from helpers import communicate, data_dir, finish, job_processes, missing, trec_job, wait_for
 from gadei import checkpoint
 from gadei.daemon import request
-from gadei.region import inspect
+from gadei.region import inspect, remove
 
 
 @pytest.fixture
@@ -445,3 +445,57 @@ def test_job_records_are_where_the_docs_say(tmp_path, monkeypatch, xdg):
         text = " ".join((docs / name).read_text().split())
         assert said in text, name
         assert text.count(".local/state/gadei") == text.count(".local/state/gadei/jobs/"), name
+
+
+def test_status_and_logs_read_the_records_a_stopped_daemon_left(tmp_path, procs, daemon_env):
+    """With the daemon stopped, `gadei status` shows the jobs it recorded (not "no gadei jobs"),
+    `gadei status JOB` that job's record (not "has no region") and `gadei logs JOB` the logs on
+    disk, each saying the daemon is not running; a job cancelled while queued never started,
+    and its logs say so, with the daemon and without."""
+    prefix = f"d{os.getpid()}"
+    ran, never = f"{prefix}-ran", f"{prefix}-never"
+    try:
+        _status_and_logs_without_the_daemon(tmp_path, procs, daemon_env, prefix, ran, never)
+    finally:  # the job runs in a session of its own: a failed check must not leave it running
+        for proc in job_processes(ran):
+            proc.kill()
+        if inspect(ran) is not None:
+            remove(ran)
+
+
+def _status_and_logs_without_the_daemon(tmp_path, procs, daemon_env, prefix, ran, never):
+    daemon = _start_daemon(procs, daemon_env)
+    finish(procs.gadei("submit", _jobfile(tmp_path, ran, epochs=50), env=daemon_env))
+    wait_for(lambda: _jobs(procs, daemon_env)[ran]["state"] == "running", 60, "the first job to start")
+    finish(procs.gadei("submit", _jobfile(tmp_path, never, epochs=1), env=daemon_env))
+    finish(procs.gadei("cancel", never, env=daemon_env))  # still queued behind the first: it never starts
+    out, _ = finish(procs.gadei("logs", never, env=daemon_env))
+    cancelled = f"job '{never}' was cancelled before it started: it never ran, so it has no logs"
+    assert out.strip() == cancelled, out
+    finish(procs.gadei("cancel", ran, env=daemon_env))
+    wait_for(lambda: _jobs(procs, daemon_env)[ran]["pid"] == 0, 120, "the cancelled job to end")
+    finish(procs.gadei("daemon", "stop", env=daemon_env))
+    communicate(daemon, 30)
+    wait_for(lambda: not job_processes(ran), 60, "the cancelled job's processes to end")
+
+    not_running = "gadei: the daemon is not running: the job records as it left them"
+    out, err = finish(procs.gadei("status", env=daemon_env))
+    rows = {line.split()[0]: line.split()[1] for line in out.splitlines() if line.startswith(prefix)}
+    assert rows == {ran: "cancelled", never: "cancelled"} and not_running in err, out + err
+    assert "no gadei jobs" not in err
+    out, err = finish(procs.gadei("status", never, env=daemon_env))
+    assert never in out and "cancelled before it started" in out and not_running in err, out + err
+    assert "has no region" not in err
+    out, _ = finish(procs.gadei("status", "--json", env=daemon_env))
+    record = json.loads(out.splitlines()[0])
+    assert record["daemon"] == "not running" and [j["name"] for j in record["jobs"]] == [ran, never], out
+
+    out, err = finish(procs.gadei("logs", ran, "--lines", 5, env=daemon_env))
+    logs = tmp_path / f"out-{ran}" / "logs"
+    assert all(f"==> {logs / name} <==" in out for name in ("run.log", "serve.log")), out  # as docs/jobs.md says
+    assert not_running in err, err
+    out, err = finish(procs.gadei("logs", never, env=daemon_env))
+    assert out.strip() == cancelled and not_running in err, out + err
+    unknown = procs.gadei("logs", f"{prefix}-nope", env=daemon_env)
+    _, err = communicate(unknown, 60)
+    assert unknown.returncode == 2 and "no gadei daemon listens" in err and f"no job '{prefix}-nope' is recorded" in err

@@ -113,15 +113,20 @@ def test_leftover_of_a_killed_server_is_detected_refused_replaced_and_cleaned(jo
     with gadei.Server(job, n_params=10, replace=True) as replacement:
         assert inspect(job).state == "running"
         assert replacement.region.header.get("server_pid") == os.getpid()
-    # and `gadei clean` removes a leftover, but never a live region
+    # and `gadei clean` removes a leftover and the record its server kept outside it (for `gadei
+    # stop`), but never a live region or a live server's record
+    from gadei.env import runtime_dir
+
+    record = os.path.join(runtime_dir(), f"{job}.server.json")
     server = procs.worker("serve", job)
-    read_line(server, 60)
+    pid = read_line(server, 60)["ready"]
     out, _ = finish(procs.gadei("clean", job))
-    assert "kept: served by live pid" in out and inspect(job).state == "running"
+    assert "kept: served by live pid" in out and inspect(job).state == "running" and os.path.exists(record)
     server.send_signal(signal.SIGKILL)
     server.wait()
     out, _ = finish(procs.gadei("clean"))
     assert f"{job}: removed" in out and inspect(job) is None
+    assert f"{job}: removed the record of server pid {pid}, which is gone" in out and not os.path.exists(record)
 
 
 _CREATOR = """

@@ -325,15 +325,15 @@ class BridgeRank:
         self._emit({"event": "exchange", "n": self.report.exchanges, "t": time.time(),
                     "seconds": time.monotonic() - began, "version": node.version(), "peer": None, "final": True})
 
-    def save_final(self, path: str) -> bool:
+    def save_final(self, path: str, private: bool = True) -> bool:
         """Write the job's model of the final exchange (every node finished) to `path` as the
-        state dict `torch.load(path, weights_only=True)` reads, like `gadei serve --save`;
-        False when there was no final exchange."""
+        state dict `torch.load(path, weights_only=True)` reads, like `gadei serve --save` (mode
+        0600, or, not `private`, as the umask decides); False when there was no final exchange."""
         if self.final is None:
             return False
         from .. import params
 
-        params.save(params.state_dict(self._spec, self.final), path)
+        params.save(params.state_dict(self._spec, self.final), path, private=private)
         log.info("bridge rank %d: saved the model every node agreed on to %s", self.rank, path)
         return True
 

@@ -47,8 +47,9 @@ def main(argv=None) -> int:
     if defaults:
         parser.verbs[argv[0]].set_defaults(**defaults)
     args, extra = parser.parse_known_args(argv)
-    if extra:  # the verb's own parser answers, with its usage (and the verb's words for them, if it has any)
-        said = getattr(args, "leftover", lambda _args, _extra: None)(args, extra)
-        parser.verbs[args.command].error(said or f"unrecognized arguments: {' '.join(extra)}")
+    if extra and getattr(args, "intermixed", False):  # positionals after an option (`predict RUN A --top 2 B`)
+        args = parser.verbs[args.command].parse_intermixed_args(argv[1:], namespace=args)
+    elif extra:  # the verb's own parser answers, with its usage
+        parser.verbs[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     args.argv = argv  # how this command was started (the watchdog restarts a server with it)
     return console.run(args.func, args)

@@ -68,6 +68,7 @@ def job_file_defaults(argv: list[str]) -> dict | None:
     values = dict(workload=job.workload, data=f"job:{job.path}", seed=t.seed)
     if argv[0] == "serve":
         values.update(mode=t.mode, checkpoint_every=job.checkpoint.interval, keep=job.checkpoint.keep,
+                      private=job.private,
                       **{f.name: getattr(t, f.name) for f in options.declared(RuleOptions)},
                       **{f.name: getattr(job.transport, f.name) for f in options.declared(TransportOptions)})
     else:

@@ -3,6 +3,7 @@
 import logging
 import os
 import sys
+from dataclasses import asdict
 
 from ..errors import GadeiError
 
@@ -42,21 +43,45 @@ def cmd_cancel(args) -> int:
 
 
 def cmd_logs(args) -> int:
-    from ..daemon import client
+    from ..daemon import NoDaemon, client
+    from ..daemon.jobs import job_logs, read_records, state_dir
 
-    print(client({"op": "logs", "job": args.job, "lines": args.lines})["text"])
+    try:
+        text = client({"op": "logs", "job": args.job, "lines": args.lines})["text"]
+    except NoDaemon as err:  # the logs are on disk all the same: found by the record the daemon left
+        folder = state_dir(create=False)
+        record = read_records(folder).get(args.job)
+        if record is None:
+            raise GadeiError(f"{err}; and no job {args.job!r} is recorded in {folder / 'jobs'}") from None
+        print(f"gadei: {FROM_DISK['not running']}", file=sys.stderr)
+        text = job_logs(record, args.lines)
+    print(text)
     return 0
 
 
-def daemon_jobs(job: str | None) -> list[dict]:
-    """The daemon's job records (all, or `job`'s), [] when no daemon runs or it has no such job."""
+# What `gadei status` and `gadei logs` say when the job records are read from disk (`daemon_jobs`)
+FROM_DISK = {"not running": "the daemon is not running: the job records as it left them (`gadei daemon` brings them "
+             "up to date)",
+             "no answer": "the daemon did not answer: the job records as it last wrote them"}
+
+
+def daemon_jobs(job: str | None) -> tuple[list[dict], str]:
+    """The daemon's job records (all, or `job`'s; [] when it has no such job) and where they
+    come from: "answered" (the daemon's answer) or, when no daemon answers, the records it left on
+    disk, and why (a key of FROM_DISK: "not running", or "no answer" from a stopped or hung
+    daemon)."""
     from ..daemon import request, socket_path
+    from ..daemon.jobs import read_records, state_dir
 
     try:
         answer = request(socket_path(), {"op": "status", "job": job}, timeout=5)
-    except (OSError, ValueError, GadeiError):  # no daemon, a stopped one (timeout), or one that hung up
-        return []
-    return answer.get("jobs", []) if answer.get("ok") else []
+        return (answer.get("jobs", []) if answer.get("ok") else []), "answered"
+    except (FileNotFoundError, ConnectionRefusedError):
+        source = "not running"
+    except (OSError, ValueError, GadeiError):  # a stopped daemon (timeout), or one that hung up
+        source = "no answer"
+    records = sorted(read_records(state_dir(create=False)).values(), key=lambda r: r.submitted)
+    return [asdict(r) for r in records if job is None or r.name == job], source
 
 
 def add_parser(sub) -> None:
@@ -84,7 +109,10 @@ def add_parser(sub) -> None:
     p.add_argument("job")
     p.set_defaults(func=cmd_cancel)
 
-    p = sub.add_parser("logs", help="the last lines of a daemon job's logs")
+    p = sub.add_parser("logs", help="the last lines of a daemon job's logs",
+                       description="The last lines of a daemon job's logs (logs/run.log, serve.log and each learner's "
+                       "in its output folder); while no daemon runs, found by the job record it left on disk. A job that "
+                       "never started (cancelled while queued) has none, and this says so.")
     p.add_argument("job")
     p.add_argument("--lines", type=int, default=50, help="lines per log (default 50)")
     p.set_defaults(func=cmd_logs)

@@ -1,7 +1,6 @@
 """`gadei run` (a job file in the foreground) and `gadei predict` (a finished run's model)."""
 
 import logging
-import shlex
 
 log = logging.getLogger("gadei.cli")
 
@@ -21,8 +20,13 @@ def cmd_run(args) -> int:
 def cmd_predict(args) -> int:
     from ..predict import predict
 
-    for label, probability in predict(args.run_dir, args.text, top=args.top):
-        print(f"{probability:7.2%}  {label}")
+    answers = predict(args.run_dir, args.text, top=args.top)
+    if len(answers) == 1:  # one text: a label a line
+        for label, probability in answers[0]:
+            print(f"{probability:7.2%}  {label}")
+        return 0
+    for text, best in zip(args.text, answers):  # several: one line each, the text first
+        print(f"{text}: " + ", ".join(f"{label} {probability:.2%}" for label, probability in best))
     return 0
 
 
@@ -47,20 +51,13 @@ def add_parser(sub) -> None:
                    "progress; only [train] epochs, patience, devices and threads may differ from that run's job.toml")
     p.set_defaults(func=cmd_run)
 
-    p = sub.add_parser("predict", help="the top labels of a finished run's model for a text",
+    p = sub.add_parser("predict", help="the top labels of a finished run's model for one text or several",
                        description="Load the model, label and vocabulary maps of a `gadei run` output folder "
-                       "and print the most likely labels of TEXT with their probabilities.")
+                       "and print the most likely labels of each TEXT with their probabilities: for one text a label "
+                       "a line, for several one line each (`TEXT: LABEL P, LABEL P, ...`). Quote a text of several "
+                       "words: each argument is a text of its own.")
     p.add_argument("run_dir", metavar="RUN_DIR", help="a `gadei run` output folder")
-    p.add_argument("text", metavar="TEXT", help="one text (quote a text of several words)")
+    p.add_argument("text", metavar="TEXT", nargs="+", help="a text (quote a text of several words); "
+                   "for a numeric workload, the features separated by commas")
     p.add_argument("--top", type=int, default=3, metavar="N", help="labels to print (default 3)")
-    p.set_defaults(func=cmd_predict, leftover=_more_texts)
-
-
-def _more_texts(args, extra: list[str]) -> str | None:
-    """What `gadei predict` says of arguments left over (`gadei.cli.main`): words of an unquoted
-    text; None for an option it does not know."""
-    if any(arg.startswith("-") for arg in extra):
-        return None
-    texts = [args.text, *extra]
-    return (f"argument TEXT: one text, got {len(texts)} ({', '.join(map(repr, texts))}): quote a text of several "
-            f"words, e.g. gadei predict {args.run_dir} {shlex.quote(' '.join(texts))}")
+    p.set_defaults(func=cmd_predict, intermixed=True)

@@ -101,7 +101,7 @@ def cmd_serve(args) -> int:
                 print(f"gadei: error: no checkpoint at stop: {err}", file=sys.stderr, flush=True)
                 code = 1
         if args.save:
-            server.save(args.save)
+            server.save(args.save, private=args.private)
         if args.json:
             h, entries = server.region.header, [server.region.entry(i) for i in range(server.region.shape.capacity)]
             emit({"event": "stopped", "job": args.job, "applied": report.applied, "seconds": report.seconds,
@@ -258,7 +258,8 @@ def add_parser(sub) -> None:
     p.add_argument("--replace", action="store_true", help="replace a region left behind by a crashed server")
     p.add_argument("--grace", type=float, default=5.0, help="seconds to wait for learners to leave on stop")
     p.add_argument("--save", help="write the final weights here (a state dict torch.load reads; mode 0600 whatever "
-                   "the umask, as `gadei run`'s model.pt)")
+                   "the umask, as `gadei run`'s model.pt, unless the --job-file says [output] private = false)")
+    p.set_defaults(private=True)  # a --job-file's [output] private (`job_file_defaults`)
     p.add_argument("--checkpoint-dir", help="checkpoints go here: the job's watchdog takes one every "
                    "--checkpoint-every seconds and restarts a crashed server from the newest; one more at clean stop")
     p.add_argument("--checkpoint-every", type=float, default=CheckpointOptions.interval,

@@ -6,7 +6,7 @@ import time
 
 from ..errors import GadeiError
 from .common import emit
-from .daemon import daemon_jobs
+from .daemon import FROM_DISK, daemon_jobs
 
 log = logging.getLogger("gadei.cli")
 
@@ -15,13 +15,15 @@ def cmd_status(args) -> int:
     from .. import status
     from ..region import Region, inspect, list_jobs
 
-    queued = daemon_jobs(args.job)
+    queued, source = daemon_jobs(args.job)
     if queued:
         if args.json:
-            emit({"event": "daemon-jobs", "jobs": queued})
+            emit({"event": "daemon-jobs", "jobs": queued, "daemon": source})
         else:
             from ..daemon import format_jobs
 
+            if source != "answered":
+                print(f"gadei: {FROM_DISK[source]}", file=sys.stderr)
             print(format_jobs(queued))
     jobs = [args.job] if args.job else list_jobs()
     if not jobs:
@@ -62,7 +64,10 @@ def cmd_status(args) -> int:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("status", help="the daemon's jobs, and each running job's learners, rates and staleness")
+    p = sub.add_parser("status", help="the daemon's jobs, and each running job's learners, rates and staleness",
+                       description="The daemon's jobs (while no daemon runs, the job records it left on disk, as it "
+                       "last recorded them), then each running job's server, watchdog, learners, rates and "
+                       "staleness, read from its region without writing to it.")
     p.add_argument("job", nargs="?", help="the job (default: every job on this machine)")
     p.add_argument("--interval", type=float, default=0.5, help="seconds between the two samples of a rate")
     p.add_argument("--watch", action="store_true", help="repeat until interrupted")

@@ -29,10 +29,10 @@ compute the answers. A job that cannot start is marked failed with the reason, a
 goes on.
 """
 
-from .client import client, format_jobs, request, stop, systemd_unit
+from .client import NoDaemon, client, format_jobs, request, stop, systemd_unit
 from .jobs import CANCELLED, DONE, FAILED, LIVE, QUEUED, RUNNING, Daemon, DaemonRunning, JobRecord, socket_path, state_dir
 from .listener import MAX_CONNECTIONS, MAX_REQUEST, REQUEST_TIMEOUT, BadRequest
 
-__all__ = ["CANCELLED", "DONE", "FAILED", "LIVE", "MAX_CONNECTIONS", "MAX_REQUEST", "QUEUED", "REQUEST_TIMEOUT",
-           "RUNNING", "BadRequest", "Daemon", "DaemonRunning", "JobRecord", "client", "format_jobs", "request",
-           "socket_path", "state_dir", "stop", "systemd_unit"]
+__all__ = ["CANCELLED", "DONE", "FAILED", "LIVE", "MAX_CONNECTIONS", "MAX_REQUEST", "NoDaemon", "QUEUED",
+           "REQUEST_TIMEOUT", "RUNNING", "BadRequest", "Daemon", "DaemonRunning", "JobRecord", "client", "format_jobs",
+           "request", "socket_path", "state_dir", "stop", "systemd_unit"]

@@ -65,13 +65,17 @@ def request(path: str | None, message: dict, timeout: float = 30.0) -> dict:
     return json.loads(data)
 
 
+class NoDaemon(GadeiError):
+    """No daemon listens on this user's socket (none runs)."""
+
+
 def client(message: dict, timeout: float = 30.0) -> dict:
-    """`request` for the command line: a clear error when no daemon runs, or it refused."""
+    """`request` for the command line: a clear error when no daemon runs (`NoDaemon`), or it refused."""
     path = socket_path()
     try:
         answer = request(path, message, timeout)
     except (FileNotFoundError, ConnectionRefusedError):
-        raise GadeiError(f"no gadei daemon listens on {path}; start one with `gadei daemon`") from None
+        raise NoDaemon(f"no gadei daemon listens on {path}; start one with `gadei daemon`") from None
     except PermissionError:
         raise GadeiError(f"{path} belongs to another user's daemon") from None
     if not answer.get("ok"):

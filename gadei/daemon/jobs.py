@@ -28,13 +28,16 @@ QUEUED, RUNNING, DONE, FAILED, CANCELLED = "queued", "running", "done", "failed"
 LIVE = (QUEUED, RUNNING)
 
 
-def state_dir() -> Path:
+def state_dir(create: bool = True) -> Path:
+    """The daemon's state folder (its lock, and the job records in jobs/); `create`: make it
+    (0700) if it is missing, as the daemon does, not a reader of the records."""
     folder = os.environ.get("GADEI_STATE_DIR")
     if not folder:
         base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
         folder = os.path.join(base, "gadei")
     path = Path(folder)
-    (path / "jobs").mkdir(parents=True, exist_ok=True, mode=0o700)
+    if create:
+        (path / "jobs").mkdir(parents=True, exist_ok=True, mode=0o700)
     return path
 
 
@@ -65,6 +68,50 @@ class JobRecord:
         return os.path.join(self.output, "logs", "run.log")
 
 
+def read_records(folder: Path) -> dict[str, JobRecord]:
+    """The job records in the state folder `folder` (none if it has none), by name; an
+    unreadable one is skipped with a warning. What a starting daemon knows, and what `gadei
+    status` and `gadei logs` show while no daemon runs."""
+    records = {}
+    for path in sorted((folder / "jobs").glob("*.json")):
+        try:
+            record = JobRecord(**json.loads(path.read_text()))
+        except (OSError, ValueError, TypeError) as err:
+            log.warning("skipping the unreadable job record %s: %s", path, err)
+            continue
+        records[record.name] = record
+    return records
+
+
+def job_logs(record: JobRecord, lines: int) -> str:
+    """The last `lines` lines of each of a job's logs (`gadei logs`: its `gadei run`'s, its
+    server's and watchdog's, each learner's), or why it has none: a job that never started
+    (cancelled while queued, or one that could not start) says so."""
+    parts = []
+    folder = Path(record.output, "logs")
+    try:
+        learners = sorted(folder.glob("learner-*.log"))
+    except OSError:
+        learners = []
+    for path in [record.log, str(folder / "serve.log"), *learners]:
+        try:
+            text = _tail(path, lines)
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        except OSError as err:
+            text = f"(unreadable: {err.strerror})"
+        parts.append(f"==> {path} <==\n" + text)
+    if record.started:
+        return "\n".join(parts) if parts else f"job {record.name!r} has no logs yet"
+    if record.state == QUEUED:
+        why = f"job {record.name!r} is queued: it has not started yet, so it has no logs"
+    elif record.state == CANCELLED:
+        why = f"job {record.name!r} was cancelled before it started: it never ran, so it has no logs"
+    else:
+        why = f"job {record.name!r} never started ({record.state}: {record.message}), so it has no logs"
+    return why + ("; the logs in its output folder are an earlier run's:\n" + "\n".join(parts) if parts else "")
+
+
 class Daemon:
     """The queue, the runner and the request handler; `serve_forever()` until SIGTERM/SIGINT."""
 
@@ -80,13 +127,7 @@ class Daemon:
         self.records: dict[str, JobRecord] = {}
         self.procs: dict[str, subprocess.Popen] = {}
         self._stop = threading.Event()
-        for path in sorted((self.folder / "jobs").glob("*.json")):
-            try:
-                record = JobRecord(**json.loads(path.read_text()))
-            except (ValueError, TypeError) as err:
-                log.warning("skipping the unreadable job record %s: %s", path, err)
-                continue
-            self.records[record.name] = record
+        self.records.update(read_records(self.folder))
         with self.lock:
             for record in self.records.values():
                 if record.state == RUNNING:
@@ -208,20 +249,7 @@ class Daemon:
     def logs(self, name: str, lines: int) -> str:
         with self.lock:
             record = self._get(name)
-        parts = []
-        try:
-            learners = sorted(Path(record.output, "logs").glob("learner-*.log"))
-        except OSError:
-            learners = []
-        for path in [record.log, *learners]:
-            try:
-                text = _tail(path, lines)
-            except (FileNotFoundError, NotADirectoryError):
-                continue
-            except OSError as err:
-                text = f"(unreadable: {err.strerror})"
-            parts.append(f"==> {path} <==\n" + text)
-        return "\n".join(parts) if parts else f"job {name!r} has no logs yet"
+        return job_logs(record, lines)
 
     def _get(self, name: str) -> JobRecord:
         record = self.records.get(name)
