@@ -127,9 +127,15 @@ class JobRun:
             extra = ["--shard", shard] + (evaluates if i == 0 else []) + (["--device", devices[i]]
                                                                           if devices[i] != "cpu" else [])
             command.append("--learner=" + " ".join(shlex.quote(a) for a in [*learner, *extra]))
+        # In a session of its own, as the watchdog and the learners are: a terminal's Ctrl-C, or the
+        # daemon's SIGTERM to this process's group (`gadei cancel`), reaches this process alone,
+        # which stops the job in order (`_follow_and_finish`: the checkpoint that records the
+        # learners' progress, then the server); a server that took the signal too would stop
+        # before that checkpoint, which then records nothing (or is never taken).
         with open(out / "logs" / "serve.log", "ab") as serve_log:
             return subprocess.Popen(command, stdout=serve_log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env=node.child_environment() if node is not None else None)
+                                    env=node.child_environment() if node is not None else None,
+                                    start_new_session=True)
 
     def _follow_and_finish(self, owner: outputs.Owner) -> int:
         job, node, serve = self.job, self.node, self.serve

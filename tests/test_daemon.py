@@ -13,13 +13,14 @@ import textwrap
 import threading
 import time
 
+import numpy as np
 import psutil
 import pytest
 
-from helpers import communicate, data_dir, finish, job_processes, missing, trec_job, wait_for
+from helpers import blobs, communicate, data_dir, finish, job_processes, job_text, missing, trec_job, wait_for
 from gadei import checkpoint
 from gadei.daemon import request
-from gadei.region import inspect
+from gadei.region import Region, inspect
 
 
 @pytest.fixture
@@ -85,6 +86,67 @@ def test_submit_status_cancel_and_a_restarted_daemon_knows_every_job(tmp_path, p
     logs, _ = finish(procs.gadei("logs", short, "--lines", 5, env=daemon_env))
     assert "test accuracy" in logs
     daemon.terminate()
+    communicate(daemon, 60)
+
+
+def test_a_job_cancelled_while_running_goes_on_with_submit_resume_to_every_learners_end(tmp_path, procs, daemon_env):
+    """`gadei cancel` stops a running job as Ctrl-C does: a checkpoint that records each
+    learner's progress first (once the daemon's SIGTERM reached the job's server at once, which
+    stopped before that checkpoint and overwrote it with one recording none), so `gadei submit
+    --resume` goes on from it to the end of every learner's schedule, as an uncancelled run
+    would end."""
+    name = f"d{os.getpid()}-cancel"
+    x, y = blobs(900)
+    np.savez(tmp_path / "blobs.npz", x=x, y=y)
+    path = tmp_path / "job.toml"  # no validation set: trained to the cap, whose steps are known
+    path.write_text(job_text({"job": {"name": name, "workload": "mlp"},
+                              "data": {"train": "blobs.npz", "format": "npz", "holdout": 0.2, "validation_holdout": 0},
+                              "train": {"learners": 2, "epochs": 20}, "checkpoint": {"interval": 600},
+                              "output": {"folder": "out"}}))
+    out = tmp_path / "out"
+    daemon = _start_daemon(procs, daemon_env)
+    finish(procs.gadei("submit", path, env=daemon_env))
+
+    def version() -> int:
+        try:
+            with Region.attach(name, readonly=True) as region:
+                return region.header.get("version")
+        except Exception:
+            return 0
+    wait_for(lambda: version() >= 500, 120, "the job to make 500 updates")
+    # `gadei run` is slow to take the daemon's signal (held, as on a loaded machine): the job's
+    # server must go on serving until `gadei run` has checkpointed and stops it
+    run = _jobs(procs, daemon_env)[name]["pid"]
+    os.kill(run, signal.SIGSTOP)
+    try:
+        finish(procs.gadei("cancel", name, env=daemon_env))
+        at = version()
+        wait_for(lambda: getattr(inspect(name), "state", None) != "running" or version() >= at + 300, 60,
+                 "the job's server to stop or to make 300 more updates")
+    finally:
+        os.kill(run, signal.SIGCONT)
+    wait_for(lambda: _jobs(procs, daemon_env)[name]["message"].startswith("cancelled;"), 120,
+             "the cancelled job to end")
+    assert json.loads((out / "result.json").read_text())["outcome"] == "stopped"
+    # the job stopped after the checkpoint that records the learners' progress: its server's own
+    # checkpoint at its stop (which records none) is the newest
+    found = checkpoint.latest(out / "checkpoints", with_progress=True)
+    assert found is not None and set(found.progress) == {"0", "1"}, found and found.progress
+    newest = checkpoint.load(checkpoint.listing(out / "checkpoints")[-1])
+    assert newest.path != found.path and newest.version >= found.version, (found.path, newest.path)
+
+    finish(procs.gadei("submit", "--resume", path, env=daemon_env))
+    wait_for(lambda: _jobs(procs, daemon_env)[name]["state"] in ("done", "failed"), 300, "the resumed job to end")
+    assert _jobs(procs, daemon_env)[name]["state"] == "done", _jobs(procs, daemon_env)[name]
+    result = json.loads((out / "result.json").read_text())
+    assert result["outcome"] == "done" and result["finished"], result
+    stops = [json.loads(line) for line in (out / "logs" / "serve.log").read_text().splitlines()
+             if line.startswith('{"event": "stopped"')]
+    # every mini-batch of 20 epochs of each learner's shard is in the weights once, as in an uncancelled run
+    steps = 20 * sum(-(-len(range(i, 721, 2)) // 2) for i in range(2))
+    assert stops[-1]["version"] == steps and stops[-1]["resumed_applied"] + stops[-1]["applied"] == steps, stops
+    assert 0 < stops[-1]["resumed_applied"] <= stops[0]["version"], stops
+    finish(procs.gadei("daemon", "stop", env=daemon_env))
     communicate(daemon, 60)
 
 
