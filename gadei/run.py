@@ -45,16 +45,18 @@ from pathlib import Path
 
 from . import device, jobfile, outputs
 from .custody import adopt
-from .prepare import Prepared, describe, prepare
+from .prepare import RUN, Prepared, describe, go_on, prepare
 from ._proc import gadei_command
 from .errors import GadeiError
 
 log = logging.getLogger(__name__)
 
 
-def run_job(path: str, *, quiet: bool = False, resume: bool = False) -> int:
+def run_job(path: str, *, quiet: bool = False, resume: bool = False, by: str = RUN) -> int:
     """Run the job file at `path` to its end; 0 when it finished and wrote its model.
-    `resume`: go on with the run its output folder holds (see `resume_point`).
+    `resume`: go on with the run its output folder holds (see `resume_point`). `by`: the
+    command that started the job (`gadei.prepare.RUN`, or `SUBMIT` for the daemon's),
+    which what the run says to go on with it names.
 
     A job with a [bridge] section started as more than one MPI rank (`mpiexec -n NODES gadei
     run job.toml`) runs as node `rank` of NODES (`Node`); alone, or as one rank, it runs as
@@ -62,7 +64,7 @@ def run_job(path: str, *, quiet: bool = False, resume: bool = False) -> int:
     job = jobfile.load(path)
     node = Node.launched(job)
     if node is None:
-        return JobRun(prepare(job, resume, None), quiet).run()
+        return JobRun(prepare(job, resume, None, by), quiet).run()
     return node.run(job, quiet=quiet, resume=resume)
 
 
@@ -158,7 +160,7 @@ class JobRun:
         except KeyboardInterrupt:
             interrupted = True
             print(f"\ngadei run: stopping the job {job.name}", flush=True)
-            _checkpoint_progress(job)
+            _checkpoint_progress(job, self.prepared.by)
             self._stop()
         else:
             interrupted = False
@@ -170,7 +172,7 @@ class JobRun:
             node.stop_bridge(bridge, out / "model.pt")
         result = outputs.finish(job, owner=owner, interrupted=interrupted, note=self.note,
                                 bridge=node.summary(bridge) if node is not None else None)
-        return report(job, result, time.monotonic() - started)
+        return report(job, result, time.monotonic() - started, self.prepared.by)
 
     def _stop(self) -> None:
         """Stop the job: its server (ours, or the one its watchdog restarted) stops as on `gadei stop`."""
@@ -279,8 +281,9 @@ def _lines(path: Path) -> list[str]:
         return []
 
 
-def report(job: jobfile.Job, result: dict, elapsed: float) -> int:
-    """Print the job's outcome (result.json, whoever wrote it); `gadei run`'s exit code."""
+def report(job: jobfile.Job, result: dict, elapsed: float, by: str = RUN) -> int:
+    """Print the job's outcome (result.json, whoever wrote it); `gadei run`'s exit code. `by`:
+    the command that started the job, which a stopped run's line names to go on with it."""
     out = job.output
     accuracy = f", test accuracy {result['test_accuracy']:.2%}" if "test_accuracy" in result else ""
     kind = result.get("outcome")
@@ -296,7 +299,7 @@ def report(job: jobfile.Job, result: dict, elapsed: float) -> int:
         last = outputs.last_epoch(out)
         print(f"gadei run: job {job.name} stopped after {elapsed:.0f} s (epoch {last.get('epoch', 0)} of "
               f"{job.train.epochs}{accuracy}); its weights so far are in {out / 'model.pt'}; go on with "
-              f"`gadei run --resume {job.path}`", flush=True)
+              f"{go_on(job, by)}", flush=True)
         return 130  # as a shell reports a Ctrl-C'd command
     chose = (f", stopped by {result['stopped']}" if "stopped" in result else "") + (
         f", chose epoch {result['epoch']:g} (validation accuracy {result['validation_accuracy']:.2%}"
@@ -464,10 +467,11 @@ class Node:
         return record
 
 
-def _checkpoint_progress(job: jobfile.Job, attempts: int = 5) -> None:
+def _checkpoint_progress(job: jobfile.Job, by: str, attempts: int = 5) -> None:
     """Before a stop: a checkpoint that records how far each launched learner got (from the
     watchdog's saved table and the learners' rings, under the server's hold), so that
-    `gadei run --resume` goes on from here; the server's own stop checkpoint cannot say."""
+    `gadei run --resume` (`by` the daemon: `gadei submit --resume`) goes on from here; the
+    server's own stop checkpoint cannot say."""
     from gadei_watchdog.launched import Learners, load_state
 
     from . import checkpoint
@@ -485,7 +489,7 @@ def _checkpoint_progress(job: jobfile.Job, attempts: int = 5) -> None:
                 taken = checkpoint.take(region, job.output / "checkpoints", keep=job.checkpoint.keep,
                                         progress=learners.progress)
                 print(f"gadei run: checkpoint {taken.path.name} at version {taken.version:,} (resume with "
-                      f"`gadei run --resume {job.path}`)", flush=True)
+                      f"{go_on(job, by)})", flush=True)
                 return
             except checkpoint.CheckpointError as err:  # e.g. the watchdog's is being taken: try again
                 log.warning("checkpoint before stopping: %s", err)

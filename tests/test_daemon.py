@@ -94,7 +94,8 @@ def test_a_job_cancelled_while_running_goes_on_with_submit_resume_to_every_learn
     learner's progress first (once the daemon's SIGTERM reached the job's server at once, which
     stopped before that checkpoint and overwrote it with one recording none), so `gadei submit
     --resume` goes on from it to the end of every learner's schedule, as an uncancelled run
-    would end."""
+    would end. What the run says to go on with it names `gadei submit --resume`, the command
+    that started it (once `gadei run --resume`)."""
     name = f"d{os.getpid()}-cancel"
     x, y = blobs(900)
     np.savez(tmp_path / "blobs.npz", x=x, y=y)
@@ -134,6 +135,12 @@ def test_a_job_cancelled_while_running_goes_on_with_submit_resume_to_every_learn
     assert found is not None and set(found.progress) == {"0", "1"}, found and found.progress
     newest = checkpoint.load(checkpoint.listing(out / "checkpoints")[-1])
     assert newest.path != found.path and newest.version >= found.version, (found.path, newest.path)
+    # what the run says to go on with it, and the refusal of a plain submit, name the command that started it
+    log = (out / "logs" / "run.log").read_text()
+    assert log.count(f"`gadei submit --resume {path}`") == 2 and "gadei run --resume" not in log, log
+    again = procs.gadei("submit", path, env=daemon_env)
+    _, err = communicate(again, 60)
+    assert again.returncode == 2 and f"go on with it with `gadei submit --resume {path}`" in err, err
 
     finish(procs.gadei("submit", "--resume", path, env=daemon_env))
     wait_for(lambda: _jobs(procs, daemon_env)[name]["state"] in ("done", "failed"), 300, "the resumed job to end")

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .. import _proc, data, jobfile
+from .. import _proc, jobfile
 from ..env import runtime_dir
 from ..errors import GadeiError
 from .listener import BACKLOG, MAX_CONNECTIONS, WORKERS, Loop, check_request
@@ -152,27 +152,17 @@ class Daemon:
     def submit(self, path: str, resume: bool = False) -> JobRecord:
         """Check a job file and its data now, then queue it; `resume`: to go on with the run in
         its output folder. Raises GadeiError saying why not."""
-        from ..region import check_name_free
+        from ..prepare import SUBMIT, check
 
         job = jobfile.load(path)
-        check_name_free(job.name)  # a squatted region name is the submitter's to hear, not the log's
         with self.lock:
             old = self.records.get(job.name)
             if old is not None and old.state in LIVE:
                 raise GadeiError(f"job {job.name!r} is already {old.state}; cancel it first or give the job "
                                  "another [job] name")
-        train = data.load_job(job)[0]  # a data problem is the submitter's to hear, not the log's
-        from ..prepare import check_output
-
-        check_output(job)  # and an output folder the run could not write
-        checkpoints = job.output / "checkpoints"
-        if resume:
-            from ..prepare import resume_point
-
-            resume_point(job.with_defaults(len(train))[0], remove_model=False)  # refused now, not in the log
-        elif checkpoints.is_dir() and any(checkpoints.iterdir()):
-            raise GadeiError(f"output folder {job.output} holds a previous run (checkpoints/); go on with it with "
-                             "`gadei submit --resume`, or set another [output] folder, or remove that one")
+        # what `gadei run` would refuse (a squatted region name, the data, the output folder, the
+        # resume point) is the submitter's to hear now, not the log's
+        check(job, resume, None, remove_model=False, by=SUBMIT)
         record = JobRecord(name=job.name, jobfile=str(job.path), output=str(job.output), submitted=time.time(),
                         resume=resume)
         with self.lock:
@@ -266,7 +256,7 @@ class Daemon:
         os.makedirs(logs, mode=0o700, exist_ok=True)  # private until `gadei run` applies the job's [output] private
         fd = os.open(record.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         with open(fd, "ab") as out:
-            proc = subprocess.Popen(_proc.gadei_command("run", record.jobfile, "--quiet")
+            proc = subprocess.Popen(_proc.gadei_command("run", record.jobfile, "--quiet", "--submitted")
                                     + (["--resume"] if record.resume else []), stdout=out,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         self.procs[record.name] = proc
