@@ -19,12 +19,29 @@ from .errors import GadeiError
 
 
 RUN, SUBMIT = "gadei run", "gadei submit"  # the commands that start a job: in the foreground, or by the daemon
+AFRESH = "to run the job again, set another [output] folder or remove that one"
 
 
 def go_on(job: jobfile.Job, by: str = RUN) -> str:
     """The command that goes on with the job's stopped run: `gadei run --resume JOB.toml`, or,
     for a job the daemon runs (`by` SUBMIT), `gadei submit --resume JOB.toml`."""
     return f"`{by} --resume {job.path}`" if job.path else f"`{by} --resume`"
+
+
+def finished(out: Path) -> str | None:
+    """The run in the output folder `out` finished (its result.json says outcome done), in
+    words (when, and why training stopped); None for any other run, or none."""
+    import time
+
+    result = outputs.read_result(out)
+    if result is None or result.get("outcome") != outputs.DONE:
+        return None
+    try:
+        when = time.strftime(" on %Y-%m-%d at %H:%M:%S", time.localtime((out / "result.json").stat().st_mtime))
+    except OSError:
+        when = ""
+    why = f", stopped by {result['stopped']}" if result.get("stopped") else ""
+    return f"the run in {out} finished (outcome done{when}{why})"
 
 
 @dataclass
@@ -72,6 +89,9 @@ def check(job: jobfile.Job, resume: bool, node, *, remove_model: bool = True, by
     if resume:
         found = resume_point(job, nodes=node.size if node else 1, remove_model=remove_model)
     elif (out / "checkpoints").is_dir() and any((out / "checkpoints").iterdir()):
+        done = finished(out)
+        if done:
+            raise GadeiError(f"output folder {out} holds a previous run: {done}; {AFRESH}")
         raise GadeiError(f"output folder {out} holds a previous run (checkpoints/); go on with it with "
                          f"{go_on(job, by)}, or set another [output] folder, or remove that one")
     return Prepared(job, train, test, chosen, read, found, validation, by)
@@ -280,6 +300,9 @@ def resume_point(job: jobfile.Job, *, remove_model: bool = True, nodes: int = 1)
                          "shards would differ; go on with as many MPI ranks, or run it with another [output] folder")
     found = checkpoint.latest(out / "checkpoints", with_progress=True)
     if found is None:
+        done = finished(out)
+        if done:
+            raise GadeiError(f"--resume: {done}: there is nothing to go on with; {AFRESH}")
         raise GadeiError(f"--resume: no checkpoint in {out / 'checkpoints'} that verifies and records the learners' "
                          "progress")
     if remove_model and (out / "model.pt").exists():

@@ -153,6 +153,9 @@ def test_a_job_cancelled_while_running_goes_on_with_submit_resume_to_every_learn
     steps = 20 * sum(-(-len(range(i, 721, 2)) // 2) for i in range(2))
     assert stops[-1]["version"] == steps and stops[-1]["resumed_applied"] + stops[-1]["applied"] == steps, stops
     assert 0 < stops[-1]["resumed_applied"] <= stops[0]["version"], stops
+    again = procs.gadei("submit", path, env=daemon_env)  # a finished run is not offered --resume
+    _, err = communicate(again, 60)
+    assert again.returncode == 2 and f"the run in {out} finished (outcome done on " in err and "--resume" not in err, err
     finish(procs.gadei("daemon", "stop", env=daemon_env))
     communicate(daemon, 60)
 
