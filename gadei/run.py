@@ -160,7 +160,10 @@ class JobRun:
         except KeyboardInterrupt:
             interrupted = True
             print(f"\ngadei run: stopping the job {job.name}", flush=True)
-            _checkpoint_progress(job, self.prepared.by)
+            taken = checkpoint_progress(job)
+            if taken is not None:
+                print(f"gadei run: checkpoint {taken.path.name} at version {taken.version:,} (resume with "
+                      f"{go_on(job, self.prepared.by)})", flush=True)
             self._stop()
         else:
             interrupted = False
@@ -467,11 +470,13 @@ class Node:
         return record
 
 
-def _checkpoint_progress(job: jobfile.Job, by: str, attempts: int = 5) -> None:
+def checkpoint_progress(job: jobfile.Job, attempts: int = 5):
     """Before a stop: a checkpoint that records how far each launched learner got (from the
     watchdog's saved table and the learners' rings, under the server's hold), so that
-    `gadei run --resume` (`by` the daemon: `gadei submit --resume`) goes on from here; the
-    server's own stop checkpoint cannot say."""
+    `gadei run --resume` goes on from here; the server's own stop checkpoint cannot say.
+    Taken by `gadei run` on Ctrl-C (and so on `gadei cancel`), and by the daemon when it
+    cancels a job whose `gadei run` is gone. The checkpoint, or None when there was no job or
+    watchdog to take it from (or every attempt failed)."""
     from gadei_watchdog.launched import Learners, load_state
 
     from . import checkpoint
@@ -481,19 +486,17 @@ def _checkpoint_progress(job: jobfile.Job, by: str, attempts: int = 5) -> None:
         _, table = load_state(job.name)
         region = Region.attach(job.name)
     except (FileNotFoundError, GadeiError):
-        return  # no watchdog or no job (yet): nothing to record
+        return None  # no watchdog or no job (yet): nothing to record
     with region:
         learners = Learners(job.name, table, str(job.output / "logs"), max_restarts=1, window=1.0, backoff=0.0)
         for _ in range(attempts):
             try:
-                taken = checkpoint.take(region, job.output / "checkpoints", keep=job.checkpoint.keep,
-                                        progress=learners.progress)
-                print(f"gadei run: checkpoint {taken.path.name} at version {taken.version:,} (resume with "
-                      f"{go_on(job, by)})", flush=True)
-                return
+                return checkpoint.take(region, job.output / "checkpoints", keep=job.checkpoint.keep,
+                                       progress=learners.progress)
             except checkpoint.CheckpointError as err:  # e.g. the watchdog's is being taken: try again
                 log.warning("checkpoint before stopping: %s", err)
                 time.sleep(0.2)
+    return None
 
 
 def _follow(run: JobRun, train_size: float, started: float, quiet: bool, label: str = "") -> None:

@@ -17,7 +17,8 @@ import numpy as np
 import psutil
 import pytest
 
-from helpers import blobs, communicate, data_dir, finish, job_processes, job_text, missing, trec_job, wait_for
+from helpers import (blobs, communicate, data_dir, finish, job_processes, job_text, missing, tiered, trec_job,
+                     wait_for)
 from gadei import checkpoint
 from gadei.daemon import request
 from gadei.region import Region, inspect
@@ -89,13 +90,17 @@ def test_submit_status_cancel_and_a_restarted_daemon_knows_every_job(tmp_path, p
     communicate(daemon, 60)
 
 
-def test_a_job_cancelled_while_running_goes_on_with_submit_resume_to_every_learners_end(tmp_path, procs, daemon_env):
+@pytest.mark.parametrize("how", tiered(["running", "orphaned"], default=["running"]))
+def test_a_job_cancelled_while_running_goes_on_with_submit_resume_to_every_learners_end(tmp_path, procs, daemon_env,
+                                                                                        how):
     """`gadei cancel` stops a running job as Ctrl-C does: a checkpoint that records each
     learner's progress first (once the daemon's SIGTERM reached the job's server at once, which
     stopped before that checkpoint and overwrote it with one recording none), so `gadei submit
     --resume` goes on from it to the end of every learner's schedule, as an uncancelled run
     would end. What the run says to go on with it names `gadei submit --resume`, the command
-    that started it (once `gadei run --resume`)."""
+    that started it (once `gadei run --resume`). Orphaned: the job's `gadei run` was killed and
+    the job went on under its watchdog; the daemon takes that checkpoint itself (once it took
+    none, and only a periodic checkpoint could be resumed from)."""
     name = f"d{os.getpid()}-cancel"
     x, y = blobs(900)
     np.savez(tmp_path / "blobs.npz", x=x, y=y)
@@ -115,17 +120,22 @@ def test_a_job_cancelled_while_running_goes_on_with_submit_resume_to_every_learn
         except Exception:
             return 0
     wait_for(lambda: version() >= 500, 120, "the job to make 500 updates")
-    # `gadei run` is slow to take the daemon's signal (held, as on a loaded machine): the job's
-    # server must go on serving until `gadei run` has checkpointed and stops it
     run = _jobs(procs, daemon_env)[name]["pid"]
-    os.kill(run, signal.SIGSTOP)
-    try:
+    if how == "orphaned":
+        os.kill(run, signal.SIGKILL)
+        wait_for(lambda: _jobs(procs, daemon_env)[name]["orphaned"], 60, "the daemon to see gadei run die")
         finish(procs.gadei("cancel", name, env=daemon_env))
-        at = version()
-        wait_for(lambda: getattr(inspect(name), "state", None) != "running" or version() >= at + 300, 60,
-                 "the job's server to stop or to make 300 more updates")
-    finally:
-        os.kill(run, signal.SIGCONT)
+    else:
+        # `gadei run` is slow to take the daemon's signal (held, as on a loaded machine): the
+        # job's server must go on serving until `gadei run` has checkpointed and stops it
+        os.kill(run, signal.SIGSTOP)
+        try:
+            finish(procs.gadei("cancel", name, env=daemon_env))
+            at = version()
+            wait_for(lambda: getattr(inspect(name), "state", None) != "running" or version() >= at + 300, 60,
+                     "the job's server to stop or to make 300 more updates")
+        finally:
+            os.kill(run, signal.SIGCONT)
     wait_for(lambda: _jobs(procs, daemon_env)[name]["message"].startswith("cancelled;"), 120,
              "the cancelled job to end")
     assert json.loads((out / "result.json").read_text())["outcome"] == "stopped"
@@ -137,7 +147,8 @@ def test_a_job_cancelled_while_running_goes_on_with_submit_resume_to_every_learn
     assert newest.path != found.path and newest.version >= found.version, (found.path, newest.path)
     # what the run says to go on with it, and the refusal of a plain submit, name the command that started it
     log = (out / "logs" / "run.log").read_text()
-    assert log.count(f"`gadei submit --resume {path}`") == 2 and "gadei run --resume" not in log, log
+    if how == "running":
+        assert log.count(f"`gadei submit --resume {path}`") == 2 and "gadei run --resume" not in log, log
     again = procs.gadei("submit", path, env=daemon_env)
     _, err = communicate(again, 60)
     assert again.returncode == 2 and f"go on with it with `gadei submit --resume {path}`" in err, err

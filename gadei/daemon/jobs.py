@@ -176,9 +176,18 @@ class Daemon:
             record = self._get(name)
             if record.state == QUEUED:
                 self._finish(record, CANCELLED, None, "cancelled before it started")
-            elif record.state == RUNNING and record.orphaned:  # no gadei run: stop the job itself
+            elif record.state == RUNNING and record.orphaned:  # no gadei run: stop the job itself, as it would
                 from ..launch import stop_job
+                from ..run import checkpoint_progress
 
+                try:
+                    taken = checkpoint_progress(jobfile.load(Path(record.output) / "job.toml"))
+                except GadeiError as err:  # its job as run is gone: stop it all the same
+                    log.warning("job %s: no checkpoint before cancelling it: %s", record.name, err)
+                    taken = None
+                if taken is not None:
+                    log.info("job %s: checkpoint %s at version %s before cancelling it", record.name, taken.path.name,
+                             f"{taken.version:,}")
                 stop_job(record.name, timeout=60)
                 record.message = "cancelling"
                 record.state = CANCELLED
