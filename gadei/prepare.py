@@ -1,7 +1,8 @@
 """A job made ready to run, before anything starts: `gadei run`'s (and `gadei submit`'s) checks of
 the job file, its data, the region's name and the output folder (`check`, `check_output`),
-the defaults filled in, the point a resumed run goes on from (`resume_point`), and the
-output folder's job.toml and maps (`prepare`). `gadei.run.JobRun` owns the rest of the job's
+the defaults filled in, the point a resumed run goes on from (`resume_point`; what a stopped
+run says to go on with it, `go_on`; a finished run, which has nothing to go on with,
+`finished`), and the output folder's job.toml and maps (`prepare`). `gadei.run.JobRun` owns the rest of the job's
 life: launch, follow, finish.
 
 `node` everywhere here: the bridged node this process runs (`gadei.run.Node`), or None.
