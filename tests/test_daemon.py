@@ -131,6 +131,10 @@ def test_a_job_cancelled_while_running_goes_on_with_submit_resume_to_every_learn
         os.kill(run, signal.SIGSTOP)
         try:
             finish(procs.gadei("cancel", name, env=daemon_env))
+            # a job submitted again while its run still stops would start beside it (once it did)
+            early = procs.gadei("submit", path, env=daemon_env)
+            _, err = communicate(early, 60)
+            assert early.returncode == 2 and "is being cancelled: its run is still stopping" in err, err
             at = version()
             wait_for(lambda: getattr(inspect(name), "state", None) != "running" or version() >= at + 300, 60,
                      "the job's server to stop or to make 300 more updates")

@@ -160,6 +160,9 @@ class Daemon:
             if old is not None and old.state in LIVE:
                 raise GadeiError(f"job {job.name!r} is already {old.state}; cancel it first or give the job "
                                  "another [job] name")
+            if old is not None and old.state == CANCELLED and not old.ended:  # its run still stops (`_conclude`)
+                raise GadeiError(f"job {job.name!r} is being cancelled: its run is still stopping (its checkpoint, "
+                                 "then its outputs); submit it again once `gadei status` no longer says cancelling")
         # what `gadei run` would refuse (a squatted region name, the data, the output folder, the
         # resume point) is the submitter's to hear now, not the log's
         check(job, resume, None, remove_model=False, by=SUBMIT)
