@@ -1,7 +1,8 @@
 """A job made ready to run, before anything starts: `gadei run`'s (and `gadei submit`'s) checks of
 the job file, its data, the region's name and the output folder (`check`, `check_output`),
-the defaults filled in, the point a resumed run goes on from (`resume_point`), and the
-output folder's job.toml and maps (`prepare`). `gadei.run.JobRun` owns the rest of the job's
+the defaults filled in, the point a resumed run goes on from (`resume_point`; what a stopped
+run says to go on with it, `go_on`; a finished run, which has nothing to go on with,
+`finished`), and the output folder's job.toml and maps (`prepare`). `gadei.run.JobRun` owns the rest of the job's
 life: launch, follow, finish.
 
 `node` everywhere here: the bridged node this process runs (`gadei.run.Node`), or None.
@@ -18,6 +19,32 @@ from .env import usable_cores
 from .errors import GadeiError
 
 
+RUN, SUBMIT = "gadei run", "gadei submit"  # the commands that start a job: in the foreground, or by the daemon
+AFRESH = "to run the job again, set another [output] folder or remove that one"
+
+
+def go_on(job: jobfile.Job, by: str = RUN) -> str:
+    """The command that goes on with the job's stopped run: `gadei run --resume JOB.toml`, or,
+    for a job the daemon runs (`by` SUBMIT), `gadei submit --resume JOB.toml`."""
+    return f"`{by} --resume {job.path}`" if job.path else f"`{by} --resume`"
+
+
+def finished(out: Path) -> str | None:
+    """The run in the output folder `out` finished (its result.json says outcome done), in
+    words (when, and why training stopped); None for any other run, or none."""
+    import time
+
+    result = outputs.read_result(out)
+    if result is None or result.get("outcome") != outputs.DONE:
+        return None
+    try:
+        when = time.strftime(" on %Y-%m-%d at %H:%M:%S", time.localtime((out / "result.json").stat().st_mtime))
+    except OSError:
+        when = ""
+    why = f", stopped by {result['stopped']}" if result.get("stopped") else ""
+    return f"the run in {out} finished (outcome done{when}{why})"
+
+
 @dataclass
 class Prepared:
     """A checked job (defaults filled in), its data, what was chosen for it, the checkpoint it
@@ -30,9 +57,10 @@ class Prepared:
     read: list  # a gadei_workloads.files.FileReport per data file
     found: object = None
     validation: object = None  # the set the model is chosen on ([data] validation or held out of train)
+    by: str = RUN  # the command that started the job (RUN or SUBMIT): what the run says to go on with it names it
 
 
-def check_job(path: str, *, resume: bool = False) -> list[str]:
+def check_job(path: str, *, resume: bool = False, by: str = RUN) -> list[str]:
     """`gadei run --check`: every check `gadei run` makes before it starts (the job file, the
     region's name, the data, the output folder), starting nothing and writing nothing; the
     lines `gadei run` prints before it starts.
@@ -41,12 +69,13 @@ def check_job(path: str, *, resume: bool = False) -> list[str]:
         GadeiError: (JobFileError among them) the one-line reason the job would be refused.
     """
     job = jobfile.load(path)
-    prepared = check(job, resume, None, remove_model=False)
+    prepared = check(job, resume, None, remove_model=False, by=by)
     return describe(prepared, None)
 
 
-def check(job: jobfile.Job, resume: bool, node, *, remove_model: bool = True) -> Prepared:
-    """Everything that can be refused, before anything starts, writing nothing."""
+def check(job: jobfile.Job, resume: bool, node, *, remove_model: bool = True, by: str = RUN) -> Prepared:
+    """Everything that can be refused, before anything starts, writing nothing; `by`: the
+    command that starts the job (RUN or SUBMIT), which the refusals name."""
     from .region import check_name_free
 
     if node is not None:
@@ -61,9 +90,12 @@ def check(job: jobfile.Job, resume: bool, node, *, remove_model: bool = True) ->
     if resume:
         found = resume_point(job, nodes=node.size if node else 1, remove_model=remove_model)
     elif (out / "checkpoints").is_dir() and any((out / "checkpoints").iterdir()):
+        done = finished(out)
+        if done:
+            raise GadeiError(f"output folder {out} holds a previous run: {done}; {AFRESH}")
         raise GadeiError(f"output folder {out} holds a previous run (checkpoints/); go on with it with "
-                         "`gadei run --resume`, or set another [output] folder, or remove that one")
-    return Prepared(job, train, test, chosen, read, found, validation)
+                         f"{go_on(job, by)}, or set another [output] folder, or remove that one")
+    return Prepared(job, train, test, chosen, read, found, validation, by)
 
 
 # What `gadei run` writes in its output folder, by kind: an earlier run's of another kind stops it.
@@ -131,9 +163,9 @@ def check_output(job: jobfile.Job) -> None:
                              "there); remove it or set another [output] folder")
 
 
-def prepare(job: jobfile.Job, resume: bool, node) -> Prepared:
+def prepare(job: jobfile.Job, resume: bool, node, by: str = RUN) -> Prepared:
     """Everything that can be refused, before anything starts (`check`); the output folder's job.toml and maps."""
-    prepared = check(job, resume, node)
+    prepared = check(job, resume, node, by=by)
     job, train, out = prepared.job, prepared.train, prepared.job.output
     output_modes(job)
     outputs.forget(out)  # an earlier run's result.json and end record are not this run's
@@ -269,6 +301,9 @@ def resume_point(job: jobfile.Job, *, remove_model: bool = True, nodes: int = 1)
                          "shards would differ; go on with as many MPI ranks, or run it with another [output] folder")
     found = checkpoint.latest(out / "checkpoints", with_progress=True)
     if found is None:
+        done = finished(out)
+        if done:
+            raise GadeiError(f"--resume: {done}: there is nothing to go on with; {AFRESH}")
         raise GadeiError(f"--resume: no checkpoint in {out / 'checkpoints'} that verifies and records the learners' "
                          "progress")
     if remove_model and (out / "model.pt").exists():

@@ -45,16 +45,18 @@ from pathlib import Path
 
 from . import device, jobfile, outputs
 from .custody import adopt
-from .prepare import Prepared, describe, prepare
+from .prepare import RUN, Prepared, describe, go_on, prepare
 from ._proc import gadei_command
 from .errors import GadeiError
 
 log = logging.getLogger(__name__)
 
 
-def run_job(path: str, *, quiet: bool = False, resume: bool = False) -> int:
+def run_job(path: str, *, quiet: bool = False, resume: bool = False, by: str = RUN) -> int:
     """Run the job file at `path` to its end; 0 when it finished and wrote its model.
-    `resume`: go on with the run its output folder holds (see `resume_point`).
+    `resume`: go on with the run its output folder holds (see `resume_point`). `by`: the
+    command that started the job (`gadei.prepare.RUN`, or `SUBMIT` for the daemon's),
+    which what the run says to go on with it names.
 
     A job with a [bridge] section started as more than one MPI rank (`mpiexec -n NODES gadei
     run job.toml`) runs as node `rank` of NODES (`Node`); alone, or as one rank, it runs as
@@ -62,7 +64,7 @@ def run_job(path: str, *, quiet: bool = False, resume: bool = False) -> int:
     job = jobfile.load(path)
     node = Node.launched(job)
     if node is None:
-        return JobRun(prepare(job, resume, None), quiet).run()
+        return JobRun(prepare(job, resume, None, by), quiet).run()
     return node.run(job, quiet=quiet, resume=resume)
 
 
@@ -127,9 +129,15 @@ class JobRun:
             extra = ["--shard", shard] + (evaluates if i == 0 else []) + (["--device", devices[i]]
                                                                           if devices[i] != "cpu" else [])
             command.append("--learner=" + " ".join(shlex.quote(a) for a in [*learner, *extra]))
+        # In a session of its own, as the watchdog and the learners are: a terminal's Ctrl-C, or the
+        # daemon's SIGTERM to this process's group (`gadei cancel`), reaches this process alone,
+        # which stops the job in order (`_follow_and_finish`: the checkpoint that records the
+        # learners' progress, then the server); a server that took the signal too would stop
+        # before that checkpoint, which then records nothing (or is never taken).
         with open(out / "logs" / "serve.log", "ab") as serve_log:
             return subprocess.Popen(command, stdout=serve_log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env=node.child_environment() if node is not None else None)
+                                    env=node.child_environment() if node is not None else None,
+                                    start_new_session=True)
 
     def _follow_and_finish(self, owner: outputs.Owner) -> int:
         job, node, serve = self.job, self.node, self.serve
@@ -152,7 +160,10 @@ class JobRun:
         except KeyboardInterrupt:
             interrupted = True
             print(f"\ngadei run: stopping the job {job.name}", flush=True)
-            _checkpoint_progress(job)
+            taken = checkpoint_progress(job)
+            if taken is not None:
+                print(f"gadei run: checkpoint {taken.path.name} at version {taken.version:,} (resume with "
+                      f"{go_on(job, self.prepared.by)})", flush=True)
             self._stop()
         else:
             interrupted = False
@@ -164,7 +175,7 @@ class JobRun:
             node.stop_bridge(bridge, out / "model.pt", private=job.private)
         result = outputs.finish(job, owner=owner, interrupted=interrupted, note=self.note,
                                 bridge=node.summary(bridge) if node is not None else None)
-        return report(job, result, time.monotonic() - started)
+        return report(job, result, time.monotonic() - started, self.prepared.by)
 
     def _stop(self) -> None:
         """Stop the job: its server (ours, or the one its watchdog restarted) stops as on `gadei stop`."""
@@ -273,8 +284,9 @@ def _lines(path: Path) -> list[str]:
         return []
 
 
-def report(job: jobfile.Job, result: dict, elapsed: float) -> int:
-    """Print the job's outcome (result.json, whoever wrote it); `gadei run`'s exit code."""
+def report(job: jobfile.Job, result: dict, elapsed: float, by: str = RUN) -> int:
+    """Print the job's outcome (result.json, whoever wrote it); `gadei run`'s exit code. `by`:
+    the command that started the job, which a stopped run's line names to go on with it."""
     out = job.output
     accuracy = f", test accuracy {result['test_accuracy']:.2%}" if "test_accuracy" in result else ""
     kind = result.get("outcome")
@@ -290,7 +302,7 @@ def report(job: jobfile.Job, result: dict, elapsed: float) -> int:
         last = outputs.last_epoch(out)
         print(f"gadei run: job {job.name} stopped after {elapsed:.0f} s (epoch {last.get('epoch', 0)} of "
               f"{job.train.epochs}{accuracy}); its weights so far are in {out / 'model.pt'}; go on with "
-              f"`gadei run --resume {job.path}`", flush=True)
+              f"{go_on(job, by)}", flush=True)
         return 130  # as a shell reports a Ctrl-C'd command
     chose = (f", stopped by {result['stopped']}" if "stopped" in result else "") + (
         f", chose epoch {result['epoch']:g} (validation accuracy {result['validation_accuracy']:.2%}"
@@ -459,10 +471,13 @@ class Node:
         return record
 
 
-def _checkpoint_progress(job: jobfile.Job, attempts: int = 5) -> None:
+def checkpoint_progress(job: jobfile.Job, attempts: int = 5):
     """Before a stop: a checkpoint that records how far each launched learner got (from the
     watchdog's saved table and the learners' rings, under the server's hold), so that
-    `gadei run --resume` goes on from here; the server's own stop checkpoint cannot say."""
+    `gadei run --resume` goes on from here; the server's own stop checkpoint cannot say.
+    Taken by `gadei run` on Ctrl-C (and so on `gadei cancel`), and by the daemon when it
+    cancels a job whose `gadei run` is gone. The checkpoint, or None when there was no job or
+    watchdog to take it from (or every attempt failed)."""
     from gadei_watchdog.launched import Learners, load_state
 
     from . import checkpoint
@@ -472,19 +487,17 @@ def _checkpoint_progress(job: jobfile.Job, attempts: int = 5) -> None:
         _, table = load_state(job.name)
         region = Region.attach(job.name)
     except (FileNotFoundError, GadeiError):
-        return  # no watchdog or no job (yet): nothing to record
+        return None  # no watchdog or no job (yet): nothing to record
     with region:
         learners = Learners(job.name, table, str(job.output / "logs"), max_restarts=1, window=1.0, backoff=0.0)
         for _ in range(attempts):
             try:
-                taken = checkpoint.take(region, job.output / "checkpoints", keep=job.checkpoint.keep,
-                                        progress=learners.progress)
-                print(f"gadei run: checkpoint {taken.path.name} at version {taken.version:,} (resume with "
-                      f"`gadei run --resume {job.path}`)", flush=True)
-                return
+                return checkpoint.take(region, job.output / "checkpoints", keep=job.checkpoint.keep,
+                                       progress=learners.progress)
             except checkpoint.CheckpointError as err:  # e.g. the watchdog's is being taken: try again
                 log.warning("checkpoint before stopping: %s", err)
                 time.sleep(0.2)
+    return None
 
 
 def _follow(run: JobRun, train_size: float, started: float, quiet: bool, label: str = "") -> None:

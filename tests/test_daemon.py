@@ -13,13 +13,15 @@ import textwrap
 import threading
 import time
 
+import numpy as np
 import psutil
 import pytest
 
-from helpers import communicate, data_dir, finish, job_processes, missing, trec_job, wait_for
+from helpers import (blobs, communicate, data_dir, finish, job_processes, job_text, missing, tiered, trec_job,
+                     wait_for)
 from gadei import checkpoint
 from gadei.daemon import request
-from gadei.region import inspect, remove
+from gadei.region import Region, inspect, remove
 
 
 @pytest.fixture
@@ -85,6 +87,91 @@ def test_submit_status_cancel_and_a_restarted_daemon_knows_every_job(tmp_path, p
     logs, _ = finish(procs.gadei("logs", short, "--lines", 5, env=daemon_env))
     assert "test accuracy" in logs
     daemon.terminate()
+    communicate(daemon, 60)
+
+
+@pytest.mark.parametrize("how", tiered(["running", "orphaned"], default=["running"]))
+def test_a_job_cancelled_while_running_goes_on_with_submit_resume_to_every_learners_end(tmp_path, procs, daemon_env,
+                                                                                        how):
+    """`gadei cancel` stops a running job as Ctrl-C does: a checkpoint that records each
+    learner's progress first (once the daemon's SIGTERM reached the job's server at once, which
+    stopped before that checkpoint and overwrote it with one recording none), so `gadei submit
+    --resume` goes on from it to the end of every learner's schedule, as an uncancelled run
+    would end. What the run says to go on with it names `gadei submit --resume`, the command
+    that started it (once `gadei run --resume`). Orphaned: the job's `gadei run` was killed and
+    the job went on under its watchdog; the daemon takes that checkpoint itself (once it took
+    none, and only a periodic checkpoint could be resumed from)."""
+    name = f"d{os.getpid()}-cancel"
+    x, y = blobs(900)
+    np.savez(tmp_path / "blobs.npz", x=x, y=y)
+    path = tmp_path / "job.toml"  # no validation set: trained to the cap, whose steps are known
+    path.write_text(job_text({"job": {"name": name, "workload": "mlp"},
+                              "data": {"train": "blobs.npz", "format": "npz", "holdout": 0.2, "validation_holdout": 0},
+                              "train": {"learners": 2, "epochs": 20}, "checkpoint": {"interval": 600},
+                              "output": {"folder": "out"}}))
+    out = tmp_path / "out"
+    daemon = _start_daemon(procs, daemon_env)
+    finish(procs.gadei("submit", path, env=daemon_env))
+
+    def version() -> int:
+        try:
+            with Region.attach(name, readonly=True) as region:
+                return region.header.get("version")
+        except Exception:
+            return 0
+    wait_for(lambda: version() >= 500, 120, "the job to make 500 updates")
+    run = _jobs(procs, daemon_env)[name]["pid"]
+    if how == "orphaned":
+        os.kill(run, signal.SIGKILL)
+        wait_for(lambda: _jobs(procs, daemon_env)[name]["orphaned"], 60, "the daemon to see gadei run die")
+        finish(procs.gadei("cancel", name, env=daemon_env))
+    else:
+        # `gadei run` is slow to take the daemon's signal (held, as on a loaded machine): the
+        # job's server must go on serving until `gadei run` has checkpointed and stops it
+        os.kill(run, signal.SIGSTOP)
+        try:
+            finish(procs.gadei("cancel", name, env=daemon_env))
+            # a job submitted again while its run still stops would start beside it (once it did)
+            early = procs.gadei("submit", path, env=daemon_env)
+            _, err = communicate(early, 60)
+            assert early.returncode == 2 and "is being cancelled: its run is still stopping" in err, err
+            at = version()
+            wait_for(lambda: getattr(inspect(name), "state", None) != "running" or version() >= at + 300, 60,
+                     "the job's server to stop or to make 300 more updates")
+        finally:
+            os.kill(run, signal.SIGCONT)
+    wait_for(lambda: _jobs(procs, daemon_env)[name]["message"].startswith("cancelled;"), 120,
+             "the cancelled job to end")
+    assert json.loads((out / "result.json").read_text())["outcome"] == "stopped"
+    # the job stopped after the checkpoint that records the learners' progress: its server's own
+    # checkpoint at its stop (which records none) is the newest
+    found = checkpoint.latest(out / "checkpoints", with_progress=True)
+    assert found is not None and set(found.progress) == {"0", "1"}, found and found.progress
+    newest = checkpoint.load(checkpoint.listing(out / "checkpoints")[-1])
+    assert newest.path != found.path and newest.version >= found.version, (found.path, newest.path)
+    # what the run says to go on with it, and the refusal of a plain submit, name the command that started it
+    log = (out / "logs" / "run.log").read_text()
+    if how == "running":
+        assert log.count(f"`gadei submit --resume {path}`") == 2 and "gadei run --resume" not in log, log
+    again = procs.gadei("submit", path, env=daemon_env)
+    _, err = communicate(again, 60)
+    assert again.returncode == 2 and f"go on with it with `gadei submit --resume {path}`" in err, err
+
+    finish(procs.gadei("submit", "--resume", path, env=daemon_env))
+    wait_for(lambda: _jobs(procs, daemon_env)[name]["state"] in ("done", "failed"), 300, "the resumed job to end")
+    assert _jobs(procs, daemon_env)[name]["state"] == "done", _jobs(procs, daemon_env)[name]
+    result = json.loads((out / "result.json").read_text())
+    assert result["outcome"] == "done" and result["finished"], result
+    stops = [json.loads(line) for line in (out / "logs" / "serve.log").read_text().splitlines()
+             if line.startswith('{"event": "stopped"')]
+    # every mini-batch of 20 epochs of each learner's shard is in the weights once, as in an uncancelled run
+    steps = 20 * sum(-(-len(range(i, 721, 2)) // 2) for i in range(2))
+    assert stops[-1]["version"] == steps and stops[-1]["resumed_applied"] + stops[-1]["applied"] == steps, stops
+    assert 0 < stops[-1]["resumed_applied"] <= stops[0]["version"], stops
+    again = procs.gadei("submit", path, env=daemon_env)  # a finished run is not offered --resume
+    _, err = communicate(again, 60)
+    assert again.returncode == 2 and f"the run in {out} finished (outcome done on " in err and "--resume" not in err, err
+    finish(procs.gadei("daemon", "stop", env=daemon_env))
     communicate(daemon, 60)
 
 
@@ -472,6 +559,8 @@ def _status_and_logs_without_the_daemon(tmp_path, procs, daemon_env, prefix, ran
     out, _ = finish(procs.gadei("logs", never, env=daemon_env))
     cancelled = f"job '{never}' was cancelled before it started: it never ran, so it has no logs"
     assert out.strip() == cancelled, out
+    serve_log = tmp_path / f"out-{ran}" / "logs" / "serve.log"  # "running" is its gadei run; its server comes later
+    wait_for(lambda: inspect(ran) is not None and serve_log.exists(), 120, "the first job's server to start")
     finish(procs.gadei("cancel", ran, env=daemon_env))
     wait_for(lambda: _jobs(procs, daemon_env)[ran]["pid"] == 0, 120, "the cancelled job to end")
     finish(procs.gadei("daemon", "stop", env=daemon_env))

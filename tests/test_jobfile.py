@@ -388,6 +388,24 @@ def test_gadei_run_trains_the_mlp_on_numeric_data_and_predicts(tmp_path, procs):
     assert predicted.returncode == 0 and out.split()[-1] == y[0], out + err
 
 
+def test_a_finished_run_is_said_to_have_finished_not_offered_resume(tmp_path, procs):
+    """Running a finished job's file again (with or without --resume) says that its run finished
+    (outcome done, when) and how to start afresh, not `--resume`, which has nothing to go on
+    with (once it offered `gadei run --resume`, which then found no checkpoint to resume from)."""
+    path = blobs_job(tmp_path, unique_name("again"), train={"learners": 2, "epochs": 1})
+    run = procs.gadei("run", path, "--quiet")
+    out, err = communicate(run, 300)
+    assert run.returncode == 0 and json.loads((tmp_path / "out" / "result.json").read_text())["outcome"] == "done", \
+        out + err
+    for args in ([], ["--resume"]):
+        again = procs.gadei("run", path, *args)
+        _, err = communicate(again, 60)
+        assert again.returncode == 2, err
+        assert f"the run in {tmp_path / 'out'} finished (outcome done on " in err, err
+        assert "set another [output] folder or remove that one" in err and "--resume`" not in err, err
+        assert "no checkpoint" not in err, err
+
+
 def test_a_run_whose_loss_becomes_nan_fails_naming_the_epoch_and_the_learning_rate(small, procs):
     name = unique_name("nan")
     path = _job(small, small_job(name) + '[train]\nlearners = 1\nlr = 10.0\noptimizer = "sgd"\nepochs = 3\n'

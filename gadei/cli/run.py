@@ -6,15 +6,16 @@ log = logging.getLogger("gadei.cli")
 
 
 def cmd_run(args) -> int:
-    from ..prepare import check_job
+    from ..prepare import RUN, SUBMIT, check_job
     from ..run import run_job
 
+    by = SUBMIT if args.submitted else RUN
     if args.check:
-        for line in check_job(args.jobfile, resume=args.resume):
+        for line in check_job(args.jobfile, resume=args.resume, by=by):
             print(line, flush=True)
         print("check passed", flush=True)
         return 0
-    return run_job(args.jobfile, quiet=args.quiet, resume=args.resume)
+    return run_job(args.jobfile, quiet=args.quiet, resume=args.resume, by=by)
 
 
 def cmd_predict(args) -> int:
@@ -49,6 +50,8 @@ def add_parser(sub) -> None:
     p.add_argument("--resume", action="store_true", help="go on with the run in the job's output folder (one that "
                    "was cancelled, failed, or ended early) from its newest checkpoint that records the learners' "
                    "progress; only [train] epochs, patience, devices and threads may differ from that run's job.toml")
+    p.add_argument("--submitted", action="store_true", help="the job was submitted to the daemon, which runs it so: "
+                   "what the run says to go on with it names `gadei submit --resume` (default: `gadei run --resume`)")
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("predict", help="the top labels of a finished run's model for one text or several",

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .. import _proc, data, jobfile
+from .. import _proc, jobfile
 from ..env import runtime_dir
 from ..errors import GadeiError
 from .listener import BACKLOG, MAX_CONNECTIONS, WORKERS, Loop, check_request
@@ -193,27 +193,20 @@ class Daemon:
     def submit(self, path: str, resume: bool = False) -> JobRecord:
         """Check a job file and its data now, then queue it; `resume`: to go on with the run in
         its output folder. Raises GadeiError saying why not."""
-        from ..region import check_name_free
+        from ..prepare import SUBMIT, check
 
         job = jobfile.load(path)
-        check_name_free(job.name)  # a squatted region name is the submitter's to hear, not the log's
         with self.lock:
             old = self.records.get(job.name)
             if old is not None and old.state in LIVE:
                 raise GadeiError(f"job {job.name!r} is already {old.state}; cancel it first or give the job "
                                  "another [job] name")
-        train = data.load_job(job)[0]  # a data problem is the submitter's to hear, not the log's
-        from ..prepare import check_output
-
-        check_output(job)  # and an output folder the run could not write
-        checkpoints = job.output / "checkpoints"
-        if resume:
-            from ..prepare import resume_point
-
-            resume_point(job.with_defaults(len(train))[0], remove_model=False)  # refused now, not in the log
-        elif checkpoints.is_dir() and any(checkpoints.iterdir()):
-            raise GadeiError(f"output folder {job.output} holds a previous run (checkpoints/); go on with it with "
-                             "`gadei submit --resume`, or set another [output] folder, or remove that one")
+            if old is not None and old.state == CANCELLED and not old.ended:  # its run still stops (`_conclude`)
+                raise GadeiError(f"job {job.name!r} is being cancelled: its run is still stopping (its checkpoint, "
+                                 "then its outputs); submit it again once `gadei status` no longer says cancelling")
+        # what `gadei run` would refuse (a squatted region name, the data, the output folder, the
+        # resume point) is the submitter's to hear now, not the log's
+        check(job, resume, None, remove_model=False, by=SUBMIT)
         record = JobRecord(name=job.name, jobfile=str(job.path), output=str(job.output), submitted=time.time(),
                         resume=resume)
         with self.lock:
@@ -227,9 +220,18 @@ class Daemon:
             record = self._get(name)
             if record.state == QUEUED:
                 self._finish(record, CANCELLED, None, "cancelled before it started")
-            elif record.state == RUNNING and record.orphaned:  # no gadei run: stop the job itself
+            elif record.state == RUNNING and record.orphaned:  # no gadei run: stop the job itself, as it would
                 from ..launch import stop_job
+                from ..run import checkpoint_progress
 
+                try:
+                    taken = checkpoint_progress(jobfile.load(Path(record.output) / "job.toml"))
+                except GadeiError as err:  # its job as run is gone: stop it all the same
+                    log.warning("job %s: no checkpoint before cancelling it: %s", record.name, err)
+                    taken = None
+                if taken is not None:
+                    log.info("job %s: checkpoint %s at version %s before cancelling it", record.name, taken.path.name,
+                             f"{taken.version:,}")
                 stop_job(record.name, timeout=60)
                 record.message = "cancelling"
                 record.state = CANCELLED
@@ -294,7 +296,7 @@ class Daemon:
         os.makedirs(logs, mode=0o700, exist_ok=True)  # private until `gadei run` applies the job's [output] private
         fd = os.open(record.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         with open(fd, "ab") as out:
-            proc = subprocess.Popen(_proc.gadei_command("run", record.jobfile, "--quiet")
+            proc = subprocess.Popen(_proc.gadei_command("run", record.jobfile, "--quiet", "--submitted")
                                     + (["--resume"] if record.resume else []), stdout=out,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         self.procs[record.name] = proc
