@@ -26,7 +26,9 @@ imports this one, and `gadei status`, `stop` and `clean` import that.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -49,7 +51,8 @@ log = logging.getLogger(__name__)
 FORMAT = "gadei-checkpoint"
 FORMAT_VERSION = 1
 _NAME = re.compile(r"^ckpt-(\d{6,})\.pt$")
-_TMP = re.compile(r"^\.ckpt-\d{6,}\.pt\.tmp(\d+)$")
+_TMP = re.compile(r"^\.ckpt(?:-\d+\.pt|\.\d+)\.tmp(\d+)$")  # a writer's file (its pid last) until it is named
+_WRITES = itertools.count()  # tells apart two writes of one process
 
 
 @dataclasses.dataclass(frozen=True)
@@ -267,10 +270,8 @@ def save(folder: str | os.PathLike, checkpoint: Checkpoint, keep: int = 3) -> Pa
     if keep < 1:
         raise ValueError(f"keep must be at least 1, not {keep!r}")
     folder = Path(folder)
-    existing = listing(folder) if folder.is_dir() else []
-    number = int(_NAME.match(existing[-1].name).group(1)) + 1 if existing else 1
-    path = folder / f"ckpt-{number:06d}.pt"
-    tmp = folder / f".{path.name}.tmp{os.getpid()}"
+    path = folder / f"ckpt-{_next_number(folder):06d}.pt"  # its name unless another writer takes it first (_claim)
+    tmp = folder / f".ckpt.{next(_WRITES)}.tmp{os.getpid()}"
     writer = None
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -280,7 +281,7 @@ def save(folder: str | os.PathLike, checkpoint: Checkpoint, keep: int = 3) -> Pa
             torch.save(checkpoint.to_dict(), writer)
             handle.flush()
             os.fsync(handle.fileno())
-        os.replace(tmp, path)
+        path = _claim(folder, tmp)
         _fsync_dir(folder)
     except (OSError, RuntimeError) as err:  # torch.save turns a failed write into a RuntimeError
         try:
@@ -298,6 +299,33 @@ def save(folder: str | os.PathLike, checkpoint: Checkpoint, keep: int = 3) -> Pa
             log.warning("job %r: cannot remove old checkpoint %s: %s", checkpoint.job, old, err.strerror)
     log.info("job %r: checkpoint %s at version %s", checkpoint.job, path, f"{checkpoint.version:,}")
     return path
+
+
+def _claim(folder: Path, tmp: Path) -> Path:
+    """Give the written `tmp` the next free `ckpt-<n>.pt` name and return it. A hard link
+    fails where the name exists, so two writers at once (the watchdog's periodic checkpoint,
+    `gadei run`'s at a stop, the server's own) each get a name of their own; a rename would
+    let the later one replace the other's checkpoint unseen."""
+    number = _next_number(folder)
+    while True:
+        path = folder / f"ckpt-{number:06d}.pt"
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            number += 1
+            continue
+        except OSError as err:
+            if err.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP):
+                raise
+            os.replace(tmp, path)  # a file system without hard links: as before, the last writer wins
+            return path
+        tmp.unlink()
+        return path
+
+
+def _next_number(folder: Path) -> int:
+    existing = listing(folder) if folder.is_dir() else []
+    return int(_NAME.match(existing[-1].name).group(1)) + 1 if existing else 1
 
 
 class _Writer:

@@ -115,6 +115,10 @@ _WRITER = textwrap.dedent("""
         except checkpoint.CheckpointError as err:
             print("ERROR", err, flush=True)
         sys.exit(0)
+    if mode == "many":  # small checkpoints, as fast as it can, beside other writers
+        for k in range(40):
+            checkpoint.save(folder, Checkpoint(job="many", version=k, applied=k, model={"w": torch.zeros(4)}), keep=1000)
+        sys.exit(0)
     version = 100
     while True:
         version += 1
@@ -145,6 +149,17 @@ def test_a_writer_killed_mid_write_leaves_whole_checkpoints_only(tmp_path, procs
     for path in checkpoint.listing(tmp_path):
         checkpoint.load(path)  # every listed file is whole
     checkpoint.save(tmp_path, _checkpoint(500))  # the next writer removes the dead one's temporary file
+    assert not [name for name in os.listdir(tmp_path) if ".tmp" in name]
+
+
+def test_writers_at_once_each_keep_their_checkpoints(tmp_path, procs):
+    """The watchdog's periodic checkpoint, gadei run's at a stop and the server's own may be
+    written at once: each gets a name of its own, none replaces another's."""
+    writers = [procs.start("-c", _WRITER, tmp_path, "many") for _ in range(3)]
+    for writer in writers:
+        finish(writer, 120)
+    names = [path.name for path in checkpoint.listing(tmp_path)]
+    assert names == [f"ckpt-{n:06d}.pt" for n in range(1, 121)], f"{len(names)} of 120 checkpoints kept"
     assert not [name for name in os.listdir(tmp_path) if ".tmp" in name]
 
 

@@ -418,7 +418,7 @@ def kill_during_checkpoint_write(job: Job, rng: random.Random) -> Fault:
 
     def writing():
         try:
-            return [name for name in os.listdir(folder) if name.startswith(".ckpt-")]
+            return [name for name in os.listdir(folder) if name.startswith(".ckpt")]
         except FileNotFoundError:
             return []
     for attempt in range(10):  # until a SIGKILL lands while the temporary file is being written
@@ -478,11 +478,11 @@ def _folder_whole(job: Job) -> list[str]:
     failed = job.logs().count("no checkpoint this time")
     wait_until(lambda: job.logs().count("no checkpoint this time") > failed or not job.processes(),
                job.s.every * 3 + 30, "one more failing checkpoint write", interval=0.1)
-    tmp = [n for n in os.listdir(folder) if n.startswith(".ckpt-")]
+    tmp = [n for n in os.listdir(folder) if n.startswith(".ckpt")]
     deadline = Deadline(5.0)  # a write in progress ends (and removes its file when it fails)
     while tmp and not deadline.expired():
         time.sleep(0.05)
-        tmp = [n for n in os.listdir(folder) if n.startswith(".ckpt-") and n in tmp]
+        tmp = [n for n in os.listdir(folder) if n.startswith(".ckpt") and n in tmp]
     if tmp:
         problems.append(f"partial checkpoint files left: {tmp}")
     paths = checkpoint.listing(folder)
@@ -670,7 +670,7 @@ def _check(job: Job, fault: Fault, outcome: Outcome, reference: float | None, to
         problems.append(f"processes left behind: {leftovers}")
     if inspect(job.name) is not None:
         problems.append("the region was left behind")
-    tmp = [n for n in os.listdir(job.ckpt) if n.startswith(".ckpt-")] if job.ckpt.is_dir() else []
+    tmp = [n for n in os.listdir(job.ckpt) if n.startswith(".ckpt")] if job.ckpt.is_dir() else []
     if tmp:
         problems.append(f"temporary checkpoint files left behind: {tmp}")
     for path in checkpoint.listing(job.ckpt):
