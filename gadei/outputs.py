@@ -197,7 +197,7 @@ def _write(job: jobfile.Job, interrupted: bool, note: str, bridge: dict | None, 
     out = job.output
     metrics = write_metrics(out)
     if metrics:
-        plot(metrics, out / "accuracy.png", job.name)
+        plot(metrics, out / "accuracy.png", job.name, since)
     ending = read_ending(out)
     kind, reason = outcome(job, metrics, ending, interrupted, note)
     result = {"job": job.name, "outcome": kind, "finished": kind == DONE, "reason": reason}
@@ -316,9 +316,11 @@ def write_metrics(out: Path) -> list[dict]:
     return metrics
 
 
-def plot(metrics: list[dict], path: Path, title: str) -> None:
+def plot(metrics: list[dict], path: Path, title: str, since: float | None = None) -> None:
     """accuracy.png: validation and test accuracy against epochs and against seconds since the
-    start, the chosen (best validation) epoch marked."""
+    run's start `since` (the time base of result.json's `seconds_to_best`: when each epoch's
+    evaluation was made; without `since`, or for records older than `evaluated_at`, the
+    epochs' training seconds added up), the chosen (best validation) epoch marked."""
     import matplotlib
 
     matplotlib.use("Agg")  # no screen
@@ -327,7 +329,8 @@ def plot(metrics: list[dict], path: Path, title: str) -> None:
     seconds, total = {}, 0.0
     for m in metrics:
         total += m.get("epoch_seconds", 0.0)
-        seconds[m["epoch"]] = total
+        took = seconds_after(since, m.get("evaluated_at"))
+        seconds[m["epoch"]] = took if took is not None else total
     fig, (by_epoch, by_time) = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
     for key, label in (("validation_accuracy", "validation"), ("test_accuracy", "test")):
         points = [(m["epoch"], 100 * m[key]) for m in metrics if key in m]
@@ -342,7 +345,7 @@ def plot(metrics: list[dict], path: Path, title: str) -> None:
         by_time.axvline(seconds[epoch], color="grey", linestyle="--")
     by_epoch.set_xlabel("epoch")
     by_epoch.set_ylabel("accuracy (%)")
-    by_time.set_xlabel("seconds of training")
+    by_time.set_xlabel("seconds since the run's start" if since else "seconds of training")
     for axes in (by_epoch, by_time):
         axes.grid(True, alpha=0.3)
     if any("validation_accuracy" in m or "test_accuracy" in m for m in metrics):

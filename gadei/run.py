@@ -513,6 +513,8 @@ def _follow(run: JobRun, train_size: float, started: float, quiet: bool, label: 
     from .region import Region
 
     total = job.train.epochs * train_size
+    # patience may end training before the epoch cap, which the ETA counts to: say so
+    cap = " at the epoch cap (patience may stop it sooner)" if run.prepared.validation is not None and not label else ""
     before = None  # (monotonic seconds, version) of the last line
     width = 0
     next_line = time.monotonic() + 2.0
@@ -542,7 +544,7 @@ def _follow(run: JobRun, train_size: float, started: float, quiet: bool, label: 
                 + (f"; after epoch {epoch['epoch']}: loss {epoch['loss']:.3f}" if "loss" in epoch else "")
                 + (f", test accuracy {epoch['test_accuracy']:.1%}" if "test_accuracy" in epoch else "")
                 + f", {samples_per_s:,.0f} samples/s, {updates_per_s:,.0f} updates/s, version {version:,}"
-                + (f", ETA {left:.0f} s" if left == left and done < total else "")
+                + (f", ETA {left:.0f} s{cap}" if left == left and done < total else "")
                 + f", {time.monotonic() - started:.0f} s")
         if overwrite:
             print("\r" + line.ljust(width), end="", flush=True)

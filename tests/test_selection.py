@@ -3,6 +3,7 @@ decision that ends every learner's schedule, and `gadei run` handing back the be
 
 import json
 import os
+import time
 import threading
 
 import pytest
@@ -148,7 +149,8 @@ def test_gadei_run_stops_on_patience_and_hands_back_the_best_model(procs, tmp_pa
     job_name = f"sel-{os.getpid()}"
     (tmp_path / "job.toml").write_text(trec_job(job_name, output=tmp_path / "out",
                                                 train={"learners": 2, "epochs": 12, "patience": 1}))
-    out, err = finish(procs.gadei("run", str(tmp_path / "job.toml"), "--quiet"), 600)
+    started = time.time()
+    out, err = finish(procs.gadei("run", str(tmp_path / "job.toml")), 600)
     result = json.loads((tmp_path / "out" / "result.json").read_text())
     metrics = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert result["stopped"] == "patience", (out, err, result)
@@ -160,6 +162,11 @@ def test_gadei_run_stops_on_patience_and_hands_back_the_best_model(procs, tmp_pa
     trained = sum(m["epoch_seconds"] for m in metrics if m["epoch"] <= best["epoch"])
     assert trained - 2 <= result["seconds_to_best"] < result["seconds"], (trained, result)
     assert f"reached after {result['seconds_to_best']:.0f} s" in out
+    # one time base: the evaluation's own time, from the run's start (gadei run starts after this test's clock)
+    assert 0 <= best["evaluated_at"] - started - result["seconds_to_best"] < 5, (started, best, result)
+    # the ETA counts to the epoch cap, and says that patience may end the run sooner
+    etas = [line for line in out.splitlines() if "ETA" in line]
+    assert etas and all("at the epoch cap (patience may stop it sooner)" in line for line in etas), out
     assert metrics[-1]["epoch"] == best["epoch"] + 1  # patience 1: one evaluation without improvement
     # model.pt is the best model's weights, not the last ones
     saved = torch.load(tmp_path / "out" / "model.pt", weights_only=True)
