@@ -29,7 +29,8 @@ def run_demo(args) -> int:
     common = ["--data", data, "--seed", str(args.seed)]
     serve = ["--workload", "textcnn", *common, "--lr", str(args.lr), "--learners", str(args.learners)]
     learners = [
-        [*common, "--epochs", str(args.epochs), "--batch", str(args.batch), "--shard", f"{i}/{args.learners}"]
+        [*common, "--epochs", str(args.epochs), "--batch", str(args.batch), "--shard", f"{i}/{args.learners}",
+         "--entry", str(i)]
         + (["--eval"] if i == 0 else [])
         for i in range(args.learners)
     ]

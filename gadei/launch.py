@@ -103,7 +103,8 @@ class LocalJob:
             default a temporary folder, which `close()` removes unless `keep_logs` was set
             or an exception leaves the `with` block (then its path is logged).
         env: extra environment variables for the children.
-        inherit: learner indices whose output goes to this process's stdout instead.
+        inherit: learner indices whose standard output goes to this process's stdout (their log
+            records still go to their log files: a command's own output is not mixed with them).
     """
 
     def __init__(self, job: str, serve_args: list[str], learner_args: list[list[str]], *,
@@ -121,12 +122,11 @@ class LocalJob:
         self.learners: list[subprocess.Popen] = []
         self._files = []
 
-    def _spawn(self, args: list[str], log_name: str | None) -> subprocess.Popen:
-        if log_name is None:
-            return subprocess.Popen(gadei_command(*args), env=self.env)
+    def _spawn(self, args: list[str], log_name: str, inherit: bool = False) -> subprocess.Popen:
         handle = open(self.log_dir / log_name, "wb")
         self._files.append(handle)
-        return subprocess.Popen(gadei_command(*args), env=self.env, stdout=handle, stderr=subprocess.STDOUT)
+        return subprocess.Popen(gadei_command(*args), env=self.env, stdout=None if inherit else handle,
+                                stderr=handle if inherit else subprocess.STDOUT)
 
     def log(self, name: str) -> str:
         """The output a child wrote so far (`server` or `learner-<i>`)."""
@@ -156,8 +156,7 @@ class LocalJob:
 
     def start_learners(self) -> None:
         for i, args in enumerate(self.learner_args):
-            name = None if i in self.inherit else f"learner-{i}.log"
-            self.learners.append(self._spawn(["learn", self.job, *args], name))
+            self.learners.append(self._spawn(["learn", self.job, *args], f"learner-{i}.log", i in self.inherit))
 
     def start(self, timeout: float = 120.0) -> "LocalJob":
         self.start_server(timeout)

@@ -61,10 +61,13 @@ class Learner:
         timeout: seconds to wait for the job's region and initial weights (default:
             GADEI_ATTACH_TIMEOUT).
         upload: upload this model's parameters when the region holds no weights yet.
+        entry: the learner entry (ring, and the learner's number in logs and `gadei status`)
+            to take when it is free or its owner died; else, and by default, the first free.
     """
 
     def __init__(self, model: torch.nn.Module, job: str, *, pull: str | None = None, push: str | None = None,
-                 device: str | torch.device | None = None, timeout: float | None = None, upload: bool = True):
+                 device: str | torch.device | None = None, timeout: float | None = None, upload: bool = True,
+                 entry: int | None = None):
         if pull is not None and pull not in PULLS:
             raise ValueError(f"pull={pull!r} is not one of {sorted(PULLS)}")
         if push is not None and push not in PUSHES:
@@ -81,6 +84,7 @@ class Learner:
         self.timeout = env.attach_timeout if timeout is None else float(timeout)
         self._server_timeout_ns = int(env.server_timeout * 1e9)
         self.upload = upload
+        self.prefer_entry = entry
         self.steps = 0
         self._last_pulled = 0
         self.region: Region | None = None
@@ -114,7 +118,8 @@ class Learner:
             self._server_beat = h.word("server_beat")
             self._train_stop = TrainStop(region)
             self._server = (h.get("server_pid"), h.get("server_start"))
-            self._producer = claim(region, drain_timeout=self.timeout, server_alive=self._server_alive)
+            self._producer = claim(region, drain_timeout=self.timeout, server_alive=self._server_alive,
+                                   prefer=self.prefer_entry)
             self.entry = region.entry(self._producer.learner)
             self._entries = [region.entry(i) for i in range(region.shape.capacity)]
             self._beat = self.entry.word("beat")

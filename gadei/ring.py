@@ -187,11 +187,13 @@ class Producer:
         self.entry.cas("lease", lease, _lease(0, lease))
 
 
-def claim(region: Region, *, drain_timeout: float, server_alive) -> Producer:
+def claim(region: Region, *, drain_timeout: float, server_alive, prefer: int | None = None) -> Producer:
     """Claim a learner entry of `region` for this process and return the producer of its ring.
 
-    A free entry is taken first; when none is free, one whose owner died is reclaimed (its
-    published gradients are left for the server to apply, then its slots are zeroed).
+    Entry `prefer` is taken first when it is free or its owner died (a launched learner's
+    number, so that it is the same in its log, `gadei status` and the watchdog's list); then a
+    free entry; when none is free, one whose owner died is reclaimed (its published gradients
+    are left for the server to apply, then its slots are zeroed).
 
     Raises:
         CapacityError: every entry belongs to a live learner.
@@ -199,20 +201,20 @@ def claim(region: Region, *, drain_timeout: float, server_alive) -> Producer:
     """
     me = os.getpid()
     capacity = region.shape.capacity
-    for reclaim in (False, True):
-        for learner in range(capacity):
-            entry = region.entry(learner)
-            lease = entry.get("lease")
-            owner = lease_owner(lease)
-            if reclaim == (owner == 0):
-                continue
-            if reclaim and owner_alive(region, learner):
-                continue
-            if not entry.cas("lease", lease, _lease(me, (lease & _U32) + 1)):
-                continue
-            if reclaim:
-                log.warning("job %r: taking over learner entry %d of dead pid %d", region.job, learner, owner)
-            return _take(region, learner, (lease & _U32) + 1, drain_timeout, server_alive)
+    first = [(prefer, False), (prefer, True)] if prefer is not None and 0 <= prefer < capacity else []
+    for learner, reclaim in first + [(learner, reclaim) for reclaim in (False, True) for learner in range(capacity)]:
+        entry = region.entry(learner)
+        lease = entry.get("lease")
+        owner = lease_owner(lease)
+        if reclaim == (owner == 0):
+            continue
+        if reclaim and owner_alive(region, learner):
+            continue
+        if not entry.cas("lease", lease, _lease(me, (lease & _U32) + 1)):
+            continue
+        if reclaim:
+            log.warning("job %r: taking over learner entry %d of dead pid %d", region.job, learner, owner)
+        return _take(region, learner, (lease & _U32) + 1, drain_timeout, server_alive)
     owners = [lease_owner(region.entry(i).get("lease")) for i in range(capacity)]
     raise CapacityError(
         f"job {region.job!r}: all {capacity} learner entries are taken by live learners (pids "

@@ -126,7 +126,7 @@ class JobRun:
         chooses = node is None and self.prepared.validation is not None  # validation_holdout = 0: nothing to choose on
         evaluates = ["--eval"] + (["--validate", "--best", str(out / "checkpoints")] if chooses else [])
         for i, shard in enumerate(shards):
-            extra = ["--shard", shard] + (evaluates if i == 0 else []) + (["--device", devices[i]]
+            extra = ["--shard", shard, "--entry", str(i)] + (evaluates if i == 0 else []) + (["--device", devices[i]]
                                                                           if devices[i] != "cpu" else [])
             command.append("--learner=" + " ".join(shlex.quote(a) for a in [*learner, *extra]))
         # In a session of its own, as the watchdog and the learners are: a terminal's Ctrl-C, or the

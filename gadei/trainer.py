@@ -40,7 +40,7 @@ def run(args) -> int:
     model.train()
     started = time.monotonic()
     samples = 0
-    with Learner(model, args.job, pull=args.pull, push=args.push, device=device) as learner:
+    with Learner(model, args.job, pull=args.pull, push=args.push, device=device, entry=args.entry) as learner:
         staleness = _Staleness(learner.region)
         if chooser is not None and chooser.selection.stopped:  # decided before a restart: say it again
             learner.end_training(TRAIN_STOP_PATIENCE)

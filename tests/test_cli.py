@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -252,6 +253,16 @@ def test_a_local_job_removes_its_temporary_log_folder_unless_something_went_wron
             assert case == "error"
         assert folder.exists() == (case != "clean"), case
         assert inspect(name) is None
+
+
+def test_gadei_demo_prints_its_own_lines_and_numbers_learners_as_it_launched_them(procs, tmp_path):
+    """The library's log records (`gadei.learner INFO ... attached`) went to the terminal among
+    the demo's lines, and the evaluating learner, launched first, could print itself as
+    learner 1: its records go to its log file now, and it takes entry 0."""
+    out, err = finish(procs.gadei("demo", "--epochs", "1", "--batch", "8", cwd=tmp_path), 300)
+    assert " INFO " not in err and " INFO " not in out, out + err
+    assert re.search(r"^learner 0 epoch 1: loss [\d.]+, .* test accuracy [\d.]+%$", out, re.M), out
+    assert out.splitlines()[-1].startswith("gadei demo: done in "), out
 
 
 @pytest.mark.long  # a bench's --quick run: minutes of timing loops

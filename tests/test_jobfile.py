@@ -255,6 +255,9 @@ def test_gadei_run_trains_a_job_file_and_leaves_its_outputs(tmp_path, procs):
         assert (folder / name_).exists(), name_
     metrics = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
     assert [m["epoch"] for m in metrics] == [1, 2] and metrics[-1]["test_accuracy"] > 0.8
+    for k in (0, 1):  # one numbering: launched learner k is learner k in its log (and its records), whoever attached first
+        log = (folder / "logs" / f"learner-{k}.log").read_text()
+        assert f"learner {k} attached" in log and f'"learner": {1 - k}' not in log, log[-2000:]
     state = torch.load(folder / "model.pt", weights_only=True)
     assert json.loads((folder / "labels.json").read_text()) == ["ABBR", "DESC", "ENTY", "HUM", "LOC", "NUM"]
     assert state["out.weight"].shape[0] == 6

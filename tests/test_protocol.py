@@ -143,6 +143,19 @@ def test_a_failed_jobs_reason_is_read_by_every_attacher_and_bounded_and_printabl
     assert status.format_table(status.read(region), None).splitlines()[1] == "  failed: bad \ufffd?[31m red"
 
 
+def test_a_learner_takes_the_entry_it_prefers_when_free_else_the_first_free(served):
+    """A launched learner's number is the one it was launched as (`--entry`), in its log and in
+    gadei status, whichever learner attached first."""
+    server, region = served
+    alive = lambda: True  # noqa: E731
+    second = claim(region, drain_timeout=1, server_alive=alive, prefer=1)
+    assert second.learner == 1
+    first = claim(region, drain_timeout=1, server_alive=alive, prefer=1)  # taken: the first free
+    assert first.learner == 0
+    for producer in (first, second):
+        producer.release()
+
+
 def test_a_version_wait_ends_at_the_bump_or_the_timeout(served):
     server, region = served
     clock, mine = protocol.Version(server.region), protocol.Version(region)

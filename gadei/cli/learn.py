@@ -39,6 +39,10 @@ def add_parser(sub) -> None:
                    "(elastic); default: the job's mode decides (view; copy when consistent; local when elastic)")
     p.add_argument("--push", choices=("publish", "thread", "weights", "device"), default=None,
                    help="how gradients reach the ring: publish (default), thread, weights (elastic, the default there)")
+    p.add_argument("--entry", type=int, default=None, metavar="N",
+                   help="take learner entry N (its ring and its number) when it is free or its owner died, else the "
+                        "first free: how gadei run, the watchdog and gadei demo give launched learner N the number N "
+                        "in its log and in gadei status")
     p.add_argument("--eval", action="store_true", help="evaluate on the test set after every epoch")
     p.add_argument("--validate", action="store_true",
                    help="after every epoch evaluate on the job's validation set (--data job:JOBFILE), keep the best "
