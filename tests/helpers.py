@@ -360,10 +360,16 @@ def push_known_gradients(job, procs, tmp_path, *, values=VALUES, pull="copy", pu
                      *(["--jitter", jitter * 100 + i] if jitter is not None else []))
         for i, v in enumerate(values)
     ]
-    for learner in learners:
-        read_line(learner, 60)  # attaching
-        read_line(learner, 60)  # attached
-    done = [read_line(l, deadline) for l in learners]
+    try:
+        for learner in learners:
+            read_line(learner, 60)  # attaching
+            read_line(learner, 60)  # attached
+        done = [read_line(l, deadline) for l in learners]
+    except pytest.fail.Exception:
+        if server.poll() is None:
+            raise
+        # the server stopped first (a ring it found corrupt, say): a learner only saw the region go
+        pytest.fail(f"the server exited {server.returncode} while the learners pushed:\n{_rest(server)[1][-3000:]}")
     for learner in learners:
         finish(learner)
     assert [d["pushed"] for d in done] == [STEPS] * len(values)

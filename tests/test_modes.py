@@ -80,8 +80,10 @@ def _stop(server):
 def test_every_mode_and_transport_trains_stops_and_counts(job, procs, mode, options, transports):
     server = _serve(procs, job, "--model", "table", "--n", N, "--mode", mode, "--learners", 2, "--lr", "0.001",
                     *options)
-    learners = [_learn(procs, job, "--model", "table", "--n", N, "--value", v, "--steps", STEPS, *transports)
-                for v in (1, 2)]
+    # both attached before either pushes: one learner alone would finish before the other came,
+    # and nothing would be stale (each learner's gradients are on the weights of its last one)
+    learners = [_learn(procs, job, "--model", "table", "--n", N, "--value", v, "--steps", STEPS, "--wait-learners", 2,
+                       *transports) for v in (1, 2)]
     results = [read_line(l, 120) for l in learners]
     for learner in learners:
         finish(learner)
@@ -101,7 +103,25 @@ def test_every_mode_and_transport_trains_stops_and_counts(job, procs, mode, opti
     # every gradient element is positive and the weights start at 1: the updates lowered the
     # (linear) loss, so weights moved down and none moved up
     assert report["wmin"] < 1.0 and report["wmax"] <= 1.0
+    if "--stale-lr" in options:
+        _check_stale_lr(report, {r["learner"]: v for r, v in zip(results, (1, 2))}, lr=0.001)
     assert inspect(job) is None  # stopped cleanly: the region is gone
+
+
+def _check_stale_lr(report, values, lr):
+    """stale_lr applies a gradient of staleness s > 1 with lr / s, one of s <= 1 with lr: a dense
+    element that every gradient of value V moves (`bias0`) ends 1 - sum(lr V / max(1, s)). The
+    staleness histogram (bucket b: bit_length(s) == b) brackets s, so that sum within bounds;
+    a rule that scaled lr the wrong way (or by the wrong sign, or not at all) lands outside them."""
+    low = high = 0.0
+    for learner, value in values.items():
+        hist = report["stale_hist"][learner]
+        low += lr * value * (hist[0] + hist[1] + sum(n / (2**b - 1) for b, n in enumerate(hist) if b >= 2))
+        high += lr * value * (hist[0] + hist[1] + sum(n / 2 ** (b - 1) for b, n in enumerate(hist) if b >= 2))
+    stale = [sum(h[2:]) for h in report["stale_hist"]]
+    assert any(stale), f"no gradient was stale by more than 1, so the check proves nothing: {report['stale_hist']}"
+    moved = 1.0 - report["bias0"]
+    assert low - 1e-4 <= moved <= high + 1e-4, (moved, low, high, report["stale_hist"])
 
 
 def _trained(procs, job, learners: int, batch: int, steps: int, *serve_args) -> dict:
@@ -299,6 +319,8 @@ def test_a_staleness_bound_holds_with_one_learner_slowed(job, procs, bound):
     if bound:
         assert worst <= bound, report
         assert slow_result["dropped"] > 0  # the slow learner's late gradients were not applied
+        # what the server took late itself it counts as discarded: every slot it took is one or the other
+        assert report["applied"] + sum(report["discarded"]) == sum(report["tails"]), report
     else:
         assert worst > 4, f"without a bound the slow learner was never late, so the bound proves nothing: {report}"
 

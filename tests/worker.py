@@ -118,10 +118,12 @@ def serve(args) -> int:
         print(json.dumps({
             "applied": report.applied, "version": report.version,
             "heads": [e.get("head") for e in entries], "tails": [e.get("tail") for e in entries],
-            "stale_max": [e.get("stale_max") for e in entries], "dropped": [e.get("dropped") for e in entries],
+            "stale_max": [e.get("stale_max") for e in entries], "stale_hist": [e.get("stale_hist") for e in entries],
+            "dropped": [e.get("dropped") for e in entries],
             "discarded": [e.get("discarded") for e in entries],
             "applied_bytes": region.header.get("applied_bytes"),
             "wmin": float(weights.min()), "wmax": float(weights.max()),
+            "bias0": _bias0(server),
         }), flush=True)
     finally:
         server.close()
@@ -132,6 +134,15 @@ def _busy(seconds: float) -> None:
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
         pass
+
+
+def _bias0(server) -> float | None:
+    """The first element of Flat's or Table's bias (dense: every gradient of value V moves each
+    of its elements by lr V), or None (another model, or none recorded: no learner came)."""
+    if server.region.read_spec() is None:
+        return None
+    bias = server.state_dict().get("bias")
+    return None if bias is None else float(bias.view(-1)[0])
 
 
 def _gradient(p: torch.nn.Parameter, value: float, slow: bool, table: bool) -> None:

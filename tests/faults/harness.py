@@ -300,6 +300,7 @@ class Fault:
     restarted_server: bool = False  # the checkpoint a restart resumes from must be recent
     lost_intervals: int = 1  # checkpoint intervals of progress the scenario may lose
     expect_in_logs: list[str] = field(default_factory=list)
+    never_in_logs: list[str] = field(default_factory=list)  # what the logs of a whole recovery never say
     expect_serve_rc: int = 0
     refused: bool = False  # the job is refused at start (nothing runs, nothing is checked but the error)
     problems: list[str] = field(default_factory=list)  # found while injecting
@@ -408,7 +409,8 @@ def kill_watchdog(job: Job, rng: random.Random) -> Fault:
     _kill(old)
     at = time.monotonic()
     _adopt(job, old)  # returns once the new watchdog registered: the job is whole again
-    return Fault(at, lambda: True)
+    # no learner died: one the new watchdog restarts is one that finished, taken for dead
+    return Fault(at, lambda: True, never_in_logs=["starting it again"])
 
 
 def kill_during_checkpoint_write(job: Job, rng: random.Random) -> Fault:
@@ -665,6 +667,10 @@ def _check(job: Job, fault: Fault, outcome: Outcome, reference: float | None, to
     for text in fault.expect_in_logs:
         if text not in logs:
             problems.append(f"the logs do not say {text!r}")
+    for text in fault.never_in_logs:
+        said = [line for line in logs.splitlines() if text in line]
+        if said:
+            problems.append(f"the logs say {text!r}: {said[0][-300:]}")
     leftovers = [p.pid for p in job.processes()]
     if leftovers:
         problems.append(f"processes left behind: {leftovers}")
