@@ -309,10 +309,10 @@ def test_the_watchdog_does_not_restart_from_a_corrupt_region_and_keeps_the_last_
 # ------------------------------------------------------------------ the reason reaches the user
 
 
-def _failed_run(path, out, run) -> tuple[str, dict]:
-    """`gadei run` exited 1 within STOP_WITHIN; (its last line on stderr, result.json)."""
+def _failed_run(path, out, run, code: int = 1) -> tuple[str, dict]:
+    """`gadei run` exited `code` within 120 s; (its last line on stderr, result.json)."""
     _, err = communicate(run, 120)
-    assert run.returncode == 1, err[-3000:]
+    assert run.returncode == code, err[-3000:]
     last = err.strip().splitlines()[-1]
     return last, json.loads((out / "result.json").read_text())
 
@@ -363,6 +363,21 @@ def test_gadei_run_says_a_non_finite_gradient_stopped_the_job(tmp_path, procs):
         for said in (last, result["reason"]):
             assert "non-finite value" in said and "learner ring 0" in said and "lower the learning rate" in said, said
         assert result["outcome"] == "failed", result
+    finally:
+        end_jobs(name)
+
+
+def test_gadei_run_says_a_diverged_loss_stopped_the_job(tmp_path, procs):
+    """The same diverging job with the default nonfinite = 'skip': the server skips its
+    non-finite gradients, the loss turns NaN, and gadei run stops the job (exit 3) saying so."""
+    name = unique_name("diverged-run")
+    path = blobs_job(tmp_path, name, train={"learners": 1, "epochs": 20, "lr": 10, "optimizer": "sgd",
+                                                   "momentum": 0.9})
+    try:
+        last, result = _failed_run(path, tmp_path / "out", procs.gadei("run", path), code=3)
+        for said in (last, result["reason"]):
+            assert "training diverged" in said and "lower [train] lr" in said, said
+        assert result["outcome"] == "diverged", result
     finally:
         end_jobs(name)
 
