@@ -103,6 +103,32 @@ def test_gadei_run_reports_the_real_outcome_when_a_role_of_its_job_is_killed(sma
     _say(f"{role} under gadei run", "gadei run exit 0, result.json outcome done", seconds)
 
 
+@pytest.mark.long  # four kills and the watchdog's back-off (1 + 2 + 4 s)
+def test_a_learner_given_up_ends_gadei_run_with_the_reason(tmp_path, procs):
+    """A launched learner that keeps dying is given up after --max-restarts (3) restarts; with
+    no learner left the job ends, and the reason reaches gadei run's last line and result.json."""
+    name = unique_name("given-up")
+    path = blobs_job(tmp_path, name, train={"learners": 1, "epochs": 500, "lr": 0.05})
+    try:
+        run = procs.gadei("run", path)
+        killed = set()
+        while run.poll() is None and len(killed) < 8:
+            pid = wait_for(lambda: run.poll() is not None or next(
+                (p for p in _roles(name).get("learners", []) if p not in killed), None), 60, "a learner to kill")
+            if pid is True:
+                break
+            os.kill(pid, signal.SIGKILL)
+            killed.add(pid)
+        stdout, stderr = communicate(run, STOP_WITHIN)
+        assert run.returncode == 1 and len(killed) == 4, (killed, stdout + stderr)
+        result = json.loads((tmp_path / "out" / "result.json").read_text())
+        for said in (stderr.strip().splitlines()[-1], result["reason"]):
+            assert "the watchdog gave up on launched learners [0]: they died 4 times" in said, said
+        assert result["outcome"] == "failed", result
+    finally:
+        end_jobs(name)
+
+
 @pytest.mark.long
 def test_a_watchdog_that_dies_and_cannot_be_replaced_ends_the_job_with_a_clear_error(small, procs):
     path, name, out = small
