@@ -243,8 +243,9 @@ def _write(job: jobfile.Job, interrupted: bool, note: str, bridge: dict | None, 
     if (out / "model.pt").exists() and kind in (DONE, STOPPED):
         result.update(chosen(job, kind, since))
         if result["stopped"] == "patience":
-            result["reason"] = (f"training stopped when the validation accuracy had not improved for "
-                                 f"{job.train.patience} evaluations")
+            from .selection import ran_out
+
+            result["reason"] = ran_out(job.train.patience)
     if (out / "model.pt").exists():
         result.update(evaluate(job))
     seconds = round(time.time() - since, 1) if since else None
