@@ -56,6 +56,7 @@ RUN_STATES = MappingProxyType({CREATED: "created", SERVING: "serving", STOPPING:
 
 # The header's train_stop: why the evaluating learner decided that training ends (0: it goes on).
 TRAIN_ON, TRAIN_STOP_PATIENCE = 0, 1
+TRAIN_STOPS = MappingProxyType({TRAIN_STOP_PATIENCE: "patience ran out"})
 
 # What a reader accepts of a live region's counters (anything else is corrupt: RegionCorrupt).
 COUNTER_LIMIT = 1 << 63  # versions, gradients applied, ring heads and tails stay below this

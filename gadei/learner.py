@@ -30,7 +30,7 @@ from . import _proc, params
 from . import device as _device
 from .env import settings
 from .errors import GadeiTimeout, JobFailed, JobStopped, RegionMismatch, ServerGone
-from .layout import INIT_EMPTY, INIT_READY, INIT_WRITING, LEAVING, STOPPED
+from .layout import INIT_EMPTY, INIT_READY, INIT_WRITING, LEAVING, STOPPED, TRAIN_STOPS
 from .protocol import WAIT_SLICE, Deadline, RunState, TrainStop, Version
 from .region import Region
 from .modes import read_options
@@ -280,16 +280,17 @@ class Learner:
         learner reads it between steps and ends its schedule when it is not 0."""
         return self._train_stop.get()
 
-    def end_training(self, reason: int) -> bool:
+    def end_training(self, reason: int, why: str = "") -> bool:
         """Decide, for every learner of the job, that training ends (`reason`: a
-        `layout.TRAIN_STOP_*`): set once (compare-and-swap from TRAIN_ON, so the first decision
+        `layout.TRAIN_STOP_*`; `why`: the same in words for the log, by default
+        `layout.TRAIN_STOPS`): set once (compare-and-swap from TRAIN_ON, so the first decision
         stands), with the version it was decided at. The learners end their schedules at their
         next step, leave, and the job's watchdog stops the job as finished. Whether this call
         decided it."""
         if not self._train_stop.decide(reason, self.version):
             return False
-        log.info("job %r: learner %d ended the job's training (reason %d) at version %s", self.job,
-                 self.learner_id, reason, f"{self.version:,}")
+        log.info("job %r: learner %d ended the job's training at version %s: %s", self.job, self.learner_id,
+                 f"{self.version:,}", why or TRAIN_STOPS.get(reason, f"reason {reason}"))
         return True
 
     def _record_pull(self, version: int) -> None:

@@ -18,6 +18,10 @@ result.json's "outcome" is one of OUTCOMES, decided from what every writer can s
 watchdog's end record (the job finished, was stopped, or failed: the server died for good,
 a launched learner was given up, the server stopped the job as failed), the model the
 server wrote at its stop, and the evaluating learner's losses (not finite: diverged).
+
+result.json's "seconds" are this run's, from its owner's start; a resumed run's
+"seconds_in_all" add the runs it went on from, which `forget` carries over from their
+result.json before it removes it (`EARLIER`).
 """
 
 import fcntl
@@ -34,6 +38,7 @@ from .protocol import Deadline
 
 LOCK = "logs/run.lock"  # held by the run's owner (`gadei run`) and by whoever writes the outputs
 END = "logs/watchdog-end.json"  # the watchdog's record of how the job ended
+EARLIER = "logs/earlier-runs.json"  # a resumed run's record of the seconds of the runs it goes on from
 DONE, STOPPED, FAILED, DIVERGED = "done", "stopped", "failed", "diverged"
 OUTCOMES = (DONE, STOPPED, FAILED, DIVERGED)
 _RUN_FILES = ("result.json", "metrics.jsonl", "accuracy.png", "watchdog-end.json")
@@ -65,9 +70,20 @@ def read_ending(out: Path) -> Ending | None:
         return None
 
 
-def forget(out: Path) -> None:
+def forget(out: Path, resume: bool = False) -> None:
     """Before a run (or a resumed one) starts: the outputs and end record of the run before it
-    are not this one's."""
+    are not this one's. A resumed run keeps the seconds of the runs it goes on from (`EARLIER`,
+    from their result.json's `seconds_in_all` or `seconds`), for its own result.json's
+    `seconds_in_all`; where the run before it left no result.json (it was killed), they are
+    unknown and nothing is kept."""
+    earlier = _seconds_in_all(read_result(out)) if resume else None
+    try:
+        (out / EARLIER).unlink()
+    except FileNotFoundError:
+        pass
+    if earlier is not None:
+        (out / "logs").mkdir(parents=True, exist_ok=True)
+        _replace(out / EARLIER, json.dumps({"seconds": earlier}) + "\n")
     for name in _RUN_FILES:
         for folder in (out, out / "logs"):
             try:
@@ -123,6 +139,29 @@ def started(out: Path) -> float | None:
         return float(json.loads((out / LOCK).read_text())["started"])
     except (FileNotFoundError, ValueError, KeyError, TypeError):
         return None
+
+
+def _seconds_in_all(result: dict | None) -> float | None:
+    """A result.json's seconds counting the runs it resumed (None where unknown)."""
+    if not result:
+        return None
+    seconds = result.get("seconds_in_all", result.get("seconds"))
+    return seconds if isinstance(seconds, (int, float)) else None
+
+
+def _earlier_seconds(out: Path) -> float | None:
+    try:
+        return float(json.loads((out / EARLIER).read_text())["seconds"])
+    except (FileNotFoundError, ValueError, KeyError, TypeError):
+        return None
+
+
+def earlier_seconds(result: dict) -> float | None:
+    """The seconds of the runs a resumed run went on from, from its result.json; None for a run
+    that resumed none, or whose earlier runs' time is unknown."""
+    if isinstance(result.get("seconds_in_all"), (int, float)) and isinstance(result.get("seconds"), (int, float)):
+        return result["seconds_in_all"] - result["seconds"]
+    return None
 
 
 def read_result(out: Path) -> dict | None:
@@ -204,12 +243,18 @@ def _write(job: jobfile.Job, interrupted: bool, note: str, bridge: dict | None, 
     if (out / "model.pt").exists() and kind in (DONE, STOPPED):
         result.update(chosen(job, kind, since))
         if result["stopped"] == "patience":
-            result["reason"] = (f"training stopped when the validation accuracy had not improved for "
-                                 f"{job.train.patience} evaluations")
+            from .selection import ran_out
+
+            result["reason"] = ran_out(job.train.patience)
     if (out / "model.pt").exists():
         result.update(evaluate(job))
-    result.update({"seconds": round(time.time() - since, 1) if since else None, "learners": job.train.learners,
-                   "epochs": job.train.epochs, "patience": job.train.patience, "written_by": os.getpid()})
+    seconds = round(time.time() - since, 1) if since else None
+    result["seconds"] = seconds
+    earlier = _earlier_seconds(out)
+    if seconds is not None and earlier is not None:
+        result["seconds_in_all"] = round(seconds + earlier, 1)
+    result.update({"learners": job.train.learners, "epochs": job.train.epochs, "patience": job.train.patience,
+                   "written_by": os.getpid()})
     if bridge is not None:
         result["bridge"] = bridge
     _replace(out / "result.json", json.dumps(result, indent=1) + "\n")

@@ -168,7 +168,7 @@ def prepare(job: jobfile.Job, resume: bool, node, by: str = RUN) -> Prepared:
     prepared = check(job, resume, node, by=by)
     job, train, out = prepared.job, prepared.train, prepared.job.output
     output_modes(job)
-    outputs.forget(out)  # an earlier run's result.json and end record are not this run's
+    outputs.forget(out, resume)  # an earlier run's result.json and end record are not this run's
     (out / "logs").mkdir(parents=True, exist_ok=True)
     (out / "job.toml").write_text(job.to_toml())
     (out / "labels.json").write_text(json.dumps(train.label_names, ensure_ascii=False))

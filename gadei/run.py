@@ -14,7 +14,8 @@ checkpoint (docs/fault-tolerance.md). The output folder gets:
     result.json     the job's outcome (done, stopped, failed, diverged, and why), which evaluation
                     chose model.pt (epoch, version, validation accuracy and loss), its test accuracy
                     (evaluated on the whole test set at the end), why training stopped (patience,
-                    cap, cancelled), its seconds; written by whoever sees the job end
+                    cap, cancelled), its seconds (a resumed run's also with the runs it resumed,
+                    where they are known); written by whoever sees the job end
                     (`gadei.outputs.finish`)
     metrics.jsonl   one JSON line per epoch of learner 0: loss, train accuracy (its own mini-batches,
                     with dropout, as it trained), validation loss and accuracy, test accuracy,
@@ -289,6 +290,8 @@ def report(job: jobfile.Job, result: dict, elapsed: float, by: str = RUN) -> int
     the command that started the job, which a stopped run's line names to go on with it."""
     out = job.output
     accuracy = f", test accuracy {result['test_accuracy']:.2%}" if "test_accuracy" in result else ""
+    earlier = outputs.earlier_seconds(result)
+    took = f"{elapsed:.0f} s" + (f" ({elapsed + earlier:.0f} s with the runs it resumed)" if earlier is not None else "")
     kind = result.get("outcome")
     if kind == outputs.DIVERGED:
         print(f"gadei run: job {job.name}: {result['reason']}; its outputs and logs are in {out}", file=sys.stderr,
@@ -300,7 +303,7 @@ def report(job: jobfile.Job, result: dict, elapsed: float, by: str = RUN) -> int
         return 1
     if kind == outputs.STOPPED:
         last = outputs.last_epoch(out)
-        print(f"gadei run: job {job.name} stopped after {elapsed:.0f} s (epoch {last.get('epoch', 0)} of "
+        print(f"gadei run: job {job.name} stopped after {took} (epoch {last.get('epoch', 0)} of "
               f"{job.train.epochs}{accuracy}); its weights so far are in {out / 'model.pt'}; go on with "
               f"{go_on(job, by)}", flush=True)
         return 130  # as a shell reports a Ctrl-C'd command
@@ -308,7 +311,7 @@ def report(job: jobfile.Job, result: dict, elapsed: float, by: str = RUN) -> int
         f", chose epoch {result['epoch']:g} (validation accuracy {result['validation_accuracy']:.2%}"
         + (f", reached after {result['seconds_to_best']:.0f} s" if "seconds_to_best" in result else "") + ")"
         if "epoch" in result else "")
-    print(f"gadei run: job {job.name} done in {elapsed:.0f} s{chose}{accuracy}; model {out / 'model.pt'}", flush=True)
+    print(f"gadei run: job {job.name} done in {took}{chose}{accuracy}; model {out / 'model.pt'}", flush=True)
     return 0
 
 

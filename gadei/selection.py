@@ -47,6 +47,12 @@ class Evaluation:
         return (self.validation_accuracy, -self.validation_loss) > (other.validation_accuracy, -other.validation_loss)
 
 
+def ran_out(patience: int) -> str:
+    """Why training stopped on patience, in words (the learner's log, result.json's reason)."""
+    return (f"patience ran out: the validation accuracy did not improve for {patience} evaluation"
+            + ("s" if patience != 1 else ""))
+
+
 @dataclass
 class Selection:
     """The best evaluation so far and the patience count, kept in `folder` (see the module).

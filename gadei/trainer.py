@@ -43,7 +43,7 @@ def run(args) -> int:
     with Learner(model, args.job, pull=args.pull, push=args.push, device=device, entry=args.entry) as learner:
         staleness = _Staleness(learner.region)
         if chooser is not None and chooser.selection.stopped:  # decided before a restart: say it again
-            learner.end_training(TRAIN_STOP_PATIENCE)
+            chooser.end_training(learner)
         elif first_epoch > 0 and skip == 0 and (args.eval or chooser is not None):
             _catch_up(args, learner, chooser, workload, model, test, first_epoch)
         for epoch in range(first_epoch, args.epochs):
@@ -77,7 +77,7 @@ def run(args) -> int:
                     _report_evaluation(args, {"event": "evaluation", "job": args.job, "learner": learner.learner_id,
                                               "epoch": at, "version": learner.version, **found})
                     if chooser.selection.stopped:
-                        learner.end_training(TRAIN_STOP_PATIENCE)
+                        chooser.end_training(learner)
             record = {
                 "event": "epoch", "job": args.job, "learner": learner.learner_id, "epoch": epoch + 1,
                 "loss": loss_sum.item() / max(1, steps), "train_accuracy": correct.item() / max(1, seen), "steps": steps,
@@ -93,7 +93,7 @@ def run(args) -> int:
             if chooser is not None:
                 record.update(chooser.evaluate(weights, epoch + 1, learner.version))
                 if chooser.selection.stopped:
-                    learner.end_training(TRAIN_STOP_PATIENCE)
+                    chooser.end_training(learner)
             if args.eval:
                 # the chooser's model holds `weights` already; the test set only reports, never chooses
                 record["test_accuracy"] = workload.evaluate(chooser.eval_model if chooser else model, test)
@@ -120,7 +120,7 @@ def _catch_up(args, learner, chooser, workload, model, test, epoch: int) -> None
     if chooser is not None and not chooser.selection.evaluated(epoch):
         record.update(chooser.evaluate(weights, epoch, learner.version))
         if chooser.selection.stopped:
-            learner.end_training(TRAIN_STOP_PATIENCE)
+            chooser.end_training(learner)
     if args.eval:
         if chooser is not None:
             chooser.eval_model.load_state_dict(weights)  # a copy: the shared weights move while it evaluates
@@ -143,6 +143,12 @@ class _Chooser:
         self.workload, self.validation, self.eval_model, self.selection = workload, validation, eval_model, selection
         self.every = every  # samples of this learner's shard between evaluations within an epoch (0: none)
         self._mark = 0
+
+    def end_training(self, learner) -> None:
+        """Patience ran out: end every learner's training, saying why."""
+        from .selection import ran_out
+
+        learner.end_training(TRAIN_STOP_PATIENCE, ran_out(self.selection.patience))
 
     def new_epoch(self) -> None:
         self._mark = 0

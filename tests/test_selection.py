@@ -13,7 +13,7 @@ import gadei
 from gadei import selection
 from gadei.errors import GadeiError
 from gadei.layout import TRAIN_ON, TRAIN_STOP_PATIENCE
-from helpers import data_dir, finish, missing, trec_job, wait_for
+from helpers import blobs_job, data_dir, end_jobs, finish, missing, trec_job, unique_name, wait_for
 from worker import Flat
 
 
@@ -136,6 +136,25 @@ def test_one_learners_decision_ends_every_learners_training(job):
         server.request_stop()
         thread.join(30)
         server.close()
+
+
+def test_the_log_says_in_words_why_patience_ended_training(procs, tmp_path):
+    """The evaluating learner's log and result.json say why training ended in words: patience
+    ran out, and for how many evaluations (once the log said "reason 1", the header's code).
+    The small job reaches 100% validation accuracy within a few epochs: patience 1 ends it."""
+    name = unique_name("words")
+    path = blobs_job(tmp_path, name, train={"learners": 1, "epochs": 20, "patience": 1, "lr": 0.05})
+    try:
+        finish(procs.gadei("run", path, "--quiet"), 300)
+    finally:
+        end_jobs(name)
+    result = json.loads((tmp_path / "out" / "result.json").read_text())
+    assert result["stopped"] == "patience", result
+    words = "patience ran out: the validation accuracy did not improve for 1 evaluation"
+    log = (tmp_path / "out" / "logs" / "learner-0.log").read_text()
+    ended = [line for line in log.splitlines() if "ended the job's training" in line]
+    assert len(ended) == 1 and ended[0].endswith(": " + words), ended
+    assert result["reason"] == words, result
 
 
 @pytest.mark.long  # TREC until patience stops it: most of a minute
