@@ -151,6 +151,18 @@ def learner_pids(region) -> list[int]:
     return [p for p in (lease_owner(region.entry(i).get("lease")) for i in range(region.shape.capacity)) if p]
 
 
+def job_version(name: str) -> int:
+    """The weights' version of job `name`'s region; 0 while it has none (not yet, or no more)."""
+    from gadei.errors import GadeiError
+    from gadei.region import Region
+
+    try:
+        with Region.attach(name, readonly=True) as region:
+            return region.header.get("version")
+    except GadeiError:
+        return 0
+
+
 def end_jobs(*names: str, timeout: float = 10, keep_regions: bool = False) -> None:
     """Kill every process of the jobs `names` (`job_processes`: those that are not this test's
     children too, a restarted server, an orphaned learner), wait up to `timeout` s for each

@@ -17,11 +17,11 @@ import numpy as np
 import psutil
 import pytest
 
-from helpers import (blobs, communicate, data_dir, finish, job_processes, job_text, missing, tiered, trec_job,
-                     wait_for)
+from helpers import (blobs, communicate, data_dir, finish, job_processes, job_text, job_version, missing, tiered,
+                     trec_job, wait_for)
 from gadei import checkpoint
 from gadei.daemon import request
-from gadei.region import Region, inspect, remove
+from gadei.region import inspect, remove
 
 
 @pytest.fixture
@@ -113,12 +113,7 @@ def test_a_job_cancelled_while_running_goes_on_with_submit_resume_to_every_learn
     daemon = _start_daemon(procs, daemon_env)
     finish(procs.gadei("submit", path, env=daemon_env))
 
-    def version() -> int:
-        try:
-            with Region.attach(name, readonly=True) as region:
-                return region.header.get("version")
-        except Exception:
-            return 0
+    version = lambda: job_version(name)  # noqa: E731
     wait_for(lambda: version() >= 500, 120, "the job to make 500 updates")
     run = _jobs(procs, daemon_env)[name]["pid"]
     if how == "orphaned":

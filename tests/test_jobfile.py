@@ -9,7 +9,7 @@ import tomllib
 import pytest
 import torch
 
-from helpers import blobs, blobs_job, communicate, small_job, trec_job, unique_name, wait_for
+from helpers import blobs, blobs_job, communicate, job_version, small_job, trec_job, unique_name, wait_for
 from gadei import data, jobfile
 from gadei.jobfile import JobFileError
 from gadei.region import inspect
@@ -298,15 +298,7 @@ def test_a_stopped_run_goes_on_with_resume_and_trains_each_mini_batch_once(tmp_p
     path = _job(tmp_path, body(epochs=1, lr=0.05))
     run = procs.gadei("run", path, "--quiet")
 
-    def version():
-        from gadei.region import Region
-
-        try:
-            with Region.attach(name, readonly=True) as region:
-                return region.header.get("version")
-        except Exception:
-            return 0
-    wait_for(lambda: version() >= 300, 120, "the job to make 300 updates")
+    wait_for(lambda: job_version(name) >= 300, 120, "the job to make 300 updates")
     # SIGTERM (gadei cancel; Ctrl-C takes the same path, but a shell started in the background
     # hands its children SIGINT ignored): checkpoint with the learners' progress, then stop
     run.send_signal(signal.SIGTERM)

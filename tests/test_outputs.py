@@ -6,8 +6,7 @@ import re
 import signal
 
 from gadei import outputs
-from gadei.region import Region
-from helpers import blobs_job, communicate, end_jobs, finish, unique_name, wait_for
+from helpers import blobs_job, communicate, end_jobs, finish, job_version, unique_name, wait_for
 
 
 def test_a_resumed_run_says_its_seconds_with_the_runs_it_resumed(tmp_path, procs):
@@ -20,14 +19,7 @@ def test_a_resumed_run_says_its_seconds_with_the_runs_it_resumed(tmp_path, procs
     out = tmp_path / "out"
     try:
         run = procs.gadei("run", path, "--quiet")
-
-        def version():
-            try:
-                with Region.attach(name, readonly=True) as region:
-                    return region.header.get("version")
-            except Exception:
-                return 0
-        wait_for(lambda: version() >= 300, 180, "the job to make 300 updates", interval=0.05)
+        wait_for(lambda: job_version(name) >= 300, 180, "the job to make 300 updates", interval=0.05)
         run.send_signal(signal.SIGTERM)  # `gadei cancel`'s path: checkpoint the progress, then stop
         said, err = communicate(run, 120)
         assert run.returncode == 130 and "stopped after" in said and "with the runs it resumed" not in said, said + err

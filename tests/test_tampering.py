@@ -18,7 +18,7 @@ import posix_ipc
 import pytest
 import torch
 
-from helpers import blobs_job, communicate, end_jobs, finish, tiered, unique_name, wait_for
+from helpers import blobs_job, communicate, end_jobs, finish, job_version, tiered, unique_name, wait_for
 from gadei import JobFailed, Learner, checkpoint
 from gadei.layout import MAGIC
 from gadei.region import Region, inspect, shm_name
@@ -324,7 +324,7 @@ def test_gadei_run_says_which_field_of_a_corrupt_region_stopped_the_job(tmp_path
     path = blobs_job(tmp_path, name, train={"learners": 1, "epochs": 50, "lr": 0.05})
     try:
         run = procs.gadei("run", path)
-        wait_for(lambda: (f := inspect(name)) is not None and f.state == "running" and _version(name) >= 50, 120,
+        wait_for(lambda: (f := inspect(name)) is not None and f.state == "running" and job_version(name) >= 50, 120,
                  "the job to train")
         with Region.attach(name) as region:
             region.header.set("hold", 5)  # allowed 0..1: the server's audit at its next beat stops the job
@@ -381,10 +381,3 @@ def test_gadei_run_says_a_diverged_loss_stopped_the_job(tmp_path, procs):
     finally:
         end_jobs(name)
 
-
-def _version(name: str) -> int:
-    try:
-        with Region.attach(name, readonly=True) as region:
-            return region.header.get("version")
-    except Exception:
-        return 0
