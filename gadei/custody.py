@@ -20,8 +20,9 @@ WATCHDOG_GRACE = 90  # seconds a new watchdog may take to take over from a dead 
 def adopt(name: str) -> tuple[bool, str]:
     """A new watchdog takes over the job `name` from one that died (`gadei serve NAME --adopt`):
     (True, which watchdog) once a live one watches it (this call's, or one that another process
-    started at the same moment: the header takes one, the other stands down), else (False, why
-    none could)."""
+    started at the same moment: the header takes one, the other stands down), or once the job
+    no longer serves (it is stopping or gone: nothing is left to take over, and a watchdog that
+    took over may already have watched it to its end); else (False, why none could)."""
     try:
         done = subprocess.run(gadei_command("serve", name, "--adopt"), stdin=subprocess.DEVNULL, capture_output=True,
                               text=True, timeout=WATCHDOG_GRACE)
@@ -33,7 +34,24 @@ def adopt(name: str) -> tuple[bool, str]:
     live = live_watchdog(name)
     if live:
         return True, f"{said} (watchdog pid {live} watches it)"
+    if not _serving(name):
+        return True, f"{said} (the job no longer serves: nothing is left to take over)"
     return False, said
+
+
+def _serving(name: str) -> bool:
+    """The job's live server still serves: it was not asked to stop, and did not stop."""
+    from .protocol import RunState
+    from .region import Region, inspect
+
+    found = inspect(name)
+    if found is None or found.state != "running":
+        return False
+    try:
+        with Region.attach(name, readonly=True) as region:
+            return RunState(region).serving()
+    except GadeiError:
+        return False
 
 
 def live_watchdog(name: str) -> int:
