@@ -317,6 +317,29 @@ def test_a_watchdog_that_dies_while_its_job_stops_is_not_said_to_be_left_to_no_o
     wait_for(lambda: _gone(name), 60, "every process of the job to end")
 
 
+@pytest.mark.long
+def test_a_job_whose_watchdog_dies_before_it_registers_is_ended_by_its_server(small, procs, tmp_path):
+    """The server of a `gadei run` job (--outputs) whose watchdog dies before it registers in
+    the header (here it may not use the runtime folder: others can write to it), and no `gadei
+    run` holds the outputs: after the watchdog's `interval * max_missed` seconds the server's
+    custody counts the job unwatched, no new watchdog can take over, and the job ends failed
+    with the reason, where before it was served with no watchdog and no learners forever."""
+    path, name, out = small
+    (out / "logs").mkdir(parents=True)
+    runtime = tmp_path / "runtime"
+    runtime.mkdir()
+    runtime.chmod(0o777)  # refused by every watchdog of the job (gadei.env.runtime_dir)
+    serve = procs.gadei("serve", name, "--job-file", path, "--checkpoint-dir", tmp_path / "checkpoints",
+                        "--outputs", out, "--watch-interval", "0.2", "--max-missed", "10",
+                        env={"GADEI_RUNTIME_DIR": str(runtime)})
+    _, stderr = communicate(serve, STOP_WITHIN)
+    ending = json.loads((out / "logs" / "watchdog-end.json").read_text())
+    assert ending["pid"] == serve.pid and ending["code"] != 0, ending
+    assert ending["reason"].startswith("its watchdog (none registered within 2 s) and its gadei run died and no new "
+                                       "watchdog could take over: "), ending
+    assert inspect(name) is None, "the server left its region"
+
+
 @pytest.fixture
 def daemon_env(tmp_path):
     folder = tmp_path / "run"

@@ -86,8 +86,10 @@ def cmd_serve(args) -> int:
             from ..custody import Custody
             from pathlib import Path
 
+            awaited = dog is not None or bool(restarts)  # a watchdog registers: ours, or the one that restarted us
             custody = Custody(server.region, Path(args.outputs), server.request_stop,
-                              max(args.watch_interval, CUSTODY_INTERVAL)).start()
+                              max(args.watch_interval, CUSTODY_INTERVAL),
+                              args.watch_interval * args.max_missed if awaited else None).start()
         print(f"gadei: serving job {args.job!r} (pid {os.getpid()}); stop it with `gadei stop {args.job}`",
               file=sys.stderr, flush=True)
         report = server.serve(grace=args.grace)
