@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from helpers import HERE, communicate, finish, read_line, wait_for
+from helpers import HERE, blobs_job, communicate, finish, read_line, unique_name, wait_for
 from gadei.region import inspect
 
 
@@ -756,3 +756,33 @@ def test_a_peer_that_crashes_is_run_again_and_counted_but_gadei_never_is(monkeyp
     with pytest.raises(peers.PeerCrashed):
         peers._run_surviving_crashes("ddp", 2, 2, seed=0)
     assert len(calls) == peers.PEER_RETRIES + 1
+
+
+@pytest.mark.parametrize("nonfinite", ["skip", "stop"])
+def test_a_diverging_job_of_serve_and_learn_trains_on_unless_served_with_nonfinite_stop(procs, tmp_path, nonfinite):
+    """Stopping on a loss that turns NaN is `gadei run`'s alone: a job of `gadei serve` and
+    `gadei learn` (lr 10, which diverges) trains on to its end with loss NaN; with the server's
+    `--nonfinite stop`, the job fails on the first non-finite gradient and the learner exits 2
+    with the reason. Both commands' --help say so."""
+    for command, phrase in (("learn", "A loss that turns NaN or infinite does not stop it"),
+                            ("serve", "A training loss that turns NaN or infinite stops a job of `gadei run` alone")):
+        helped = " ".join(communicate(procs.gadei(command, "--help"), 60)[0].split())
+        assert phrase in helped and "--nonfinite stop" in helped, helped
+    name = unique_name("nan")
+    path = blobs_job(tmp_path, name, train={"learners": 1, "epochs": 2, "batch": 16, "lr": 10})
+    server = procs.gadei("serve", name, "--job-file", path, "--learners", "1", "--nonfinite", nonfinite)
+    wait_for(lambda: (found := inspect(name)) is not None and found.state == "running", 60, "the server's region")
+    learner = procs.gadei("learn", name, "--job-file", path, "--json")
+    out, err = communicate(learner, 120)
+    if nonfinite == "skip":
+        assert learner.returncode == 0, err[-3000:]
+        losses = [json.loads(line)["loss"] for line in out.splitlines() if '"epoch"' in line]
+        assert len(losses) == 2 and all(loss != loss for loss in losses), out  # NaN, trained to the end
+        finish(procs.gadei("stop", name), 60)
+        communicate(server, 60)
+        assert server.returncode == 0
+    else:
+        assert learner.returncode == 2, out + err[-3000:]
+        assert f"job {name!r} failed: " in err and "non-finite values (NaN or inf); nonfinite is 'stop'" in err, err
+        _, said = communicate(server, 60)
+        assert server.returncode == 2 and "lower the learning rate" in said, (server.returncode, said[-3000:])
