@@ -20,8 +20,9 @@ WATCHDOG_GRACE = 90  # seconds a new watchdog may take to take over from a dead 
 def adopt(name: str) -> tuple[bool, str]:
     """A new watchdog takes over the job `name` from one that died (`gadei serve NAME --adopt`):
     (True, which watchdog) once a live one watches it (this call's, or one that another process
-    started at the same moment: the header takes one, the other stands down), else (False, why
-    none could)."""
+    started at the same moment: the header takes one, the other stands down), or once the job
+    no longer serves (it is stopping or gone: nothing is left to take over, and a watchdog that
+    took over may already have watched it to its end); else (False, why none could)."""
     try:
         done = subprocess.run(gadei_command("serve", name, "--adopt"), stdin=subprocess.DEVNULL, capture_output=True,
                               text=True, timeout=WATCHDOG_GRACE)
@@ -33,7 +34,24 @@ def adopt(name: str) -> tuple[bool, str]:
     live = live_watchdog(name)
     if live:
         return True, f"{said} (watchdog pid {live} watches it)"
+    if not _serving(name):
+        return True, f"{said} (the job no longer serves: nothing is left to take over)"
     return False, said
+
+
+def _serving(name: str) -> bool:
+    """The job's live server still serves: it was not asked to stop, and did not stop."""
+    from .protocol import RunState
+    from .region import Region, inspect
+
+    found = inspect(name)
+    if found is None or found.state != "running":
+        return False
+    try:
+        with Region.attach(name, readonly=True) as region:
+            return RunState(region).serving()
+    except GadeiError:
+        return False
 
 
 def live_watchdog(name: str) -> int:
@@ -61,12 +79,19 @@ class Custody:
     writes the outputs once it stopped (`write_outputs`).
 
     A `gadei run` that lives adopts for itself (it holds the lock); if it was killed while
-    adopting, its adoption and this one race for the header, which takes one watchdog."""
+    adopting, its adoption and this one race for the header, which takes one watchdog.
 
-    def __init__(self, region, out: Path, stop, interval: float):
+    A header that names no watchdog yet is a job starting, for `grace` seconds from the
+    start of the looks: a watchdog that has not registered by then (it died on its way, as one
+    that stops beating is dead after `interval * max_missed`) leaves the job unwatched too.
+    Without `grace` (a server that started no watchdog: --no-watchdog by hand), none is awaited."""
+
+    def __init__(self, region, out: Path, stop, interval: float, grace: float | None = None):
         import threading
 
         self.region, self.name, self.out, self._stop, self.interval = region, region.job, out, stop, interval
+        self.grace = grace
+        self._since = time.monotonic()  # when the looks began: the first watchdog registers within `grace`
         self.reason = ""  # why the job failed when no watchdog could take over
         self._last: tuple = (0, 0.0, False)  # the header's watchdog pid, its start, finished (at close)
         self._seen: tuple = (0, 0.0)  # the last watchdog the header named (pid, start): a watchdog that ends
@@ -92,8 +117,8 @@ class Custody:
             if dead is None:
                 continue
             name = self.name
-            log.warning("job %s: its watchdog (pid %d) and its `gadei run` are gone; starting a new watchdog that "
-                        "takes over its learners", name, dead)
+            log.warning("job %s: %s and its `gadei run` are gone; starting a new watchdog that takes over its "
+                        "learners", name, self._which(dead))
             adopted, reason = adopt(name)
             if adopted:
                 log.warning("job %s: %s", name, reason)
@@ -101,7 +126,7 @@ class Custody:
             if self._unwatched() is None:  # another adopter won, or the job is ending: not a failure
                 log.warning("job %s: %s; the job is watched or ending now: not failing it", name, reason)
                 continue
-            self.reason = (f"its watchdog (pid {dead}) and its gadei run died and no new watchdog could take over: "
+            self.reason = (f"{self._which(dead)} and its gadei run died and no new watchdog could take over: "
                            f"{reason}")
             log.error("job %s: %s; stopping the job", name, self.reason)
             from gadei_watchdog import JOB_FAILED
@@ -110,10 +135,14 @@ class Custody:
             self._stop()
             return
 
+    def _which(self, dead: int) -> str:
+        return f"its watchdog (pid {dead})" if dead else f"its watchdog (none registered within {self.grace:g} s)"
+
     def _unwatched(self) -> int | None:
-        """The dead watchdog's pid when the serving job has neither it nor an owner of its run.
-        A header naming no watchdog is unwatched once one was seen (it cleared its pid as it
-        ended); before the first one registers, the job is starting, not unwatched."""
+        """The dead watchdog's pid when the serving job has neither it nor an owner of its run
+        (0: none ever registered, `grace` seconds after the looks began). A header naming no
+        watchdog is unwatched once one was seen (it cleared its pid as it ended); before the
+        first one registers, the job is starting, not unwatched, for `grace` seconds."""
         from . import _proc
         from .protocol import RunState
 
@@ -122,7 +151,9 @@ class Custody:
         if pid:
             self._seen = (pid, started)
         pid, started = self._seen
-        if not pid or not RunState(self.region).serving() or _proc.alive(pid, started) or outputs.owned(self.out):
+        if not pid and (self.grace is None or time.monotonic() - self._since < self.grace):
+            return None  # starting: its first watchdog registers
+        if not RunState(self.region).serving() or (pid and _proc.alive(pid, started)) or outputs.owned(self.out):
             return None
         return pid
 

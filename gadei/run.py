@@ -93,6 +93,7 @@ class JobRun:
         self.server: tuple[int, float] | None = None  # the job's server, as the region names it
         self.note = ""  # what went wrong that no end record will say
         self._said_restart = False
+        self._tried: tuple[int, float] | None = None  # the dead watchdog this run last had a new one take over from
 
     def run(self) -> int:
         job, node = self.job, self.node
@@ -220,7 +221,7 @@ class JobRun:
             self._said_restart = True
             print(f"\ngadei run: job {self.job.name}: the server exited {code}; its watchdog restarts it from the "
                   "last checkpoint", file=sys.stderr, flush=True)
-        if self.dog is not None and not dog_alive and serving:
+        if self.dog is not None and not dog_alive and serving and self.dog != self._tried:
             self._adopt()
         return False
 
@@ -263,13 +264,16 @@ class JobRun:
 
     def _adopt(self) -> None:
         """The watchdog died with the job running: a new one takes over (`gadei serve --adopt`),
-        or the job stops, failed, with the reason."""
+        or the job stops, failed, with the reason; not when another adopter's watchdog watches it
+        now or the job no longer serves (`custody.adopt`): then no takeover was needed. Once per
+        dead watchdog (`_tried`)."""
         dead = self.dog[0]
         print(f"\ngadei run: job {self.job.name}: its watchdog (pid {dead}) died; starting a new one that takes over "
               "its learners", file=sys.stderr, flush=True)
+        self._tried = self.dog
         adopted, reason = adopt(self.job.name)
-        if adopted:
-            self.dog = None
+        if adopted:  # a new watchdog watches the job, or the job no longer serves: nothing to take over
+            print(f"gadei run: job {self.job.name}: {reason}", file=sys.stderr, flush=True)
             self._look()
             return
         self.note = f"its watchdog (pid {dead}) died and no new one could take over: {reason}"

@@ -307,6 +307,65 @@ def test_two_adoptions_at_once_leave_one_watchdog_and_the_loser_says_so(small, p
     assert not os.path.exists(lock), "the registration lock outlived the job"  # the watchdog removed it at the end
 
 
+@pytest.mark.long
+def test_a_watchdog_that_dies_while_its_job_stops_is_not_said_to_be_left_to_no_one(small, procs):
+    """The job was asked to stop, and its watchdog dies with nothing to adopt from before its
+    server stopped (held with SIGSTOP across the stop request and the kill): gadei run's
+    adoption fails, but the job no longer serves, so nothing was left to take over; gadei run
+    says so, and does not claim that no new watchdog could take over (nor fail the job for it)."""
+    from gadei.protocol import RunState
+
+    path, name, out = small
+    run = procs.gadei("run", path)
+    roles = _when_training(name)
+    os.kill(roles["server"], signal.SIGSTOP)
+    try:
+        with Region.attach(name) as region:
+            assert RunState(region).request_stop()
+        os.unlink(os.path.join(os.environ["GADEI_RUNTIME_DIR"], f"{name}.watchdog.json"))  # nothing to adopt from
+        os.kill(roles["watchdog"], signal.SIGKILL)
+
+        def adopting():
+            return [p for p in psutil.Process(run.pid).children() if "--adopt" in p.cmdline()]
+
+        adopter = wait_for(adopting, 60, "gadei run's `gadei serve --adopt`", interval=0.02)[0]
+        wait_for(lambda: not psutil.pid_exists(adopter.pid) or adopter.status() == psutil.STATUS_ZOMBIE, 90,
+                 "gadei run's adoption to end")
+    finally:
+        os.kill(roles["server"], signal.SIGCONT)
+    stdout, stderr = communicate(run, STOP_WITHIN)
+    assert f"its watchdog (pid {roles['watchdog']}) died; starting a new one" in stderr, stderr
+    assert "no watchdog state to adopt" in stderr and "the job no longer serves: nothing is left to take over" \
+        in stderr, stderr
+    assert "no new one could take over" not in stderr, stderr
+    result = json.loads((out / "result.json").read_text())
+    assert "no new one could take over" not in result["reason"], result
+    wait_for(lambda: _gone(name), 60, "every process of the job to end")
+
+
+@pytest.mark.long
+def test_a_job_whose_watchdog_dies_before_it_registers_is_ended_by_its_server(small, procs, tmp_path):
+    """The server of a `gadei run` job (--outputs) whose watchdog dies before it registers in
+    the header (here it may not use the runtime folder: others can write to it), and no `gadei
+    run` holds the outputs: after the watchdog's `interval * max_missed` seconds the server's
+    custody counts the job unwatched, no new watchdog can take over, and the job ends failed
+    with the reason, where before it was served with no watchdog and no learners forever."""
+    path, name, out = small
+    (out / "logs").mkdir(parents=True)
+    runtime = tmp_path / "runtime"
+    runtime.mkdir()
+    runtime.chmod(0o777)  # refused by every watchdog of the job (gadei.env.runtime_dir)
+    serve = procs.gadei("serve", name, "--job-file", path, "--checkpoint-dir", tmp_path / "checkpoints",
+                        "--outputs", out, "--watch-interval", "0.2", "--max-missed", "10",
+                        env={"GADEI_RUNTIME_DIR": str(runtime)})
+    _, stderr = communicate(serve, STOP_WITHIN)
+    ending = json.loads((out / "logs" / "watchdog-end.json").read_text())
+    assert ending["pid"] == serve.pid and ending["code"] != 0, ending
+    assert ending["reason"].startswith("its watchdog (none registered within 2 s) and its gadei run died and no new "
+                                       "watchdog could take over: "), ending
+    assert inspect(name) is None, "the server left its region"
+
+
 @pytest.fixture
 def daemon_env(tmp_path):
     folder = tmp_path / "run"

@@ -24,7 +24,12 @@ def _threads(text: str) -> int:
 def add_parser(sub) -> None:
     p = sub.add_parser("learn", help="train a built-in workload as one learner of a job",
                        description="Attach to a served job and train a built-in workload on one shard of "
-                       "its data, pushing every gradient and pulling new weights.")
+                       "its data, pushing every gradient and pulling new weights. A loss that turns NaN or infinite "
+                       "does not stop it (its --json epoch records say loss NaN or Infinity): stopping on it is "
+                       "`gadei run`'s alone, which stops the whole job (the watchdog restarts a learner that exits "
+                       "with an error). "
+                       "To stop such a job, serve it with `--nonfinite stop`: the server fails the job on the first "
+                       "non-finite gradient with the reason, and every learner exits 2 with it.")
     p.add_argument("job")
     add_job_file(p)
     add_workload(p, required=False)

@@ -86,8 +86,10 @@ def cmd_serve(args) -> int:
             from ..custody import Custody
             from pathlib import Path
 
+            awaited = dog is not None or bool(restarts)  # a watchdog registers: ours, or the one that restarted us
             custody = Custody(server.region, Path(args.outputs), server.request_stop,
-                              max(args.watch_interval, CUSTODY_INTERVAL)).start()
+                              max(args.watch_interval, CUSTODY_INTERVAL),
+                              args.watch_interval * args.max_missed if awaited else None).start()
         print(f"gadei: serving job {args.job!r} (pid {os.getpid()}); stop it with `gadei stop {args.job}`",
               file=sys.stderr, flush=True)
         report = server.serve(grace=args.grace)
@@ -234,7 +236,10 @@ def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="create a job's region and apply its learners' gradients",
                        description="Create the job's shared region and run the server's apply loop until "
                        "`gadei stop JOB`, SIGTERM or Ctrl-C. Initial weights come from --workload or --model "
-                       "(deterministic for a seed), or, with --params, from the first learner that attaches.")
+                       "(deterministic for a seed), or, with --params, from the first learner that attaches. A "
+                       "training loss that turns NaN or infinite stops a job of `gadei run` alone; served so, its "
+                       "non-finite gradients are skipped and counted (--nonfinite skip) and the learners train on, "
+                       "unless --nonfinite stop: the job stops as failed on the first one, with the reason.")
     p.add_argument("job")
     add_job_file(p)
     p.add_argument("--adopt", action="store_true", help="start a new watchdog that takes over the running JOB "
