@@ -177,7 +177,7 @@ def test_a_bridged_node_whose_server_dies_for_good_leaves_the_exchanges_and_says
         assert "server-died" in kinds and "reattached" not in kinds, kinds
         communicate(run, 600)
         results = [json.loads((folder / "result.json").read_text()) for folder in nodes]
-        assert results[1]["outcome"] == "failed" and "is gone" in results[1]["message"], results[1]
+        assert results[1]["outcome"] == "failed" and "is gone" in results[1]["reason"], results[1]
         assert results[1]["bridge"]["reason"] == ended["reason"], results[1]["bridge"]
         assert (results[0]["outcome"], results[0]["finished"]) == ("done", True), results[0]
         assert results[0]["bridge"]["reason"] == "the exchanges ended: 1 rank(s) left", results[0]["bridge"]
