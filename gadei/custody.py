@@ -14,6 +14,7 @@ from .errors import GadeiError
 
 log = logging.getLogger(__name__)
 
+FIRST_LOOKS = 0.05  # seconds between the looks until the job's first watchdog is seen (a header read each)
 WATCHDOG_GRACE = 90  # seconds a new watchdog may take to take over from a dead one
 
 
@@ -112,7 +113,11 @@ class Custody:
         self._last = (h.get("watchdog_pid"), h.get("watchdog_start"), h.get("finished") == 1)
 
     def _watch(self) -> None:
-        while not self._closed.wait(self.interval):  # blocks between looks
+        # Until the first watchdog is seen (where one is awaited), look every FIRST_LOOKS s: one
+        # that registers and soon ends on an exception clears its pid, and unseen it would pass
+        # for none at all (a CI run saw its pid on no look of 2 s).
+        while not self._closed.wait(self.interval if self._seen[0] or self.grace is None
+                                    else min(self.interval, FIRST_LOOKS)):
             dead = self._unwatched()
             if dead is None:
                 continue
