@@ -149,7 +149,7 @@ def _seconds_in_all(result: dict | None) -> float | None:
     return seconds if isinstance(seconds, (int, float)) else None
 
 
-def _earlier_seconds(out: Path) -> float | None:
+def _read_earlier(out: Path) -> float | None:
     try:
         return float(json.loads((out / EARLIER).read_text())["seconds"])
     except (FileNotFoundError, ValueError, KeyError, TypeError):
@@ -250,7 +250,7 @@ def _write(job: jobfile.Job, interrupted: bool, note: str, bridge: dict | None, 
         result.update(evaluate(job))
     seconds = round(time.time() - since, 1) if since else None
     result["seconds"] = seconds
-    earlier = _earlier_seconds(out)
+    earlier = _read_earlier(out)
     if seconds is not None and earlier is not None:
         result["seconds_in_all"] = round(seconds + earlier, 1)
     result.update({"learners": job.train.learners, "epochs": job.train.epochs, "patience": job.train.patience,

@@ -4,8 +4,9 @@ one way gadei waits for something with a time limit.
 
 Every process of a job (server, learners, watchdog, `gadei stop`, a checkpointer, a bridge)
 follows these rules on the same header words. This module is the only one that names those
-words (`run_state`, `fail_reason`, `doorbell`, `server_sleeping`, `version_waiters`, `seq`, `hold`, `held`,
-`hold_epoch`, `train_stop`); the others call it (`tests/test_imports.py` holds that).
+words (`run_state`, `fail_reason`, `doorbell`, `server_sleeping`, `version_waiters`, `seq`,
+`hold`, `held`, `hold_epoch`, `train_stop`); the others call it (`tests/test_imports.py` holds
+that).
 
 - Run state: CREATED -> SERVING (the server, once the weights are ready) -> STOPPING (anyone:
   a compare-and-swap from SERVING, then the doorbell) -> STOPPED (the server, after its
@@ -176,7 +177,7 @@ class RunState:
         the server's reason when it failed the job, else JobStopped."""
         state = self._word.load()
         if state == FAILED:
-            return JobFailed(f"job {job!r} failed: {self._header.text('fail_reason')}")
+            return JobFailed(f"job {job!r} failed: {self.reason()}")
         if state in (STOPPING, STOPPED):
             return JobStopped(f"job {job!r} was stopped")
         return JobStopped(f"job {job!r} is {RUN_STATES.get(state, '?')}, not serving")

@@ -136,11 +136,12 @@ def read(region: Region) -> JobStatus:
                 stale_hist=hist,
             )
         )
+    state = RunState(region)
     return JobStatus(
         job=region.job,
         taken_at=now / 1e9,
-        run_state=RunState(region).name(),
-        fail_reason=RunState(region).reason(),
+        run_state=state.name(),
+        fail_reason=state.reason(),
         server_pid=h.get("server_pid"),
         server_alive=region.server_alive(),
         server_beat_age=_age(h.get("server_beat"), now),

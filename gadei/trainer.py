@@ -202,7 +202,8 @@ class _Chooser:
         improved = self.selection.offer(evaluation, weights)
         best = self.selection.best
         return {"validation_loss": evaluation.validation_loss, "validation_accuracy": evaluation.validation_accuracy,
-                "evaluated_at": evaluation.at, "best": improved, "best_epoch": best.epoch, "since_best": self.selection.since_best,
+                "evaluated_at": evaluation.at, "best": improved, "best_epoch": best.epoch,
+                "since_best": self.selection.since_best,
                 **({"stopped": self.selection.stopped} if self.selection.stopped else {})}
 
 

@@ -117,7 +117,8 @@ _WRITER = textwrap.dedent("""
         sys.exit(0)
     if mode == "many":  # small checkpoints, as fast as it can, beside other writers
         for k in range(40):
-            checkpoint.save(folder, Checkpoint(job="many", version=k, applied=k, model={"w": torch.zeros(4)}), keep=1000)
+            small = Checkpoint(job="many", version=k, applied=k, model={"w": torch.zeros(4)})
+            checkpoint.save(folder, small, keep=1000)
         sys.exit(0)
     version = 100
     while True:
