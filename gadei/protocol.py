@@ -18,9 +18,10 @@ that).
 - Version: bumped once per update by the server; in consistent mode `seq` is odd while an
   update runs (a seqlock). Waiters count themselves in `version_waiters` so that the server
   wakes them only when someone waits.
-- Checkpoint hold: a checkpointer sets `hold` (0 -> 1) and rings; the server, between two
-  updates, sets `held` and waits until `hold` is 0 again or HOLD_LIMIT passed; each pause
-  that ends bumps `hold_epoch`. A copy is whole if `held` stayed 1 and the epoch did not move.
+- Checkpoint hold: a checkpointer waits for the last pause to end (`held` 0), sets `hold`
+  (0 -> 1) and rings; the server, between two updates, sets `held` and waits until `hold` is
+  0 again or HOLD_LIMIT passed; each pause that ends bumps `hold_epoch` and clears `held`. A
+  copy is whole if `held` stayed 1 and the epoch did not move.
 - Training decision: the evaluating learner sets `train_stop` once (a compare-and-swap from
   TRAIN_ON) when validation stopped improving; every learner ends its schedule when it sees it.
 """
@@ -313,6 +314,7 @@ class ServerHold:
         finally:
             self._epoch.add(1)
             self._held.store(0)
+            self._held.wake()  # a checkpointer may wait for this pause to end before it asks for its own
 
 
 def hold_requested(region) -> int:
@@ -329,11 +331,18 @@ def hold_and_copy(region, timeout: float, copy: Callable[[], T], error: type[Exc
     """
     h = region.header
     hold, held, epoch = h.word("hold"), h.word("held"), h.word("hold_epoch")
+    deadline = Deadline(timeout)
+    # A pause the last checkpointer let go of may not have ended yet (the server has not run
+    # since): taking the hold now would ride on that pause and its HOLD_LIMIT, already partly
+    # spent, so that back-to-back checkpoints end with the server going on amid a copy.
+    while held.load() and not hold.load():
+        if deadline.expired() or not region.server_alive():
+            raise error(f"job {region.job!r}: the server did not end its last checkpoint pause within {timeout:g} s")
+        held.wait(1, deadline.slice(WAIT_SLICE))
     if not hold.cas(0, 1):
         raise error(f"job {region.job!r}: another checkpoint is being taken")
     try:
         Doorbell(region).ring()  # a sleeping server wakes up to see the hold
-        deadline = Deadline(timeout)
         while not held.load():
             if deadline.expired() or not region.server_alive():
                 raise error(f"job {region.job!r}: the server did not pause for a checkpoint within {timeout:g} s")

@@ -7,6 +7,7 @@ import os
 import random
 import signal
 import textwrap
+import threading
 import time
 
 import pytest
@@ -14,7 +15,7 @@ import torch
 
 import gadei
 from helpers import communicate, finish, read_line, wait_for
-from gadei import checkpoint
+from gadei import checkpoint, protocol
 from gadei.checkpoint import Checkpoint, CheckpointError
 from gadei.region import Region, inspect
 from gadei.protocol import HOLD_LIMIT
@@ -103,7 +104,7 @@ def test_flat_weights_follow_the_spec_and_name_a_mismatch(tmp_path):
 
 _WRITER = textwrap.dedent("""
     import json, resource, signal, sys, torch
-    from gadei import checkpoint
+    from gadei import checkpoint, protocol
     from gadei.checkpoint import Checkpoint
     folder, mode = sys.argv[1], sys.argv[2]
     big = {"w": torch.arange(4_000_000, dtype=torch.float32)}  # 16 MB: a write takes a while
@@ -230,6 +231,39 @@ def test_the_server_goes_on_when_a_checkpointer_dies_holding_it(job, procs):
         wait_for(lambda: h.get("version") > paused_at, HOLD_LIMIT + 10, "the server to go on")
         assert h.get("hold") == 0 and h.get("hold_epoch") == epoch + 1
         assert _whole(checkpoint.capture(region))  # and the next checkpoint works
+
+
+def test_a_checkpoint_taken_right_after_another_gets_a_pause_of_its_own(job, procs):
+    """The pause the last checkpointer let go of ends before the next one asks: riding on it
+    would give the next copy only what is left of that pause's HOLD_LIMIT. Here the server is
+    stopped (SIGSTOP) within a pause until that limit passed, and let run during the next
+    checkpoint; on the old protocol the server then went on amid the copy."""
+    server = _training(procs, job, "async")
+    with Region.attach(job) as region:
+        h = region.header
+        wait_for(lambda: h.get("version") > 5, 60, "updates to flow")
+
+        def stop_the_server():
+            os.kill(server.pid, signal.SIGSTOP)
+            return checkpoint._copy(region)
+
+        first = protocol.hold_and_copy(region, 10, stop_the_server, CheckpointError)
+        assert h.get("hold") == 0 and h.get("held") == 1  # let go of; the stopped server still pauses
+        stale = h.get("hold_epoch")
+        time.sleep(HOLD_LIMIT + 0.5)  # that pause's limit passes while the server cannot run
+        threading.Timer(0.5, os.kill, (server.pid, signal.SIGCONT)).start()
+
+        def copy_while_the_server_runs():
+            wait_for(lambda: h.get("hold_epoch") != stale, 10, "the server to run again")
+            epochs.append(h.get("hold_epoch"))
+            return checkpoint._copy(region)
+
+        epochs = []
+
+        second = protocol.hold_and_copy(region, 10, copy_while_the_server_runs, CheckpointError)
+        assert _whole(first) and _whole(second) and second.version >= first.version
+        assert epochs == [stale + 1]  # the copy was taken in a pause of its own, after the stale one ended
+        wait_for(lambda: h.get("version") > second.version, 30, "the server to go on after the second checkpoint")
 
 
 def test_a_job_resumed_from_its_checkpoint_goes_on_where_it_stopped(job, procs, tmp_path):

@@ -485,7 +485,9 @@ inline checkpoint() {
 #endif
     :: (run_state == SERVING || run_state == STOPPING) && salive ->
         if
-        :: atomic { !hold -> hold = true }
+        :: atomic { !hold -> hold = true }   /* the code first waits for the last pause to end
+                                                 (held false); taking the hold without waiting, as
+                                                 here, covers that and more */
             if
             :: held ->
                 e = epoch;
