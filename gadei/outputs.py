@@ -32,7 +32,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from . import data, jobfile
+from . import board, data, jobfile
 from .errors import GadeiError
 from .protocol import Deadline
 
@@ -72,18 +72,20 @@ def read_ending(out: Path) -> Ending | None:
 
 def forget(out: Path, resume: bool = False) -> None:
     """Before a run (or a resumed one) starts: the outputs and end record of the run before it
-    are not this one's. A resumed run keeps the seconds of the runs it goes on from (`EARLIER`,
-    from their result.json's `seconds_in_all` or `seconds`), for its own result.json's
-    `seconds_in_all`; where the run before it left no result.json (it was killed), they are
-    unknown and nothing is kept."""
+    are not this one's, nor its TensorBoard event files unless this run resumes it. A resumed
+    run keeps the seconds of the runs it goes on from (`EARLIER`, from their result.json's
+    `seconds_in_all` or `seconds`), for its own result.json's `seconds_in_all`; where the run
+    before it left no result.json (it was killed), they are unknown and nothing is kept."""
     earlier = _seconds_in_all(read_result(out)) if resume else None
     try:
         (out / EARLIER).unlink()
     except FileNotFoundError:
-        pass
+        board.forget(out)
     if earlier is not None:
         (out / "logs").mkdir(parents=True, exist_ok=True)
         _replace(out / EARLIER, json.dumps({"seconds": earlier}) + "\n")
+    if not resume:  # a resumed run's TensorBoard curves go on from those of the runs before it
+        board.forget(out)
     for name in _RUN_FILES:
         for folder in (out, out / "logs"):
             try:

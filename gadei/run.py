@@ -25,6 +25,8 @@ checkpoint (docs/fault-tolerance.md). The output folder gets:
     checkpoints/    crash-safe checkpoints, the last `keep`; best.pt and best.json, the model
                     selection (gadei.selection)
     logs/           the server's and watchdog's log (serve.log) and each learner's
+    events.out.tfevents.*  TensorBoard's event files, written as the job runs (`gadei.board`;
+                    with TensorBoard installed)
 
 Across nodes: a job with a [bridge] section started as `mpiexec -n NODES gadei run job.toml`
 runs on each rank as that node's job (`Node`): job `<name>-r<rank>`, output folder
@@ -514,10 +516,13 @@ def _follow(run: JobRun, train_size: float, started: float, quiet: bool, label: 
     of applied updates as the epochs, so a learner's restart or its leaving does not zero it),
     version, ETA. On a terminal the line is rewritten in place, unless `label` (a bridged
     node's, which starts its lines) says that other ranks write to the same terminal (mpiexec
-    gives each rank one)."""
+    gives each rank one). The same figures and every epoch record go to the job's TensorBoard
+    event files (`gadei.board`), `quiet` or not."""
     job = run.job
     overwrite = sys.stdout.isatty() and not label
+    from .board import Board
     from .region import Region
+    from .status import read
 
     total = job.train.epochs * train_size
     # patience may end training before the epoch cap, which the ETA counts to: say so
@@ -525,40 +530,53 @@ def _follow(run: JobRun, train_size: float, started: float, quiet: bool, label: 
     before = None  # (monotonic seconds, version) of the last line
     width = 0
     next_line = time.monotonic() + 2.0
-    while not run.ended():
-        time.sleep(0.25)
-        diverged = _diverged(job, [outputs.last_epoch(job.output)])
-        if diverged is not None:
-            raise diverged
-        if quiet or time.monotonic() < next_line:
-            continue
-        next_line = time.monotonic() + 2.0
-        try:
-            with Region.attach(job.name, readonly=True) as region:
-                version = region.header.get("version")
-        except GadeiError:
-            continue
-        now = (time.monotonic(), version)
-        if before is None or version < before[1]:  # the first look, or a server restarted from an older checkpoint
+    board = Board(job.output, job, warn=lambda line: print(line, file=sys.stderr, flush=True))
+    try:
+        while not run.ended():
+            time.sleep(0.25)
+            records = outputs.epoch_records(job.output)
+            board.epochs(records)
+            epoch = records[-1] if records else {}
+            diverged = _diverged(job, [epoch])
+            if diverged is not None:
+                raise diverged
+            if time.monotonic() < next_line:
+                continue
+            next_line = time.monotonic() + 2.0
+            try:
+                with Region.attach(job.name, readonly=True) as region:
+                    status = read(region)
+            except GadeiError:
+                continue
+            version = status.version
+            now = (time.monotonic(), version)
+            if before is None or version < before[1]:  # the first look, or a server restarted from an older checkpoint
+                before = now
+                continue
+            updates_per_s = (now[1] - before[1]) / max(1e-9, now[0] - before[0])
+            samples_per_s = updates_per_s * job.train.batch
+            board.live(version, {"samples_per_s": samples_per_s, "updates_per_s": updates_per_s,
+                                 "restarts": status.restarts,
+                                 "learners_alive": sum(1 for l in status.learners if l.alive)})
             before = now
-            continue
-        updates_per_s = (now[1] - before[1]) / max(1e-9, now[0] - before[0])
-        samples_per_s = updates_per_s * job.train.batch
-        epoch = outputs.last_epoch(job.output)
-        done = min(total, version * job.train.batch)
-        left = (total - done) / samples_per_s if samples_per_s > 0 else float("nan")
-        line = (f"  {label}epoch {done / train_size:.2f}/{job.train.epochs}"
-                + (f"; after epoch {epoch['epoch']}: loss {epoch['loss']:.3f}" if "loss" in epoch else "")
-                + (f", test accuracy {epoch['test_accuracy']:.1%}" if "test_accuracy" in epoch else "")
-                + f", {samples_per_s:,.0f} samples/s, {updates_per_s:,.0f} updates/s, version {version:,}"
-                + (f", ETA {left:.0f} s{cap}" if left == left and done < total else "")
-                + f", {time.monotonic() - started:.0f} s")
-        if overwrite:
-            print("\r" + line.ljust(width), end="", flush=True)
-            width = len(line)
-        else:
-            print(line, flush=True)
-        before = now
+            if quiet:
+                continue
+            done = min(total, version * job.train.batch)
+            left = (total - done) / samples_per_s if samples_per_s > 0 else float("nan")
+            line = (f"  {label}epoch {done / train_size:.2f}/{job.train.epochs}"
+                    + (f"; after epoch {epoch['epoch']}: loss {epoch['loss']:.3f}" if "loss" in epoch else "")
+                    + (f", test accuracy {epoch['test_accuracy']:.1%}" if "test_accuracy" in epoch else "")
+                    + f", {samples_per_s:,.0f} samples/s, {updates_per_s:,.0f} updates/s, version {version:,}"
+                    + (f", ETA {left:.0f} s{cap}" if left == left and done < total else "")
+                    + f", {time.monotonic() - started:.0f} s")
+            if overwrite:
+                print("\r" + line.ljust(width), end="", flush=True)
+                width = len(line)
+            else:
+                print(line, flush=True)
+        board.epochs(outputs.epoch_records(job.output))  # the job ended: its last epochs are in the logs
+    finally:
+        board.close()
     if overwrite:
         print(flush=True)
 
