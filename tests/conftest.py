@@ -108,3 +108,12 @@ def mpi_env(tmp_path_factory):
     if done.returncode != 0 or done.stdout.split() != ["2", "2"]:
         missing(f"mpiexec cannot start two ranks here (exit {done.returncode}): {done.stderr.strip()[-500:]}")
     return extra | {"OMPI_MCA_btl_sm_backing_directory": env["OMPI_MCA_btl_sm_backing_directory"]}
+
+
+@pytest.fixture
+def daemon_env(tmp_path):
+    """The environment of a daemon of its own (runtime and state folders in `tmp_path`) for
+    `gadei daemon` and the commands that talk to it."""
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    return {"GADEI_RUNTIME_DIR": str(run), "GADEI_STATE_DIR": str(tmp_path / "state")}

@@ -404,3 +404,11 @@ def push_known_gradients(job, procs, tmp_path, *, values=VALUES, pull="copy", pu
     # leave saw every gradient applied, so it holds exactly the final weights
     assert max(d["version"] for d in done) == report["version"]
     assert all(d["weight0"] == final for d in done if d["version"] == report["version"])
+
+
+def daemon_jobs(procs, env) -> dict:
+    """The daemon's job records as `gadei status --json` gives them, by name (`env`: the daemon's)."""
+    out, _ = finish(procs.gadei("status", "--json", env=env))
+    record = json.loads(out.splitlines()[0])
+    assert record["event"] == "daemon-jobs"
+    return {j["name"]: j for j in record["jobs"]}

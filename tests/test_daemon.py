@@ -17,18 +17,12 @@ import numpy as np
 import psutil
 import pytest
 
+from helpers import daemon_jobs as _jobs
 from helpers import (blobs, communicate, data_dir, finish, job_processes, job_text, job_version, missing, tiered,
                      trec_job, wait_for)
 from gadei import checkpoint
 from gadei.daemon import request
 from gadei.region import inspect, remove
-
-
-@pytest.fixture
-def daemon_env(tmp_path):
-    run = tmp_path / "run"
-    run.mkdir(mode=0o700)
-    return {"GADEI_RUNTIME_DIR": str(run), "GADEI_STATE_DIR": str(tmp_path / "state")}
 
 
 def _jobfile(folder, name, epochs, interval=2):
@@ -44,13 +38,6 @@ def _start_daemon(procs, env):
              60, "the daemon's socket")
     assert daemon.poll() is None, daemon.err_lines
     return daemon
-
-
-def _jobs(procs, env) -> dict:
-    out, _ = finish(procs.gadei("status", "--json", env=env))
-    record = json.loads(out.splitlines()[0])
-    assert record["event"] == "daemon-jobs"
-    return {j["name"]: j for j in record["jobs"]}
 
 
 @pytest.mark.long  # two TREC jobs through a restarted daemon: a minute

@@ -21,7 +21,7 @@ def cmd_daemon(args) -> int:
     if args.action == "systemd-unit":
         print(daemon.systemd_unit(), end="")
         return 0
-    daemon.Daemon(max_jobs=args.max_jobs).serve_forever()
+    daemon.Daemon(max_jobs=args.max_jobs, metrics_port=args.metrics_port).serve_forever()
     return 0
 
 
@@ -97,6 +97,11 @@ def add_parser(sub) -> None:
                    "that runs it")
     p.add_argument("--max-jobs", type=int, default=1, help="jobs run at once (default 1)")
     p.add_argument("--timeout", type=float, default=30.0, help="stop: seconds to wait for it (default 30)")
+    p.add_argument("--metrics-port", type=int, metavar="PORT",
+                   help="run: serve the daemon's figures (jobs per state; per running job its version, updates/s, "
+                   "samples/s, restarts, learners alive; uptime, requests refused) in the Prometheus text format on "
+                   "http://127.0.0.1:PORT/metrics, loopback only (0: any free port, which it prints); needs "
+                   "`pip install 'gadei[prometheus]'` (default: off)")
     p.set_defaults(func=cmd_daemon)
 
     p = sub.add_parser("submit", help="queue a job file with the daemon (checked first)")

@@ -115,10 +115,15 @@ def job_logs(record: JobRecord, lines: int) -> str:
 class Daemon:
     """The queue, the runner and the request handler; `serve_forever()` until SIGTERM/SIGINT."""
 
-    def __init__(self, max_jobs: int = 1, poll: float = 0.5):
+    def __init__(self, max_jobs: int = 1, poll: float = 0.5, metrics_port: int | None = None):
         if max_jobs < 1:
             raise GadeiError(f"--max-jobs {max_jobs}: must be at least 1")
-        self.max_jobs, self.poll = max_jobs, poll
+        if metrics_port is not None and not 0 <= metrics_port <= 65535:
+            raise GadeiError(f"--metrics-port {metrics_port}: must be a TCP port, 0 to 65535 (0: any free one)")
+        self.max_jobs, self.poll, self.metrics_port = max_jobs, poll, metrics_port
+        self.started = time.monotonic()
+        self.refused = 0  # requests answered with an error (`gadei.daemon.metrics`), counted by `note_refused`
+        self._refused_lock = threading.Lock()
         self.folder = state_dir()
         # One daemon per state folder, for its whole life: a second one (even beside a stopped
         # first) is refused here, before it reads or writes a record.
@@ -341,10 +346,20 @@ class Daemon:
             DaemonRunning: another daemon holds this state folder's (or this socket's) lock.
         """
         path = socket_path()
+        exporter = None
         try:
             self._locks.append(_lock(Path(path + ".lock"), f"socket {path}"))
+            if self.metrics_port is not None:
+                from . import metrics
+
+                exporter = metrics.serve(self, self.metrics_port, (QUEUED, RUNNING, DONE, FAILED, CANCELLED), RUNNING)
+                print(f"gadei daemon: Prometheus metrics on http://{metrics.LOOPBACK}:{exporter.server_port}/metrics",
+                      file=sys.stderr, flush=True)
             self._serve(path)
         finally:
+            if exporter is not None:
+                exporter.shutdown()
+                exporter.server_close()
             self.close()
 
     def close(self) -> None:
@@ -394,6 +409,11 @@ class Daemon:
             self._wake_r.close()
             self._wake_w.close()
             log.info("gadei daemon stopped; running jobs go on and the next daemon finds them")
+
+    def note_refused(self) -> None:
+        """One more request answered with an error (the listener's threads and the pool's call this)."""
+        with self._refused_lock:
+            self.refused += 1
 
     def stop(self) -> None:
         """Ask the loop to end (a signal handler, a `stop` request)."""

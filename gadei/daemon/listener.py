@@ -251,6 +251,8 @@ class Loop:
                     self._write(key.data)
 
     def _reply(self, conn: _Conn, answer: dict) -> None:
+        if not answer.get("ok"):
+            self.daemon.note_refused()
         conn.outbox = (json.dumps(answer) + "\n").encode()
         conn.waiting = False
         conn.deadline = time.monotonic() + REQUEST_TIMEOUT
