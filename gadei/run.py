@@ -47,6 +47,7 @@ import time
 from pathlib import Path
 
 from . import device, jobfile, outputs
+from .board import Board
 from .custody import adopt
 from .prepare import RUN, Prepared, describe, go_on, prepare
 from ._proc import gadei_command
@@ -103,10 +104,13 @@ class JobRun:
         for line in describe(self.prepared, node):
             print(line, flush=True)
         owner = outputs.Owner(out)
+        self.board = Board(out, job, warn=lambda line: print(line, file=sys.stderr, flush=True))
         try:
             self.serve = self.launch()
             return self._follow_and_finish(owner)
         finally:
+            self.board.epochs(outputs.epoch_records(out))  # those reported after the last look (or a stop)
+            self.board.close()
             owner.close()
 
     def launch(self) -> subprocess.Popen:
@@ -520,7 +524,6 @@ def _follow(run: JobRun, train_size: float, started: float, quiet: bool, label: 
     event files (`gadei.board`), `quiet` or not."""
     job = run.job
     overwrite = sys.stdout.isatty() and not label
-    from .board import Board
     from .region import Region
     from .status import read
 
@@ -530,53 +533,49 @@ def _follow(run: JobRun, train_size: float, started: float, quiet: bool, label: 
     before = None  # (monotonic seconds, version) of the last line
     width = 0
     next_line = time.monotonic() + 2.0
-    board = Board(job.output, job, warn=lambda line: print(line, file=sys.stderr, flush=True))
-    try:
-        while not run.ended():
-            time.sleep(0.25)
-            records = outputs.epoch_records(job.output)
-            board.epochs(records)
-            epoch = records[-1] if records else {}
-            diverged = _diverged(job, [epoch])
-            if diverged is not None:
-                raise diverged
-            if time.monotonic() < next_line:
-                continue
-            next_line = time.monotonic() + 2.0
-            try:
-                with Region.attach(job.name, readonly=True) as region:
-                    status = read(region)
-            except GadeiError:
-                continue
-            version = status.version
-            now = (time.monotonic(), version)
-            if before is None or version < before[1]:  # the first look, or a server restarted from an older checkpoint
-                before = now
-                continue
-            updates_per_s = (now[1] - before[1]) / max(1e-9, now[0] - before[0])
-            samples_per_s = updates_per_s * job.train.batch
-            board.live(version, {"samples_per_s": samples_per_s, "updates_per_s": updates_per_s,
-                                 "restarts": status.restarts,
-                                 "learners_alive": sum(1 for l in status.learners if l.alive)})
+    board = run.board
+    while not run.ended():
+        time.sleep(0.25)
+        records = outputs.epoch_records(job.output)
+        board.epochs(records)
+        epoch = records[-1] if records else {}
+        diverged = _diverged(job, [epoch])
+        if diverged is not None:
+            raise diverged
+        if time.monotonic() < next_line:
+            continue
+        next_line = time.monotonic() + 2.0
+        try:
+            with Region.attach(job.name, readonly=True) as region:
+                status = read(region)
+        except GadeiError:
+            continue
+        version = status.version
+        now = (time.monotonic(), version)
+        if before is None or version < before[1]:  # the first look, or a server restarted from an older checkpoint
             before = now
-            if quiet:
-                continue
-            done = min(total, version * job.train.batch)
-            left = (total - done) / samples_per_s if samples_per_s > 0 else float("nan")
-            line = (f"  {label}epoch {done / train_size:.2f}/{job.train.epochs}"
-                    + (f"; after epoch {epoch['epoch']}: loss {epoch['loss']:.3f}" if "loss" in epoch else "")
-                    + (f", test accuracy {epoch['test_accuracy']:.1%}" if "test_accuracy" in epoch else "")
-                    + f", {samples_per_s:,.0f} samples/s, {updates_per_s:,.0f} updates/s, version {version:,}"
-                    + (f", ETA {left:.0f} s{cap}" if left == left and done < total else "")
-                    + f", {time.monotonic() - started:.0f} s")
-            if overwrite:
-                print("\r" + line.ljust(width), end="", flush=True)
-                width = len(line)
-            else:
-                print(line, flush=True)
-        board.epochs(outputs.epoch_records(job.output))  # the job ended: its last epochs are in the logs
-    finally:
-        board.close()
+            continue
+        updates_per_s = (now[1] - before[1]) / max(1e-9, now[0] - before[0])
+        samples_per_s = updates_per_s * job.train.batch
+        board.live(version, {"samples_per_s": samples_per_s, "updates_per_s": updates_per_s,
+                             "restarts": status.restarts,
+                             "learners_alive": sum(1 for l in status.learners if l.alive)})
+        before = now
+        if quiet:
+            continue
+        done = min(total, version * job.train.batch)
+        left = (total - done) / samples_per_s if samples_per_s > 0 else float("nan")
+        line = (f"  {label}epoch {done / train_size:.2f}/{job.train.epochs}"
+                + (f"; after epoch {epoch['epoch']}: loss {epoch['loss']:.3f}" if "loss" in epoch else "")
+                + (f", test accuracy {epoch['test_accuracy']:.1%}" if "test_accuracy" in epoch else "")
+                + f", {samples_per_s:,.0f} samples/s, {updates_per_s:,.0f} updates/s, version {version:,}"
+                + (f", ETA {left:.0f} s{cap}" if left == left and done < total else "")
+                + f", {time.monotonic() - started:.0f} s")
+        if overwrite:
+            print("\r" + line.ljust(width), end="", flush=True)
+            width = len(line)
+        else:
+            print(line, flush=True)
     if overwrite:
         print(flush=True)
 

@@ -5,12 +5,13 @@ without TensorBoard the job runs as before and says once what to install."""
 
 import json
 import os
+import signal
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.hparams import plugin_data_pb2
 
-from helpers import blobs_job, communicate, unique_name
+from helpers import blobs_job, communicate, unique_name, wait_for
 from gadei import board
 
 
@@ -21,21 +22,30 @@ def _events(folder) -> EventAccumulator:
 
 
 def test_a_run_writes_event_files_tensorboard_reads_with_its_metrics_and_settings(tmp_path, procs):
+    """Read while the job runs (the figures every 2 s), then after it stopped (every epoch)."""
     path = blobs_job(tmp_path, unique_name("board"),
-                     train={"learners": 2, "epochs": 12, "patience": 12, "lr": 0.05, "batch": 4})
+                     train={"learners": 2, "epochs": 500, "patience": 500, "lr": 0.05, "batch": 4})
     stale = tmp_path / "out" / "events.out.tfevents.1.stale"  # of a run before, in a folder that holds nothing else
     stale.parent.mkdir()
     stale.write_bytes(b"")
     run = procs.gadei("run", path, "--quiet")
-    out, err = communicate(run, 300)
-    assert run.returncode == 0, out + err
     folder = tmp_path / "out"
+
+    def shown(tag: str, points: int) -> bool:
+        events = _events(folder)
+        return tag in events.Tags()["scalars"] and len(events.Scalars(tag)) >= points
+
+    wait_for(lambda: shown("job/samples_per_s", 2) and shown("eval/test_accuracy", 2), 180,
+             "TensorBoard to show the job's samples/s twice and two epochs while it runs", interval=1.0)
+    run.send_signal(signal.SIGTERM)  # gadei cancel's stop: the rest of its epochs are written at the end
+    out, err = communicate(run, 180)
+    assert run.returncode == 130, out + err
     assert not stale.exists() and len(list(folder.glob("events.out.tfevents.*"))) == 1
     events = _events(folder)
     tags = events.Tags()["scalars"]
 
     metrics = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
-    assert len(metrics) == 12
+    assert len(metrics) >= 2
     for key, tag in board.EPOCH_TAGS.items():
         expected = [(m["epoch"], float(m[key])) for m in metrics if key in m]
         got = [(s.step, s.value) for s in events.Scalars(tag)] if tag in tags else []
@@ -45,7 +55,7 @@ def test_a_run_writes_event_files_tensorboard_reads_with_its_metrics_and_setting
         assert tag in tags, tags
 
     rates = events.Scalars("job/samples_per_s")  # every 2 s as it ran, at the weights' version
-    assert rates and all(r.value > 0 and r.step > 0 for r in rates[:-1]), rates  # the last may be of the stop
+    assert all(r.step > 0 for r in rates) and any(r.value > 0 for r in rates), rates
     assert [r.step for r in rates] == sorted(r.step for r in rates)
     assert {r.value for r in events.Scalars("job/learners_alive")} <= {0.0, 1.0, 2.0}
     assert all(r.value == 0 for r in events.Scalars("job/restarts"))
