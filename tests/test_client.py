@@ -5,7 +5,6 @@ the socket), a malformed job dict (naming the key), a job the daemon refuses or 
 
 import json
 import os
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -86,21 +85,13 @@ def test_a_job_submitted_waited_for_followed_and_read_back_through_the_client(tm
     with pytest.raises(gadei.NoSuchJob, match="the daemon has no job 'nope'"):
         client.job("nope")
 
-    # its logs followed in a thread while its progress is followed here, each to the job's end
-    logs: list[str] = []
-    errors: list[BaseException] = []
-
-    def follow_logs():
-        try:
-            logs.extend(client.logs(name, lines=5, follow=True, timeout=180))
-        except BaseException as err:  # noqa: BLE001 (handed to the test)
-            errors.append(err)
-
-    thread = threading.Thread(target=follow_logs)
-    thread.start()
+    # its logs followed by `gadei logs --follow` (this client, in a process of its own) while its
+    # progress is followed here, each to the job's end
+    tail = procs.gadei("logs", name, "--lines", 5, "--follow", env=daemon_env)
     progress = list(client.follow(record, timeout=180))
-    thread.join(60)
-    assert not thread.is_alive() and not errors, errors
+    out_text, _ = communicate(tail, 60)
+    assert tail.returncode == 0
+    logs = out_text.splitlines()
     done = client.wait(name, timeout=0)  # follow ended with the job: no wait is left
     assert done.state == "done", done
     out = Path(done.output)
@@ -110,6 +101,9 @@ def test_a_job_submitted_waited_for_followed_and_read_back_through_the_client(tm
     assert f"==> {serve_log} <==" in logs and f"==> {out / 'logs' / 'run.log'} <==" in logs, logs
     stopped = next(line for line in serve_log.read_text().splitlines() if line.startswith('{"event": "stopped"'))
     assert stopped in logs  # the server's last words, written as the job ended
+    # followed once it has ended: all of it at once, then the end
+    assert list(client.follow(name, timeout=0)) == progress
+    assert list(client.logs(name, lines=5, follow=True, timeout=0)) == list(client.logs(name, lines=5))
 
     result = client.result(name)
     assert result == json.loads((out / "result.json").read_text()) and result["outcome"] == "done"
