@@ -76,7 +76,7 @@ def daemon_jobs(job: str | None) -> tuple[list[dict], str]:
     daemon)."""
     from ..daemon import Client
     from ..daemon.jobs import read_records, state_dir
-    from ..errors import DaemonError, DaemonRefused, NoDaemon
+    from ..errors import DaemonRefused, NoDaemon
 
     client = Client(timeout=5)
     try:
@@ -85,7 +85,7 @@ def daemon_jobs(job: str | None) -> tuple[list[dict], str]:
         return [], "answered"
     except NoDaemon:
         source = "not running"
-    except (DaemonError, GadeiError):  # a stopped daemon (timeout), or one that hung up
+    except GadeiError:  # a stopped daemon (timeout), or one that hung up
         source = "no answer"
     records = sorted(read_records(state_dir(create=False)).values(), key=lambda r: r.submitted)
     return [asdict(r) for r in records if job is None or r.name == job], source
@@ -118,9 +118,9 @@ def add_parser(sub) -> None:
 
     p = sub.add_parser("logs", help="the last lines of a daemon job's logs",
                        description="The last lines of a daemon job's logs (logs/run.log, serve.log and each learner's "
-                       "in its output folder); while no daemon runs, found by the job record it left on disk. A job that "
-                       "never started (cancelled while queued) has none, and this says so. --follow: then the lines they gain, "
-                       "as they are written, until the job has ended (a queued job is waited for).")
+                       "in its output folder); while no daemon runs, found by the job record it left on disk. A job "
+                       "that never started (cancelled while queued) has none, and this says so. --follow: then the "
+                       "lines they gain, as they are written, until the job has ended (a queued job is waited for).")
     p.add_argument("job")
     p.add_argument("--lines", type=int, default=50, help="lines per log (default 50)")
     p.add_argument("--follow", "-f", action="store_true", help="then the lines the logs gain, until the job ends")

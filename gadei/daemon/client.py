@@ -154,8 +154,8 @@ class Client:
             path = _write_job_file(job, Path(base) if base is not None else Path.cwd())
             try:
                 return self._submit(path, resume)
-            except BaseException:
-                os.unlink(path)  # not queued: nothing will read it
+            except (DaemonRefused, NoDaemon):  # not queued: nothing will read it (after a timeout, it may be)
+                os.unlink(path)
                 raise
         return self._submit(os.path.abspath(job), resume)
 
@@ -166,11 +166,11 @@ class Client:
         """Every job the daemon knows, oldest first."""
         return [_record(j) for j in self._ask({"op": "status", "job": None})["jobs"]]
 
-    def job(self, job: "str | JobRecord") -> JobRecord:
+    def job(self, job: str | JobRecord) -> JobRecord:
         """The job's record now (its state, output folder, times, message). Raises NoSuchJob."""
         return _record(self._ask({"op": "status", "job": _name(job)})["jobs"][0])
 
-    def cancel(self, job: "str | JobRecord") -> JobRecord:
+    def cancel(self, job: str | JobRecord) -> JobRecord:
         """Cancel a job: a queued one never starts; a running one stops at a checkpoint of every
         learner's progress, its logs kept (`submit(..., resume=True)` goes on with it). Its record;
         `wait` for it to end."""
@@ -188,7 +188,7 @@ class Client:
 
     # ------------------------------------------------------------------ waiting and following
 
-    def wait(self, job: "str | JobRecord", timeout: float) -> JobRecord:
+    def wait(self, job: str | JobRecord, timeout: float) -> JobRecord:
         """Wait until the job has ended (done, failed or cancelled, its run stopped); its record.
 
         Raises:
@@ -202,7 +202,7 @@ class Client:
                 return record
             self._pause(deadline, record)
 
-    def follow(self, job: "str | JobRecord", timeout: float | None = None) -> Iterator[dict]:
+    def follow(self, job: str | JobRecord, timeout: float | None = None) -> Iterator[dict]:
         """The job's progress as it trains: one record per evaluated epoch (the keys of a
         metrics.jsonl line: epoch, loss, validation_accuracy, test_accuracy, samples_per_s,
         staleness_mean, ...), from its first epoch, until the job has ended (then every epoch
@@ -227,7 +227,7 @@ class Client:
             self._pause(deadline, record)
             record = self.job(record.name)
 
-    def logs(self, job: "str | JobRecord", lines: int = 50, *, follow: bool = False,
+    def logs(self, job: str | JobRecord, lines: int = 50, *, follow: bool = False,
              timeout: float | None = None) -> Iterator[str]:
         """The last `lines` lines of each of the job's logs (its `gadei run`'s, its server's, each
         learner's), each log after a `==> PATH <==` line, as `gadei logs` prints them; a job
@@ -281,7 +281,7 @@ class Client:
 
     # ------------------------------------------------------------------ what a job hands back
 
-    def result(self, job: "str | JobRecord") -> dict:
+    def result(self, job: str | JobRecord) -> dict:
         """The job's result.json as a dict: its outcome (done, stopped, failed, diverged), why it
         ended, the epoch of the model chosen on validation, its test accuracy, seconds, ...
         (docs/jobs.md, "The output folder").
@@ -297,7 +297,7 @@ class Client:
             raise GadeiError(f"job {record.name!r} has no result yet: {_why_nothing(record)}")
         return result
 
-    def model_path(self, job: "str | JobRecord") -> Path:
+    def model_path(self, job: str | JobRecord) -> Path:
         """The path of the job's model (model.pt in its output folder: a PyTorch state dict,
         the model chosen on validation). Raises GadeiError while it has none."""
         record = self.job(job)
@@ -306,7 +306,7 @@ class Client:
             raise GadeiError(f"job {record.name!r} has no model yet: {_why_nothing(record)}")
         return path
 
-    def predict(self, job: "str | JobRecord", texts: list[str], top: int = 3) -> list[list[tuple[str, float]]]:
+    def predict(self, job: str | JobRecord, texts: list[str], top: int = 3) -> list[list[tuple[str, float]]]:
         """For each of `texts` (a sentence; for a numeric workload, the features separated by
         commas), the `top` labels of the ended job's model with their probabilities, as `gadei
         predict` gives them (`gadei.predict.predict` on its output folder)."""
