@@ -2,12 +2,13 @@
 
 A server process holds a job's weights in one POSIX shared-memory region and applies, in
 place and lock-free, every gradient its learners publish into their rings. docs/how-it-works.md
-gives the data flow; the public API is `Server`, `Learner` and the errors.
+gives the data flow; the public API is `Server`, `Learner`, `Client` (the daemon's jobs from
+Python) and the errors.
 
-`Server`, `Learner`, `RuleOptions` and `TransportOptions` are imported when first touched
-(PEP 562), not with the package: the first two bring torch, which takes more than a second of
-CPU to import and which the commands that do not train (`gadei status`, `stop`, `clean`,
-`--help`) never need; `RuleOptions` brings NumPy and the native kernels.
+`Server`, `Learner`, `Client`, `RuleOptions`, `TransportOptions` and `JobFileError` are
+imported when first touched (PEP 562), not with the package: the first two bring torch, which
+takes more than a second of CPU to import and which the commands that do not train (`gadei
+status`, `stop`, `clean`, `--help`) never need; `RuleOptions` brings NumPy and the native kernels.
 """
 
 import importlib
@@ -19,6 +20,8 @@ quiet_openmp()  # before anything loads OpenMP (torch, gadei._native): idle kern
 from .errors import (
     BadJobName,
     CapacityError,
+    DaemonError,
+    DaemonRefused,
     DeviceError,
     ForeignOwner,
     ForeignRegion,
@@ -27,7 +30,10 @@ from .errors import (
     JobFailed,
     JobRunning,
     JobStopped,
+    JobTimeout,
     LeftoverRegion,
+    NoDaemon,
+    NoSuchJob,
     RegionError,
     RegionMismatch,
     RegionNotFound,
@@ -37,6 +43,8 @@ from .errors import (
 __version__ = "0.1.0"
 
 _LAZY = {  # public name -> the module that defines it, imported on first use
+    "Client": ".daemon.client",
+    "JobFileError": ".jobfile",
     "Learner": ".learner",
     "RuleOptions": ".modes",
     "Server": ".server",
@@ -46,16 +54,23 @@ _LAZY = {  # public name -> the module that defines it, imported on first use
 __all__ = [
     "BadJobName",
     "CapacityError",
+    "Client",
+    "DaemonError",
+    "DaemonRefused",
     "DeviceError",
     "ForeignOwner",
     "ForeignRegion",
     "GadeiError",
     "GadeiTimeout",
     "JobFailed",
+    "JobFileError",
     "JobRunning",
     "JobStopped",
+    "JobTimeout",
     "Learner",
     "LeftoverRegion",
+    "NoDaemon",
+    "NoSuchJob",
     "RegionError",
     "RegionMismatch",
     "RegionNotFound",

@@ -74,3 +74,33 @@ class GadeiTimeout(GadeiError, TimeoutError):
 
 class DeviceError(GadeiError, ValueError):
     """A device a learner or job asks for that this machine cannot give (e.g. CUDA without a GPU)."""
+
+
+class DaemonError(GadeiError):
+    """Talking to the gadei daemon failed: none listens, the connection broke, or it refused a
+    request (`DaemonRefused`)."""
+
+
+class NoDaemon(DaemonError):
+    """No daemon listens on the socket (none runs); `socket` is its path, which the message names."""
+
+    def __init__(self, message: str, socket: str = ""):
+        super().__init__(message)
+        self.socket = socket
+
+
+class DaemonRefused(DaemonError):
+    """The daemon answered a request with a refusal; the message is its reason."""
+
+
+class NoSuchJob(DaemonRefused, LookupError):
+    """The daemon has no job of that name."""
+
+
+class JobTimeout(GadeiTimeout):
+    """A wait for a daemon job passed its deadline; `job` and `state` say which job and the state it
+    was still in, as the message does."""
+
+    def __init__(self, message: str, job: str = "", state: str = ""):
+        super().__init__(message)
+        self.job, self.state = job, state

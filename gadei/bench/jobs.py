@@ -120,7 +120,8 @@ def _samples_per_job(folder: Path, data: dict, epochs: int) -> int:
 
 def _side_by_side(folder: Path, data: dict, n: int, *, seed: int, epochs: int, samples: int) -> dict:
     """One daemon with --max-jobs `n` and `n` jobs submitted to it at once; their wall time, samples/s, CPU."""
-    from ..daemon import request
+    from ..daemon import Client
+    from ..errors import DaemonRefused
 
     run_dir, state = folder / "run", folder / "state"
     run_dir.mkdir(parents=True, mode=0o700)
@@ -139,10 +140,10 @@ def _side_by_side(folder: Path, data: dict, n: int, *, seed: int, epochs: int, s
         with _Readings(str(folder), daemon.pid) as readings:
             for i in range(n):
                 path = job_file(folder, f"trec-{i}", data, learners=LEARNERS, seed=seed, epochs=epochs)
-                answer = request(sock, {"op": "submit", "jobfile": str(path)})
-                if not answer.get("ok"):
-                    raise RuntimeError(f"gadei bench jobs: the daemon refused {path}: {answer.get('error')}")
-                live.append(answer["job"]["name"])
+                try:
+                    live.append(Client(sock).submit(path).name)
+                except DaemonRefused as err:
+                    raise RuntimeError(f"gadei bench jobs: the daemon refused {path}: {err}") from None
             jobs = _wait_ended(sock, live, TIMEOUT)
             live.clear()
         failed = [j for j in jobs if j["state"] != "done"]
@@ -162,11 +163,13 @@ def _side_by_side(folder: Path, data: dict, n: int, *, seed: int, epochs: int, s
 
 def _wait_ended(sock: str, names: list[str], timeout: float) -> list[dict]:
     """The daemon's records of jobs `names` once none is queued or running."""
-    from ..daemon import request
+    from dataclasses import asdict
+
+    from ..daemon import Client
 
     deadline = Deadline(timeout)
     while True:
-        jobs = [j for j in request(sock, {"op": "status"})["jobs"] if j["name"] in names]
+        jobs = [asdict(j) for j in Client(sock).jobs() if j.name in names]
         if all(j["state"] not in ("queued", "running") for j in jobs):
             return jobs
         if deadline.expired():
@@ -178,12 +181,12 @@ def _wait_ended(sock: str, names: list[str], timeout: float) -> list[dict]:
 def _stop(sock: str, daemon: subprocess.Popen, live: list[str]) -> None:
     """Stop the daemon, and the jobs `live` that may still run (the bench failed): a daemon's
     jobs outlive it."""
-    from ..daemon import request
+    from ..daemon import Client
     from ..launch import stop_job
 
     if daemon.poll() is None:
         try:
-            request(sock, {"op": "stop"}, timeout=30)
+            Client(sock).stop_daemon(timeout=30)
             daemon.wait(30)
         except Exception as err:  # it does not answer: it is killed
             log.warning("gadei bench jobs: the daemon did not stop (%s); killing it", err)

@@ -1,7 +1,7 @@
-"""`gadei daemon` and the requests it takes: `submit`, `cancel`, `logs`."""
+"""`gadei daemon` and the requests it takes: `submit`, `cancel`, `logs`, each through
+`gadei.Client`."""
 
 import logging
-import os
 import sys
 from dataclasses import asdict
 
@@ -14,7 +14,7 @@ def cmd_daemon(args) -> int:
     from .. import daemon
 
     if args.action == "stop":
-        pid = daemon.stop(timeout=args.timeout)
+        pid = daemon.Client(timeout=args.timeout).stop_daemon(timeout=args.timeout)
         print(f"gadei: daemon (pid {pid}) stopped; running jobs go on and the next daemon finds them",
               file=sys.stderr)
         return 0
@@ -26,36 +26,40 @@ def cmd_daemon(args) -> int:
 
 
 def cmd_submit(args) -> int:
-    from ..daemon import client
+    from ..daemon import Client
 
-    job = client({"op": "submit", "jobfile": os.path.abspath(args.jobfile), "resume": args.resume})["job"]
-    print(f"gadei: job {job['name']} queued; output in {job['output']}; `gadei status {job['name']}`, "
-          f"`gadei logs {job['name']}`, `gadei cancel {job['name']}`")
+    job = Client().submit(args.jobfile, resume=args.resume)
+    print(f"gadei: job {job.name} queued; output in {job.output}; `gadei status {job.name}`, "
+          f"`gadei logs {job.name}`, `gadei cancel {job.name}`")
     return 0
 
 
 def cmd_cancel(args) -> int:
-    from ..daemon import client
+    from ..daemon import Client
 
-    job = client({"op": "cancel", "job": args.job})["job"]
-    print(f"gadei: job {job['name']} {job['state']}: {job['message']}")
+    job = Client().cancel(args.job)
+    print(f"gadei: job {job.name} {job.state}: {job.message}")
     return 0
 
 
 def cmd_logs(args) -> int:
-    from ..daemon import NoDaemon, client
+    from ..daemon import Client, NoDaemon
     from ..daemon.jobs import job_logs, read_records, state_dir
 
+    printed = False
     try:
-        text = client({"op": "logs", "job": args.job, "lines": args.lines})["text"]
+        for line in Client().logs(args.job, args.lines, follow=args.follow):
+            print(line, flush=args.follow)
+            printed = True
     except NoDaemon as err:  # the logs are on disk all the same: found by the record the daemon left
+        if printed:  # it stopped while they were followed
+            raise
         folder = state_dir(create=False)
         record = read_records(folder).get(args.job)
         if record is None:
             raise GadeiError(f"{err}; and no job {args.job!r} is recorded in {folder / 'jobs'}") from None
-        print(f"gadei: {FROM_DISK['not running']}", file=sys.stderr)
-        text = job_logs(record, args.lines)
-    print(text)
+        print(f"gadei: {FROM_DISK['not running']}" + (" (not followed)" if args.follow else ""), file=sys.stderr)
+        print(job_logs(record, args.lines))
     return 0
 
 
@@ -70,15 +74,18 @@ def daemon_jobs(job: str | None) -> tuple[list[dict], str]:
     come from: "answered" (the daemon's answer) or, when no daemon answers, the records it left on
     disk, and why (a key of FROM_DISK: "not running", or "no answer" from a stopped or hung
     daemon)."""
-    from ..daemon import request, socket_path
+    from ..daemon import Client
     from ..daemon.jobs import read_records, state_dir
+    from ..errors import DaemonRefused, NoDaemon
 
+    client = Client(timeout=5)
     try:
-        answer = request(socket_path(), {"op": "status", "job": job}, timeout=5)
-        return (answer.get("jobs", []) if answer.get("ok") else []), "answered"
-    except (FileNotFoundError, ConnectionRefusedError):
+        return [asdict(r) for r in ([client.job(job)] if job is not None else client.jobs())], "answered"
+    except DaemonRefused:  # e.g. no such job
+        return [], "answered"
+    except NoDaemon:
         source = "not running"
-    except (OSError, ValueError, GadeiError):  # a stopped daemon (timeout), or one that hung up
+    except GadeiError:  # a stopped daemon (timeout), or one that hung up
         source = "no answer"
     records = sorted(read_records(state_dir(create=False)).values(), key=lambda r: r.submitted)
     return [asdict(r) for r in records if job is None or r.name == job], source
@@ -116,8 +123,10 @@ def add_parser(sub) -> None:
 
     p = sub.add_parser("logs", help="the last lines of a daemon job's logs",
                        description="The last lines of a daemon job's logs (logs/run.log, serve.log and each learner's "
-                       "in its output folder); while no daemon runs, found by the job record it left on disk. A job that "
-                       "never started (cancelled while queued) has none, and this says so.")
+                       "in its output folder); while no daemon runs, found by the job record it left on disk. A job "
+                       "that never started (cancelled while queued) has none, and this says so. --follow: then the "
+                       "lines they gain, as they are written, until the job has ended (a queued job is waited for).")
     p.add_argument("job")
     p.add_argument("--lines", type=int, default=50, help="lines per log (default 50)")
+    p.add_argument("--follow", "-f", action="store_true", help="then the lines the logs gain, until the job ends")
     p.set_defaults(func=cmd_logs)

@@ -22,17 +22,21 @@ once, even beside a stopped one, and a daemon only ever removes its own socket.
 Protocol: one JSON object per line each way. Requests: {"op": "submit", "jobfile": PATH,
 "resume": BOOL}, {"op": "status", "job": NAME or null}, {"op": "cancel", "job": NAME},
 {"op": "logs", "job": NAME, "lines": N}, {"op": "stop"}. Answers: {"ok": true, ...} or {"ok":
-false, "error": MESSAGE}. One thread serves every connection (`listener.Loop`, a selector): a request
+false, "error": MESSAGE, "kind": CLASS} (the class of the error, e.g. NoSuchJob or JobFileError,
+which `Client` raises again; absent for a request refused before it was read). One thread serves
+every connection (`listener.Loop`, a selector): a request
 is at most MAX_REQUEST bytes and must arrive within REQUEST_TIMEOUT, at most MAX_CONNECTIONS
 are open at once, and every request, however malformed, gets an answer; WORKERS threads
 compute the answers. A job that cannot start is marked failed with the reason, and the queue
-goes on.
+goes on. `Client` (`gadei.Client`) is the one way to talk to it, from Python and for the
+commands.
 """
 
-from .client import NoDaemon, client, format_jobs, request, stop, systemd_unit
+from ..errors import NoDaemon
+from .client import Client, format_jobs, request, systemd_unit
 from .jobs import CANCELLED, DONE, FAILED, LIVE, QUEUED, RUNNING, Daemon, DaemonRunning, JobRecord, socket_path, state_dir
 from .listener import MAX_CONNECTIONS, MAX_REQUEST, REQUEST_TIMEOUT, BadRequest
 
 __all__ = ["CANCELLED", "DONE", "FAILED", "LIVE", "MAX_CONNECTIONS", "MAX_REQUEST", "NoDaemon", "QUEUED",
-           "REQUEST_TIMEOUT", "RUNNING", "BadRequest", "Daemon", "DaemonRunning", "JobRecord", "client", "format_jobs",
-           "request", "socket_path", "state_dir", "stop", "systemd_unit"]
+           "REQUEST_TIMEOUT", "RUNNING", "BadRequest", "Client", "Daemon", "DaemonRunning", "JobRecord", "format_jobs",
+           "request", "socket_path", "state_dir", "systemd_unit"]

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from .. import _proc, jobfile
 from ..env import runtime_dir
-from ..errors import GadeiError
+from ..errors import GadeiError, NoSuchJob
 from .listener import BACKLOG, MAX_CONNECTIONS, WORKERS, Loop, check_request
 
 log = logging.getLogger(__name__)
@@ -261,7 +261,7 @@ class Daemon:
     def _get(self, name: str) -> JobRecord:
         record = self.records.get(name)
         if record is None:
-            raise GadeiError(f"the daemon has no job {name!r} (known: {', '.join(sorted(self.records)) or 'none'})")
+            raise NoSuchJob(f"the daemon has no job {name!r} (known: {', '.join(sorted(self.records)) or 'none'})")
         return record
 
     # ------------------------------------------------------------------ the runner
@@ -426,7 +426,8 @@ class Daemon:
                 pass  # the loop has wake-ups to read already, or is gone
 
     def answer(self, line: bytes) -> dict:
-        """The answer to one request line: {"ok": true, ...} or {"ok": false, "error": ...}; never raises."""
+        """The answer to one request line: {"ok": true, ...} or {"ok": false, "error": ..., "kind": ...}
+        (the class of the error, e.g. NoSuchJob, JobFileError); never raises."""
         try:
             req = check_request(line)
             op = req["op"]
@@ -449,8 +450,8 @@ class Daemon:
                 self.stop()
                 return {"ok": True, "pid": os.getpid()}
             raise AssertionError(op)
-        except GadeiError as err:
-            return {"ok": False, "error": str(err)}
+        except GadeiError as err:  # "kind": the error's class, which the client raises again (`client.Client`)
+            return {"ok": False, "error": str(err), "kind": type(err).__name__}
         except Exception as err:  # a bug must cost one request its answer, never the daemon
             log.exception("request %.200r failed", line)
             return {"ok": False, "error": f"the daemon failed on this request: {type(err).__name__}: {err}"}
