@@ -157,6 +157,49 @@ def test_a_job_cancelled_while_running_goes_on_with_submit_resume_to_every_learn
     communicate(daemon, 60)
 
 
+@pytest.mark.long  # an orphaned job held while it is cancelled: half a minute
+def test_cancelling_an_orphaned_job_answers_at_once_and_the_daemon_answers_while_it_stops(tmp_path, procs,
+                                                                                          daemon_env):
+    """The daemon stops an orphaned job itself (a checkpoint of the learners' progress, then the
+    stop): with its server held (SIGSTOP, as on a loaded machine) that takes a minute, through
+    which `gadei cancel` once waited past the client's timeout and every other request waited
+    for the daemon's lock. Now the cancel answers at once and the job ends cancelled once its
+    server runs again."""
+    name = f"d{os.getpid()}-held"
+    x, y = blobs(900)
+    np.savez(tmp_path / "blobs.npz", x=x, y=y)
+    path = tmp_path / "job.toml"
+    path.write_text(job_text({"job": {"name": name, "workload": "mlp"},
+                              "data": {"train": "blobs.npz", "format": "npz", "holdout": 0.2, "validation_holdout": 0},
+                              "train": {"learners": 2, "epochs": 200}, "checkpoint": {"interval": 600},
+                              "output": {"folder": "out"}}))
+    _start_daemon(procs, daemon_env)
+    finish(procs.gadei("submit", path, env=daemon_env))
+    try:
+        wait_for(lambda: job_version(name) >= 200, 120, "the job to make 200 updates")
+        os.kill(_jobs(procs, daemon_env)[name]["pid"], signal.SIGKILL)
+        wait_for(lambda: _jobs(procs, daemon_env)[name]["orphaned"], 60, "the daemon to see gadei run die")
+        server = inspect(name).server_pid
+        os.kill(server, signal.SIGSTOP)
+        try:
+            finish(procs.gadei("cancel", name, env=daemon_env), 60)  # once: the client's 30 s timeout
+            record = _jobs(procs, daemon_env)[name]  # the daemon answers while the job stops
+            assert (record["state"], record["message"]) == ("cancelled", "cancelling"), record
+            assert inspect(name).state == "running"  # the held server has not stopped
+        finally:
+            os.kill(server, signal.SIGCONT)
+        wait_for(lambda: _jobs(procs, daemon_env)[name]["message"].startswith("cancelled;"), 120,
+                 "the cancelled job to end")
+        assert json.loads((tmp_path / "out" / "result.json").read_text())["outcome"] == "stopped"
+        found = checkpoint.latest(tmp_path / "out" / "checkpoints", with_progress=True)
+        assert found is not None and set(found.progress) == {"0", "1"}, found and found.progress
+    finally:
+        for proc in job_processes(name):
+            proc.kill()
+        if inspect(name) is not None:
+            remove(name)
+
+
 def test_a_bad_job_file_is_refused_at_submit_and_nothing_is_queued(tmp_path, procs, daemon_env):
     daemon = _start_daemon(procs, daemon_env)
     bad = tmp_path / "bad.toml"

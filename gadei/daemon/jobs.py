@@ -221,37 +221,55 @@ class Daemon:
         return record
 
     def cancel(self, name: str) -> JobRecord:
+        """Cancel a queued job, or stop a running one as Ctrl-C stops `gadei run` (a checkpoint
+        that records the learners' progress, then the stop). Answers at once: a running job's
+        state is `cancelled` with the message "cancelling" until its run has stopped (`_reap`)."""
         with self.lock:
             record = self._get(name)
             if record.state == QUEUED:
                 self._finish(record, CANCELLED, None, "cancelled before it started")
-            elif record.state == RUNNING and record.orphaned:  # no gadei run: stop the job itself, as it would
-                from ..launch import stop_job
-                from ..run import checkpoint_progress
-
-                try:
-                    taken = checkpoint_progress(jobfile.load(Path(record.output) / "job.toml"))
-                except GadeiError as err:  # its job as run is gone: stop it all the same
-                    log.warning("job %s: no checkpoint before cancelling it: %s", record.name, err)
-                    taken = None
-                if taken is not None:
-                    log.info("job %s: checkpoint %s at version %s before cancelling it", record.name, taken.path.name,
-                             f"{taken.version:,}")
-                stop_job(record.name, timeout=60)
-                record.message = "cancelling"
-                record.state = CANCELLED
-                self._save(record)
-            elif record.state == RUNNING:
+                return record
+            if record.state != RUNNING:
+                raise GadeiError(f"job {name!r} is {record.state}; nothing to cancel")
+            if not record.orphaned:
                 try:
                     os.killpg(record.pid, signal.SIGTERM)  # gadei run stops its job: last checkpoint, logs kept
                 except ProcessLookupError:
                     pass
-                record.message = "cancelling"
-                record.state = CANCELLED
-                self._save(record)
-            else:
-                raise GadeiError(f"job {name!r} is {record.state}; nothing to cancel")
-            return record
+            record.message = "cancelling"
+            record.state = CANCELLED
+            self._save(record)
+        if record.orphaned:  # no gadei run: stop the job as it would, without holding the lock (up to a minute)
+            threading.Thread(target=self._stop_orphan, args=(record,), daemon=True,
+                             name=f"gadei-daemon-cancel-{record.name}").start()
+        return record
+
+    def _stop_orphan(self, record: JobRecord, tries: int = 5) -> None:
+        """An orphaned job's cancel: the checkpoint that records each learner's progress, then the
+        stop (`gadei.launch.stop_job`), tried again while a server of the job lives on (its
+        watchdog may restart a server it found dead meanwhile); `_reap` records the end."""
+        from ..launch import stop_job
+        from ..run import checkpoint_progress
+
+        name = record.name
+        try:
+            taken = checkpoint_progress(jobfile.load(Path(record.output) / "job.toml"))
+        except GadeiError as err:  # its job as run is gone: stop it all the same
+            log.warning("job %s: no checkpoint before cancelling it: %s", name, err)
+            taken = None
+        if taken is not None:
+            log.info("job %s: checkpoint %s at version %s before cancelling it", name, taken.path.name,
+                     f"{taken.version:,}")
+        for attempt in range(tries):
+            try:
+                stop_job(name, timeout=60)
+                return
+            except Exception as err:  # noqa: BLE001 (a thread of the daemon: say it, never die silently)
+                if not _job_alive(record):
+                    return
+                log.warning("job %s: cannot stop it (try %d of %d): %s", name, attempt + 1, tries, _reason(err))
+                time.sleep(2.0)
+        log.error("job %s: still runs after %d tries to stop it; stop it with `gadei stop %s`", name, tries, name)
 
     def logs(self, name: str, lines: int) -> str:
         with self.lock:
