@@ -134,4 +134,4 @@ def test_bench_quality_draws_its_figure_beside_out(procs, tmp_path):
     saved = _bench(procs, tmp_path, "quality")
     path = tmp_path / "gadei-bench-quality.png"
     assert saved["quality"]["plot"] == str(path)
-    assert _png(path)[:2] == (380, 800)
+    assert _png(path)[:2] == (420, 800)

@@ -35,9 +35,10 @@ def pyplot():
 
 
 def save(fig, path: str, title: str) -> str:
-    """Title `fig`, lay it out, write it to `path` as a PNG (its folder made) and close it."""
+    """Title `fig`, lay it out (unless it was made with a layout), write it to `path` as a PNG (its folder made) and close it."""
     fig.suptitle(title, fontsize=8 if fig.get_figwidth() > 5 else 6)
-    fig.tight_layout()
+    if fig.get_layout_engine() is None:  # a figure laid out as it was made keeps its layout
+        fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
     pyplot().close(fig)

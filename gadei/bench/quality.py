@@ -266,13 +266,15 @@ def figure(summary: dict):
 
     sets = list(summary)
     configs = list(summary[sets[0]])
-    fig, (accuracy, seconds) = pyplot().subplots(1, 2, figsize=(max(8.0, 2.2 * len(sets) + 5), 3.8))
+    fig, (accuracy, seconds) = pyplot().subplots(1, 2, figsize=(max(8.0, 2.2 * len(sets) + 5), 4.2),
+                                                 layout="constrained")  # room for the legend under them
     x, width = np.arange(len(sets)), 0.8 / len(configs)
     for i, config in enumerate(configs):
         at = x - 0.4 + width * (i + 0.5)
         s = [summary[name][config] for name in sets]
         median = [100 * v["median"] for v in s]
-        spread = [[m - 100 * v["min"] for m, v in zip(median, s)], [100 * v["max"] - m for m, v in zip(median, s)]]
+        spread = [[max(0.0, m - 100 * v["min"]) for m, v in zip(median, s)],
+                  [max(0.0, 100 * v["max"] - m) for m, v in zip(median, s)]]
         accuracy.bar(at, median, width, yerr=spread, capsize=2, label=config, color=f"C{i}")
         seconds.bar(at, [v["wall_seconds"] for v in s], width, color=f"C{i}", alpha=0.25)
         seconds.bar(at, [v["seconds_to_best"] or 0 for v in s], width, color=f"C{i}", label=config)
@@ -283,7 +285,8 @@ def figure(summary: dict):
     accuracy.set_ylim(max(0.0, 100 * lowest - 10), 100)
     accuracy.set_ylabel("test accuracy (%), median and range")
     accuracy.set_title("the model handed back", fontsize=9)
-    accuracy.legend(fontsize=7, loc="lower right")
+    fig.legend(*accuracy.get_legend_handles_labels(), loc="outside lower center", ncols=min(len(configs), 4),
+               fontsize=7)  # under both panels: over the bars, it hid them
     seconds.set_ylabel("seconds, median")
     seconds.set_title("to the chosen model (the whole run: light)", fontsize=9)
     return fig
