@@ -364,10 +364,22 @@ def write_metrics(out: Path) -> list[dict]:
 
 
 def plot(metrics: list[dict], path: Path, title: str, since: float | None = None) -> None:
-    """accuracy.png: validation and test accuracy against epochs and against seconds since the
-    run's start `since` (the time base of result.json's `seconds_to_best`: when each epoch's
-    evaluation was made; without `since`, or for records older than `evaluated_at`, the
-    epochs' training seconds added up), the chosen (best validation) epoch marked."""
+    """accuracy.png (`figure`), written whole or not at all."""
+    fig = figure(metrics, title, since)
+    import matplotlib.pyplot as plt  # on the backend `figure` chose
+
+    _replace_with(path, lambda tmp: fig.savefig(tmp, dpi=100, format="png"))
+    plt.close(fig)
+
+
+def figure(metrics: list[dict], title: str, since: float | None = None):
+    """accuracy.png's figure: validation and test accuracy against epochs and against seconds
+    since the run's start `since` (the time base of result.json's `seconds_to_best`: when each
+    epoch's evaluation was made; without `since`, or for records older than `evaluated_at`,
+    the epochs' training seconds added up), the chosen (best validation) epoch marked; and,
+    where the records carry them, a second row against epochs: the evaluating learner's
+    samples/s, and the staleness of the job's applied gradients (the epoch's mean, the
+    largest so far)."""
     import matplotlib
 
     matplotlib.use("Agg")  # no screen
@@ -378,7 +390,10 @@ def plot(metrics: list[dict], path: Path, title: str, since: float | None = None
         total += m.get("epoch_seconds", 0.0)
         took = seconds_after(since, m.get("evaluated_at"))
         seconds[m["epoch"]] = took if took is not None else total
-    fig, (by_epoch, by_time) = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    pace = any(key in m for m in metrics for key in ("samples_per_s", "staleness_mean", "staleness_max"))
+    fig, axes = plt.subplots(2 if pace else 1, 2, figsize=(10, 7 if pace else 4), squeeze=False)
+    by_epoch, by_time = axes[0]
+    by_time.sharey(by_epoch)
     for key, label in (("validation_accuracy", "validation"), ("test_accuracy", "test")):
         points = [(m["epoch"], 100 * m[key]) for m in metrics if key in m]
         if not points:
@@ -393,13 +408,37 @@ def plot(metrics: list[dict], path: Path, title: str, since: float | None = None
     by_epoch.set_xlabel("epoch")
     by_epoch.set_ylabel("accuracy (%)")
     by_time.set_xlabel("seconds since the run's start" if since else "seconds of training")
-    for axes in (by_epoch, by_time):
-        axes.grid(True, alpha=0.3)
     if any("validation_accuracy" in m or "test_accuracy" in m for m in metrics):
         by_epoch.legend(loc="lower right")
+    if pace:
+        _pace(axes[1], metrics)
+    from matplotlib.ticker import MaxNLocator
+
+    for ax in axes.flat:
+        ax.grid(True, alpha=0.3)
+        if ax.get_xlabel() == "epoch":
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # no epoch 2.5
     fig.suptitle(f"gadei job {title}")
     fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}.png")
-    fig.savefig(tmp, dpi=100)
-    os.replace(tmp, path)
-    plt.close(fig)
+    return fig
+
+
+def _pace(axes, metrics: list[dict]) -> None:
+    """accuracy.png's second row: samples/s, and staleness, against epochs."""
+    rate, stale = axes
+    points = [(m["epoch"], m["samples_per_s"]) for m in metrics if isinstance(m.get("samples_per_s"), (int, float))]
+    rate.plot([e for e, _ in points], [r for _, r in points], marker="o", color="tab:green")
+    rate.set_ylim(bottom=0)
+    rate.set_xlabel("epoch")
+    rate.set_ylabel("samples/s")
+    rate.set_title("learner 0's samples/s", fontsize=10)
+    for key, label, style in (("staleness_mean", "mean in the epoch", "o-"), ("staleness_max", "largest so far", "s--")):
+        points = [(m["epoch"], m[key]) for m in metrics if isinstance(m.get(key), (int, float))]
+        if points:
+            stale.plot([e for e, _ in points], [s for _, s in points], style, label=label)
+    stale.set_ylim(bottom=0)
+    stale.set_xlabel("epoch")
+    stale.set_ylabel("versions")
+    stale.set_title("staleness of the applied gradients", fontsize=10)
+    if stale.lines:
+        stale.legend(loc="upper left", fontsize=8)

@@ -1,7 +1,9 @@
 """The benches' records of the processes they run: a short run of gadei and of Hogwild through
 `gadei.bench.peers.run_peer` (real processes, real shared memory) reports every process, its
-role, CPU seconds and OS threads, so that a run on any machine shows what each one cost."""
+role, CPU seconds and OS threads, so that a run on any machine shows what each one cost; and
+the pictures the benches draw beside their tables (`--plot`)."""
 
+import json
 import os
 
 import pytest
@@ -28,3 +30,108 @@ def test_a_run_records_every_process_with_its_cpu_and_threads(kind, roles):
     # the run's CPU is the sum of its processes' (the figure CPU ms/sample is made of)
     assert run["cpu_s"] == pytest.approx(sum(p["cpu_s"] for p in processes))
     assert run["server_cpu_s"] == pytest.approx(sum(p["cpu_s"] for p in processes if p["role"] == "server"))
+
+
+# The pictures the benchmarks draw beside their tables (`--plot`, gadei.bench.figure).
+
+def _png(path) -> tuple:
+    """A PNG's (height, width, channels), read back by matplotlib."""
+    import matplotlib.image
+
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", path
+    return matplotlib.image.imread(path).shape
+
+
+def test_plot_goes_beside_out_by_default_and_gets_each_benchmarks_name_when_several_draw():
+    from argparse import Namespace
+
+    from gadei.bench.figure import plot_path
+
+    args = Namespace(what=["kernel", "gpu"], out="/r/gadei-bench.json", plot=None)
+    assert plot_path(args, "gpu") == "/r/gadei-bench-gpu.png"
+    assert plot_path(Namespace(what=["scaling"], out="gadei-bench.json", plot=None), "scaling") == "gadei-bench-scaling.png"
+    args.plot = "/p/gpu.png"  # one benchmark of the command draws: the path as given
+    assert plot_path(args, "gpu") == "/p/gpu.png"
+    args.what = ["peers", "scaling"]
+    assert [plot_path(args, w) for w in args.what] == ["/p/gpu-peers.png", "/p/gpu-scaling.png"]
+    args.plot = "none"
+    assert plot_path(args, "peers") is None
+
+
+def _titles(fig) -> list[str]:
+    import matplotlib.pyplot as plt
+
+    titles = [ax.get_title() for ax in fig.axes]
+    plt.close(fig)
+    return titles
+
+
+def test_each_benchmarks_figure_has_a_panel_per_figure_of_its_tables():
+    """The figures drawn from a benchmark's JSON (of the shape its --quick run saves): peers one
+    panel per mini-batch with a bar per method, quality its accuracies and times, gpu its three
+    figures (the real commands draw them in the long tests below)."""
+    from gadei.bench import gpu, peers, quality
+
+    runs = [("plain", 1), ("gadei", 2), ("rpc", 2)]
+    methods = {f"{k}-{n}": {"samples_per_s": 100.0 * i + 50, "test_accuracy": 0.8} for i, (k, n) in enumerate(runs)}
+    fig = peers.figure([{"batch": 4, "methods": methods}, {"batch": 32, "methods": methods}], runs)
+    assert [t.get_text() for t in fig.axes[0].get_yticklabels()] == ["plain PyTorch 1 process", "gadei 2 learners",
+                                                                     "RPC parameter server 1 + 2"]
+    assert [round(b.get_width()) for b in fig.axes[0].patches] == [50, 150, 250]
+    assert _titles(fig) == ["batch 4", "batch 32"]
+    s = {"median": 0.9, "min": 0.88, "max": 0.91, "seconds_to_best": 10.0, "wall_seconds": 20.0}
+    fig = quality.figure({"trec": {"gadei-1": s, "gadei-2": s, "pytorch": {**s, "seconds_to_best": None}}})
+    assert len(fig.axes[0].patches) == 3 and fig.axes[0].get_ylabel().startswith("test accuracy")
+    assert _titles(fig) == ["the model handed back", "to the chosen model (the whole run: light)"]
+    step = {"model": "vgg", "batch": 2, "plain_step_ms": 2.0, "gadei_step_ms": 2.1}
+    copy = {"model": "vgg", "batch": 2, "push_bytes_per_s": 1e9, "pull_bytes_per_s": 1e9,
+            "device_to_host_bytes_per_s": 2e9, "host_to_device_bytes_per_s": 2e9}
+    share = {"plain_samples_per_s": 900.0, "batch": 4, "rows": [{"learners": 1, "samples_per_s": 800.0, "gpu_busy": 0.5},
+                                                                 {"learners": 2, "samples_per_s": 1500.0, "gpu_busy": 0.9}]}
+    fig = gpu.figure({"step": {"rows": [step]}, "share": share, "copy": {"rows": [copy]}})
+    assert len(fig.axes) == 4  # the GPU's busy fraction on a second axis of the share panel
+    assert _titles(fig)[:3] == ["step time (lower is better)", "sharing the GPU (text CNN, batch 4)",
+                                "copies against pinned copies"]
+
+
+def _bench(procs, tmp_path, *what: str, timeout: float = 900) -> dict:
+    from helpers import finish
+
+    out = tmp_path / "bench.json"
+    finish(procs.gadei("bench", *what, "--quick", "--repeats", "1", "--out", out,
+                       env={**os.environ, "GADEI_DATA_DIR": str(data_dir())}), timeout)
+    return json.loads(out.read_text())
+
+
+@pytest.mark.long  # a bench's --quick run: a minute and more of steps and processes
+def test_bench_gpu_on_the_cpu_draws_its_figure_beside_out(procs, tmp_path):
+    """`gadei bench gpu --device cpu --quick` (the harness's smoke run) draws its figure through
+    the code a GPU run takes, to gadei-bench-gpu.png beside --out, and the JSON says where."""
+    saved = _bench(procs, tmp_path, "gpu", "--device", "cpu", timeout=600)
+    path = tmp_path / "gadei-bench-gpu.png"
+    assert saved["gpu"]["plot"] == str(path)
+    assert _png(path)[:2] == (380, 1300)  # three panels side by side
+
+
+@pytest.mark.long  # a bench's --quick run: minutes of training
+def test_bench_peers_draws_its_figure_to_plot(procs, tmp_path):
+    """`gadei bench peers --quick --plot P` draws one panel (batch 4), a bar per method, to P."""
+    if not (data_dir() / "trec" / "TREC.train").is_file():
+        missing("TREC is not in the shared data")
+    path = tmp_path / "figures" / "peers.png"
+    saved = _bench(procs, tmp_path, "peers", "--plot", str(path))
+    assert saved["peers"]["plot"] == str(path)
+    height, width, _ = _png(path)
+    assert (height, width) == (352, 560)  # 6 methods, 1 batch
+
+
+@pytest.mark.long  # a bench's --quick run: minutes of training
+def test_bench_quality_draws_its_figure_beside_out(procs, tmp_path):
+    """`gadei bench quality --quick` draws the accuracies and times of TREC's runs to
+    gadei-bench-quality.png beside --out."""
+    if not (data_dir() / "trec" / "TREC.train").is_file():
+        missing("TREC is not in the shared data")
+    saved = _bench(procs, tmp_path, "quality")
+    path = tmp_path / "gadei-bench-quality.png"
+    assert saved["quality"]["plot"] == str(path)
+    assert _png(path)[:2] == (420, 800)

@@ -664,7 +664,9 @@ def test_bench_peers_and_scaling_quick(procs, tmp_path):
     assert [p["learners"] for p in curve["gadei"]] == [p["learners"] for p in curve["hogwild"]] == [1, 2]
     assert all(0 < p["server_cpu_share"] < 1 for p in curve["gadei"])
     assert set(saved["scaling"]["smallest_batch"]) == {"gadei", "hogwild"}
-    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for name in ("peers", "scaling"):  # two benchmarks that draw: --plot's name gets each one's
+        drawn = tmp_path / f"scaling-{name}.png"
+        assert saved[name]["plot"] == str(drawn) and drawn.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.long  # a bench's --quick run: about a minute of training runs

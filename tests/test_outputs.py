@@ -1,5 +1,5 @@
 """A run's outputs (`gadei.outputs`): what result.json and the run's last line say of a
-resumed run's time."""
+resumed run's time; what accuracy.png shows."""
 
 import json
 import re
@@ -32,6 +32,8 @@ def test_a_resumed_run_says_its_seconds_with_the_runs_it_resumed(tmp_path, procs
         took = re.search(r"done in (\d+) s \((\d+) s with the runs it resumed\)", said)
         assert took, said
         assert abs(int(took[2]) - int(took[1]) - stopped["seconds"]) <= 1, (said, stopped)
+        # a real run's records carry samples/s and staleness: accuracy.png has their row too
+        assert _png_shape(out / "accuracy.png")[:2] == (700, 1000)
     finally:
         end_jobs(name)
 
@@ -51,3 +53,43 @@ def test_a_run_resumed_after_a_kill_that_left_no_result_says_nothing_of_the_time
     (out / "result.json").write_text(json.dumps({"seconds": 30.0}))
     outputs.forget(out)
     assert not (out / outputs.EARLIER).exists()
+
+
+def _png_shape(path) -> tuple:
+    import matplotlib.image
+
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", path
+    return matplotlib.image.imread(path).shape
+
+
+def _records(pace: bool) -> list[dict]:
+    keys = ("samples_per_s", "staleness_mean", "staleness_max")
+    return [{"epoch": e, "validation_accuracy": 0.5 + 0.05 * e, "test_accuracy": 0.5 + 0.04 * e, "epoch_seconds": 2.0,
+             "best": e == 2, **({k: v for k, v in zip(keys, (900.0 + e, 1.0 + e / 10, 2 + e))} if pace else {})}
+            for e in (1, 2, 3)]
+
+
+def test_accuracy_png_shows_samples_per_s_and_staleness_in_panels_of_their_own(tmp_path):
+    """Records with samples/s and staleness (metrics.jsonl's) get a second row of panels against
+    epochs, one for samples/s, one for the staleness's mean and largest, each with its own axis,
+    the accuracies' panels as before; records without them (an older run's) keep one row."""
+    import matplotlib.pyplot as plt
+
+    fig = outputs.figure(_records(pace=True), "job")
+    accuracy, by_time, rate, stale = fig.axes
+    assert [ax.get_ylabel() for ax in fig.axes] == ["accuracy (%)", "", "samples/s", "versions"]
+    assert rate.get_xlabel() == stale.get_xlabel() == accuracy.get_xlabel() == "epoch"
+    assert [list(line.get_ydata()) for line in rate.lines] == [[901.0, 902.0, 903.0]]
+    assert {line.get_label(): list(line.get_ydata()) for line in stale.lines} == {
+        "mean in the epoch": [1.1, 1.2, 1.3], "largest so far": [3, 4, 5]}
+    assert accuracy.get_shared_y_axes().joined(accuracy, by_time)
+    assert not rate.get_shared_y_axes().joined(rate, stale)
+    plt.close(fig)
+    fig = outputs.figure(_records(pace=False), "job")
+    assert [ax.get_ylabel() for ax in fig.axes] == ["accuracy (%)", ""]
+    plt.close(fig)
+    # the file, accuracy.png: taller with the second row
+    outputs.plot(_records(pace=True), tmp_path / "accuracy.png", "job")
+    outputs.plot(_records(pace=False), tmp_path / "old.png", "job")
+    assert _png_shape(tmp_path / "accuracy.png")[:2] == (700, 1000) and _png_shape(tmp_path / "old.png")[:2] == (400, 1000)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["accuracy.png", "old.png"]  # no temporary file left

@@ -21,7 +21,7 @@ bridge   the MPI bridge's exchange (time, GB/s, bytes on the wire) against one b
 peers    the text CNN trained by gadei (1, 2, 4 learners) against a plain PyTorch loop, Hogwild
          (2, 4 processes), DDP over gloo (2, 4; also with lr x N) and PyTorch's RPC parameter
          server (1 + 2, 1 + 4) at mini-batch 1, 2, 4 and 32: samples/s, test accuracy, CPU
-         seconds per sample, and gadei's ratio to each (gadei.bench.peers).
+         seconds per sample, and gadei's ratio to each (gadei.bench.peers); drawn to --plot.
 scaling  samples/s against learners (1 to 4) of gadei and Hogwild at the same batches, the
          gadei server's share of the CPU, and the smallest batch at which N learners beat one
          plain process; plotted to --plot (gadei.bench.scaling).
@@ -29,7 +29,7 @@ quality  what a job file with nothing tuned hands back on each shared data set (
          Subj, CR, banking77): the chosen model's test accuracy (median and range over
          --repeats seeds), the epoch chosen on validation and the wall time, with 1 and 2
          learners, beside a plain PyTorch loop (Adam, mini-batch 32, the same validation
-         stopping) (gadei.bench.quality); --sets picks some.
+         stopping) (gadei.bench.quality); --sets picks some; drawn to --plot.
 server   the `gadei serve` process's CPU seconds per 1,000 applied updates with a kernel team
          of 1, 2, 4 and 8 threads, one learner pushing at a fixed pace, against the kernel's
          own work: what idle or spinning threads cost (gadei.bench.server).
@@ -42,11 +42,13 @@ jobs     N identical jobs (text CNN on TREC, 2 learners) side by side under one 
          seconds per sample and the threads of every process (gadei.bench.jobs).
 gpu      GPU learners (gadei.bench.gpu): per-step time of one GPU learner + server against a
          plain PyTorch GPU loop, samples/s and GPU busy fraction with 1-8 learners on one GPU,
-         the transports' copy bandwidth against pinned copies; needs CUDA (--device).
+         the transports' copy bandwidth against pinned copies; needs CUDA (--device); drawn to --plot.
 
 Every figure is the median of `--repeats` runs, the methods interleaved within each run so
 that the machine's noise falls on all of them alike; ratios are of the medians. The tables
-are printed and everything is saved as JSON (`--out`).
+are printed and everything is saved as JSON (`--out`); peers, scaling, quality and gpu also
+draw their figures as PNGs (`--plot`, default gadei-bench-<name>.png beside --out,
+gadei.bench.figure), each JSON part saying where (its "plot").
 """
 
 import json

@@ -29,6 +29,7 @@ from torch import nn
 
 from ..errors import DeviceError
 from ..modes import RuleOptions
+from .figure import plot_path, pyplot, save
 from .timing import median, start_server, table
 
 log = logging.getLogger(__name__)
@@ -382,4 +383,55 @@ def bench_gpu(args) -> dict:
     step = bench_step(args, device)
     share = bench_share(args, device)
     copy = bench_copy(step, device, args.repeats)
-    return {"device": str(device), "gpu": gpu, "step": step, "share": share, "copy": copy}
+    out = {"device": str(device), "gpu": gpu, "step": step, "share": share, "copy": copy}
+    path = plot_path(args, "gpu")
+    if path:
+        where = gpu["name"] if gpu else f"{device} (a smoke run: the figures say nothing about GPUs)"
+        out["plot"] = save(figure(out), path, f"gadei bench gpu on {where}, median of {args.repeats}")
+    return out
+
+
+def figure(result: dict):
+    """The three figures side by side: ms per step of gadei and the plain loop for each model
+    and batch; samples/s against learners sharing the GPU (the plain loop as a line, the GPU's
+    busy fraction on a second axis where it was read); the push and pull copies' GB/s beside
+    pinned copies'."""
+    import numpy as np
+
+    fig, (step, share, copy) = pyplot().subplots(1, 3, figsize=(13, 3.8))
+    rows = result["step"]["rows"]
+    cases, x = [f"{r['model']}\nbatch {r['batch']}" for r in rows], np.arange(len(rows))
+    step.bar(x - 0.2, [r["plain_step_ms"] for r in rows], 0.4, label="plain PyTorch", color="tab:grey")
+    step.bar(x + 0.2, [r["gadei_step_ms"] for r in rows], 0.4, label="gadei learner + server", color="tab:blue")
+    step.set_xticks(x, cases, fontsize=7)
+    step.set_ylabel("ms per step")
+    step.set_title("step time (lower is better)", fontsize=9)
+    step.legend(fontsize=7)
+    shared = result["share"]
+    learners = [r["learners"] for r in shared["rows"]]
+    share.plot(learners, [r["samples_per_s"] for r in shared["rows"]], "o-", color="tab:blue", label="gadei learners")
+    share.axhline(shared["plain_samples_per_s"], color="grey", linestyle=":", label="plain PyTorch, 1 process")
+    share.set_xticks(learners)
+    share.set_xlabel("learners on one GPU")
+    share.set_ylabel("samples/s")
+    share.set_ylim(bottom=0)
+    share.set_title(f"sharing the GPU (text CNN, batch {shared['batch']})", fontsize=9)
+    share.legend(fontsize=7, loc="lower right")
+    busy = [(n, r["gpu_busy"]) for n, r in zip(learners, shared["rows"]) if r["gpu_busy"] is not None]
+    if busy:
+        twin = share.twinx()
+        twin.bar([n for n, _ in busy], [100 * b for _, b in busy], width=0.3, alpha=0.2, color="tab:blue")
+        twin.set_ylim(0, 100)
+        twin.set_ylabel("GPU busy %", fontsize=8)
+    rows = result["copy"]["rows"]
+    x = np.arange(len(rows))
+    for offset, key, label, colour in ((-0.3, "push_bytes_per_s", "push (device -> region)", "tab:blue"),
+                                       (-0.1, "device_to_host_bytes_per_s", "pinned D2H", "lightsteelblue"),
+                                       (0.1, "pull_bytes_per_s", "pull (region -> device)", "tab:green"),
+                                       (0.3, "host_to_device_bytes_per_s", "pinned H2D", "palegreen")):
+        copy.bar(x + offset, [r[key] / 1e9 for r in rows], 0.2, label=label, color=colour)
+    copy.set_xticks(x, [f"{r['model']}\nbatch {r['batch']}" for r in rows], fontsize=7)
+    copy.set_ylabel("GB/s")
+    copy.set_title("copies against pinned copies", fontsize=9)
+    copy.legend(fontsize=7)
+    return fig

@@ -21,6 +21,7 @@ import time
 
 import torch
 
+from .figure import plot_path, pyplot, save
 from .timing import cross_cpu_ns, median, placement, start_server, table
 from .train import _default_data
 
@@ -350,7 +351,39 @@ def bench_peers(args) -> dict:
         where = placement_of([r for m in med.values() for r in m["runs"]])
         if where:
             print(where)
-    return {"data": data, "epochs": args.epochs, "lr": lr, "limit": limit, "rows": records}
+    out = {"data": data, "epochs": args.epochs, "lr": lr, "limit": limit, "rows": records}
+    path = plot_path(args, "peers")
+    if path:
+        title = (f"text CNN on {data.split(':')[0]}, {args.epochs} epoch(s), lr {lr}, median of {args.repeats}: "
+                 "samples/s, test accuracy at each bar")
+        out["plot"] = save(figure(records, runs), path, title)
+    return out
+
+
+COLOURS = {"gadei": "tab:blue", "plain": "tab:grey", "hogwild": "tab:orange", "ddp": "tab:green",
+           "ddp-lr": "tab:olive", "rpc": "tab:red"}
+
+
+def figure(records: list[dict], runs: list[tuple[str, int]]):
+    """One panel per mini-batch: each method's samples/s as a bar, its test accuracy written at
+    the bar's end, the methods in the table's order (gadei's bars in blue)."""
+    names = [f"{kind}-{world}" for kind, world in runs]
+    labels = [f"{LABELS[kind]} {_who(kind, world)}" for kind, world in runs]
+    fig, axes = pyplot().subplots(1, len(records), figsize=(3.4 * len(records) + 2.2, 0.32 * len(runs) + 1.6),
+                                  squeeze=False, sharey=True)
+    for ax, record in zip(axes[0], records):
+        rates = [record["methods"][n]["samples_per_s"] for n in names]
+        bars = ax.barh(range(len(names)), rates, color=[COLOURS[kind] for kind, _ in runs])
+        for bar, name in zip(bars, names):
+            ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2,
+                    f" {record['methods'][name]['test_accuracy']:.0%}", va="center", fontsize=7)
+        ax.set_title(f"batch {record['batch']}", fontsize=9)
+        ax.set_xlabel("samples/s")
+        ax.set_xlim(0, 1.25 * max(rates))  # room for the accuracies
+        ax.grid(True, axis="x", alpha=0.3)
+    axes[0][0].set_yticks(range(len(names)), labels, fontsize=7)
+    axes[0][0].invert_yaxis()  # the table's order, top to bottom
+    return fig
 
 
 def _who(kind: str, world: int) -> str:

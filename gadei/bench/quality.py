@@ -30,6 +30,7 @@ from pathlib import Path
 
 from .._proc import gadei_command
 from ..env import settings
+from .figure import plot_path, pyplot, save
 from .timing import table
 
 log = logging.getLogger(__name__)
@@ -247,8 +248,48 @@ def bench_quality(args) -> dict:
     print("2 learners' time to 1 learner's chosen validation accuracy (same seed) against 1 learner's, median: "
           + ", ".join(f"{name} {'-' if level[name] is None else f'{level[name]:.2f}x'} (reached on "
                       f"{sum(r is not None for r in ratios)} of {len(ratios)} seeds)" for name, ratios in same.items()))
-    return {"seeds": seeds, "quick": args.quick, "baseline": BASELINE, "candidates": trained, "summary": summary,
-            "to_best_2_over_1": speedup, "to_level_2_over_1": level, "runs": runs}
+    out = {"seeds": seeds, "quick": args.quick, "baseline": BASELINE, "candidates": trained, "summary": summary,
+           "to_best_2_over_1": speedup, "to_level_2_over_1": level, "runs": runs}
+    path = plot_path(args, "quality")
+    if path:
+        title = (f"gadei bench quality: a job file with nothing tuned, seeds {','.join(map(str, seeds))}"
+                 + (" (quick: a cut of TREC, 1 epoch)" if args.quick else ""))
+        out["plot"] = save(figure(summary), path, title)
+    return out
+
+
+def figure(summary: dict):
+    """Per data set, each run's (gadei 1 and 2 learners, PyTorch, each candidate) test accuracy,
+    the median with the seeds' range, and the median seconds to the chosen model, the wall
+    time behind it."""
+    import numpy as np
+
+    sets = list(summary)
+    configs = list(summary[sets[0]])
+    fig, (accuracy, seconds) = pyplot().subplots(1, 2, figsize=(max(8.0, 2.2 * len(sets) + 5), 4.2),
+                                                 layout="constrained")  # room for the legend under them
+    x, width = np.arange(len(sets)), 0.8 / len(configs)
+    for i, config in enumerate(configs):
+        at = x - 0.4 + width * (i + 0.5)
+        s = [summary[name][config] for name in sets]
+        median = [100 * v["median"] for v in s]
+        spread = [[max(0.0, m - 100 * v["min"]) for m, v in zip(median, s)],
+                  [max(0.0, 100 * v["max"] - m) for m, v in zip(median, s)]]
+        accuracy.bar(at, median, width, yerr=spread, capsize=2, label=config, color=f"C{i}")
+        seconds.bar(at, [v["wall_seconds"] for v in s], width, color=f"C{i}", alpha=0.25)
+        seconds.bar(at, [v["seconds_to_best"] or 0 for v in s], width, color=f"C{i}", label=config)
+    for ax in (accuracy, seconds):
+        ax.set_xticks(x, sets)
+        ax.grid(True, axis="y", alpha=0.3)
+    lowest = min(v["min"] for by in summary.values() for v in by.values())
+    accuracy.set_ylim(max(0.0, 100 * lowest - 10), 100)
+    accuracy.set_ylabel("test accuracy (%), median and range")
+    accuracy.set_title("the model handed back", fontsize=9)
+    fig.legend(*accuracy.get_legend_handles_labels(), loc="outside lower center", ncols=min(len(configs), 4),
+               fontsize=7)  # under both panels: over the bars, it hid them
+    seconds.set_ylabel("seconds, median")
+    seconds.set_title("to the chosen model (the whole run: light)", fontsize=9)
+    return fig
 
 
 def _summary(results: list[dict]) -> dict:

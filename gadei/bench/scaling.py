@@ -10,13 +10,14 @@ interleaved together.
 """
 
 import logging
-from pathlib import Path
 
+from .figure import plot_path, pyplot, save
 from .peers import LABELS, QUICK_LIMIT, _batches, placement_of, print_threads, scaling_methods, shared_runs, summarise
 from .timing import table
 from .train import _default_data
 
 log = logging.getLogger(__name__)
+
 
 def bench_scaling(args) -> dict:
     data = _default_data(args)
@@ -56,11 +57,10 @@ def bench_scaling(args) -> dict:
     print(table(("learners", "gadei", "Hogwild"),
                 [(n, beat["gadei"][str(n)] or "none", beat["hogwild"][str(n)] or "none") for n in learners]))
     out = {"data": data, "epochs": args.epochs, "lr": lr, "limit": limit, "curves": curves, "smallest_batch": beat}
-    if getattr(args, "plot", None):
-        plot(curves, learners, args.plot, f"text CNN on TREC, {args.epochs} epoch(s), lr {lr}, "
-             f"median of {args.repeats}")
-        out["plot"] = args.plot
-        print(f"plot: {args.plot}")
+    path = plot_path(args, "scaling")
+    if path:
+        title = f"text CNN on {data.split(':')[0]}, {args.epochs} epoch(s), lr {lr}, median of {args.repeats}"
+        out["plot"] = save(figure(curves, learners), path, title)
     return out
 
 
@@ -75,15 +75,10 @@ def smallest_batches(curves: list[dict], learners) -> dict:
     return out
 
 
-def plot(curves: list[dict], learners, path: str, title: str) -> None:
+def figure(curves: list[dict], learners):
     """Samples/s against learners, one panel per mini-batch: gadei and Hogwild, the plain loop
     as a line, and the gadei server's share of the CPU on a second axis."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # no screen
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(curves), figsize=(3.2 * len(curves) + 0.8, 3.6), squeeze=False)
+    fig, axes = pyplot().subplots(1, len(curves), figsize=(3.2 * len(curves) + 0.8, 3.6), squeeze=False)
     for ax, c in zip(axes[0], curves):
         ax.plot(learners, [p["samples_per_s"] for p in c["gadei"]], "o-", label=LABELS["gadei"], color="tab:blue")
         ax.plot(learners, [p["samples_per_s"] for p in c["hogwild"]], "s--", label=LABELS["hogwild"], color="tab:orange")
@@ -101,8 +96,4 @@ def plot(curves: list[dict], learners, path: str, title: str) -> None:
             share.set_ylabel("server's share of CPU %", fontsize=8)
     axes[0][0].set_ylabel("samples/s")
     axes[0][0].legend(fontsize=7, loc="lower right")
-    fig.suptitle(title, fontsize=8 if len(curves) > 1 else 6)
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    return fig

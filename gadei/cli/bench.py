@@ -35,5 +35,7 @@ def add_parser(sub) -> None:
                    "the harness, figures meaningless)")
     p.add_argument("--batches", help="peers, scaling, threads: mini-batch sizes, comma-separated (default 1,2,4,32; "
                    "--quick 4; threads: 2,32)")
-    p.add_argument("--plot", default="gadei-bench-scaling.png", help="scaling: where to draw the curve (PNG)")
+    p.add_argument("--plot", default=None, metavar="PNG",
+                   help="peers, scaling, quality, gpu: where to draw the figure beside the tables (default "
+                   "gadei-bench-<name>.png beside --out; with several of them, PNG's name gets -<name>; none: no figure)")
     p.set_defaults(func=cmd_bench)
