@@ -215,6 +215,7 @@ class _Staleness:
     def __init__(self, region):
         self.region = region
         self.last = self._counts()
+        self.most = max((top for _, _, top in self.last.values()), default=0)
 
     def _counts(self) -> dict[tuple[int, int], tuple[float, int, int]]:
         from . import status
@@ -224,17 +225,18 @@ class _Staleness:
 
     def since_last(self) -> dict:
         """`staleness_mean` of the gradients applied since the last call (all learners) and
-        `staleness_max`, the largest any of them had."""
+        `staleness_max`, the largest any gradient of the job had so far: kept here, since a ring
+        owner that leaves (or is restarted) takes its own largest with it."""
         now = self._counts()
-        stale = applied = most = 0
+        stale = applied = 0
         for owner, (total, count, top) in now.items():
-            before_total, before_count, before_top = self.last.get(owner, (0.0, 0, 0))
+            before_total, before_count, _ = self.last.get(owner, (0.0, 0, 0))
+            self.most = max(self.most, top)
             if count > before_count:
                 stale += total - before_total
                 applied += count - before_count
-                most = max(most, top)  # the owner's largest ever; its new gradients are among them
         self.last = now
-        return {"staleness_mean": round(stale / applied, 3) if applied else 0.0, "staleness_max": most}
+        return {"staleness_mean": round(stale / applied, 3) if applied else 0.0, "staleness_max": self.most}
 
 
 def _report(args, record: dict) -> None:

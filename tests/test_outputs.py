@@ -93,3 +93,25 @@ def test_accuracy_png_shows_samples_per_s_and_staleness_in_panels_of_their_own(t
     outputs.plot(_records(pace=False), tmp_path / "old.png", "job")
     assert _png_shape(tmp_path / "accuracy.png")[:2] == (700, 1000) and _png_shape(tmp_path / "old.png")[:2] == (400, 1000)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["accuracy.png", "old.png"]  # no temporary file left
+
+
+def test_staleness_max_is_the_largest_so_far_when_a_learner_leaves():
+    """metrics.jsonl's `staleness_max` is the largest staleness of the job's gradients so far, as
+    the docs say: a ring owner that leaves takes its own largest with it (it once fell from 9 to
+    7 in a real run), and one that pushed nothing in an epoch still counts."""
+    from gadei.trainer import _Staleness
+
+    class Fed(_Staleness):  # the region's counters as `status.read` gives them, one snapshot per call
+        def __init__(self, snapshots):
+            self.snapshots = iter(snapshots)
+            super().__init__(region=None)
+
+        def _counts(self):
+            return next(self.snapshots)
+
+    staleness = Fed([{}, {(0, 10): (18.0, 6, 9), (1, 11): (4.0, 4, 2)},  # owner (entry, pid): (sum, applied, max)
+                     {(1, 11): (10.0, 8, 3)},  # learner 0 left with its 9
+                     {(1, 11): (10.0, 8, 3)}])  # nothing applied
+    assert staleness.since_last() == {"staleness_mean": 2.2, "staleness_max": 9}
+    assert staleness.since_last() == {"staleness_mean": 1.5, "staleness_max": 9}
+    assert staleness.since_last() == {"staleness_mean": 0.0, "staleness_max": 9}
