@@ -169,7 +169,12 @@ class JobRun:
             self._stop()
         else:
             interrupted = False
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the job is stopping: let it finish
+        # The job is stopping, or ended: let it finish, and write its outputs whatever comes now,
+        # to this process's end. A Ctrl-C here would end this process without result.json, which
+        # no one else writes (the watchdog left the outputs to this run, whose lock it saw held),
+        # and `--resume` would then find no run that finished.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         if interrupted:
             while not self.ended():
                 time.sleep(0.2)
