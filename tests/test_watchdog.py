@@ -11,7 +11,7 @@ import psutil
 import pytest
 
 from helpers import communicate, end_jobs, finish, learner_pids, read_line, wait_for
-from gadei import checkpoint
+from gadei import _proc, checkpoint
 from gadei.errors import GadeiError
 from gadei.region import Region, inspect
 
@@ -201,3 +201,18 @@ def test_launched_learners_that_all_die_within_moments_are_seen_dying_at_once(jo
     err = finish(serve, 60)[1]
     assert "all launched learners died; checkpointing the server's weights" in err, err[-3000:]
     assert len(checkpoint.listing(tmp_path)) >= 1
+
+
+@pytest.mark.parametrize("flag, value, expected", [
+    ("--restart", '{"serve": 1}', "a JSON list of gadei arguments"),
+    ("--learners", '[["--epochs", 1]]', "a JSON list of lists of arguments"),
+    ("--learners", "--epochs 1", "a JSON list of lists of arguments"),
+    ("--progress", "[0]", "a checkpoint's progress, a JSON object"),
+])
+def test_the_watchdogs_json_flags_are_checked_even_under_python_dash_o(job, procs, tmp_path, flag, value, expected):
+    """Checked by code, not `assert`, which `python -O` drops (the bad value then went on to the
+    watchdog: a learner `gadei learn JOB 1`, a progress table that is a list)."""
+    command = _proc.python_command("gadei_watchdog", job, "--checkpoint-dir", tmp_path, flag, value)
+    dog = procs.spawn([command[0], "-O", *command[1:]])
+    _, err = communicate(dog, 60)
+    assert dog.returncode == 2 and f"gadei watchdog: error: {flag} {value!r}: expected {expected}" in err, err

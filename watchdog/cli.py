@@ -41,23 +41,15 @@ def command(args) -> int:
     """Run the watchdog the arguments describe, to its end (its exit code)."""
     restart = None
     if args.restart:
-        try:
-            restart = json.loads(args.restart)
-            assert isinstance(restart, list) and all(isinstance(a, str) for a in restart)
-        except (ValueError, AssertionError):
-            raise GadeiError(f"--restart {args.restart!r}: expected a JSON list of gadei arguments") from None
+        restart = _json("--restart", args.restart, _is_arguments, "a JSON list of gadei arguments")
     if args.adopt:
         return Watchdog.adopt(args.job).run()
     if not args.checkpoint_dir:
         raise GadeiError("gadei watchdog: give --checkpoint-dir (or --adopt)")
     learners = []
     if args.learners:
-        try:
-            learners = json.loads(args.learners)
-            assert isinstance(learners, list) and all(isinstance(l, list) and all(isinstance(a, str) for a in l)
-                                                      for l in learners)
-        except (ValueError, AssertionError):
-            raise GadeiError(f"--learners {args.learners!r}: expected a JSON list of lists of arguments") from None
+        learners = _json("--learners", args.learners, lambda v: isinstance(v, list) and all(map(_is_arguments, v)),
+                         "a JSON list of lists of arguments")
     settings = WatchdogSettings(checkpoint_dir=args.checkpoint_dir, every=args.every, keep=args.keep,
                         interval=args.interval, max_missed=args.max_missed, restart=restart,
                         max_restarts=args.max_restarts, window=args.window, learners=learners,
@@ -68,14 +60,32 @@ def command(args) -> int:
         raise GadeiError(str(err)) from None
     progress = {}
     if args.progress:
-        try:
-            progress = json.loads(args.progress)
-            assert isinstance(progress, dict)
-        except (ValueError, AssertionError):
-            raise GadeiError(f"--progress {args.progress!r}: expected a checkpoint's progress, a JSON object") from None
+        progress = _json("--progress", args.progress, lambda v: isinstance(v, dict),
+                         "a checkpoint's progress, a JSON object")
     dog = Watchdog(args.job, settings)
     dog.learners.resume(progress)
     return dog.run()
+
+
+def _is_arguments(value) -> bool:
+    return isinstance(value, list) and all(isinstance(a, str) for a in value)
+
+
+def _json(flag: str, text: str, fits, expected: str):
+    """The JSON value of `flag`'s `text`, when `fits` says it has the shape expected (plain
+    checks, not `assert`: `python -O` would drop those).
+
+    Raises:
+        GadeiError: naming the flag, its value and what was `expected`.
+    """
+    try:
+        value = json.loads(text)
+    except ValueError:
+        pass
+    else:
+        if fits(value):
+            return value
+    raise GadeiError(f"{flag} {text!r}: expected {expected}")
 
 
 def main(argv=None) -> int:
