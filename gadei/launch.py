@@ -1,4 +1,5 @@
-"""Running a job's processes on this machine: a server and learners as child processes.
+"""Running a job's processes on this machine: a server and learners as child processes;
+stopping a job (`stop_job`) and ending a child that does not exit in time (`wait_or_kill`).
 
 `gadei demo`, `gadei bench train` and the end-to-end tests start jobs this way: every
 process is `python -m gadei serve|learn ...`, readiness is polled with a deadline, and
@@ -64,6 +65,18 @@ def stop_job(job: str, timeout: float = 30.0) -> None:
         if deadline.expired():
             raise GadeiTimeout(f"job {job!r}: server pid {found.server_pid} did not stop within {timeout:g} s")
         time.sleep(_POLL)
+
+
+def wait_or_kill(proc: subprocess.Popen, timeout: float, what: str) -> int:
+    """Wait up to `timeout` seconds for the child `proc` to exit; then SIGKILL it and reap it.
+    Its exit code (-9 when it was killed). `what` names it in the warning (`job 'x': the server`).
+    """
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        log.warning("%s (pid %d) did not exit within %g s; killing it (SIGKILL)", what, proc.pid, timeout)
+        proc.kill()
+        return proc.wait()
 
 
 def _stop_by_pid(job: str, problem: str, timeout: float) -> bool:

@@ -216,3 +216,16 @@ def test_the_watchdogs_json_flags_are_checked_even_under_python_dash_o(job, proc
     dog = procs.spawn([command[0], "-O", *command[1:]])
     _, err = communicate(dog, 60)
     assert dog.returncode == 2 and f"gadei watchdog: error: {flag} {value!r}: expected {expected}" in err, err
+
+
+def test_a_child_that_does_not_exit_in_time_is_killed_and_reaped(procs):
+    """`launch.wait_or_kill`, the one "wait, else kill" (a watchdog's restarted server, `gadei
+    serve`'s watchdog, a watchdog's launched learners at the job's end)."""
+    from gadei.launch import wait_or_kill
+
+    done = procs.spawn(["true"])
+    assert wait_or_kill(done, 30, "a child that exits") == 0
+    stuck = procs.spawn(["sleep", "60"])
+    started = time.monotonic()
+    assert wait_or_kill(stuck, 0.2, "a child that does not") == -signal.SIGKILL
+    assert time.monotonic() - started < 10 and stuck.poll() == -signal.SIGKILL

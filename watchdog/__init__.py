@@ -51,6 +51,7 @@ from gadei.checkpoint import CheckpointOptions
 from gadei.options import check as check_option
 from gadei.options import check_all, option
 from gadei.errors import GadeiError, RegionNotFound
+from gadei.launch import wait_or_kill
 from gadei.layout import ACTIVE, DEAD, FAILED, SERVING, STOPPED, STOPPING
 from gadei.protocol import Deadline, RunState
 from gadei.region import Region, inspect
@@ -261,13 +262,8 @@ class Watchdog:
         log.info("job %r stopped; the watchdog ends after %d checkpoints", self.job, self.checkpoints)
         self.finished = self.region.header.get("finished") == 1
         self.learners.reap(timeout=30.0)
-        if self._server is not None:
-            try:
-                self._server.wait(timeout=60.0)  # it writes its last checkpoint, then exits
-            except subprocess.TimeoutExpired:
-                log.warning("job %r: the server (pid %d) did not exit; killing it", self.job, self._server.pid)
-                self._server.kill()
-                self._server.wait()
+        if self._server is not None:  # it writes its last checkpoint, then exits
+            wait_or_kill(self._server, 60.0, f"job {self.job!r}: the server")
         if self.learners.failed:
             log.error("job %r ended without learners %s (given up)", self.job, self.learners.failed)
             self.reason = (f"the watchdog gave up on launched learners {self.learners.failed}: they died "
@@ -285,11 +281,7 @@ class Watchdog:
                   f"{self.region.header.get('checkpointed_version'):,}")
         self.learners.kill_all()
         if self._server is not None:
-            try:
-                self._server.wait(timeout=60.0)
-            except subprocess.TimeoutExpired:
-                self._server.kill()
-                self._server.wait()
+            wait_or_kill(self._server, 60.0, f"job {self.job!r}: the server")
         return JOB_FAILED
 
     def _stop_job(self) -> None:

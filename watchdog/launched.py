@@ -26,6 +26,7 @@ import psutil
 
 from gadei import _proc
 from gadei.env import runtime_dir
+from gadei.launch import wait_or_kill
 from gadei.layout import ACTIVE, DEAD
 from gadei.protocol import Deadline
 from gadei.ring import lease_owner
@@ -151,12 +152,7 @@ class Learners:
         deadline = Deadline(timeout)
         for l in self.table:
             if l.proc is not None:
-                try:
-                    l.proc.wait(timeout=deadline.left())
-                except subprocess.TimeoutExpired:
-                    log.warning("job %r: launched learner %d (pid %d) did not leave; killing it", self.job, l.number, l.pid)
-                    l.proc.kill()
-                    l.proc.wait()
+                wait_or_kill(l.proc, deadline.left(), f"job {self.job!r}: launched learner {l.number}")
 
     # ------------------------------------------------------------------ one look
 

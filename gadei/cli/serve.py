@@ -11,6 +11,7 @@ import time
 
 from .._proc import python_command
 from ..errors import GadeiError
+from ..launch import wait_or_kill
 from gadei_watchdog import WatchdogSettings
 
 from .. import options
@@ -118,12 +119,8 @@ def cmd_serve(args) -> int:
         server.close()
         if custody is not None:
             custody.write_outputs()  # after the stop: what no watchdog or `gadei run` is left to write
-        if dog is not None:
-            try:
-                dog.wait(timeout=60)  # it sees the job stopped within one interval and reaps its learners
-            except subprocess.TimeoutExpired:
-                dog.kill()
-                dog.wait()
+        if dog is not None:  # it sees the job stopped within one interval and reaps its learners
+            wait_or_kill(dog, 60.0, f"job {args.job!r}: the watchdog")
             if dog.returncode == 4:  # gadei_watchdog.LEARNERS_FAILED
                 print(f"gadei: error: job {args.job!r} ended without some launched learners: the watchdog gave "
                       f"up on them (see their logs in {args.log_dir or args.checkpoint_dir})", file=sys.stderr)
