@@ -204,18 +204,19 @@ def test_launched_learners_that_all_die_within_moments_are_seen_dying_at_once(jo
 
 
 @pytest.mark.parametrize("flag, value, expected", [
-    ("--restart", '{"serve": 1}', "a JSON list of gadei arguments"),
-    ("--learners", '[["--epochs", 1]]', "a JSON list of lists of arguments"),
-    ("--learners", "--epochs 1", "a JSON list of lists of arguments"),
-    ("--progress", "[0]", "a checkpoint's progress, a JSON object"),
+    ("--restart", '{"serve": 1}', "is a JSON object; allowed: a JSON list of strings"),
+    ("--restart", '["serve", 1]', "holds 1, not a string; allowed: a JSON list of strings"),
+    ("--learners", '[["--epochs", 1]]', 'holds ["--epochs", 1], not a list of strings; allowed: a JSON list of lists'),
+    ("--learners", "--epochs 1", "is not a JSON list; allowed: a JSON list of lists of strings"),
+    ("--progress", "[0]", "is not a checkpoint's progress; allowed: a JSON object"),
 ])
 def test_the_watchdogs_json_flags_are_checked_even_under_python_dash_o(job, procs, tmp_path, flag, value, expected):
     """Checked by code, not `assert`, which `python -O` drops (the bad value then went on to the
     watchdog: a learner `gadei learn JOB 1`, a progress table that is a list)."""
-    command = _proc.python_command("gadei_watchdog", job, "--checkpoint-dir", tmp_path, flag, value)
+    command = _proc.python_command("gadei_watchdog", job, "--checkpoint-dir", tmp_path, f"{flag}={value}")
     dog = procs.spawn([command[0], "-O", *command[1:]])
     _, err = communicate(dog, 60)
-    assert dog.returncode == 2 and f"gadei watchdog: error: {flag} {value!r}: expected {expected}" in err, err
+    assert dog.returncode == 2 and f"gadei watchdog: error: argument {flag}: " in err and expected in err, err
 
 
 def test_a_child_that_does_not_exit_in_time_is_killed_and_reaped(procs):

@@ -9,7 +9,7 @@ import sys
 
 import gadei_watchdog.cli as watchdog_cli
 
-from .. import __version__, console
+from .. import __version__, console, watchdog_options
 from ..errors import GadeiError
 from .common import job_file_defaults
 from . import bench, bridge, clean, daemon, demo, learn, run, serve, status, stop
@@ -23,8 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_parser(sub)
     daemon.add_parser(sub)
     learn.add_parser(sub)
-    p = sub.add_parser("watchdog", help=watchdog_cli.HELP, description=watchdog_cli.DESCRIPTION)
-    watchdog_cli.add_arguments(p)
+    p = sub.add_parser("watchdog", help=watchdog_options.HELP, description=watchdog_options.DESCRIPTION)
+    watchdog_options.add_arguments(p)
     p.set_defaults(func=watchdog_cli.command)
     status.add_parser(sub)
     stop.add_parser(sub)

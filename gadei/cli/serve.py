@@ -1,6 +1,5 @@
 """`gadei serve`: create a job's region and run the server's apply loop (and its watchdog)."""
 
-import json
 import argparse
 import logging
 import os
@@ -12,13 +11,13 @@ import time
 from .._proc import python_command
 from ..errors import GadeiError
 from ..launch import wait_or_kill
-from gadei_watchdog import WatchdogSettings
 
-from .. import options
+from .. import options, watchdog_options
 from ..checkpoint import CheckpointOptions
 from ..modes import MODES, RuleOptions
 from ..protocol import Deadline
 from ..transport.options import TransportOptions
+from ..watchdog_options import WatchdogSettings
 from . import learn
 from .common import add_job_file, emit, factory_model, workload_model
 
@@ -38,6 +37,7 @@ def cmd_serve(args) -> int:
         raise GadeiError("--learner: launched learners are run by the job's watchdog; give --checkpoint-dir "
                          "(and no --no-watchdog)")
     learners = [_learner_args(text) for text in args.learner]
+    watching = _watchdog_settings(args, learners) if args.checkpoint_dir and not args.no_watchdog else None
     model = None
     if args.workload:
         model = workload_model(args)[-1]
@@ -81,8 +81,8 @@ def cmd_serve(args) -> int:
     server.region.header.set("restarts", len(restarts))  # this server is a watchdog's restart number n
     dog = custody = None
     try:
-        if args.checkpoint_dir and not args.no_watchdog and not asked:
-            dog = _start_watchdog(args, learners, resume.progress if resume is not None else None)
+        if watching is not None and not asked:
+            dog = _start_watchdog(args.job, watching, resume.progress if resume is not None else None)
         if args.outputs and args.checkpoint_dir:  # a `gadei run` job's server (or one its watchdog restarted)
             from ..custody import Custody
             from pathlib import Path
@@ -128,31 +128,35 @@ def cmd_serve(args) -> int:
     return code
 
 
-def _start_watchdog(args, learners: list[list[str]], progress: dict | None) -> subprocess.Popen:
-    """The job's watchdog, in its own session (a Ctrl-C meant for the server does not reach
-    it, and it outlives a server that crashes, to restart it). It launches `learners`, from
-    `progress` (a resumed checkpoint's) when there is one."""
+def _watchdog_settings(args, learners: list[list[str]]) -> WatchdogSettings:
+    """The settings of the job's watchdog, from this command's flags, checked before anything
+    starts: it launches `learners`, and restarts the server with this command's arguments
+    less the learners (the watchdog keeps those)."""
     restart, skip = [], False
-    for arg in args.argv:  # the server is restarted without the learners: the watchdog keeps those
+    for arg in args.argv:
         if skip:
             skip = False
         elif arg == "--learner":
             skip = True
         elif not arg.startswith("--learner="):
             restart.append(arg)
-    command = [*python_command("gadei_watchdog", args.job), "--checkpoint-dir", args.checkpoint_dir,
-               "--every", str(args.checkpoint_every), "--keep", str(args.keep), "--restart", json.dumps(restart),
-               "--interval", str(args.watch_interval), "--max-missed", str(args.max_missed),
-               "--max-restarts", str(args.max_restarts)]
-    if args.log_dir:
-        command += ["--log-dir", args.log_dir]
-    if args.outputs:
-        command += ["--outputs", args.outputs]
-    if learners:
-        command += ["--learners", json.dumps(learners)]
-        if progress:
-            command += ["--progress", json.dumps(progress)]
-    return subprocess.Popen(command, start_new_session=True)
+    settings = WatchdogSettings(checkpoint_dir=args.checkpoint_dir, every=args.checkpoint_every, keep=args.keep,
+                                interval=args.watch_interval, max_missed=args.max_missed,
+                                max_restarts=args.max_restarts, restart=restart, learners=learners,
+                                log_dir=args.log_dir, outputs=args.outputs)
+    try:
+        settings.check()
+    except ValueError as err:
+        raise GadeiError(f"gadei serve: {err}") from None
+    return settings
+
+
+def _start_watchdog(job: str, settings: WatchdogSettings, progress: dict | None) -> subprocess.Popen:
+    """The job's watchdog, in its own session (a Ctrl-C meant for the server does not reach
+    it, and it outlives a server that crashes, to restart it). It launches its learners, from
+    `progress` (a resumed checkpoint's) when there is one."""
+    return subprocess.Popen(watchdog_options.command(job, settings, progress if settings.learners else None),
+                            start_new_session=True)
 
 
 def _learner_args(text: str) -> list[str]:
