@@ -134,7 +134,7 @@ class Custody:
             self.reason = (f"{self._which(dead)} and its gadei run died and no new watchdog could take over: "
                            f"{reason}")
             log.error("job %s: %s; stopping the job", name, self.reason)
-            from gadei_watchdog import JOB_FAILED
+            from .watchdog_record import JOB_FAILED
 
             outputs.write_ending(self.out, outputs.Ending(JOB_FAILED, False, self.reason, os.getpid(), time.time()))
             self._stop()

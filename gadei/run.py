@@ -490,10 +490,9 @@ def checkpoint_progress(job: jobfile.Job, attempts: int = 5):
     Taken by `gadei run` on Ctrl-C (and so on `gadei cancel`), and by the daemon when it
     cancels a job whose `gadei run` is gone. The checkpoint, or None when there was no job or
     watchdog to take it from (or every attempt failed)."""
-    from gadei_watchdog.launched import Learners, load_state
-
     from . import checkpoint
     from .region import Region
+    from .watchdog_record import load_state, progress
 
     try:
         _, table = load_state(job.name)
@@ -501,11 +500,10 @@ def checkpoint_progress(job: jobfile.Job, attempts: int = 5):
     except (FileNotFoundError, GadeiError):
         return None  # no watchdog or no job (yet): nothing to record
     with region:
-        learners = Learners(job.name, table, str(job.output / "logs"), max_restarts=1, window=1.0, backoff=0.0)
         for _ in range(attempts):
             try:
                 return checkpoint.take(region, job.output / "checkpoints", keep=job.checkpoint.keep,
-                                       progress=learners.progress)
+                                       progress=lambda ckpt: progress(table, ckpt))
             except checkpoint.CheckpointError as err:  # e.g. the watchdog's is being taken: try again
                 log.warning("checkpoint before stopping: %s", err)
                 time.sleep(0.2)

@@ -55,13 +55,13 @@ from gadei.region import Region, inspect
 from gadei.ring import lease_owner
 from gadei.watchdog_options import WatchdogSettings
 
-from .launched import Launched, Learners, load_state, registering, remove_state, save_state
+from gadei.watchdog_record import (JOB_FAILED, LEARNERS_FAILED, SERVER_DEAD, Launched, load_state, registering,
+                                   remove_state, save_state)
+
+from .launched import Learners
 
 log = logging.getLogger(__name__)
 
-SERVER_DEAD = 3  # exit code: the server died or hung and was not (or could not be) restarted
-LEARNERS_FAILED = 4  # exit code: the job ended after the watchdog gave up on a launched learner
-JOB_FAILED = 5  # exit code: the server stopped the job as failed; nothing was restarted
 AT_ONCE = 2.0  # seconds: launched learners that all died within this died at once (a look may see some of them)
 
 

@@ -18,6 +18,7 @@ from ..modes import MODES, RuleOptions
 from ..protocol import Deadline
 from ..transport.options import TransportOptions
 from ..watchdog_options import WatchdogSettings
+from ..watchdog_record import LEARNERS_FAILED
 from . import learn
 from .common import add_job_file, emit, factory_model, workload_model
 
@@ -121,7 +122,7 @@ def cmd_serve(args) -> int:
             custody.write_outputs()  # after the stop: what no watchdog or `gadei run` is left to write
         if dog is not None:  # it sees the job stopped within one interval and reaps its learners
             wait_or_kill(dog, 60.0, f"job {args.job!r}: the watchdog")
-            if dog.returncode == 4:  # gadei_watchdog.LEARNERS_FAILED
+            if dog.returncode == LEARNERS_FAILED:
                 print(f"gadei: error: job {args.job!r} ended without some launched learners: the watchdog gave "
                       f"up on them (see their logs in {args.log_dir or args.checkpoint_dir})", file=sys.stderr)
                 code = 1
@@ -180,7 +181,7 @@ def _learner_args(text: str) -> list[str]:
 
 def _adopt(args) -> int:
     """`gadei serve --adopt JOB`: a new watchdog takes over a running job whose watchdog died."""
-    from gadei_watchdog.launched import load_state
+    from ..watchdog_record import load_state
 
     from ..custody import live_watchdog
     from ..region import Region, inspect

@@ -457,10 +457,10 @@ def _job_alive(record: JobRecord) -> bool:
 
 
 def _watchdog_alive(name: str) -> bool:
-    """The job's watchdog still runs (its saved state names it while it lives: `gadei_watchdog.launched`)."""
-    from ..env import runtime_dir
+    """The job's watchdog still runs (its record names it while it lives: `gadei.watchdog_record`)."""
+    from ..watchdog_record import state_path
 
-    return os.path.exists(os.path.join(runtime_dir(), f"{name}.watchdog.json"))
+    return os.path.exists(state_path(name))
 
 
 def _reason(err: Exception) -> str:
