@@ -136,10 +136,10 @@ class JobRun:
         # which stops the job in order (`_follow_and_finish`: the checkpoint that records the
         # learners' progress, then the server); a server that took the signal too would stop
         # before that checkpoint, which then records nothing (or is never taken).
-        with open(out / "logs" / "serve.log", "ab") as serve_log:
-            return subprocess.Popen(command, stdout=serve_log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env=node.child_environment() if node is not None else None,
-                                    start_new_session=True)
+        from .launch import spawn
+
+        return spawn(command, log=out / "logs" / "serve.log",
+                     env=node.child_environment() if node is not None else None)
 
     def _follow_and_finish(self, owner: outputs.Owner) -> int:
         job, node, serve = self.job, self.node, self.serve

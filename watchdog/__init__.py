@@ -48,7 +48,7 @@ from dataclasses import asdict
 
 from gadei import _proc, checkpoint
 from gadei.errors import GadeiError, RegionNotFound
-from gadei.launch import wait_or_kill
+from gadei.launch import spawn, wait_or_kill
 from gadei.layout import ACTIVE, DEAD, FAILED, SERVING, STOPPED, STOPPING
 from gadei.protocol import Deadline, RunState
 from gadei.region import Region, inspect
@@ -304,9 +304,7 @@ class Watchdog:
         env = {**os.environ, "GADEI_RESTARTS": ",".join(str(t) for t in self._restarts)}
         os.makedirs(self.log_dir, exist_ok=True)
         server_log = os.path.join(self.log_dir, "server.log")
-        with open(server_log, "ab") as out:
-            proc = subprocess.Popen(_proc.gadei_command(*args), env=env, stdout=out,
-                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        proc = spawn(_proc.gadei_command(*args), log=server_log, env=env)
         self._server = proc
         log.warning("job %r: restarting the server (pid %d) %s; its output goes to %s", self.job, proc.pid,
                     f"from checkpoint version {found.version:,}" if found else "from its initial weights (no "

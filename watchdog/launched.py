@@ -16,13 +16,12 @@ gave its ring back) from a death (its ring still names it).
 import logging
 import os
 import signal
-import subprocess
 import time
 
 import psutil
 
 from gadei import _proc
-from gadei.launch import wait_or_kill
+from gadei.launch import spawn, wait_or_kill
 from gadei.layout import ACTIVE, DEAD
 from gadei.protocol import Deadline
 from gadei.ring import lease_owner
@@ -62,8 +61,7 @@ class Learners:
     def start(self, l: Launched) -> None:
         os.makedirs(self.log_dir, exist_ok=True)
         command = _proc.gadei_command("learn", self.job, *l.args, "--start-at", l.start_at)
-        with open(os.path.join(self.log_dir, f"learner-{l.number}.log"), "ab") as out:
-            l.proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        l.proc = spawn(command, log=os.path.join(self.log_dir, f"learner-{l.number}.log"), session=False)
         l.pid, l.entry, l.seen, l.due = l.proc.pid, -1, 0, 0.0
         try:
             l.started = _proc.start_time(l.pid)

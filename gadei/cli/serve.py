@@ -10,7 +10,7 @@ import time
 
 from .._proc import python_command
 from ..errors import GadeiError
-from ..launch import wait_or_kill
+from ..launch import spawn, wait_or_kill
 
 from .. import options, watchdog_options
 from ..checkpoint import CheckpointOptions
@@ -156,8 +156,7 @@ def _start_watchdog(job: str, settings: WatchdogSettings, progress: dict | None)
     """The job's watchdog, in its own session (a Ctrl-C meant for the server does not reach
     it, and it outlives a server that crashes, to restart it). It launches its learners, from
     `progress` (a resumed checkpoint's) when there is one."""
-    return subprocess.Popen(watchdog_options.command(job, settings, progress if settings.learners else None),
-                            start_new_session=True)
+    return spawn(watchdog_options.command(job, settings, progress if settings.learners else None))
 
 
 def _learner_args(text: str) -> list[str]:
@@ -200,9 +199,8 @@ def _adopt(args) -> int:
     folder = saved.get("log_dir") or saved["checkpoint_dir"]
     os.makedirs(folder, exist_ok=True)
     out_path = os.path.join(folder, "watchdog.log")
-    with open(out_path, "ab") as out:  # detached: it must not hold this command's output open
-        dog = subprocess.Popen(python_command("gadei_watchdog", args.job, "--adopt"), stdout=out,
-                               stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    dog = spawn(python_command("gadei_watchdog", args.job, "--adopt"), log=out_path)  # detached: it must not
+    # hold this command's output open
     deadline = Deadline(60)
     with Region.attach(args.job, readonly=True) as region:
         while region.header.get("watchdog_pid") != dog.pid:

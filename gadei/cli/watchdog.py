@@ -3,19 +3,16 @@
 process and never imports it (`gadei_watchdog` uses gadei). Its arguments are checked here
 first, by the same declarations (`gadei.watchdog_options`)."""
 
-import os
-import sys
-
 from .. import watchdog_options
 from .._proc import python_command
 
 
 def cmd_watchdog(args) -> int:
+    from ..launch import become
+
     given = args.argv[args.argv.index("watchdog") + 1:]  # as typed: the watchdog parses them again
-    command = python_command("gadei_watchdog", *given)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execv(command[0], command)
+    become(python_command("gadei_watchdog", *given))
+    return 1  # not reached: exec returns only by raising
 
 
 def add_parser(sub) -> None:
