@@ -24,13 +24,14 @@ def adopt(name: str) -> tuple[bool, str]:
     started at the same moment: the header takes one, the other stands down), or once the job
     no longer serves (it is stopping or gone: nothing is left to take over, and a watchdog that
     took over may already have watched it to its end); else (False, why none could)."""
+    from .launch import run_command
+
     try:
-        done = subprocess.run(gadei_command("serve", name, "--adopt"), stdin=subprocess.DEVNULL, capture_output=True,
-                              text=True, timeout=WATCHDOG_GRACE)
+        code, stderr = run_command(gadei_command("serve", name, "--adopt"), WATCHDOG_GRACE)
     except subprocess.TimeoutExpired:
         return False, f"`gadei serve {name} --adopt` did not end within {WATCHDOG_GRACE} s"
-    said = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
-    if done.returncode == 0:
+    said = (stderr.strip().splitlines() or [f"exit {code}"])[-1]
+    if code == 0:
         return True, said
     live = live_watchdog(name)
     if live:
@@ -134,7 +135,7 @@ class Custody:
             self.reason = (f"{self._which(dead)} and its gadei run died and no new watchdog could take over: "
                            f"{reason}")
             log.error("job %s: %s; stopping the job", name, self.reason)
-            from gadei_watchdog import JOB_FAILED
+            from .watchdog_record import JOB_FAILED
 
             outputs.write_ending(self.out, outputs.Ending(JOB_FAILED, False, self.reason, os.getpid(), time.time()))
             self._stop()

@@ -1,4 +1,6 @@
-"""Running a job's processes on this machine: a server and learners as child processes.
+"""Running a job's processes on this machine: the one place gadei starts one (`spawn`;
+`run_command` for one it waits for; `become` for a command that turns into another), stops a job (`stop_job`) and ends a child that does not
+exit in time (`wait_or_kill`); a server and learners as child processes (`LocalJob`).
 
 `gadei demo`, `gadei bench train` and the end-to-end tests start jobs this way: every
 process is `python -m gadei serve|learn ...`, readiness is polled with a deadline, and
@@ -10,6 +12,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -64,6 +67,52 @@ def stop_job(job: str, timeout: float = 30.0) -> None:
         if deadline.expired():
             raise GadeiTimeout(f"job {job!r}: server pid {found.server_pid} did not stop within {timeout:g} s")
         time.sleep(_POLL)
+
+
+def spawn(command: list[str], *, log=None, session: bool = True, env: dict | None = None) -> subprocess.Popen:
+    """Start one of a job's processes: `command` (a `gadei._proc` command line), stdin from
+    /dev/null, stdout and stderr appended to `log` (a path, or a file open for writing; None:
+    this process's own), in a session of its own unless `session` is False (then a signal to
+    this process's group reaches it too). `env`: its whole environment (None: this process's).
+    """
+    if log is None:
+        return subprocess.Popen(command, stdin=subprocess.DEVNULL, start_new_session=session, env=env)
+    if hasattr(log, "fileno"):
+        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=session, env=env)
+    with open(log, "ab") as out:
+        return spawn(command, log=out, session=session, env=env)
+
+
+def become(command: list[str]) -> None:
+    """This process becomes `command` (a `gadei._proc` command line; exec: the same pid and
+    start time, so what names this process names that one), its output flushed first."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(command[0], command)
+
+
+def run_command(command: list[str], timeout: float) -> tuple[int, str]:
+    """Run `command` (a `gadei._proc` command line) to its end, stdin from /dev/null: its exit
+    code and its stderr.
+
+    Raises:
+        subprocess.TimeoutExpired: it ran for longer than `timeout` seconds (it is killed).
+    """
+    done = subprocess.run(command, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout)
+    return done.returncode, done.stderr
+
+
+def wait_or_kill(proc: subprocess.Popen, timeout: float, what: str) -> int:
+    """Wait up to `timeout` seconds for the child `proc` to exit; then SIGKILL it and reap it.
+    Its exit code (-9 when it was killed). `what` names it in the warning (`job 'x': the server`).
+    """
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        log.warning("%s (pid %d) did not exit within %g s; killing it (SIGKILL)", what, proc.pid, timeout)
+        proc.kill()
+        return proc.wait()
 
 
 def _stop_by_pid(job: str, problem: str, timeout: float) -> bool:

@@ -7,16 +7,20 @@ flags and their `--help`, a job file's keys and their checks are made from those
     class Options:
         lr: float = option(0.01, "learning rate", low=0, low_open=True, high=10)
 
-Types come from the field's annotation (int, float, bool, str, or one of them or None). A field
-declared with `flag=False` has no command-line flag; one with `job=False` is not a job-file key
-(the part's docstring says why).
+Types come from the field's annotation (int, float, bool, str, or one of them or None; a list
+or dict, whose flag takes JSON, with `allowed` saying what it holds and `check` checking it). A
+field declared with `flag=False` has no command-line flag; one with `job=False` is not a job-file
+key (the part's docstring says why). `to_argv` writes an instance's values as the flags
+`add_arguments` makes, so one process hands its options to another through the declarations.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import difflib
+import json
 import math
 import types
 import typing
@@ -50,7 +54,21 @@ def option(default: Any, help: str, *, choices: tuple | None = None, low: float 
     meta = dict(help=help, choices=choices, low=low, high=high, low_open=low_open, high_open=high_open, flag=flag,
                 job=job, metavar=metavar, check=check, shown=shown, modes=modes,
                 auto=auto, allowed=allowed)
+    if isinstance(default, (list, dict)):  # each instance its own copy
+        return dataclasses.field(default_factory=lambda: copy.deepcopy(default), metadata={"option": meta})
     return dataclasses.field(default=default, metadata={"option": meta})
+
+
+def same_as(cls, name: str) -> Any:
+    """A field that is option `name` of `cls` under another name in another part: its default,
+    help and allowed values are that declaration's (declared there, once)."""
+    f = next(f for f in declared(cls) if f.name == name)
+    return dataclasses.field(default=f.default, metadata=f.metadata)
+
+
+def default_of(f: dataclasses.Field) -> Any:
+    """A declared field's default value (a list or dict option's is made by a factory)."""
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
 
 
 def declared(cls) -> list[dataclasses.Field]:
@@ -71,16 +89,24 @@ def job_keys(cls) -> list[str]:
     return [k for k in keys if k in own] + [k for k in keys if k not in own]
 
 
+_JSON = (list, dict)  # the kinds whose flag takes a JSON value
+_WHAT = {int: "an integer", float: "a number", str: "a string", list: "a JSON list", dict: "a JSON object"}
+
+
 def _types(cls, f: dataclasses.Field) -> tuple[type, bool]:
-    """(the field's value type, whether None is allowed)."""
+    """(the field's value type, whether None is allowed); list[...] and dict[...] are list and dict."""
     hint = typing.get_type_hints(cls)[f.name]
     args = typing.get_args(hint)
+    optional = False
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         kinds = [a for a in args if a is not type(None)]
         if len(kinds) != 1:
             raise TypeError(f"{cls.__name__}.{f.name}: an option has one type (or it or None), not {hint}")
-        return kinds[0], type(None) in args
-    return hint, False
+        hint, optional = kinds[0], type(None) in args
+    kind = typing.get_origin(hint) or hint
+    if kind in _JSON and not f.metadata["option"]["allowed"]:
+        raise TypeError(f"{cls.__name__}.{f.name}: a {kind.__name__} option says what it holds (allowed=...)")
+    return kind, optional
 
 
 def allowed(cls, name: str) -> str:
@@ -94,7 +120,7 @@ def allowed(cls, name: str) -> str:
         return ", ".join(map(str, meta["choices"]))
     if kind is bool:
         return 'true, false or "auto"' if meta["auto"] else "true or false"
-    what = {int: "an integer", float: "a number", str: "a string"}[kind]
+    what = _WHAT[kind]
     low, high = meta["low"], meta["high"]
     if kind is int and low is not None and high is not None:
         return f"{low + meta['low_open']:,} to {high - meta['high_open']:,}"
@@ -125,11 +151,10 @@ def check(cls, name: str, value: Any) -> Any:
           isinstance(value, (int, float)) and not isinstance(value, bool) if kind is float else
           isinstance(value, int) and not isinstance(value, bool) if kind is int else isinstance(value, kind))
     if not ok:
-        what = {bool: 'true, false or "auto"' if meta["auto"] else "true or false", int: "an integer",
-                float: "a number", str: "a string"}[kind]
         words = allowed(cls, name)
         if meta["allowed"]:
-            raise ValueError(f"is {_type_name(value)}; allowed: {words}")
+            raise ValueError(f"is {_json_name(value) if kind in _JSON else _type_name(value)}; allowed: {words}")
+        what = 'true, false or "auto"' if meta["auto"] else "true or false" if kind is bool else _WHAT[kind]
         raise ValueError(f"is {_type_name(value)}; allowed: {what}" + ("" if words.startswith(what) else f" ({words})"))
     if kind is float:
         value = float(value)
@@ -177,6 +202,10 @@ def _type_name(value) -> str:
             dict: "a table", type(None): "nothing"}.get(type(value), type(value).__name__)
 
 
+def _json_name(value) -> str:
+    return {dict: "a JSON object", list: "a JSON list"}.get(type(value)) or _type_name(value)
+
+
 def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
@@ -209,16 +238,19 @@ def add_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls
         else:
             parser_of_this = parser
         kind, optional = _types(cls, f)
-        default = meta["shown"] or ("auto" if f.default is None and meta["auto"] else "none" if f.default is None else "on" if f.default is True else
-                                    "off" if f.default is False else f"{f.default:g}" if kind is float else
-                                    str(f.default))
+        value = default_of(f)
+        default = meta["shown"] or ("auto" if value is None and meta["auto"] else "none" if value in (None, "", [], {})
+                                    else "on" if value is True else "off" if value is False else
+                                    f"{value:g}" if kind is float else json.dumps(value) if kind in _JSON else
+                                    str(value))
         text = f"{meta['help']} (default {default})"
         if kind is bool:
             parser_of_this.add_argument(flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction,
                                         default=f.default, help=text)
             continue
-        parser_of_this.add_argument(flag(f.name), dest=f.name, type=_parser(cls, f.name, kind), default=f.default,
-                                    choices=meta["choices"], metavar=meta["metavar"], help=text)
+        parser_of_this.add_argument(flag(f.name), dest=f.name, type=_parser(cls, f.name, kind), default=value,
+                                    choices=meta["choices"], metavar=meta["metavar"] or ("JSON" if kind in _JSON
+                                                                                         else None), help=text)
 
 
 def _parser(cls, name: str, kind: type) -> Callable[[str], Any]:
@@ -228,9 +260,9 @@ def _parser(cls, name: str, kind: type) -> Callable[[str], Any]:
         if text == "auto" and meta["auto"]:
             return None
         try:
-            value = kind(text)
+            value = json.loads(text) if kind in _JSON else kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {_type_name(kind())}; allowed: "
+            raise argparse.ArgumentTypeError(f"{text!r} is not {_WHAT[kind]}; allowed: "
                                              f"{allowed(cls, name)}") from None
         try:
             return check(cls, name, value)
@@ -239,6 +271,35 @@ def _parser(cls, name: str, kind: type) -> Callable[[str], Any]:
 
     parse.__name__ = kind.__name__  # argparse names the type in its own messages
     return parse
+
+
+def to_argv(instance) -> list[str]:
+    """The flags of a dataclass `instance`'s options, as `add_arguments` makes them and
+    `from_args` reads them back into an equal instance: one `--name=VALUE` (`--name`,
+    `--no-name` for a bool) for each value other than its declared default; a float as
+    `repr` writes it (exact), a list or dict as JSON.
+
+    Raises:
+        ValueError: a value no flag can say (None where the option's default is not).
+    """
+    cls = type(instance)
+    argv = []
+    for f in declared(cls):
+        meta = f.metadata["option"]
+        value = getattr(instance, f.name)
+        if not meta["flag"] or value == default_of(f):
+            continue
+        kind, _ = _types(cls, f)
+        if kind is bool and value is not None:
+            argv.append(flag(f.name) if value else "--no-" + f.name.replace("_", "-"))
+        elif value is None:
+            if not meta["auto"] or kind is bool:
+                raise ValueError(f"{cls.__name__}.{f.name} = None: no flag says it (its default is {default_of(f)!r})")
+            argv.append(f"{flag(f.name)}=auto")
+        else:
+            text = json.dumps(value) if kind in _JSON else repr(float(value)) if kind is float else str(value)
+            argv.append(f"{flag(f.name)}={text}")
+    return argv
 
 
 def from_args(cls, args: argparse.Namespace, **more):

@@ -46,7 +46,7 @@ _RUN_FILES = ("result.json", "metrics.jsonl", "accuracy.png", "watchdog-end.json
 
 @dataclass
 class Ending:
-    """How the watchdog saw the job end (its exit code, `gadei_watchdog`'s codes: 0 the job
+    """How the watchdog saw the job end (its exit code, `gadei.watchdog_record`'s codes: 0 the job
     stopped, 3 the server died for good, 4 launched learners were given up, 5 the server
     stopped the job as failed), whether the job had finished (every launched learner done),
     and why, in words."""

@@ -142,10 +142,10 @@ class JobRun:
         # which stops the job in order (`_follow_and_finish`: the checkpoint that records the
         # learners' progress, then the server); a server that took the signal too would stop
         # before that checkpoint, which then records nothing (or is never taken).
-        with open(out / "logs" / "serve.log", "ab") as serve_log:
-            return subprocess.Popen(command, stdout=serve_log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env=node.child_environment() if node is not None else None,
-                                    start_new_session=True)
+        from .launch import spawn
+
+        return spawn(command, log=out / "logs" / "serve.log",
+                     env=node.child_environment() if node is not None else None)
 
     def _follow_and_finish(self, owner: outputs.Owner) -> int:
         job, node, serve = self.job, self.node, self.serve
@@ -175,7 +175,12 @@ class JobRun:
             self._stop()
         else:
             interrupted = False
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the job is stopping: let it finish
+        # The job is stopping, or ended: let it finish, and write its outputs whatever comes now,
+        # to this process's end. A Ctrl-C here would end this process without result.json, which
+        # no one else writes (the watchdog left the outputs to this run, whose lock it saw held),
+        # and `--resume` would then find no run that finished.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         if interrupted:
             while not self.ended():
                 time.sleep(0.2)
@@ -491,10 +496,9 @@ def checkpoint_progress(job: jobfile.Job, attempts: int = 5):
     Taken by `gadei run` on Ctrl-C (and so on `gadei cancel`), and by the daemon when it
     cancels a job whose `gadei run` is gone. The checkpoint, or None when there was no job or
     watchdog to take it from (or every attempt failed)."""
-    from gadei_watchdog.launched import Learners, load_state
-
     from . import checkpoint
     from .region import Region
+    from .watchdog_record import load_state, progress
 
     try:
         _, table = load_state(job.name)
@@ -502,11 +506,10 @@ def checkpoint_progress(job: jobfile.Job, attempts: int = 5):
     except (FileNotFoundError, GadeiError):
         return None  # no watchdog or no job (yet): nothing to record
     with region:
-        learners = Learners(job.name, table, str(job.output / "logs"), max_restarts=1, window=1.0, backoff=0.0)
         for _ in range(attempts):
             try:
                 return checkpoint.take(region, job.output / "checkpoints", keep=job.checkpoint.keep,
-                                       progress=learners.progress)
+                                       progress=lambda ckpt: progress(table, ckpt))
             except checkpoint.CheckpointError as err:  # e.g. the watchdog's is being taken: try again
                 log.warning("checkpoint before stopping: %s", err)
                 time.sleep(0.2)

@@ -172,7 +172,7 @@ def _launched(job: str) -> list[dict]:
     """The learners the job's watchdog launched, as its saved state says: number, pid, state
     (running, waiting for a restart, done, given up), restarts and where it (re)started."""
     try:
-        from gadei_watchdog.launched import load_state
+        from .watchdog_record import load_state
 
         _, table = load_state(job)
     except (OSError, ValueError, KeyError, TypeError, ImportError):

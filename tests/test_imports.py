@@ -102,6 +102,20 @@ def test_the_check_finds_a_circle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
+def watchdog_importers(graph: dict[str, set[str]]) -> list[str]:
+    """gadei's modules that import the watchdog package (inside functions too)."""
+    return sorted(f"{name} imports {target}" for name, targets in graph.items() if name.split(".")[0] == "gadei"
+                  for target in targets if target.split(".")[0] == "gadei_watchdog")
+
+
+def test_gadei_starts_the_watchdog_and_never_imports_it():
+    """The dependency runs one way: gadei_watchdog uses gadei; gadei starts the watchdog as a
+    process (`python -m gadei_watchdog`) and reads what it leaves (`gadei.watchdog_record`)."""
+    assert watchdog_importers(_graph()) == []
+    assert watchdog_importers({"gadei.cli": {"gadei_watchdog.cli"}, "gadei_watchdog": {"gadei.region"}}) == \
+        ["gadei.cli imports gadei_watchdog.cli"]
+
+
 def test_every_package_is_installed():
     """pyproject.toml lists every package folder (a subpackage left out is missing from a
     non-editable install, while an editable one still finds it in the source tree)."""

@@ -3,6 +3,7 @@ small files, and `gadei run` end to end on TREC."""
 
 import json
 import signal
+import subprocess
 import textwrap
 import tomllib
 
@@ -399,6 +400,38 @@ def test_a_finished_run_is_said_to_have_finished_not_offered_resume(tmp_path, pr
         assert f"the run in {tmp_path / 'out'} finished (outcome done on " in err, err
         assert "set another [output] folder or remove that one" in err and "--resume`" not in err, err
         assert "no checkpoint" not in err, err
+
+
+def test_ctrl_c_while_gadei_run_writes_the_outputs_of_a_finished_job_loses_nothing(tmp_path, procs):
+    """Ctrl-C after the job ended, while `gadei run` writes its outputs (the watchdog left them to
+    it): the outputs are written all the same, and the run is one that finished (once the
+    KeyboardInterrupt ended `gadei run` mid-way, with no result.json and no one left to write it,
+    and `--resume` then refused). SIGINT is sent again and again from metrics.jsonl, the first
+    file `outputs.finish` writes, until the run exits."""
+    path = blobs_job(tmp_path, unique_name("late-c"), train={"learners": 2, "epochs": 2, "lr": 0.05})
+    out = tmp_path / "out"
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # not ignored in the child, whoever started us
+    try:
+        run = procs.gadei("run", path, "--quiet")
+    finally:
+        signal.signal(signal.SIGINT, before)
+    wait_for(lambda: (out / "metrics.jsonl").exists() or run.poll() is not None, 300, "gadei run to write its outputs")
+    assert (out / "logs" / "watchdog-end.json").exists() and not (out / "result.json").exists()
+    sent = 0
+    while run.poll() is None:
+        run.send_signal(signal.SIGINT)
+        sent += 1
+        try:
+            run.wait(timeout=0.05)
+        except subprocess.TimeoutExpired:
+            pass
+    stdout, stderr = communicate(run, 60)
+    assert sent > 0, "gadei run had exited before its outputs were written: " + stdout + stderr
+    result = json.loads((out / "result.json").read_text())
+    assert run.returncode == 0 and result["outcome"] == "done", (result, stdout + stderr)
+    again = procs.gadei("run", path, "--resume")
+    _, err = communicate(again, 60)
+    assert again.returncode == 2 and f"the run in {out} finished (outcome done" in err, err
 
 
 def test_a_run_whose_loss_becomes_nan_fails_naming_the_epoch_and_the_learning_rate(small, procs):

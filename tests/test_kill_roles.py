@@ -276,7 +276,7 @@ def test_two_adoptions_at_once_leave_one_watchdog_and_the_loser_says_so(small, p
     """gadei run and a second `gadei serve --adopt` take over a dead watchdog at the same moment
     (held at the registration lock until both wait there): one registers, the other stands
     down with a true message, and the job finishes."""
-    from gadei_watchdog.launched import lock_path, registering
+    from gadei.watchdog_record import lock_path, registering
 
     path, name, out = small
     run = procs.gadei("run", path)

@@ -11,7 +11,7 @@ import psutil
 import pytest
 
 from helpers import communicate, end_jobs, finish, learner_pids, read_line, wait_for
-from gadei import checkpoint
+from gadei import _proc, checkpoint
 from gadei.errors import GadeiError
 from gadei.region import Region, inspect
 
@@ -201,3 +201,32 @@ def test_launched_learners_that_all_die_within_moments_are_seen_dying_at_once(jo
     err = finish(serve, 60)[1]
     assert "all launched learners died; checkpointing the server's weights" in err, err[-3000:]
     assert len(checkpoint.listing(tmp_path)) >= 1
+
+
+@pytest.mark.parametrize("flag, value, expected", [
+    ("--restart", '{"serve": 1}', "is a JSON object; allowed: a JSON list of strings"),
+    ("--restart", '["serve", 1]', "holds 1, not a string; allowed: a JSON list of strings"),
+    ("--learners", '[["--epochs", 1]]', 'holds ["--epochs", 1], not a list of strings; allowed: a JSON list of lists'),
+    ("--learners", "--epochs 1", "is not a JSON list; allowed: a JSON list of lists of strings"),
+    ("--progress", "[0]", "is not a checkpoint's progress; allowed: a JSON object"),
+])
+def test_the_watchdogs_json_flags_are_checked_even_under_python_dash_o(job, procs, tmp_path, flag, value, expected):
+    """Checked by code, not `assert`, which `python -O` drops (the bad value then went on to the
+    watchdog: a learner `gadei learn JOB 1`, a progress table that is a list)."""
+    command = _proc.python_command("gadei_watchdog", job, "--checkpoint-dir", tmp_path, f"{flag}={value}")
+    dog = procs.spawn([command[0], "-O", *command[1:]])
+    _, err = communicate(dog, 60)
+    assert dog.returncode == 2 and f"gadei watchdog: error: argument {flag}: " in err and expected in err, err
+
+
+def test_a_child_that_does_not_exit_in_time_is_killed_and_reaped(procs):
+    """`launch.wait_or_kill`, the one "wait, else kill" (a watchdog's restarted server, `gadei
+    serve`'s watchdog, a watchdog's launched learners at the job's end)."""
+    from gadei.launch import wait_or_kill
+
+    done = procs.spawn(["true"])
+    assert wait_or_kill(done, 30, "a child that exits") == 0
+    stuck = procs.spawn(["sleep", "60"])
+    started = time.monotonic()
+    assert wait_or_kill(stuck, 0.2, "a child that does not") == -signal.SIGKILL
+    assert time.monotonic() - started < 10 and stuck.poll() == -signal.SIGKILL

@@ -44,73 +44,25 @@ import os
 import signal
 import subprocess
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 
 from gadei import _proc, checkpoint
-from gadei.checkpoint import CheckpointOptions
-from gadei.options import check as check_option
-from gadei.options import check_all, option
 from gadei.errors import GadeiError, RegionNotFound
+from gadei.launch import spawn, wait_or_kill
 from gadei.layout import ACTIVE, DEAD, FAILED, SERVING, STOPPED, STOPPING
 from gadei.protocol import Deadline, RunState
 from gadei.region import Region, inspect
 from gadei.ring import lease_owner
+from gadei.watchdog_options import WatchdogSettings
 
-from .launched import Launched, Learners, load_state, registering, remove_state, save_state
+from gadei.watchdog_record import (JOB_FAILED, LEARNERS_FAILED, SERVER_DEAD, Launched, load_state, registering,
+                                   remove_state, save_state)
+
+from .launched import Learners
 
 log = logging.getLogger(__name__)
 
-SERVER_DEAD = 3  # exit code: the server died or hung and was not (or could not be) restarted
-LEARNERS_FAILED = 4  # exit code: the job ended after the watchdog gave up on a launched learner
-JOB_FAILED = 5  # exit code: the server stopped the job as failed; nothing was restarted
 AT_ONCE = 2.0  # seconds: launched learners that all died within this died at once (a look may see some of them)
-
-
-@dataclass
-class WatchdogSettings:
-    """How a watchdog watches.
-
-    Attributes:
-        checkpoint_dir: where checkpoints (and, by default, the restarted processes' logs) go.
-        every: seconds between two checkpoints.
-        keep: checkpoints kept.
-        interval: seconds between two looks (and the watchdog's own beats).
-        max_missed: beats a process may miss before it counts as hung.
-        restart: the `gadei` arguments that started the server, to start it again; None: do not.
-        max_restarts: restarts of the server, and of each launched learner, within `window`
-            seconds before giving up.
-        window: seconds over which restarts are counted.
-        learners: the arguments after `gadei learn JOB` of each learner to launch.
-        backoff: seconds before the first restart of a learner (doubling with each).
-        log_dir: where launched processes write their output (default: checkpoint_dir).
-        outputs: a `gadei run` output folder whose end record (and, its `gadei run` gone,
-            outputs) this watchdog writes when the job ends.
-    """
-
-    checkpoint_dir: str
-    every: float = CheckpointOptions.interval  # declared there: a job file's [checkpoint] interval
-    keep: int = CheckpointOptions.keep
-    interval: float = option(0.5, "seconds between looks and beats", low=0, low_open=True, high=3600)
-    max_missed: int = option(20, "beats a process may miss before it counts as hung", low=1, high=10**6)
-    restart: list[str] | None = None
-    max_restarts: int = option(3, "restarts of the server, and of each launched learner, within the window before "
-                               "giving up", low=1, high=10**6)
-    window: float = option(300.0, "seconds over which restarts are counted", low=0, low_open=True, high=10**9)
-    learners: list[list[str]] = field(default_factory=list)
-    backoff: float = option(1.0, "seconds before a dead learner's first restart, doubling with each", low=0, high=3600)
-    log_dir: str | None = None
-    outputs: str | None = None
-
-    def check(self) -> None:
-        for name, declared_as in (("every", "interval"), ("keep", "keep")):
-            try:
-                check_option(CheckpointOptions, declared_as, getattr(self, name))
-            except ValueError as err:
-                raise ValueError(f"watchdog {name} = {getattr(self, name)!r} {err}") from None
-        try:
-            check_all(self)
-        except ValueError as err:
-            raise ValueError(f"watchdog {err}") from None
 
 
 class Watchdog:
@@ -261,13 +213,8 @@ class Watchdog:
         log.info("job %r stopped; the watchdog ends after %d checkpoints", self.job, self.checkpoints)
         self.finished = self.region.header.get("finished") == 1
         self.learners.reap(timeout=30.0)
-        if self._server is not None:
-            try:
-                self._server.wait(timeout=60.0)  # it writes its last checkpoint, then exits
-            except subprocess.TimeoutExpired:
-                log.warning("job %r: the server (pid %d) did not exit; killing it", self.job, self._server.pid)
-                self._server.kill()
-                self._server.wait()
+        if self._server is not None:  # it writes its last checkpoint, then exits
+            wait_or_kill(self._server, 60.0, f"job {self.job!r}: the server")
         if self.learners.failed:
             log.error("job %r ended without learners %s (given up)", self.job, self.learners.failed)
             self.reason = (f"the watchdog gave up on launched learners {self.learners.failed}: they died "
@@ -285,11 +232,7 @@ class Watchdog:
                   f"{self.region.header.get('checkpointed_version'):,}")
         self.learners.kill_all()
         if self._server is not None:
-            try:
-                self._server.wait(timeout=60.0)
-            except subprocess.TimeoutExpired:
-                self._server.kill()
-                self._server.wait()
+            wait_or_kill(self._server, 60.0, f"job {self.job!r}: the server")
         return JOB_FAILED
 
     def _stop_job(self) -> None:
@@ -361,9 +304,7 @@ class Watchdog:
         env = {**os.environ, "GADEI_RESTARTS": ",".join(str(t) for t in self._restarts)}
         os.makedirs(self.log_dir, exist_ok=True)
         server_log = os.path.join(self.log_dir, "server.log")
-        with open(server_log, "ab") as out:
-            proc = subprocess.Popen(_proc.gadei_command(*args), env=env, stdout=out,
-                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        proc = spawn(_proc.gadei_command(*args), log=server_log, env=env)
         self._server = proc
         log.warning("job %r: restarting the server (pid %d) %s; its output goes to %s", self.job, proc.pid,
                     f"from checkpoint version {found.version:,}" if found else "from its initial weights (no "

@@ -1,80 +1,29 @@
-"""The `gadei watchdog` command, also run as `python -m gadei_watchdog` (how `gadei serve`
-starts a job's watchdog): its arguments, made from `WatchdogSettings`' declarations, and what it runs."""
+"""The `gadei watchdog` command, run as `python -m gadei_watchdog` (how `gadei serve` and `gadei
+watchdog` start a job's watchdog): its arguments, made from `WatchdogSettings`' declarations
+(`gadei.watchdog_options`), and what it runs."""
 
 import argparse
-import json
 
 from gadei import console, options
 from gadei.errors import GadeiError
+from gadei.watchdog_options import DESCRIPTION, WatchdogSettings, add_arguments
 
-from . import WatchdogSettings, Watchdog
-
-_D = WatchdogSettings(checkpoint_dir="")  # the defaults
-HELP = "watch a running job, checkpoint it, restart what dies"
-DESCRIPTION = ("Attach to a running job, report dead or hung learners and server, and take a checkpoint between "
-               "two updates every --every seconds; launch --learners and restart them when they die; restart a dead "
-               "server (--restart). Ends when the job stops (0; 4 when it gave up on a launched learner) or its "
-               "server is dead for good (3).")
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add = parser.add_argument
-    add("job")
-    add("--adopt", action="store_true", help="take over from this job's dead watchdog: its settings and launched "
-        "learners (as `gadei serve --adopt JOB`, in the foreground)")
-    add("--checkpoint-dir", help="where checkpoints go (required unless --adopt)")
-    add("--every", type=float, default=_D.every, help="seconds between checkpoints (default %(default)g)")
-    add("--keep", type=int, default=_D.keep, help="checkpoints kept (default %(default)d)")
-    options.add_arguments(parser, WatchdogSettings)  # --interval --max-missed --max-restarts --window --backoff
-    add("--restart", metavar="JSON", help="the gadei arguments that started the server, as a JSON list: when it "
-        "dies, start it again with them plus --replace --no-watchdog --resume (gadei serve passes this)")
-    add("--learners", metavar="JSON", help="learners to launch and keep running: a JSON list of argument lists of "
-        "`gadei learn JOB` (gadei serve --learner passes this)")
-    add("--progress", metavar="JSON", help="how far each launched learner got, from the checkpoint the server "
-        "resumed from: they start there (gadei serve --resume passes this)")
-    add("--log-dir", help="where launched processes write their logs (default: --checkpoint-dir)")
-    add("--outputs", metavar="FOLDER", help="a `gadei run` output folder: when the job ends, record how "
-        "(logs/watchdog-end.json) and, if the `gadei run` that started it is gone, write its outputs")
+from . import Watchdog
 
 
 def command(args) -> int:
     """Run the watchdog the arguments describe, to its end (its exit code)."""
-    restart = None
-    if args.restart:
-        try:
-            restart = json.loads(args.restart)
-            assert isinstance(restart, list) and all(isinstance(a, str) for a in restart)
-        except (ValueError, AssertionError):
-            raise GadeiError(f"--restart {args.restart!r}: expected a JSON list of gadei arguments") from None
     if args.adopt:
         return Watchdog.adopt(args.job).run()
     if not args.checkpoint_dir:
         raise GadeiError("gadei watchdog: give --checkpoint-dir (or --adopt)")
-    learners = []
-    if args.learners:
-        try:
-            learners = json.loads(args.learners)
-            assert isinstance(learners, list) and all(isinstance(l, list) and all(isinstance(a, str) for a in l)
-                                                      for l in learners)
-        except (ValueError, AssertionError):
-            raise GadeiError(f"--learners {args.learners!r}: expected a JSON list of lists of arguments") from None
-    settings = WatchdogSettings(checkpoint_dir=args.checkpoint_dir, every=args.every, keep=args.keep,
-                        interval=args.interval, max_missed=args.max_missed, restart=restart,
-                        max_restarts=args.max_restarts, window=args.window, learners=learners,
-                        backoff=args.backoff, log_dir=args.log_dir, outputs=args.outputs)
+    settings = options.from_args(WatchdogSettings, args)
     try:
         settings.check()
     except ValueError as err:
         raise GadeiError(str(err)) from None
-    progress = {}
-    if args.progress:
-        try:
-            progress = json.loads(args.progress)
-            assert isinstance(progress, dict)
-        except (ValueError, AssertionError):
-            raise GadeiError(f"--progress {args.progress!r}: expected a checkpoint's progress, a JSON object") from None
     dog = Watchdog(args.job, settings)
-    dog.learners.resume(progress)
+    dog.learners.resume(args.progress)
     return dog.run()
 
 

@@ -6,70 +6,30 @@ dies is started again where the gradients it published end, and after a server r
 from a checkpoint, where that checkpoint's `progress` says. Its output goes to
 `learner-<number>.log` in the watchdog's log folder.
 
-The table of launched learners is saved as JSON (with the watchdog's settings) in the
-user's runtime folder, so a new watchdog (`gadei serve --adopt JOB`) can take over the
-learners of one that died: it cannot wait for processes that are not its children, so it
-tells a clean exit (the learner gave its ring back) from a death (its ring still names it).
+The table of launched learners (`gadei.watchdog_record.Launched`) is saved as JSON (with the
+watchdog's settings) in the user's runtime folder (`gadei.watchdog_record.save_state`), so a
+new watchdog (`gadei serve --adopt JOB`) can take over the learners of one that died: it
+cannot wait for processes that are not its children, so it tells a clean exit (the learner
+gave its ring back) from a death (its ring still names it).
 """
 
-import fcntl
-import json
 import logging
 import os
 import signal
-import subprocess
 import time
-from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
 
 import psutil
 
 from gadei import _proc
-from gadei.env import runtime_dir
+from gadei.launch import spawn, wait_or_kill
 from gadei.layout import ACTIVE, DEAD
 from gadei.protocol import Deadline
 from gadei.ring import lease_owner
+from gadei.watchdog_record import Launched, progress
 
 log = logging.getLogger(__name__)
 
 BACKOFF_CAP = 30.0  # seconds: the longest wait before a learner is started again
-
-
-@dataclass
-class Launched:
-    """One learner the watchdog launched, across its restarts.
-
-    Attributes:
-        number: its place in the job's list of learners (0, 1, ...).
-        args: the arguments after `gadei learn JOB`.
-        start_at: samples of its schedule its current process skipped.
-        pid, started: its current process (pid and start time; 0 when none runs).
-        entry: the learner entry (ring) that process holds, once it attached.
-        seen: samples that process had published when last looked at.
-        done: it finished its schedule.
-        failed: it died too often within the window; no more restarts.
-        restarts: wall-clock times it was started again after a death.
-        due: wall-clock time of the next start (0: none pending).
-    """
-
-    number: int
-    args: list[str]
-    start_at: int = 0
-    pid: int = 0
-    started: float = 0.0
-    entry: int = -1
-    seen: int = 0
-    done: bool = False
-    failed: bool = False
-    restarts: list[float] = field(default_factory=list)
-    due: float = 0.0
-
-    def __post_init__(self):
-        self.proc: subprocess.Popen | None = None  # only when it is this watchdog's child
-
-    @property
-    def running(self) -> bool:
-        return self.pid != 0
 
 
 class Learners:
@@ -92,35 +52,16 @@ class Learners:
         return [l.number for l in self.table if l.failed]
 
     def progress(self, ckpt) -> dict:
-        """What a checkpoint taken now holds of each learner's schedule (the `progress` hook).
-
-        A running learner's samples are those the server applied from its ring (the
-        counters are part of the same capture); a dead one waiting for its restart already
-        counts what it published in `start_at`.
-        """
-        out = {}
-        for l in self.table:
-            if l.done:
-                out[str(l.number)] = "done"
-                continue
-            applied = 0
-            if l.running:
-                # its entry's counters, or, once it gave the entry back and a new owner reset
-                # them, the copy that owner kept (last_pid, last_applied). The copy first: the
-                # capture reads it after pid and applied_samples, so a claim between those reads
-                # (pid still this learner's, the counters already reset) is seen in it.
-                applied = next((c["last_applied"] for c in ckpt.learners if c.get("last_pid") == l.pid),
-                               next((c["applied_samples"] for c in ckpt.learners if c["pid"] == l.pid), 0))
-            out[str(l.number)] = l.start_at + applied
-        return out
+        """What a checkpoint taken now holds of each learner's schedule (the `progress` hook;
+        `gadei.watchdog_record.progress`)."""
+        return progress(self.table, ckpt)
 
     # ------------------------------------------------------------------ processes
 
     def start(self, l: Launched) -> None:
         os.makedirs(self.log_dir, exist_ok=True)
         command = _proc.gadei_command("learn", self.job, *l.args, "--start-at", l.start_at)
-        with open(os.path.join(self.log_dir, f"learner-{l.number}.log"), "ab") as out:
-            l.proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        l.proc = spawn(command, log=os.path.join(self.log_dir, f"learner-{l.number}.log"), session=False)
         l.pid, l.entry, l.seen, l.due = l.proc.pid, -1, 0, 0.0
         try:
             l.started = _proc.start_time(l.pid)
@@ -151,12 +92,7 @@ class Learners:
         deadline = Deadline(timeout)
         for l in self.table:
             if l.proc is not None:
-                try:
-                    l.proc.wait(timeout=deadline.left())
-                except subprocess.TimeoutExpired:
-                    log.warning("job %r: launched learner %d (pid %d) did not leave; killing it", self.job, l.number, l.pid)
-                    l.proc.kill()
-                    l.proc.wait()
+                wait_or_kill(l.proc, deadline.left(), f"job {self.job!r}: launched learner {l.number}")
 
     # ------------------------------------------------------------------ one look
 
@@ -290,56 +226,3 @@ def _wait_gone(pid: int, started: float, timeout: float) -> None:
     deadline = Deadline(timeout)
     while _proc.alive(pid, started) and not deadline.expired():
         deadline.sleep(0.02)
-
-
-# ------------------------------------------------------------------ the saved state
-
-
-def state_path(job: str) -> str:
-    """Where a job's watchdog keeps its settings and launched learners (for `--adopt`)."""
-    return os.path.join(runtime_dir(), f"{job}.watchdog.json")
-
-
-def lock_path(job: str) -> str:
-    return os.path.join(runtime_dir(), f"{job}.watchdog.lock")
-
-
-@contextmanager
-def registering(job: str):
-    """Held while a watchdog checks that the job has no live watchdog and registers itself in
-    the region header (an exclusive `flock` on `<job>.watchdog.lock` in the runtime folder):
-    two that take over a dead one at the same moment (`gadei run`'s and its server's adoption)
-    cannot both register; the second sees the first alive and refuses."""
-    fd = os.open(lock_path(job), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW
-                 | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
-
-
-def save_state(job: str, settings: dict, table: list[Launched]) -> None:
-    """Write the watchdog's state atomically (a reader never sees half a file)."""
-    path = state_path(job)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as out:
-        json.dump({"job": job, "settings": settings, "learners": [asdict(l) for l in table]}, out)
-    os.replace(tmp, path)
-
-
-def load_state(job: str) -> tuple[dict, list[Launched]]:
-    """The state a job's watchdog saved; FileNotFoundError when it saved none."""
-    with open(state_path(job)) as handle:
-        data = json.load(handle)
-    return data["settings"], [Launched(**l) for l in data["learners"]]
-
-
-def remove_state(job: str) -> None:
-    """At the job's end: its saved state and its registration lock (`registering`) go, so
-    that a runtime folder does not gather one of each per job ever run."""
-    for path in (state_path(job), lock_path(job)):
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass

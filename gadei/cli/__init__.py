@@ -7,12 +7,10 @@ lines on stdout for programs. Errors gadei raises on purpose print one line and 
 import argparse
 import sys
 
-import gadei_watchdog.cli as watchdog_cli
-
 from .. import __version__, console
 from ..errors import GadeiError
 from .common import job_file_defaults
-from . import bench, bridge, clean, daemon, demo, learn, run, serve, status, stop
+from . import bench, bridge, clean, daemon, demo, learn, run, serve, status, stop, watchdog
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -23,9 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_parser(sub)
     daemon.add_parser(sub)
     learn.add_parser(sub)
-    p = sub.add_parser("watchdog", help=watchdog_cli.HELP, description=watchdog_cli.DESCRIPTION)
-    watchdog_cli.add_arguments(p)
-    p.set_defaults(func=watchdog_cli.command)
+    watchdog.add_parser(sub)
     status.add_parser(sub)
     stop.add_parser(sub)
     clean.add_parser(sub)

@@ -47,18 +47,15 @@ def cmd_clean(args) -> int:
 def _clean_watchdog_states(args) -> None:
     """Remove the saved state of watchdogs that died with no one adopting their job, once
     the job has no region (nothing is left to adopt)."""
-    import glob
-
-    from ..env import runtime_dir
     from ..region import inspect
+    from ..watchdog_record import saved_jobs
 
     try:
-        folder = runtime_dir()
+        saved = saved_jobs()
     except PermissionError as err:
         print(f"gadei: runtime folder skipped: {err}", file=sys.stderr)
         return
-    for path in glob.glob(os.path.join(folder, "*.watchdog.json")):
-        job = os.path.basename(path)[: -len(".watchdog.json")]
+    for job, path in saved.items():
         try:
             if (args.jobs and job not in args.jobs) or inspect(job) is not None:
                 continue

@@ -1,6 +1,5 @@
 """`gadei serve`: create a job's region and run the server's apply loop (and its watchdog)."""
 
-import json
 import argparse
 import logging
 import os
@@ -11,13 +10,15 @@ import time
 
 from .._proc import python_command
 from ..errors import GadeiError
-from gadei_watchdog import WatchdogSettings
+from ..launch import spawn, wait_or_kill
 
-from .. import options
+from .. import options, watchdog_options
 from ..checkpoint import CheckpointOptions
 from ..modes import MODES, RuleOptions
 from ..protocol import Deadline
 from ..transport.options import TransportOptions
+from ..watchdog_options import WatchdogSettings
+from ..watchdog_record import LEARNERS_FAILED
 from . import learn
 from .common import add_job_file, emit, factory_model, workload_model
 
@@ -37,6 +38,7 @@ def cmd_serve(args) -> int:
         raise GadeiError("--learner: launched learners are run by the job's watchdog; give --checkpoint-dir "
                          "(and no --no-watchdog)")
     learners = [_learner_args(text) for text in args.learner]
+    watching = _watchdog_settings(args, learners) if args.checkpoint_dir and not args.no_watchdog else None
     model = None
     if args.workload:
         model = workload_model(args)[-1]
@@ -80,8 +82,8 @@ def cmd_serve(args) -> int:
     server.region.header.set("restarts", len(restarts))  # this server is a watchdog's restart number n
     dog = custody = None
     try:
-        if args.checkpoint_dir and not args.no_watchdog and not asked:
-            dog = _start_watchdog(args, learners, resume.progress if resume is not None else None)
+        if watching is not None and not asked:
+            dog = _start_watchdog(args.job, watching, resume.progress if resume is not None else None)
         if args.outputs and args.checkpoint_dir:  # a `gadei run` job's server (or one its watchdog restarted)
             from ..custody import Custody
             from pathlib import Path
@@ -118,44 +120,43 @@ def cmd_serve(args) -> int:
         server.close()
         if custody is not None:
             custody.write_outputs()  # after the stop: what no watchdog or `gadei run` is left to write
-        if dog is not None:
-            try:
-                dog.wait(timeout=60)  # it sees the job stopped within one interval and reaps its learners
-            except subprocess.TimeoutExpired:
-                dog.kill()
-                dog.wait()
-            if dog.returncode == 4:  # gadei_watchdog.LEARNERS_FAILED
+        if dog is not None:  # it sees the job stopped within one interval and reaps its learners
+            wait_or_kill(dog, 60.0, f"job {args.job!r}: the watchdog")
+            if dog.returncode == LEARNERS_FAILED:
                 print(f"gadei: error: job {args.job!r} ended without some launched learners: the watchdog gave "
                       f"up on them (see their logs in {args.log_dir or args.checkpoint_dir})", file=sys.stderr)
                 code = 1
     return code
 
 
-def _start_watchdog(args, learners: list[list[str]], progress: dict | None) -> subprocess.Popen:
-    """The job's watchdog, in its own session (a Ctrl-C meant for the server does not reach
-    it, and it outlives a server that crashes, to restart it). It launches `learners`, from
-    `progress` (a resumed checkpoint's) when there is one."""
+def _watchdog_settings(args, learners: list[list[str]]) -> WatchdogSettings:
+    """The settings of the job's watchdog, from this command's flags, checked before anything
+    starts: it launches `learners`, and restarts the server with this command's arguments
+    less the learners (the watchdog keeps those)."""
     restart, skip = [], False
-    for arg in args.argv:  # the server is restarted without the learners: the watchdog keeps those
+    for arg in args.argv:
         if skip:
             skip = False
         elif arg == "--learner":
             skip = True
         elif not arg.startswith("--learner="):
             restart.append(arg)
-    command = [*python_command("gadei_watchdog", args.job), "--checkpoint-dir", args.checkpoint_dir,
-               "--every", str(args.checkpoint_every), "--keep", str(args.keep), "--restart", json.dumps(restart),
-               "--interval", str(args.watch_interval), "--max-missed", str(args.max_missed),
-               "--max-restarts", str(args.max_restarts)]
-    if args.log_dir:
-        command += ["--log-dir", args.log_dir]
-    if args.outputs:
-        command += ["--outputs", args.outputs]
-    if learners:
-        command += ["--learners", json.dumps(learners)]
-        if progress:
-            command += ["--progress", json.dumps(progress)]
-    return subprocess.Popen(command, start_new_session=True)
+    settings = WatchdogSettings(checkpoint_dir=args.checkpoint_dir, every=args.checkpoint_every, keep=args.keep,
+                                interval=args.watch_interval, max_missed=args.max_missed,
+                                max_restarts=args.max_restarts, restart=restart, learners=learners,
+                                log_dir=args.log_dir, outputs=args.outputs)
+    try:
+        settings.check()
+    except ValueError as err:
+        raise GadeiError(f"gadei serve: {err}") from None
+    return settings
+
+
+def _start_watchdog(job: str, settings: WatchdogSettings, progress: dict | None) -> subprocess.Popen:
+    """The job's watchdog, in its own session (a Ctrl-C meant for the server does not reach
+    it, and it outlives a server that crashes, to restart it). It launches its learners, from
+    `progress` (a resumed checkpoint's) when there is one."""
+    return spawn(watchdog_options.command(job, settings, progress if settings.learners else None))
 
 
 def _learner_args(text: str) -> list[str]:
@@ -179,7 +180,7 @@ def _learner_args(text: str) -> list[str]:
 
 def _adopt(args) -> int:
     """`gadei serve --adopt JOB`: a new watchdog takes over a running job whose watchdog died."""
-    from gadei_watchdog.launched import load_state
+    from ..watchdog_record import load_state
 
     from ..custody import live_watchdog
     from ..region import Region, inspect
@@ -198,9 +199,8 @@ def _adopt(args) -> int:
     folder = saved.get("log_dir") or saved["checkpoint_dir"]
     os.makedirs(folder, exist_ok=True)
     out_path = os.path.join(folder, "watchdog.log")
-    with open(out_path, "ab") as out:  # detached: it must not hold this command's output open
-        dog = subprocess.Popen(python_command("gadei_watchdog", args.job, "--adopt"), stdout=out,
-                               stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    dog = spawn(python_command("gadei_watchdog", args.job, "--adopt"), log=out_path)  # detached: it must not
+    # hold this command's output open
     deadline = Deadline(60)
     with Region.attach(args.job, readonly=True) as region:
         while region.header.get("watchdog_pid") != dog.pid:

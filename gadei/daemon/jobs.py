@@ -318,10 +318,11 @@ class Daemon:
             raise GadeiError(f"output folder {record.output} is not a folder")
         os.makedirs(logs, mode=0o700, exist_ok=True)  # private until `gadei run` applies the job's [output] private
         fd = os.open(record.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        from ..launch import spawn
+
         with open(fd, "ab") as out:
-            proc = subprocess.Popen(_proc.gadei_command("run", record.jobfile, "--quiet", "--submitted")
-                                    + (["--resume"] if record.resume else []), stdout=out,
-                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+            proc = spawn(_proc.gadei_command("run", record.jobfile, "--quiet", "--submitted")
+                         + (["--resume"] if record.resume else []), log=out)
         self.procs[record.name] = proc
         record.state, record.pid, record.started = RUNNING, proc.pid, time.time()
         try:
@@ -496,10 +497,10 @@ def _job_alive(record: JobRecord) -> bool:
 
 
 def _watchdog_alive(name: str) -> bool:
-    """The job's watchdog still runs (its saved state names it while it lives: `gadei_watchdog.launched`)."""
-    from ..env import runtime_dir
+    """The job's watchdog still runs (its record names it while it lives: `gadei.watchdog_record`)."""
+    from ..watchdog_record import state_path
 
-    return os.path.exists(os.path.join(runtime_dir(), f"{name}.watchdog.json"))
+    return os.path.exists(state_path(name))
 
 
 def _reason(err: Exception) -> str:
