@@ -166,13 +166,16 @@ class JobRun:
             self._stop()
             interrupted = True
         except KeyboardInterrupt:
-            interrupted = True
-            print(f"\ngadei run: stopping the job {job.name}", flush=True)
-            taken = checkpoint_progress(job)
-            if taken is not None:
-                print(f"gadei run: checkpoint {taken.path.name} at version {taken.version:,} (resume with "
-                      f"{go_on(job, self.prepared.by)})", flush=True)
-            self._stop()
+            # The watchdog may have recorded the job's end before this run saw it (it looks every
+            # 0.25 s): a job that had ended on its own was not stopped, whatever came now.
+            interrupted = outputs.read_ending(out) is None
+            if interrupted:
+                print(f"\ngadei run: stopping the job {job.name}", flush=True)
+                taken = checkpoint_progress(job)
+                if taken is not None:
+                    print(f"gadei run: checkpoint {taken.path.name} at version {taken.version:,} (resume with "
+                          f"{go_on(job, self.prepared.by)})", flush=True)
+                self._stop()
         else:
             interrupted = False
         # The job is stopping, or ended: let it finish, and write its outputs whatever comes now,
@@ -181,9 +184,8 @@ class JobRun:
         # and `--resume` would then find no run that finished.
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        if interrupted:
-            while not self.ended():
-                time.sleep(0.2)
+        while not self.ended():  # an interrupted job stopping, or one that ended before this run saw it
+            time.sleep(0.2)
         if bridge is not None:
             node.stop_bridge(bridge, out / "model.pt", private=job.private)
         result = outputs.finish(job, owner=owner, interrupted=interrupted, note=self.note,

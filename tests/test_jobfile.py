@@ -402,12 +402,15 @@ def test_a_finished_run_is_said_to_have_finished_not_offered_resume(tmp_path, pr
         assert "no checkpoint" not in err, err
 
 
-def test_ctrl_c_while_gadei_run_writes_the_outputs_of_a_finished_job_loses_nothing(tmp_path, procs):
+@pytest.mark.parametrize("first", ["metrics.jsonl", "logs/watchdog-end.json"])
+def test_ctrl_c_while_gadei_run_writes_the_outputs_of_a_finished_job_loses_nothing(tmp_path, procs, first):
     """Ctrl-C after the job ended, while `gadei run` writes its outputs (the watchdog left them to
     it): the outputs are written all the same, and the run is one that finished (once the
     KeyboardInterrupt ended `gadei run` mid-way, with no result.json and no one left to write it,
-    and `--resume` then refused). SIGINT is sent again and again from metrics.jsonl, the first
-    file `outputs.finish` writes, until the run exits."""
+    and `--resume` then refused). SIGINT is sent again and again from `first` on until the run
+    exits: metrics.jsonl, the first file `outputs.finish` writes, or the watchdog's end record,
+    which `gadei run` sees within 0.25 s (a Ctrl-C in between once made the finished job one it
+    had stopped)."""
     path = blobs_job(tmp_path, unique_name("late-c"), train={"learners": 2, "epochs": 2, "lr": 0.05})
     out = tmp_path / "out"
     before = signal.signal(signal.SIGINT, signal.default_int_handler)  # not ignored in the child, whoever started us
@@ -415,7 +418,8 @@ def test_ctrl_c_while_gadei_run_writes_the_outputs_of_a_finished_job_loses_nothi
         run = procs.gadei("run", path, "--quiet")
     finally:
         signal.signal(signal.SIGINT, before)
-    wait_for(lambda: (out / "metrics.jsonl").exists() or run.poll() is not None, 300, "gadei run to write its outputs")
+    wait_for(lambda: (out / first).exists() or run.poll() is not None, 300, f"gadei run's job to leave {first}",
+             interval=0.002)
     assert (out / "logs" / "watchdog-end.json").exists() and not (out / "result.json").exists()
     sent = 0
     while run.poll() is None:
