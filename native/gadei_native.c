@@ -418,251 +418,218 @@ gd_cross_cpu_ns(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 
 /* ------------------------------------------------------------------ kernels (kernels.c) */
 
+/*
+ * The kernels' bindings take the arguments of their C function in kernels.h, by the same
+ * names and in the same order. The leading addresses may be positional; every argument after
+ * them is keyword-only (the `$` in each format), so a call that swaps two integers is a
+ * TypeError rather than an update computed with the wrong length, dtype or thread count.
+ * Addresses, sizes and counts are unsigned 64-bit (a negative one is an OverflowError).
+ */
 static int
-gd_arg_f64(PyObject *obj, double *out)
+gd_conv_u64(PyObject *obj, void *out)
 {
-    double v = PyFloat_AsDouble(obj);
-    if (v == -1.0 && PyErr_Occurred()) return -1;
-    *out = v;
-    return 0;
+    return gd_arg_u64(obj, out) == 0;
 }
 
-/* sgd(w, g, n, lr, clear, threads[, dtype]): w -= lr * g in place; with clear, g = 0. */
+#define GD_PARSE(args, kwargs, format, ...)                                                  \
+    do {                                                                                     \
+        if (!PyArg_ParseTupleAndKeywords((args), (kwargs), (format), __VA_ARGS__)) return NULL; \
+    } while (0)
+
+#define GD_U64 gd_conv_u64
+#define GD_PTR(raw) ((void *)(uintptr_t)(raw))
+
+/* sgd(w, g, *, dtype, n, lr, clear, threads): w -= lr * g in place; with clear, g = 0. */
 static PyObject *
-py_sgd(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+py_sgd(PyObject *self, PyObject *args, PyObject *kwargs)
 {
-    uint64_t n, clear;
-    int64_t threads, dtype = GD_F32;
-    double lr;
-    if (nargs != 6 && gd_nargs("sgd", nargs, 7) < 0) return NULL;
-    GD_ADDR(args[0], w);
-    GD_ADDR(args[1], g);
-    if (gd_arg_u64(args[2], &n) < 0 || gd_arg_f64(args[3], &lr) < 0 || gd_arg_u64(args[4], &clear) < 0 ||
-        gd_arg_i64(args[5], &threads) < 0 || (nargs == 7 && gd_arg_i64(args[6], &dtype) < 0))
-        return NULL;
+    static char *names[] = {"w", "g", "dtype", "n", "lr", "clear", "threads", NULL};
+    uint64_t w, g, n;
+    int dtype, clear, threads;
+    float lr;
+    GD_PARSE(args, kwargs, "O&O&$iO&fii:sgd", names, GD_U64, &w, GD_U64, &g, &dtype, GD_U64, &n, &lr, &clear,
+             &threads);
     Py_BEGIN_ALLOW_THREADS
-    gd_sgd((float *)(uintptr_t)w_raw, (void *)(uintptr_t)g_raw, (int)dtype, (size_t)n, (float)lr, (int)clear,
-           (int)threads);
+    gd_sgd(GD_PTR(w), GD_PTR(g), dtype, (size_t)n, lr, clear, threads);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
 
-/* momentum(w, v, g, n, lr, mu, clear, threads, dtype): v = mu v + g; w -= lr v (g == 0: zero). */
+/* momentum(w, v, g, *, dtype, n, lr, mu, clear, threads): v = mu v + g; w -= lr v (g == 0: zero). */
 static PyObject *
-py_momentum(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+py_momentum(PyObject *self, PyObject *args, PyObject *kwargs)
 {
-    uint64_t n, clear;
-    int64_t threads, dtype;
-    double lr, mu;
-    if (gd_nargs("momentum", nargs, 9) < 0) return NULL;
-    GD_ADDR(args[0], w);
-    GD_ADDR(args[1], v);
-    GD_ADDR(args[2], g);
-    if (gd_arg_u64(args[3], &n) < 0 || gd_arg_f64(args[4], &lr) < 0 || gd_arg_f64(args[5], &mu) < 0 ||
-        gd_arg_u64(args[6], &clear) < 0 || gd_arg_i64(args[7], &threads) < 0 || gd_arg_i64(args[8], &dtype) < 0)
-        return NULL;
+    static char *names[] = {"w", "v", "g", "dtype", "n", "lr", "mu", "clear", "threads", NULL};
+    uint64_t w, v, g, n;
+    int dtype, clear, threads;
+    float lr, mu;
+    GD_PARSE(args, kwargs, "O&O&O&$iO&ffii:momentum", names, GD_U64, &w, GD_U64, &v, GD_U64, &g, &dtype, GD_U64,
+             &n, &lr, &mu, &clear, &threads);
     Py_BEGIN_ALLOW_THREADS
-    gd_momentum((float *)(uintptr_t)w_raw, (float *)(uintptr_t)v_raw, (void *)(uintptr_t)g_raw, (int)dtype,
-                (size_t)n, (float)lr, (float)mu, (int)clear, (int)threads);
+    gd_momentum(GD_PTR(w), GD_PTR(v), GD_PTR(g), dtype, (size_t)n, lr, mu, clear, threads);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
 
-/* adagrad(w, s, g, n, lr, eps, clear, threads, dtype): s += g^2; w -= lr g / (sqrt(s) + eps). */
+/* adagrad(w, s, g, *, dtype, n, lr, eps, clear, threads): s += g^2; w -= lr g / (sqrt(s) + eps). */
 static PyObject *
-py_adagrad(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+py_adagrad(PyObject *self, PyObject *args, PyObject *kwargs)
 {
-    uint64_t n, clear;
-    int64_t threads, dtype;
-    double lr, eps;
-    if (gd_nargs("adagrad", nargs, 9) < 0) return NULL;
-    GD_ADDR(args[0], w);
-    GD_ADDR(args[1], s);
-    GD_ADDR(args[2], g);
-    if (gd_arg_u64(args[3], &n) < 0 || gd_arg_f64(args[4], &lr) < 0 || gd_arg_f64(args[5], &eps) < 0 ||
-        gd_arg_u64(args[6], &clear) < 0 || gd_arg_i64(args[7], &threads) < 0 || gd_arg_i64(args[8], &dtype) < 0)
-        return NULL;
+    static char *names[] = {"w", "s", "g", "dtype", "n", "lr", "eps", "clear", "threads", NULL};
+    uint64_t w, s, g, n;
+    int dtype, clear, threads;
+    float lr, eps;
+    GD_PARSE(args, kwargs, "O&O&O&$iO&ffii:adagrad", names, GD_U64, &w, GD_U64, &s, GD_U64, &g, &dtype, GD_U64,
+             &n, &lr, &eps, &clear, &threads);
     Py_BEGIN_ALLOW_THREADS
-    gd_adagrad((float *)(uintptr_t)w_raw, (float *)(uintptr_t)s_raw, (void *)(uintptr_t)g_raw, (int)dtype,
-               (size_t)n, (float)lr, (float)eps, (int)clear, (int)threads);
+    gd_adagrad(GD_PTR(w), GD_PTR(s), GD_PTR(g), dtype, (size_t)n, lr, eps, clear, threads);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
 
-/* adagrad_rows(w, s, n_rows, width, idx, rows, count, lr, eps, dtype) -> indices out of range. */
+/* adagrad_rows(w, s, *, n_rows, width, idx, rows, dtype, count, lr, eps) -> indices out of range. */
 static PyObject *
-py_adagrad_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+py_adagrad_rows(PyObject *self, PyObject *args, PyObject *kwargs)
 {
-    uint64_t n_rows, width, count;
-    int64_t dtype, bad;
-    double lr, eps;
-    if (gd_nargs("adagrad_rows", nargs, 10) < 0) return NULL;
-    GD_ADDR(args[0], w);
-    GD_ADDR(args[1], s);
-    if (gd_arg_u64(args[2], &n_rows) < 0 || gd_arg_u64(args[3], &width) < 0) return NULL;
-    GD_ADDR(args[4], idx);
-    GD_ADDR(args[5], rows);
-    if (gd_arg_u64(args[6], &count) < 0 || gd_arg_f64(args[7], &lr) < 0 || gd_arg_f64(args[8], &eps) < 0 ||
-        gd_arg_i64(args[9], &dtype) < 0)
-        return NULL;
+    static char *names[] = {"w", "s", "n_rows", "width", "idx", "rows", "dtype", "count", "lr", "eps", NULL};
+    uint64_t w, s, n_rows, width, idx, rows, count;
+    int dtype;
+    float lr, eps;
+    int64_t bad;
+    GD_PARSE(args, kwargs, "O&O&$O&O&O&O&iO&ff:adagrad_rows", names, GD_U64, &w, GD_U64, &s, GD_U64, &n_rows,
+             GD_U64, &width, GD_U64, &idx, GD_U64, &rows, &dtype, GD_U64, &count, &lr, &eps);
     Py_BEGIN_ALLOW_THREADS
-    bad = gd_adagrad_rows((float *)(uintptr_t)w_raw, (float *)(uintptr_t)s_raw, (size_t)n_rows, (size_t)width,
-                          (const int64_t *)(uintptr_t)idx_raw, (const void *)(uintptr_t)rows_raw, (int)dtype,
-                          (size_t)count, (float)lr, (float)eps);
+    bad = gd_adagrad_rows(GD_PTR(w), GD_PTR(s), (size_t)n_rows, (size_t)width, GD_PTR(idx), GD_PTR(rows), dtype,
+                          (size_t)count, lr, eps);
     Py_END_ALLOW_THREADS
     return PyLong_FromLongLong(bad);
 }
 
-/* adam(w, m, v, g, n, lr, beta1, beta2, eps, step, clear, threads, dtype): Adam at step t. */
+/* adam(w, m, v, g, *, dtype, n, lr, beta1, beta2, eps, step, clear, threads): Adam at step t. */
 static PyObject *
-py_adam(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+py_adam(PyObject *self, PyObject *args, PyObject *kwargs)
 {
-    uint64_t n, step, clear;
-    int64_t threads, dtype;
+    static char *names[] = {"w", "m", "v", "g", "dtype", "n", "lr", "beta1", "beta2", "eps", "step", "clear",
+                            "threads", NULL};
+    uint64_t w, m, v, g, n, step;
+    int dtype, clear, threads;
     double lr, beta1, beta2, eps;
-    if (gd_nargs("adam", nargs, 13) < 0) return NULL;
-    GD_ADDR(args[0], w);
-    GD_ADDR(args[1], m);
-    GD_ADDR(args[2], v);
-    GD_ADDR(args[3], g);
-    if (gd_arg_u64(args[4], &n) < 0 || gd_arg_f64(args[5], &lr) < 0 || gd_arg_f64(args[6], &beta1) < 0 ||
-        gd_arg_f64(args[7], &beta2) < 0 || gd_arg_f64(args[8], &eps) < 0 || gd_arg_u64(args[9], &step) < 0 ||
-        gd_arg_u64(args[10], &clear) < 0 || gd_arg_i64(args[11], &threads) < 0 || gd_arg_i64(args[12], &dtype) < 0)
-        return NULL;
+    GD_PARSE(args, kwargs, "O&O&O&O&$iO&ddddO&ii:adam", names, GD_U64, &w, GD_U64, &m, GD_U64, &v, GD_U64, &g,
+             &dtype, GD_U64, &n, &lr, &beta1, &beta2, &eps, GD_U64, &step, &clear, &threads);
     Py_BEGIN_ALLOW_THREADS
-    gd_adam((float *)(uintptr_t)w_raw, (float *)(uintptr_t)m_raw, (float *)(uintptr_t)v_raw,
-            (void *)(uintptr_t)g_raw, (int)dtype, (size_t)n, lr, beta1, beta2, eps, step, (int)clear, (int)threads);
+    gd_adam(GD_PTR(w), GD_PTR(m), GD_PTR(v), GD_PTR(g), dtype, (size_t)n, lr, beta1, beta2, eps, step, clear,
+            threads);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
 
-/* adam_rows(w, m, v, n_rows, width, idx, rows, count, lr, beta1, beta2, eps, step, dtype) -> indices out of range. */
+/* adam_rows(w, m, v, *, n_rows, width, idx, rows, dtype, count, lr, beta1, beta2, eps, step) -> indices out
+ * of range. */
 static PyObject *
-py_adam_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+py_adam_rows(PyObject *self, PyObject *args, PyObject *kwargs)
 {
-    uint64_t n_rows, width, count, step;
-    int64_t dtype, bad;
+    static char *names[] = {"w", "m", "v", "n_rows", "width", "idx", "rows", "dtype", "count", "lr", "beta1",
+                            "beta2", "eps", "step", NULL};
+    uint64_t w, m, v, n_rows, width, idx, rows, count, step;
+    int dtype;
     double lr, beta1, beta2, eps;
-    if (gd_nargs("adam_rows", nargs, 14) < 0) return NULL;
-    GD_ADDR(args[0], w);
-    GD_ADDR(args[1], m);
-    GD_ADDR(args[2], v);
-    if (gd_arg_u64(args[3], &n_rows) < 0 || gd_arg_u64(args[4], &width) < 0) return NULL;
-    GD_ADDR(args[5], idx);
-    GD_ADDR(args[6], rows);
-    if (gd_arg_u64(args[7], &count) < 0 || gd_arg_f64(args[8], &lr) < 0 || gd_arg_f64(args[9], &beta1) < 0 ||
-        gd_arg_f64(args[10], &beta2) < 0 || gd_arg_f64(args[11], &eps) < 0 || gd_arg_u64(args[12], &step) < 0 ||
-        gd_arg_i64(args[13], &dtype) < 0)
-        return NULL;
+    int64_t bad;
+    GD_PARSE(args, kwargs, "O&O&O&$O&O&O&O&iO&ddddO&:adam_rows", names, GD_U64, &w, GD_U64, &m, GD_U64, &v, GD_U64,
+             &n_rows, GD_U64, &width, GD_U64, &idx, GD_U64, &rows, &dtype, GD_U64, &count, &lr, &beta1, &beta2, &eps,
+             GD_U64, &step);
     Py_BEGIN_ALLOW_THREADS
-    bad = gd_adam_rows((float *)(uintptr_t)w_raw, (float *)(uintptr_t)m_raw, (float *)(uintptr_t)v_raw,
-                       (size_t)n_rows, (size_t)width, (const int64_t *)(uintptr_t)idx_raw,
-                       (const void *)(uintptr_t)rows_raw, (int)dtype, (size_t)count, lr, beta1, beta2, eps, step);
+    bad = gd_adam_rows(GD_PTR(w), GD_PTR(m), GD_PTR(v), (size_t)n_rows, (size_t)width, GD_PTR(idx), GD_PTR(rows),
+                       dtype, (size_t)count, lr, beta1, beta2, eps, step);
     Py_END_ALLOW_THREADS
     return PyLong_FromLongLong(bad);
 }
 
-/* sgd_rows(w, v, n_rows, width, idx, rows, count, lr, dtype) -> indices out of range. */
+/* sgd_rows(w, v, *, n_rows, width, idx, rows, dtype, count, lr) -> indices out of range. */
 static PyObject *
-py_sgd_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+py_sgd_rows(PyObject *self, PyObject *args, PyObject *kwargs)
 {
-    uint64_t n_rows, width, count;
-    int64_t dtype, bad;
-    double lr;
-    if (gd_nargs("sgd_rows", nargs, 9) < 0) return NULL;
-    GD_ADDR(args[0], w);
-    GD_ADDR(args[1], v);
-    if (gd_arg_u64(args[2], &n_rows) < 0 || gd_arg_u64(args[3], &width) < 0) return NULL;
-    GD_ADDR(args[4], idx);
-    GD_ADDR(args[5], rows);
-    if (gd_arg_u64(args[6], &count) < 0 || gd_arg_f64(args[7], &lr) < 0 || gd_arg_i64(args[8], &dtype) < 0)
-        return NULL;
+    static char *names[] = {"w", "v", "n_rows", "width", "idx", "rows", "dtype", "count", "lr", NULL};
+    uint64_t w, v, n_rows, width, idx, rows, count;
+    int dtype;
+    float lr;
+    int64_t bad;
+    GD_PARSE(args, kwargs, "O&O&$O&O&O&O&iO&f:sgd_rows", names, GD_U64, &w, GD_U64, &v, GD_U64, &n_rows, GD_U64,
+             &width, GD_U64, &idx, GD_U64, &rows, &dtype, GD_U64, &count, &lr);
     Py_BEGIN_ALLOW_THREADS
-    bad = gd_sgd_rows((float *)(uintptr_t)w_raw, (float *)(uintptr_t)v_raw, (size_t)n_rows, (size_t)width,
-                      (const int64_t *)(uintptr_t)idx_raw, (const void *)(uintptr_t)rows_raw, (int)dtype,
-                      (size_t)count, (float)lr);
+    bad = gd_sgd_rows(GD_PTR(w), GD_PTR(v), (size_t)n_rows, (size_t)width, GD_PTR(idx), GD_PTR(rows), dtype,
+                      (size_t)count, lr);
     Py_END_ALLOW_THREADS
     return PyLong_FromLongLong(bad);
 }
 
-/* nonfinite(g, n, threads, dtype) -> how many of the n elements at g are NaN or infinite. */
+/* nonfinite(g, *, dtype, n, threads) -> how many of the n elements at g are NaN or infinite. */
 static PyObject *
-py_nonfinite(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+py_nonfinite(PyObject *self, PyObject *args, PyObject *kwargs)
 {
-    uint64_t n;
-    int64_t threads, dtype, bad;
-    if (gd_nargs("nonfinite", nargs, 4) < 0) return NULL;
-    GD_ADDR(args[0], g);
-    if (gd_arg_u64(args[1], &n) < 0 || gd_arg_i64(args[2], &threads) < 0 || gd_arg_i64(args[3], &dtype) < 0)
-        return NULL;
+    static char *names[] = {"g", "dtype", "n", "threads", NULL};
+    uint64_t g, n;
+    int dtype, threads;
+    int64_t bad;
+    GD_PARSE(args, kwargs, "O&$iO&i:nonfinite", names, GD_U64, &g, &dtype, GD_U64, &n, &threads);
     Py_BEGIN_ALLOW_THREADS
-    bad = gd_nonfinite((const void *)(uintptr_t)g_raw, (int)dtype, (size_t)n, (int)threads);
+    bad = gd_nonfinite(GD_PTR(g), dtype, (size_t)n, threads);
     Py_END_ALLOW_THREADS
     return PyLong_FromLongLong(bad);
 }
 
-/* elastic(c, w, n, alpha, threads): c += alpha * (w - c). */
+/* elastic(c, w, *, n, alpha, threads): c += alpha * (w - c). */
 static PyObject *
-py_elastic(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+py_elastic(PyObject *self, PyObject *args, PyObject *kwargs)
 {
-    uint64_t n;
-    int64_t threads;
-    double alpha;
-    if (gd_nargs("elastic", nargs, 5) < 0) return NULL;
-    GD_ADDR(args[0], c);
-    GD_ADDR(args[1], w);
-    if (gd_arg_u64(args[2], &n) < 0 || gd_arg_f64(args[3], &alpha) < 0 || gd_arg_i64(args[4], &threads) < 0)
-        return NULL;
+    static char *names[] = {"c", "w", "n", "alpha", "threads", NULL};
+    uint64_t c, w, n;
+    int threads;
+    float alpha;
+    GD_PARSE(args, kwargs, "O&O&$O&fi:elastic", names, GD_U64, &c, GD_U64, &w, GD_U64, &n, &alpha, &threads);
     Py_BEGIN_ALLOW_THREADS
-    gd_elastic((float *)(uintptr_t)c_raw, (const float *)(uintptr_t)w_raw, (size_t)n, (float)alpha, (int)threads);
+    gd_elastic(GD_PTR(c), GD_PTR(w), (size_t)n, alpha, threads);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
 
-/* plain_sgd(w, g, n, lr, threads): the reference loop `gadei bench kernel` compares sgd with. */
+/* plain_sgd(w, g, *, n, lr, threads): the reference loop `gadei bench kernel` compares sgd with. */
 static PyObject *
-py_plain_sgd(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+py_plain_sgd(PyObject *self, PyObject *args, PyObject *kwargs)
 {
-    uint64_t n;
-    int64_t threads;
-    double lr;
-    if (gd_nargs("plain_sgd", nargs, 5) < 0) return NULL;
-    GD_ADDR(args[0], w);
-    GD_ADDR(args[1], g);
-    if (gd_arg_u64(args[2], &n) < 0 || gd_arg_f64(args[3], &lr) < 0 || gd_arg_i64(args[4], &threads) < 0)
-        return NULL;
+    static char *names[] = {"w", "g", "n", "lr", "threads", NULL};
+    uint64_t w, g, n;
+    int threads;
+    float lr;
+    GD_PARSE(args, kwargs, "O&O&$O&fi:plain_sgd", names, GD_U64, &w, GD_U64, &g, GD_U64, &n, &lr, &threads);
     Py_BEGIN_ALLOW_THREADS
-    gd_plain_sgd((float *)(uintptr_t)w_raw, (const float *)(uintptr_t)g_raw, (size_t)n, (float)lr, (int)threads);
+    gd_plain_sgd(GD_PTR(w), GD_PTR(g), (size_t)n, lr, threads);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
 
-/* copy(dst, src, nbytes, threads): memcpy with the GIL released (pulls, uploads). */
+/* copy(dst, src, *, nbytes, threads): memcpy with the GIL released (pulls, uploads). */
 static PyObject *
-py_copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+py_copy(PyObject *self, PyObject *args, PyObject *kwargs)
 {
-    uint64_t nbytes;
-    int64_t threads;
-    if (gd_nargs("copy", nargs, 4) < 0) return NULL;
-    GD_ADDR(args[0], dst);
-    GD_ADDR(args[1], src);
-    if (gd_arg_u64(args[2], &nbytes) < 0 || gd_arg_i64(args[3], &threads) < 0) return NULL;
+    static char *names[] = {"dst", "src", "nbytes", "threads", NULL};
+    uint64_t dst, src, nbytes;
+    int threads;
+    GD_PARSE(args, kwargs, "O&O&$O&i:copy", names, GD_U64, &dst, GD_U64, &src, GD_U64, &nbytes, &threads);
     Py_BEGIN_ALLOW_THREADS
-    gd_copy((void *)(uintptr_t)dst_raw, (const void *)(uintptr_t)src_raw, (size_t)nbytes, (int)threads);
+    gd_copy(GD_PTR(dst), GD_PTR(src), (size_t)nbytes, threads);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
 
-/* zero(addr, nbytes): memset 0 with the GIL released. */
+/* zero(addr, *, nbytes): memset 0 with the GIL released. */
 static PyObject *
-py_zero(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+py_zero(PyObject *self, PyObject *args, PyObject *kwargs)
 {
-    uint64_t nbytes;
-    if (gd_nargs("zero", nargs, 2) < 0) return NULL;
-    GD_ADDR(args[0], a);
-    if (gd_arg_u64(args[1], &nbytes) < 0) return NULL;
+    static char *names[] = {"addr", "nbytes", NULL};
+    uint64_t addr, nbytes;
+    GD_PARSE(args, kwargs, "O&$O&:zero", names, GD_U64, &addr, GD_U64, &nbytes);
     Py_BEGIN_ALLOW_THREADS
-    memset((void *)(uintptr_t)a_raw, 0, (size_t)nbytes);
+    memset(GD_PTR(addr), 0, (size_t)nbytes);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -758,6 +725,7 @@ py_kernel_isa(PyObject *self, PyObject *unused)
 }
 
 #define GD_FAST(name, fn, doc) {name, (PyCFunction)(void (*)(void))fn, METH_FASTCALL, doc}
+#define GD_KW(name, fn, doc) {name, (PyCFunction)(void (*)(void))fn, METH_VARARGS | METH_KEYWORDS, doc}
 
 static PyMethodDef gd_methods[] = {
     GD_FAST("load64", gd_load64, "load64(addr) -> int"),
@@ -772,22 +740,23 @@ static PyMethodDef gd_methods[] = {
     GD_FAST("futex_wake", gd_futex_wake, "futex_wake(addr, n) -> woken"),
     GD_FAST("cross_cpu_ns", gd_cross_cpu_ns, "cross_cpu_ns(cpu_a, cpu_b, rounds, timeout_s) -> ns per round trip of a cache line"),
     GD_FAST("poll_rings", gd_poll_rings, "poll_rings(table, count, stride, head_off, tail_off, start, spin_ns[, nap_ns]) -> index or -1"),
-    GD_FAST("sgd", py_sgd, "sgd(w, g, n, lr, clear, threads[, dtype]): w -= lr * g in place"),
-    GD_FAST("momentum", py_momentum, "momentum(w, v, g, n, lr, mu, clear, threads, dtype): v = mu v + g; w -= lr v"),
-    GD_FAST("adagrad", py_adagrad, "adagrad(w, s, g, n, lr, eps, clear, threads, dtype): s += g^2; "
-            "w -= lr g / (sqrt(s) + eps)"),
-    GD_FAST("adagrad_rows", py_adagrad_rows, "adagrad_rows(w, s, n_rows, width, idx, rows, count, lr, eps, dtype) "
-            "-> bad indices"),
-    GD_FAST("adam", py_adam, "adam(w, m, v, g, n, lr, beta1, beta2, eps, step, clear, threads, dtype): "
-            "m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g^2; w -= lr m_hat / (sqrt(v_hat) + eps)"),
-    GD_FAST("adam_rows", py_adam_rows, "adam_rows(w, m, v, n_rows, width, idx, rows, count, lr, beta1, beta2, eps, "
-            "step, dtype) -> bad indices"),
-    GD_FAST("sgd_rows", py_sgd_rows, "sgd_rows(w, v, n_rows, width, idx, rows, count, lr, dtype) -> bad indices"),
-    GD_FAST("nonfinite", py_nonfinite, "nonfinite(g, n, threads, dtype) -> elements that are NaN or infinite"),
-    GD_FAST("elastic", py_elastic, "elastic(c, w, n, alpha, threads): c += alpha (w - c)"),
-    GD_FAST("plain_sgd", py_plain_sgd, "plain_sgd(w, g, n, lr, threads): the reference loop for benchmarks"),
-    GD_FAST("copy", py_copy, "copy(dst, src, nbytes, threads)"),
-    GD_FAST("zero", py_zero, "zero(addr, nbytes)"),
+    GD_KW("sgd", py_sgd, "sgd(w, g, *, dtype, n, lr, clear, threads): w -= lr * g in place; with clear, g = 0"),
+    GD_KW("momentum", py_momentum, "momentum(w, v, g, *, dtype, n, lr, mu, clear, threads): v = mu v + g; "
+          "w -= lr v"),
+    GD_KW("adagrad", py_adagrad, "adagrad(w, s, g, *, dtype, n, lr, eps, clear, threads): s += g^2; "
+          "w -= lr g / (sqrt(s) + eps)"),
+    GD_KW("adagrad_rows", py_adagrad_rows, "adagrad_rows(w, s, *, n_rows, width, idx, rows, dtype, count, lr, eps) "
+          "-> bad indices"),
+    GD_KW("adam", py_adam, "adam(w, m, v, g, *, dtype, n, lr, beta1, beta2, eps, step, clear, threads): "
+          "m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g^2; w -= lr m_hat / (sqrt(v_hat) + eps)"),
+    GD_KW("adam_rows", py_adam_rows, "adam_rows(w, m, v, *, n_rows, width, idx, rows, dtype, count, lr, beta1, "
+          "beta2, eps, step) -> bad indices"),
+    GD_KW("sgd_rows", py_sgd_rows, "sgd_rows(w, v, *, n_rows, width, idx, rows, dtype, count, lr) -> bad indices"),
+    GD_KW("nonfinite", py_nonfinite, "nonfinite(g, *, dtype, n, threads) -> elements that are NaN or infinite"),
+    GD_KW("elastic", py_elastic, "elastic(c, w, *, n, alpha, threads): c += alpha (w - c)"),
+    GD_KW("plain_sgd", py_plain_sgd, "plain_sgd(w, g, *, n, lr, threads): the reference loop for benchmarks"),
+    GD_KW("copy", py_copy, "copy(dst, src, *, nbytes, threads)"),
+    GD_KW("zero", py_zero, "zero(addr, *, nbytes)"),
     GD_FAST("exit_after", gd_exit_after, "exit_after(seconds, code, message): _exit(code) after seconds unless "
             "disarmed (for calls that block holding the GIL)"),
     {"exit_disarm", gd_exit_disarm, METH_NOARGS, "exit_disarm(): the armed exit_after does not happen"},

@@ -15,10 +15,10 @@ from gadei import _native
 def test_copy_and_zero(nbytes, threads):
     src = np.random.default_rng(1).integers(0, 255, nbytes, dtype=np.uint8)
     dst = np.zeros(nbytes + 8, dtype=np.uint8)
-    _native.copy(dst.ctypes.data, src.ctypes.data, nbytes, threads)
+    _native.copy(dst.ctypes.data, src.ctypes.data, nbytes=nbytes, threads=threads)
     np.testing.assert_array_equal(dst[:nbytes], src)
     assert not dst[nbytes:].any()
-    _native.zero(src.ctypes.data, nbytes)
+    _native.zero(src.ctypes.data, nbytes=nbytes)
     assert not src.any()
 
 
