@@ -66,18 +66,18 @@ gd_processors(void)
 #endif
 }
 
+/*
+ * Teams of threads, only in a build with OpenMP; without it every kernel runs its one loop over
+ * all n elements (GD_PARALLEL's second form, and gd_copy's and gd_nonfinite's fall-through).
+ */
+#if GD_HAVE_OPENMP
+/* The size of a kernel's team for n float32 elements: 1 below two threads' worth. */
 static int
 gd_threads(int threads, size_t n)
 {
-#if GD_HAVE_OPENMP
     size_t by_size = n / GD_THREAD_MIN;
     if (threads <= 1 || by_size < 2) return 1;
     return (size_t)threads > by_size ? (int)by_size : threads; /* more than the cores only when asked for */
-#else
-    (void)threads;
-    (void)n;
-    return 1;
-#endif
 }
 
 /*
@@ -101,7 +101,6 @@ gd_chunk(const void *base, size_t size, size_t n, int tid, int nt, size_t *lo, s
 }
 
 /* Run span(lo, hi) over [0, n) on up to `threads` OpenMP threads, chunked by w's lines. */
-#if GD_HAVE_OPENMP
 #define GD_PARALLEL(w, n, threads, lo, hi, body)                                                 \
     do {                                                                                         \
         int nt_ = gd_threads((threads), (n));                                                    \
@@ -609,24 +608,26 @@ gd_nonfinite_avx2(const void *g, int dtype, size_t n)
 }
 #endif
 
+/* As gd_copy: a team adds up its chunks' counts; one pass otherwise, and without OpenMP. */
 int64_t
 gd_nonfinite(const void *g, int dtype, size_t n, int threads)
 {
-    size_t item = gd_itemsize(dtype);
-    int nt = gd_threads(threads, n);
-    if (nt == 1) return GD_DISPATCH(gd_nonfinite, g, dtype, n);
-    int64_t bad = 0;
 #if GD_HAVE_OPENMP
+    int nt = gd_threads(threads, n);
+    if (nt > 1) {
+        size_t item = gd_itemsize(dtype);
+        int64_t bad = 0;
 #pragma omp parallel num_threads(nt) reduction(+ : bad)
-    {
-        size_t lo, hi;
-        gd_chunk(g, item, n, omp_get_thread_num(), omp_get_num_threads(), &lo, &hi);
-        bad += GD_DISPATCH(gd_nonfinite, (const char *)g + lo * item, dtype, hi - lo);
+        {
+            size_t lo, hi;
+            gd_chunk(g, item, n, omp_get_thread_num(), omp_get_num_threads(), &lo, &hi);
+            bad += GD_DISPATCH(gd_nonfinite, (const char *)g + lo * item, dtype, hi - lo);
+        }
+        return bad;
     }
-#else
-    bad = GD_DISPATCH(gd_nonfinite, g, dtype, n);
 #endif
-    return bad;
+    (void)threads;
+    return GD_DISPATCH(gd_nonfinite, g, dtype, n);
 }
 
 /* ------------------------------------------------------------------ sgd rows, elastic, plain, copy */
