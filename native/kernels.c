@@ -126,9 +126,10 @@ gd_chunk(const void *base, size_t size, size_t n, int tid, int nt, size_t *lo, s
 #endif
 
 /*
- * Each kernel X has a portable loop gd_X_generic and, on x86-64, gd_X_avx2 with the same
- * arguments and bit-identical results; GD_DISPATCH calls the one this CPU runs (gd_avx2 is set
- * once, at load). The public gd_X splits the work over threads and dispatches each chunk.
+ * One naming scheme: the public gd_X splits the work over a team (GD_PARALLEL) and runs a loop
+ * on each chunk. gd_X_generic is X's portable loop; where X has vector code (sgd, momentum,
+ * adagrad, adam, nonfinite), gd_X_avx2 takes the same arguments and gives bit-identical
+ * results, and GD_DISPATCH calls the one this CPU runs (gd_avx2 is set once, at load).
  */
 #if GD_X86
 #define GD_DISPATCH(kernel, ...) (gd_avx2 ? kernel##_avx2(__VA_ARGS__) : kernel##_generic(__VA_ARGS__))
