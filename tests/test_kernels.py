@@ -390,3 +390,53 @@ def test_kernels_use_avx2_where_the_cpu_has_it():
     with open("/proc/cpuinfo") as cpuinfo:
         flags = cpuinfo.read()
     assert _native.kernel_isa() == ("avx2" if " avx2" in flags and " f16c" in flags else "generic")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("threads", [2, 3, 7])
+def test_dense_kernels_split_over_a_team_equal_their_references(threads, dtype):
+    """A kernel forms a team only from 2 x 262,144 elements (GD_THREAD_MIN): the lengths above stop
+    at 131,075 for momentum, Adagrad and Adam, so their threaded path is checked here, on a length
+    that makes teams of 2, 3 and 7 with a ragged last chunk, a half-size gradient offset per chunk
+    included; each equals its reference bit for bit."""
+    n = 7 * 262144 + 13
+    w0, g32 = weights_and_gradient(n, threads)
+    w0[~np.isfinite(w0)] = 1.0
+    g0 = to_wire(g32, dtype)
+    rng = np.random.default_rng(threads)
+    state = np.abs(rng.standard_normal(n)).astype(np.float32) * np.float32(1e-3)
+    f, code = from_wire(g0, dtype), DTYPE_CODES[dtype]
+
+    w, g, w_ref = w0.copy(), g0.copy(), w0.copy()
+    AsyncSGD.reference(w_ref, [f], RuleOptions(lr=0.3))
+    _native.sgd(w.ctypes.data, g.ctypes.data, dtype=code, n=n, lr=0.3, clear=1, threads=threads)
+    np.testing.assert_array_equal(bits(w), bits(w_ref))
+    assert not bits(g).any()
+
+    w, v, w_ref, v_ref = w0.copy(), state.copy(), w0.copy(), state.copy()
+    AsyncSGD.reference(w_ref, [f], RuleOptions(lr=0.1, momentum=0.9), v_ref)
+    _native.momentum(w.ctypes.data, v.ctypes.data, g0.ctypes.data, dtype=code, n=n, lr=0.1, mu=0.9, clear=0,
+                     threads=threads)
+    np.testing.assert_array_equal(bits(w), bits(w_ref))
+    np.testing.assert_array_equal(bits(v), bits(v_ref))
+
+    w, s, w_ref, s_ref = w0.copy(), state.copy(), w0.copy(), state.copy()
+    AsyncSGD.reference(w_ref, [f], RuleOptions(lr=0.1, optimizer="adagrad"), s_ref)
+    _native.adagrad(w.ctypes.data, s.ctypes.data, g0.ctypes.data, dtype=code, n=n, lr=0.1, eps=ADAGRAD_EPS, clear=0,
+                    threads=threads)
+    np.testing.assert_array_equal(bits(w), bits(w_ref))
+    np.testing.assert_array_equal(bits(s), bits(s_ref))
+
+    w, m, v, w_ref, m_ref, v_ref = w0.copy(), state * 10, state.copy(), w0.copy(), state * 10, state.copy()
+    adam_reference(w_ref, m_ref, v_ref, f, 0.01, 3)
+    adam(w, m, v, g0, 0.01, 3, threads, dtype)
+    for got, want in ((w, w_ref), (m, m_ref), (v, v_ref)):
+        np.testing.assert_array_equal(bits(got), bits(want))
+
+    bad = gradient_with_nonfinite(n, dtype, threads)
+    assert _native.nonfinite(bad.ctypes.data, dtype=code, n=n, threads=threads) == nonfinite_reference(bad)
+
+    centre, expected = w0.copy(), w0.copy()
+    ElasticAveraging.reference(expected, [state], RuleOptions(alpha=0.3))
+    _native.elastic(centre.ctypes.data, state.ctypes.data, n=n, alpha=0.3, threads=threads)
+    np.testing.assert_array_equal(bits(centre), bits(expected))
