@@ -421,218 +421,334 @@ gd_cross_cpu_ns(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 /*
  * The kernels' bindings take the arguments of their C function in kernels.h, by the same
  * names and in the same order. The leading addresses may be positional; every argument after
- * them is keyword-only (the `$` in each format), so a call that swaps two integers is a
- * TypeError rather than an update computed with the wrong length, dtype or thread count.
- * Addresses, sizes and counts are unsigned 64-bit (a negative one is an OverflowError).
+ * them is keyword-only, so a call that swaps two integers is a TypeError rather than an update
+ * computed with the wrong length, dtype or thread count. Addresses, sizes and counts are
+ * unsigned 64-bit (a negative one is an OverflowError); dtype, clear and threads are C ints;
+ * the scalars of the maths are float or double as in C (an int is taken as a float, as
+ * PyArg's "f" and "d" take it).
+ *
+ * One hand-written parser serves them all (METH_FASTCALL | METH_KEYWORDS): it matches each
+ * keyword against the binding's names, interned at module load, by pointer (first at the
+ * position a caller in C's order puts it) and only then by string, and builds no dict and no
+ * tuple. PyArg_ParseTupleAndKeywords cost each call 0.3-0.9 us more than a positional parse.
  */
-static int
-gd_conv_u64(PyObject *obj, void *out)
-{
-    return gd_arg_u64(obj, out) == 0;
-}
+enum { GD_MAX_PARAMS = 16 };
 
-#define GD_PARSE(args, kwargs, format, ...)                                                  \
-    do {                                                                                     \
-        if (!PyArg_ParseTupleAndKeywords((args), (kwargs), (format), __VA_ARGS__)) return NULL; \
-    } while (0)
+struct gd_param {
+    const char *name;
+    char kind; /* 'u' unsigned 64-bit, 'i' int, 'f' float, 'd' double */
+};
 
-#define GD_U64 gd_conv_u64
+struct gd_sig {
+    const char *fn;
+    int n_addr; /* the leading addresses: the only arguments that may be positional */
+    int n;
+    const struct gd_param *params;
+    PyObject *names[GD_MAX_PARAMS]; /* params' names, interned by gd_sigs_init */
+};
+
+union gd_val {
+    uint64_t u;
+    int i;
+    float f;
+    double d;
+};
+
+#define GD_SIG(fname, naddr, ...)                                                             \
+    static const struct gd_param gd_params_##fname[] = {__VA_ARGS__};                        \
+    static struct gd_sig gd_sig_##fname = {#fname, (naddr),                                   \
+                                           (int)(sizeof gd_params_##fname / sizeof(struct gd_param)), \
+                                           gd_params_##fname, {NULL}}
+#define U(name) {name, 'u'}
+#define I(name) {name, 'i'}
+#define F(name) {name, 'f'}
+#define D(name) {name, 'd'}
 #define GD_PTR(raw) ((void *)(uintptr_t)(raw))
 
-/* sgd(w, g, *, dtype, n, lr, clear, threads): w -= lr * g in place; with clear, g = 0. */
-static PyObject *
-py_sgd(PyObject *self, PyObject *args, PyObject *kwargs)
+static int
+gd_convert(char kind, PyObject *obj, union gd_val *out)
 {
-    static char *names[] = {"w", "g", "dtype", "n", "lr", "clear", "threads", NULL};
-    uint64_t w, g, n;
-    int dtype, clear, threads;
-    float lr;
-    GD_PARSE(args, kwargs, "O&O&$iO&fii:sgd", names, GD_U64, &w, GD_U64, &g, &dtype, GD_U64, &n, &lr, &clear,
-             &threads);
+    switch (kind) {
+    case 'u':
+        return gd_arg_u64(obj, &out->u);
+    case 'i': {
+        long v = PyLong_AsLong(obj); /* __index__, as PyArg's "i": a float is a TypeError */
+        if (v == -1 && PyErr_Occurred()) return -1;
+        if (v > INT_MAX || v < INT_MIN) {
+            PyErr_SetString(PyExc_OverflowError, v > 0 ? "signed integer is greater than maximum"
+                                                       : "signed integer is less than minimum");
+            return -1;
+        }
+        out->i = (int)v;
+        return 0;
+    }
+    default: {
+        double v = PyFloat_AsDouble(obj);
+        if (v == -1.0 && PyErr_Occurred()) return -1;
+        if (kind == 'f') out->f = (float)v;
+        else out->d = v;
+        return 0;
+    }
+    }
+}
+
+/* Which parameter `key` names, -1 when none; `hint` is where a caller in C's order puts it. */
+static int
+gd_find(const struct gd_sig *sig, PyObject *key, Py_ssize_t hint)
+{
+    if (hint < sig->n && sig->names[hint] == key) return (int)hint;
+    for (int i = 0; i < sig->n; i++) {
+        if (sig->names[i] == key) return i;
+    }
+    for (int i = 0; i < sig->n; i++) {
+        if (PyUnicode_Compare(sig->names[i], key) == 0) return i;
+    }
+    if (PyErr_Occurred()) PyErr_Clear();
+    return -1;
+}
+
+/* Fill out[0..sig->n) from a vectorcall's arguments; -1 with a TypeError or OverflowError set. */
+static int
+gd_parse(const struct gd_sig *sig, PyObject *const *args, Py_ssize_t nargsf, PyObject *kwnames, union gd_val *out)
+{
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+    PyObject *given[GD_MAX_PARAMS];
+    if (nargs > sig->n_addr) {
+        PyErr_Format(PyExc_TypeError, "%s() takes at most %d positional argument%s (%zd given)", sig->fn,
+                     sig->n_addr, sig->n_addr == 1 ? "" : "s", nargs);
+        return -1;
+    }
+    for (int i = 0; i < sig->n; i++) given[i] = i < nargs ? args[i] : NULL;
+    for (Py_ssize_t k = 0; k < nkw; k++) {
+        PyObject *key = PyTuple_GET_ITEM(kwnames, k);
+        int at = gd_find(sig, key, nargs + k);
+        if (at < 0) {
+            PyErr_Format(PyExc_TypeError, "'%U' is an invalid keyword argument for %s()", key, sig->fn);
+            return -1;
+        }
+        if (given[at]) {
+            if (at < nargs) {
+                PyErr_Format(PyExc_TypeError, "argument for %s() given by name ('%s') and position (%d)", sig->fn,
+                             sig->params[at].name, at + 1);
+            } else {
+                PyErr_Format(PyExc_TypeError, "%s() got multiple values for argument '%s'", sig->fn,
+                             sig->params[at].name);
+            }
+            return -1;
+        }
+        given[at] = args[nargs + k];
+    }
+    for (int i = 0; i < sig->n; i++) {
+        if (!given[i]) {
+            PyErr_Format(PyExc_TypeError, "%s() missing required argument '%s' (pos %d)", sig->fn,
+                         sig->params[i].name, i + 1);
+            return -1;
+        }
+        if (gd_convert(sig->params[i].kind, given[i], &out[i]) < 0) return -1;
+    }
+    return 0;
+}
+
+#define GD_PARSE(fname, args, nargsf, kwnames, out)                                          \
+    do {                                                                                     \
+        if (gd_parse(&gd_sig_##fname, (args), (nargsf), (kwnames), (out)) < 0) return NULL;  \
+    } while (0)
+
+/* sgd(w, g, *, dtype, n, lr, clear, threads): w -= lr * g in place; with clear, g = 0. */
+GD_SIG(sgd, 2, U("w"), U("g"), I("dtype"), U("n"), F("lr"), I("clear"), I("threads"));
+static PyObject *
+py_sgd(PyObject *self, PyObject *const *args, Py_ssize_t nargsf, PyObject *kwnames)
+{
+    union gd_val a[7];
+    GD_PARSE(sgd, args, nargsf, kwnames, a);
     Py_BEGIN_ALLOW_THREADS
-    gd_sgd(GD_PTR(w), GD_PTR(g), dtype, (size_t)n, lr, clear, threads);
+    gd_sgd(GD_PTR(a[0].u), GD_PTR(a[1].u), a[2].i, (size_t)a[3].u, a[4].f, a[5].i, a[6].i);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
 
 /* momentum(w, v, g, *, dtype, n, lr, mu, clear, threads): v = mu v + g; w -= lr v (g == 0: zero). */
+GD_SIG(momentum, 3, U("w"), U("v"), U("g"), I("dtype"), U("n"), F("lr"), F("mu"), I("clear"), I("threads"));
 static PyObject *
-py_momentum(PyObject *self, PyObject *args, PyObject *kwargs)
+py_momentum(PyObject *self, PyObject *const *args, Py_ssize_t nargsf, PyObject *kwnames)
 {
-    static char *names[] = {"w", "v", "g", "dtype", "n", "lr", "mu", "clear", "threads", NULL};
-    uint64_t w, v, g, n;
-    int dtype, clear, threads;
-    float lr, mu;
-    GD_PARSE(args, kwargs, "O&O&O&$iO&ffii:momentum", names, GD_U64, &w, GD_U64, &v, GD_U64, &g, &dtype, GD_U64,
-             &n, &lr, &mu, &clear, &threads);
+    union gd_val a[9];
+    GD_PARSE(momentum, args, nargsf, kwnames, a);
     Py_BEGIN_ALLOW_THREADS
-    gd_momentum(GD_PTR(w), GD_PTR(v), GD_PTR(g), dtype, (size_t)n, lr, mu, clear, threads);
+    gd_momentum(GD_PTR(a[0].u), GD_PTR(a[1].u), GD_PTR(a[2].u), a[3].i, (size_t)a[4].u, a[5].f, a[6].f, a[7].i,
+                a[8].i);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
 
 /* adagrad(w, s, g, *, dtype, n, lr, eps, clear, threads): s += g^2; w -= lr g / (sqrt(s) + eps). */
+GD_SIG(adagrad, 3, U("w"), U("s"), U("g"), I("dtype"), U("n"), F("lr"), F("eps"), I("clear"), I("threads"));
 static PyObject *
-py_adagrad(PyObject *self, PyObject *args, PyObject *kwargs)
+py_adagrad(PyObject *self, PyObject *const *args, Py_ssize_t nargsf, PyObject *kwnames)
 {
-    static char *names[] = {"w", "s", "g", "dtype", "n", "lr", "eps", "clear", "threads", NULL};
-    uint64_t w, s, g, n;
-    int dtype, clear, threads;
-    float lr, eps;
-    GD_PARSE(args, kwargs, "O&O&O&$iO&ffii:adagrad", names, GD_U64, &w, GD_U64, &s, GD_U64, &g, &dtype, GD_U64,
-             &n, &lr, &eps, &clear, &threads);
+    union gd_val a[9];
+    GD_PARSE(adagrad, args, nargsf, kwnames, a);
     Py_BEGIN_ALLOW_THREADS
-    gd_adagrad(GD_PTR(w), GD_PTR(s), GD_PTR(g), dtype, (size_t)n, lr, eps, clear, threads);
+    gd_adagrad(GD_PTR(a[0].u), GD_PTR(a[1].u), GD_PTR(a[2].u), a[3].i, (size_t)a[4].u, a[5].f, a[6].f, a[7].i,
+               a[8].i);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
 
 /* adagrad_rows(w, s, *, n_rows, width, idx, rows, dtype, count, lr, eps) -> indices out of range. */
+GD_SIG(adagrad_rows, 2, U("w"), U("s"), U("n_rows"), U("width"), U("idx"), U("rows"), I("dtype"), U("count"),
+       F("lr"), F("eps"));
 static PyObject *
-py_adagrad_rows(PyObject *self, PyObject *args, PyObject *kwargs)
+py_adagrad_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargsf, PyObject *kwnames)
 {
-    static char *names[] = {"w", "s", "n_rows", "width", "idx", "rows", "dtype", "count", "lr", "eps", NULL};
-    uint64_t w, s, n_rows, width, idx, rows, count;
-    int dtype;
-    float lr, eps;
+    union gd_val a[10];
     int64_t bad;
-    GD_PARSE(args, kwargs, "O&O&$O&O&O&O&iO&ff:adagrad_rows", names, GD_U64, &w, GD_U64, &s, GD_U64, &n_rows,
-             GD_U64, &width, GD_U64, &idx, GD_U64, &rows, &dtype, GD_U64, &count, &lr, &eps);
+    GD_PARSE(adagrad_rows, args, nargsf, kwnames, a);
     Py_BEGIN_ALLOW_THREADS
-    bad = gd_adagrad_rows(GD_PTR(w), GD_PTR(s), (size_t)n_rows, (size_t)width, GD_PTR(idx), GD_PTR(rows), dtype,
-                          (size_t)count, lr, eps);
+    bad = gd_adagrad_rows(GD_PTR(a[0].u), GD_PTR(a[1].u), (size_t)a[2].u, (size_t)a[3].u, GD_PTR(a[4].u),
+                          GD_PTR(a[5].u), a[6].i, (size_t)a[7].u, a[8].f, a[9].f);
     Py_END_ALLOW_THREADS
     return PyLong_FromLongLong(bad);
 }
 
 /* adam(w, m, v, g, *, dtype, n, lr, beta1, beta2, eps, step, clear, threads): Adam at step t. */
+GD_SIG(adam, 4, U("w"), U("m"), U("v"), U("g"), I("dtype"), U("n"), D("lr"), D("beta1"), D("beta2"), D("eps"),
+       U("step"), I("clear"), I("threads"));
 static PyObject *
-py_adam(PyObject *self, PyObject *args, PyObject *kwargs)
+py_adam(PyObject *self, PyObject *const *args, Py_ssize_t nargsf, PyObject *kwnames)
 {
-    static char *names[] = {"w", "m", "v", "g", "dtype", "n", "lr", "beta1", "beta2", "eps", "step", "clear",
-                            "threads", NULL};
-    uint64_t w, m, v, g, n, step;
-    int dtype, clear, threads;
-    double lr, beta1, beta2, eps;
-    GD_PARSE(args, kwargs, "O&O&O&O&$iO&ddddO&ii:adam", names, GD_U64, &w, GD_U64, &m, GD_U64, &v, GD_U64, &g,
-             &dtype, GD_U64, &n, &lr, &beta1, &beta2, &eps, GD_U64, &step, &clear, &threads);
+    union gd_val a[13];
+    GD_PARSE(adam, args, nargsf, kwnames, a);
     Py_BEGIN_ALLOW_THREADS
-    gd_adam(GD_PTR(w), GD_PTR(m), GD_PTR(v), GD_PTR(g), dtype, (size_t)n, lr, beta1, beta2, eps, step, clear,
-            threads);
+    gd_adam(GD_PTR(a[0].u), GD_PTR(a[1].u), GD_PTR(a[2].u), GD_PTR(a[3].u), a[4].i, (size_t)a[5].u, a[6].d, a[7].d,
+            a[8].d, a[9].d, a[10].u, a[11].i, a[12].i);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
 
 /* adam_rows(w, m, v, *, n_rows, width, idx, rows, dtype, count, lr, beta1, beta2, eps, step) -> indices out
  * of range. */
+GD_SIG(adam_rows, 3, U("w"), U("m"), U("v"), U("n_rows"), U("width"), U("idx"), U("rows"), I("dtype"), U("count"),
+       D("lr"), D("beta1"), D("beta2"), D("eps"), U("step"));
 static PyObject *
-py_adam_rows(PyObject *self, PyObject *args, PyObject *kwargs)
+py_adam_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargsf, PyObject *kwnames)
 {
-    static char *names[] = {"w", "m", "v", "n_rows", "width", "idx", "rows", "dtype", "count", "lr", "beta1",
-                            "beta2", "eps", "step", NULL};
-    uint64_t w, m, v, n_rows, width, idx, rows, count, step;
-    int dtype;
-    double lr, beta1, beta2, eps;
+    union gd_val a[14];
     int64_t bad;
-    GD_PARSE(args, kwargs, "O&O&O&$O&O&O&O&iO&ddddO&:adam_rows", names, GD_U64, &w, GD_U64, &m, GD_U64, &v, GD_U64,
-             &n_rows, GD_U64, &width, GD_U64, &idx, GD_U64, &rows, &dtype, GD_U64, &count, &lr, &beta1, &beta2, &eps,
-             GD_U64, &step);
+    GD_PARSE(adam_rows, args, nargsf, kwnames, a);
     Py_BEGIN_ALLOW_THREADS
-    bad = gd_adam_rows(GD_PTR(w), GD_PTR(m), GD_PTR(v), (size_t)n_rows, (size_t)width, GD_PTR(idx), GD_PTR(rows),
-                       dtype, (size_t)count, lr, beta1, beta2, eps, step);
+    bad = gd_adam_rows(GD_PTR(a[0].u), GD_PTR(a[1].u), GD_PTR(a[2].u), (size_t)a[3].u, (size_t)a[4].u,
+                       GD_PTR(a[5].u), GD_PTR(a[6].u), a[7].i, (size_t)a[8].u, a[9].d, a[10].d, a[11].d, a[12].d,
+                       a[13].u);
     Py_END_ALLOW_THREADS
     return PyLong_FromLongLong(bad);
 }
 
 /* sgd_rows(w, v, *, n_rows, width, idx, rows, dtype, count, lr) -> indices out of range. */
+GD_SIG(sgd_rows, 2, U("w"), U("v"), U("n_rows"), U("width"), U("idx"), U("rows"), I("dtype"), U("count"),
+       F("lr"));
 static PyObject *
-py_sgd_rows(PyObject *self, PyObject *args, PyObject *kwargs)
+py_sgd_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargsf, PyObject *kwnames)
 {
-    static char *names[] = {"w", "v", "n_rows", "width", "idx", "rows", "dtype", "count", "lr", NULL};
-    uint64_t w, v, n_rows, width, idx, rows, count;
-    int dtype;
-    float lr;
+    union gd_val a[9];
     int64_t bad;
-    GD_PARSE(args, kwargs, "O&O&$O&O&O&O&iO&f:sgd_rows", names, GD_U64, &w, GD_U64, &v, GD_U64, &n_rows, GD_U64,
-             &width, GD_U64, &idx, GD_U64, &rows, &dtype, GD_U64, &count, &lr);
+    GD_PARSE(sgd_rows, args, nargsf, kwnames, a);
     Py_BEGIN_ALLOW_THREADS
-    bad = gd_sgd_rows(GD_PTR(w), GD_PTR(v), (size_t)n_rows, (size_t)width, GD_PTR(idx), GD_PTR(rows), dtype,
-                      (size_t)count, lr);
+    bad = gd_sgd_rows(GD_PTR(a[0].u), GD_PTR(a[1].u), (size_t)a[2].u, (size_t)a[3].u, GD_PTR(a[4].u),
+                      GD_PTR(a[5].u), a[6].i, (size_t)a[7].u, a[8].f);
     Py_END_ALLOW_THREADS
     return PyLong_FromLongLong(bad);
 }
 
 /* nonfinite(g, *, dtype, n, threads) -> how many of the n elements at g are NaN or infinite. */
+GD_SIG(nonfinite, 1, U("g"), I("dtype"), U("n"), I("threads"));
 static PyObject *
-py_nonfinite(PyObject *self, PyObject *args, PyObject *kwargs)
+py_nonfinite(PyObject *self, PyObject *const *args, Py_ssize_t nargsf, PyObject *kwnames)
 {
-    static char *names[] = {"g", "dtype", "n", "threads", NULL};
-    uint64_t g, n;
-    int dtype, threads;
+    union gd_val a[4];
     int64_t bad;
-    GD_PARSE(args, kwargs, "O&$iO&i:nonfinite", names, GD_U64, &g, &dtype, GD_U64, &n, &threads);
+    GD_PARSE(nonfinite, args, nargsf, kwnames, a);
     Py_BEGIN_ALLOW_THREADS
-    bad = gd_nonfinite(GD_PTR(g), dtype, (size_t)n, threads);
+    bad = gd_nonfinite(GD_PTR(a[0].u), a[1].i, (size_t)a[2].u, a[3].i);
     Py_END_ALLOW_THREADS
     return PyLong_FromLongLong(bad);
 }
 
 /* elastic(c, w, *, n, alpha, threads): c += alpha * (w - c). */
+GD_SIG(elastic, 2, U("c"), U("w"), U("n"), F("alpha"), I("threads"));
 static PyObject *
-py_elastic(PyObject *self, PyObject *args, PyObject *kwargs)
+py_elastic(PyObject *self, PyObject *const *args, Py_ssize_t nargsf, PyObject *kwnames)
 {
-    static char *names[] = {"c", "w", "n", "alpha", "threads", NULL};
-    uint64_t c, w, n;
-    int threads;
-    float alpha;
-    GD_PARSE(args, kwargs, "O&O&$O&fi:elastic", names, GD_U64, &c, GD_U64, &w, GD_U64, &n, &alpha, &threads);
+    union gd_val a[5];
+    GD_PARSE(elastic, args, nargsf, kwnames, a);
     Py_BEGIN_ALLOW_THREADS
-    gd_elastic(GD_PTR(c), GD_PTR(w), (size_t)n, alpha, threads);
+    gd_elastic(GD_PTR(a[0].u), GD_PTR(a[1].u), (size_t)a[2].u, a[3].f, a[4].i);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
 
 /* plain_sgd(w, g, *, n, lr, threads): the reference loop `gadei bench kernel` compares sgd with. */
+GD_SIG(plain_sgd, 2, U("w"), U("g"), U("n"), F("lr"), I("threads"));
 static PyObject *
-py_plain_sgd(PyObject *self, PyObject *args, PyObject *kwargs)
+py_plain_sgd(PyObject *self, PyObject *const *args, Py_ssize_t nargsf, PyObject *kwnames)
 {
-    static char *names[] = {"w", "g", "n", "lr", "threads", NULL};
-    uint64_t w, g, n;
-    int threads;
-    float lr;
-    GD_PARSE(args, kwargs, "O&O&$O&fi:plain_sgd", names, GD_U64, &w, GD_U64, &g, GD_U64, &n, &lr, &threads);
+    union gd_val a[5];
+    GD_PARSE(plain_sgd, args, nargsf, kwnames, a);
     Py_BEGIN_ALLOW_THREADS
-    gd_plain_sgd(GD_PTR(w), GD_PTR(g), (size_t)n, lr, threads);
+    gd_plain_sgd(GD_PTR(a[0].u), GD_PTR(a[1].u), (size_t)a[2].u, a[3].f, a[4].i);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
 
 /* copy(dst, src, *, nbytes, threads): memcpy with the GIL released (pulls, uploads). */
+GD_SIG(copy, 2, U("dst"), U("src"), U("nbytes"), I("threads"));
 static PyObject *
-py_copy(PyObject *self, PyObject *args, PyObject *kwargs)
+py_copy(PyObject *self, PyObject *const *args, Py_ssize_t nargsf, PyObject *kwnames)
 {
-    static char *names[] = {"dst", "src", "nbytes", "threads", NULL};
-    uint64_t dst, src, nbytes;
-    int threads;
-    GD_PARSE(args, kwargs, "O&O&$O&i:copy", names, GD_U64, &dst, GD_U64, &src, GD_U64, &nbytes, &threads);
+    union gd_val a[4];
+    GD_PARSE(copy, args, nargsf, kwnames, a);
     Py_BEGIN_ALLOW_THREADS
-    gd_copy(GD_PTR(dst), GD_PTR(src), (size_t)nbytes, threads);
+    gd_copy(GD_PTR(a[0].u), GD_PTR(a[1].u), (size_t)a[2].u, a[3].i);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
 
 /* zero(addr, *, nbytes): memset 0 with the GIL released. */
+GD_SIG(zero, 1, U("addr"), U("nbytes"));
 static PyObject *
-py_zero(PyObject *self, PyObject *args, PyObject *kwargs)
+py_zero(PyObject *self, PyObject *const *args, Py_ssize_t nargsf, PyObject *kwnames)
 {
-    static char *names[] = {"addr", "nbytes", NULL};
-    uint64_t addr, nbytes;
-    GD_PARSE(args, kwargs, "O&$O&:zero", names, GD_U64, &addr, GD_U64, &nbytes);
+    union gd_val a[2];
+    GD_PARSE(zero, args, nargsf, kwnames, a);
     Py_BEGIN_ALLOW_THREADS
-    memset(GD_PTR(addr), 0, (size_t)nbytes);
+    memset(GD_PTR(a[0].u), 0, (size_t)a[1].u);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
+
+static struct gd_sig *const gd_sigs[] = {
+    &gd_sig_sgd, &gd_sig_momentum, &gd_sig_adagrad, &gd_sig_adagrad_rows, &gd_sig_adam, &gd_sig_adam_rows,
+    &gd_sig_sgd_rows, &gd_sig_nonfinite, &gd_sig_elastic, &gd_sig_plain_sgd, &gd_sig_copy, &gd_sig_zero,
+};
+
+/* Intern every binding's names once (kept for the life of the process, as the module is). */
+static int
+gd_sigs_init(void)
+{
+    for (size_t s = 0; s < sizeof gd_sigs / sizeof gd_sigs[0]; s++) {
+        struct gd_sig *sig = gd_sigs[s];
+        for (int i = 0; i < sig->n; i++) {
+            if (!sig->names[i] && !(sig->names[i] = PyUnicode_InternFromString(sig->params[i].name))) return -1;
+        }
+    }
+    return 0;
+}
+
+#undef U
+#undef I
+#undef F
+#undef D
 
 /* ------------------------------------------------------------------ a deadline on a call that holds the GIL */
 
@@ -725,7 +841,7 @@ py_kernel_isa(PyObject *self, PyObject *unused)
 }
 
 #define GD_FAST(name, fn, doc) {name, (PyCFunction)(void (*)(void))fn, METH_FASTCALL, doc}
-#define GD_KW(name, fn, doc) {name, (PyCFunction)(void (*)(void))fn, METH_VARARGS | METH_KEYWORDS, doc}
+#define GD_KW(name, fn, doc) {name, (PyCFunction)(void (*)(void))fn, METH_FASTCALL | METH_KEYWORDS, doc}
 
 static PyMethodDef gd_methods[] = {
     GD_FAST("load64", gd_load64, "load64(addr) -> int"),
@@ -777,5 +893,6 @@ PyMODINIT_FUNC
 PyInit__native(void)
 {
     gd_kernels_init();
+    if (gd_sigs_init() < 0) return NULL;
     return PyModule_Create(&gd_module);
 }

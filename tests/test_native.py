@@ -241,3 +241,23 @@ def test_each_kernel_takes_its_c_arguments_by_name_in_c_order_and_a_swap_is_an_e
     # the old order, by position, is refused rather than read as (dtype=n, n=lr, ...)
     with pytest.raises(TypeError):
         _native.sgd(scratch.ctypes.data, scratch.ctypes.data, 16, 0.5, 1, 1, 1)
+
+
+def test_kernel_arguments_are_matched_by_string_and_checked_for_range_and_repeats():
+    """The kernels' parser matches a keyword by pointer to its interned name first; a name built at
+    run time (a different string object) must still be found by its text. An address given both by
+    position and by name, an int out of C's int range or a negative size is refused, never read."""
+    scratch = np.zeros(16, dtype=np.float32)
+    p = scratch.ctypes.data
+    built = "".join(["thr", "eads"])  # equal to 'threads', not the interned object
+    assert _native.nonfinite(p, dtype=1, n=0, **{built: 1}) == 0
+    scratch[3] = np.inf
+    assert _native.nonfinite(g=p, dtype=1, n=16, threads=1) == 1  # an address by name
+    with pytest.raises(TypeError, match=r"given by name \('g'\) and position \(1\)"):
+        _native.nonfinite(p, g=p, dtype=1, n=0, threads=1)
+    with pytest.raises(OverflowError):
+        _native.nonfinite(p, dtype=1, n=0, threads=2**31)
+    with pytest.raises(OverflowError):
+        _native.nonfinite(p, dtype=1, n=-1, threads=1)
+    with pytest.raises(TypeError, match="positional argument"):
+        _native.zero(p, 0)
