@@ -8,9 +8,10 @@ state are float32. The kernels release the GIL and use up to `threads` OpenMP th
 The kernels take their arguments by name, as in native/kernels.h, through one small parser
 that matches the names without building a dict (about 0.03 us a call more than positional
 arguments; PyArg_ParseTupleAndKeywords, which builds a dict a call, cost 0.3-0.9 us, and
-4-12% on a 1 MB update). The other functions (atomics, futex waits, the ring poll, the probes
-and guards) are positional-only fast calls: the atomics and the poll are the ring's
-per-gradient path, calls of a few tens of nanoseconds where any matching of names would show.
+4-12% on a 1 MB update, whose streaming leaves the next parse to run from cold caches). The
+other functions (atomics, futex waits, the ring poll, the probes and guards) are
+positional-only fast calls: the atomics and the poll are the ring's per-gradient path, calls
+of a few tens of nanoseconds where any matching of names would show.
 
 Only the modules that own a protocol or a kernel call it (tests/test_owners.py holds the list):
 `gadei.region` (atomic words and futexes: `Record`, `Word`, which `gadei.protocol` builds on),
