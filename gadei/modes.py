@@ -185,25 +185,25 @@ class SlotFormat:
         Raises:
             RegionCorrupt: a row-sparse table claims more rows than it may carry.
         """
-        bad = _native.nonfinite(payload, self.dense_count, self.threads, self.dtype)
+        bad = _native.nonfinite(payload, dtype=self.dtype, n=self.dense_count, threads=self.threads)
         for table, area, count in zip(self.tables, self.areas, self.rows_in(payload)):
             if count > table.max_rows:
                 raise RegionCorrupt(f"job {self.job!r}: learner ring {learner}: a gradient's row count of a "
                                     f"row-sparse table is {count:,}, allowed 0..{table.max_rows:,}: the slot is corrupt")
-            bad += _native.nonfinite(payload + area.rows, count * table.width, 1, self.dtype)
+            bad += _native.nonfinite(payload + area.rows, dtype=self.dtype, n=count * table.width, threads=1)
         return bad
 
     def discard(self, payload: int) -> None:
         """Hand the slot at `payload` back without applying it: dense area zeroed, no rows."""
-        _native.zero(payload, self.dense_bytes)
+        _native.zero(payload, nbytes=self.dense_bytes)
         for area in self.areas:
             _native.store64(payload + area.count, 0)
 
     def sgd(self, weights: int, payload: int, lr: float, *, clear: bool = True) -> None:
         """weights -= lr * gradient, in place (lr < 0 adds). Zeroes the dense area with `clear`."""
         for offset, length, slot in self.segments:
-            _native.sgd(weights + 4 * offset, payload + self.itemsize * slot, length, lr, int(clear), self.threads,
-                        self.dtype)
+            _native.sgd(weights + 4 * offset, payload + self.itemsize * slot, dtype=self.dtype, n=length, lr=lr,
+                        clear=int(clear), threads=self.threads)
         self._rows(weights, 0, payload, lr, clear)
 
     def indices_in(self, payload: int) -> list[np.ndarray]:
@@ -224,8 +224,8 @@ class SlotFormat:
         """s += g^2; weights -= lr g / (sqrt(s) + eps), in place, where g is not zero (tables:
         only the rows the gradient carries)."""
         for offset, length, slot in self.segments:
-            _native.adagrad(weights + 4 * offset, state + 4 * offset, payload + self.itemsize * slot, length, lr,
-                            ADAGRAD_EPS, int(clear), self.threads, self.dtype)
+            _native.adagrad(weights + 4 * offset, state + 4 * offset, payload + self.itemsize * slot, dtype=self.dtype,
+                            n=length, lr=lr, eps=ADAGRAD_EPS, clear=int(clear), threads=self.threads)
         self._rows(weights, state, payload, lr, clear, "adagrad")
 
     def adam(self, weights: int, state: int, payload: int, lr: float, step: int, betas: tuple[float, float, float],
@@ -237,17 +237,18 @@ class SlotFormat:
         second = state + 4 * self.n
         for offset, length, slot in self.segments:
             _native.adam(weights + 4 * offset, state + 4 * offset, second + 4 * offset, payload + self.itemsize * slot,
-                         length, lr, *betas, step, int(clear), self.threads, self.dtype)
+                         dtype=self.dtype, n=length, lr=lr, beta1=betas[0], beta2=betas[1], eps=betas[2], step=step,
+                         clear=int(clear), threads=self.threads)
         self._rows(weights, state, payload, lr, clear, "adam", step, betas)
 
     def momentum(self, weights: int, state: int, payload: int, lr: float, mu: float, *, clear: bool = True) -> None:
         """v = mu v + gradient; weights -= lr v, in place over every weight (tables too)."""
         for offset, length, slot in self.segments:
-            _native.momentum(weights + 4 * offset, state + 4 * offset, payload + self.itemsize * slot, length, lr, mu,
-                             int(clear), self.threads, self.dtype)
+            _native.momentum(weights + 4 * offset, state + 4 * offset, payload + self.itemsize * slot, dtype=self.dtype,
+                             n=length, lr=lr, mu=mu, clear=int(clear), threads=self.threads)
         for table in self.tables:  # the table's v decays everywhere; touched rows are added below
-            _native.momentum(weights + 4 * table.offset, state + 4 * table.offset, 0, table.size, lr, mu, 0,
-                             self.threads, self.dtype)
+            _native.momentum(weights + 4 * table.offset, state + 4 * table.offset, 0, dtype=self.dtype, n=table.size,
+                             lr=lr, mu=mu, clear=0, threads=self.threads)
         self._rows(weights, state, payload, lr, clear)
 
     def _rows(self, weights: int, state: int, payload: int, lr: float, clear: bool, rule: str = "sgd",
@@ -261,17 +262,17 @@ class SlotFormat:
                                     f"allowed 0..{table.max_rows:,}: the slot is corrupt")
             if rule == "adam":
                 bad = _native.adam_rows(weights + 4 * table.offset, state + 4 * table.offset,
-                                        state + 4 * (self.n + table.offset), table.rows, table.width,
-                                        payload + area.indices, payload + area.rows, count, lr, *betas, step,
-                                        self.dtype)
+                                        state + 4 * (self.n + table.offset), n_rows=table.rows, width=table.width,
+                                        idx=payload + area.indices, rows=payload + area.rows, dtype=self.dtype,
+                                        count=count, lr=lr, beta1=betas[0], beta2=betas[1], eps=betas[2], step=step)
             elif rule == "adagrad":
-                bad = _native.adagrad_rows(weights + 4 * table.offset, state + 4 * table.offset, table.rows,
-                                           table.width, payload + area.indices, payload + area.rows, count, lr,
-                                           ADAGRAD_EPS, self.dtype)
+                bad = _native.adagrad_rows(weights + 4 * table.offset, state + 4 * table.offset, n_rows=table.rows,
+                                           width=table.width, idx=payload + area.indices, rows=payload + area.rows,
+                                           dtype=self.dtype, count=count, lr=lr, eps=ADAGRAD_EPS)
             else:
                 bad = _native.sgd_rows(weights + 4 * table.offset, state + 4 * table.offset if state else 0,
-                                       table.rows, table.width, payload + area.indices, payload + area.rows, count,
-                                       lr, self.dtype)
+                                       n_rows=table.rows, width=table.width, idx=payload + area.indices,
+                                       rows=payload + area.rows, dtype=self.dtype, count=count, lr=lr)
             if clear:
                 _native.store64(payload + area.count, 0)
             if bad:
@@ -443,8 +444,9 @@ class SyncSGD(AsyncSGD):
         lr, step, n, f32 = self.options.lr, self.step(), len(self._sum), DTYPE_CODES["float32"]
         m, v = self.state, self.state + 4 * n
         for offset, length, _ in self.format.segments:
-            _native.adam(self.weights + 4 * offset, m + 4 * offset, v + 4 * offset, self._sum_addr + 4 * offset, length,
-                         lr, *self.betas, step, 1, self.threads, f32)
+            _native.adam(self.weights + 4 * offset, m + 4 * offset, v + 4 * offset, self._sum_addr + 4 * offset,
+                         dtype=f32, n=length, lr=lr, beta1=self.betas[0], beta2=self.betas[1], eps=self.betas[2],
+                         step=step, clear=1, threads=self.threads)
         for k, table in enumerate(self.format.tables):
             indices = np.unique(np.concatenate([rows[k] for rows in touched]))
             if not indices.size:
@@ -452,8 +454,9 @@ class SyncSGD(AsyncSGD):
             area = self._sum[table.offset : table.offset + table.size].reshape(table.rows, table.width)
             rows = np.ascontiguousarray(area[indices])
             _native.adam_rows(self.weights + 4 * table.offset, m + 4 * table.offset, v + 4 * table.offset,
-                              table.rows, table.width, int(indices.ctypes.data), int(rows.ctypes.data), len(indices),
-                              lr, *self.betas, step, f32)
+                              n_rows=table.rows, width=table.width, idx=int(indices.ctypes.data),
+                              rows=int(rows.ctypes.data), dtype=f32, count=len(indices), lr=lr, beta1=self.betas[0],
+                              beta2=self.betas[1], eps=self.betas[2], step=step)
             area[indices] = 0.0
 
     @staticmethod
@@ -474,13 +477,15 @@ class _Float32Dense:
         self.n, self.threads = n, like.threads
 
     def sgd(self, weights: int, payload: int, lr: float) -> None:
-        _native.sgd(weights, payload, self.n, lr, 1, self.threads, DTYPE_CODES["float32"])
+        _native.sgd(weights, payload, dtype=DTYPE_CODES["float32"], n=self.n, lr=lr, clear=1, threads=self.threads)
 
     def momentum(self, weights: int, state: int, payload: int, lr: float, mu: float) -> None:
-        _native.momentum(weights, state, payload, self.n, lr, mu, 1, self.threads, DTYPE_CODES["float32"])
+        _native.momentum(weights, state, payload, dtype=DTYPE_CODES["float32"], n=self.n, lr=lr, mu=mu, clear=1,
+                         threads=self.threads)
 
     def adagrad(self, weights: int, state: int, payload: int, lr: float) -> None:
-        _native.adagrad(weights, state, payload, self.n, lr, ADAGRAD_EPS, 1, self.threads, DTYPE_CODES["float32"])
+        _native.adagrad(weights, state, payload, dtype=DTYPE_CODES["float32"], n=self.n, lr=lr, eps=ADAGRAD_EPS,
+                        clear=1, threads=self.threads)
 
 
 class ElasticAveraging(UpdateRule):
@@ -505,7 +510,7 @@ class ElasticAveraging(UpdateRule):
 
     def apply(self, grads: list[Gradient]) -> None:
         for grad in grads:
-            _native.elastic(self.weights, grad.payload, self.n, self.options.alpha, self.threads)
+            _native.elastic(self.weights, grad.payload, n=self.n, alpha=self.options.alpha, threads=self.threads)
 
     @staticmethod
     def reference(weights, grads, options, state=None, staleness=None, version=0):

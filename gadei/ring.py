@@ -238,7 +238,7 @@ def _take(region: Region, learner: int, claims: int, drain_timeout: float, serve
             f"unapplied gradients after {drain_timeout:g} s; is the server running?"
         )
     for slot in range(region.shape.slots):
-        _native.zero(region.payload_addr(learner, slot), region.layout.payload_bytes)
+        _native.zero(region.payload_addr(learner, slot), nbytes=region.layout.payload_bytes)
     _keep_last_owner(entry)
     # The server writes these only while consuming this ring, and the ring is empty.
     for name in ("applied_samples", "stale_sum", "stale_max", "discarded"):

@@ -66,18 +66,18 @@ gd_processors(void)
 #endif
 }
 
+/*
+ * Teams of threads, only in a build with OpenMP; without it every kernel runs its one loop over
+ * all n elements (GD_PARALLEL's second form, and gd_copy's and gd_nonfinite's fall-through).
+ */
+#if GD_HAVE_OPENMP
+/* The size of a kernel's team for n float32 elements: 1 below two threads' worth. */
 static int
 gd_threads(int threads, size_t n)
 {
-#if GD_HAVE_OPENMP
     size_t by_size = n / GD_THREAD_MIN;
     if (threads <= 1 || by_size < 2) return 1;
     return (size_t)threads > by_size ? (int)by_size : threads; /* more than the cores only when asked for */
-#else
-    (void)threads;
-    (void)n;
-    return 1;
-#endif
 }
 
 /*
@@ -101,7 +101,6 @@ gd_chunk(const void *base, size_t size, size_t n, int tid, int nt, size_t *lo, s
 }
 
 /* Run span(lo, hi) over [0, n) on up to `threads` OpenMP threads, chunked by w's lines. */
-#if GD_HAVE_OPENMP
 #define GD_PARALLEL(w, n, threads, lo, hi, body)                                                 \
     do {                                                                                         \
         int nt_ = gd_threads((threads), (n));                                                    \
@@ -124,6 +123,18 @@ gd_chunk(const void *base, size_t size, size_t n, int tid, int nt, size_t *lo, s
         size_t lo = 0, hi = (n);                                                                 \
         body;                                                                                    \
     } while (0)
+#endif
+
+/*
+ * One naming scheme: the public gd_X splits the work over a team (GD_PARALLEL) and runs a loop
+ * on each chunk. gd_X_generic is X's portable loop; where X has vector code (sgd, momentum,
+ * adagrad, adam, nonfinite), gd_X_avx2 takes the same arguments and gives bit-identical
+ * results, and GD_DISPATCH calls the one this CPU runs (gd_avx2 is set once, at load).
+ */
+#if GD_X86
+#define GD_DISPATCH(kernel, ...) (gd_avx2 ? kernel##_avx2(__VA_ARGS__) : kernel##_generic(__VA_ARGS__))
+#else
+#define GD_DISPATCH(kernel, ...) kernel##_generic(__VA_ARGS__)
 #endif
 
 /* ------------------------------------------------------------------ conversions */
@@ -174,6 +185,35 @@ static inline size_t
 gd_itemsize(int dtype)
 {
     return dtype == GD_F32 ? 4 : 2;
+}
+
+/* ------------------------------------------------------------------ rows of a table */
+
+/* One row's update: the table row starting at element `at`, its gradient `gr` of `width`
+ * elements, `ctx` the kernel's arrays and scalars. */
+typedef void gd_row_fn(const void *ctx, size_t at, const void *gr, int dtype, size_t width);
+
+/*
+ * The one loop over a row-sparse gradient (gd_sgd_rows, gd_adagrad_rows, gd_adam_rows): for
+ * r < count, idx[r] names a row of the n_rows x width table and rows + r * width elements its
+ * gradient. Rows are taken in order, so an index repeated in one gradient adds up; an index
+ * outside 0..n_rows-1 is counted and skipped. Inlined into each kernel, with its `row`.
+ */
+static inline int64_t
+gd_each_row(size_t n_rows, size_t width, const int64_t *idx, const void *rows, int dtype, size_t count,
+            gd_row_fn *row, const void *ctx)
+{
+    int64_t bad = 0;
+    size_t stride = width * gd_itemsize(dtype);
+    for (size_t r = 0; r < count; r++) {
+        int64_t i = idx[r];
+        if (i < 0 || (size_t)i >= n_rows) {
+            bad++;
+            continue;
+        }
+        row(ctx, (size_t)i * width, (const char *)rows + r * stride, dtype, width);
+    }
+    return bad;
 }
 
 /* ------------------------------------------------------------------ sgd */
@@ -265,23 +305,12 @@ gd_sgd_avx2(float *restrict w, void *restrict g, int dtype, size_t n, float lr, 
 
 #endif
 
-static void
-gd_sgd_span(float *w, void *g, int dtype, size_t n, float lr, int clear)
-{
-#if GD_X86
-    if (gd_avx2) {
-        gd_sgd_avx2(w, g, dtype, n, lr, clear);
-        return;
-    }
-#endif
-    gd_sgd_generic(w, g, dtype, n, lr, clear);
-}
-
 void
 gd_sgd(float *w, void *g, int dtype, size_t n, float lr, int clear, int threads)
 {
     size_t item = gd_itemsize(dtype);
-    GD_PARALLEL(w, n, threads, lo, hi, gd_sgd_span(w + lo, (char *)g + lo * item, dtype, hi - lo, lr, clear));
+    GD_PARALLEL(w, n, threads, lo, hi,
+                GD_DISPATCH(gd_sgd, w + lo, (char *)g + lo * item, dtype, hi - lo, lr, clear));
 }
 
 /* ------------------------------------------------------------------ momentum */
@@ -320,24 +349,13 @@ gd_momentum_avx2(float *restrict w, float *restrict v, void *restrict g, int dty
 }
 #endif
 
-static void
-gd_momentum_span(float *w, float *v, void *g, int dtype, size_t n, float lr, float mu, int clear)
-{
-#if GD_X86
-    if (gd_avx2) {
-        gd_momentum_avx2(w, v, g, dtype, n, lr, mu, clear);
-        return;
-    }
-#endif
-    gd_momentum_generic(w, v, g, dtype, n, lr, mu, clear);
-}
-
 void
 gd_momentum(float *w, float *v, void *g, int dtype, size_t n, float lr, float mu, int clear, int threads)
 {
     size_t item = gd_itemsize(dtype);
     GD_PARALLEL(w, n, threads, lo, hi,
-                gd_momentum_span(w + lo, v + lo, g ? (char *)g + lo * item : NULL, dtype, hi - lo, lr, mu, clear));
+                GD_DISPATCH(gd_momentum, w + lo, v + lo, g ? (char *)g + lo * item : NULL, dtype, hi - lo, lr, mu,
+                            clear));
 }
 
 /* ------------------------------------------------------------------ adagrad */
@@ -353,8 +371,8 @@ gd_adagrad_one(float *w, float *s, float g, float lr, float eps)
 }
 
 static void
-gd_adagrad_span(float *restrict w, float *restrict s, void *restrict g, int dtype, size_t n, float lr, float eps,
-                int clear)
+gd_adagrad_generic(float *restrict w, float *restrict s, void *restrict g, int dtype, size_t n, float lr, float eps,
+                   int clear)
 {
     for (size_t i = 0; i < n; i++) gd_adagrad_one(w + i, s + i, gd_load(g, dtype, i), lr, eps);
     if (clear) memset(g, 0, n * gd_itemsize(dtype));
@@ -380,7 +398,7 @@ gd_adagrad_avx2(float *restrict w, float *restrict s, void *restrict g, int dtyp
                 int clear)
 {
     size_t i = gd_peel(w, n);
-    gd_adagrad_span(w, s, g, dtype, i, lr, eps, clear);
+    gd_adagrad_generic(w, s, g, dtype, i, lr, eps, clear);
     const __m256 vlr = _mm256_set1_ps(lr), veps = _mm256_set1_ps(eps);
     for (; i + 16 <= n; i += 16) {
         __m256 g0, g1;
@@ -389,47 +407,37 @@ gd_adagrad_avx2(float *restrict w, float *restrict s, void *restrict g, int dtyp
         gd_adagrad8(w + i + 8, s + i + 8, g1, vlr, veps);
         if (clear) gd_clear16(g, dtype, i);
     }
-    gd_adagrad_span(w + i, s + i, (char *)g + i * gd_itemsize(dtype), dtype, n - i, lr, eps, clear);
+    gd_adagrad_generic(w + i, s + i, (char *)g + i * gd_itemsize(dtype), dtype, n - i, lr, eps, clear);
 }
 #endif
-
-static void
-gd_adagrad_any(float *w, float *s, void *g, int dtype, size_t n, float lr, float eps, int clear)
-{
-#if GD_X86
-    if (gd_avx2) {
-        gd_adagrad_avx2(w, s, g, dtype, n, lr, eps, clear);
-        return;
-    }
-#endif
-    gd_adagrad_span(w, s, g, dtype, n, lr, eps, clear);
-}
 
 void
 gd_adagrad(float *w, float *s, void *g, int dtype, size_t n, float lr, float eps, int clear, int threads)
 {
     size_t item = gd_itemsize(dtype);
-    GD_PARALLEL(w, n, threads, lo, hi, gd_adagrad_any(w + lo, s + lo, (char *)g + lo * item, dtype, hi - lo, lr,
-                                                      eps, clear));
+    GD_PARALLEL(w, n, threads, lo, hi,
+                GD_DISPATCH(gd_adagrad, w + lo, s + lo, (char *)g + lo * item, dtype, hi - lo, lr, eps, clear));
+}
+
+struct gd_adagrad_row {
+    float *w, *s;
+    float lr, eps;
+};
+
+static void
+gd_adagrad_row(const void *ctx, size_t at, const void *gr, int dtype, size_t width)
+{
+    const struct gd_adagrad_row *a = ctx;
+    for (size_t j = 0; j < width; j++)
+        gd_adagrad_one(a->w + at + j, a->s + at + j, gd_load(gr, dtype, j), a->lr, a->eps);
 }
 
 int64_t
 gd_adagrad_rows(float *w, float *s, size_t n_rows, size_t width, const int64_t *idx, const void *rows, int dtype,
                 size_t count, float lr, float eps)
 {
-    int64_t bad = 0;
-    size_t item = gd_itemsize(dtype);
-    for (size_t r = 0; r < count; r++) {
-        int64_t row = idx[r];
-        if (row < 0 || (size_t)row >= n_rows) {
-            bad++;
-            continue;
-        }
-        float *wr = w + (size_t)row * width, *sr = s + (size_t)row * width;
-        const void *gr = (const char *)rows + r * width * item;
-        for (size_t j = 0; j < width; j++) gd_adagrad_one(wr + j, sr + j, gd_load(gr, dtype, j), lr, eps);
-    }
-    return bad;
+    const struct gd_adagrad_row a = {w, s, lr, eps};
+    return gd_each_row(n_rows, width, idx, rows, dtype, count, gd_adagrad_row, &a);
 }
 
 /* ------------------------------------------------------------------ adam */
@@ -472,8 +480,8 @@ gd_adam_one(float *w, float *m, float *v, float g, const struct gd_adam *c)
 }
 
 static void
-gd_adam_span(float *restrict w, float *restrict m, float *restrict v, void *restrict g, int dtype, size_t n,
-             const struct gd_adam *c, int clear)
+gd_adam_generic(float *restrict w, float *restrict m, float *restrict v, void *restrict g, int dtype, size_t n,
+                const struct gd_adam *c, int clear)
 {
     for (size_t i = 0; i < n; i++) gd_adam_one(w + i, m + i, v + i, gd_load(g, dtype, i), c);
     if (clear) memset(g, 0, n * gd_itemsize(dtype));
@@ -499,7 +507,7 @@ gd_adam_avx2(float *restrict w, float *restrict m, float *restrict v, void *rest
              const struct gd_adam *c, int clear)
 {
     size_t i = gd_peel(w, n);
-    gd_adam_span(w, m, v, g, dtype, i, c, clear);
+    gd_adam_generic(w, m, v, g, dtype, i, c, clear);
     const __m256 b1 = _mm256_set1_ps(c->b1), a1 = _mm256_set1_ps(c->a1), b2 = _mm256_set1_ps(c->b2),
                  a2 = _mm256_set1_ps(c->a2), step = _mm256_set1_ps(c->step), c2 = _mm256_set1_ps(c->c2),
                  eps = _mm256_set1_ps(c->eps);
@@ -509,21 +517,9 @@ gd_adam_avx2(float *restrict w, float *restrict m, float *restrict v, void *rest
         gd_adam8(w + i, m + i, v + i, g0, b1, a1, b2, a2, step, c2, eps);
         gd_adam8(w + i + 8, m + i + 8, v + i + 8, g1, b1, a1, b2, a2, step, c2, eps);
     }
-    gd_adam_span(w + i, m + i, v + i, (char *)g + i * gd_itemsize(dtype), dtype, n - i, c, clear);
+    gd_adam_generic(w + i, m + i, v + i, (char *)g + i * gd_itemsize(dtype), dtype, n - i, c, clear);
 }
 #endif
-
-static void
-gd_adam_any(float *w, float *m, float *v, void *g, int dtype, size_t n, const struct gd_adam *c, int clear)
-{
-#if GD_X86
-    if (gd_avx2) {
-        gd_adam_avx2(w, m, v, g, dtype, n, c, clear);
-        return;
-    }
-#endif
-    gd_adam_span(w, m, v, g, dtype, n, c, clear);
-}
 
 void
 gd_adam(float *w, float *m, float *v, void *g, int dtype, size_t n, double lr, double beta1, double beta2,
@@ -531,28 +527,29 @@ gd_adam(float *w, float *m, float *v, void *g, int dtype, size_t n, double lr, d
 {
     size_t item = gd_itemsize(dtype);
     const struct gd_adam c = gd_adam_scalars(lr, beta1, beta2, eps, step);
-    GD_PARALLEL(w, n, threads, lo, hi, gd_adam_any(w + lo, m + lo, v + lo, (char *)g + lo * item, dtype, hi - lo,
-                                                   &c, clear));
+    GD_PARALLEL(w, n, threads, lo, hi,
+                GD_DISPATCH(gd_adam, w + lo, m + lo, v + lo, (char *)g + lo * item, dtype, hi - lo, &c, clear));
+}
+
+struct gd_adam_row {
+    float *w, *m, *v;
+    struct gd_adam c;
+};
+
+static void
+gd_adam_row(const void *ctx, size_t at, const void *gr, int dtype, size_t width)
+{
+    const struct gd_adam_row *a = ctx;
+    for (size_t j = 0; j < width; j++)
+        gd_adam_one(a->w + at + j, a->m + at + j, a->v + at + j, gd_load(gr, dtype, j), &a->c);
 }
 
 int64_t
 gd_adam_rows(float *w, float *m, float *v, size_t n_rows, size_t width, const int64_t *idx, const void *rows,
              int dtype, size_t count, double lr, double beta1, double beta2, double eps, uint64_t step)
 {
-    int64_t bad = 0;
-    size_t item = gd_itemsize(dtype);
-    const struct gd_adam c = gd_adam_scalars(lr, beta1, beta2, eps, step);
-    for (size_t r = 0; r < count; r++) {
-        int64_t row = idx[r];
-        if (row < 0 || (size_t)row >= n_rows) {
-            bad++;
-            continue;
-        }
-        size_t at = (size_t)row * width;
-        const void *gr = (const char *)rows + r * width * item;
-        for (size_t j = 0; j < width; j++) gd_adam_one(w + at + j, m + at + j, v + at + j, gd_load(gr, dtype, j), &c);
-    }
-    return bad;
+    const struct gd_adam_row a = {w, m, v, gd_adam_scalars(lr, beta1, beta2, eps, step)};
+    return gd_each_row(n_rows, width, idx, rows, dtype, count, gd_adam_row, &a);
 }
 
 /* ------------------------------------------------------------------ non-finite check */
@@ -612,67 +609,62 @@ gd_nonfinite_avx2(const void *g, int dtype, size_t n)
 }
 #endif
 
-static int64_t
-gd_nonfinite_span(const void *g, int dtype, size_t n)
-{
-#if GD_X86
-    if (gd_avx2) return gd_nonfinite_avx2(g, dtype, n);
-#endif
-    return gd_nonfinite_generic(g, dtype, n);
-}
-
+/* As gd_copy: a team adds up its chunks' counts; one pass otherwise, and without OpenMP. */
 int64_t
 gd_nonfinite(const void *g, int dtype, size_t n, int threads)
 {
-    size_t item = gd_itemsize(dtype);
-    int nt = gd_threads(threads, n);
-    if (nt == 1) return gd_nonfinite_span(g, dtype, n);
-    int64_t bad = 0;
 #if GD_HAVE_OPENMP
+    int nt = gd_threads(threads, n);
+    if (nt > 1) {
+        size_t item = gd_itemsize(dtype);
+        int64_t bad = 0;
 #pragma omp parallel num_threads(nt) reduction(+ : bad)
-    {
-        size_t lo, hi;
-        gd_chunk(g, item, n, omp_get_thread_num(), omp_get_num_threads(), &lo, &hi);
-        bad += gd_nonfinite_span((const char *)g + lo * item, dtype, hi - lo);
+        {
+            size_t lo, hi;
+            gd_chunk(g, item, n, omp_get_thread_num(), omp_get_num_threads(), &lo, &hi);
+            bad += GD_DISPATCH(gd_nonfinite, (const char *)g + lo * item, dtype, hi - lo);
+        }
+        return bad;
     }
-#else
-    bad = gd_nonfinite_span(g, dtype, n);
 #endif
-    return bad;
+    (void)threads;
+    return GD_DISPATCH(gd_nonfinite, g, dtype, n);
 }
 
-/* ------------------------------------------------------------------ rows, elastic, plain, copy */
+/* ------------------------------------------------------------------ sgd rows, elastic, plain, copy */
+
+struct gd_sgd_row {
+    float *w, *v; /* v: the momentum buffer the rows are added to, or NULL */
+    float lr;
+};
+
+static void
+gd_sgd_row(const void *ctx, size_t at, const void *gr, int dtype, size_t width)
+{
+    const struct gd_sgd_row *a = ctx;
+    float *wr = a->w + at;
+    if (a->v) {
+        float *vr = a->v + at;
+        for (size_t j = 0; j < width; j++) {
+            float gj = gd_load(gr, dtype, j);
+            vr[j] += gj;
+            wr[j] -= a->lr * gj;
+        }
+    } else {
+        for (size_t j = 0; j < width; j++) wr[j] -= a->lr * gd_load(gr, dtype, j);
+    }
+}
 
 int64_t
 gd_sgd_rows(float *w, float *v, size_t n_rows, size_t width, const int64_t *idx, const void *rows, int dtype,
             size_t count, float lr)
 {
-    int64_t bad = 0;
-    size_t item = gd_itemsize(dtype);
-    for (size_t r = 0; r < count; r++) {
-        int64_t row = idx[r];
-        if (row < 0 || (size_t)row >= n_rows) {
-            bad++;
-            continue;
-        }
-        float *wr = w + (size_t)row * width;
-        const void *gr = (const char *)rows + r * width * item;
-        if (v) {
-            float *vr = v + (size_t)row * width;
-            for (size_t j = 0; j < width; j++) {
-                float gj = gd_load(gr, dtype, j);
-                vr[j] += gj;
-                wr[j] -= lr * gj;
-            }
-        } else {
-            for (size_t j = 0; j < width; j++) wr[j] -= lr * gd_load(gr, dtype, j);
-        }
-    }
-    return bad;
+    const struct gd_sgd_row a = {w, v, lr};
+    return gd_each_row(n_rows, width, idx, rows, dtype, count, gd_sgd_row, &a);
 }
 
 static void
-gd_elastic_span(float *restrict c, const float *restrict w, size_t n, float alpha)
+gd_elastic_generic(float *restrict c, const float *restrict w, size_t n, float alpha)
 {
     for (size_t i = 0; i < n; i++) c[i] += alpha * (w[i] - c[i]);
 }
@@ -680,11 +672,11 @@ gd_elastic_span(float *restrict c, const float *restrict w, size_t n, float alph
 void
 gd_elastic(float *c, const float *w, size_t n, float alpha, int threads)
 {
-    GD_PARALLEL(c, n, threads, lo, hi, gd_elastic_span(c + lo, w + lo, hi - lo, alpha));
+    GD_PARALLEL(c, n, threads, lo, hi, gd_elastic_generic(c + lo, w + lo, hi - lo, alpha));
 }
 
 __attribute__((noinline)) static void
-gd_plain_span(float *w, const float *g, size_t n, float lr)
+gd_plain_sgd_generic(float *w, const float *g, size_t n, float lr)
 {
     for (size_t i = 0; i < n; i++) w[i] -= lr * g[i];
 }
@@ -693,31 +685,34 @@ void
 gd_plain_sgd(float *w, const float *g, size_t n, float lr, int threads)
 {
     if (threads <= 1) {
-        gd_plain_span(w, g, n, lr);
+        gd_plain_sgd_generic(w, g, n, lr);
         return;
     }
 #if GD_HAVE_OPENMP
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (size_t i = 0; i < n; i++) w[i] -= lr * g[i];
 #else
-    gd_plain_span(w, g, n, lr);
+    gd_plain_sgd_generic(w, g, n, lr);
 #endif
 }
 
+/* A team copies chunks split at dst's 64-byte lines; without OpenMP, or when the size asks for
+ * one thread, one memcpy does it all. */
 void
 gd_copy(void *dst, const void *src, size_t nbytes, int threads)
 {
+#if GD_HAVE_OPENMP
     int nt = gd_threads(threads, nbytes / 4);
-    if (nt == 1) {
-        memcpy(dst, src, nbytes);
+    if (nt > 1) {
+#pragma omp parallel num_threads(nt)
+        {
+            size_t lo, hi;
+            gd_chunk(dst, 1, nbytes, omp_get_thread_num(), omp_get_num_threads(), &lo, &hi);
+            memcpy((char *)dst + lo, (const char *)src + lo, hi - lo);
+        }
         return;
     }
-#if GD_HAVE_OPENMP
-#pragma omp parallel num_threads(nt)
-    {
-        size_t lo, hi;
-        gd_chunk(dst, 1, nbytes, omp_get_thread_num(), omp_get_num_threads(), &lo, &hi);
-        memcpy((char *)dst + lo, (const char *)src + lo, hi - lo);
-    }
 #endif
+    (void)threads;
+    memcpy(dst, src, nbytes);
 }

@@ -22,7 +22,9 @@ const char *gd_kernel_isa(void);
 int gd_openmp_built(void);
 int gd_processors(void);
 
-/* w[i] -= lr * g[i]; with clear, g[i] = 0. All-zero 64-byte lines of g are skipped. */
+/* w[i] -= lr * g[i]; with clear, g[i] = 0. Where the CPU has AVX2, each run of 16 gradient elements
+ * whose bits are all zero (64 bytes of float32, 32 of float16 or bfloat16) is skipped: w - lr * +0.0
+ * is w, and a zero run needs no clearing. */
 void gd_sgd(float *w, void *g, int dtype, size_t n, float lr, int clear, int threads);
 
 /* v[i] = mu * v[i] + g[i]; w[i] -= lr * v[i]; with clear, g[i] = 0. g == NULL: g is zero. */
@@ -69,7 +71,8 @@ void gd_elastic(float *c, const float *w, size_t n, float alpha, int threads);
 /* The plain loop w[i] -= lr * g[i] (float32), for benchmarks to compare gd_sgd against. */
 void gd_plain_sgd(float *w, const float *g, size_t n, float lr, int threads);
 
-/* memcpy / memset, split over threads for large sizes. */
+/* memcpy of nbytes, split over up to `threads` OpenMP threads where each gets 1 MiB or more
+ * (GD_THREAD_MIN float32 elements, kernels.c); one memcpy otherwise, and in a build without OpenMP. */
 void gd_copy(void *dst, const void *src, size_t nbytes, int threads);
 
 /* Scalar conversions (exact), shared with the tests' expectations. */

@@ -74,7 +74,7 @@ def test_sgd_kernel_matches_reference(n, threads, dtype):
     w_ref = w.copy()
     with np.errstate(invalid="ignore"):
         AsyncSGD.reference(w_ref, [from_wire(g, dtype)], RuleOptions(lr=0.3))
-    _native.sgd(w.ctypes.data, g.ctypes.data, n, 0.3, 1, threads, DTYPE_CODES[dtype])
+    _native.sgd(w.ctypes.data, g.ctypes.data, dtype=DTYPE_CODES[dtype], n=n, lr=0.3, clear=1, threads=threads)
     np.testing.assert_array_equal(bits(w), bits(w_ref))  # bits: -0.0, NaN and inf too
     assert not bits(g).any()  # handed back zeroed
 
@@ -86,7 +86,7 @@ def test_sgd_kernel_without_clear_keeps_the_gradient(n, dtype):
     g = to_wire(np.random.default_rng(2).standard_normal(n).astype(np.float32), dtype)
     before = g.copy()
     expected = w - np.float32(0.5) * from_wire(g, dtype)
-    _native.sgd(w.ctypes.data, g.ctypes.data, n, 0.5, 0, 2, DTYPE_CODES[dtype])
+    _native.sgd(w.ctypes.data, g.ctypes.data, dtype=DTYPE_CODES[dtype], n=n, lr=0.5, clear=0, threads=2)
     np.testing.assert_array_equal(w, expected)
     np.testing.assert_array_equal(g, before)
 
@@ -97,7 +97,8 @@ def test_sgd_kernel_touches_nothing_outside_its_range():
     g[:] = 1.0
     w_before = w.copy()
     inner = slice(5, n - 11)
-    _native.sgd(w[inner].ctypes.data, g[inner].ctypes.data, n - 16, 0.25, 1, 4)
+    _native.sgd(w[inner].ctypes.data, g[inner].ctypes.data, dtype=DTYPE_CODES["float32"], n=n - 16, lr=0.25, clear=1,
+                threads=4)
     np.testing.assert_array_equal(bits(w[:5]), bits(w_before[:5]))
     np.testing.assert_array_equal(bits(w[n - 11 :]), bits(w_before[n - 11 :]))
     assert np.all(g[inner] == 0) and np.all(g[:5] == 1) and np.all(g[n - 11 :] == 1)
@@ -113,13 +114,15 @@ def test_momentum_kernel_matches_reference(n, threads, dtype):
     g = to_wire(g32, dtype)
     w_ref, v_ref = w.copy(), v.copy()
     AsyncSGD.reference(w_ref, [from_wire(g, dtype)], RuleOptions(lr=0.1, momentum=0.9), v_ref)
-    _native.momentum(w.ctypes.data, v.ctypes.data, g.ctypes.data, n, 0.1, 0.9, 1, threads, DTYPE_CODES[dtype])
+    _native.momentum(w.ctypes.data, v.ctypes.data, g.ctypes.data, dtype=DTYPE_CODES[dtype], n=n, lr=0.1, mu=0.9, clear=1,
+                     threads=threads)
     np.testing.assert_array_equal(w, w_ref)
     np.testing.assert_array_equal(v, v_ref)
     assert not bits(g).any()
     # no gradient (a row-sparse table's untouched rows): v decays, w follows
     AsyncSGD.reference(w_ref, [np.zeros(n, np.float32)], RuleOptions(lr=0.1, momentum=0.9), v_ref)
-    _native.momentum(w.ctypes.data, v.ctypes.data, 0, n, 0.1, 0.9, 0, threads, DTYPE_CODES[dtype])
+    _native.momentum(w.ctypes.data, v.ctypes.data, 0, dtype=DTYPE_CODES[dtype], n=n, lr=0.1, mu=0.9, clear=0,
+                     threads=threads)
     np.testing.assert_array_equal(w, w_ref)
     np.testing.assert_array_equal(v, v_ref)
 
@@ -135,11 +138,12 @@ def test_adagrad_kernel_matches_reference(n, threads, dtype):
     w_ref, s_ref = w.copy(), s.copy()
     for _ in range(2):  # the second step sees the first one's sums
         AsyncSGD.reference(w_ref, [from_wire(g, dtype)], RuleOptions(lr=0.1, optimizer="adagrad"), s_ref)
-        _native.adagrad(w.ctypes.data, s.ctypes.data, g.ctypes.data, n, 0.1, ADAGRAD_EPS, 0, threads,
-                        DTYPE_CODES[dtype])
+        _native.adagrad(w.ctypes.data, s.ctypes.data, g.ctypes.data, dtype=DTYPE_CODES[dtype], n=n, lr=0.1,
+                        eps=ADAGRAD_EPS, clear=0, threads=threads)
         np.testing.assert_array_equal(w, w_ref)
         np.testing.assert_array_equal(s, s_ref)
-    _native.adagrad(w.ctypes.data, s.ctypes.data, g.ctypes.data, n, 0.1, ADAGRAD_EPS, 1, threads, DTYPE_CODES[dtype])
+    _native.adagrad(w.ctypes.data, s.ctypes.data, g.ctypes.data, dtype=DTYPE_CODES[dtype], n=n, lr=0.1, eps=ADAGRAD_EPS,
+                    clear=1, threads=threads)
     assert not bits(g).any()  # clear: the slot is zero again
     zero_g = from_wire(to_wire(g32, dtype), dtype) == 0
     first = s_ref == 0
@@ -157,8 +161,8 @@ def test_adagrad_rows_update_only_the_rows_a_gradient_carries():
     for i, row in zip(indices[:3], rows[:3]):
         s_ref[i] += row * row
         t_ref[i] -= np.float32(lr) * row / (np.sqrt(s_ref[i]) + np.float32(ADAGRAD_EPS))
-    bad = _native.adagrad_rows(table.ctypes.data, sums.ctypes.data, rows_n, width, indices.ctypes.data,
-                               rows.ctypes.data, 4, lr, ADAGRAD_EPS, DTYPE_CODES["float32"])
+    bad = _native.adagrad_rows(table.ctypes.data, sums.ctypes.data, n_rows=rows_n, width=width, idx=indices.ctypes.data,
+                               rows=rows.ctypes.data, dtype=DTYPE_CODES["float32"], count=4, lr=lr, eps=ADAGRAD_EPS)
     assert bad == 1
     np.testing.assert_array_equal(table, t_ref)
     np.testing.assert_array_equal(sums, s_ref)
@@ -166,8 +170,8 @@ def test_adagrad_rows_update_only_the_rows_a_gradient_carries():
 
 
 def adam(w, m, v, g, lr, step, threads, dtype, clear=0):
-    _native.adam(w.ctypes.data, m.ctypes.data, v.ctypes.data, g.ctypes.data, len(w), lr, ADAM_BETA1, ADAM_BETA2,
-                 ADAM_EPS, step, clear, threads, DTYPE_CODES[dtype])
+    _native.adam(w.ctypes.data, m.ctypes.data, v.ctypes.data, g.ctypes.data, dtype=DTYPE_CODES[dtype], n=len(w), lr=lr,
+                 beta1=ADAM_BETA1, beta2=ADAM_BETA2, eps=ADAM_EPS, step=step, clear=clear, threads=threads)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -240,17 +244,18 @@ def test_adam_rows_is_lazy_adam_as_torch_sparse_adam(dtype):
         indices = np.array(chosen + [-1, rows_n], dtype=np.int64)  # two indices outside the table
         rows = to_wire(rng.standard_normal((len(indices), width)).astype(np.float32), dtype)
         before = table.copy()
-        bad = _native.adam_rows(table.ctypes.data, m.ctypes.data, v.ctypes.data, rows_n, width, indices.ctypes.data,
-                                rows.ctypes.data, len(indices), lr, ADAM_BETA1, ADAM_BETA2, ADAM_EPS, step,
-                                DTYPE_CODES[dtype])
+        bad = _native.adam_rows(table.ctypes.data, m.ctypes.data, v.ctypes.data, n_rows=rows_n, width=width,
+                                idx=indices.ctypes.data, rows=rows.ctypes.data, dtype=DTYPE_CODES[dtype],
+                                count=len(indices), lr=lr, beta1=ADAM_BETA1, beta2=ADAM_BETA2, eps=ADAM_EPS, step=step)
         assert bad == 2
         exact = from_wire(rows, dtype)[: len(chosen)]
         adam_rows_reference(t_ref, m_ref, v_ref, indices[: len(chosen)], exact, lr, step)
         np.testing.assert_array_equal(table, t_ref)
         np.testing.assert_array_equal(m, m_ref)
         np.testing.assert_array_equal(v, v_ref)
-        _native.adam_rows(plain.ctypes.data, m0.ctypes.data, v0.ctypes.data, rows_n, width, indices.ctypes.data,
-                          rows.ctypes.data, len(indices), lr, ADAM_BETA1, ADAM_BETA2, 1e-30, step, DTYPE_CODES[dtype])
+        _native.adam_rows(plain.ctypes.data, m0.ctypes.data, v0.ctypes.data, n_rows=rows_n, width=width,
+                          idx=indices.ctypes.data, rows=rows.ctypes.data, dtype=DTYPE_CODES[dtype], count=len(indices),
+                          lr=lr, beta1=ADAM_BETA1, beta2=ADAM_BETA2, eps=1e-30, step=step)
         param.grad = torch.sparse_coo_tensor(torch.tensor([chosen]), torch.from_numpy(exact.copy()), (rows_n, width),
                                              check_invariants=True)
         sparse_adam.step()
@@ -273,8 +278,9 @@ def test_row_kernel_adds_repeated_rows_and_skips_bad_indices(dtype, with_state):
     t_ref = table.copy()
     s_ref = state.copy() if with_state else None
     rows_reference(t_ref, indices, from_wire(rows, dtype), 0.2, s_ref)
-    bad = _native.sgd_rows(table.ctypes.data, state.ctypes.data if with_state else 0, rows_n, width,
-                           indices.ctypes.data, rows.ctypes.data, len(indices), 0.2, DTYPE_CODES[dtype])
+    bad = _native.sgd_rows(table.ctypes.data, state.ctypes.data if with_state else 0, n_rows=rows_n, width=width,
+                           idx=indices.ctypes.data, rows=rows.ctypes.data, dtype=DTYPE_CODES[dtype], count=len(indices),
+                           lr=0.2)
     assert bad == 0
     np.testing.assert_array_equal(table, t_ref)
     if with_state:
@@ -283,8 +289,8 @@ def test_row_kernel_adds_repeated_rows_and_skips_bad_indices(dtype, with_state):
     np.testing.assert_array_equal(table[untouched], t_ref[untouched])
     before = table.copy()
     wild = np.array([-1, 50, 10**12], dtype=np.int64)
-    assert _native.sgd_rows(table.ctypes.data, 0, rows_n, width, wild.ctypes.data, rows.ctypes.data, 3, 0.2,
-                            DTYPE_CODES[dtype]) == 3
+    assert _native.sgd_rows(table.ctypes.data, 0, n_rows=rows_n, width=width, idx=wild.ctypes.data,
+                            rows=rows.ctypes.data, dtype=DTYPE_CODES[dtype], count=3, lr=0.2) == 3
     np.testing.assert_array_equal(table, before)  # nothing written outside the table
 
 
@@ -296,7 +302,7 @@ def test_elastic_kernel_matches_reference(n, threads):
     w = rng.standard_normal(n).astype(np.float32)
     expected = centre.copy()
     ElasticAveraging.reference(expected, [w], RuleOptions(alpha=0.3))
-    _native.elastic(centre.ctypes.data, w.ctypes.data, n, 0.3, threads)
+    _native.elastic(centre.ctypes.data, w.ctypes.data, n=n, alpha=0.3, threads=threads)
     np.testing.assert_array_equal(centre, expected)
 
 
@@ -320,7 +326,7 @@ def test_plain_reference_loop_matches(n):
     rng = np.random.default_rng(11)
     w, g = rng.standard_normal(n).astype(np.float32), rng.standard_normal(n).astype(np.float32)
     expected = w - np.float32(0.1) * g
-    _native.plain_sgd(w.ctypes.data, g.ctypes.data, n, 0.1, 2)
+    _native.plain_sgd(w.ctypes.data, g.ctypes.data, n=n, lr=0.1, threads=2)
     np.testing.assert_array_equal(w, expected)
 
 
@@ -345,10 +351,10 @@ def test_nonfinite_check_matches_reference_and_writes_nothing(n, threads, dtype)
     before = g.copy()
     expected = nonfinite_reference(g)
     assert expected > 0
-    assert _native.nonfinite(g.ctypes.data, n, threads, DTYPE_CODES[dtype]) == expected
+    assert _native.nonfinite(g.ctypes.data, dtype=DTYPE_CODES[dtype], n=n, threads=threads) == expected
     assert (bits(g) == bits(before)).all()
     finite = to_wire(np.full(n, 65504.0, np.float32), dtype)  # the largest float16: finite everywhere
-    assert _native.nonfinite(finite.ctypes.data, n, threads, DTYPE_CODES[dtype]) == 0
+    assert _native.nonfinite(finite.ctypes.data, dtype=DTYPE_CODES[dtype], n=n, threads=threads) == 0
 
 
 def test_portable_kernels_without_avx2_match_reference():
@@ -364,10 +370,11 @@ def test_portable_kernels_without_avx2_match_reference():
         "    for n in (1, 17, 4099, 200003):\n"
         "        w, g32 = weights_and_gradient(n, n); g = to_wire(g32, dtype); wr = w.copy()\n"
         "        with np.errstate(invalid='ignore'): AsyncSGD.reference(wr, [from_wire(g, dtype)], RuleOptions(lr=0.3))\n"
-        "        _native.sgd(w.ctypes.data, g.ctypes.data, n, 0.3, 1, 2, DTYPE_CODES[dtype])\n"
+        "        _native.sgd(w.ctypes.data, g.ctypes.data, dtype=DTYPE_CODES[dtype], n=n, lr=0.3, clear=1, threads=2)\n"
         "        assert (bits(w) == bits(wr)).all() and not bits(g).any(), (dtype, n)\n"
         "        g = gradient_with_nonfinite(n, dtype, n)\n"
-        "        assert _native.nonfinite(g.ctypes.data, n, 2, DTYPE_CODES[dtype]) == nonfinite_reference(g), (dtype, n)\n"
+        "        assert _native.nonfinite(g.ctypes.data, dtype=DTYPE_CODES[dtype], n=n, threads=2) == nonfinite_reference(g), "
+        "(dtype, n)\n"
         "        w, g32 = weights_and_gradient(n, n); g = to_wire(g32, dtype); wr = w.copy()\n"
         "        m = np.full(n, 0.01, np.float32); v = np.full(n, 1e-4, np.float32); mr = m.copy(); vr = v.copy()\n"
         "        with np.errstate(invalid='ignore'): adam_reference(wr, mr, vr, from_wire(g, dtype), 0.01, 3)\n"
@@ -383,3 +390,53 @@ def test_kernels_use_avx2_where_the_cpu_has_it():
     with open("/proc/cpuinfo") as cpuinfo:
         flags = cpuinfo.read()
     assert _native.kernel_isa() == ("avx2" if " avx2" in flags and " f16c" in flags else "generic")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("threads", [2, 3, 7])
+def test_dense_kernels_split_over_a_team_equal_their_references(threads, dtype):
+    """A kernel forms a team only from 2 x 262,144 elements (GD_THREAD_MIN): the lengths above stop
+    at 131,075 for momentum, Adagrad and Adam, so their threaded path is checked here, on a length
+    that makes teams of 2, 3 and 7 with a ragged last chunk, a half-size gradient offset per chunk
+    included; each equals its reference bit for bit."""
+    n = 7 * 262144 + 13
+    w0, g32 = weights_and_gradient(n, threads)
+    w0[~np.isfinite(w0)] = 1.0
+    g0 = to_wire(g32, dtype)
+    rng = np.random.default_rng(threads)
+    state = np.abs(rng.standard_normal(n)).astype(np.float32) * np.float32(1e-3)
+    f, code = from_wire(g0, dtype), DTYPE_CODES[dtype]
+
+    w, g, w_ref = w0.copy(), g0.copy(), w0.copy()
+    AsyncSGD.reference(w_ref, [f], RuleOptions(lr=0.3))
+    _native.sgd(w.ctypes.data, g.ctypes.data, dtype=code, n=n, lr=0.3, clear=1, threads=threads)
+    np.testing.assert_array_equal(bits(w), bits(w_ref))
+    assert not bits(g).any()
+
+    w, v, w_ref, v_ref = w0.copy(), state.copy(), w0.copy(), state.copy()
+    AsyncSGD.reference(w_ref, [f], RuleOptions(lr=0.1, momentum=0.9), v_ref)
+    _native.momentum(w.ctypes.data, v.ctypes.data, g0.ctypes.data, dtype=code, n=n, lr=0.1, mu=0.9, clear=0,
+                     threads=threads)
+    np.testing.assert_array_equal(bits(w), bits(w_ref))
+    np.testing.assert_array_equal(bits(v), bits(v_ref))
+
+    w, s, w_ref, s_ref = w0.copy(), state.copy(), w0.copy(), state.copy()
+    AsyncSGD.reference(w_ref, [f], RuleOptions(lr=0.1, optimizer="adagrad"), s_ref)
+    _native.adagrad(w.ctypes.data, s.ctypes.data, g0.ctypes.data, dtype=code, n=n, lr=0.1, eps=ADAGRAD_EPS, clear=0,
+                    threads=threads)
+    np.testing.assert_array_equal(bits(w), bits(w_ref))
+    np.testing.assert_array_equal(bits(s), bits(s_ref))
+
+    w, m, v, w_ref, m_ref, v_ref = w0.copy(), state * 10, state.copy(), w0.copy(), state * 10, state.copy()
+    adam_reference(w_ref, m_ref, v_ref, f, 0.01, 3)
+    adam(w, m, v, g0, 0.01, 3, threads, dtype)
+    for got, want in ((w, w_ref), (m, m_ref), (v, v_ref)):
+        np.testing.assert_array_equal(bits(got), bits(want))
+
+    bad = gradient_with_nonfinite(n, dtype, threads)
+    assert _native.nonfinite(bad.ctypes.data, dtype=code, n=n, threads=threads) == nonfinite_reference(bad)
+
+    centre, expected = w0.copy(), w0.copy()
+    ElasticAveraging.reference(expected, [state], RuleOptions(alpha=0.3))
+    _native.elastic(centre.ctypes.data, state.ctypes.data, n=n, alpha=0.3, threads=threads)
+    np.testing.assert_array_equal(bits(centre), bits(expected))

@@ -15,10 +15,10 @@ from gadei import _native
 def test_copy_and_zero(nbytes, threads):
     src = np.random.default_rng(1).integers(0, 255, nbytes, dtype=np.uint8)
     dst = np.zeros(nbytes + 8, dtype=np.uint8)
-    _native.copy(dst.ctypes.data, src.ctypes.data, nbytes, threads)
+    _native.copy(dst.ctypes.data, src.ctypes.data, nbytes=nbytes, threads=threads)
     np.testing.assert_array_equal(dst[:nbytes], src)
     assert not dst[nbytes:].any()
-    _native.zero(src.ctypes.data, nbytes)
+    _native.zero(src.ctypes.data, nbytes=nbytes)
     assert not src.any()
 
 
@@ -168,3 +168,96 @@ def test_the_typed_stub_declares_exactly_what_the_module_has():
         stub = Path(__file__).resolve().parent.parent / "gadei" / "_native.pyi"
     declared = {node.name for node in ast.parse(stub.read_text()).body if isinstance(node, ast.FunctionDef)}
     assert declared == {name for name in dir(_native) if not name.startswith("_")}
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 7])
+@pytest.mark.parametrize("nbytes", [1, 4099, (2 << 20) + 5, (3 << 20) + 7, (7 << 20) + 13])
+def test_copy_is_right_at_any_thread_count_and_length(nbytes, threads):
+    """A team of up to 7 threads splits a copy at the destination's cache lines (1 MiB a thread at
+    least: the sizes above make teams of 2, 3 and 7); lengths that do not divide and a destination
+    3 bytes past a line leave a ragged first and last chunk. Every byte arrives, none beside it."""
+    src = np.random.default_rng(nbytes).integers(0, 255, nbytes, dtype=np.uint8)
+    dst = np.zeros(nbytes + 16, dtype=np.uint8)
+    _native.copy(dst.ctypes.data + 3, src.ctypes.data, nbytes=nbytes, threads=threads)
+    np.testing.assert_array_equal(dst[3 : 3 + nbytes], src)
+    assert not dst[:3].any() and not dst[3 + nbytes :].any()
+
+
+
+def _kernels_h() -> dict[str, list[tuple[str, bool]]]:
+    """native/kernels.h's kernels: name (without gd_) -> [(parameter, is a pointer)] in C's order."""
+    import re
+    from pathlib import Path
+
+    header = (Path(__file__).resolve().parent.parent / "native" / "kernels.h").read_text()
+    header = re.sub(r"/\*.*?\*/", "", header, flags=re.S)
+    found = {}
+    for name, params in re.findall(r"^(?:void|int64_t)\s+gd_(\w+)\(([^;]*)\);", header, flags=re.M):
+        found[name] = [(re.findall(r"\w+", p)[-1], "*" in p) for p in params.split(",")]
+    return found
+
+
+_SCALARS = {"dtype": 1, "n": 0, "count": 0, "nbytes": 0, "n_rows": 1, "width": 1, "step": 1, "clear": 0,
+            "threads": 1, "lr": 0.1, "mu": 0.9, "eps": 1e-8, "beta1": 0.9, "beta2": 0.999, "alpha": 0.5}
+
+
+def test_each_kernel_takes_its_c_arguments_by_name_in_c_order_and_a_swap_is_an_error():
+    """`sgd(w, g, n, lr, clear, threads, dtype)` against `gd_sgd(w, g, dtype, n, lr, clear, threads)`
+    once let a swap compute garbage silently. Now every binding of kernels.h (and its line in the
+    typed stub) has the C function's names in C's order; after the leading addresses each argument
+    is keyword-only, so scalars passed by position, a misspelt name or a float where C has an
+    integer are a TypeError."""
+    import ast
+    from pathlib import Path
+
+    kernels = _kernels_h()
+    assert set(kernels) >= {"sgd", "momentum", "adagrad", "adagrad_rows", "adam", "adam_rows", "sgd_rows",
+                            "nonfinite", "elastic", "plain_sgd", "copy"}
+    stub = ast.parse((Path(__file__).resolve().parent.parent / "gadei" / "_native.pyi").read_text())
+    stubbed = {node.name: node.args for node in stub.body if isinstance(node, ast.FunctionDef)}
+    scratch = np.zeros(64, dtype=np.float32)
+    for name, params in kernels.items():
+        if name not in stubbed:
+            continue  # not a kernel binding (the ISA, the scalar conversions)
+        addresses = [p for p, pointer in params if pointer and p not in ("idx", "rows")]
+        scalars = [p for p, _ in params[len(addresses):]]
+        assert [p for p, pointer in params[: len(addresses)]] == addresses, name  # the addresses lead
+        args = stubbed[name]
+        assert [a.arg for a in args.args] == addresses and [a.arg for a in args.kwonlyargs] == scalars, name
+        fn = getattr(_native, name)
+        ptrs = [scratch.ctypes.data] * len(addresses)
+        values = {p: scratch.ctypes.data if p in ("idx", "rows") else _SCALARS[p] for p in scalars}
+        fn(*ptrs, **values)  # nothing to do (n, count or nbytes 0): the names are right
+        with pytest.raises(TypeError, match="positional argument"):
+            fn(*ptrs, *values.values())
+        for at, missing in enumerate(scalars):  # C's order: the binding numbers each name as kernels.h does
+            with pytest.raises(TypeError, match=rf"'{missing}' \(pos {len(addresses) + at + 1}\)"):
+                fn(*ptrs, **{p: v for p, v in values.items() if p != missing})
+        with pytest.raises(TypeError):  # a name C does not have
+            fn(*ptrs, **values, thread=1)
+        size = next(p for p in ("n", "count", "nbytes") if p in values)
+        with pytest.raises(TypeError):
+            fn(*ptrs, **{**values, size: 0.5})
+    # the old order, by position, is refused rather than read as (dtype=n, n=lr, ...)
+    with pytest.raises(TypeError):
+        _native.sgd(scratch.ctypes.data, scratch.ctypes.data, 16, 0.5, 1, 1, 1)
+
+
+def test_kernel_arguments_are_matched_by_string_and_checked_for_range_and_repeats():
+    """The kernels' parser matches a keyword by pointer to its interned name first; a name built at
+    run time (a different string object) must still be found by its text. An address given both by
+    position and by name, an int out of C's int range or a negative size is refused, never read."""
+    scratch = np.zeros(16, dtype=np.float32)
+    p = scratch.ctypes.data
+    built = "".join(["thr", "eads"])  # equal to 'threads', not the interned object
+    assert _native.nonfinite(p, dtype=1, n=0, **{built: 1}) == 0
+    scratch[3] = np.inf
+    assert _native.nonfinite(g=p, dtype=1, n=16, threads=1) == 1  # an address by name
+    with pytest.raises(TypeError, match=r"given by name \('g'\) and position \(1\)"):
+        _native.nonfinite(p, g=p, dtype=1, n=0, threads=1)
+    with pytest.raises(OverflowError):
+        _native.nonfinite(p, dtype=1, n=0, threads=2**31)
+    with pytest.raises(OverflowError):
+        _native.nonfinite(p, dtype=1, n=-1, threads=1)
+    with pytest.raises(TypeError, match="positional argument"):
+        _native.zero(p, 0)

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from .. import _native
+from ..layout import DTYPE_CODES
 from .timing import MB, aligned, interleaved, median, table
 
 
@@ -15,7 +16,7 @@ def bench_kernel(args) -> dict:
     sizes = [1, 16, 64] if args.quick else [1, 4, 16, 32, 64, 128, 256]
     all_threads = os.cpu_count() or 1
     thread_counts = sorted({1, all_threads})
-    lr = 0.01
+    lr, f32 = 0.01, DTYPE_CODES["float32"]
     rows, records, adagrad_records, adam_records, check_records = [], [], [], [], []
     torch_threads = torch.get_num_threads()
     try:
@@ -31,11 +32,12 @@ def bench_kernel(args) -> dict:
             moved = 3 * n * 4  # read w, read g, write w
             for threads in thread_counts:
                 methods = {
-                    "gadei": lambda: _native.sgd(wa, ga, n, lr, 0, threads),
-                    "plain_c": lambda: _native.plain_sgd(wa, ga, n, lr, threads),
+                    "gadei": lambda: _native.sgd(wa, ga, dtype=f32, n=n, lr=lr, clear=0, threads=threads),
+                    "plain_c": lambda: _native.plain_sgd(wa, ga, n=n, lr=lr, threads=threads),
                     "torch_add_": lambda: tw.add_(tg, alpha=-lr),
                     # what the server runs per gradient: the read-only non-finite check, then the update
-                    "checked": lambda: (_native.nonfinite(ga, n, threads, 1), _native.sgd(wa, ga, n, lr, 0, threads)),
+                    "checked": lambda: (_native.nonfinite(ga, dtype=f32, n=n, threads=threads),
+                                        _native.sgd(wa, ga, dtype=f32, n=n, lr=lr, clear=0, threads=threads)),
                 }
                 torch.set_num_threads(threads)
                 seconds = interleaved(methods, rounds=10 * args.repeats, min_seconds=0.002 if args.quick else 0.01)
@@ -79,7 +81,6 @@ def _bench_adagrad(w: np.ndarray, g: np.ndarray, size: int, thread_counts, args)
     """The server's Adagrad kernel against PyTorch's fused CPU Adagrad on the same weights and
     gradient (each keeps its own sums, both start at zero). The gradient must be dense: the
     kernel skips zero elements, so a cleared one would time the skip."""
-    from ..layout import DTYPE_CODES
     from ..modes import ADAGRAD_EPS
 
     n, lr = w.size, 0.01
@@ -92,7 +93,8 @@ def _bench_adagrad(w: np.ndarray, g: np.ndarray, size: int, thread_counts, args)
     records = []
     for threads in thread_counts:
         methods = {
-            "gadei": lambda: _native.adagrad(wa, sa, ga, n, lr, ADAGRAD_EPS, 0, threads, f32),
+            "gadei": lambda: _native.adagrad(wa, sa, ga, dtype=f32, n=n, lr=lr, eps=ADAGRAD_EPS, clear=0,
+                                             threads=threads),
             "torch_fused": optimizer.step,
         }
         torch.set_num_threads(threads)
@@ -106,7 +108,6 @@ def _bench_adam(w: np.ndarray, g: np.ndarray, size: int, thread_counts, args) ->
     """The server's Adam kernel against PyTorch's fused CPU Adam on the same weights and
     gradient (each keeps its own moments, both start at zero; both take a step count that
     grows, as a job's version does)."""
-    from ..layout import DTYPE_CODES
     from ..modes import ADAM_BETA1, ADAM_BETA2, ADAM_EPS
 
     n, lr = w.size, 0.001
@@ -120,7 +121,8 @@ def _bench_adam(w: np.ndarray, g: np.ndarray, size: int, thread_counts, args) ->
 
     def gadei_step(threads: int) -> None:
         step[0] += 1
-        _native.adam(wa, ma, va, ga, n, lr, ADAM_BETA1, ADAM_BETA2, ADAM_EPS, step[0], 0, threads, f32)
+        _native.adam(wa, ma, va, ga, dtype=f32, n=n, lr=lr, beta1=ADAM_BETA1, beta2=ADAM_BETA2, eps=ADAM_EPS,
+                     step=step[0], clear=0, threads=threads)
 
     records = []
     for threads in thread_counts:
@@ -139,11 +141,12 @@ def sgd_thread_seconds(size_mb: float) -> float:
     n = int(size_mb * MB) // 4
     w, g = aligned(n), aligned(n)
     w[:], g[:] = 0.0, np.float32(1e-6)
+    f32 = DTYPE_CODES["float32"]
 
     def sample() -> float:
         calls, start = 0, time.thread_time()
         while True:
-            _native.sgd(w.ctypes.data, g.ctypes.data, n, 0.01, 0, 1)
+            _native.sgd(w.ctypes.data, g.ctypes.data, dtype=f32, n=n, lr=0.01, clear=0, threads=1)
             calls += 1
             spent = time.thread_time() - start
             if spent >= 0.02 and calls >= 2:

@@ -150,7 +150,7 @@ class LocalNode:
                     continue
                 whole = False  # the server died inside an update: nothing will finish it
             version = self.version()
-            _native.copy(int(out.ctypes.data), self.region.weights_addr, nbytes, 1)
+            _native.copy(int(out.ctypes.data), self.region.weights_addr, nbytes=nbytes, threads=1)
             if not whole or self._clock.seq() == seq:
                 return version
 

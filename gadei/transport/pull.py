@@ -94,7 +94,7 @@ class Pull(ABC):
 
     def _copy_into(self, target: torch.Tensor, nbytes: int) -> None:
         """Copy the region's weights (`nbytes`) into `target`, finished when this returns."""
-        _native.copy(addr(target), self.region.weights_addr, nbytes, 1)
+        _native.copy(addr(target), self.region.weights_addr, nbytes=nbytes, threads=1)
 
     def _bind(self, flat: torch.Tensor, tensors: list[torch.Tensor] | None = None) -> None:
         """Make the parameters views of `flat` (`tensors`: those views, made beforehand)."""
