@@ -12,8 +12,9 @@ so `0 <= head - tail <= slots` always and slot k lives at index k % slots.
   (so the next backward pass can accumulate into it), then stores `tail + 1`.
 
 Waits are futex waits on the counters themselves, with the Dekker handshake that makes
-lost wake-ups impossible: the waiter raises a flag, re-checks, then sleeps on the value it
-saw; the other side stores its counter, then wakes only if the flag is up. Every wait is
+lost wake-ups impossible: the waiter counts itself in (`space_waiting`, a count: a learner's
+train and push threads may both wait), re-checks, then sleeps on the value it saw; the other
+side stores its counter, then wakes every sleeper only if the count is not 0. Every wait is
 cut into short slices so the waiter can notice that the other side died.
 
 Ownership of an entry is its `lease` word: the owner's pid in the high 32 bits (0 when
@@ -37,6 +38,7 @@ log = logging.getLogger(__name__)
 
 _RECLAIM_GRACE = 0.2  # seconds a claimed-looking entry must stay dead before it is taken
 _U32 = 0xFFFFFFFF
+_WAKE_ALL = 1 << 30  # futex_wake's count for every sleeper
 
 
 def lease_owner(lease: int) -> int:
@@ -91,7 +93,10 @@ def _running(pid: int) -> bool:
 
 
 class Producer:
-    """The learner's end of its ring (one thread at a time uses it).
+    """The learner's end of its ring.
+
+    One thread writes and publishes (the train thread, or a push thread); the other may only
+    wait on it (`drain`), and both may sleep on it at once.
 
     Call `claim` to get one; `free_slot()` is where backward writes; `publish()` hands it
     to the server; `wait_space()` blocks while the ring is full.
@@ -149,16 +154,8 @@ class Producer:
         `on_slice` is how the caller notices that the server died or the job stopped: it
         raises to end the wait.
         """
-        while True:
-            if self._pending()[0] < self.slots:
-                return
-            _native.store32(self._waiting_addr, 1)
-            pending, tail = self._pending()
-            if pending < self.slots:
-                _native.store32(self._waiting_addr, 0)
-                return
-            _native.futex_wait(self._tail_addr, tail & _U32, WAIT_SLICE)
-            _native.store32(self._waiting_addr, 0)
+        while self._pending()[0] >= self.slots:
+            self._sleep(lambda pending: pending < self.slots, WAIT_SLICE)
             on_slice()
 
     def drain(self, timeout: float, server_alive) -> bool:
@@ -167,12 +164,25 @@ class Producer:
         while self._pending()[0]:
             if deadline.expired() or not server_alive():
                 return False
-            _native.store32(self._waiting_addr, 1)
-            pending, tail = self._pending()
-            if pending:
-                _native.futex_wait(self._tail_addr, tail & _U32, deadline.slice(WAIT_SLICE))
-            _native.store32(self._waiting_addr, 0)
+            self._sleep(lambda pending: pending == 0, deadline.slice(WAIT_SLICE))
         return True
+
+    def _sleep(self, done, timeout: float) -> None:
+        """Sleep on the tail until the server moves it (or `timeout`), unless `done(pending)` already.
+
+        The two threads of a learner with a push thread may both sleep here at once (the train
+        thread drains while the push thread waits for space): `space_waiting` counts the
+        sleepers and the server wakes them all, so neither loses the other's wake-up. The
+        count goes up before the tail is looked at again, the Dekker handshake with
+        `Consumer.release`, which stores the tail before it reads the count.
+        """
+        _native.add32(self._waiting_addr, 1)
+        try:
+            pending, tail = self._pending()
+            if not done(pending):
+                _native.futex_wait(self._tail_addr, tail & _U32, timeout)
+        finally:
+            _native.add32(self._waiting_addr, -1)
 
     def release(self) -> None:
         """Give the entry back (after `drain`): it is free for the next learner."""
@@ -227,6 +237,7 @@ def _take(region: Region, learner: int, claims: int, drain_timeout: float, serve
     entry.set("state", CLAIMING)
     entry.set("start", _proc.start_time())
     entry.set("beat", time.monotonic_ns())
+    entry.set("space_waiting", 0)  # a killed owner's sleepers may have died counted in
     producer = Producer(region, learner)
     # A previous owner's published slots are applied by the server, never dropped; its
     # unpublished (maybe half-written) slot is zeroed below once nothing is in flight.
@@ -346,13 +357,13 @@ class Consumer:
         """Mark the oldest slot of `learner`'s ring consumed (after the update finished) and wake it."""
         self._tails[learner] += 1
         _native.store64(self._tail_addrs[learner], self._tails[learner])
-        if _native.load32(self._waiting_addrs[learner]):
-            _native.futex_wake(self._tail_addrs[learner], 1)
+        if _native.load32(self._waiting_addrs[learner]):  # a learner's threads: both may sleep on it
+            _native.futex_wake(self._tail_addrs[learner], _WAKE_ALL)
 
     def wake_all(self) -> None:
         """Wake every learner that waits for ring space (they will look at the run state)."""
         for addr in self._tail_addrs:
-            _native.futex_wake(addr, 1 << 30)
+            _native.futex_wake(addr, _WAKE_ALL)
 
     def learner_threads(self) -> int:
         """Cores the attached learners say they keep busy (a cheap sum, no liveness checks)."""
