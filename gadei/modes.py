@@ -22,10 +22,10 @@ from typing import ClassVar
 import numpy as np
 
 from . import _native
-from .errors import RegionCorrupt
 from .options import check_all, declared, option, used_in
-from .layout import DTYPE_CODES, MODE_CODES, SparseTable
+from .layout import DTYPE_CODES, MODE_CODES
 from .region import Region
+from .transport.slot import Float32Dense, Gradient, SlotFormat
 
 MODES = ("async", "consistent", "sync", "elastic")  # the update rules (RULES), as a job file and --mode name them
 SERVER_STEPS = ("async", "consistent", "sync")  # the modes whose server takes the optimiser step
@@ -128,156 +128,6 @@ class RuleOptions:
                              f"learners a gradient can wait behind {rings - 1} others; use at least {rings}")
 
 
-@dataclass(frozen=True)
-class Gradient:
-    """One consumed slot: where its payload is and what the learner said about it.
-
-    Attributes:
-        learner: the learner entry it came from.
-        payload: address of the slot's payload.
-        version: the weights version it was computed on.
-        samples: mini-batch size it was computed from.
-        staleness: updates applied since `version`, when it is applied.
-        move: a bridge's move (slot kind MOVE): the weights move by -payload, whatever the
-            update rule (no learning rate, momentum, optimizer state, staleness scaling or
-            bound), so that the move lands as the bridge computed it.
-    """
-
-    learner: int
-    payload: int
-    version: int
-    samples: int
-    staleness: int = 0
-    move: bool = False
-
-
-class SlotFormat:
-    """The layout of one gradient in a slot, and the kernels that apply it to float32 arrays."""
-
-    def __init__(self, region: Region, threads: int):
-        shape, lay = region.shape, region.layout
-        self.dtype = DTYPE_CODES[shape.grad_dtype]
-        self.itemsize = shape.grad_itemsize
-        self.segments = shape.dense_segments
-        self.tables: tuple[SparseTable, ...] = shape.sparse
-        self.areas = lay.sparse_areas
-        self.dense_count = shape.dense_count
-        self.dense_bytes = shape.dense_count * self.itemsize
-        self.n = shape.n_params
-        self.threads = threads
-        self.job = region.job
-        self._region = region
-
-    def rows_in(self, payload: int) -> list[int]:
-        """Rows each row-sparse table of the gradient at `payload` carries."""
-        return [_native.load64(payload + area.count) for area in self.areas]
-
-    def bytes_in(self, payload: int) -> int:
-        """Gradient bytes the gradient at `payload` carries (what a learner moved into the slot)."""
-        rows = sum(count * (8 + table.width * self.itemsize) for count, table in zip(self.rows_in(payload), self.tables))
-        return self.dense_bytes + rows
-
-    def nonfinite(self, payload: int, learner: int) -> int:
-        """How many values of the gradient at `payload` are NaN or infinite (read only; the
-        native check, GIL released). `learner` names the ring in errors.
-
-        Raises:
-            RegionCorrupt: a row-sparse table claims more rows than it may carry.
-        """
-        bad = _native.nonfinite(payload, self.dense_count, self.threads, self.dtype)
-        for table, area, count in zip(self.tables, self.areas, self.rows_in(payload)):
-            if count > table.max_rows:
-                raise RegionCorrupt(f"job {self.job!r}: learner ring {learner}: a gradient's row count of a "
-                                    f"row-sparse table is {count:,}, allowed 0..{table.max_rows:,}: the slot is corrupt")
-            bad += _native.nonfinite(payload + area.rows, count * table.width, 1, self.dtype)
-        return bad
-
-    def discard(self, payload: int) -> None:
-        """Hand the slot at `payload` back without applying it: dense area zeroed, no rows."""
-        _native.zero(payload, self.dense_bytes)
-        for area in self.areas:
-            _native.store64(payload + area.count, 0)
-
-    def sgd(self, weights: int, payload: int, lr: float, *, clear: bool = True) -> None:
-        """weights -= lr * gradient, in place (lr < 0 adds). Zeroes the dense area with `clear`."""
-        for offset, length, slot in self.segments:
-            _native.sgd(weights + 4 * offset, payload + self.itemsize * slot, length, lr, int(clear), self.threads,
-                        self.dtype)
-        self._rows(weights, 0, payload, lr, clear)
-
-    def indices_in(self, payload: int) -> list[np.ndarray]:
-        """A copy of the row indices each row-sparse table of the gradient at `payload` carries.
-
-        Raises:
-            RegionCorrupt: a row count is more than the table allows.
-        """
-        out = []
-        for table, area, count in zip(self.tables, self.areas, self.rows_in(payload)):
-            if count > table.max_rows:
-                raise RegionCorrupt(f"job {self.job!r}: a gradient's row count of a row-sparse table is {count:,}, "
-                                    f"allowed 0..{table.max_rows:,}: the slot is corrupt")
-            out.append(self._region.array(payload - self._region.base + area.indices, count, np.int64).copy())
-        return out
-
-    def adagrad(self, weights: int, state: int, payload: int, lr: float, *, clear: bool = True) -> None:
-        """s += g^2; weights -= lr g / (sqrt(s) + eps), in place, where g is not zero (tables:
-        only the rows the gradient carries)."""
-        for offset, length, slot in self.segments:
-            _native.adagrad(weights + 4 * offset, state + 4 * offset, payload + self.itemsize * slot, length, lr,
-                            ADAGRAD_EPS, int(clear), self.threads, self.dtype)
-        self._rows(weights, state, payload, lr, clear, "adagrad")
-
-    def adam(self, weights: int, state: int, payload: int, lr: float, step: int, betas: tuple[float, float, float],
-             *, clear: bool = True) -> None:
-        """Adam at step `step` with `betas` (beta1, beta2, eps), in place, its moments m at
-        `state` and v n weights after: every dense weight moves (a zero gradient decays m and v
-        too), a row-sparse table only in the rows the gradient carries (lazy Adam, as
-        torch.optim.SparseAdam)."""
-        second = state + 4 * self.n
-        for offset, length, slot in self.segments:
-            _native.adam(weights + 4 * offset, state + 4 * offset, second + 4 * offset, payload + self.itemsize * slot,
-                         length, lr, *betas, step, int(clear), self.threads, self.dtype)
-        self._rows(weights, state, payload, lr, clear, "adam", step, betas)
-
-    def momentum(self, weights: int, state: int, payload: int, lr: float, mu: float, *, clear: bool = True) -> None:
-        """v = mu v + gradient; weights -= lr v, in place over every weight (tables too)."""
-        for offset, length, slot in self.segments:
-            _native.momentum(weights + 4 * offset, state + 4 * offset, payload + self.itemsize * slot, length, lr, mu,
-                             int(clear), self.threads, self.dtype)
-        for table in self.tables:  # the table's v decays everywhere; touched rows are added below
-            _native.momentum(weights + 4 * table.offset, state + 4 * table.offset, 0, table.size, lr, mu, 0,
-                             self.threads, self.dtype)
-        self._rows(weights, state, payload, lr, clear)
-
-    def _rows(self, weights: int, state: int, payload: int, lr: float, clear: bool, rule: str = "sgd",
-              step: int = 0, betas: tuple[float, float, float] = (ADAM_BETA1, ADAM_BETA2, ADAM_EPS)) -> None:
-        for table, area in zip(self.tables, self.areas):
-            count = _native.load64(payload + area.count)
-            if count == 0:
-                continue
-            if count > table.max_rows:
-                raise RegionCorrupt(f"job {self.job!r}: a gradient's row count of a row-sparse table is {count:,}, "
-                                    f"allowed 0..{table.max_rows:,}: the slot is corrupt")
-            if rule == "adam":
-                bad = _native.adam_rows(weights + 4 * table.offset, state + 4 * table.offset,
-                                        state + 4 * (self.n + table.offset), table.rows, table.width,
-                                        payload + area.indices, payload + area.rows, count, lr, *betas, step,
-                                        self.dtype)
-            elif rule == "adagrad":
-                bad = _native.adagrad_rows(weights + 4 * table.offset, state + 4 * table.offset, table.rows,
-                                           table.width, payload + area.indices, payload + area.rows, count, lr,
-                                           ADAGRAD_EPS, self.dtype)
-            else:
-                bad = _native.sgd_rows(weights + 4 * table.offset, state + 4 * table.offset if state else 0,
-                                       table.rows, table.width, payload + area.indices, payload + area.rows, count,
-                                       lr, self.dtype)
-            if clear:
-                _native.store64(payload + area.count, 0)
-            if bad:
-                raise RegionCorrupt(f"job {self.job!r}: a gradient named {bad:,} row indices outside the table's "
-                                    f"0..{table.rows - 1:,}: the slot is corrupt")
-
-
 class UpdateRule(ABC):
     """The server's update rule of one mode.
 
@@ -314,8 +164,7 @@ class UpdateRule(ABC):
     def move(self, grad: Gradient) -> None:
         """Apply a bridge's move: w -= payload (the centre, in elastic mode), clearing the slot.
         The bridge only attaches to jobs whose slots are dense float32 (gadei.bridge)."""
-        self.format.sgd(self.weights, grad.payload, 1.0)
-
+        self.format.sgd(self.weights, grad, 1.0)
 
 
 class AsyncSGD(UpdateRule):
@@ -345,17 +194,17 @@ class AsyncSGD(UpdateRule):
 
     def apply(self, grads: list[Gradient]) -> None:
         for grad in grads:
-            self._update(grad.payload, self.learning_rate(grad.staleness))
+            self._update(grad, self.learning_rate(grad.staleness))
 
-    def _update(self, payload: int, lr: float) -> None:
+    def _update(self, grad: Gradient, lr: float) -> None:
         if self.options.optimizer == "adam":
-            self.format.adam(self.weights, self.state, payload, lr, self.step(), self.betas)
+            self.format.adam(self.weights, self.state, grad, lr, self.step(), self.betas)
         elif self.options.optimizer == "adagrad":
-            self.format.adagrad(self.weights, self.state, payload, lr)
+            self.format.adagrad(self.weights, self.state, grad, lr, ADAGRAD_EPS)
         elif self.options.momentum:
-            self.format.momentum(self.weights, self.state, payload, lr, self.options.momentum)
+            self.format.momentum(self.weights, self.state, grad, lr, self.options.momentum)
         else:
-            self.format.sgd(self.weights, payload, lr)
+            self.format.sgd(self.weights, grad, lr)
 
 
 
@@ -393,19 +242,19 @@ class SyncSGD(AsyncSGD):
         super().__init__(region, options, threads)
         self._sum = np.zeros(region.shape.n_params, dtype=np.float32)
         self._sum_addr = int(self._sum.ctypes.data)
-        self._sum_format = _Float32Dense(self.format, region.shape.n_params)
+        self._sum_format = Float32Dense(region.shape.n_params, self.threads)
 
     def apply(self, grads: list[Gradient]) -> None:
         if not grads:
             return
-        touched = [self.format.indices_in(g.payload) for g in grads] if self.options.optimizer == "adam" else None
+        touched = [self.format.indices_in(g) for g in grads] if self.options.optimizer == "adam" else None
         scale = -1.0 / len(grads)  # sgd with a negative lr adds: sum += g / k
         for grad in grads:
-            self.format.sgd(self._sum_addr, grad.payload, scale)
+            self.format.sgd(self._sum_addr, grad, scale)
         if touched is not None:
             self._adam(touched)
         elif self.options.optimizer == "adagrad":
-            self._sum_format.adagrad(self.weights, self.state, self._sum_addr, self.options.lr)
+            self._sum_format.adagrad(self.weights, self.state, self._sum_addr, self.options.lr, ADAGRAD_EPS)
         elif self.options.momentum:
             self._sum_format.momentum(self.weights, self.state, self._sum_addr, self.options.lr, self.options.momentum)
         else:
@@ -431,22 +280,6 @@ class SyncSGD(AsyncSGD):
                               lr, *self.betas, step, f32)
             area[indices] = 0.0
 
-
-
-class _Float32Dense:
-    """The slot format of a plain float32 array of n elements (the sync round's sum)."""
-
-    def __init__(self, like: SlotFormat, n: int):
-        self.n, self.threads = n, like.threads
-
-    def sgd(self, weights: int, payload: int, lr: float) -> None:
-        _native.sgd(weights, payload, self.n, lr, 1, self.threads, DTYPE_CODES["float32"])
-
-    def momentum(self, weights: int, state: int, payload: int, lr: float, mu: float) -> None:
-        _native.momentum(weights, state, payload, self.n, lr, mu, 1, self.threads, DTYPE_CODES["float32"])
-
-    def adagrad(self, weights: int, state: int, payload: int, lr: float) -> None:
-        _native.adagrad(weights, state, payload, self.n, lr, ADAGRAD_EPS, 1, self.threads, DTYPE_CODES["float32"])
 
 
 class ElasticAveraging(UpdateRule):

@@ -15,7 +15,7 @@ FOLDERS = {"gadei": ROOT / "gadei", "gadei_watchdog": ROOT / "watchdog", "gadei_
 # benchmarks' probe of how near the CPUs are (timing.cross_cpu_ns).
 NATIVE_OWNERS = {
     "gadei/region.py", "gadei/ring.py", "gadei/modes.py",
-    "gadei/transport/slot.py", "gadei/transport/pull.py", "gadei/transport/device.py",
+    "gadei/transport/slot.py", "gadei/transport/pull.py",
     "gadei/bridge/node.py", "gadei/bridge/exchange.py",
     "gadei/bench/__init__.py", "gadei/bench/latency.py", "gadei/bench/kernel.py", "gadei/bench/timing.py",
 }
