@@ -22,7 +22,7 @@ from typing import ClassVar
 import numpy as np
 
 from . import _native
-from .options import check_all, declared, option, used_in
+from .options import check_all, declared, from_header, option, used_in
 from .layout import DTYPE_CODES, MODE_CODES
 from .region import Region
 from .transport.slot import Float32Dense, Gradient, SlotFormat
@@ -307,26 +307,13 @@ class ElasticAveraging(UpdateRule):
             _native.elastic(self.weights, grad.payload, self.n, self.options.alpha, self.threads)
 
 
-
 RULES: dict[str, type[UpdateRule]] = {rule.name: rule for rule in (AsyncSGD, ConsistentSGD, SyncSGD, ElasticAveraging)}
 assert set(RULES) == set(MODE_CODES)
 
 
 def read_options(region: Region) -> RuleOptions:
-    """The options the job's server recorded in the region header: each declared option is the
-    header field of its name (a choice as its index in the choices, a flag as 0 or 1)."""
-    h = region.header
-    values = {}
-    for f in declared(RuleOptions):
-        code, choices = h.get(f.name), f.metadata["option"]["choices"]
-        values[f.name] = _named(choices, code) if choices else bool(code) if f.type in (bool, "bool") else code
-    return RuleOptions(**values)
-
-
-def _named(names: tuple[str, ...], code: int) -> str:
-    """The name of a header code; one outside the table is shown as it is (a reader of a
-    corrupt header, e.g. gadei status, still shows the rest)."""
-    return names[code] if code < len(names) else f"code {code}"
+    """The options the job's server recorded in the region header (`options.from_header`)."""
+    return from_header(RuleOptions, region.header)
 
 
 def state_names(options: RuleOptions) -> tuple[str, ...]:
@@ -338,15 +325,6 @@ def state_names(options: RuleOptions) -> tuple[str, ...]:
     if options.optimizer == "adagrad":
         return ("adagrad_sums",)
     return ("momentum",) if options.momentum else ()
-
-
-def write_options(region: Region, options: RuleOptions) -> None:
-    """Record `options` in the region header (the creator does this before publishing), each in
-    the header field of its name (see `read_options`)."""
-    h = region.header
-    for f in declared(RuleOptions):
-        value, choices = getattr(options, f.name), f.metadata["option"]["choices"]
-        h.set(f.name, choices.index(value) if choices else int(value) if isinstance(value, bool) else value)
 
 
 def make_rule(mode: str, region: Region, options: RuleOptions, threads: int) -> UpdateRule:

@@ -51,8 +51,8 @@ from .layout import (
     STOPPING,
     Shape,
 )
-from .modes import RULES, RuleOptions, make_rule, state_names, write_options
-from .options import check_all, declared
+from .modes import RULES, RuleOptions, make_rule, state_names
+from .options import check_all, declared, to_header
 from .transport.options import TransportOptions
 from .transport.slot import Gradient
 from .region import Region
@@ -183,7 +183,7 @@ class Server:
             h = self.region.header  # server_pid and server_start: written by Region.create
             h.set("server_beat", time.monotonic_ns())
             h.set("threads", self.threads)
-            write_options(self.region, self.options)
+            to_header(self.region.header, self.options)
             if model is not None:
                 self.region.write_spec(spec)
                 params.flatten_into(model, self.region.weights)
