@@ -34,7 +34,7 @@ from .layout import INIT_EMPTY, INIT_READY, INIT_WRITING, LEAVING, STOPPED, TRAI
 from .protocol import WAIT_SLICE, Deadline, RunState, TrainStop, Version
 from .region import Region
 from .modes import read_options
-from .ring import claim, lease_owner
+from .ring import claim
 from .transport import PULLS, PUSHES
 
 log = logging.getLogger(__name__)
@@ -121,7 +121,6 @@ class Learner:
             self._producer = claim(region, drain_timeout=self.timeout, server_alive=self._server_alive,
                                    prefer=self.prefer_entry)
             self.entry = region.entry(self._producer.learner)
-            self._entries = [region.entry(i) for i in range(region.shape.capacity)]
             self._beat = self.entry.word("beat")
             parameters = list(self.model.parameters())
             self._pull = PULLS[self.pull_mode](region, parameters, spec, self._record_pull,
@@ -234,10 +233,7 @@ class Learner:
         v would be that minus v versions late. (The caller adds the gradients its push thread
         still holds, `Push.pending`: they reach the ring before this one.)
         """
-        heads = owned = 0
-        for entry in self._entries:
-            heads += entry.get("head")
-            owned += lease_owner(entry.get("lease")) != 0
+        heads, owned = self._producer.published_everywhere()
         return heads + owned - 1
 
     def _catch_up(self, ahead: int, bound: int) -> None:

@@ -2,8 +2,8 @@
 
 The server's loop is the same for every mode except `sync`, which collects one gradient per
 live learner before it updates; what happens to the weights is one `UpdateRule`. A rule
-states its maths in its docstring, applies it with native kernels (GIL released, OpenMP)
-and has a pure NumPy `reference` the tests hold the kernels to. Every rule hands a slot's
+states its maths in its docstring and applies it with native kernels (GIL released,
+OpenMP); the tests hold it to a pure NumPy oracle (tests/oracles.py). Every rule hands a slot's
 dense area back zeroed and its row counts at zero, because the next backward pass of the
 learner accumulates into it.
 
@@ -15,7 +15,6 @@ learner accumulates into it.
 | elastic | EASGD: the region holds the centre c; a learner's weights w move it, c += alpha (w - c) | their own local model |
 """
 
-import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
@@ -23,10 +22,10 @@ from typing import ClassVar
 import numpy as np
 
 from . import _native
-from .errors import RegionCorrupt
-from .options import check_all, declared, option, used_in
-from .layout import DTYPE_CODES, MODE_CODES, SparseTable
+from .options import check_all, declared, from_header, option, used_in
+from .layout import DTYPE_CODES, MODE_CODES
 from .region import Region
+from .transport.slot import Float32Dense, Gradient, SlotFormat
 
 MODES = ("async", "consistent", "sync", "elastic")  # the update rules (RULES), as a job file and --mode name them
 SERVER_STEPS = ("async", "consistent", "sync")  # the modes whose server takes the optimiser step
@@ -129,157 +128,6 @@ class RuleOptions:
                              f"learners a gradient can wait behind {rings - 1} others; use at least {rings}")
 
 
-@dataclass(frozen=True)
-class Gradient:
-    """One consumed slot: where its payload is and what the learner said about it.
-
-    Attributes:
-        learner: the learner entry it came from.
-        payload: address of the slot's payload.
-        version: the weights version it was computed on.
-        samples: mini-batch size it was computed from.
-        staleness: updates applied since `version`, when it is applied.
-        move: a bridge's move (slot kind MOVE): the weights move by -payload, whatever the
-            update rule (no learning rate, momentum, optimizer state, staleness scaling or
-            bound), so that the move lands as the bridge computed it.
-    """
-
-    learner: int
-    payload: int
-    version: int
-    samples: int
-    staleness: int = 0
-    move: bool = False
-
-
-class SlotFormat:
-    """The layout of one gradient in a slot, and the kernels that apply it to float32 arrays."""
-
-    def __init__(self, region: Region, threads: int):
-        shape, lay = region.shape, region.layout
-        self.dtype = DTYPE_CODES[shape.grad_dtype]
-        self.itemsize = shape.grad_itemsize
-        self.segments = shape.dense_segments
-        self.tables: tuple[SparseTable, ...] = shape.sparse
-        self.areas = lay.sparse_areas
-        self.dense_count = shape.dense_count
-        self.dense_bytes = shape.dense_count * self.itemsize
-        self.n = shape.n_params
-        self.threads = threads
-        self.job = region.job
-        self._region = region
-
-    def rows_in(self, payload: int) -> list[int]:
-        """Rows each row-sparse table of the gradient at `payload` carries."""
-        return [_native.load64(payload + area.count) for area in self.areas]
-
-    def bytes_in(self, payload: int) -> int:
-        """Gradient bytes the gradient at `payload` carries (what a learner moved into the slot)."""
-        rows = sum(count * (8 + table.width * self.itemsize) for count, table in zip(self.rows_in(payload), self.tables))
-        return self.dense_bytes + rows
-
-    def nonfinite(self, payload: int, learner: int) -> int:
-        """How many values of the gradient at `payload` are NaN or infinite (read only; the
-        native check, GIL released). `learner` names the ring in errors.
-
-        Raises:
-            RegionCorrupt: a row-sparse table claims more rows than it may carry.
-        """
-        bad = _native.nonfinite(payload, dtype=self.dtype, n=self.dense_count, threads=self.threads)
-        for table, area, count in zip(self.tables, self.areas, self.rows_in(payload)):
-            if count > table.max_rows:
-                raise RegionCorrupt(f"job {self.job!r}: learner ring {learner}: a gradient's row count of a "
-                                    f"row-sparse table is {count:,}, allowed 0..{table.max_rows:,}: the slot is corrupt")
-            bad += _native.nonfinite(payload + area.rows, dtype=self.dtype, n=count * table.width, threads=1)
-        return bad
-
-    def discard(self, payload: int) -> None:
-        """Hand the slot at `payload` back without applying it: dense area zeroed, no rows."""
-        _native.zero(payload, nbytes=self.dense_bytes)
-        for area in self.areas:
-            _native.store64(payload + area.count, 0)
-
-    def sgd(self, weights: int, payload: int, lr: float, *, clear: bool = True) -> None:
-        """weights -= lr * gradient, in place (lr < 0 adds). Zeroes the dense area with `clear`."""
-        for offset, length, slot in self.segments:
-            _native.sgd(weights + 4 * offset, payload + self.itemsize * slot, dtype=self.dtype, n=length, lr=lr,
-                        clear=int(clear), threads=self.threads)
-        self._rows(weights, 0, payload, lr, clear)
-
-    def indices_in(self, payload: int) -> list[np.ndarray]:
-        """A copy of the row indices each row-sparse table of the gradient at `payload` carries.
-
-        Raises:
-            RegionCorrupt: a row count is more than the table allows.
-        """
-        out = []
-        for table, area, count in zip(self.tables, self.areas, self.rows_in(payload)):
-            if count > table.max_rows:
-                raise RegionCorrupt(f"job {self.job!r}: a gradient's row count of a row-sparse table is {count:,}, "
-                                    f"allowed 0..{table.max_rows:,}: the slot is corrupt")
-            out.append(self._region.array(payload - self._region.base + area.indices, count, np.int64).copy())
-        return out
-
-    def adagrad(self, weights: int, state: int, payload: int, lr: float, *, clear: bool = True) -> None:
-        """s += g^2; weights -= lr g / (sqrt(s) + eps), in place, where g is not zero (tables:
-        only the rows the gradient carries)."""
-        for offset, length, slot in self.segments:
-            _native.adagrad(weights + 4 * offset, state + 4 * offset, payload + self.itemsize * slot, dtype=self.dtype,
-                            n=length, lr=lr, eps=ADAGRAD_EPS, clear=int(clear), threads=self.threads)
-        self._rows(weights, state, payload, lr, clear, "adagrad")
-
-    def adam(self, weights: int, state: int, payload: int, lr: float, step: int, betas: tuple[float, float, float],
-             *, clear: bool = True) -> None:
-        """Adam at step `step` with `betas` (beta1, beta2, eps), in place, its moments m at
-        `state` and v n weights after: every dense weight moves (a zero gradient decays m and v
-        too), a row-sparse table only in the rows the gradient carries (lazy Adam, as
-        torch.optim.SparseAdam)."""
-        second = state + 4 * self.n
-        for offset, length, slot in self.segments:
-            _native.adam(weights + 4 * offset, state + 4 * offset, second + 4 * offset, payload + self.itemsize * slot,
-                         dtype=self.dtype, n=length, lr=lr, beta1=betas[0], beta2=betas[1], eps=betas[2], step=step,
-                         clear=int(clear), threads=self.threads)
-        self._rows(weights, state, payload, lr, clear, "adam", step, betas)
-
-    def momentum(self, weights: int, state: int, payload: int, lr: float, mu: float, *, clear: bool = True) -> None:
-        """v = mu v + gradient; weights -= lr v, in place over every weight (tables too)."""
-        for offset, length, slot in self.segments:
-            _native.momentum(weights + 4 * offset, state + 4 * offset, payload + self.itemsize * slot, dtype=self.dtype,
-                             n=length, lr=lr, mu=mu, clear=int(clear), threads=self.threads)
-        for table in self.tables:  # the table's v decays everywhere; touched rows are added below
-            _native.momentum(weights + 4 * table.offset, state + 4 * table.offset, 0, dtype=self.dtype, n=table.size,
-                             lr=lr, mu=mu, clear=0, threads=self.threads)
-        self._rows(weights, state, payload, lr, clear)
-
-    def _rows(self, weights: int, state: int, payload: int, lr: float, clear: bool, rule: str = "sgd",
-              step: int = 0, betas: tuple[float, float, float] = (ADAM_BETA1, ADAM_BETA2, ADAM_EPS)) -> None:
-        for table, area in zip(self.tables, self.areas):
-            count = _native.load64(payload + area.count)
-            if count == 0:
-                continue
-            if count > table.max_rows:
-                raise RegionCorrupt(f"job {self.job!r}: a gradient's row count of a row-sparse table is {count:,}, "
-                                    f"allowed 0..{table.max_rows:,}: the slot is corrupt")
-            if rule == "adam":
-                bad = _native.adam_rows(weights + 4 * table.offset, state + 4 * table.offset,
-                                        state + 4 * (self.n + table.offset), n_rows=table.rows, width=table.width,
-                                        idx=payload + area.indices, rows=payload + area.rows, dtype=self.dtype,
-                                        count=count, lr=lr, beta1=betas[0], beta2=betas[1], eps=betas[2], step=step)
-            elif rule == "adagrad":
-                bad = _native.adagrad_rows(weights + 4 * table.offset, state + 4 * table.offset, n_rows=table.rows,
-                                           width=table.width, idx=payload + area.indices, rows=payload + area.rows,
-                                           dtype=self.dtype, count=count, lr=lr, eps=ADAGRAD_EPS)
-            else:
-                bad = _native.sgd_rows(weights + 4 * table.offset, state + 4 * table.offset if state else 0,
-                                       n_rows=table.rows, width=table.width, idx=payload + area.indices,
-                                       rows=payload + area.rows, dtype=self.dtype, count=count, lr=lr)
-            if clear:
-                _native.store64(payload + area.count, 0)
-            if bad:
-                raise RegionCorrupt(f"job {self.job!r}: a gradient named {bad:,} row indices outside the table's "
-                                    f"0..{table.rows - 1:,}: the slot is corrupt")
-
-
 class UpdateRule(ABC):
     """The server's update rule of one mode.
 
@@ -316,14 +164,7 @@ class UpdateRule(ABC):
     def move(self, grad: Gradient) -> None:
         """Apply a bridge's move: w -= payload (the centre, in elastic mode), clearing the slot.
         The bridge only attaches to jobs whose slots are dense float32 (gadei.bridge)."""
-        self.format.sgd(self.weights, grad.payload, 1.0)
-
-    @staticmethod
-    @abstractmethod
-    def reference(weights: np.ndarray, grads: list[np.ndarray], options: RuleOptions, state: np.ndarray | None = None,
-                  staleness: list[int] | None = None, version: int = 0) -> None:
-        """The same update in NumPy on float32 arrays, in place (for tests), from weights at
-        `version` (Adam's bias correction counts the updates)."""
+        self.format.sgd(self.weights, grad, 1.0)
 
 
 class AsyncSGD(UpdateRule):
@@ -353,36 +194,18 @@ class AsyncSGD(UpdateRule):
 
     def apply(self, grads: list[Gradient]) -> None:
         for grad in grads:
-            self._update(grad.payload, self.learning_rate(grad.staleness))
+            self._update(grad, self.learning_rate(grad.staleness))
 
-    def _update(self, payload: int, lr: float) -> None:
+    def _update(self, grad: Gradient, lr: float) -> None:
         if self.options.optimizer == "adam":
-            self.format.adam(self.weights, self.state, payload, lr, self.step(), self.betas)
+            self.format.adam(self.weights, self.state, grad, lr, self.step(), self.betas)
         elif self.options.optimizer == "adagrad":
-            self.format.adagrad(self.weights, self.state, payload, lr)
+            self.format.adagrad(self.weights, self.state, grad, lr, ADAGRAD_EPS)
         elif self.options.momentum:
-            self.format.momentum(self.weights, self.state, payload, lr, self.options.momentum)
+            self.format.momentum(self.weights, self.state, grad, lr, self.options.momentum)
         else:
-            self.format.sgd(self.weights, payload, lr)
+            self.format.sgd(self.weights, grad, lr)
 
-    @staticmethod
-    def reference(weights, grads, options, state=None, staleness=None, version=0):
-        for i, grad in enumerate(grads):
-            s = staleness[i] if staleness else 0
-            lr = np.float32(options.lr / s if options.stale_lr and s > 1 else options.lr)
-            if options.optimizer == "adam":  # update i makes version + i + 1
-                n = len(weights)
-                adam_reference(weights, state[:n], state[n:], grad, options.lr / s if options.stale_lr and s > 1 else
-                               options.lr, version + i + 1, options.adam_beta1, options.adam_beta2, options.adam_eps)
-            elif options.optimizer == "adagrad":
-                touched = grad != 0
-                state[touched] += grad[touched] * grad[touched]
-                weights[touched] -= lr * grad[touched] / (np.sqrt(state[touched]) + np.float32(ADAGRAD_EPS))
-            elif options.momentum:
-                state[:] = np.float32(options.momentum) * state + grad
-                weights -= lr * state
-            else:
-                weights -= lr * grad
 
 
 class ConsistentSGD(AsyncSGD):
@@ -419,19 +242,19 @@ class SyncSGD(AsyncSGD):
         super().__init__(region, options, threads)
         self._sum = np.zeros(region.shape.n_params, dtype=np.float32)
         self._sum_addr = int(self._sum.ctypes.data)
-        self._sum_format = _Float32Dense(self.format, region.shape.n_params)
+        self._sum_format = Float32Dense(region.shape.n_params, self.threads)
 
     def apply(self, grads: list[Gradient]) -> None:
         if not grads:
             return
-        touched = [self.format.indices_in(g.payload) for g in grads] if self.options.optimizer == "adam" else None
+        touched = [self.format.indices_in(g) for g in grads] if self.options.optimizer == "adam" else None
         scale = -1.0 / len(grads)  # sgd with a negative lr adds: sum += g / k
         for grad in grads:
-            self.format.sgd(self._sum_addr, grad.payload, scale)
+            self.format.sgd(self._sum_addr, grad, scale)
         if touched is not None:
             self._adam(touched)
         elif self.options.optimizer == "adagrad":
-            self._sum_format.adagrad(self.weights, self.state, self._sum_addr, self.options.lr)
+            self._sum_format.adagrad(self.weights, self.state, self._sum_addr, self.options.lr, ADAGRAD_EPS)
         elif self.options.momentum:
             self._sum_format.momentum(self.weights, self.state, self._sum_addr, self.options.lr, self.options.momentum)
         else:
@@ -459,33 +282,6 @@ class SyncSGD(AsyncSGD):
                               beta2=self.betas[1], eps=self.betas[2], step=step)
             area[indices] = 0.0
 
-    @staticmethod
-    def reference(weights, grads, options, state=None, staleness=None, version=0):
-        mean = np.zeros_like(weights)
-        for grad in grads:
-            mean += np.float32(1.0 / len(grads)) * grad
-        AsyncSGD.reference(weights, [mean], RuleOptions(lr=options.lr, momentum=options.momentum,
-                                                    optimizer=options.optimizer, adam_beta1=options.adam_beta1,
-                                                    adam_beta2=options.adam_beta2, adam_eps=options.adam_eps),
-                           state, version=version)
-
-
-class _Float32Dense:
-    """The slot format of a plain float32 array of n elements (the sync round's sum)."""
-
-    def __init__(self, like: SlotFormat, n: int):
-        self.n, self.threads = n, like.threads
-
-    def sgd(self, weights: int, payload: int, lr: float) -> None:
-        _native.sgd(weights, payload, dtype=DTYPE_CODES["float32"], n=self.n, lr=lr, clear=1, threads=self.threads)
-
-    def momentum(self, weights: int, state: int, payload: int, lr: float, mu: float) -> None:
-        _native.momentum(weights, state, payload, dtype=DTYPE_CODES["float32"], n=self.n, lr=lr, mu=mu, clear=1,
-                         threads=self.threads)
-
-    def adagrad(self, weights: int, state: int, payload: int, lr: float) -> None:
-        _native.adagrad(weights, state, payload, dtype=DTYPE_CODES["float32"], n=self.n, lr=lr, eps=ADAGRAD_EPS,
-                        clear=1, threads=self.threads)
 
 
 class ElasticAveraging(UpdateRule):
@@ -512,69 +308,14 @@ class ElasticAveraging(UpdateRule):
         for grad in grads:
             _native.elastic(self.weights, grad.payload, n=self.n, alpha=self.options.alpha, threads=self.threads)
 
-    @staticmethod
-    def reference(weights, grads, options, state=None, staleness=None, version=0):
-        for w in grads:
-            weights += np.float32(options.alpha) * (w - weights)
-
-
-def nonfinite_reference(values: np.ndarray) -> int:
-    """The non-finite check in NumPy: how many elements are NaN or infinite (bfloat16 as its
-    uint16 bits, as the region holds it)."""
-    if values.dtype == np.uint16:  # bfloat16 bits: exponent all ones
-        return int(np.count_nonzero((values & 0x7F80) == 0x7F80))
-    return int(np.count_nonzero(~np.isfinite(values)))
-
-
-def adam_reference(w: np.ndarray, m: np.ndarray, v: np.ndarray, g: np.ndarray, lr: float, step: int,
-                   beta1: float = ADAM_BETA1, beta2: float = ADAM_BETA2, eps: float = ADAM_EPS) -> None:
-    """One Adam update at step `step` in NumPy, in place on float32 arrays: the scalars in
-    double (as the kernel computes them), the elements in float32, in the kernel's order."""
-    b1, a1 = np.float32(beta1), np.float32(1.0 - beta1)
-    b2, a2 = np.float32(beta2), np.float32(1.0 - beta2)
-    size = np.float32(lr / (1.0 - beta1 ** step))
-    c2 = np.float32(1.0 / math.sqrt(1.0 - beta2 ** step))
-    m[:] = b1 * m + a1 * g
-    v[:] = b2 * v + a2 * (g * g)
-    w -= size * (m / (np.sqrt(v) * c2 + np.float32(eps)))
-
-
-def adam_rows_reference(table: np.ndarray, m: np.ndarray, v: np.ndarray, indices: np.ndarray, rows: np.ndarray,
-                        lr: float, step: int) -> None:
-    """Lazy Adam on a (rows x width) table in NumPy: each carried row in order, the others untouched."""
-    for index, row in zip(indices, rows):
-        adam_reference(table[index], m[index], v[index], row, lr, step)
-
-
-def rows_reference(table: np.ndarray, indices: np.ndarray, rows: np.ndarray, lr: float,
-                   state: np.ndarray | None = None) -> None:
-    """The row-sparse kernel in NumPy: table[i] -= lr * row (state[i] += row), in order, so repeats add."""
-    lr = np.float32(lr)
-    for index, row in zip(indices, rows):
-        if state is not None:
-            state[index] += row
-        table[index] -= lr * row
-
 
 RULES: dict[str, type[UpdateRule]] = {rule.name: rule for rule in (AsyncSGD, ConsistentSGD, SyncSGD, ElasticAveraging)}
 assert set(RULES) == set(MODE_CODES)
 
 
 def read_options(region: Region) -> RuleOptions:
-    """The options the job's server recorded in the region header: each declared option is the
-    header field of its name (a choice as its index in the choices, a flag as 0 or 1)."""
-    h = region.header
-    values = {}
-    for f in declared(RuleOptions):
-        code, choices = h.get(f.name), f.metadata["option"]["choices"]
-        values[f.name] = _named(choices, code) if choices else bool(code) if f.type in (bool, "bool") else code
-    return RuleOptions(**values)
-
-
-def _named(names: tuple[str, ...], code: int) -> str:
-    """The name of a header code; one outside the table is shown as it is (a reader of a
-    corrupt header, e.g. gadei status, still shows the rest)."""
-    return names[code] if code < len(names) else f"code {code}"
+    """The options the job's server recorded in the region header (`options.from_header`)."""
+    return from_header(RuleOptions, region.header)
 
 
 def state_names(options: RuleOptions) -> tuple[str, ...]:
@@ -586,15 +327,6 @@ def state_names(options: RuleOptions) -> tuple[str, ...]:
     if options.optimizer == "adagrad":
         return ("adagrad_sums",)
     return ("momentum",) if options.momentum else ()
-
-
-def write_options(region: Region, options: RuleOptions) -> None:
-    """Record `options` in the region header (the creator does this before publishing), each in
-    the header field of its name (see `read_options`)."""
-    h = region.header
-    for f in declared(RuleOptions):
-        value, choices = getattr(options, f.name), f.metadata["option"]["choices"]
-        h.set(f.name, choices.index(value) if choices else int(value) if isinstance(value, bool) else value)
 
 
 def make_rule(mode: str, region: Region, options: RuleOptions, threads: int) -> UpdateRule:

@@ -1,7 +1,8 @@
 """Options declared once: each is a field of the dataclass of the part that uses it, and that
 field says everything about it (default, what it does, its allowed values). The command-line
 flags and their `--help`, a job file's keys and their checks are made from those declarations
-(`add_arguments`, `from_args`, `check`), so an option is written in one place:
+(`add_arguments`, `from_args`, `check`), and so is their record in a region's header
+(`to_header`, `from_header`), so an option is written in one place:
 
     @dataclass(frozen=True)
     class Options:
@@ -306,3 +307,25 @@ def from_args(cls, args: argparse.Namespace, **more):
     """An instance of `cls` from the flags `add_arguments` made (and `more` fields)."""
     values = {f.name: getattr(args, f.name) for f in declared(cls) if hasattr(args, f.name)}
     return cls(**values, **more)
+
+
+def to_header(header, instance) -> None:
+    """Record `instance`'s options in a region header (its creator does this before it
+    publishes the region), each in the header field of its name: a choice as its index in the
+    choices, a flag as 0 or 1 (`from_header` reads them)."""
+    for f in declared(type(instance)):
+        value, choices = getattr(instance, f.name), f.metadata["option"]["choices"]
+        header.set(f.name, choices.index(value) if choices else int(value) if isinstance(value, bool) else value)
+
+
+def from_header(cls, header):
+    """The `cls` options a region header records (`to_header`). A choice's code outside its
+    table is shown as `code N`: a reader of a corrupt header (gadei status) still shows the rest."""
+    values = {}
+    for f in declared(cls):
+        code, choices = header.get(f.name), f.metadata["option"]["choices"]
+        if choices:
+            values[f.name] = choices[code] if code < len(choices) else f"code {code}"
+        else:
+            values[f.name] = bool(code) if f.type in (bool, "bool") else code
+    return cls(**values)

@@ -12,8 +12,9 @@ so `0 <= head - tail <= slots` always and slot k lives at index k % slots.
   (so the next backward pass can accumulate into it), then stores `tail + 1`.
 
 Waits are futex waits on the counters themselves, with the Dekker handshake that makes
-lost wake-ups impossible: the waiter raises a flag, re-checks, then sleeps on the value it
-saw; the other side stores its counter, then wakes only if the flag is up. Every wait is
+lost wake-ups impossible: the waiter counts itself in (`space_waiting`, a count: a learner's
+train and push threads may both wait), re-checks, then sleeps on the value it saw; the other
+side stores its counter, then wakes every sleeper only if the count is not 0. Every wait is
 cut into short slices so the waiter can notice that the other side died.
 
 Ownership of an entry is its `lease` word: the owner's pid in the high 32 bits (0 when
@@ -37,6 +38,7 @@ log = logging.getLogger(__name__)
 
 _RECLAIM_GRACE = 0.2  # seconds a claimed-looking entry must stay dead before it is taken
 _U32 = 0xFFFFFFFF
+_WAKE_ALL = 1 << 30  # futex_wake's count for every sleeper
 
 
 def lease_owner(lease: int) -> int:
@@ -91,7 +93,10 @@ def _running(pid: int) -> bool:
 
 
 class Producer:
-    """The learner's end of its ring (one thread at a time uses it).
+    """The learner's end of its ring.
+
+    One thread writes and publishes (the train thread, or a push thread); the other may only
+    wait on it (`drain`), and both may sleep on it at once.
 
     Call `claim` to get one; `free_slot()` is where backward writes; `publish()` hands it
     to the server; `wait_space()` blocks while the ring is full.
@@ -106,6 +111,7 @@ class Producer:
         self._tail_addr = self.entry.addr("tail")
         self._waiting_addr = self.entry.addr("space_waiting")
         self._doorbell = Doorbell(region)
+        self._entries = [region.entry(i) for i in range(region.shape.capacity)]
         self.head = self.entry.get("head")  # only this producer writes it, so a local copy is exact
 
     @property
@@ -127,7 +133,20 @@ class Producer:
 
     def has_space(self) -> bool:
         """True when slot `self.slot` is free (consumed by the server, or never used)."""
-        return self._pending()[0] < self.slots
+        return self._room(self._pending()[0])
+
+    def _room(self, pending: int) -> bool:
+        """The ring's bound: with `pending` slots published and not consumed, one is free."""
+        return pending < self.slots
+
+    def published_everywhere(self) -> tuple[int, int]:
+        """(slots ever published on every ring of the job: the heads summed, the rings owned
+        now): what a staleness bound counts a gradient's wait by (`Learner._ahead`)."""
+        heads = owned = 0
+        for entry in self._entries:
+            heads += entry.get("head")
+            owned += lease_owner(entry.get("lease")) != 0
+        return heads, owned
 
     def publish(self, version: int, step: int, samples: int, kind: int = GRADIENT) -> None:
         """Hand slot `self.slot` (payload already written) to the server, and ring if it sleeps.
@@ -149,16 +168,8 @@ class Producer:
         `on_slice` is how the caller notices that the server died or the job stopped: it
         raises to end the wait.
         """
-        while True:
-            if self._pending()[0] < self.slots:
-                return
-            _native.store32(self._waiting_addr, 1)
-            pending, tail = self._pending()
-            if pending < self.slots:
-                _native.store32(self._waiting_addr, 0)
-                return
-            _native.futex_wait(self._tail_addr, tail & _U32, WAIT_SLICE)
-            _native.store32(self._waiting_addr, 0)
+        while not self.has_space():
+            self._sleep(self._room, WAIT_SLICE)
             on_slice()
 
     def drain(self, timeout: float, server_alive) -> bool:
@@ -167,12 +178,25 @@ class Producer:
         while self._pending()[0]:
             if deadline.expired() or not server_alive():
                 return False
-            _native.store32(self._waiting_addr, 1)
-            pending, tail = self._pending()
-            if pending:
-                _native.futex_wait(self._tail_addr, tail & _U32, deadline.slice(WAIT_SLICE))
-            _native.store32(self._waiting_addr, 0)
+            self._sleep(lambda pending: pending == 0, deadline.slice(WAIT_SLICE))
         return True
+
+    def _sleep(self, done, timeout: float) -> None:
+        """Sleep on the tail until the server moves it (or `timeout`), unless `done(pending)` already.
+
+        The two threads of a learner with a push thread may both sleep here at once (the train
+        thread drains while the push thread waits for space): `space_waiting` counts the
+        sleepers and the server wakes them all, so neither loses the other's wake-up. The
+        count goes up before the tail is looked at again, the Dekker handshake with
+        `Consumer.release`, which stores the tail before it reads the count.
+        """
+        _native.add32(self._waiting_addr, 1)
+        try:
+            pending, tail = self._pending()
+            if not done(pending):
+                _native.futex_wait(self._tail_addr, tail & _U32, timeout)
+        finally:
+            _native.add32(self._waiting_addr, -1)
 
     def release(self) -> None:
         """Give the entry back (after `drain`): it is free for the next learner."""
@@ -227,6 +251,7 @@ def _take(region: Region, learner: int, claims: int, drain_timeout: float, serve
     entry.set("state", CLAIMING)
     entry.set("start", _proc.start_time())
     entry.set("beat", time.monotonic_ns())
+    entry.set("space_waiting", 0)  # a killed owner's sleepers may have died counted in
     producer = Producer(region, learner)
     # A previous owner's published slots are applied by the server, never dropped; its
     # unpublished (maybe half-written) slot is zeroed below once nothing is in flight.
@@ -272,6 +297,92 @@ def _keep_last_owner(entry) -> None:
     entry.set("last_applied", entry.get("applied_samples"))
     entry.set("last_pid", pid)
     entry.set("pid", 0)
+
+
+# ------------------------------------------------------------------ what others read of the rings
+# (the watchdog's accounting of the learners it launched: gadei_watchdog.launched)
+
+
+def drained(entry) -> bool:
+    """True when `entry`'s ring holds no published gradient the server has not consumed."""
+    return entry.get("tail") == entry.get("head")
+
+
+def _wait_drained(entry, deadline: Deadline) -> bool:
+    while not drained(entry) and not deadline.expired():
+        deadline.sleep(0.01)
+    return drained(entry)
+
+
+def entry_of(region: Region, pid: int) -> int:
+    """The learner entry process `pid` owns; -1 when it owns none."""
+    return next((i for i in range(region.shape.capacity) if owned_by(region, i, pid)), -1)
+
+
+def owned_by(region: Region, learner: int, pid: int) -> bool:
+    """True when entry `learner`'s lease names process `pid`."""
+    return lease_owner(region.entry(learner).get("lease")) == pid
+
+
+def dead_owner_applied(region: Region, learner: int, pid: int, seen: int, timeout: float = 2.0) -> int:
+    """The samples process `pid`, dead while it owns entry `learner`, contributed.
+
+    The server applies what the dead learner published; once its ring is empty (waited for
+    up to `timeout`), applied_samples is exactly the samples it contributed (its samples
+    counter may miss the last step: it counts after publishing). Not drained in time: the
+    most it published, `seen` (as last seen) or its samples counter.
+    """
+    entry = region.entry(learner)
+    if _wait_drained(entry, Deadline(timeout)) and owned_by(region, learner, pid):
+        # The counters are its own once it wrote its pid (after resetting them);
+        # one that died before that, taking the entry over, published nothing.
+        return entry.get("applied_samples") if entry.get("pid") == pid else 0
+    return max(seen, entry.get("samples"))
+
+
+def left_record(region: Region, pid: int, timeout: float = 2.0) -> int | None:
+    """applied_samples of process `pid` that gave its learner entry back; None if no entry keeps it.
+
+    The entry it left still names it in `pid` (its counters are kept at release) until a new
+    owner copies them into `last_pid`/`last_applied` (`_keep_last_owner`: last_pid 0 while
+    last_applied changes, pid 0 before the reset). Each answer is read between two reads of
+    the field that names it, so a copy or a reset between them is seen: read again. Its ring
+    is waited for (up to `timeout`) to be drained first: a learner that left because the job
+    stopped or the server died may leave published gradients the server still applies.
+    """
+    deadline = Deadline(timeout)
+    for i in range(region.shape.capacity):
+        entry = region.entry(i)
+        while True:
+            if entry.get("pid") == pid:
+                if not drained(entry) and not deadline.expired():
+                    deadline.sleep(0.01)
+                    continue
+                done = drained(entry)
+                applied, samples = entry.get("applied_samples"), entry.get("samples")
+                if entry.get("pid") == pid:
+                    # not drained in time: what it published, as dead_owner_applied counts it
+                    return applied if done else max(applied, samples)
+                continue  # a new owner is taking the entry: read its copy
+            if entry.get("last_pid") == pid:
+                applied = entry.get("last_applied")
+                if entry.get("last_pid") == pid:
+                    return applied
+                continue
+            break
+    return None
+
+
+def applied_in(learners: list[dict], pid: int) -> int:
+    """What the server applied of process `pid`'s gradients, by the entries' counters as one
+    capture read them (a checkpoint's `learners`, read in `checkpoint.capture`'s order).
+
+    The copy a new owner kept (last_pid, last_applied) first: the capture reads it after pid
+    and applied_samples, so a claim between those reads (pid still this learner's, the
+    counters already reset) is seen in it. 0 when no entry names it.
+    """
+    return next((c["last_applied"] for c in learners if c.get("last_pid") == pid),
+                next((c["applied_samples"] for c in learners if c["pid"] == pid), 0))
 
 
 class Consumer:
@@ -346,13 +457,13 @@ class Consumer:
         """Mark the oldest slot of `learner`'s ring consumed (after the update finished) and wake it."""
         self._tails[learner] += 1
         _native.store64(self._tail_addrs[learner], self._tails[learner])
-        if _native.load32(self._waiting_addrs[learner]):
-            _native.futex_wake(self._tail_addrs[learner], 1)
+        if _native.load32(self._waiting_addrs[learner]):  # a learner's threads: both may sleep on it
+            _native.futex_wake(self._tail_addrs[learner], _WAKE_ALL)
 
     def wake_all(self) -> None:
         """Wake every learner that waits for ring space (they will look at the run state)."""
         for addr in self._tail_addrs:
-            _native.futex_wake(addr, 1 << 30)
+            _native.futex_wake(addr, _WAKE_ALL)
 
     def learner_threads(self) -> int:
         """Cores the attached learners say they keep busy (a cheap sum, no liveness checks)."""

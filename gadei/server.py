@@ -43,20 +43,18 @@ from .errors import NonFiniteGradient, RegionCorrupt, RegionMismatch
 from .layout import (
     ACTIVE,
     FIELD_BYTES,
-    GRADIENT,
     HEADER,
     HIST_BUCKETS,
     INIT_READY,
-    MAX_SAMPLES,
-    MOVE,
     RUN_STATES,
     SERVING,
     STOPPING,
     Shape,
 )
-from .modes import RULES, Gradient, RuleOptions, make_rule, state_names, write_options
-from .options import check_all, declared
+from .modes import RULES, RuleOptions, make_rule, state_names
+from .options import check_all, declared, to_header
 from .transport.options import TransportOptions
+from .transport.slot import Gradient
 from .region import Region
 from .server_record import drop_server_record, save_server_record
 from .protocol import WAIT_SLICE, Deadline, RunState, ServerHold, Version
@@ -185,7 +183,7 @@ class Server:
             h = self.region.header  # server_pid and server_start: written by Region.create
             h.set("server_beat", time.monotonic_ns())
             h.set("threads", self.threads)
-            write_options(self.region, self.options)
+            to_header(self.region.header, self.options)
             if model is not None:
                 self.region.write_spec(spec)
                 params.flatten_into(model, self.region.weights)
@@ -194,10 +192,6 @@ class Server:
                 self._resume(resume, spec)
             self.rule = make_rule(mode, self.region, self.options, self.threads)
             self._consumer = Consumer(self.region)
-            self._slot_headers = [
-                [self.region.slot_header(i, k) for k in range(slots)] for i in range(shape.capacity)
-            ]
-            self._payloads = [[self.region.payload_addr(i, k) for k in range(slots)] for i in range(shape.capacity)]
             self._entries = [self.region.entry(i) for i in range(shape.capacity)]
             self._state = RunState(self.region)
             self._state.start()
@@ -509,18 +503,9 @@ class Server:
         """The oldest published gradient of `learner`'s ring (not yet handed back), with the
         staleness it will be applied at."""
         slot = self._consumer.take(learner)  # checks the ring's head - tail
-        header = self._slot_headers[learner][slot]
-        computed_on, samples, kind = header.get("version"), header.get("samples"), header.get("kind")
-        if samples >= MAX_SAMPLES or kind not in (GRADIENT, MOVE):
-            name, value, allowed = ("samples", samples, f"0..{MAX_SAMPLES - 1:,}") if samples >= MAX_SAMPLES else \
-                ("kind", kind, f"{GRADIENT} (gradient) or {MOVE} (move)")
-            raise RegionCorrupt(f"job {self.job!r}: learner ring {learner}: slot {slot}'s {name} is {value:,}, "
-                                f"allowed {allowed}: the slot is corrupt")
         version = self._clock.get()
         self._check_version(version)
-        # Only an update moves the version, and a taken gradient is applied by the next one.
-        staleness = max(0, version - computed_on)
-        return Gradient(learner, self._payloads[learner][slot], computed_on, samples, staleness, move=kind == MOVE)
+        return self.rule.format.take(learner, slot, version)  # checks the slot's header and row counts
 
     def _update(self, grads: list[Gradient]) -> None:
         """One update from `grads`: apply, bump the version, record statistics, hand the slots back."""
@@ -534,7 +519,7 @@ class Server:
             grads = [g for g in grads if g.staleness <= bound or g.move]
         finite = []
         for grad in grads:  # one read-only pass over each slot (native, GIL released) before it is applied
-            bad = self.rule.format.nonfinite(grad.payload, grad.learner)
+            bad = self.rule.format.nonfinite(grad)
             if bad:
                 self._refuse(grad, bad)
             else:
@@ -542,7 +527,7 @@ class Server:
         grads = finite
         if not grads:
             return
-        moved = sum(self.rule.format.bytes_in(g.payload) for g in grads)
+        moved = sum(self.rule.format.bytes_in(g) for g in grads)
         if self.rule.seqlock:
             self._clock.begin_update()  # seq odd: an update is running
         try:

@@ -18,6 +18,7 @@ import subprocess
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
+from . import ring
 from .env import runtime_dir
 
 # The watchdog's exit codes (0: the job stopped).
@@ -78,14 +79,9 @@ def progress(table: list[Launched], ckpt) -> dict:
         if l.done:
             out[str(l.number)] = "done"
             continue
-        applied = 0
-        if l.running:
-            # its entry's counters, or, once it gave the entry back and a new owner reset
-            # them, the copy that owner kept (last_pid, last_applied). The copy first: the
-            # capture reads it after pid and applied_samples, so a claim between those reads
-            # (pid still this learner's, the counters already reset) is seen in it.
-            applied = next((c["last_applied"] for c in ckpt.learners if c.get("last_pid") == l.pid),
-                           next((c["applied_samples"] for c in ckpt.learners if c["pid"] == l.pid), 0))
+        # its entry's counters, or, once it gave the entry back and a new owner reset them, the
+        # copy that owner kept (`gadei.ring.applied_in`)
+        applied = ring.applied_in(ckpt.learners, l.pid) if l.running else 0
         out[str(l.number)] = l.start_at + applied
     return out
 

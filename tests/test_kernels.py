@@ -18,8 +18,9 @@ import torch
 
 from gadei import _native
 from gadei.layout import DTYPE_CODES
-from gadei.modes import (ADAGRAD_EPS, ADAM_BETA1, ADAM_BETA2, ADAM_EPS, AsyncSGD, ElasticAveraging, RuleOptions,
-                         SyncSGD, adam_reference, adam_rows_reference, nonfinite_reference, rows_reference)
+from gadei.modes import ADAGRAD_EPS, ADAM_BETA1, ADAM_BETA2, ADAM_EPS, RuleOptions
+from oracles import (adam_reference, adam_rows_reference, async_reference, elastic_reference, nonfinite_reference,
+                     rows_reference, sync_reference)
 
 SIZES = [1, 7, 8, 15, 16, 17, 31, 33, 64, 65, 1000, 4099, 65535, 65537, 524289, (1 << 20) + 13]
 THREADS = [1, 2, 3]
@@ -73,7 +74,7 @@ def test_sgd_kernel_matches_reference(n, threads, dtype):
     g = to_wire(g32, dtype)
     w_ref = w.copy()
     with np.errstate(invalid="ignore"):
-        AsyncSGD.reference(w_ref, [from_wire(g, dtype)], RuleOptions(lr=0.3))
+        async_reference(w_ref, [from_wire(g, dtype)], RuleOptions(lr=0.3))
     _native.sgd(w.ctypes.data, g.ctypes.data, dtype=DTYPE_CODES[dtype], n=n, lr=0.3, clear=1, threads=threads)
     np.testing.assert_array_equal(bits(w), bits(w_ref))  # bits: -0.0, NaN and inf too
     assert not bits(g).any()  # handed back zeroed
@@ -113,14 +114,14 @@ def test_momentum_kernel_matches_reference(n, threads, dtype):
     v = np.random.default_rng(n).standard_normal(n).astype(np.float32)
     g = to_wire(g32, dtype)
     w_ref, v_ref = w.copy(), v.copy()
-    AsyncSGD.reference(w_ref, [from_wire(g, dtype)], RuleOptions(lr=0.1, momentum=0.9), v_ref)
+    async_reference(w_ref, [from_wire(g, dtype)], RuleOptions(lr=0.1, momentum=0.9), v_ref)
     _native.momentum(w.ctypes.data, v.ctypes.data, g.ctypes.data, dtype=DTYPE_CODES[dtype], n=n, lr=0.1, mu=0.9, clear=1,
                      threads=threads)
     np.testing.assert_array_equal(w, w_ref)
     np.testing.assert_array_equal(v, v_ref)
     assert not bits(g).any()
     # no gradient (a row-sparse table's untouched rows): v decays, w follows
-    AsyncSGD.reference(w_ref, [np.zeros(n, np.float32)], RuleOptions(lr=0.1, momentum=0.9), v_ref)
+    async_reference(w_ref, [np.zeros(n, np.float32)], RuleOptions(lr=0.1, momentum=0.9), v_ref)
     _native.momentum(w.ctypes.data, v.ctypes.data, 0, dtype=DTYPE_CODES[dtype], n=n, lr=0.1, mu=0.9, clear=0,
                      threads=threads)
     np.testing.assert_array_equal(w, w_ref)
@@ -137,7 +138,7 @@ def test_adagrad_kernel_matches_reference(n, threads, dtype):
     g = to_wire(g32, dtype)
     w_ref, s_ref = w.copy(), s.copy()
     for _ in range(2):  # the second step sees the first one's sums
-        AsyncSGD.reference(w_ref, [from_wire(g, dtype)], RuleOptions(lr=0.1, optimizer="adagrad"), s_ref)
+        async_reference(w_ref, [from_wire(g, dtype)], RuleOptions(lr=0.1, optimizer="adagrad"), s_ref)
         _native.adagrad(w.ctypes.data, s.ctypes.data, g.ctypes.data, dtype=DTYPE_CODES[dtype], n=n, lr=0.1,
                         eps=ADAGRAD_EPS, clear=0, threads=threads)
         np.testing.assert_array_equal(w, w_ref)
@@ -301,7 +302,7 @@ def test_elastic_kernel_matches_reference(n, threads):
     centre = rng.standard_normal(n).astype(np.float32)
     w = rng.standard_normal(n).astype(np.float32)
     expected = centre.copy()
-    ElasticAveraging.reference(expected, [w], RuleOptions(alpha=0.3))
+    elastic_reference(expected, [w], RuleOptions(alpha=0.3))
     _native.elastic(centre.ctypes.data, w.ctypes.data, n=n, alpha=0.3, threads=threads)
     np.testing.assert_array_equal(centre, expected)
 
@@ -311,13 +312,13 @@ def test_sync_reference_is_sgd_on_the_mean():
     w = rng.standard_normal(100).astype(np.float32)
     grads = [rng.standard_normal(100).astype(np.float32) for _ in range(3)]
     expected = w - np.float32(0.1) * ((grads[0] + grads[1] + grads[2]) / np.float32(3))
-    SyncSGD.reference(w, grads, RuleOptions(lr=0.1))
+    sync_reference(w, grads, RuleOptions(lr=0.1))
     np.testing.assert_allclose(w, expected, rtol=1e-6)
 
 
 def test_staleness_aware_learning_rate_reference():
     w = np.zeros(4, dtype=np.float32)
-    AsyncSGD.reference(w, [np.ones(4, np.float32)] * 3, RuleOptions(lr=1.0, stale_lr=True), staleness=[0, 1, 4])
+    async_reference(w, [np.ones(4, np.float32)] * 3, RuleOptions(lr=1.0, stale_lr=True), staleness=[0, 1, 4])
     np.testing.assert_array_equal(w, np.full(4, -(1 + 1 + 0.25), dtype=np.float32))
 
 
@@ -363,13 +364,14 @@ def test_portable_kernels_without_avx2_match_reference():
         "import numpy as np\n"
         "from gadei import _native\n"
         "from gadei.layout import DTYPE_CODES\n"
-        "from gadei.modes import AsyncSGD, RuleOptions, adam_reference, nonfinite_reference\n"
+        "from gadei.modes import RuleOptions\n"
+        "from oracles import async_reference, adam_reference, nonfinite_reference\n"
         "from test_kernels import weights_and_gradient, to_wire, from_wire, bits, gradient_with_nonfinite, adam\n"
         "assert _native.kernel_isa() == 'generic', _native.kernel_isa()\n"
         "for dtype in ('float32', 'float16', 'bfloat16'):\n"
         "    for n in (1, 17, 4099, 200003):\n"
         "        w, g32 = weights_and_gradient(n, n); g = to_wire(g32, dtype); wr = w.copy()\n"
-        "        with np.errstate(invalid='ignore'): AsyncSGD.reference(wr, [from_wire(g, dtype)], RuleOptions(lr=0.3))\n"
+        "        with np.errstate(invalid='ignore'): async_reference(wr, [from_wire(g, dtype)], RuleOptions(lr=0.3))\n"
         "        _native.sgd(w.ctypes.data, g.ctypes.data, dtype=DTYPE_CODES[dtype], n=n, lr=0.3, clear=1, threads=2)\n"
         "        assert (bits(w) == bits(wr)).all() and not bits(g).any(), (dtype, n)\n"
         "        g = gradient_with_nonfinite(n, dtype, n)\n"
@@ -408,20 +410,20 @@ def test_dense_kernels_split_over_a_team_equal_their_references(threads, dtype):
     f, code = from_wire(g0, dtype), DTYPE_CODES[dtype]
 
     w, g, w_ref = w0.copy(), g0.copy(), w0.copy()
-    AsyncSGD.reference(w_ref, [f], RuleOptions(lr=0.3))
+    async_reference(w_ref, [f], RuleOptions(lr=0.3))
     _native.sgd(w.ctypes.data, g.ctypes.data, dtype=code, n=n, lr=0.3, clear=1, threads=threads)
     np.testing.assert_array_equal(bits(w), bits(w_ref))
     assert not bits(g).any()
 
     w, v, w_ref, v_ref = w0.copy(), state.copy(), w0.copy(), state.copy()
-    AsyncSGD.reference(w_ref, [f], RuleOptions(lr=0.1, momentum=0.9), v_ref)
+    async_reference(w_ref, [f], RuleOptions(lr=0.1, momentum=0.9), v_ref)
     _native.momentum(w.ctypes.data, v.ctypes.data, g0.ctypes.data, dtype=code, n=n, lr=0.1, mu=0.9, clear=0,
                      threads=threads)
     np.testing.assert_array_equal(bits(w), bits(w_ref))
     np.testing.assert_array_equal(bits(v), bits(v_ref))
 
     w, s, w_ref, s_ref = w0.copy(), state.copy(), w0.copy(), state.copy()
-    AsyncSGD.reference(w_ref, [f], RuleOptions(lr=0.1, optimizer="adagrad"), s_ref)
+    async_reference(w_ref, [f], RuleOptions(lr=0.1, optimizer="adagrad"), s_ref)
     _native.adagrad(w.ctypes.data, s.ctypes.data, g0.ctypes.data, dtype=code, n=n, lr=0.1, eps=ADAGRAD_EPS, clear=0,
                     threads=threads)
     np.testing.assert_array_equal(bits(w), bits(w_ref))
@@ -437,6 +439,6 @@ def test_dense_kernels_split_over_a_team_equal_their_references(threads, dtype):
     assert _native.nonfinite(bad.ctypes.data, dtype=code, n=n, threads=threads) == nonfinite_reference(bad)
 
     centre, expected = w0.copy(), w0.copy()
-    ElasticAveraging.reference(expected, [state], RuleOptions(alpha=0.3))
+    elastic_reference(expected, [state], RuleOptions(alpha=0.3))
     _native.elastic(centre.ctypes.data, state.ctypes.data, n=n, alpha=0.3, threads=threads)
     np.testing.assert_array_equal(bits(centre), bits(expected))

@@ -1,7 +1,8 @@
 """One owner per shared-memory protocol and per C module, one name per public class, one module
 that starts and kills processes: the house rules of issues 16 and 32, held by a scan of the
 source (AST), so that a new module cannot quietly write a handshake again, call the native
-layer around its owners or start a process of its own."""
+layer around its owners or start a process of its own; and only the ring writes a ring's
+counters and owner accounting, and a slot's header."""
 
 import ast
 from collections import defaultdict
@@ -16,7 +17,7 @@ FOLDERS = {"gadei": ROOT / "gadei", "gadei_watchdog": ROOT / "watchdog", "gadei_
 # benchmarks' probe of how near the CPUs are (timing.cross_cpu_ns).
 NATIVE_OWNERS = {
     "gadei/region.py", "gadei/ring.py", "gadei/modes.py",
-    "gadei/transport/slot.py", "gadei/transport/pull.py", "gadei/transport/device.py",
+    "gadei/transport/slot.py", "gadei/transport/pull.py",
     "gadei/bridge/node.py", "gadei/bridge/exchange.py",
     "gadei/bench/__init__.py", "gadei/bench/latency.py", "gadei/bench/kernel.py", "gadei/bench/timing.py",
 }
@@ -26,6 +27,19 @@ NATIVE_OWNERS = {
 PROTOCOL = "gadei/protocol.py"
 LAYOUT = "gadei/layout.py"  # declares them (offsets), says nothing of how they are used
 PROTOCOL_FIELDS = {"run_state", "doorbell", "server_sleeping", "version_waiters", "seq", "hold", "held", "hold_epoch"}
+
+
+# A ring's counters and its owner accounting (gadei.layout.ENTRY): only gadei/ring.py writes
+# them, or takes their address (through which the native layer would write them).
+RING = "gadei/ring.py"
+RING_WORDS = {"head", "tail", "lease", "space_waiting", "claim_head", "pid", "last_pid", "last_applied"}
+WRITES = {"set", "add", "cas", "addr", "word"}  # Record's writers, and its raw handles on a word
+
+# A slot's header (gadei.layout.SLOT: version, step, samples, kind) is written only where a
+# slot is published (gadei/ring.py); the slot's format reads it when the server takes the
+# slot (gadei/transport/slot.py), and the region makes its record.
+SLOT_HEADER_WRITERS = {"gadei/ring.py"}
+SLOT_HEADER_TAKERS = {"gadei/region.py", "gadei/ring.py", "gadei/transport/slot.py"}
 
 
 def _sources():
@@ -98,6 +112,74 @@ def kills_after_a_wait(sources) -> set[str]:
     return found
 
 
+def ring_word_writers(sources) -> dict[str, set[str]]:
+    """Modules other than the ring's that write a ring word (or take its address): a call
+    `x.set("head", ...)`, `x.cas("lease", ...)`, `x.addr("tail")`..."""
+    found = defaultdict(set)
+    for name, tree in sources:
+        if name in (RING, LAYOUT):
+            continue
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in WRITES
+                    and node.args and isinstance(node.args[0], ast.Constant) and node.args[0].value in RING_WORDS):
+                found[name].add(node.args[0].value)
+    return dict(found)
+
+
+def _slot_header_names(tree) -> set[tuple[str, str]]:
+    """Names (variables, attributes) bound to a slot header record: to `region.slot_header(...)`,
+    to an element of one of those (`header = self._slot_headers[i][k]`), or to a list of them."""
+    names: set[tuple[str, str]] = set()  # ("name", variable) or ("attr", attribute)
+
+    def record(expr) -> bool:
+        if isinstance(expr, ast.Call):
+            return isinstance(expr.func, ast.Attribute) and expr.func.attr == "slot_header"
+        if isinstance(expr, (ast.Name, ast.Attribute)):
+            return _bound(expr) in names
+        if isinstance(expr, ast.Subscript):
+            return record(expr.value)
+        if isinstance(expr, (ast.List, ast.Tuple)):
+            return any(record(e) for e in expr.elts)
+        if isinstance(expr, ast.ListComp):
+            return record(expr.elt)
+        return False
+
+    while True:
+        before = len(names)
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None and record(node.value):
+                for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                    if isinstance(target, (ast.Name, ast.Attribute)):
+                        names.add(_bound(target))
+        if len(names) == before:
+            return names
+
+
+def _bound(node) -> tuple[str, str]:
+    return ("name", node.id) if isinstance(node, ast.Name) else ("attr", node.attr)
+
+
+def slot_header_uses(sources) -> tuple[set[str], set[str]]:
+    """(modules that take a slot header, modules that write one: call set/add/cas/addr/word on
+    a name bound to it)."""
+    takers, writers = set(), set()
+    for name, tree in sources:
+        if any(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "slot_header"
+               for n in ast.walk(tree)):
+            takers.add(name)
+        bound = _slot_header_names(tree)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in WRITES:
+                receiver = node.func.value
+                while isinstance(receiver, ast.Subscript):
+                    receiver = receiver.value
+                if ((isinstance(receiver, (ast.Name, ast.Attribute)) and _bound(receiver) in bound)
+                        or (isinstance(receiver, ast.Call) and isinstance(receiver.func, ast.Attribute)
+                            and receiver.func.attr == "slot_header")):
+                    writers.add(name)
+    return takers, writers
+
+
 def shared_class_names(sources) -> dict[str, list[str]]:
     """Public class names defined in more than one module."""
     where = defaultdict(list)
@@ -114,6 +196,16 @@ def test_only_the_owners_import_the_native_module():
 
 def test_only_the_protocol_module_names_the_protocol_header_words():
     assert protocol_field_uses(_sources()) == {}
+
+
+def test_only_the_ring_writes_a_ring_counter_or_its_owner_accounting():
+    assert ring_word_writers(_sources()) == {}
+
+
+def test_only_the_ring_writes_a_slot_header_and_only_the_slot_format_reads_one_besides():
+    takers, writers = slot_header_uses(_sources())
+    assert writers == SLOT_HEADER_WRITERS
+    assert takers == SLOT_HEADER_TAKERS
 
 
 def test_no_two_public_classes_share_a_name():
@@ -136,6 +228,15 @@ def test_the_scans_find_what_they_look_for():
               ("gadei/waits.py", ast.parse("try:\n    p.wait(timeout=60)\nexcept subprocess.TimeoutExpired:\n"
                                            "    p.kill()\n    p.wait()\n"))]
     assert native_importers(broken) == {"gadei/stray.py"}
+    # a second writer of a ring counter, of the owner accounting, and of a slot header
+    writer = [("gadei/stray.py", ast.parse(
+        "def f(region, e):\n    e.set('head', 1)\n    e.cas('lease', 0, 1)\n    e.set('last_pid', 7)\n"
+        "    headers = [region.slot_header(0, k) for k in range(2)]\n    header = headers[1]\n"
+        "    header.set('samples', 3)\n"))]
+    assert ring_word_writers(writer) == {"gadei/stray.py": {"head", "lease", "last_pid"}}
+    assert slot_header_uses(writer) == ({"gadei/stray.py"}, {"gadei/stray.py"})
+    reader = [("gadei/server.py", ast.parse("def f(region):\n    h = region.slot_header(0, 0)\n    return h.get('kind')\n"))]
+    assert slot_header_uses(reader) == ({"gadei/server.py"}, set())
     assert protocol_field_uses(broken) == {"gadei/stray.py": {"run_state"}}
     assert shared_class_names(broken) == {"Record": ["gadei/stray.py", "gadei/other.py"]}
     assert kills_after_a_wait(broken) == {"gadei/waits.py"}

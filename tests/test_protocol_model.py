@@ -192,18 +192,21 @@ def test_a_new_owner_keeps_the_previous_owners_counters_before_resetting_them():
     # last_pid 0 while last_applied changes, then last_pid, then pid 0 (before _take resets the counters)
     assert sets == ["entry.set('last_pid')", "entry.set('last_applied')", "entry.set('last_pid')", "entry.set('pid')"], sets
     assert "entry.get('applied_samples')" in copy and "if pid == 0" in inspect.getsource(ring._keep_last_owner)
-    # the watchdog reads that copy for a learner that left its entry, each answer between two
-    # reads of the field naming it, and so does a checkpoint's progress
+    # the watchdog reads that copy for a learner that left its entry (ring.left_record), each
+    # answer between two reads of the field naming it, and so does a checkpoint's progress
+    # (ring.applied_in, the copy first)
     launched = (ROOT / "watchdog" / "launched.py").read_text()
     died = launched[launched.index("    def _died("):launched.index("    def resume(")]
-    assert "left_record(region, l.pid)" in died
-    left = launched[launched.index("def left_record("):launched.index("def _wait_gone(")]
+    assert "ring.left_record(region, l.pid)" in died
+    left = inspect.getsource(ring.left_record)
     for name, answer in (("pid", "applied_samples"), ("last_pid", "last_applied")):
         first = left.index(f'if entry.get("{name}") == pid')
         read = left.index(f'entry.get("{answer}")', first)
         assert left.index(f'if entry.get("{name}") == pid', read) > read, f"left_record: {answer} is not re-checked"
     record = (ROOT / "gadei" / "watchdog_record.py").read_text()  # progress: the watchdog's, and gadei run's at a stop
-    assert 'c.get("last_pid") == l.pid' in record[record.index("def progress("):]
+    assert "ring.applied_in(ckpt.learners, l.pid)" in record[record.index("def progress("):]
+    applied_in = inspect.getsource(ring.applied_in)
+    assert applied_in.index('c.get("last_pid") == pid') < applied_in.index('c["pid"] == pid')
 
 
 def test_drain_looks_once_more_when_no_learner_is_left():
@@ -221,8 +224,7 @@ def test_the_watchdog_carries_a_stop_over_a_restart():
     source = (ROOT / "watchdog" / "__init__.py").read_text()
     assert "self._stopped_it = RunState(self.region).request_stop()" in source
     assert "stopping = False" in source and "carried" in source
-    launched = (ROOT / "watchdog" / "launched.py").read_text()
-    assert 'entry.get("applied_samples") if entry.get("pid") == l.pid else 0' in launched
+    assert 'entry.get("applied_samples") if entry.get("pid") == pid else 0' in inspect.getsource(ring.dead_owner_applied)
 
 
 def test_each_process_of_the_model_names_the_code_it_models():

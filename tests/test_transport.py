@@ -286,7 +286,7 @@ def _publish_rows(region, producer, writer, indices: list[int], count: int | Non
 
 
 @pytest.mark.parametrize("indices, count, error", [
-    (list(range(8)), 9, r"learner ring 0: a gradient's row count of a row-sparse table is 9, allowed 0\.\.8: "
+    (list(range(8)), 9, r"learner ring 0: slot \d's row count of a row-sparse table is 9, allowed 0\.\.8: "
                         r"the slot is corrupt"),
     ([3, TABLE_ROWS], None, r"a gradient named 1 row indices outside the table's 0\.\.63: the slot is corrupt"),
     ([-1, 3], None, r"a gradient named 1 row indices outside the table's 0\.\.63: the slot is corrupt"),

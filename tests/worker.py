@@ -6,6 +6,7 @@
     python tests/worker.py push JOB --value V --steps K [--model flat|table] [--pull P]
                                     [--push P] [--slow] [--delay S] [--n N] [--device D]
                                     [--jitter SEED] [--max-jitter S] [--vary]
+    python tests/worker.py two-waiters JOB [--trials T]
 
 Models: `Flat(n)` has two parameters, (n - 7) weights and 7 biases; `Table(n)` has an
 embedding table of 64 rows x 16 (1,024 weights) followed by n - 1,024 biases, so a job can
@@ -18,7 +19,8 @@ times) in its train loop and at each injection point of the device transports' t
 and pull threads (`gadei.device.set_injector`), --device puts the model there, and with --vary step k's gradient is V * (1 + k % 3) (so a
 gradient overwritten by the next one is seen in the sums). It prints JSON lines: {"attaching"}, {"attached"}, then {"learner",
 "pushed", "dropped", "version", "weight0"}. The server prints {"ready"} and, when stopped,
-its counters; with --dump it saves the final weights (NumPy .npy).
+its counters; with --dump it saves the final weights (NumPy .npy). `two-waiters` claims a
+ring and, T times, fills it and blocks two threads on it (see `two_waiters`).
 """
 
 import argparse
@@ -240,6 +242,53 @@ def read(args) -> int:
     return 0
 
 
+def _asleep_on(thread: threading.Thread, addr: int, what: str, timeout: float = 10.0) -> None:
+    """Return once `thread` sleeps in a futex wait on the word at `addr` (its syscall's first
+    argument: not a wait for the GIL, and not merely about to sleep)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with open(f"/proc/self/task/{thread.native_id}/syscall") as f:
+            fields = f.read().split()
+        if len(fields) > 1 and int(fields[1], 16) == addr:
+            return
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise TimeoutError(f"{what} did not sleep on the ring within {timeout} s")
+        time.sleep(0.001)
+
+
+def two_waiters(args) -> int:
+    """The two threads of a learner with a push thread and a staleness bound, blocked on one
+    ring at once: T times, fill the ring, let the train thread `drain` it and, once that one
+    sleeps, the push thread `wait_space`; print {"ready"} once both sleep, then the
+    time.monotonic() at which each wait returned, {"space"} and {"drained"}. The test is the
+    server: it frees one slot, then the rest."""
+    from gadei.region import Region
+    from gadei.ring import claim
+
+    region = Region.attach(args.job, wait=30)
+    producer = claim(region, drain_timeout=30, server_alive=lambda: True)
+    for trial in range(args.trials):
+        while producer.has_space():
+            producer.publish(0, trial, 1)
+        returned = {}
+        drain = threading.Thread(target=lambda: returned.update(
+            drained=producer.drain(30, lambda: True) and time.monotonic()))
+        space = threading.Thread(target=lambda: returned.update(
+            space=producer.wait_space(lambda: None) or time.monotonic()))
+        drain.start()
+        tail = region.entry(producer.learner).addr("tail")
+        _asleep_on(drain, tail, "drain")
+        space.start()
+        _asleep_on(space, tail, "wait_space")
+        print(json.dumps({"ready": trial}), flush=True)
+        for thread, what in ((space, "space"), (drain, "drained")):
+            thread.join(30)
+            print(json.dumps({what: returned[what]}), flush=True)
+    producer.release()
+    region.close()
+    return 0
+
+
 def sync_train(args) -> int:
     """Train Tokens on shard `rank` of every mini-batch of size learners x batch, for `steps` rounds."""
     model = Tokens()
@@ -315,6 +364,10 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--steps", type=int, default=30)
     p.set_defaults(func=sync_train)
+    p = sub.add_parser("two-waiters")
+    p.add_argument("job")
+    p.add_argument("--trials", type=int, default=5)
+    p.set_defaults(func=two_waiters)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     return args.func(args)

@@ -20,11 +20,10 @@ import time
 
 import psutil
 
-from gadei import _proc
+from gadei import _proc, ring
 from gadei.launch import spawn, wait_or_kill
 from gadei.layout import ACTIVE, DEAD
 from gadei.protocol import Deadline
-from gadei.ring import lease_owner
 from gadei.watchdog_record import Launched, progress
 
 log = logging.getLogger(__name__)
@@ -125,13 +124,11 @@ class Learners:
         if _proc.alive(l.pid, l.started):
             return False, None
         # Not our child (adopted): a learner that left gave its ring back; one that died did not.
-        owns = any(lease_owner(region.entry(i).get("lease")) == l.pid for i in range(region.shape.capacity))
-        return True, (None if owns else 0)
+        return True, (None if ring.entry_of(region, l.pid) >= 0 else 0)
 
     def _track(self, l: Launched, region) -> None:
-        if l.entry < 0 or lease_owner(region.entry(l.entry).get("lease")) != l.pid:
-            l.entry = next((i for i in range(region.shape.capacity)
-                            if lease_owner(region.entry(i).get("lease")) == l.pid), -1)
+        if l.entry < 0 or not ring.owned_by(region, l.entry, l.pid):
+            l.entry = ring.entry_of(region, l.pid)
         if l.entry >= 0:
             l.seen = region.entry(l.entry).get("samples")
 
@@ -141,26 +138,14 @@ class Learners:
         else:
             how = f"was killed by signal {-code}" if code < 0 else f"exited with {code}"
         published = l.seen
-        entry = region.entry(l.entry) if l.entry >= 0 else None
-        if entry is not None and lease_owner(entry.get("lease")) == l.pid:
-            entry.cas("state", ACTIVE, DEAD)
-            # The server applies what the dead learner published; once its ring is empty,
-            # applied_samples is exactly the samples it contributed (its samples counter may
-            # miss the last step: it counts after publishing).
-            deadline = Deadline(2.0)
-            while entry.get("tail") != entry.get("head") and not deadline.expired():
-                deadline.sleep(0.01)
-            if entry.get("tail") == entry.get("head") and lease_owner(entry.get("lease")) == l.pid:
-                # The counters are its own once it wrote its pid (after resetting them);
-                # one that died before that, taking the entry over, published nothing.
-                published = entry.get("applied_samples") if entry.get("pid") == l.pid else 0
-            else:
-                published = max(published, entry.get("samples"))
+        if l.entry >= 0 and ring.owned_by(region, l.entry, l.pid):
+            region.entry(l.entry).cas("state", ACTIVE, DEAD)
+            published = ring.dead_owner_applied(region, l.entry, l.pid, published)
         else:
             # It gave its entry back (after draining it) and was killed before it exited, or
             # never was seen holding one: its entry, or a new owner's copy of it, says what
             # the server applied of it; `seen` may be older than its last pushes.
-            left = left_record(region, l.pid)
+            left = ring.left_record(region, l.pid)
             if left is not None:
                 published = left
         l.start_at += published
@@ -187,39 +172,6 @@ class Learners:
             l.done = done == "done"
             l.start_at = 0 if l.done or done is None else int(done)
             l.due = 0.0
-
-
-def left_record(region, pid: int, timeout: float = 2.0) -> int | None:
-    """applied_samples of process `pid` that gave its learner entry back; None if no entry keeps it.
-
-    The entry it left still names it in `pid` (its counters are kept at release) until a new
-    owner copies them into `last_pid`/`last_applied` (ring._keep_last_owner: last_pid 0
-    while last_applied changes, pid 0 before the reset). Each answer is read between two
-    reads of the field that names it, so a copy or a reset between them is seen: read again.
-    Its ring is waited for (up to `timeout`) to be drained first: a learner that left because
-    the job stopped or the server died may leave published gradients the server still applies.
-    """
-    deadline = Deadline(timeout)
-    for i in range(region.shape.capacity):
-        entry = region.entry(i)
-        while True:
-            if entry.get("pid") == pid:
-                if entry.get("tail") != entry.get("head") and not deadline.expired():
-                    deadline.sleep(0.01)
-                    continue
-                drained = entry.get("tail") == entry.get("head")
-                applied, samples = entry.get("applied_samples"), entry.get("samples")
-                if entry.get("pid") == pid:
-                    # not drained in time: what it published, as the entry's own branch counts it
-                    return applied if drained else max(applied, samples)
-                continue  # a new owner is taking the entry: read its copy
-            if entry.get("last_pid") == pid:
-                applied = entry.get("last_applied")
-                if entry.get("last_pid") == pid:
-                    return applied
-                continue
-            break
-    return None
 
 
 def _wait_gone(pid: int, started: float, timeout: float) -> None:

@@ -33,7 +33,6 @@ def bench_latency(args) -> dict:
                 model = _Flat(n)
                 # pull=view: no pull thread, so the figure is the push path alone
                 with Learner(model, job, push=push, pull="view") as learner:
-                    tail_addr = learner.entry.addr("tail")
                     for gap in (0.0, GAP):
                         samples = []
                         for _ in range(pushes):
@@ -42,7 +41,7 @@ def bench_latency(args) -> dict:
                             target = learner._producer.head + 1
                             start = time.perf_counter_ns()
                             learner.step()
-                            while _native.load64(tail_addr) < target:
+                            while learner._producer.tail() < target:
                                 time.sleep(0)  # lets a push thread have the GIL
                             samples.append((time.perf_counter_ns() - start) / 1e3)
                         results.append({"size_mb": size, "push": push, "gap_ms": gap * 1e3,

@@ -31,9 +31,10 @@ pull
         pull thread copies new weights from the (page-locked) region into a device staging
         buffer on its own stream; the train thread swaps it in between steps.
 
-The package: `slot` (`SlotWriter`), `handoff`, `push`, `pull`, and `device` (both directions
-for a model on a device). `SlotWriter` is the one place that knows a slot's format (the device push lays its staging
-buffer out as a slot's dense area and hands table rows to the writer's areas).
+The package: `slot` (a slot's format, and what the server reads of a slot it takes: torch-free),
+`writer` (`SlotWriter`: a learner's gradients into a slot where the format says), `handoff`,
+`push`, `pull`, and `device` (both directions for a model on a device; the device push lays
+its staging buffer out as a slot's dense area and hands table rows to the writer's areas).
 
 Every hand-off between the train thread and a push or pull thread holds at most one item,
 every wait on it is cut into WAIT_SLICE pieces that look for an error or a shutdown, and
@@ -50,7 +51,7 @@ _LAZY = {  # name -> the module of this package that defines it
     "DevicePull": ".device", "DevicePush": ".device",
     "CopyPull": ".pull", "LocalPull": ".pull", "Pull": ".pull", "ViewPull": ".pull",
     "ElasticPush": ".push", "PublishPush": ".push", "Push": ".push", "ThreadPush": ".push",
-    "TORCH_DTYPES": ".slot", "SlotWriter": ".slot",
+    "TORCH_DTYPES": ".writer", "SlotWriter": ".writer",
 }
 
 __all__ = ["PULLS", "PUSHES", "TORCH_DTYPES", "CopyPull", "DevicePull", "DevicePush", "ElasticPush", "LocalPull",

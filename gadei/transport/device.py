@@ -8,14 +8,14 @@ import time
 
 import torch
 
-from .. import _native
 from .. import device as _device
 from ..errors import GadeiError
 from ..ring import WAIT_SLICE
 from .pull import CopyPull
 from .push import Push
 from .handoff import Handoff
-from .slot import TORCH_DTYPES, dense_offset
+from .slot import dense_offset, store_rows
+from .writer import TORCH_DTYPES
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +171,7 @@ class DevicePush(Push):
         if self._stream is not None:
             self._stream.synchronize()  # the slot holds the whole gradient before it is published
         for count_addr, count in counts:
-            _native.store64(count_addr, count)
+            store_rows(count_addr, count)
         self.copy_seconds += time.perf_counter() - started
         self.bytes += nbytes
         _device.inject("push.publish")

@@ -13,9 +13,16 @@ from ..params import Spec, views
 from ..region import Region
 from ..protocol import WAIT_SLICE, Version
 from .handoff import Handoff
-from .slot import addr, flat_zeros
 
 log = logging.getLogger(__name__)
+
+
+def flat_zeros(n: int) -> torch.Tensor:
+    return torch.zeros(n, dtype=torch.float32)
+
+
+def addr(tensor: torch.Tensor) -> int:
+    return tensor.data_ptr()
 
 
 class Pull(ABC):

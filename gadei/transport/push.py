@@ -12,7 +12,7 @@ from ..params import Spec, views
 from ..region import Region
 from ..ring import WAIT_SLICE, Producer
 from .handoff import Handoff
-from .slot import SlotWriter, is_view_of_slot
+from .writer import SlotWriter, is_view_of_slot
 
 log = logging.getLogger(__name__)
 

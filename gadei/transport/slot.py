@@ -1,131 +1,202 @@
-"""What a push writes into a ring slot: `SlotWriter`, the one place that knows a slot's format
-(dense area, table rows), and the views of a slot a model's gradients can be."""
+"""A ring slot's format: where a gradient lies in a slot (dense area, row-sparse tables' rows),
+what the server reads of it once per gradient when it takes it (`SlotFormat.take`: the slot
+header and the row counts, checked there, with one message each), and the kernels that apply
+it to float32 arrays. Torch-free: the server's side; a learner's `SlotWriter`
+(gadei.transport.writer) writes into it."""
 
-import math
+from dataclasses import dataclass
 
-import torch
+import numpy as np
 
 from .. import _native
-from ..errors import GadeiError
-from ..params import Spec
+from ..errors import RegionCorrupt
+from ..layout import DTYPE_CODES, GRADIENT, MAX_SAMPLES, MOVE, SparseTable
 from ..region import Region
 
-
-U32 = 0xFFFFFFFF
-TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_F32 = DTYPE_CODES["float32"]
 
 
-def flat_zeros(n: int) -> torch.Tensor:
-    return torch.zeros(n, dtype=torch.float32)
+@dataclass(frozen=True)
+class Gradient:
+    """One consumed slot: where its payload is and what the learner said about it.
 
-
-def addr(tensor: torch.Tensor) -> int:
-    return tensor.data_ptr()
-
-
-class SlotWriter:
-    """Writes one learner's gradients (or, in elastic mode, its weights) into its slots.
-
-    Dense parameters lie in a slot's dense area in the job's gradient dtype; a row-sparse
-    table's gradient is written as its touched rows (coalesced: an index appears once).
+    Attributes:
+        learner: the learner entry it came from.
+        payload: address of the slot's payload.
+        version: the weights version it was computed on.
+        samples: mini-batch size it was computed from.
+        staleness: updates applied since `version`, when it is applied.
+        move: a bridge's move (slot kind MOVE): the weights move by -payload, whatever the
+            update rule (no learning rate, momentum, optimizer state, staleness scaling or
+            bound), so that the move lands as the bridge computed it.
+        rows: the rows each row-sparse table of the gradient carries, read and checked once
+            when the slot was taken (the kernels use these, not the slot's counts again).
     """
 
-    def __init__(self, region: Region, learner: int, parameters: list, spec: Spec):
-        shape = region.shape
-        self.job = region.job
-        self.parameters = parameters
-        self.dtype = TORCH_DTYPES[shape.grad_dtype]
-        self.aliasable = shape.grad_dtype == "float32"  # .grad may be the slot itself
-        offsets, offset = [], 0
-        for _, p_shape in spec:
-            offsets.append(offset)
-            offset += math.prod(p_shape)
-        tables = {table.offset: i for i, table in enumerate(shape.sparse)}
-        self.table_of = [tables.get(o) for o in offsets]  # parameter -> row-sparse table index or None
-        self.names = [name for name, _ in spec]
-        self.max_rows = [table.max_rows for table in shape.sparse]
-        self._dense: list[list[torch.Tensor | None]] = []
-        self._areas = []
-        for slot in range(shape.slots):
-            dense = torch.from_numpy(region.dense(learner, slot)).view(self.dtype)
-            per_param = []
-            for (name, p_shape), o, table in zip(spec, offsets, self.table_of):
-                if table is not None:
-                    per_param.append(None)
-                    continue
-                start = dense_offset(shape.dense_segments, o)
-                per_param.append(dense[start : start + math.prod(p_shape)].view(p_shape))
-            self._dense.append(per_param)
-            areas = []
-            for t in range(len(shape.sparse)):
-                count_addr, indices, rows = region.sparse_area(learner, slot, t)
-                areas.append((count_addr, torch.from_numpy(indices), torch.from_numpy(rows).view(self.dtype)))
-            self._areas.append(areas)
-
-    def grad_views(self, slot: int) -> list[torch.Tensor | None]:
-        """What `.grad` of each parameter may be while backward writes into `slot` (None: private)."""
-        if not self.aliasable:
-            return [None] * len(self.parameters)
-        return self._dense[slot]
-
-    def write_grads(self, slot: int, grads: list[torch.Tensor | None]) -> None:
-        """Put `grads` (one per parameter; None: zero) into `slot`, unless a gradient already is the slot."""
-        for i, grad in enumerate(grads):
-            if grad is None:
-                continue
-            table = self.table_of[i]
-            if table is not None:
-                self._write_rows(slot, i, table, grad)
-                continue
-            target = self._dense[slot][i]
-            if grad.is_sparse:  # a sparse gradient of a table the job sends dense (the slot is zero)
-                grad = grad.coalesce()
-                target.index_copy_(0, grad.indices()[0], grad.values().to(target.dtype))
-            elif grad.data_ptr() != target.data_ptr() or grad.dtype != target.dtype:
-                target.copy_(grad)  # else backward accumulated into the slot itself
-
-    def write_weights(self, slot: int) -> None:
-        """Put the model's parameters into `slot` (float32, every parameter dense): elastic mode."""
-        with torch.no_grad():
-            for p, target in zip(self.parameters, self._dense[slot]):
-                target.copy_(p)
-
-    def rows_area(self, slot: int, table: int) -> tuple[int, torch.Tensor, torch.Tensor]:
-        """Where row-sparse table `table`'s rows go in `slot`: (address of the row count,
-        indices, rows); the count is stored last, once the rows are in."""
-        return self._areas[slot][table]
-
-    def _write_rows(self, slot: int, param: int, table: int, grad: torch.Tensor) -> None:
-        count_addr, indices, rows = self.rows_area(slot, table)
-        if grad.is_sparse:
-            grad = grad.coalesce()
-            index, values = grad.indices()[0], grad.values()
-        else:  # a dense gradient of a row-sparse table: send the rows that are not zero
-            index = grad.reshape(grad.shape[0], -1).ne(0).any(dim=1).nonzero().flatten()
-            values = grad[index]
-        count = index.numel()
-        self.check_rows(param, table, count)
-        indices[:count].copy_(index)
-        rows[:count].copy_(values.reshape(count, -1))
-        _native.store64(count_addr, count)
-
-
-    def check_rows(self, param: int, table: int, count: int) -> None:
-        """Raise GadeiError if `count` rows of table `table` (parameter `param`) do not fit a slot."""
-        if count > self.max_rows[table]:
-            raise GadeiError(
-                f"job {self.job!r}: one gradient touches {count:,} rows of {self.names[param]!r}, the job carries at "
-                f"most {self.max_rows[table]:,} (serve it with a larger --max-rows)"
-            )
-
-
-def is_view_of_slot(grad: torch.Tensor, writer: SlotWriter) -> bool:
-    return any(view is not None and view.data_ptr() == grad.data_ptr()
-               for per_slot in writer._dense for view in per_slot)
+    learner: int
+    payload: int
+    version: int
+    samples: int
+    staleness: int = 0
+    move: bool = False
+    rows: tuple[int, ...] = ()
 
 
 def dense_offset(segments, offset: int) -> int:
+    """Where weight `offset` lies in a slot's dense area (its dense segments: start, length, slot)."""
     for start, length, slot in segments:
         if start <= offset < start + length:
             return slot + offset - start
     raise ValueError(f"weight offset {offset} is in no dense segment")
+
+
+def store_rows(count_addr: int, count: int) -> None:
+    """Store a table's row count in a slot (a writer does it last, once the rows are in)."""
+    _native.store64(count_addr, count)
+
+
+class SlotFormat:
+    """The layout of one gradient in a slot, what the server reads of a slot it takes, and the
+    kernels that apply a gradient to float32 arrays."""
+
+    def __init__(self, region: Region, threads: int):
+        shape, lay = region.shape, region.layout
+        self.dtype = DTYPE_CODES[shape.grad_dtype]
+        self.itemsize = shape.grad_itemsize
+        self.segments = shape.dense_segments
+        self.tables: tuple[SparseTable, ...] = shape.sparse
+        self.areas = lay.sparse_areas
+        self.dense_count = shape.dense_count
+        self.dense_bytes = shape.dense_count * self.itemsize
+        self.n = shape.n_params
+        self.threads = threads
+        self.job = region.job
+        self._region = region
+        self._headers = [[region.slot_header(i, k) for k in range(shape.slots)] for i in range(shape.capacity)]
+        self._payloads = [[region.payload_addr(i, k) for k in range(shape.slots)] for i in range(shape.capacity)]
+
+    def take(self, learner: int, slot: int, version: int) -> Gradient:
+        """The gradient in slot `slot` of `learner`'s ring (published, taken by the server),
+        applied at weights version `version`: its header and row counts, read and checked once.
+
+        Raises:
+            RegionCorrupt: the header's samples or kind, or a row count, is out of range.
+        """
+        header = self._headers[learner][slot]
+        computed_on, samples, kind = header.get("version"), header.get("samples"), header.get("kind")
+        if samples >= MAX_SAMPLES or kind not in (GRADIENT, MOVE):
+            name, value, allowed = ("samples", samples, f"0..{MAX_SAMPLES - 1:,}") if samples >= MAX_SAMPLES else \
+                ("kind", kind, f"{GRADIENT} (gradient) or {MOVE} (move)")
+            raise RegionCorrupt(f"job {self.job!r}: learner ring {learner}: slot {slot}'s {name} is {value:,}, "
+                                f"allowed {allowed}: the slot is corrupt")
+        payload = self._payloads[learner][slot]
+        rows = tuple(_native.load64(payload + area.count) for area in self.areas)
+        for table, count in zip(self.tables, rows):
+            if count > table.max_rows:
+                raise RegionCorrupt(f"job {self.job!r}: learner ring {learner}: slot {slot}'s row count of a "
+                                    f"row-sparse table is {count:,}, allowed 0..{table.max_rows:,}: the slot is corrupt")
+        # Only an update moves the version, and a taken gradient is applied by the next one.
+        return Gradient(learner, payload, computed_on, samples, max(0, version - computed_on), kind == MOVE, rows)
+
+    def bytes_in(self, grad: Gradient) -> int:
+        """Gradient bytes `grad` carries (what a learner moved into the slot)."""
+        rows = sum(count * (8 + table.width * self.itemsize) for count, table in zip(grad.rows, self.tables))
+        return self.dense_bytes + rows
+
+    def nonfinite(self, grad: Gradient) -> int:
+        """How many values of `grad` are NaN or infinite (read only; the native check, GIL released)."""
+        bad = _native.nonfinite(grad.payload, dtype=self.dtype, n=self.dense_count, threads=self.threads)
+        for area, table, count in zip(self.areas, self.tables, grad.rows):
+            bad += _native.nonfinite(grad.payload + area.rows, dtype=self.dtype, n=count * table.width, threads=1)
+        return bad
+
+    def indices_in(self, grad: Gradient) -> list[np.ndarray]:
+        """A copy of the row indices each row-sparse table of `grad` carries."""
+        region = self._region
+        return [region.array(grad.payload - region.base + area.indices, count, np.int64).copy()
+                for area, count in zip(self.areas, grad.rows)]
+
+    def discard(self, payload: int) -> None:
+        """Hand the slot at `payload` back without applying it: dense area zeroed, no rows."""
+        _native.zero(payload, nbytes=self.dense_bytes)
+        for area in self.areas:
+            _native.store64(payload + area.count, 0)
+
+    def sgd(self, weights: int, grad: Gradient, lr: float, *, clear: bool = True) -> None:
+        """weights -= lr * gradient, in place (lr < 0 adds). Zeroes the slot with `clear`."""
+        for offset, length, slot in self.segments:
+            _native.sgd(weights + 4 * offset, grad.payload + self.itemsize * slot, dtype=self.dtype, n=length, lr=lr,
+                        clear=int(clear), threads=self.threads)
+        self._rows(weights, 0, grad, lr, clear)
+
+    def adagrad(self, weights: int, state: int, grad: Gradient, lr: float, eps: float, *, clear: bool = True) -> None:
+        """s += g^2; weights -= lr g / (sqrt(s) + eps), in place, where g is not zero (tables:
+        only the rows the gradient carries)."""
+        for offset, length, slot in self.segments:
+            _native.adagrad(weights + 4 * offset, state + 4 * offset, grad.payload + self.itemsize * slot,
+                            dtype=self.dtype, n=length, lr=lr, eps=eps, clear=int(clear), threads=self.threads)
+        self._rows(weights, state, grad, lr, clear, "adagrad", eps=eps)
+
+    def adam(self, weights: int, state: int, grad: Gradient, lr: float, step: int,
+             betas: tuple[float, float, float], *, clear: bool = True) -> None:
+        """Adam at step `step` with `betas` (beta1, beta2, eps), in place, its moments m at
+        `state` and v n weights after: every dense weight moves (a zero gradient decays m and v
+        too), a row-sparse table only in the rows the gradient carries (lazy Adam, as
+        torch.optim.SparseAdam)."""
+        second = state + 4 * self.n
+        for offset, length, slot in self.segments:
+            _native.adam(weights + 4 * offset, state + 4 * offset, second + 4 * offset,
+                         grad.payload + self.itemsize * slot, dtype=self.dtype, n=length, lr=lr, beta1=betas[0],
+                         beta2=betas[1], eps=betas[2], step=step, clear=int(clear), threads=self.threads)
+        self._rows(weights, state, grad, lr, clear, "adam", step, betas)
+
+    def momentum(self, weights: int, state: int, grad: Gradient, lr: float, mu: float, *, clear: bool = True) -> None:
+        """v = mu v + gradient; weights -= lr v, in place over every weight (tables too)."""
+        for offset, length, slot in self.segments:
+            _native.momentum(weights + 4 * offset, state + 4 * offset, grad.payload + self.itemsize * slot,
+                             dtype=self.dtype, n=length, lr=lr, mu=mu, clear=int(clear), threads=self.threads)
+        for table in self.tables:  # the table's v decays everywhere; touched rows are added below
+            _native.momentum(weights + 4 * table.offset, state + 4 * table.offset, 0, dtype=self.dtype, n=table.size,
+                             lr=lr, mu=mu, clear=0, threads=self.threads)
+        self._rows(weights, state, grad, lr, clear)
+
+    def _rows(self, weights: int, state: int, grad: Gradient, lr: float, clear: bool, rule: str = "sgd",
+              step: int = 0, betas: tuple[float, float, float] = (0.0, 0.0, 0.0), eps: float = 0.0) -> None:
+        payload = grad.payload
+        for table, area, count in zip(self.tables, self.areas, grad.rows):
+            if count == 0:
+                continue
+            if rule == "adam":
+                bad = _native.adam_rows(weights + 4 * table.offset, state + 4 * table.offset,
+                                        state + 4 * (self.n + table.offset), n_rows=table.rows, width=table.width,
+                                        idx=payload + area.indices, rows=payload + area.rows, dtype=self.dtype,
+                                        count=count, lr=lr, beta1=betas[0], beta2=betas[1], eps=betas[2], step=step)
+            elif rule == "adagrad":
+                bad = _native.adagrad_rows(weights + 4 * table.offset, state + 4 * table.offset, n_rows=table.rows,
+                                           width=table.width, idx=payload + area.indices, rows=payload + area.rows,
+                                           dtype=self.dtype, count=count, lr=lr, eps=eps)
+            else:
+                bad = _native.sgd_rows(weights + 4 * table.offset, state + 4 * table.offset if state else 0,
+                                       n_rows=table.rows, width=table.width, idx=payload + area.indices,
+                                       rows=payload + area.rows, dtype=self.dtype, count=count, lr=lr)
+            if clear:
+                _native.store64(payload + area.count, 0)
+            if bad:
+                raise RegionCorrupt(f"job {self.job!r}: a gradient named {bad:,} row indices outside the table's "
+                                    f"0..{table.rows - 1:,}: the slot is corrupt")
+
+
+class Float32Dense:
+    """The slot format of a plain float32 array of n elements (the sync round's sum)."""
+
+    def __init__(self, n: int, threads: int):
+        self.n, self.threads = n, threads
+
+    def sgd(self, weights: int, payload: int, lr: float) -> None:
+        _native.sgd(weights, payload, dtype=_F32, n=self.n, lr=lr, clear=1, threads=self.threads)
+
+    def momentum(self, weights: int, state: int, payload: int, lr: float, mu: float) -> None:
+        _native.momentum(weights, state, payload, dtype=_F32, n=self.n, lr=lr, mu=mu, clear=1, threads=self.threads)
+
+    def adagrad(self, weights: int, state: int, payload: int, lr: float, eps: float) -> None:
+        _native.adagrad(weights, state, payload, dtype=_F32, n=self.n, lr=lr, eps=eps, clear=1, threads=self.threads)
