@@ -412,3 +412,12 @@ def daemon_jobs(procs, env) -> dict:
     record = json.loads(out.splitlines()[0])
     assert record["event"] == "daemon-jobs"
     return {j["name"]: j for j in record["jobs"]}
+
+
+def start_daemon(procs, env, *args) -> subprocess.Popen:
+    """`gadei daemon *args` in `env` (the `daemon_env` fixture's), once its socket is there."""
+    daemon = procs.gadei("daemon", *args, env=env)
+    wait_for(lambda: os.path.exists(os.path.join(env["GADEI_RUNTIME_DIR"], "daemon.sock")) or daemon.poll() is not None,
+             60, "the daemon's socket")
+    assert daemon.poll() is None, daemon.err_lines
+    return daemon

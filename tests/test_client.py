@@ -4,35 +4,23 @@ result, model and predictions, a queued job cancelled; and the typed errors: no 
 the socket), a malformed job dict (naming the key), a job the daemon refuses or does not know."""
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from helpers import blobs, communicate, finish, job_text, unique_name, wait_for
+from helpers import blobs, start_daemon, communicate, finish, job_text, unique_name
 
 import gadei
 from gadei.predict import predict
 
 
 @pytest.fixture
-def daemon_env(tmp_path, monkeypatch):
-    """A runtime and a state folder of the test's own, for the daemon and for this process's Client."""
-    run = tmp_path / "run"
-    run.mkdir(mode=0o700)
-    env = {"GADEI_RUNTIME_DIR": str(run), "GADEI_STATE_DIR": str(tmp_path / "state")}
-    for name, value in env.items():
+def daemon_env(daemon_env, monkeypatch):
+    """The daemon's runtime and state folders (conftest's) for this process's Client too."""
+    for name, value in daemon_env.items():
         monkeypatch.setenv(name, value)
-    return env
-
-
-def _start_daemon(procs, env):
-    daemon = procs.gadei("daemon", "--max-jobs", 1, env=env)
-    wait_for(lambda: os.path.exists(os.path.join(env["GADEI_RUNTIME_DIR"], "daemon.sock")) or daemon.poll() is not None,
-             60, "the daemon's socket")
-    assert daemon.poll() is None, daemon.err_lines
-    return daemon
+    return daemon_env
 
 
 def _blobs_data(folder: Path) -> tuple[np.ndarray, np.ndarray]:
@@ -51,7 +39,7 @@ def _job(name: str, **train) -> dict:
 def test_a_job_submitted_waited_for_followed_and_read_back_through_the_client(tmp_path, procs, daemon_env):
     x, y = _blobs_data(tmp_path)
     name, queued = unique_name("client"), unique_name("client-q")
-    daemon = _start_daemon(procs, daemon_env)
+    daemon = start_daemon(procs, daemon_env)
     client = gadei.Client(poll=0.1)  # this user's socket, as the daemon's environment names it
 
     record = client.submit(_job(name), base=tmp_path)  # a dict: relative paths from `base`

@@ -18,7 +18,7 @@ import psutil
 import pytest
 
 from helpers import daemon_jobs as _jobs
-from helpers import (blobs, communicate, data_dir, finish, job_processes, job_text, job_version, missing, tiered,
+from helpers import (blobs, communicate, data_dir, finish, job_processes, job_text, job_version, missing, start_daemon, tiered,
                      trec_job, wait_for)
 from gadei import checkpoint
 from gadei.daemon import request
@@ -32,21 +32,13 @@ def _jobfile(folder, name, epochs, interval=2):
     return path
 
 
-def _start_daemon(procs, env):
-    daemon = procs.gadei("daemon", "--max-jobs", 1, env=env)
-    wait_for(lambda: os.path.exists(os.path.join(env["GADEI_RUNTIME_DIR"], "daemon.sock")) or daemon.poll() is not None,
-             60, "the daemon's socket")
-    assert daemon.poll() is None, daemon.err_lines
-    return daemon
-
-
 @pytest.mark.long  # two TREC jobs through a restarted daemon: a minute
 def test_submit_status_cancel_and_a_restarted_daemon_knows_every_job(tmp_path, procs, daemon_env):
     if not (data_dir() / "trec").is_dir():
         missing("TREC is not in the shared data")
     prefix = f"d{os.getpid()}"
     long, short = f"{prefix}-long", f"{prefix}-short"
-    daemon = _start_daemon(procs, daemon_env)
+    daemon = start_daemon(procs, daemon_env)
     finish(procs.gadei("submit", _jobfile(tmp_path, long, epochs=50), env=daemon_env))
     finish(procs.gadei("submit", _jobfile(tmp_path, short, epochs=1), env=daemon_env))
     again = procs.gadei("submit", _jobfile(tmp_path, short, epochs=1), env=daemon_env)
@@ -66,7 +58,7 @@ def test_submit_status_cancel_and_a_restarted_daemon_knows_every_job(tmp_path, p
 
     daemon.terminate()  # the running job goes on without the daemon
     communicate(daemon, 60)
-    daemon = _start_daemon(procs, daemon_env)
+    daemon = start_daemon(procs, daemon_env)
     wait_for(lambda: _jobs(procs, daemon_env)[short]["state"] == "done", 300, "the short job to finish")
     jobs = _jobs(procs, daemon_env)
     assert jobs[long]["state"] == "cancelled" and jobs[short]["returncode"] in (0, None)
@@ -97,7 +89,7 @@ def test_a_job_cancelled_while_running_goes_on_with_submit_resume_to_every_learn
                               "train": {"learners": 2, "epochs": 20}, "checkpoint": {"interval": 600},
                               "output": {"folder": "out"}}))
     out = tmp_path / "out"
-    daemon = _start_daemon(procs, daemon_env)
+    daemon = start_daemon(procs, daemon_env)
     finish(procs.gadei("submit", path, env=daemon_env))
 
     version = lambda: job_version(name)  # noqa: E731
@@ -173,7 +165,7 @@ def test_cancelling_an_orphaned_job_answers_at_once_and_the_daemon_answers_while
                               "data": {"train": "blobs.npz", "format": "npz", "holdout": 0.2, "validation_holdout": 0},
                               "train": {"learners": 2, "epochs": 200}, "checkpoint": {"interval": 600},
                               "output": {"folder": "out"}}))
-    _start_daemon(procs, daemon_env)
+    start_daemon(procs, daemon_env)
     finish(procs.gadei("submit", path, env=daemon_env))
     try:
         wait_for(lambda: job_version(name) >= 200, 120, "the job to make 200 updates")
@@ -201,7 +193,7 @@ def test_cancelling_an_orphaned_job_answers_at_once_and_the_daemon_answers_while
 
 
 def test_a_bad_job_file_is_refused_at_submit_and_nothing_is_queued(tmp_path, procs, daemon_env):
-    daemon = _start_daemon(procs, daemon_env)
+    daemon = start_daemon(procs, daemon_env)
     bad = tmp_path / "bad.toml"
     bad.write_text('[job]\nname = "x"\nworkload = "textcnn"\n[data]\ntrain = "nope.csv"\nformat = "csv"\n')
     submit = procs.gadei("submit", bad, env=daemon_env)
@@ -232,7 +224,7 @@ def test_another_users_request_is_refused_by_its_uid(tmp_path, procs, daemon_env
 
 
 def _refused(tmp_path, procs, daemon_env):
-    daemon = _start_daemon(procs, daemon_env)
+    daemon = start_daemon(procs, daemon_env)
     sock = os.path.join(daemon_env["GADEI_RUNTIME_DIR"], "daemon.sock")
     # Open the modes so the other uid gets through the file system: the peer-uid check must hold alone.
     os.chmod(daemon_env["GADEI_RUNTIME_DIR"], 0o711)
@@ -324,7 +316,7 @@ def test_every_malformed_request_gets_an_error_answer_and_the_daemon_goes_on(pro
     times at once, a slow sender, a job file that is a device, a client that hangs up: each
     gets an answer (or is dropped quietly), the daemon's memory stays bounded, and it still
     answers a plain status request."""
-    daemon = _start_daemon(procs, daemon_env)
+    daemon = start_daemon(procs, daemon_env)
     path = _sock(daemon_env)
     with _Peak(daemon.pid) as peak:
         base = psutil.Process(daemon.pid).memory_info().rss
@@ -381,7 +373,7 @@ def test_200_concurrent_clients_and_1000_idle_connections(procs, daemon_env):
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 4096)), hard))
-    daemon = _start_daemon(procs, daemon_env)
+    daemon = start_daemon(procs, daemon_env)
     path = _sock(daemon_env)
     idle = []
     try:
@@ -418,7 +410,7 @@ def test_a_second_daemon_is_refused_by_the_lock_even_beside_a_stopped_one(procs,
     """A daemon that does not answer (SIGSTOP) is not taken for dead: a second one started
     beside it is refused by the state folder's lock and leaves the socket alone; the first
     goes on serving it after SIGCONT."""
-    daemon = _start_daemon(procs, daemon_env)
+    daemon = start_daemon(procs, daemon_env)
     path = _sock(daemon_env)
     inode = os.stat(path).st_ino
     os.kill(daemon.pid, signal.SIGSTOP)
@@ -447,7 +439,7 @@ def test_a_job_that_cannot_start_is_failed_and_the_queue_goes_on(tmp_path, procs
               "submitted": time.time()}
     (state / "blocked.json").write_text(json.dumps(record))
     name = f"d{os.getpid()}-next"
-    daemon = _start_daemon(procs, daemon_env)
+    daemon = start_daemon(procs, daemon_env)
     path = _sock(daemon_env)
 
     def jobs() -> dict:
@@ -576,7 +568,7 @@ def test_status_and_logs_read_the_records_a_stopped_daemon_left(tmp_path, procs,
 
 
 def _status_and_logs_without_the_daemon(tmp_path, procs, daemon_env, prefix, ran, never):
-    daemon = _start_daemon(procs, daemon_env)
+    daemon = start_daemon(procs, daemon_env)
     finish(procs.gadei("submit", _jobfile(tmp_path, ran, epochs=50), env=daemon_env))
     wait_for(lambda: _jobs(procs, daemon_env)[ran]["state"] == "running", 60, "the first job to start")
     finish(procs.gadei("submit", _jobfile(tmp_path, never, epochs=1), env=daemon_env))

@@ -24,8 +24,8 @@ import pytest
 
 from gadei.outputs import epoch_records
 from gadei.region import Region, inspect
-from helpers import (blobs_job, communicate, dead, end_jobs, finish, job_processes, learner_pids, tiered, unique_name,
-                     wait_for)
+from helpers import (blobs_job, communicate, dead, end_jobs, finish, job_processes, learner_pids, start_daemon, tiered,
+                     unique_name, wait_for)
 
 STOP_WITHIN = 120  # seconds from a kill to a clear stop, at most (the job itself takes about 15 s)
 
@@ -366,21 +366,6 @@ def test_a_job_whose_watchdog_dies_before_it_registers_is_ended_by_its_server(sm
     assert inspect(name) is None, "the server left its region"
 
 
-@pytest.fixture
-def daemon_env(tmp_path):
-    folder = tmp_path / "run"
-    folder.mkdir(mode=0o700)
-    return {"GADEI_RUNTIME_DIR": str(folder), "GADEI_STATE_DIR": str(tmp_path / "state")}
-
-
-def _daemon(procs, env):
-    daemon = procs.gadei("daemon", env=env)
-    wait_for(lambda: os.path.exists(os.path.join(env["GADEI_RUNTIME_DIR"], "daemon.sock")) or daemon.poll() is not None,
-             60, "the daemon's socket")
-    assert daemon.poll() is None, daemon.err_lines
-    return daemon
-
-
 def _record(procs, env, name) -> dict:
     out, _ = finish(procs.gadei("status", "--json", env=env))
     return {j["name"]: j for j in json.loads(out.splitlines()[0])["jobs"]}[name]
@@ -390,7 +375,7 @@ def _record(procs, env, name) -> dict:
 def test_the_daemon_reports_the_real_outcome_when_gadei_run_the_server_and_the_daemon_are_killed(small, procs,
                                                                                                  daemon_env):
     path, name, out = small
-    daemon = _daemon(procs, daemon_env)
+    daemon = start_daemon(procs, daemon_env)
     finish(procs.gadei("submit", path, env=daemon_env))
     # the record first: a status call takes seconds under load, and the small job may end meanwhile
     run_pid = wait_for(lambda: (r := _record(procs, daemon_env, name))["state"] == "running" and r["pid"], 120,
@@ -409,7 +394,7 @@ def test_the_daemon_reports_the_real_outcome_when_gadei_run_the_server_and_the_d
     assert "killed by signal 9" in record["message"] and record["state"] in ("running", "done"), record
     daemon.send_signal(signal.SIGKILL)
     daemon.wait()
-    daemon = _daemon(procs, daemon_env)  # a new daemon finds the job by its record and its region
+    daemon = start_daemon(procs, daemon_env)  # a new daemon finds the job by its record and its region
     record = wait_for(lambda: (r := _record(procs, daemon_env, name))["state"] != "running" and r, STOP_WITHIN,
                       "the job's end", 0.5)
     seconds = time.monotonic() - killed
@@ -436,7 +421,7 @@ def test_the_daemon_reports_the_real_outcome_when_a_role_of_its_job_is_killed(sm
     restarted (at once, or only after the job ended) and the new one finds the job by its
     record and reports its real outcome."""
     path, name, out = small
-    daemon = _daemon(procs, daemon_env)
+    daemon = start_daemon(procs, daemon_env)
     finish(procs.gadei("submit", path, env=daemon_env))
     # the record first: a status call takes a second or two, and the small job itself about five
     record = wait_for(lambda: (r := _record(procs, daemon_env, name))["state"] == "running" and r["pid"] and r, 120,
@@ -452,7 +437,7 @@ def test_the_daemon_reports_the_real_outcome_when_a_role_of_its_job_is_killed(sm
         if role == "daemon until the job ended":
             wait_for(lambda: not psutil.pid_exists(run_pid) and (out / "result.json").exists(), STOP_WITHIN,
                      "the job to end while no daemon runs", 0.2)
-        daemon = _daemon(procs, daemon_env)  # the new daemon finds the job by its record
+        daemon = start_daemon(procs, daemon_env)  # the new daemon finds the job by its record
     record = wait_for(lambda: _ended(procs, daemon_env, name), STOP_WITHIN, "the daemon to report the job's end", 0.5)
     seconds = time.monotonic() - killed
     assert record["state"] == "done" and record["returncode"] in (0, None), record
@@ -483,7 +468,7 @@ def test_the_daemon_reports_the_real_outcome_when_a_role_of_its_job_is_killed(sm
 @pytest.mark.long
 def test_the_daemon_reports_a_failed_job_when_its_watchdog_dies_and_cannot_be_replaced(small, procs, daemon_env):
     path, name, out = small
-    daemon = _daemon(procs, daemon_env)
+    daemon = start_daemon(procs, daemon_env)
     finish(procs.gadei("submit", path, env=daemon_env))
     roles = _when_training(name)
     os.unlink(os.path.join(daemon_env["GADEI_RUNTIME_DIR"], f"{name}.watchdog.json"))  # nothing to adopt from
@@ -506,7 +491,7 @@ def test_the_daemon_reports_done_when_gadei_run_and_the_watchdog_are_killed(smal
     """The daemon follows the job as orphaned; its server has a new watchdog adopt it, which
     finishes it and writes the outputs; the daemon's record says done."""
     path, name, out = small
-    daemon = _daemon(procs, daemon_env)
+    daemon = start_daemon(procs, daemon_env)
     finish(procs.gadei("submit", path, env=daemon_env))
     record = wait_for(lambda: (r := _record(procs, daemon_env, name))["state"] == "running" and r["pid"] and r, 120,
                       "the daemon to run the job", 0.2)

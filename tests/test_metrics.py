@@ -10,7 +10,7 @@ import urllib.request
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
-from helpers import blobs_job, communicate, daemon_jobs, finish, job_processes, unique_name, wait_for
+from helpers import blobs_job, communicate, daemon_jobs, finish, job_processes, start_daemon, unique_name, wait_for
 from gadei.daemon import metrics
 from gadei.region import inspect, remove
 
@@ -46,7 +46,7 @@ def test_a_scrape_shows_the_jobs_and_a_running_jobs_figures_move(tmp_path, procs
 
 
 def _scrapes_while_jobs_run(tmp_path, procs, env, names):
-    daemon = procs.gadei("daemon", "--metrics-port", 0, env=env)
+    daemon = start_daemon(procs, env, "--metrics-port", 0)
     said = re.compile(r"Prometheus metrics on (http://127\.0\.0\.1:(\d+)/metrics)")
     wait_for(lambda: any(said.search(line) for line in daemon.err_lines) or daemon.poll() is not None, 60,
              "the daemon to say where its metrics are")
