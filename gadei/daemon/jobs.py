@@ -123,7 +123,6 @@ class Daemon:
         self.max_jobs, self.poll, self.metrics_port = max_jobs, poll, metrics_port
         self.started = time.monotonic()
         self.refused = 0  # requests answered with an error (`gadei.daemon.metrics`), counted by `note_refused`
-        self._refused_lock = threading.Lock()
         self.folder = state_dir()
         # One daemon per state folder, for its whole life: a second one (even beside a stopped
         # first) is refused here, before it reads or writes a record.
@@ -430,9 +429,9 @@ class Daemon:
             log.info("gadei daemon stopped; running jobs go on and the next daemon finds them")
 
     def note_refused(self) -> None:
-        """One more request answered with an error (the listener's threads and the pool's call this)."""
-        with self._refused_lock:
-            self.refused += 1
+        """One more request answered with an error (the listener's loop, its one thread that
+        replies, calls this; a scrape only reads the count)."""
+        self.refused += 1
 
     def stop(self) -> None:
         """Ask the loop to end (a signal handler, a `stop` request)."""

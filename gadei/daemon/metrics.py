@@ -19,6 +19,7 @@ port without it is refused with what to install.
 
 import threading
 import time
+from pathlib import Path
 
 from ..errors import GadeiError
 
@@ -96,7 +97,6 @@ class _Collector:
 
     def _job(self, name: str, output: str) -> dict | None:
         """The running job's figures, or None while it has no region (starting, ending)."""
-        from ..errors import GadeiError
         from ..region import Region
         from ..status import read
 
@@ -117,8 +117,6 @@ class _Collector:
 
     def _batch_of(self, name: str, output: str) -> int:
         if name not in self._batch:
-            from pathlib import Path
-
             from .. import jobfile
 
             try:

@@ -90,7 +90,7 @@ class SlotFormat:
             raise RegionCorrupt(f"job {self.job!r}: learner ring {learner}: slot {slot}'s {name} is {value:,}, "
                                 f"allowed {allowed}: the slot is corrupt")
         payload = self._payloads[learner][slot]
-        rows = tuple(_native.load64(payload + area.count) for area in self.areas)
+        rows = tuple(_native.load64(payload + area.count) for area in self.areas) if self.areas else ()
         for table, count in zip(self.tables, rows):
             if count > table.max_rows:
                 raise RegionCorrupt(f"job {self.job!r}: learner ring {learner}: slot {slot}'s row count of a "
