@@ -38,8 +38,6 @@ from .protocol import Deadline
 log = logging.getLogger(__name__)
 
 PREFIX = "gadei-"
-# NumPy element types of gradient slots; NumPy has no bfloat16, so its bits travel as uint16.
-NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
 SHM_DIR = "/dev/shm"
 _JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
 _POLL = 0.02  # seconds between looks while waiting for a region to appear
@@ -268,24 +266,6 @@ class Region:
     def slot_header(self, learner: int, slot: int) -> Record:
         """The header of slot index `slot` of learner `learner`'s ring."""
         return Record(self.base + self.layout.slot_header(learner, slot), SLOT)
-
-    def payload_addr(self, learner: int, slot: int) -> int:
-        """Address of the payload of slot index `slot` of learner `learner`'s ring."""
-        return self.base + self.layout.payload(learner, slot)
-
-    def dense(self, learner: int, slot: int) -> np.ndarray:
-        """NumPy view of the dense area of a slot, in the gradient dtype (bfloat16 as uint16)."""
-        self._check_learner(learner)
-        return self.array(self.layout.payload(learner, slot), self.shape.dense_count, NUMPY_DTYPES[self.shape.grad_dtype])
-
-    def sparse_area(self, learner: int, slot: int, table: int) -> tuple[int, np.ndarray, np.ndarray]:
-        """(address of the row count, indices view, rows view) of row-sparse table `table` in a slot."""
-        self._check_learner(learner)
-        spec, area = self.shape.sparse[table], self.layout.sparse_areas[table]
-        base = self.layout.payload(learner, slot)
-        indices = self.array(base + area.indices, spec.max_rows, np.int64)
-        rows = self.array(base + area.rows, spec.max_rows * spec.width, NUMPY_DTYPES[self.shape.grad_dtype])
-        return self.base + base + area.count, indices, rows.reshape(spec.max_rows, spec.width)
 
     @property
     def state(self) -> np.ndarray | None:

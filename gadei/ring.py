@@ -33,6 +33,7 @@ from .errors import CapacityError, GadeiTimeout, RegionCorrupt
 from .layout import ACTIVE, CLAIMING, ENTRY, ENTRY_BYTES, FREE, GRADIENT, HIST_BUCKETS
 from .protocol import WAIT_SLICE, Deadline, Doorbell
 from .region import Region
+from .transport.slot import clear as clear_slot
 
 log = logging.getLogger(__name__)
 
@@ -263,7 +264,7 @@ def _take(region: Region, learner: int, claims: int, drain_timeout: float, serve
             f"unapplied gradients after {drain_timeout:g} s; is the server running?"
         )
     for slot in range(region.shape.slots):
-        _native.zero(region.payload_addr(learner, slot), nbytes=region.layout.payload_bytes)
+        clear_slot(region, learner, slot)
     _keep_last_owner(entry)
     # The server writes these only while consuming this ring, and the ring is empty.
     for name in ("applied_samples", "stale_sum", "stale_max", "discarded"):

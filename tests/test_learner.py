@@ -11,6 +11,7 @@ import torch
 import gadei
 from helpers import Serving, communicate, read_line, wait_for
 from gadei.region import Region
+from gadei.transport.slot import dense_area
 from worker import Flat
 
 
@@ -54,7 +55,7 @@ def test_backward_accumulates_straight_into_the_ring_slot(job):
         with torch.no_grad():
             server.region.weights[:] = 0.0
         with gadei.Learner(model, job) as learner:
-            slot = learner.region.dense(learner.learner_id, learner._producer.slot)
+            slot = dense_area(learner.region, learner.learner_id, learner._producer.slot)
             assert model.weight.grad.data_ptr() == slot.ctypes.data  # .grad is a view of the slot
             x = torch.tensor([[1.0, 2.0, 3.0, 4.0]])
             model(x).sum().backward()

@@ -22,6 +22,7 @@ import gadei
 from helpers import communicate, finish, read_line, tiered, wait_for
 from gadei.modes import RuleOptions
 from gadei.region import Region, inspect
+from gadei.transport.slot import dense_area
 from oracles import async_reference
 from worker import Flat, Tokens, token_data
 
@@ -449,7 +450,7 @@ def test_a_move_slot_lands_as_sent_whatever_the_update_rule(job, mode, options):
         before = server.weights().copy()
         move = np.linspace(-3.0, 3.0, 100, dtype=np.float32)
         producer = learner._producer
-        slot = server.region.dense(producer.learner, producer.slot)
+        slot = dense_area(server.region, producer.learner, producer.slot)
         slot[:] = move
         producer.publish(0, 0, 0, kind=MOVE)  # computed on version 0: stale beyond the bound
         version = server.version
@@ -458,7 +459,7 @@ def test_a_move_slot_lands_as_sent_whatever_the_update_rule(job, mode, options):
         np.testing.assert_array_equal(server.weights(), before - move)
         if state is not None:
             np.testing.assert_array_equal(server.region.state, state)  # momentum buffer / adagrad sums untouched
-        assert not np.any(server.region.dense(producer.learner, producer.slot))  # the slot was cleared
+        assert not np.any(dense_area(server.region, producer.learner, producer.slot))  # the slot was cleared
         assert server.region.entry(0).get("discarded") == 0
     finally:
         learner.close()

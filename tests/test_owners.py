@@ -2,7 +2,8 @@
 that starts and kills processes: the house rules of issues 16 and 32, held by a scan of the
 source (AST), so that a new module cannot quietly write a handshake again, call the native
 layer around its owners or start a process of its own; and only the ring writes a ring's
-counters and owner accounting, and a slot's header."""
+counters and owner accounting, and a slot's header, and only the slot's format and the
+learner's writer a slot's row counts."""
 
 import ast
 from collections import defaultdict
@@ -40,6 +41,11 @@ WRITES = {"set", "add", "cas", "addr", "word"}  # Record's writers, and its raw 
 # slot (gadei/transport/slot.py), and the region makes its record.
 SLOT_HEADER_WRITERS = {"gadei/ring.py"}
 SLOT_HEADER_TAKERS = {"gadei/region.py", "gadei/ring.py", "gadei/transport/slot.py"}
+
+# A slot's row counts (gadei.layout.SparseArea.count): the slot's format makes their address
+# (`sparse_area`) and zeroes them when a slot is applied or discarded, and the learner's writer
+# stores them (`store_rows`, last, once the rows are in); a device push has the writer do it.
+ROW_COUNT_WRITERS = {"gadei/transport/slot.py", "gadei/transport/writer.py"}
 
 
 def _sources():
@@ -180,6 +186,23 @@ def slot_header_uses(sources) -> tuple[set[str], set[str]]:
     return takers, writers
 
 
+def row_count_writers(sources) -> set[str]:
+    """Modules that store a row count (import or call `store_rows`) or compute a row count's
+    address (`payload + area.count`: arithmetic on a sparse area's `count` offset)."""
+    found = set()
+    for name, tree in sources:
+        if name == LAYOUT:
+            continue
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.ImportFrom) and any(a.name == "store_rows" for a in node.names)) or (
+                    isinstance(node, ast.Call) and (getattr(node.func, "id", None) == "store_rows"
+                                                    or getattr(node.func, "attr", None) == "store_rows")) or (
+                    isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add) and any(
+                        isinstance(side, ast.Attribute) and side.attr == "count" for side in (node.left, node.right))):
+                found.add(name)
+    return found
+
+
 def shared_class_names(sources) -> dict[str, list[str]]:
     """Public class names defined in more than one module."""
     where = defaultdict(list)
@@ -206,6 +229,10 @@ def test_only_the_ring_writes_a_slot_header_and_only_the_slot_format_reads_one_b
     takers, writers = slot_header_uses(_sources())
     assert writers == SLOT_HEADER_WRITERS
     assert takers == SLOT_HEADER_TAKERS
+
+
+def test_only_the_slot_format_and_the_learners_writer_write_a_row_count():
+    assert row_count_writers(_sources()) == ROW_COUNT_WRITERS
 
 
 def test_no_two_public_classes_share_a_name():
@@ -235,6 +262,11 @@ def test_the_scans_find_what_they_look_for():
         "    header.set('samples', 3)\n"))]
     assert ring_word_writers(writer) == {"gadei/stray.py": {"head", "lease", "last_pid"}}
     assert slot_header_uses(writer) == ({"gadei/stray.py"}, {"gadei/stray.py"})
+    counts = [("gadei/a.py", ast.parse("from .transport.slot import store_rows\n")),
+              ("gadei/b.py", ast.parse("slot.store_rows(addr, 3)\n")),
+              ("gadei/c.py", ast.parse("_native.store64(payload + area.count, 0)\n")),
+              ("gadei/d.py", ast.parse("writer.set_rows(0, 1, 3)\nn = items.count(3) + 1\n"))]
+    assert row_count_writers(counts) == {"gadei/a.py", "gadei/b.py", "gadei/c.py"}
     reader = [("gadei/server.py", ast.parse("def f(region):\n    h = region.slot_header(0, 0)\n    return h.get('kind')\n"))]
     assert slot_header_uses(reader) == ({"gadei/server.py"}, set())
     assert protocol_field_uses(broken) == {"gadei/stray.py": {"run_state"}}

@@ -12,6 +12,7 @@ from gadei import protocol, status
 from gadei.errors import GadeiTimeout, JobFailed, JobStopped, RegionCorrupt
 from gadei.layout import FIELD_BYTES, SERVING, STOPPED, STOPPING
 from gadei.region import Region
+from gadei.transport.slot import dense_area
 from gadei.ring import Consumer, claim
 from gadei.server import Server
 
@@ -38,7 +39,7 @@ def _in_futex_wait(thread: threading.Thread) -> bool:
 
 
 def _publish(region, producer, value: float, step: int) -> None:
-    region.dense(producer.learner, producer.slot)[:] = value
+    dense_area(region, producer.learner, producer.slot)[:] = value
     producer.publish(region.header.get("version"), step, 1)
 
 
@@ -70,12 +71,12 @@ def test_a_learner_refuses_a_corrupt_tail_and_never_writes_over_a_pending_slot(s
     _publish(region, producer, 0.25, 0)
     _publish(region, producer, 0.5, 1)  # full: both slots wait for the server
     region.entry(producer.learner).set("tail", (producer.head + ahead) % 2**64)
-    pending = [region.dense(producer.learner, s).copy() for s in range(2)]
+    pending = [dense_area(region, producer.learner, s).copy() for s in range(2)]
     for look in (producer.has_space, lambda: producer.wait_space(lambda: None),
                  lambda: producer.drain(1.0, lambda: True)):
         with pytest.raises(RegionCorrupt, match=f"learner ring {producer.learner}: head - tail = .*allowed 0..2"):
             look()
-    assert all(np.array_equal(region.dense(producer.learner, s), pending[s]) for s in range(2))
+    assert all(np.array_equal(dense_area(region, producer.learner, s), pending[s]) for s in range(2))
 
 
 def test_the_apply_loop_applies_each_gradient_once_and_stops_on_request(served):

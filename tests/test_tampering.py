@@ -22,6 +22,7 @@ from helpers import blobs_job, communicate, end_jobs, finish, job_version, tiere
 from gadei import JobFailed, Learner, checkpoint
 from gadei.layout import MAGIC
 from gadei.region import Region, inspect, shm_name
+from gadei.transport.slot import dense_area
 
 N = 4096  # parameters of the served job
 SLOTS = 2
@@ -40,8 +41,8 @@ def _push(region, learner=0, value=1.0, samples=1, version=None, kind=0):
     entry = region.entry(learner)
     head = entry.get("head")
     slot = head % region.shape.slots
-    region.dense(learner, slot)[:] = 1.0
-    region.dense(learner, slot)[7] = value
+    dense_area(region, learner, slot)[:] = 1.0
+    dense_area(region, learner, slot)[7] = value
     header = region.slot_header(learner, slot)
     header.set("version", region.header.get("version") if version is None else version)
     header.set("step", head)

@@ -29,6 +29,7 @@ from gadei.ring import claim
 from gadei.server import Server
 from gadei.transport import CopyPull, DevicePull, DevicePush, PublishPush, SlotWriter, ThreadPush, ViewPull
 from gadei.transport.options import TransportOptions
+from gadei.transport.slot import dense_area, sparse_area
 from worker import TABLE_ROWS, TABLE_WIDTH, Flat, Table
 
 N = 1100  # Table: a 64 x 16 embedding (1,024) and a bias of 76
@@ -153,8 +154,9 @@ def _sparse(indices: list[int], rows: torch.Tensor) -> torch.Tensor:
     return torch.sparse_coo_tensor(torch.tensor([indices]), rows, (TABLE_ROWS, TABLE_WIDTH), check_invariants=True)
 
 
-def _count(count_addr: int) -> int:
-    return ctypes.c_uint64.from_address(count_addr).value
+def _count(region, learner: int, slot: int, table: int) -> int:
+    """The row count of table `table` in a slot, as the server would read it."""
+    return ctypes.c_uint64.from_address(sparse_area(region, learner, slot, table)[0]).value
 
 
 @pytest.mark.parametrize("push_cls", [PublishPush, DevicePush])
@@ -169,8 +171,8 @@ def test_a_row_sparse_gradient_travels_as_its_touched_rows_each_once_and_only_th
         assert table is not None and writer.table_of.count(None) == 1  # the bias is dense
         grads = [_sparse([5, 0, 5, 9], rows) if p.dim() == 2 else torch.full(p.shape, 0.5) for p in parameters]
         writer.write_grads(0, grads)
-        count_addr, indices, written = writer.rows_area(0, table)
-        assert _count(count_addr) == 3  # row 5 named twice: one row, coalesced
+        indices, written = writer.rows_area(0, table)
+        assert _count(region, producer.learner, 0, table) == 3  # row 5 named twice: one row, coalesced
         assert indices[:3].tolist() == [0, 5, 9]
         assert torch.equal(written[:3].float(), torch.stack([rows[1], rows[0] + rows[2], rows[3]]))
 
@@ -178,8 +180,8 @@ def test_a_row_sparse_gradient_travels_as_its_touched_rows_each_once_and_only_th
         dense = torch.zeros(TABLE_ROWS, TABLE_WIDTH)
         dense[7], dense[60] = 1.0, -2.0
         writer.write_grads(1, [dense if p.dim() == 2 else torch.zeros(p.shape) for p in parameters])
-        count_addr, indices, written = writer.rows_area(1, table)
-        assert _count(count_addr) == 2 and indices[:2].tolist() == [7, 60]
+        indices, written = writer.rows_area(1, table)
+        assert _count(region, producer.learner, 1, table) == 2 and indices[:2].tolist() == [7, 60]
         assert torch.equal(written[:2].float(), dense[[7, 60]])
 
         # the push itself (the device push stages the rows on its device and writes them from its thread)
@@ -191,8 +193,8 @@ def test_a_row_sparse_gradient_travels_as_its_touched_rows_each_once_and_only_th
                 p.grad = _sparse([9, 5, 9], rows[:3]) if p.dim() == 2 else torch.full(p.shape, 0.5)
             assert push.push(0, 0, 1)
             protocol.wait_for(lambda: push.pending == 0, 10, "the push to be published")
-            count_addr, indices, written = writer.rows_area(slot, table)
-            assert _count(count_addr) == 2 and indices[:2].tolist() == [5, 9]
+            indices, written = writer.rows_area(slot, table)
+            assert _count(region, producer.learner, slot, table) == 2 and indices[:2].tolist() == [5, 9]
             assert torch.equal(written[:2].float(), torch.stack([rows[1], rows[0] + rows[2]]))
         finally:
             push.close()
@@ -228,8 +230,8 @@ def test_a_gradient_touching_more_rows_than_a_slot_carries_is_refused_and_nothin
             with pytest.raises(GadeiError, match=rf"job '{job}': one gradient touches 5 rows of '{TABLE}', the job "
                                                  r"carries at most 4 \(serve it with a larger --max-rows\)"):
                 push.push(0, 0, 1)
-            count_addr, _, _ = push.writer.rows_area(producer.slot, 0)
-            assert _count(count_addr) == 0 and producer.tail() == 0  # not written, not published
+            # not written, not published
+            assert _count(region, producer.learner, producer.slot, 0) == 0 and producer.tail() == 0
             for p in parameters:
                 p.grad = _sparse([1, 2], torch.ones(2, TABLE_WIDTH)) if p.dim() == 2 else torch.ones(p.shape)
             assert push.push(0, 1, 1)  # the next one goes as usual
@@ -278,7 +280,8 @@ def _publish_rows(region, producer, writer, indices: list[int], count: int | Non
     `count` (default: the number of indices), written there by hand: what a learner that does not
     keep to the format (or a stray write into the region) leaves; the dense area (the bias) is 0."""
     producer.wait_space(lambda: None)
-    count_addr, index_area, row_area = writer.rows_area(producer.slot, 0)
+    index_area, row_area = writer.rows_area(producer.slot, 0)
+    count_addr = sparse_area(region, producer.learner, producer.slot, 0)[0]
     index_area[: len(indices)] = torch.tensor(indices, dtype=torch.int64)
     row_area[: len(indices)] = 0.5
     ctypes.c_uint64.from_address(count_addr).value = len(indices) if count is None else count
@@ -339,7 +342,7 @@ def test_a_push_threads_error_is_raised_in_the_train_thread_at_its_next_push(job
 def _bump(server_region, region, producer, value: float, step: int) -> None:
     """Publish a dense gradient of `value` and wait until it is applied."""
     producer.wait_space(lambda: None)
-    region.dense(producer.learner, producer.slot)[:] = value
+    dense_area(region, producer.learner, producer.slot)[:] = value
     producer.publish(region.header.get("version"), step, 1)
     _applied(region, step + 1)
 

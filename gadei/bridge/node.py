@@ -15,6 +15,7 @@ from ..layout import MOVE, SERVING, STOPPING
 from ..protocol import RunState, Version
 from ..region import Region
 from ..ring import WAIT_SLICE, claim
+from ..transport.slot import dense_area
 from .mpi import BridgeError
 
 log = logging.getLogger(__name__)
@@ -162,7 +163,7 @@ class LocalNode:
             GadeiTimeout: the server did not apply it within the attach timeout.
         """
         self.producer.wait_space(self._on_slice)
-        slot = self.region.dense(self.producer.learner, self.producer.slot)
+        slot = dense_area(self.region, self.producer.learner, self.producer.slot)
         np.subtract(seen, target, out=slot)  # the server's w -= slot leaves target + the learners' progress since
         self.producer.publish(self.version(), self.published, 0, kind=MOVE)
         self.published += 1

@@ -14,7 +14,7 @@ from ..ring import WAIT_SLICE
 from .pull import CopyPull
 from .push import Push
 from .handoff import Handoff
-from .slot import dense_offset, store_rows
+from .slot import dense_area, dense_offset
 from .writer import TORCH_DTYPES
 
 log = logging.getLogger(__name__)
@@ -43,7 +43,7 @@ class DevicePush(Push):
         self.cuda = self.device.type == "cuda"
         self.dtype = TORCH_DTYPES[shape.grad_dtype]
         self._itemsize = shape.grad_itemsize
-        self._slots = [torch.from_numpy(region.dense(learner, s)).view(self.dtype) for s in range(shape.slots)]
+        self._slots = [torch.from_numpy(dense_area(region, learner, s)).view(self.dtype) for s in range(shape.slots)]
         self._staging = [torch.zeros(shape.dense_count, dtype=self.dtype, device=self.device) for _ in range(2)]
         starts, offset = [], 0
         for _, p_shape in self.spec:
@@ -162,16 +162,16 @@ class DevicePush(Push):
         nbytes = self._staging[buf].numel() * self._itemsize
         counts = []
         for table, index, values in rows:
-            count_addr, indices, area = self.writer.rows_area(slot, table)
+            indices, area = self.writer.rows_area(slot, table)
             count = index.numel()
             indices[:count].copy_(index, non_blocking=self.cuda)
             area[:count].copy_(values, non_blocking=self.cuda)
-            counts.append((count_addr, count))
+            counts.append((table, count))
             nbytes += count * 8 + values.numel() * self._itemsize
         if self._stream is not None:
             self._stream.synchronize()  # the slot holds the whole gradient before it is published
-        for count_addr, count in counts:
-            store_rows(count_addr, count)
+        for table, count in counts:
+            self.writer.set_rows(slot, table, count)
         self.copy_seconds += time.perf_counter() - started
         self.bytes += nbytes
         _device.inject("push.publish")

@@ -1,8 +1,10 @@
-"""A ring slot's format: where a gradient lies in a slot (dense area, row-sparse tables' rows),
-what the server reads of it once per gradient when it takes it (`SlotFormat.take`: the slot
-header and the row counts, checked there, with one message each), and the kernels that apply
-it to float32 arrays. Torch-free: the server's side; a learner's `SlotWriter`
-(gadei.transport.writer) writes into it."""
+"""A ring slot's format: where a gradient lies in a slot (dense area, row-sparse tables' row
+indices, rows and row counts: `payload_addr`, `dense_area`, `sparse_area`, the one maker of
+views over a slot's payload), what the server reads of it once per gradient when it takes it
+(`SlotFormat.take`: the slot header and the row counts, checked there, with one message each),
+and the kernels that apply it to float32 arrays. Torch-free: the server's side; a learner's
+`SlotWriter` (gadei.transport.writer) writes into it, and is with this module the only writer
+of a row count (tests/test_owners.py holds it)."""
 
 from dataclasses import dataclass
 
@@ -14,6 +16,8 @@ from ..layout import DTYPE_CODES, GRADIENT, MAX_SAMPLES, MOVE, SparseTable
 from ..region import Region
 
 _F32 = DTYPE_CODES["float32"]
+# NumPy element types of gradient slots; NumPy has no bfloat16, so its bits travel as uint16.
+NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
 
 
 @dataclass(frozen=True)
@@ -50,9 +54,45 @@ def dense_offset(segments, offset: int) -> int:
     raise ValueError(f"weight offset {offset} is in no dense segment")
 
 
+def _payload(region: Region, learner: int, slot: int) -> int:
+    """Byte offset in the region of slot `slot`'s payload in learner `learner`'s ring."""
+    shape = region.shape
+    if not (0 <= learner < shape.capacity and 0 <= slot < shape.slots):
+        raise IndexError(f"job {region.job!r}: slot {slot} of learner {learner} is outside learners "
+                         f"0..{shape.capacity - 1}, slots 0..{shape.slots - 1}")
+    return region.layout.payload(learner, slot)
+
+
+def payload_addr(region: Region, learner: int, slot: int) -> int:
+    """Address of the payload of slot index `slot` of learner `learner`'s ring."""
+    return region.base + _payload(region, learner, slot)
+
+
+def dense_area(region: Region, learner: int, slot: int) -> np.ndarray:
+    """NumPy view of the dense area of a slot, in the gradient dtype (bfloat16 as uint16)."""
+    shape = region.shape
+    return region.array(_payload(region, learner, slot), shape.dense_count, NUMPY_DTYPES[shape.grad_dtype])
+
+
+def sparse_area(region: Region, learner: int, slot: int, table: int) -> tuple[int, np.ndarray, np.ndarray]:
+    """(address of the row count, row indices view, rows view) of row-sparse table `table` in a
+    slot; only a slot's writer (gadei.transport.writer) stores the count, with `store_rows`."""
+    spec, area = region.shape.sparse[table], region.layout.sparse_areas[table]
+    base = _payload(region, learner, slot)
+    indices = region.array(base + area.indices, spec.max_rows, np.int64)
+    rows = region.array(base + area.rows, spec.max_rows * spec.width, NUMPY_DTYPES[region.shape.grad_dtype])
+    return region.base + base + area.count, indices, rows.reshape(spec.max_rows, spec.width)
+
+
 def store_rows(count_addr: int, count: int) -> None:
     """Store a table's row count in a slot (a writer does it last, once the rows are in)."""
     _native.store64(count_addr, count)
+
+
+def clear(region: Region, learner: int, slot: int) -> None:
+    """Zero a whole slot's payload, row counts included (a claim does it to a previous owner's
+    unpublished slot, once nothing is in flight)."""
+    _native.zero(payload_addr(region, learner, slot), nbytes=region.layout.payload_bytes)
 
 
 class SlotFormat:
@@ -73,7 +113,7 @@ class SlotFormat:
         self.job = region.job
         self._region = region
         self._headers = [[region.slot_header(i, k) for k in range(shape.slots)] for i in range(shape.capacity)]
-        self._payloads = [[region.payload_addr(i, k) for k in range(shape.slots)] for i in range(shape.capacity)]
+        self._payloads = [[payload_addr(region, i, k) for k in range(shape.slots)] for i in range(shape.capacity)]
 
     def take(self, learner: int, slot: int, version: int) -> Gradient:
         """The gradient in slot `slot` of `learner`'s ring (published, taken by the server),

@@ -1,6 +1,7 @@
 """What a push writes into a ring slot: `SlotWriter` writes a learner's gradients (or weights)
 where the slot's format (gadei.transport.slot) says they lie, and gives the views of a slot a
-model's gradients can be."""
+model's gradients can be. It is the learner's one writer of a slot's row counts (a device push
+stages the rows and has the writer store the counts)."""
 
 import math
 
@@ -9,7 +10,7 @@ import torch
 from ..errors import GadeiError
 from ..params import Spec
 from ..region import Region
-from .slot import dense_offset, store_rows
+from .slot import dense_area, dense_offset, sparse_area, store_rows
 
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -39,7 +40,7 @@ class SlotWriter:
         self._dense: list[list[torch.Tensor | None]] = []
         self._areas = []
         for slot in range(shape.slots):
-            dense = torch.from_numpy(region.dense(learner, slot)).view(self.dtype)
+            dense = torch.from_numpy(dense_area(region, learner, slot)).view(self.dtype)
             per_param = []
             for (name, p_shape), o, table in zip(spec, offsets, self.table_of):
                 if table is not None:
@@ -50,7 +51,7 @@ class SlotWriter:
             self._dense.append(per_param)
             areas = []
             for t in range(len(shape.sparse)):
-                count_addr, indices, rows = region.sparse_area(learner, slot, t)
+                count_addr, indices, rows = sparse_area(region, learner, slot, t)
                 areas.append((count_addr, torch.from_numpy(indices), torch.from_numpy(rows).view(self.dtype)))
             self._areas.append(areas)
 
@@ -82,13 +83,17 @@ class SlotWriter:
             for p, target in zip(self.parameters, self._dense[slot]):
                 target.copy_(p)
 
-    def rows_area(self, slot: int, table: int) -> tuple[int, torch.Tensor, torch.Tensor]:
-        """Where row-sparse table `table`'s rows go in `slot`: (address of the row count,
-        indices, rows); the count is stored last, once the rows are in."""
-        return self._areas[slot][table]
+    def rows_area(self, slot: int, table: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where row-sparse table `table`'s rows go in `slot`: (row indices, rows); their count
+        is stored last, with `set_rows`, once they are in."""
+        return self._areas[slot][table][1:]
+
+    def set_rows(self, slot: int, table: int, count: int) -> None:
+        """Store that `count` rows of table `table` are in `slot` (after the rows themselves)."""
+        store_rows(self._areas[slot][table][0], count)
 
     def _write_rows(self, slot: int, param: int, table: int, grad: torch.Tensor) -> None:
-        count_addr, indices, rows = self.rows_area(slot, table)
+        indices, rows = self.rows_area(slot, table)
         if grad.is_sparse:
             grad = grad.coalesce()
             index, values = grad.indices()[0], grad.values()
@@ -99,7 +104,7 @@ class SlotWriter:
         self.check_rows(param, table, count)
         indices[:count].copy_(index)
         rows[:count].copy_(values.reshape(count, -1))
-        store_rows(count_addr, count)
+        self.set_rows(slot, table, count)
 
     def check_rows(self, param: int, table: int, count: int) -> None:
         """Raise GadeiError if `count` rows of table `table` (parameter `param`) do not fit a slot."""
