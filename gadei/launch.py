@@ -1,6 +1,7 @@
 """Running a job's processes on this machine: the one place gadei starts one (`spawn`;
 `run_command` for one it waits for; `become` for a command that turns into another), stops a job (`stop_job`) and ends a child that does not
-exit in time (`wait_or_kill`); a server and learners as child processes (`LocalJob`).
+exit in time (`wait_or_kill`), or itself when a call that takes no time limit overstays (`exit_after`); a server and learners
+as child processes (`LocalJob`).
 
 `gadei demo`, `gadei bench train` and the end-to-end tests start jobs this way: every
 process is `python -m gadei serve|learn ...`, readiness is polled with a deadline, and
@@ -15,9 +16,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
-from . import _proc
+from . import _native, _proc
 from ._proc import gadei_command
 from .errors import ForeignRegion, GadeiError, GadeiTimeout, JobRunning, RegionNotFound
 from .protocol import Deadline, RunState
@@ -263,3 +265,15 @@ class LocalJob:
             self.keep_logs = True
             log.warning("job %r: its processes' logs are in %s", self.job, self.log_dir)
         self.close()
+
+
+@contextmanager
+def exit_after(seconds: float, code: int, message: str):
+    """Leave this process (`_exit(code)`, `message` on stderr) unless the block ends within
+    `seconds`: the deadline of a call that takes none and blocks holding the GIL (MPI_Finalize),
+    kept by a native thread. Disarmed when the block ends, by an error too."""
+    _native.exit_after(float(seconds), code, message)
+    try:
+        yield
+    finally:
+        _native.exit_disarm()

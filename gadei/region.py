@@ -638,6 +638,16 @@ def check_name_free(job: str, found: "Found | None" = None) -> None:
     raise ForeignRegion(f"job {job!r}: {path} exists but {found.problem}; remove it with `gadei clean --force {job}`")
 
 
+def cross_cpu_ns(cpu_a: int, cpu_b: int, rounds: int, timeout: float) -> float:
+    """What a region word costs to cross between two CPUs: nanoseconds per round trip of a cache
+    line between two threads pinned to `cpu_a` and `cpu_b`, over `rounds` trips (the native probe).
+
+    Raises:
+        OSError: a thread cannot run on its CPU; TimeoutError: the rounds took over `timeout` seconds.
+    """
+    return _native.cross_cpu_ns(cpu_a, cpu_b, rounds, timeout)
+
+
 def remove(job: str) -> None:
     """Unlink `job`'s region name (processes that mapped it keep their mapping)."""
     try:

@@ -6,6 +6,7 @@ counters and owner accounting, and a slot's header, and only the slot's format a
 learner's writer a slot's row counts."""
 
 import ast
+import re
 from collections import defaultdict
 from pathlib import Path
 
@@ -13,21 +14,20 @@ ROOT = Path(__file__).resolve().parent.parent
 FOLDERS = {"gadei": ROOT / "gadei", "gadei_watchdog": ROOT / "watchdog", "gadei_workloads": ROOT / "workloads"}
 
 # The modules that own a protocol or a kernel, and so call gadei._native (see gadei/_native.pyi):
-# the region's atomic words and futexes, the rings, the update kernels, the transports'
-# payload kernels, the bridge's weights copy and exit guard, the kernel benchmarks, and the
-# benchmarks' probe of how near the CPUs are (timing.cross_cpu_ns).
-NATIVE_OWNERS = {
-    "gadei/region.py", "gadei/ring.py", "gadei/modes.py",
-    "gadei/transport/slot.py", "gadei/transport/pull.py",
-    "gadei/bridge/node.py", "gadei/bridge/exchange.py",
-    "gadei/bench/__init__.py", "gadei/bench/latency.py", "gadei/bench/kernel.py", "gadei/bench/timing.py",
-}
+# the region's atomic words and futexes (and the probe of what one costs to cross between CPUs),
+# the rings, the sync and elastic update kernels, the slot's format (its payload kernels, and
+# `Float32Dense`: the kernels on plain float32 arrays, the weights copy of a pull or a bridge,
+# which the kernel benchmarks time), and the process owner's exit guard (the bridge's
+# MPI_Finalize). Everyone else goes through their functions.
+NATIVE_OWNERS = {"gadei/region.py", "gadei/ring.py", "gadei/modes.py", "gadei/transport/slot.py", "gadei/launch.py"}
 
-# Header words of the run-state machine, the stop handshake, the doorbell, the version waits
-# and the checkpoint hold: only gadei/protocol.py names them.
+# Header words of the run-state machine (and why it failed), the stop handshake, the doorbell,
+# the version waits, the checkpoint hold and the training decision: only gadei/protocol.py
+# names them (its module docstring lists the same words).
 PROTOCOL = "gadei/protocol.py"
 LAYOUT = "gadei/layout.py"  # declares them (offsets), says nothing of how they are used
-PROTOCOL_FIELDS = {"run_state", "doorbell", "server_sleeping", "version_waiters", "seq", "hold", "held", "hold_epoch"}
+PROTOCOL_FIELDS = {"run_state", "fail_reason", "doorbell", "server_sleeping", "version_waiters", "seq", "hold", "held",
+                   "hold_epoch", "train_stop"}
 
 
 # A ring's counters and its owner accounting (gadei.layout.ENTRY): only gadei/ring.py writes
@@ -219,6 +219,12 @@ def test_only_the_owners_import_the_native_module():
 
 def test_only_the_protocol_module_names_the_protocol_header_words():
     assert protocol_field_uses(_sources()) == {}
+
+
+def test_the_protocol_module_says_which_words_it_alone_names():
+    doc = ast.get_docstring(ast.parse((ROOT / PROTOCOL).read_text(encoding="utf-8")))
+    listed = re.search(r"names those\s+words \(([^)]*)\)", doc)
+    assert listed and set(re.findall(r"`(\w+)`", listed.group(1))) == PROTOCOL_FIELDS
 
 
 def test_only_the_ring_writes_a_ring_counter_or_its_owner_accounting():

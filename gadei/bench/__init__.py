@@ -59,8 +59,8 @@ from pathlib import Path
 
 import torch
 
-from .. import _native
 from ..env import settings, usable_cores
+from ..transport.slot import openmp
 from .bridge import bench_bridge
 from .gpu import bench_gpu
 from .jobs import bench_jobs
@@ -87,7 +87,7 @@ def run_bench(args) -> int:
         from ..data import resolve
 
         args.data = resolve(args.data)  # a shared data set's bare name ('trec'), as `gadei learn --data` takes it
-    built, processors = _native.openmp()
+    built, processors = openmp()
     # the cores this process may run on beside the machine's; the OpenMP settings as the bench's
     # processes see them (gadei sets OMP_WAIT_POLICY=PASSIVE at import unless the user set it)
     out = {"machine": {"cpus": os.cpu_count(), "usable_cpus": usable_cores(),

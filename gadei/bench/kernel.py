@@ -7,8 +7,7 @@ import time
 import numpy as np
 import torch
 
-from .. import _native
-from ..layout import DTYPE_CODES
+from ..transport.slot import Float32Dense
 from .timing import MB, aligned, interleaved, median, table
 
 
@@ -16,7 +15,7 @@ def bench_kernel(args) -> dict:
     sizes = [1, 16, 64] if args.quick else [1, 4, 16, 32, 64, 128, 256]
     all_threads = os.cpu_count() or 1
     thread_counts = sorted({1, all_threads})
-    lr, f32 = 0.01, DTYPE_CODES["float32"]
+    lr = 0.01
     rows, records, adagrad_records, adam_records, check_records = [], [], [], [], []
     torch_threads = torch.get_num_threads()
     try:
@@ -31,13 +30,13 @@ def bench_kernel(args) -> dict:
             wa, ga = w.ctypes.data, g.ctypes.data
             moved = 3 * n * 4  # read w, read g, write w
             for threads in thread_counts:
+                dense = Float32Dense(n, threads)
                 methods = {
-                    "gadei": lambda: _native.sgd(wa, ga, dtype=f32, n=n, lr=lr, clear=0, threads=threads),
-                    "plain_c": lambda: _native.plain_sgd(wa, ga, n=n, lr=lr, threads=threads),
+                    "gadei": lambda: dense.sgd(wa, ga, lr, clear=False),
+                    "plain_c": lambda: dense.plain_sgd(wa, ga, lr),
                     "torch_add_": lambda: tw.add_(tg, alpha=-lr),
                     # what the server runs per gradient: the read-only non-finite check, then the update
-                    "checked": lambda: (_native.nonfinite(ga, dtype=f32, n=n, threads=threads),
-                                        _native.sgd(wa, ga, dtype=f32, n=n, lr=lr, clear=0, threads=threads)),
+                    "checked": lambda: (dense.nonfinite(ga), dense.sgd(wa, ga, lr, clear=False)),
                 }
                 torch.set_num_threads(threads)
                 seconds = interleaved(methods, rounds=10 * args.repeats, min_seconds=0.002 if args.quick else 0.01)
@@ -89,12 +88,12 @@ def _bench_adagrad(w: np.ndarray, g: np.ndarray, size: int, thread_counts, args)
     param = torch.nn.Parameter(torch.from_numpy(w), requires_grad=True)
     param.grad = torch.from_numpy(g)
     optimizer = torch.optim.Adagrad([param], lr=lr, eps=ADAGRAD_EPS, fused=True)
-    wa, sa, ga, f32 = w.ctypes.data, s.ctypes.data, g.ctypes.data, DTYPE_CODES["float32"]
+    wa, sa, ga = w.ctypes.data, s.ctypes.data, g.ctypes.data
     records = []
     for threads in thread_counts:
+        dense = Float32Dense(n, threads)
         methods = {
-            "gadei": lambda: _native.adagrad(wa, sa, ga, dtype=f32, n=n, lr=lr, eps=ADAGRAD_EPS, clear=0,
-                                             threads=threads),
+            "gadei": lambda: dense.adagrad(wa, sa, ga, lr, ADAGRAD_EPS, clear=False),
             "torch_fused": optimizer.step,
         }
         torch.set_num_threads(threads)
@@ -116,17 +115,17 @@ def _bench_adam(w: np.ndarray, g: np.ndarray, size: int, thread_counts, args) ->
     param = torch.nn.Parameter(torch.from_numpy(w), requires_grad=True)
     param.grad = torch.from_numpy(g)
     optimizer = torch.optim.Adam([param], lr=lr, betas=(ADAM_BETA1, ADAM_BETA2), eps=ADAM_EPS, fused=True)
-    wa, ma, va, ga, f32 = w.ctypes.data, m.ctypes.data, v.ctypes.data, g.ctypes.data, DTYPE_CODES["float32"]
+    wa, ma, va, ga = w.ctypes.data, m.ctypes.data, v.ctypes.data, g.ctypes.data
     step = [0]
 
-    def gadei_step(threads: int) -> None:
+    def gadei_step(dense: Float32Dense) -> None:
         step[0] += 1
-        _native.adam(wa, ma, va, ga, dtype=f32, n=n, lr=lr, beta1=ADAM_BETA1, beta2=ADAM_BETA2, eps=ADAM_EPS,
-                     step=step[0], clear=0, threads=threads)
+        dense.adam(wa, ma, va, ga, lr, step[0], (ADAM_BETA1, ADAM_BETA2, ADAM_EPS), clear=False)
 
     records = []
     for threads in thread_counts:
-        methods = {"gadei": lambda: gadei_step(threads), "torch_fused": optimizer.step}
+        dense = Float32Dense(n, threads)
+        methods = {"gadei": lambda: gadei_step(dense), "torch_fused": optimizer.step}
         torch.set_num_threads(threads)
         seconds = interleaved(methods, rounds=10 * args.repeats, min_seconds=0.002 if args.quick else 0.01)
         gbs = {name: 7 * n * 4 / sec / 1e9 for name, sec in seconds.items()}
@@ -141,12 +140,12 @@ def sgd_thread_seconds(size_mb: float) -> float:
     n = int(size_mb * MB) // 4
     w, g = aligned(n), aligned(n)
     w[:], g[:] = 0.0, np.float32(1e-6)
-    f32 = DTYPE_CODES["float32"]
+    dense = Float32Dense(n, 1)
 
     def sample() -> float:
         calls, start = 0, time.thread_time()
         while True:
-            _native.sgd(w.ctypes.data, g.ctypes.data, dtype=f32, n=n, lr=0.01, clear=0, threads=1)
+            dense.sgd(w.ctypes.data, g.ctypes.data, 0.01, clear=False)
             calls += 1
             spent = time.thread_time() - start
             if spent >= 0.02 and calls >= 2:

@@ -7,9 +7,8 @@ import time
 import numpy as np
 import torch
 
-from .. import _native
 from ..env import settings
-from ..layout import DTYPE_CODES
+from ..transport.slot import Float32Dense
 from .timing import MB, cross_cpu_ns, median, placement, table, time_it
 
 
@@ -51,15 +50,12 @@ def bench_latency(args) -> dict:
         # the copy and the update on their own, on private buffers of the same size
         src = np.ones(n, dtype=np.float32)
         w, g = np.zeros(n, dtype=np.float32), np.zeros(n, dtype=np.float32)
-        threads, f32 = settings().threads, DTYPE_CODES["float32"]
-        copy_s = median([time_it(lambda: _native.copy(g.ctypes.data, src.ctypes.data, nbytes=n * 4, threads=1), 0.05)
-                          for _ in range(args.repeats)])
-        update_s = median([time_it(lambda: _native.sgd(w.ctypes.data, g.ctypes.data, dtype=f32, n=n, lr=0.01, clear=1,
-                                                       threads=threads), 0.05)
-                            for _ in range(args.repeats)])
-        paused_us = _after_pause(lambda: (_native.copy(g.ctypes.data, src.ctypes.data, nbytes=n * 4, threads=1),
-                                          _native.sgd(w.ctypes.data, g.ctypes.data, dtype=f32, n=n, lr=0.01, clear=1,
-                                                      threads=threads)),
+        dense = Float32Dense(n, settings().threads)  # the server's kernels; a copy takes one thread
+        copy_s = median([time_it(lambda: dense.copy(g.ctypes.data, src.ctypes.data), 0.05) for _ in range(args.repeats)])
+        update_s = median([time_it(lambda: dense.sgd(w.ctypes.data, g.ctypes.data, 0.01), 0.05)
+                           for _ in range(args.repeats)])
+        paused_us = _after_pause(lambda: (dense.copy(g.ctypes.data, src.ctypes.data),
+                                          dense.sgd(w.ctypes.data, g.ctypes.data, 0.01)),
                                  GAP, 20 if args.quick else 100)
         for r in results:
             if r["size_mb"] == size:

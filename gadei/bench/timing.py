@@ -9,7 +9,7 @@ import time
 import numpy as np
 import psutil
 
-from .. import _native
+from ..region import cross_cpu_ns as _round_trip_ns
 
 MB = 1 << 20
 
@@ -67,7 +67,7 @@ def cross_cpu_ns(rounds: int = 20_000, samples: int = 5) -> float | None:
     if len(cpus) < 2:
         return None
     try:
-        return median([_native.cross_cpu_ns(cpus[0], cpus[1], rounds, 5.0) for _ in range(samples)])
+        return median([_round_trip_ns(cpus[0], cpus[1], rounds, 5.0) for _ in range(samples)])
     except OSError:  # TimeoutError included
         return None
 

@@ -10,8 +10,8 @@ from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
-from .. import _native
 from ..errors import GadeiError, GadeiTimeout, JobStopped, ServerGone
+from ..launch import exit_after
 from ..protocol import Deadline
 from ..ring import WAIT_SLICE
 from .gossip import Gossip
@@ -408,16 +408,15 @@ def finalize(clean: bool, code: int, timeout: float) -> int:
     is given `timeout` seconds: it waits in the runtime's fence for every rank, and one that
     died without any survivor noticing (killed between two gossip exchanges) never comes; a
     gossip rank that left while the others still train waits that long for them at most.
-    It blocks holding the GIL, so a native thread keeps that deadline (`exit_after`)."""
+    It blocks holding the GIL, so a native thread keeps that deadline (`launch.exit_after`)."""
     if not clean:
         _exit(code)
     MPI = mpi()
     sys.stdout.flush()
     sys.stderr.flush()
-    _native.exit_after(float(timeout), code, f"gadei.bridge WARNING rank {MPI.COMM_WORLD.Get_rank()}: MPI_Finalize "
-                       f"did not return within {timeout:g} s (a rank died unnoticed, or still runs): leaving without it")
-    MPI.Finalize()
-    _native.exit_disarm()
+    with exit_after(timeout, code, f"gadei.bridge WARNING rank {MPI.COMM_WORLD.Get_rank()}: MPI_Finalize did not "
+                    f"return within {timeout:g} s (a rank died unnoticed, or still runs): leaving without it"):
+        MPI.Finalize()
     return code
 
 

@@ -8,14 +8,13 @@ import time
 
 import numpy as np
 
-from .. import _native
 from ..env import settings
 from ..errors import GadeiError, GadeiTimeout, ServerGone
 from ..layout import MOVE, SERVING, STOPPING
 from ..protocol import RunState, Version
 from ..region import Region
 from ..ring import WAIT_SLICE, claim
-from ..transport.slot import dense_area
+from ..transport.slot import Float32Dense, dense_area
 from .mpi import BridgeError
 
 log = logging.getLogger(__name__)
@@ -139,7 +138,7 @@ class LocalNode:
     def snapshot(self, out: np.ndarray) -> int:
         """Copy the weights into `out`; the version they are. In consistent mode the copy
         holds whole updates only (taken between two equal, even seqlock readings)."""
-        nbytes = self.n * 4
+        weights = Float32Dense(self.n, 1)
         odd_since = None
         while True:
             seq = self._clock.seq()
@@ -151,7 +150,7 @@ class LocalNode:
                     continue
                 whole = False  # the server died inside an update: nothing will finish it
             version = self.version()
-            _native.copy(int(out.ctypes.data), self.region.weights_addr, nbytes=nbytes, threads=1)
+            weights.copy(int(out.ctypes.data), self.region.weights_addr)
             if not whole or self._clock.seq() == seq:
                 return version
 

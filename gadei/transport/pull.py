@@ -8,11 +8,11 @@ from typing import Callable, ClassVar
 
 import torch
 
-from .. import _native
 from ..params import Spec, views
 from ..region import Region
 from ..protocol import WAIT_SLICE, Version
 from .handoff import Handoff
+from .slot import Float32Dense
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +46,7 @@ class Pull(ABC):
         self.on_pull = on_pull
         self.consistent = consistent
         self._clock = Version(region)
+        self._weights = Float32Dense(region.shape.n_params, 1)  # what a copy moves
         self.retries = 0  # consistent copies taken again because an update ran during them
 
     @abstractmethod
@@ -101,7 +102,7 @@ class Pull(ABC):
 
     def _copy_into(self, target: torch.Tensor, nbytes: int) -> None:
         """Copy the region's weights (`nbytes`) into `target`, finished when this returns."""
-        _native.copy(addr(target), self.region.weights_addr, nbytes=nbytes, threads=1)
+        self._weights.copy(addr(target), self.region.weights_addr)
 
     def _bind(self, flat: torch.Tensor, tensors: list[torch.Tensor] | None = None) -> None:
         """Make the parameters views of `flat` (`tensors`: those views, made beforehand)."""

@@ -227,16 +227,44 @@ class SlotFormat:
 
 
 class Float32Dense:
-    """The slot format of a plain float32 array of n elements (the sync round's sum)."""
+    """The slot format of a plain float32 array of n elements: the sync round's sum, the weights
+    a pull or a bridge copies out, and the kernel benchmarks' buffers (which time the kernels
+    through these methods, and against `plain_sgd`)."""
 
     def __init__(self, n: int, threads: int):
         self.n, self.threads = n, threads
 
-    def sgd(self, weights: int, payload: int, lr: float) -> None:
-        _native.sgd(weights, payload, dtype=_F32, n=self.n, lr=lr, clear=1, threads=self.threads)
+    def sgd(self, weights: int, payload: int, lr: float, *, clear: bool = True) -> None:
+        """weights -= lr * payload, in place; zeroes the payload with `clear`."""
+        _native.sgd(weights, payload, dtype=_F32, n=self.n, lr=lr, clear=int(clear), threads=self.threads)
 
     def momentum(self, weights: int, state: int, payload: int, lr: float, mu: float) -> None:
         _native.momentum(weights, state, payload, dtype=_F32, n=self.n, lr=lr, mu=mu, clear=1, threads=self.threads)
 
-    def adagrad(self, weights: int, state: int, payload: int, lr: float, eps: float) -> None:
-        _native.adagrad(weights, state, payload, dtype=_F32, n=self.n, lr=lr, eps=eps, clear=1, threads=self.threads)
+    def adagrad(self, weights: int, state: int, payload: int, lr: float, eps: float, *, clear: bool = True) -> None:
+        _native.adagrad(weights, state, payload, dtype=_F32, n=self.n, lr=lr, eps=eps, clear=int(clear),
+                        threads=self.threads)
+
+    def adam(self, weights: int, m: int, v: int, payload: int, lr: float, step: int,
+             betas: tuple[float, float, float], *, clear: bool = True) -> None:
+        """Adam at step `step` with `betas` (beta1, beta2, eps), its moments at `m` and `v`."""
+        _native.adam(weights, m, v, payload, dtype=_F32, n=self.n, lr=lr, beta1=betas[0], beta2=betas[1],
+                     eps=betas[2], step=step, clear=int(clear), threads=self.threads)
+
+    def nonfinite(self, payload: int) -> int:
+        """How many of the n values at `payload` are NaN or infinite (the server's check, read only)."""
+        return _native.nonfinite(payload, dtype=_F32, n=self.n, threads=self.threads)
+
+    def copy(self, target: int, source: int) -> None:
+        """Copy the n floats at `source` to `target`, on this thread alone (a pull's copy of the
+        weights runs beside training: it takes no kernel threads)."""
+        _native.copy(target, source, nbytes=4 * self.n, threads=1)
+
+    def plain_sgd(self, weights: int, payload: int, lr: float) -> None:
+        """weights -= lr * payload as a plain C loop: what `gadei bench kernel` holds `sgd` against."""
+        _native.plain_sgd(weights, payload, n=self.n, lr=lr, threads=self.threads)
+
+
+def openmp() -> tuple[bool, int]:
+    """Whether the kernels were built with OpenMP, and the processors it sees (a benchmark's record)."""
+    return _native.openmp()
