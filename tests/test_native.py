@@ -143,17 +143,18 @@ def test_cross_cpu_ns_times_a_cache_line_between_two_cpus_and_says_when_it_canno
     assert "changed" not in placement([75.0, 80.0, 90.0]) and "75-90 ns (median 80)" in placement([75.0, 80.0, 90.0])
 
 
-def test_exit_after_ends_a_process_stuck_holding_the_gil_unless_disarmed():
-    """The deadline MPI_Finalize gets: a native thread, because the stuck call holds the GIL
-    (no Python thread could run: builtin sum over a range is one C call)."""
-    stuck = ("from gadei import _native\n"
-             "_native.exit_after(0.3, 7, 'gave up waiting')\n"
-             "sum(range(10**12))\n")  # one C call that keeps the GIL for hours, as the fence does
+def test_exit_after_ends_a_process_stuck_holding_the_gil_unless_the_block_ended():
+    """The deadline MPI_Finalize gets (`gadei.launch.exit_after`, as the bridge uses it): a
+    native thread, because the stuck call holds the GIL (no Python thread could run: builtin
+    sum over a range is one C call); a block that ends, by an error too, disarms it."""
+    stuck = ("from gadei.launch import exit_after\n"
+             "with exit_after(0.3, 7, 'gave up waiting'):\n"
+             "    sum(range(10**12))\n")  # one C call that keeps the GIL for hours, as the fence does
     done = subprocess.run([sys.executable, "-c", stuck], capture_output=True, text=True, timeout=60)
     assert done.returncode == 7 and "gave up waiting" in done.stderr
-    disarmed = ("import time; from gadei import _native\n"
-                "_native.exit_after(0.2, 7, 'should not print'); _native.exit_disarm()\n"
-                "_native.exit_after(0.2, 8, 'nor this'); _native.exit_disarm()\n"
+    disarmed = ("import time; from gadei.launch import exit_after\n"
+                "with exit_after(0.2, 7, 'should not print'):\n    pass\n"
+                "try:\n    with exit_after(0.2, 8, 'nor this'):\n        raise KeyError\nexcept KeyError:\n    pass\n"
                 "time.sleep(0.6); print('lived')\n")
     done = subprocess.run([sys.executable, "-c", disarmed], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.strip() == "lived" and not done.stderr
