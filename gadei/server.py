@@ -146,8 +146,8 @@ class Server:
         if mode not in RULES:
             raise ValueError(f"mode {mode!r} is not one of {sorted(RULES)}")
         rule, transport = with_options(rule, transport, options)
-        self.options = rule
-        self.options.check(mode, learners)
+        self.rule_options = rule
+        self.rule_options.check(mode, learners)
         check_all(transport)
         grad_dtype, row_sparse, max_rows, slots = transport.grad_dtype, transport.row_sparse, transport.max_rows, transport.slots
         env = settings()
@@ -183,14 +183,14 @@ class Server:
             h = self.region.header  # server_pid and server_start: written by Region.create
             h.set("server_beat", time.monotonic_ns())
             h.set("threads", self.threads)
-            to_header(self.region.header, self.options)
+            to_header(self.region.header, self.rule_options)
             if model is not None:
                 self.region.write_spec(spec)
                 params.flatten_into(model, self.region.weights)
                 h.set("init", INIT_READY)
             if resume is not None:
                 self._resume(resume, spec)
-            self.rule = make_rule(mode, self.region, self.options, self.threads)
+            self.update_rule = make_rule(mode, self.region, self.rule_options, self.threads)
             self._consumer = Consumer(self.region)
             self._entries = [self.region.entry(i) for i in range(shape.capacity)]
             self._state = RunState(self.region)
@@ -251,7 +251,7 @@ class Server:
         bias correction counts from the version, which goes on, so zero moments at a late step
         would not be Adam's steps (the first ones about 3 lr instead of lr)."""
         state, n = self.region.state, self.region.shape.n_params
-        names = state_names(self.options)
+        names = state_names(self.rule_options)
         for k, name in enumerate(names):
             kept = checkpoint.optimizer.get(name)
             if kept is not None and kept.numel() != n:
@@ -259,7 +259,7 @@ class Server:
                                       f"{kept.numel():,} values, the job has {n:,} parameters")
             if kept is not None:
                 state[k * n : (k + 1) * n] = kept.reshape(-1).numpy()
-            elif self.options.optimizer == "adam":
+            elif self.rule_options.optimizer == "adam":
                 taken = checkpoint.config.get("options", {}).get("optimizer", "unknown")
                 raise CheckpointError(f"job {self.job!r}: checkpoint {checkpoint.path} holds no Adam moments ({name!r} "
                                       f"is missing; it was taken with optimizer {taken!r}): an adam job cannot go on "
@@ -288,7 +288,7 @@ class Server:
         first = self._applied_word.load()
         h.set("serve_start_ns", time.monotonic_ns())
         try:
-            if self.rule.rounds:
+            if self.update_rule.rounds:
                 self._serve_rounds()
             else:
                 self._serve_each()
@@ -426,7 +426,7 @@ class Server:
         """sync: one update per round of one gradient from every live learner."""
         serving, held = self._state.serving, self._hold.requested
         consumer = self._consumer
-        drop_ns = int(self.options.drop_after * 1e9)
+        drop_ns = int(self.rule_options.drop_after * 1e9)
         next_beat = 0
         while serving():
             if held():
@@ -444,7 +444,7 @@ class Server:
                 for learner in sorted(set(members) - set(live) - set(taken)):
                     if self._entries[learner].get("state") == ACTIVE:  # not one that is leaving
                         log.warning("job %r: learner %d left out of the round: no heartbeat for %g s or gone",
-                                    self.job, learner, self.options.drop_after)
+                                    self.job, learner, self.rule_options.drop_after)
                 members = sorted(set(taken) | set(live))
                 waiting = [m for m in members if m not in taken]
                 if not waiting or not serving():
@@ -505,21 +505,21 @@ class Server:
         slot = self._consumer.take(learner)  # checks the ring's head - tail
         version = self._clock.get()
         self._check_version(version)
-        return self.rule.format.take(learner, slot, version)  # checks the slot's header and row counts
+        return self.update_rule.format.take(learner, slot, version)  # checks the slot's header and row counts
 
     def _update(self, grads: list[Gradient]) -> None:
         """One update from `grads`: apply, bump the version, record statistics, hand the slots back."""
-        bound = self.options.stale_bound
+        bound = self.rule_options.stale_bound
         late = [g for g in grads if g.staleness > bound and not g.move] if bound else None
         if late:
             for grad in late:
-                self.rule.format.discard(grad.payload)  # later than the bound: never applied
+                self.update_rule.format.discard(grad.payload)  # later than the bound: never applied
                 self._entries[grad.learner].add("discarded", 1)
                 self._consumer.release(grad.learner)
             grads = [g for g in grads if g.staleness <= bound or g.move]
         finite = []
         for grad in grads:  # one read-only pass over each slot (native, GIL released) before it is applied
-            bad = self.rule.format.nonfinite(grad)
+            bad = self.update_rule.format.nonfinite(grad)
             if bad:
                 self._refuse(grad, bad)
             else:
@@ -527,18 +527,18 @@ class Server:
         grads = finite
         if not grads:
             return
-        moved = sum(self.rule.format.bytes_in(g) for g in grads)
-        if self.rule.seqlock:
+        moved = sum(self.update_rule.format.bytes_in(g) for g in grads)
+        if self.update_rule.seqlock:
             self._clock.begin_update()  # seq odd: an update is running
         try:
             for grad in grads:
                 if grad.move:  # a bridge's move lands as sent, outside the update rule
-                    self.rule.move(grad)
-            self.rule.apply([g for g in grads if not g.move])
+                    self.update_rule.move(grad)
+            self.update_rule.apply([g for g in grads if not g.move])
             self._clock.bump()
             self._version += 1
         finally:
-            if self.rule.seqlock:
+            if self.update_rule.seqlock:
                 self._clock.end_update()  # seq even: the weights are whole again
         self._bytes_word.add(moved)
         for grad in grads:
@@ -557,10 +557,10 @@ class Server:
         """A gradient with `bad` NaN or infinite values: stop the job, or skip it and count it."""
         what = (f"learner ring {grad.learner}: a {'move' if grad.move else 'gradient'} with {bad:,} non-finite "
                 f"value{'s' if bad != 1 else ''} (NaN or inf)")
-        if self.options.nonfinite == "stop":
+        if self.rule_options.nonfinite == "stop":
             raise NonFiniteGradient(f"job {self.job!r}: {what}; nonfinite is 'stop' (--nonfinite stop, [train] "
                                     "nonfinite = 'stop')")
-        self.rule.format.discard(grad.payload)
+        self.update_rule.format.discard(grad.payload)
         skipped = self._skipped_word.add(1) + 1
         if skipped & (skipped - 1) == 0:  # the 1st, 2nd, 4th, 8th ...: a diverging job does not flood the log
             log.warning("job %r: %s: skipped, not applied; %s such gradients skipped so far", self.job, what,

@@ -195,7 +195,7 @@ def test_every_watchdog_setting_survives_the_command_line_that_hands_it_to_the_w
 def test_server_keywords_are_the_declared_options():
     job = f"test-opt-{uuid.uuid4().hex[:8]}"
     with gadei.Server(job, n_params=10, lr=0.5, stale_bound=3, slots=3, learners=2) as server:
-        assert server.options == RuleOptions(lr=0.5, stale_bound=3)
+        assert server.rule_options == RuleOptions(lr=0.5, stale_bound=3)
         assert server.region.shape.slots == 3
     with pytest.raises(TypeError, match=r"unexpected keyword arguments \['learning_rate'\]"):
         gadei.Server(job, n_params=10, learning_rate=0.5)

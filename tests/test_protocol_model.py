@@ -162,8 +162,8 @@ def test_publish_writes_the_slot_header_before_head():
 def test_the_server_applies_then_hands_back():
     update = _body_calls(server.Server._update)
     releases = [i for i, call in enumerate(update) if call.startswith("self._consumer.release")]
-    assert _index(update, "self.rule.apply") < releases[-1]  # an applied gradient's slot: after the update
-    assert _index(update, "self.rule.format.discard") < releases[0]  # a discarded one's: after clearing it
+    assert _index(update, "self.update_rule.apply") < releases[-1]  # an applied gradient's slot: after the update
+    assert _index(update, "self.update_rule.format.discard") < releases[0]  # a discarded one's: after clearing it
     release = _body_calls(ring.Consumer.release)
     assert _index(release, "_native.store64(self._tail_addrs[learner]") == 0
     # the poll reads head with acquire, as the model's take needs

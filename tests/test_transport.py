@@ -101,7 +101,7 @@ VALUES = torch.tensor([0.25, -1.5, 1 / 3, 0.1, 1e-6, 300.5, -2.0])
 def test_a_dense_gradient_arrives_as_its_slot_type_converts_it_and_is_applied_once(job, push_cls, grad_dtype):
     model = Flat(64, 1.0)
     with serving(job, model, grad_dtype=grad_dtype) as (server, region, producer, parameters, spec):
-        push = push_cls(region, producer, parameters, spec, lambda: None, server.options)
+        push = push_cls(region, producer, parameters, spec, lambda: None, server.rule_options)
         try:
             push.bind()
             grads = [VALUES.repeat(math.ceil(p.numel() / len(VALUES)))[: p.numel()].reshape(p.shape) for p in parameters]
@@ -128,7 +128,7 @@ def test_a_gradient_its_slot_type_cannot_hold_is_skipped_and_counted_never_appli
     "skip"), counts it, and the next gradient is applied as usual."""
     model = Flat(64, 1.0)
     with serving(job, model, grad_dtype=grad_dtype) as (server, region, producer, parameters, spec):
-        push = PublishPush(region, producer, parameters, spec, lambda: None, server.options)
+        push = PublishPush(region, producer, parameters, spec, lambda: None, server.rule_options)
         try:
             push.bind()
             for p in parameters:
@@ -185,7 +185,7 @@ def test_a_row_sparse_gradient_travels_as_its_touched_rows_each_once_and_only_th
         assert torch.equal(written[:2].float(), dense[[7, 60]])
 
         # the push itself (the device push stages the rows on its device and writes them from its thread)
-        push = push_cls(region, producer, parameters, spec, lambda: None, server.options)
+        push = push_cls(region, producer, parameters, spec, lambda: None, server.rule_options)
         try:
             push.bind()
             slot = producer.slot
@@ -202,7 +202,7 @@ def test_a_row_sparse_gradient_travels_as_its_touched_rows_each_once_and_only_th
     # through the apply loop: only the touched rows and the bias move
     with serving(job, Table(N, 1.0), row_sparse=True, grad_dtype=grad_dtype, max_rows=8) as \
             (server, region, producer, parameters, spec):
-        push = push_cls(region, producer, parameters, spec, lambda: None, server.options)
+        push = push_cls(region, producer, parameters, spec, lambda: None, server.rule_options)
         push.bind()
         for p in parameters:
             p.grad = _sparse([5, 0, 5, 9], rows) if p.dim() == 2 else torch.full(p.shape, 0.5)
@@ -222,7 +222,7 @@ def test_a_row_sparse_gradient_travels_as_its_touched_rows_each_once_and_only_th
 def test_a_gradient_touching_more_rows_than_a_slot_carries_is_refused_and_nothing_is_published(job, push_cls):
     model = Table(N, 1.0)
     with serving(job, model, row_sparse=True, max_rows=4) as (server, region, producer, parameters, spec):
-        push = push_cls(region, producer, parameters, spec, lambda: None, server.options)
+        push = push_cls(region, producer, parameters, spec, lambda: None, server.rule_options)
         try:
             push.bind()
             for p in parameters:
@@ -255,7 +255,7 @@ def test_a_row_sparse_table_ends_as_the_same_gradient_sent_dense_would_leave_it(
             with serving(name, Table(N, 1.0), row_sparse=row_sparse, grad_dtype=grad_dtype, max_rows=8) as \
                     (server, region, producer, parameters, spec):
                 assert len(region.shape.sparse) == int(row_sparse)
-                push = PublishPush(region, producer, parameters, spec, lambda: None, server.options)
+                push = PublishPush(region, producer, parameters, spec, lambda: None, server.rule_options)
                 push.bind()
                 for p in parameters:
                     p.grad = _sparse(indices, rows) if p.dim() == 2 else torch.full(p.shape, 0.25)
@@ -321,7 +321,7 @@ def test_a_slot_whose_rows_break_the_format_stops_the_job_as_corrupt_and_nothing
 def test_a_push_threads_error_is_raised_in_the_train_thread_at_its_next_push(job):
     model = Table(N, 1.0)
     with serving(job, model, row_sparse=True, max_rows=4) as (server, region, producer, parameters, spec):
-        push = ThreadPush(region, producer, parameters, spec, lambda: None, server.options)
+        push = ThreadPush(region, producer, parameters, spec, lambda: None, server.rule_options)
         try:
             for p in parameters:
                 p.grad = _sparse([1, 2, 3, 4, 5], torch.ones(5, TABLE_WIDTH)) if p.dim() == 2 else torch.ones(p.shape)
