@@ -1,4 +1,4 @@
-"""How a gadei command runs in a terminal: logging set up once from GADEI_LOG_LEVEL, and a
+"""How a gadei command runs in a terminal: logging set up once from GADEI_LOG, and a
 refusal shown as one line (`gadei: error: ...`, exit 2) instead of a traceback."""
 
 import logging

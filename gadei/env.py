@@ -15,7 +15,8 @@ Two more are read outside Python: GADEI_NO_OPENMP=1 at build time (setup.py buil
 kernel serial) and GADEI_NO_AVX2=1 when gadei._native loads (the portable kernel even where
 the CPU has AVX2; the tests use it to check that path). GADEI_RESTARTS is gadei's own
 bookkeeping, not a setting: the times of a job's recent server restarts, which a
-watchdog hands to the server it restarts (the server shows their count in `gadei status`).
+watchdog hands to the server it restarts (the server shows their count in `gadei status`),
+written by `restarts_env` and read by `restarts`.
 
 One variable of OpenMP's own is set, at import, by `quiet_openmp`: OMP_WAIT_POLICY=PASSIVE,
 unless it or GOMP_SPINCOUNT is set already.
@@ -104,6 +105,31 @@ def _openmp_loaded() -> bool:
             return any(b"libgomp" in line or b"libomp" in line or b"libiomp" in line for line in f)
     except OSError:  # not Linux: unknown, taken as not loaded
         return False
+
+
+def restarts() -> list[float]:
+    """The times (time.time()) of the job's recent server restarts, as the watchdog that started
+    this process handed them down in GADEI_RESTARTS; [] when none."""
+    raw = os.environ.get("GADEI_RESTARTS", "")
+    try:
+        return [float(t) for t in raw.split(",") if t.strip()]
+    except ValueError:
+        raise ValueError(f"environment variable GADEI_RESTARTS={raw!r} is not a comma-separated list of times") from None
+
+
+def restarts_env(times: list[float]) -> dict[str, str]:
+    """The environment that hands `times` (a job's recent server restarts) to a server."""
+    return {"GADEI_RESTARTS": ",".join(str(t) for t in times)}
+
+
+def state_dir() -> str:
+    """The daemon's state folder (GADEI_STATE_DIR, else $XDG_STATE_HOME/gadei, else
+    ~/.local/state/gadei); the daemon creates it (`gadei.daemon.jobs.state_dir`)."""
+    folder = os.environ.get("GADEI_STATE_DIR")
+    if folder:
+        return folder
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return os.path.join(base, "gadei")
 
 
 def runtime_dir() -> str:

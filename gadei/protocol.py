@@ -5,7 +5,7 @@ one way gadei waits for something with a time limit.
 Every process of a job (server, learners, watchdog, `gadei stop`, a checkpointer, a bridge)
 follows these rules on the same header words. This module is the only one that names those
 words (`run_state`, `fail_reason`, `doorbell`, `server_sleeping`, `version_waiters`, `seq`,
-`hold`, `held`, `hold_epoch`, `train_stop`); the others call it (`tests/test_imports.py` holds
+`hold`, `held`, `hold_epoch`, `train_stop`); the others call it (`tests/test_owners.py` holds
 that).
 
 - Run state: CREATED -> SERVING (the server, once the weights are ready) -> STOPPING (anyone:
@@ -191,10 +191,6 @@ class RunState:
                 return False
             deadline.sleep(0.05)
         return True
-
-
-def run_state(region) -> RunState:
-    return RunState(region)
 
 
 class TrainStop:

@@ -151,9 +151,11 @@ class Record:
 class Word:
     """One atomic 32- or 64-bit word of a mapped region, at a fixed address.
 
-    The region module owns the native atomics and futex calls on region words; everyone
-    else reads and writes a word through this (or through `Record`). A futex waits on the
-    low 32 bits of a 64-bit word (little-endian), so `wait(expected)` compares those.
+    Everyone reads and writes a header or learner-entry word through this (or through
+    `Record`), but for two owners that make the native calls on their own words themselves:
+    the ring (its counters and the owner's record, on the per-gradient path: gadei.ring) and
+    the slot's format (a slot's payload and row counts: gadei.transport.slot). A futex waits
+    on the low 32 bits of a 64-bit word (little-endian), so `wait(expected)` compares those.
     """
 
     __slots__ = ("addr", "load", "store", "add", "cas")

@@ -424,10 +424,6 @@ class Consumer:
         """Sleep on the doorbell until a learner publishes or `timeout` passes; returns poll()."""
         return self._doorbell.sleep(lambda: self.poll(0), timeout)
 
-    def ring(self) -> None:
-        """Wake the server if it sleeps (for `gadei stop` and signals)."""
-        self._doorbell.ring()
-
     def tail(self, learner: int) -> int:
         return self._tails[learner]
 

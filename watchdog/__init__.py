@@ -47,6 +47,7 @@ import time
 from dataclasses import asdict
 
 from gadei import _proc, checkpoint
+from gadei.env import restarts, restarts_env
 from gadei.errors import GadeiError, RegionNotFound
 from gadei.launch import spawn, wait_or_kill
 from gadei.layout import ACTIVE, DEAD, FAILED, SERVING, STOPPED, STOPPING
@@ -81,7 +82,7 @@ class Watchdog:
         table = adopted if adopted is not None else [Launched(i, list(a)) for i, a in enumerate(settings.learners)]
         self.learners = Learners(job, table, self.log_dir, max_restarts=settings.max_restarts,
                                  window=settings.window, backoff=settings.backoff)
-        self._restarts = [float(t) for t in os.environ.get("GADEI_RESTARTS", "").split(",") if t.strip()]
+        self._restarts = restarts()
         self._server: subprocess.Popen | None = None  # a server this watchdog restarted
         self._reported: set[tuple[int, int]] = set()  # (learner entry, pid) reported dead or hung
         self._stopped_it = False  # this watchdog's own stop (every launched learner done) is the job's
@@ -301,7 +302,7 @@ class Watchdog:
         found = checkpoint.latest(folder)
         args = [*self.settings.restart, "--replace", "--no-watchdog"] + (["--resume", folder] if found else [])
         self._restarts = [*recent, now]
-        env = {**os.environ, "GADEI_RESTARTS": ",".join(str(t) for t in self._restarts)}
+        env = {**os.environ, **restarts_env(self._restarts)}
         os.makedirs(self.log_dir, exist_ok=True)
         server_log = os.path.join(self.log_dir, "server.log")
         proc = spawn(_proc.gadei_command(*args), log=server_log, env=env)

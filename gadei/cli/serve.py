@@ -9,6 +9,7 @@ import sys
 import time
 
 from .._proc import python_command
+from ..env import restarts as recent_restarts
 from ..errors import GadeiError
 from ..launch import spawn, wait_or_kill
 
@@ -78,7 +79,7 @@ def cmd_serve(args) -> int:
         raise
     if asked:
         server.request_stop()
-    restarts = [t for t in os.environ.get("GADEI_RESTARTS", "").split(",") if t.strip()]
+    restarts = recent_restarts()
     server.region.header.set("restarts", len(restarts))  # this server is a watchdog's restart number n
     dog = custody = None
     try:

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .. import _proc, jobfile
-from ..env import runtime_dir
+from ..env import runtime_dir, state_dir as state_folder
 from ..errors import GadeiError, NoSuchJob
 from .listener import BACKLOG, MAX_CONNECTIONS, WORKERS, Loop, check_request
 
@@ -31,11 +31,7 @@ LIVE = (QUEUED, RUNNING)
 def state_dir(create: bool = True) -> Path:
     """The daemon's state folder (its lock, and the job records in jobs/); `create`: make it
     (0700) if it is missing, as the daemon does, not a reader of the records."""
-    folder = os.environ.get("GADEI_STATE_DIR")
-    if not folder:
-        base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
-        folder = os.path.join(base, "gadei")
-    path = Path(folder)
+    path = Path(state_folder())
     if create:
         (path / "jobs").mkdir(parents=True, exist_ok=True, mode=0o700)
     return path
