@@ -239,9 +239,11 @@ class Float32Dense:
         _native.sgd(weights, payload, dtype=_F32, n=self.n, lr=lr, clear=int(clear), threads=self.threads)
 
     def momentum(self, weights: int, state: int, payload: int, lr: float, mu: float) -> None:
+        """v = mu v + payload; weights -= lr v, in place (v at `state`); zeroes the payload."""
         _native.momentum(weights, state, payload, dtype=_F32, n=self.n, lr=lr, mu=mu, clear=1, threads=self.threads)
 
     def adagrad(self, weights: int, state: int, payload: int, lr: float, eps: float, *, clear: bool = True) -> None:
+        """s += g^2; weights -= lr g / (sqrt(s) + eps) where g is not zero (s at `state`)."""
         _native.adagrad(weights, state, payload, dtype=_F32, n=self.n, lr=lr, eps=eps, clear=int(clear),
                         threads=self.threads)
 
