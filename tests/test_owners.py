@@ -1,8 +1,8 @@
 """One owner per shared-memory protocol and per C module, one name per public class, one module
 that starts and kills processes: the house rules of issues 16 and 32, held by a scan of the
 source (AST), so that a new module cannot quietly write a handshake again, call the native
-layer around its owners or start a process of its own; and only the ring writes a ring's
-counters and owner accounting, and a slot's header."""
+layer around its owners or start a process of its own; and only the ring reads or writes a
+ring's counters and owner accounting, and writes a slot's header."""
 
 import ast
 from collections import defaultdict
@@ -30,10 +30,14 @@ PROTOCOL_FIELDS = {"run_state", "doorbell", "server_sleeping", "version_waiters"
 
 
 # A ring's counters and its owner accounting (gadei.layout.ENTRY): only gadei/ring.py writes
-# them, or takes their address (through which the native layer would write them).
+# them, or takes their address (through which the native layer would write them), and only it
+# reads them: the others ask it what they mean (ring.owner, since_claim, published, counters...).
 RING = "gadei/ring.py"
 RING_WORDS = {"head", "tail", "lease", "space_waiting", "claim_head", "pid", "last_pid", "last_applied"}
 WRITES = {"set", "add", "cas", "addr", "word"}  # Record's writers, and its raw handles on a word
+# `pid` names a field of many records (a job's, a lock file's, a reply's): it counts as the
+# ring's where it is read from a learner entry, a name bound to `region.entry(...)`.
+SHARED_NAMES = {"pid"}
 
 # A slot's header (gadei.layout.SLOT: version, step, samples, kind) is written only where a
 # slot is published (gadei/ring.py); the slot's format reads it when the server takes the
@@ -126,14 +130,53 @@ def ring_word_writers(sources) -> dict[str, set[str]]:
     return dict(found)
 
 
+def ring_word_readers(sources) -> dict[str, set[str]]:
+    """Modules other than the ring's that read a ring word (its name, "?" for a field named at
+    run time): a string naming one (`entry.get("head")`, a tuple of names a loop reads), or a
+    read of a learner entry's `pid` or of a field of it by a name not written out
+    (`entry.get(name)`), on `region.entry(...)` or a name bound to one."""
+    found = defaultdict(set)
+    for name, tree in sources:
+        if name in (RING, LAYOUT):
+            continue
+        entries = _names_bound_to(tree, "entry")
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and node.value in RING_WORDS - SHARED_NAMES:
+                found[name].add(node.value)
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get"
+                  and node.args and _is_record(node.func.value, entries, "entry")):
+                field = node.args[0]
+                if not isinstance(field, ast.Constant):
+                    found[name].add("?")
+                elif field.value in SHARED_NAMES:
+                    found[name].add(field.value)
+    return dict(found)
+
+
+def _is_record(receiver, bound, maker: str) -> bool:
+    """`receiver` (less its subscripts) is a call `x.maker(...)` or a name bound to one."""
+    while isinstance(receiver, ast.Subscript):
+        receiver = receiver.value
+    if isinstance(receiver, ast.Call):
+        return isinstance(receiver.func, ast.Attribute) and receiver.func.attr == maker
+    return isinstance(receiver, (ast.Name, ast.Attribute)) and _bound(receiver) in bound
+
+
 def _slot_header_names(tree) -> set[tuple[str, str]]:
-    """Names (variables, attributes) bound to a slot header record: to `region.slot_header(...)`,
-    to an element of one of those (`header = self._slot_headers[i][k]`), or to a list of them."""
+    """Names (variables, attributes) bound to a slot header record (`_names_bound_to`)."""
+    return _names_bound_to(tree, "slot_header")
+
+
+def _names_bound_to(tree, maker: str) -> set[tuple[str, str]]:
+    """Names (variables, attributes) bound to a record a call `x.maker(...)` returns
+    (`region.slot_header(...)`, `region.entry(...)`), to an element of one of those
+    (`header = self._slot_headers[i][k]`, `for entry in entries`, `for i, entry in
+    enumerate(entries)`), or to a list of them."""
     names: set[tuple[str, str]] = set()  # ("name", variable) or ("attr", attribute)
 
     def record(expr) -> bool:
         if isinstance(expr, ast.Call):
-            return isinstance(expr.func, ast.Attribute) and expr.func.attr == "slot_header"
+            return isinstance(expr.func, ast.Attribute) and expr.func.attr == maker
         if isinstance(expr, (ast.Name, ast.Attribute)):
             return _bound(expr) in names
         if isinstance(expr, ast.Subscript):
@@ -151,6 +194,13 @@ def _slot_header_names(tree) -> set[tuple[str, str]]:
                 for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
                     if isinstance(target, (ast.Name, ast.Attribute)):
                         names.add(_bound(target))
+            elif isinstance(node, (ast.For, ast.comprehension)):
+                target, items = node.target, node.iter
+                if (isinstance(items, ast.Call) and isinstance(items.func, ast.Name) and items.func.id == "enumerate"
+                        and items.args and isinstance(target, ast.Tuple) and len(target.elts) == 2):
+                    target, items = target.elts[1], items.args[0]
+                if isinstance(target, (ast.Name, ast.Attribute)) and record(items):
+                    names.add(_bound(target))
         if len(names) == before:
             return names
 
@@ -202,6 +252,10 @@ def test_only_the_ring_writes_a_ring_counter_or_its_owner_accounting():
     assert ring_word_writers(_sources()) == {}
 
 
+def test_only_the_ring_reads_a_ring_counter_or_its_owner_accounting():
+    assert ring_word_readers(_sources()) == {}
+
+
 def test_only_the_ring_writes_a_slot_header_and_only_the_slot_format_reads_one_besides():
     takers, writers = slot_header_uses(_sources())
     assert writers == SLOT_HEADER_WRITERS
@@ -234,6 +288,18 @@ def test_the_scans_find_what_they_look_for():
         "    headers = [region.slot_header(0, k) for k in range(2)]\n    header = headers[1]\n"
         "    header.set('samples', 3)\n"))]
     assert ring_word_writers(writer) == {"gadei/stray.py": {"head", "lease", "last_pid"}}
+    # a second reader of them: by name, in a tuple of names, a learner entry's pid, a field named at run time
+    reader = [("gadei/status.py", ast.parse(
+        "def f(region, i):\n    e = region.entry(i)\n    return e.get('head') - e.get('tail'), e.get('pid')\n")),
+              ("gadei/checkpoint.py", ast.parse(
+                  "NAMES = ('samples', 'last_applied')\nentries = [region.entry(i) for i in range(4)]\n"
+                  "def f(region):\n    return [[e.get(n) for n in NAMES] for e in entries], region.entry(0).get('pid')\n")),
+              ("gadei/server.py", ast.parse(
+                  "def f(self, region, k):\n    self._entries = [region.entry(i) for i in range(4)]\n"
+                  "    return [entry.get(k) for i, entry in enumerate(self._entries)]\n")),
+              ("gadei/outputs.py", ast.parse("def f(lock):\n    return lock.get('pid'), lock.get(name)\n"))]
+    assert ring_word_readers(reader) == {"gadei/status.py": {"head", "tail", "pid"},
+                                         "gadei/checkpoint.py": {"last_applied", "?", "pid"}, "gadei/server.py": {"?"}}
     assert slot_header_uses(writer) == ({"gadei/stray.py"}, {"gadei/stray.py"})
     reader = [("gadei/server.py", ast.parse("def f(region):\n    h = region.slot_header(0, 0)\n    return h.get('kind')\n"))]
     assert slot_header_uses(reader) == ({"gadei/server.py"}, set())

@@ -46,13 +46,12 @@ import subprocess
 import time
 from dataclasses import asdict
 
-from gadei import _proc, checkpoint
+from gadei import _proc, checkpoint, ring
 from gadei.errors import GadeiError, RegionNotFound
 from gadei.launch import spawn, wait_or_kill
 from gadei.layout import ACTIVE, DEAD, FAILED, SERVING, STOPPED, STOPPING
 from gadei.protocol import Deadline, RunState
 from gadei.region import Region, inspect
-from gadei.ring import lease_owner
 from gadei.watchdog_options import WatchdogSettings
 
 from gadei.watchdog_record import (JOB_FAILED, LEARNERS_FAILED, SERVER_DEAD, Launched, load_state, registering,
@@ -351,7 +350,7 @@ class Watchdog:
         limit_ns = self.settings.interval * self.settings.max_missed * 1e9
         for i in range(self.region.shape.capacity):
             entry = self.region.entry(i)
-            pid = lease_owner(entry.get("lease"))
+            pid = ring.owner(self.region, i)
             if pid == 0 or entry.get("state") != ACTIVE:
                 continue
             silent_ns = time.monotonic_ns() - entry.get("beat")
