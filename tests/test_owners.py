@@ -2,7 +2,8 @@
 that starts and kills processes: the house rules of issues 16 and 32, held by a scan of the
 source (AST), so that a new module cannot quietly write a handshake again, call the native
 layer around its owners or start a process of its own; and only the ring reads or writes a
-ring's counters and owner accounting, and writes a slot's header."""
+ring's counters and owner accounting, and writes a slot's header; and only gadei/outputs.py
+writes a job's outputs and the record of how it ended."""
 
 import ast
 from collections import defaultdict
@@ -44,6 +45,18 @@ SHARED_NAMES = {"pid"}
 # slot (gadei/transport/slot.py), and the region makes its record.
 SLOT_HEADER_WRITERS = {"gadei/ring.py"}
 SLOT_HEADER_TAKERS = {"gadei/region.py", "gadei/ring.py", "gadei/transport/slot.py"}
+
+
+# A job's outputs (result.json, metrics.jsonl, accuracy.png) and the record of how it ended
+# (gadei.outputs.END, logs/watchdog-end.json): only gadei/outputs.py writes them. Whoever sees
+# the job end calls its `conclude` (or `record_end`), never its writers, and writes none of
+# those files itself.
+OUTPUTS = "gadei/outputs.py"
+OUTPUT_FILES = ("result.json", "metrics.jsonl", "accuracy.png", "watchdog-end.json")
+OUTPUT_NAMES = {"END"}  # gadei.outputs' names of those paths
+OUTPUT_WRITERS = {"write_ending", "write_metrics", "plot", "_write", "_replace", "_replace_with"}
+FILE_WRITES = {"write_text", "write_bytes", "savefig", "touch", "dump", "save", "replace", "rename", "copy",
+               "copyfile", "copy2", "move"}  # calls that write a file named in their receiver or arguments
 
 
 def _sources():
@@ -230,6 +243,54 @@ def slot_header_uses(sources) -> tuple[set[str], set[str]]:
     return takers, writers
 
 
+def output_writers(sources) -> set[str]:
+    """Modules other than gadei/outputs.py that write a job's outputs or its end record: they
+    call one of outputs' writers (`outputs.write_ending(...)`, `from .outputs import
+    write_metrics`), or write a file (FILE_WRITES, `open` to write) whose path names one of
+    OUTPUT_FILES or OUTPUT_NAMES, there or through a variable bound to it."""
+    found = set()
+    for name, tree in sources:
+        if name == OUTPUTS:
+            continue
+        paths: set[str] = set()
+
+        def names_output(expr) -> bool:
+            return any(isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value.endswith(OUTPUT_FILES)
+                       or isinstance(n, ast.Attribute) and n.attr in OUTPUT_NAMES
+                       or isinstance(n, ast.Name) and n.id in paths for n in ast.walk(expr))
+
+        while True:
+            before = len(paths)
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Assign) and names_output(node.value):
+                    paths.update(t.id for t in node.targets if isinstance(t, ast.Name))
+            if len(paths) == before:
+                break
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "outputs"
+                    and node.attr in OUTPUT_WRITERS) or (
+                    isinstance(node, ast.ImportFrom) and (node.module or "").endswith("outputs")
+                    and any(a.name in OUTPUT_WRITERS for a in node.names)):
+                found.add(name)
+            elif _file_write(node) and names_output(node):
+                found.add(name)
+    return found
+
+
+def _file_write(node) -> bool:
+    if not isinstance(node, ast.Call):
+        return False
+    func = node.func
+    if isinstance(func, ast.Attribute) and func.attr in FILE_WRITES:
+        return True
+    if isinstance(func, ast.Name) and func.id == "open" or isinstance(func, ast.Attribute) and func.attr == "open":
+        modes = node.args[1:2] + [k.value for k in node.keywords if k.arg in ("mode", "flags")]
+        return any(isinstance(m, ast.Constant) and isinstance(m.value, str) and bool(set(m.value) & set("wax+"))
+                   or any(isinstance(n, ast.Attribute) and n.attr in ("O_WRONLY", "O_RDWR", "O_CREAT")
+                          for n in ast.walk(m)) for m in modes)
+    return False
+
+
 def shared_class_names(sources) -> dict[str, list[str]]:
     """Public class names defined in more than one module."""
     where = defaultdict(list)
@@ -260,6 +321,10 @@ def test_only_the_ring_writes_a_slot_header_and_only_the_slot_format_reads_one_b
     takers, writers = slot_header_uses(_sources())
     assert writers == SLOT_HEADER_WRITERS
     assert takers == SLOT_HEADER_TAKERS
+
+
+def test_only_the_outputs_module_writes_a_jobs_outputs_or_its_end_record():
+    assert output_writers(_sources()) == set()
 
 
 def test_no_two_public_classes_share_a_name():
@@ -309,3 +374,18 @@ def test_the_scans_find_what_they_look_for():
     started = [("gadei/a.py", ast.parse("subprocess.Popen(['x'])")), ("gadei/b.py", ast.parse("os.execv('x', ['x'])")),
                ("gadei/bench/c.py", ast.parse("subprocess.run(['x'])")), ("gadei/d.py", ast.parse("p.run()"))]
     assert spawners(started) == {"gadei/a.py", "gadei/b.py"}
+    # a second writer of the outputs or the end record: through outputs' writers, or a file of its own
+    written = [("watchdog/__init__.py", ast.parse("outputs.write_ending(out, outputs.Ending(0, True))\n")),
+               ("gadei/a.py", ast.parse("from .outputs import write_metrics\n")),
+               ("gadei/b.py", ast.parse("def f(out):\n    (out / 'result.json').write_text('{}')\n")),
+               ("gadei/c.py", ast.parse("def f(out):\n    path = out / 'logs' / 'watchdog-end.json'\n"
+                                        "    with open(path, 'w') as f:\n        f.write('{}')\n")),
+               ("gadei/d.py", ast.parse("def f(out):\n    os.open(out / outputs.END, os.O_WRONLY | os.O_CREAT, 0o600)\n")),
+               ("gadei/e.py", ast.parse("def f(out):\n    fig.savefig(out / 'accuracy.png')\n")),
+               ("gadei/outputs.py", ast.parse("def f(out):\n    (out / 'metrics.jsonl').write_text('')\n")),
+               ("gadei/readers.py", ast.parse(  # reads them, and writes another file
+                   "def f(out):\n    with open(out / 'daemon.log', 'wb'):\n        pass\n"
+                   "    outputs.conclude(out, ending=outputs.Ending(0, True))\n"
+                   "    return json.loads((out / 'result.json').read_text()), open(out / outputs.END).read()\n"))]
+    assert output_writers(written) == {"watchdog/__init__.py", "gadei/a.py", "gadei/b.py", "gadei/c.py", "gadei/d.py",
+                                       "gadei/e.py"}
