@@ -160,10 +160,6 @@ def take(region, folder: str | os.PathLike, keep: int = 3, *, still: bool = Fals
     return taken
 
 
-_ENTRY_COUNTERS = ("pid", "head", "tail", "samples", "applied_samples", "pulls", "dropped", "discarded", "stale_sum",
-                   "stale_max", "pull_retries", "last_pid", "last_applied")
-
-
 def capture(region, timeout: float = 5.0, progress=None) -> Checkpoint:
     """A whole copy of a job's state from its region, taken between two updates.
 
@@ -235,6 +231,7 @@ def _copy(region) -> Checkpoint:
 
     from . import params
     from .modes import read_options, state_names
+    from .ring import counters
 
     h, shape = region.header, region.shape
     version, applied = h.get("version"), h.get("applied")
@@ -245,7 +242,7 @@ def _copy(region) -> Checkpoint:
                  for k, name in enumerate(names)}
     spec = region.read_spec()
     model = params.state_dict(spec, weights) if spec else {"weights": torch.from_numpy(weights)}
-    learners = [{name: region.entry(i).get(name) for name in _ENTRY_COUNTERS} for i in range(shape.capacity)]
+    learners = counters(region)
     config = {
         "job": region.job, "mode": shape.mode, "n_params": shape.n_params, "grad_dtype": shape.grad_dtype,
         "learners": shape.capacity, "slots": shape.slots, "state_arrays": shape.state_arrays,

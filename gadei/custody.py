@@ -3,12 +3,11 @@ does when its job's watchdog dies), and the server of a `gadei run` job makes su
 job is never left to no one when its watchdog and its `gadei run` both died (`Custody`)."""
 
 import logging
-import os
 import subprocess
 import time
 from pathlib import Path
 
-from . import jobfile, outputs
+from . import outputs
 from ._proc import gadei_command
 from .errors import GadeiError
 
@@ -137,7 +136,7 @@ class Custody:
             log.error("job %s: %s; stopping the job", name, self.reason)
             from .watchdog_record import JOB_FAILED
 
-            outputs.write_ending(self.out, outputs.Ending(JOB_FAILED, False, self.reason, os.getpid(), time.time()))
+            outputs.record_end(self.out, outputs.Ending(JOB_FAILED, False, self.reason))
             self._stop()
             return
 
@@ -170,17 +169,17 @@ class Custody:
         done, or a `gadei stop`) when its watchdog and its `gadei run` both died, before the
         watchdog recorded the end: the server records it (finished as the watchdog had said
         in the header) and writes them."""
+        ending = None
         if not self.reason:
             if not self._orphaned_end():
                 return
             pid, _, finished = self._last
-            outputs.write_ending(self.out, outputs.Ending(
-                0, finished, f"its watchdog (pid {pid}) and its gadei run died while the job was stopping; its server "
-                "recorded the end", os.getpid(), time.time()))
+            ending = outputs.Ending(0, finished, f"its watchdog (pid {pid}) and its gadei run died while the job was "
+                                    "stopping; its server recorded the end")
             log.warning("job %s: its watchdog (pid %d) and its `gadei run` died while the job was stopping; writing "
                         "its outputs", self.name, pid)
         try:
-            result = outputs.finish(jobfile.load(self.out / "job.toml"), note=self.reason)
+            result = outputs.conclude(self.out, ending=ending, note=self.reason)
             log.error("job %s: wrote its outputs in %s (%s)", self.name, self.out, result.get("outcome"))
         except (OSError, GadeiError) as err:
             log.error("job %s: cannot write the outputs in %s: %s", self.name, self.out, err)

@@ -337,7 +337,7 @@ class Learner:
                 self.entry.set("state", LEAVING)
                 if drain and not self._producer.drain(self.timeout, self._drainable):
                     log.warning("job %r: %d gradients of learner %d were not applied before it left", self.job,
-                                self._producer.head - self._producer.tail(), self._producer.learner)
+                                self._producer.pending(), self._producer.learner)
             if self._pull is not None:
                 self._pull.finish()
             if self._producer is not None:

@@ -1,7 +1,11 @@
 """A run's outputs in its folder, written in one place whoever sees the job end: metrics.jsonl
 from the learners' epoch records, the plot (accuracy.png), model.pt made the model chosen on
 the validation set, and result.json (the job's outcome, which model was chosen and why
-training stopped, its test accuracy).
+training stopped, its test accuracy); and the record of how the job ended that they are
+decided from (`END`). This module is the only one that writes them (tests/test_owners.py
+holds it): whoever sees the job end calls `conclude` (the end record as it saw it, then the
+outputs), or `record_end` where it records the end before the outputs can be written (the
+job's server still stops, a bridge still ends); the callers decide only when, and why.
 
 One writer wins. `gadei run` holds `logs/run.lock` (an exclusive `flock`) from before it
 starts the job until it has written the outputs (`Owner`); the job's watchdog, which
@@ -11,7 +15,7 @@ does the daemon for a job whose `gadei run` died, and the job's server for a job
 when its watchdog and its `gadei run` both died and no new watchdog could take over
 (`gadei.custody`). Whoever writes holds the lock, writes each
 file beside its place and renames it there, result.json last: a result.json exists only
-whole, and once it exists the others read it instead of writing (`finish`). A writer that is
+whole, and once it exists the others read it instead of writing (`conclude`). A writer that is
 killed mid-way lets go of the lock with its life, and the next one writes it all again.
 
 result.json's "outcome" is one of OUTCOMES, decided from what every writer can see: the
@@ -29,7 +33,7 @@ import json
 import math
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from . import board, data, jobfile
@@ -59,8 +63,15 @@ class Ending:
 
 
 def write_ending(out: Path, ending: Ending) -> None:
-    """The watchdog's end record (`END`), atomically."""
+    """The end record (`END`) as `ending` says, atomically (`record_end` stamps it with its writer)."""
     _replace(out / END, json.dumps(asdict(ending)) + "\n")
+
+
+def record_end(out: Path, ending: Ending) -> None:
+    """Record how the job ended (`END`) as this process saw it now: `ending`'s code, finished
+    and reason, with this process's pid and the time (the daemon tells by them whether its
+    writer still lives: `gadei.daemon.jobs._job_alive`)."""
+    write_ending(out, replace(ending, pid=os.getpid(), time=time.time()))
 
 
 def read_ending(out: Path) -> Ending | None:
@@ -173,20 +184,31 @@ def read_result(out: Path) -> dict | None:
         return None
 
 
-def finish(job: jobfile.Job, *, owner: Owner | None = None, interrupted: bool = False, note: str = "",
-           bridge: dict | None = None, wait: float = 600.0) -> dict:
-    """Write the run's outputs (metrics.jsonl, accuracy.png, result.json) unless another
-    process wrote them already; result.json's content either way.
+def conclude(out: Path, *, ending: Ending | None = None, job: jobfile.Job | None = None,
+             owner: Owner | None = None, leave_to_owner: bool = False, interrupted: bool = False, note: str = "",
+             bridge: dict | None = None, wait: float = 600.0) -> dict | None:
+    """Conclude the job that ran in `out`: record how it ended (`ending`, as this process saw
+    it: `record_end`), then write the run's outputs (metrics.jsonl, accuracy.png, result.json)
+    unless another process wrote them already; result.json's content either way.
 
-    `owner`: the caller holds the run's lock (`gadei run`); otherwise the lock is taken here,
-    waiting up to `wait` seconds for a writer that holds it. `interrupted`: the caller
-    stopped the job (Ctrl-C, `gadei cancel`) before it finished. `note`: what the caller
-    saw go wrong, for result.json's reason when the job failed without an end record.
+    `job`: the job as the caller loaded it; else its job.toml in `out`, loaded only when the
+    outputs are written. `owner`: the caller holds the run's lock (`gadei run`); otherwise the
+    lock is taken here, waiting up to `wait` seconds for a writer that holds it.
+    `leave_to_owner`: while another live process holds the run's lock (its `gadei run`), the
+    outputs are left to it (None is returned). `interrupted`: the caller stopped the job
+    (Ctrl-C, `gadei cancel`) before it finished. `note`: what the caller saw go wrong, for
+    result.json's reason when the job failed without an end record.
 
     Raises:
-        GadeiError: the lock was held for longer than `wait` seconds.
+        GadeiError: the lock was held for longer than `wait` seconds, or job.toml is not a job.
+        OSError: a file could not be written.
     """
-    out = job.output
+    if ending is not None:
+        record_end(out, ending)
+    if leave_to_owner and owned(out):
+        return None
+    if job is None:
+        job = jobfile.load(out / "job.toml")
     fd = owner.fd if owner is not None else _lock(out, wait)
     try:
         found = read_result(out)

@@ -20,6 +20,12 @@ cut into short slices so the waiter can notice that the other side died.
 Ownership of an entry is its `lease` word: the owner's pid in the high 32 bits (0 when
 free) and a claim counter in the low 32, changed only by compare-and-swap, so two
 learners can never own one ring.
+
+This module is the only one that reads or writes a ring's counters (head, tail, lease,
+space_waiting, claim_head, and the owner accounting pid, last_pid, last_applied;
+tests/test_owners.py holds it): `gadei status`, a checkpoint, the server's sync rounds and
+the watchdog ask it what they mean (`owner`, `since_claim`, `published`, `counters`,
+`drained`, `left_record`...).
 """
 
 import logging
@@ -42,8 +48,8 @@ _U32 = 0xFFFFFFFF
 _WAKE_ALL = 1 << 30  # futex_wake's count for every sleeper
 
 
-def lease_owner(lease: int) -> int:
-    """The pid that owns an entry (0 when free)."""
+def _lease_owner(lease: int) -> int:
+    """The pid a lease word names (0 when free)."""
     return lease >> 32
 
 
@@ -54,7 +60,7 @@ def _lease(pid: int, claims: int) -> int:
 def owner_alive(region: Region, learner: int) -> bool:
     """True when learner entry `learner` is owned by a running process."""
     entry = region.entry(learner)
-    pid = lease_owner(entry.get("lease"))
+    pid = _lease_owner(entry.get("lease"))
     if pid == 0 or not _running(pid):
         return False
     started = entry.get("start")
@@ -65,7 +71,7 @@ def owner_alive(region: Region, learner: int) -> bool:
     deadline = Deadline(_RECLAIM_GRACE)
     while not deadline.expired():
         time.sleep(0.02)
-        if lease_owner(entry.get("lease")) != pid or _proc.alive(pid, entry.get("start")):
+        if _lease_owner(entry.get("lease")) != pid or _proc.alive(pid, entry.get("start")):
             return True
     return False
 
@@ -121,7 +127,13 @@ class Producer:
         return self.head % self.slots
 
     def tail(self) -> int:
+        """Slots the server has consumed from this ring, ever (its tail, as read now)."""
         return _native.load64(self._tail_addr)
+
+    def pending(self) -> int:
+        """Gradients published on this ring that the server has not consumed yet, as read now
+        (unchecked: a log line may say it of a ring `drain` gave up on)."""
+        return self.head - self.tail()
 
     def _pending(self) -> tuple[int, int]:
         """Published slots the server has not handed back, and the tail read: RegionCorrupt
@@ -146,7 +158,7 @@ class Producer:
         heads = owned = 0
         for entry in self._entries:
             heads += entry.get("head")
-            owned += lease_owner(entry.get("lease")) != 0
+            owned += _lease_owner(entry.get("lease")) != 0
         return heads, owned
 
     def publish(self, version: int, step: int, samples: int, kind: int = GRADIENT) -> None:
@@ -202,7 +214,7 @@ class Producer:
     def release(self) -> None:
         """Give the entry back (after `drain`): it is free for the next learner."""
         lease = self.entry.get("lease")
-        if lease_owner(lease) != os.getpid():
+        if _lease_owner(lease) != os.getpid():
             log.warning("job %r: learner entry %d is no longer ours; leaving it", self.region.job, self.learner)
             return
         self.entry.set("state", FREE)
@@ -230,7 +242,7 @@ def claim(region: Region, *, drain_timeout: float, server_alive, prefer: int | N
     for learner, reclaim in first + [(learner, reclaim) for reclaim in (False, True) for learner in range(capacity)]:
         entry = region.entry(learner)
         lease = entry.get("lease")
-        owner = lease_owner(lease)
+        owner = _lease_owner(lease)
         if reclaim == (owner == 0):
             continue
         if reclaim and owner_alive(region, learner):
@@ -240,7 +252,7 @@ def claim(region: Region, *, drain_timeout: float, server_alive, prefer: int | N
         if reclaim:
             log.warning("job %r: taking over learner entry %d of dead pid %d", region.job, learner, owner)
         return _take(region, learner, (lease & _U32) + 1, drain_timeout, server_alive)
-    owners = [lease_owner(region.entry(i).get("lease")) for i in range(capacity)]
+    owners = [_lease_owner(region.entry(i).get("lease")) for i in range(capacity)]
     raise CapacityError(
         f"job {region.job!r}: all {capacity} learner entries are taken by live learners (pids "
         f"{', '.join(map(str, owners))}); serve the job with more --learners"
@@ -260,7 +272,7 @@ def _take(region: Region, learner: int, claims: int, drain_timeout: float, serve
         entry.set("state", FREE)
         entry.cas("lease", entry.get("lease"), _lease(0, claims))
         raise GadeiTimeout(
-            f"job {region.job!r}: learner entry {learner} still had {producer.head - producer.tail()} "
+            f"job {region.job!r}: learner entry {learner} still had {producer.pending()} "
             f"unapplied gradients after {drain_timeout:g} s; is the server running?"
         )
     for slot in range(region.shape.slots):
@@ -301,7 +313,38 @@ def _keep_last_owner(entry) -> None:
 
 
 # ------------------------------------------------------------------ what others read of the rings
-# (the watchdog's accounting of the learners it launched: gadei_watchdog.launched)
+# (`gadei status`, a checkpoint, the watchdog's look at every learner and its accounting of
+# the learners it launched: gadei_watchdog.launched). Only loads: safe on a read-only mapping.
+
+
+def owner(region: Region, learner: int) -> int:
+    """The pid that owns learner entry `learner` (0 when free), alive or not."""
+    return _lease_owner(region.entry(learner).get("lease"))
+
+
+def since_claim(region: Region, learner: int) -> tuple[int, int, int]:
+    """(gradients entry `learner`'s owner published since it claimed the ring, those the
+    server consumed, those in the ring now): what `gadei status` shows of a learner."""
+    entry = region.entry(learner)
+    head, tail, base = entry.get("head"), entry.get("tail"), entry.get("claim_head")
+    return max(0, head - base), max(0, tail - base), head - tail
+
+
+def published(region: Region) -> int:
+    """Gradients ever published on every ring of the job (the heads summed)."""
+    return sum(region.entry(i).get("head") for i in range(region.shape.capacity))
+
+
+# Each entry's counters as a checkpoint keeps them (`checkpoint.Checkpoint.learners`), read
+# in this order: pid and applied_samples before last_pid and last_applied (`applied_in`).
+_COUNTERS = ("pid", "head", "tail", "samples", "applied_samples", "pulls", "dropped", "discarded", "stale_sum",
+             "stale_max", "pull_retries", "last_pid", "last_applied")
+
+
+def counters(region: Region) -> list[dict]:
+    """Every learner entry's counters (JSON-compatible), as a checkpoint keeps them and
+    `applied_in` reads them."""
+    return [{name: region.entry(i).get(name) for name in _COUNTERS} for i in range(region.shape.capacity)]
 
 
 def drained(entry) -> bool:
@@ -322,7 +365,7 @@ def entry_of(region: Region, pid: int) -> int:
 
 def owned_by(region: Region, learner: int, pid: int) -> bool:
     """True when entry `learner`'s lease names process `pid`."""
-    return lease_owner(region.entry(learner).get("lease")) == pid
+    return _lease_owner(region.entry(learner).get("lease")) == pid
 
 
 def dead_owner_applied(region: Region, learner: int, pid: int, seen: int, timeout: float = 2.0) -> int:
@@ -462,11 +505,15 @@ class Consumer:
         for addr in self._tail_addrs:
             _native.futex_wake(addr, _WAKE_ALL)
 
+    def owned(self, learner: int) -> bool:
+        """Whether some process owns entry `learner` (alive or not: no liveness check)."""
+        return _lease_owner(self._entries[learner].get("lease")) != 0
+
     def learner_threads(self) -> int:
         """Cores the attached learners say they keep busy (a cheap sum, no liveness checks)."""
-        return sum(entry.get("threads") for entry in self._entries if lease_owner(entry.get("lease")))
+        return sum(entry.get("threads") for i, entry in enumerate(self._entries) if self.owned(i))
 
     def busy_entries(self) -> list[int]:
         """Entries owned by a live learner."""
-        return [i for i in range(self.capacity) if lease_owner(self._entries[i].get("lease")) and owner_alive(self.region, i)]
+        return [i for i in range(self.capacity) if self.owned(i) and owner_alive(self.region, i)]
 

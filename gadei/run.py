@@ -16,7 +16,7 @@ checkpoint (docs/fault-tolerance.md). The output folder gets:
                     (evaluated on the whole test set at the end), why training stopped (patience,
                     cap, cancelled), its seconds (a resumed run's also with the runs it resumed,
                     where they are known); written by whoever sees the job end
-                    (`gadei.outputs.finish`)
+                    (`gadei.outputs.conclude`)
     metrics.jsonl   one JSON line per epoch of learner 0: loss, train accuracy (its own mini-batches,
                     with dropout, as it trained), validation loss and accuracy, test accuracy,
                     samples/s, seconds, and the staleness of the job's gradients (mean over the
@@ -38,7 +38,6 @@ once its job serves, and learner i trains shard rank*L + i of NODES*L.
 
 import json
 import logging
-import os
 import shlex
 import signal
 import subprocess
@@ -75,7 +74,7 @@ def run_job(path: str, *, quiet: bool = False, resume: bool = False, by: str = R
 class JobRun:
     """One job's life on this node, from its prepared job (`gadei.prepare`) to its outcome:
     launch (server, watchdog, learners; a bridged node's bridge), follow (the progress line,
-    through server restarts and a watchdog's death), finish (`outputs.finish`: metrics, plot,
+    through server restarts and a watchdog's death), finish (`outputs.conclude`: metrics, plot,
     result.json), report (the exit code). `gadei run` runs one; the daemon runs `gadei run`;
     a bridged node's `Node.run` runs one with its bridge.
 
@@ -188,8 +187,8 @@ class JobRun:
             time.sleep(0.2)
         if bridge is not None:
             node.stop_bridge(bridge, out / "model.pt", private=job.private)
-        result = outputs.finish(job, owner=owner, interrupted=interrupted, note=self.note,
-                                bridge=node.summary(bridge) if node is not None else None)
+        result = outputs.conclude(out, job=job, owner=owner, interrupted=interrupted, note=self.note,
+                                  bridge=node.summary(bridge) if node is not None else None)
         return report(job, result, time.monotonic() - started, self.prepared.by)
 
     def _stop(self) -> None:
@@ -220,9 +219,8 @@ class JobRun:
             return code is not None and not serving
         if code is not None and not serving and not dog_alive:
             if code == 0 and not self.note and self._learners_done():  # not when this run stopped it (note)
-                outputs.write_ending(self.job.output, outputs.Ending(
-                    0, True, "every learner finished (its watchdog died before it recorded the end)", os.getpid(),
-                    time.time()))
+                outputs.record_end(self.job.output, outputs.Ending(
+                    0, True, "every learner finished (its watchdog died before it recorded the end)"))
                 return True
             if self.dog is None or code == 0:
                 self.note = self.note or f"the server exited {code} without a watchdog"

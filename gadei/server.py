@@ -58,7 +58,7 @@ from .transport.slot import Gradient
 from .region import Region
 from .server_record import drop_server_record, save_server_record
 from .protocol import WAIT_SLICE, Deadline, RunState, ServerHold, Version
-from .ring import Consumer, lease_owner, owner_alive
+from .ring import Consumer, owner_alive
 from .spin import DOZE_NS, DOZE_SLICE_NS, SPIN_PAYS_NS, SpinToken, doze_pays, runnable, short_timer_slack
 
 log = logging.getLogger(__name__)
@@ -467,7 +467,7 @@ class Server:
     def _members(self, drop_ns: int) -> list[int]:
         """Learners that take part in the next sync round: attached, active, beating."""
         return [i for i, entry in enumerate(self._entries)
-                if lease_owner(entry.get("lease")) and entry.get("state") == ACTIVE and self._fresh(i, drop_ns)]
+                if self._consumer.owned(i) and entry.get("state") == ACTIVE and self._fresh(i, drop_ns)]
 
     def _fresh(self, learner: int, drop_ns: int) -> bool:
         entry = self._entries[learner]

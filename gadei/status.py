@@ -8,7 +8,7 @@ or as JSON lines for programs.
 import time
 from dataclasses import asdict, dataclass, field
 
-from . import _proc
+from . import _proc, ring
 from .layout import ENTRY_STATES, HIST_BUCKETS
 from .modes import RuleOptions, read_options
 from .options import declared, used_in
@@ -16,7 +16,6 @@ from .protocol import RunState
 
 DEFAULTS = {f.name: f.default for f in declared(RuleOptions)}  # an option is shown where it is not its default
 from .region import Region
-from .ring import lease_owner
 
 
 @dataclass
@@ -108,12 +107,11 @@ def read(region: Region) -> JobStatus:
     learners = []
     for i in range(region.shape.capacity):
         e = region.entry(i)
-        pid = lease_owner(e.get("lease"))
+        pid = ring.owner(region, i)
         if pid == 0:
             continue
-        head, tail, base = e.get("head"), e.get("tail"), e.get("claim_head")
+        pushes, applied, in_ring = ring.since_claim(region, i)
         hist = e.get("stale_hist")
-        applied = max(0, tail - base)
         learners.append(
             LearnerStatus(
                 learner=i,
@@ -121,9 +119,9 @@ def read(region: Region) -> JobStatus:
                 pid=pid,
                 alive=_proc.alive(pid, e.get("start")),
                 beat_age=_age(e.get("beat"), now),
-                pushes=max(0, head - base),
+                pushes=pushes,
                 applied=applied,
-                in_ring=head - tail,
+                in_ring=in_ring,
                 samples=e.get("samples"),
                 pulls=e.get("pulls"),
                 pulled_version=e.get("pulled_version"),

@@ -146,9 +146,9 @@ def dead(pid: int) -> bool:
 
 def learner_pids(region) -> list[int]:
     """The pids of the learners that own one of the region's entries now."""
-    from gadei.ring import lease_owner
+    from gadei import ring
 
-    return [p for p in (lease_owner(region.entry(i).get("lease")) for i in range(region.shape.capacity)) if p]
+    return [p for p in (ring.owner(region, i) for i in range(region.shape.capacity)) if p]
 
 
 def job_version(name: str) -> int:

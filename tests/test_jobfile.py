@@ -408,7 +408,7 @@ def test_ctrl_c_while_gadei_run_writes_the_outputs_of_a_finished_job_loses_nothi
     it): the outputs are written all the same, and the run is one that finished (once the
     KeyboardInterrupt ended `gadei run` mid-way, with no result.json and no one left to write it,
     and `--resume` then refused). SIGINT is sent again and again from `first` on until the run
-    exits: metrics.jsonl, the first file `outputs.finish` writes, or the watchdog's end record,
+    exits: metrics.jsonl, the first file `outputs.conclude` writes, or the watchdog's end record,
     which `gadei run` sees within 0.25 s (a Ctrl-C in between once made the finished job one it
     had stopped)."""
     path = blobs_job(tmp_path, unique_name("late-c"), train={"learners": 2, "epochs": 2, "lr": 0.05})

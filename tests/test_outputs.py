@@ -2,10 +2,12 @@
 resumed run's time; what accuracy.png shows."""
 
 import json
+import os
 import re
 import signal
+import time
 
-from gadei import outputs
+from gadei import jobfile, outputs
 from helpers import blobs_job, communicate, end_jobs, finish, job_version, unique_name, wait_for
 
 
@@ -53,6 +55,34 @@ def test_a_run_resumed_after_a_kill_that_left_no_result_says_nothing_of_the_time
     (out / "result.json").write_text(json.dumps({"seconds": 30.0}))
     outputs.forget(out)
     assert not (out / outputs.EARLIER).exists()
+
+
+def test_conclude_records_the_end_leaves_the_outputs_to_a_live_owner_and_writes_them_once(tmp_path):
+    """`outputs.conclude`, as the watchdog calls it: the end record is written at once, stamped
+    with this process and the time (the daemon tells by them whether its writer lives); while
+    the run's `gadei run` holds the lock the outputs are left to it; once it let go they are
+    written (failed, with the end record's reason: no model.pt), and a second conclude reads
+    result.json instead of writing it again."""
+    job = jobfile.load(blobs_job(tmp_path, unique_name("concl"), train={"learners": 1, "epochs": 1}))
+    out = job.output
+    (out / "logs").mkdir(parents=True)
+    ending = outputs.Ending(3, False, "the server died for good")
+    owner = outputs.Owner(out)
+    try:
+        before = time.time()
+        assert outputs.conclude(out, job=job, ending=ending, leave_to_owner=True, wait=1) is None
+        recorded = outputs.read_ending(out)
+        assert (recorded.code, recorded.finished, recorded.reason) == (3, False, "the server died for good")
+        assert recorded.pid == os.getpid() and before <= recorded.time <= time.time(), recorded
+        assert outputs.read_result(out) is None and not (out / "metrics.jsonl").exists()
+    finally:
+        owner.close()
+    result = outputs.conclude(out, job=job, leave_to_owner=True, note="not this")
+    assert (result["outcome"], result["reason"]) == (outputs.FAILED, "the server died for good"), result
+    assert outputs.read_result(out) == result and (out / "metrics.jsonl").exists()
+    written = (out / "result.json").stat().st_mtime_ns
+    assert outputs.conclude(out, job=job, interrupted=True, note="again") == result
+    assert (out / "result.json").stat().st_mtime_ns == written
 
 
 def _png_shape(path) -> tuple:

@@ -1,9 +1,10 @@
 """One owner per shared-memory protocol and per C module, one name per public class, one module
 that starts and kills processes: the house rules of issues 16 and 32, held by a scan of the
 source (AST), so that a new module cannot quietly write a handshake again, call the native
-layer around its owners or start a process of its own; and only the ring writes a ring's
-counters and owner accounting, and a slot's header, and only the slot's format and the
-learner's writer a slot's row counts."""
+layer around its owners or start a process of its own; and only the ring reads or writes a
+ring's counters and owner accounting, and writes a slot's header; only the slot's format and
+the learner's writer a slot's row counts; and only gadei/outputs.py writes a job's outputs
+and the record of how it ended."""
 
 import ast
 import re
@@ -31,10 +32,14 @@ PROTOCOL_FIELDS = {"run_state", "fail_reason", "doorbell", "server_sleeping", "v
 
 
 # A ring's counters and its owner accounting (gadei.layout.ENTRY): only gadei/ring.py writes
-# them, or takes their address (through which the native layer would write them).
+# them, or takes their address (through which the native layer would write them), and only it
+# reads them: the others ask it what they mean (ring.owner, since_claim, published, counters...).
 RING = "gadei/ring.py"
 RING_WORDS = {"head", "tail", "lease", "space_waiting", "claim_head", "pid", "last_pid", "last_applied"}
 WRITES = {"set", "add", "cas", "addr", "word"}  # Record's writers, and its raw handles on a word
+# `pid` names a field of many records (a job's, a lock file's, a reply's): it counts as the
+# ring's where it is read from a learner entry, a name bound to `region.entry(...)`.
+SHARED_NAMES = {"pid"}
 
 # A slot's header (gadei.layout.SLOT: version, step, samples, kind) is written only where a
 # slot is published (gadei/ring.py); the slot's format reads it when the server takes the
@@ -46,6 +51,18 @@ SLOT_HEADER_TAKERS = {"gadei/region.py", "gadei/ring.py", "gadei/transport/slot.
 # (`sparse_area`) and zeroes them when a slot is applied or discarded, and the learner's writer
 # stores them (`store_rows`, last, once the rows are in); a device push has the writer do it.
 ROW_COUNT_WRITERS = {"gadei/transport/slot.py", "gadei/transport/writer.py"}
+
+
+# A job's outputs (result.json, metrics.jsonl, accuracy.png) and the record of how it ended
+# (gadei.outputs.END, logs/watchdog-end.json): only gadei/outputs.py writes them. Whoever sees
+# the job end calls its `conclude` (or `record_end`), never its writers, and writes none of
+# those files itself.
+OUTPUTS = "gadei/outputs.py"
+OUTPUT_FILES = ("result.json", "metrics.jsonl", "accuracy.png", "watchdog-end.json")
+OUTPUT_NAMES = {"END"}  # gadei.outputs' names of those paths
+OUTPUT_WRITERS = {"write_ending", "write_metrics", "plot", "_write", "_replace", "_replace_with"}
+FILE_WRITES = {"write_text", "write_bytes", "savefig", "touch", "dump", "save", "replace", "rename", "copy",
+               "copyfile", "copy2", "move"}  # calls that write a file named in their receiver or arguments
 
 
 def _sources():
@@ -132,14 +149,53 @@ def ring_word_writers(sources) -> dict[str, set[str]]:
     return dict(found)
 
 
+def ring_word_readers(sources) -> dict[str, set[str]]:
+    """Modules other than the ring's that read a ring word (its name, "?" for a field named at
+    run time): a string naming one (`entry.get("head")`, a tuple of names a loop reads), or a
+    read of a learner entry's `pid` or of a field of it by a name not written out
+    (`entry.get(name)`), on `region.entry(...)` or a name bound to one."""
+    found = defaultdict(set)
+    for name, tree in sources:
+        if name in (RING, LAYOUT):
+            continue
+        entries = _names_bound_to(tree, "entry")
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and node.value in RING_WORDS - SHARED_NAMES:
+                found[name].add(node.value)
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get"
+                  and node.args and _is_record(node.func.value, entries, "entry")):
+                field = node.args[0]
+                if not isinstance(field, ast.Constant):
+                    found[name].add("?")
+                elif field.value in SHARED_NAMES:
+                    found[name].add(field.value)
+    return dict(found)
+
+
+def _is_record(receiver, bound, maker: str) -> bool:
+    """`receiver` (less its subscripts) is a call `x.maker(...)` or a name bound to one."""
+    while isinstance(receiver, ast.Subscript):
+        receiver = receiver.value
+    if isinstance(receiver, ast.Call):
+        return isinstance(receiver.func, ast.Attribute) and receiver.func.attr == maker
+    return isinstance(receiver, (ast.Name, ast.Attribute)) and _bound(receiver) in bound
+
+
 def _slot_header_names(tree) -> set[tuple[str, str]]:
-    """Names (variables, attributes) bound to a slot header record: to `region.slot_header(...)`,
-    to an element of one of those (`header = self._slot_headers[i][k]`), or to a list of them."""
+    """Names (variables, attributes) bound to a slot header record (`_names_bound_to`)."""
+    return _names_bound_to(tree, "slot_header")
+
+
+def _names_bound_to(tree, maker: str) -> set[tuple[str, str]]:
+    """Names (variables, attributes) bound to a record a call `x.maker(...)` returns
+    (`region.slot_header(...)`, `region.entry(...)`), to an element of one of those
+    (`header = self._slot_headers[i][k]`, `for entry in entries`, `for i, entry in
+    enumerate(entries)`), or to a list of them."""
     names: set[tuple[str, str]] = set()  # ("name", variable) or ("attr", attribute)
 
     def record(expr) -> bool:
         if isinstance(expr, ast.Call):
-            return isinstance(expr.func, ast.Attribute) and expr.func.attr == "slot_header"
+            return isinstance(expr.func, ast.Attribute) and expr.func.attr == maker
         if isinstance(expr, (ast.Name, ast.Attribute)):
             return _bound(expr) in names
         if isinstance(expr, ast.Subscript):
@@ -157,6 +213,13 @@ def _slot_header_names(tree) -> set[tuple[str, str]]:
                 for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
                     if isinstance(target, (ast.Name, ast.Attribute)):
                         names.add(_bound(target))
+            elif isinstance(node, (ast.For, ast.comprehension)):
+                target, items = node.target, node.iter
+                if (isinstance(items, ast.Call) and isinstance(items.func, ast.Name) and items.func.id == "enumerate"
+                        and items.args and isinstance(target, ast.Tuple) and len(target.elts) == 2):
+                    target, items = target.elts[1], items.args[0]
+                if isinstance(target, (ast.Name, ast.Attribute)) and record(items):
+                    names.add(_bound(target))
         if len(names) == before:
             return names
 
@@ -203,6 +266,54 @@ def row_count_writers(sources) -> set[str]:
     return found
 
 
+def output_writers(sources) -> set[str]:
+    """Modules other than gadei/outputs.py that write a job's outputs or its end record: they
+    call one of outputs' writers (`outputs.write_ending(...)`, `from .outputs import
+    write_metrics`), or write a file (FILE_WRITES, `open` to write) whose path names one of
+    OUTPUT_FILES or OUTPUT_NAMES, there or through a variable bound to it."""
+    found = set()
+    for name, tree in sources:
+        if name == OUTPUTS:
+            continue
+        paths: set[str] = set()
+
+        def names_output(expr) -> bool:
+            return any(isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value.endswith(OUTPUT_FILES)
+                       or isinstance(n, ast.Attribute) and n.attr in OUTPUT_NAMES
+                       or isinstance(n, ast.Name) and n.id in paths for n in ast.walk(expr))
+
+        while True:
+            before = len(paths)
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Assign) and names_output(node.value):
+                    paths.update(t.id for t in node.targets if isinstance(t, ast.Name))
+            if len(paths) == before:
+                break
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "outputs"
+                    and node.attr in OUTPUT_WRITERS) or (
+                    isinstance(node, ast.ImportFrom) and (node.module or "").endswith("outputs")
+                    and any(a.name in OUTPUT_WRITERS for a in node.names)):
+                found.add(name)
+            elif _file_write(node) and names_output(node):
+                found.add(name)
+    return found
+
+
+def _file_write(node) -> bool:
+    if not isinstance(node, ast.Call):
+        return False
+    func = node.func
+    if isinstance(func, ast.Attribute) and func.attr in FILE_WRITES:
+        return True
+    if isinstance(func, ast.Name) and func.id == "open" or isinstance(func, ast.Attribute) and func.attr == "open":
+        modes = node.args[1:2] + [k.value for k in node.keywords if k.arg in ("mode", "flags")]
+        return any(isinstance(m, ast.Constant) and isinstance(m.value, str) and bool(set(m.value) & set("wax+"))
+                   or any(isinstance(n, ast.Attribute) and n.attr in ("O_WRONLY", "O_RDWR", "O_CREAT")
+                          for n in ast.walk(m)) for m in modes)
+    return False
+
+
 def shared_class_names(sources) -> dict[str, list[str]]:
     """Public class names defined in more than one module."""
     where = defaultdict(list)
@@ -231,6 +342,10 @@ def test_only_the_ring_writes_a_ring_counter_or_its_owner_accounting():
     assert ring_word_writers(_sources()) == {}
 
 
+def test_only_the_ring_reads_a_ring_counter_or_its_owner_accounting():
+    assert ring_word_readers(_sources()) == {}
+
+
 def test_only_the_ring_writes_a_slot_header_and_only_the_slot_format_reads_one_besides():
     takers, writers = slot_header_uses(_sources())
     assert writers == SLOT_HEADER_WRITERS
@@ -239,6 +354,10 @@ def test_only_the_ring_writes_a_slot_header_and_only_the_slot_format_reads_one_b
 
 def test_only_the_slot_format_and_the_learners_writer_write_a_row_count():
     assert row_count_writers(_sources()) == ROW_COUNT_WRITERS
+
+
+def test_only_the_outputs_module_writes_a_jobs_outputs_or_its_end_record():
+    assert output_writers(_sources()) == set()
 
 
 def test_no_two_public_classes_share_a_name():
@@ -267,6 +386,18 @@ def test_the_scans_find_what_they_look_for():
         "    headers = [region.slot_header(0, k) for k in range(2)]\n    header = headers[1]\n"
         "    header.set('samples', 3)\n"))]
     assert ring_word_writers(writer) == {"gadei/stray.py": {"head", "lease", "last_pid"}}
+    # a second reader of them: by name, in a tuple of names, a learner entry's pid, a field named at run time
+    reader = [("gadei/status.py", ast.parse(
+        "def f(region, i):\n    e = region.entry(i)\n    return e.get('head') - e.get('tail'), e.get('pid')\n")),
+              ("gadei/checkpoint.py", ast.parse(
+                  "NAMES = ('samples', 'last_applied')\nentries = [region.entry(i) for i in range(4)]\n"
+                  "def f(region):\n    return [[e.get(n) for n in NAMES] for e in entries], region.entry(0).get('pid')\n")),
+              ("gadei/server.py", ast.parse(
+                  "def f(self, region, k):\n    self._entries = [region.entry(i) for i in range(4)]\n"
+                  "    return [entry.get(k) for i, entry in enumerate(self._entries)]\n")),
+              ("gadei/outputs.py", ast.parse("def f(lock):\n    return lock.get('pid'), lock.get(name)\n"))]
+    assert ring_word_readers(reader) == {"gadei/status.py": {"head", "tail", "pid"},
+                                         "gadei/checkpoint.py": {"last_applied", "?", "pid"}, "gadei/server.py": {"?"}}
     assert slot_header_uses(writer) == ({"gadei/stray.py"}, {"gadei/stray.py"})
     counts = [("gadei/a.py", ast.parse("from .transport.slot import store_rows\n")),
               ("gadei/b.py", ast.parse("slot.store_rows(addr, 3)\n")),
@@ -281,3 +412,18 @@ def test_the_scans_find_what_they_look_for():
     started = [("gadei/a.py", ast.parse("subprocess.Popen(['x'])")), ("gadei/b.py", ast.parse("os.execv('x', ['x'])")),
                ("gadei/bench/c.py", ast.parse("subprocess.run(['x'])")), ("gadei/d.py", ast.parse("p.run()"))]
     assert spawners(started) == {"gadei/a.py", "gadei/b.py"}
+    # a second writer of the outputs or the end record: through outputs' writers, or a file of its own
+    written = [("watchdog/__init__.py", ast.parse("outputs.write_ending(out, outputs.Ending(0, True))\n")),
+               ("gadei/a.py", ast.parse("from .outputs import write_metrics\n")),
+               ("gadei/b.py", ast.parse("def f(out):\n    (out / 'result.json').write_text('{}')\n")),
+               ("gadei/c.py", ast.parse("def f(out):\n    path = out / 'logs' / 'watchdog-end.json'\n"
+                                        "    with open(path, 'w') as f:\n        f.write('{}')\n")),
+               ("gadei/d.py", ast.parse("def f(out):\n    os.open(out / outputs.END, os.O_WRONLY | os.O_CREAT, 0o600)\n")),
+               ("gadei/e.py", ast.parse("def f(out):\n    fig.savefig(out / 'accuracy.png')\n")),
+               ("gadei/outputs.py", ast.parse("def f(out):\n    (out / 'metrics.jsonl').write_text('')\n")),
+               ("gadei/readers.py", ast.parse(  # reads them, and writes another file
+                   "def f(out):\n    with open(out / 'daemon.log', 'wb'):\n        pass\n"
+                   "    outputs.conclude(out, ending=outputs.Ending(0, True))\n"
+                   "    return json.loads((out / 'result.json').read_text()), open(out / outputs.END).read()\n"))]
+    assert output_writers(written) == {"watchdog/__init__.py", "gadei/a.py", "gadei/b.py", "gadei/c.py", "gadei/d.py",
+                                       "gadei/e.py"}

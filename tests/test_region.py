@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import gadei
+from gadei import ring
 from gadei.layout import MAGIC, Shape, layout
 from gadei.region import SHM_DIR, Region, inspect, shm_name
-from gadei.ring import lease_owner
 from worker import Flat
 from helpers import communicate, finish, read_line
 
@@ -68,7 +68,7 @@ def test_attach_refuses_mismatches_naming_both_sides(job):
 
 def region_entry_free(job, learner):
     with Region.attach(job, readonly=True) as region:
-        return lease_owner(region.entry(learner).get("lease")) == 0
+        return ring.owner(region, learner) == 0
 
 
 def test_bad_job_names_are_refused():

@@ -1,12 +1,16 @@
 """The ring across processes: a learner's two threads blocked on its ring at once (the train
 thread in `drain`, the push thread in `wait_space`) are both woken by the server that frees
-it, in a learner process of its own (tests/worker.py two-waiters)."""
+it, in a learner process of its own (tests/worker.py two-waiters); and what the others read
+of a ring through `gadei.ring` (status, a checkpoint, the server's rounds) is what it holds."""
 
+import os
 import statistics
 import time
 
+from gadei import ring
 from gadei.protocol import WAIT_SLICE
-from gadei.ring import Consumer
+from gadei.region import Region
+from gadei.ring import Consumer, claim
 from gadei.server import Server
 from helpers import finish, read_line
 
@@ -41,3 +45,36 @@ def test_both_threads_blocked_on_one_ring_wake_when_the_server_frees_it(job, pro
     # a lost wake-up makes its trial a slice late; a woken thread is back in far less, even
     # on a loaded machine (the median of the trials forgives one slow one)
     assert statistics.median(late) < WAIT_SLICE / 2, f"seconds each trial's waiter was late: {late}"
+
+
+def test_what_the_ring_tells_others_of_a_ring_is_what_it_holds(job):
+    """`gadei status` (owner, since_claim), a checkpoint (counters), serve's stopped record
+    (published), the server's sync rounds (Consumer.owned) and a leaving learner's log
+    (Producer.pending) read a ring only through gadei.ring: after two gradients published and
+    one consumed, each says so; a free entry has no owner."""
+    server = Server(job, n_params=64, learners=2, slots=2, threads=1)
+    region = Region.attach(job)
+    try:
+        consumer = Consumer(server.region)
+        producer = claim(region, drain_timeout=5, server_alive=lambda: True)
+        mine, other = producer.learner, 1 - producer.learner
+        for step in range(2):
+            producer.publish(region.header.get("version"), step, 1)
+        consumer.take(mine)
+        consumer.release(mine)
+        assert ring.owner(region, mine) == os.getpid() and consumer.owned(mine)
+        assert ring.owner(region, other) == 0 and not consumer.owned(other)
+        assert ring.since_claim(region, mine) == (2, 1, 1)  # published, consumed, in the ring
+        assert producer.pending() == 1 and ring.published(region) == 2
+        counters = ring.counters(region)
+        assert (counters[mine]["pid"], counters[mine]["head"], counters[mine]["tail"]) == (os.getpid(), 2, 1)
+        assert ring.applied_in(counters, os.getpid()) == counters[mine]["applied_samples"]
+        consumer.take(mine)
+        consumer.release(mine)
+        assert producer.drain(1.0, lambda: True) and producer.pending() == 0
+        assert ring.since_claim(region, mine) == (2, 2, 0)
+        producer.release()
+        assert ring.owner(region, mine) == 0 and not consumer.owned(mine)
+    finally:
+        region.close()
+        server.close()

@@ -29,7 +29,7 @@ within `window` seconds it gives up (exit 3) and logs the command that resumes t
 
 With `outputs` (a `gadei run` output folder), whatever the job's end, it records how the
 job ended there (`gadei.outputs.END`: its exit code, whether every learner finished, why)
-once no server of the job runs, and writes the job's outputs (`gadei.outputs.finish`) when
+once no server of the job runs, and writes the job's outputs (`gadei.outputs.conclude`) when
 the `gadei run` that started the job is gone (it holds the run's lock while it lives).
 
 It ends when the job stops: 0, or 4 when it had given up on some launched learner. A job its
@@ -46,14 +46,13 @@ import subprocess
 import time
 from dataclasses import asdict
 
-from gadei import _proc, checkpoint
+from gadei import _proc, checkpoint, ring
 from gadei.env import restarts, restarts_env
 from gadei.errors import GadeiError, RegionNotFound
 from gadei.launch import spawn, wait_or_kill
 from gadei.layout import ACTIVE, DEAD, FAILED, SERVING, STOPPED, STOPPING
 from gadei.protocol import Deadline, RunState
 from gadei.region import Region, inspect
-from gadei.ring import lease_owner
 from gadei.watchdog_options import WatchdogSettings
 
 from gadei.watchdog_record import (JOB_FAILED, LEARNERS_FAILED, SERVER_DEAD, Launched, load_state, registering,
@@ -147,7 +146,7 @@ class Watchdog:
     def _record_end(self, code: int, timeout: float = 120.0) -> None:
         from pathlib import Path
 
-        from gadei import jobfile, outputs
+        from gadei import outputs
 
         out = Path(self.settings.outputs)
         deadline = Deadline(timeout)  # the server writes the model at its stop, then removes its region
@@ -155,11 +154,10 @@ class Watchdog:
                 and not deadline.expired():
             deadline.sleep(0.05)
         try:
-            outputs.write_ending(out, outputs.Ending(code, self.finished, self.reason, os.getpid(), time.time()))
-            if outputs.owned(out):
+            result = outputs.conclude(out, ending=outputs.Ending(code, self.finished, self.reason), leave_to_owner=True)
+            if result is None:
                 log.info("job %r: its `gadei run` writes the outputs", self.job)
                 return
-            result = outputs.finish(jobfile.load(out / "job.toml"))
             log.info("job %r: its `gadei run` is gone; the watchdog wrote the outputs in %s (%s)", self.job, out,
                      result.get("outcome"))
         except (OSError, GadeiError) as err:
@@ -352,7 +350,7 @@ class Watchdog:
         limit_ns = self.settings.interval * self.settings.max_missed * 1e9
         for i in range(self.region.shape.capacity):
             entry = self.region.entry(i)
-            pid = lease_owner(entry.get("lease"))
+            pid = ring.owner(self.region, i)
             if pid == 0 or entry.get("state") != ACTIVE:
                 continue
             silent_ns = time.monotonic_ns() - entry.get("beat")

@@ -91,5 +91,5 @@ def _paced_run(size_mb: float, team: int, updates: int) -> dict:
 
 def _wait_applied(producer, timeout: float = 60.0) -> None:
     """Until the server has taken every gradient `producer` published."""
-    wait_for(lambda: producer.tail() >= producer.head, timeout, "the server to apply every gradient pushed",
+    wait_for(lambda: producer.pending() <= 0, timeout, "the server to apply every gradient pushed",
              interval=0.0005, error=TimeoutError)

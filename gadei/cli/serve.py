@@ -108,11 +108,13 @@ def cmd_serve(args) -> int:
         if args.save:
             server.save(args.save, private=args.private)
         if args.json:
+            from ..ring import published
+
             h, entries = server.region.header, [server.region.entry(i) for i in range(server.region.shape.capacity)]
             emit({"event": "stopped", "job": args.job, "applied": report.applied, "seconds": report.seconds,
                    "version": report.version, "applied_total": h.get("applied"),
                    "resumed_applied": h.get("resumed_applied"),
-                   "published": sum(e.get("head") for e in entries),
+                   "published": published(server.region),
                    "discarded": sum(e.get("discarded") for e in entries),
                    "nonfinite_skipped": h.get("nonfinite_skipped")})
     finally:

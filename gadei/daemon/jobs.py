@@ -167,8 +167,7 @@ class Daemon:
         result = outputs.read_result(out)
         if result is None and (code is None or code < 0) and (out / "job.toml").is_file():
             try:  # gadei run was killed: the job's outputs are this process's to write
-                result = outputs.finish(jobfile.load(out / "job.toml"), note=why or f"gadei run was killed ({code})",
-                                        wait=120)
+                result = outputs.conclude(out, note=why or f"gadei run was killed ({code})", wait=120)
             except Exception as err:  # noqa: BLE001 (the record must end whatever this costs)
                 log.error("job %s: cannot write its outputs: %s", record.name, _reason(err))
         outcome = result.get("outcome") if result else None
