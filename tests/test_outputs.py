@@ -32,6 +32,12 @@ def test_a_resumed_run_says_its_seconds_with_the_runs_it_resumed(tmp_path, procs
         took = re.search(r"done in (\d+) s \((\d+) s with the runs it resumed\)", said)
         assert took, said
         assert abs(int(took[2]) - int(took[1]) - stopped["seconds"]) <= 1, (said, stopped)
+        # the chosen model's time in the same base: the stopped run's, or after its seconds
+        if result["version"] == stopped.get("version"):
+            assert result["seconds_to_best"] == stopped["seconds_to_best"], (result, stopped)
+        else:
+            assert result["seconds_to_best"] >= stopped["seconds"], (result, stopped)
+        assert f"reached after {result['seconds_to_best']:.0f} s" in said, said
         # a real run's records carry samples/s and staleness: accuracy.png has their row too
         assert _png_shape(out / "accuracy.png")[:2] == (700, 1000)
     finally:
