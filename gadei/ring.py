@@ -296,7 +296,9 @@ def _keep_record(record, applied: int) -> None:
     One writer at a time: the watchdog starts a launched learner's next process only after it
     has counted the last one's end, so a record outlives any number of claims of the entry
     this process held (a copy kept in that entry by its next owner was overwritten by the
-    one after). last_pid is 0 while last_applied changes, for `left_record`'s two reads.
+    one after; a count of claims would only have told so). A learner started by hand with the
+    same `--entry` writes it too, and the reader matches the pid. last_pid is 0 while
+    last_applied changes, for `left_record`'s two reads.
     """
     record.set("last_pid", 0)
     record.set("last_applied", applied)
