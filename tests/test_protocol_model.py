@@ -50,7 +50,7 @@ def _by_name(name):
 
 # ------------------------------------------------------------------ the model verifies
 
-LONG_CHECKS = ("kill-after-release",)  # under a minute, but the longest of the rest by far
+LONG_CHECKS = ("kill-after-release", "two-claims-ckpt", "old-last-owner-ckpt")  # the longest of the rest by far
 
 
 def _tiered(checks):
@@ -101,6 +101,20 @@ def test_no_zero_trail_shows_a_gradient_applied_twice(tmp_path):
     assert "assert((cnt[i]==0))" in result.replay
     applies = [line for line in result.replay.splitlines() if "cnt[i] = (cnt[i]+1)" in line]
     assert len(applies) >= 2
+
+
+def test_old_last_owner_trail_shows_the_record_overwritten_before_the_watchdog_looked(tmp_path):
+    """The learner gave its entry back and was killed; the other learner claimed the entry
+    twice, each claim copying the last owner into (last_pid, last_applied), the second over
+    the first; only then did the watchdog count the dead learner: by `seen`, 0."""
+    _need_tools()
+    result = check.run(_by_name("old-last-owner"), tmp_path)
+    steps = [line for line in result.replay.splitlines() if re.match(r"\s*\d+:\s+proc", line)]
+    counted = next(i for i, line in enumerate(steps) if "start_at[0] = (start_at[0]+seen[0])" in line)
+    copies = [line for line in steps[:counted] if "(Other:" in line and "elast_pid[r] = eplain[r]" in line]
+    assert len(copies) == 2, copies
+    assert any("killed[0] = 1" in line for line in steps[:counted])
+    assert "assert((cnt[i]==0))" in steps[-1] or "cnt[i]==0" in result.failed_assertion
 
 
 # ------------------------------------------------------------------ the model follows the code
@@ -241,6 +255,7 @@ def test_each_process_of_the_model_names_the_code_it_models():
         "Train": ["Learner.attach", "ring.claim", "_take", "ThreadPush.push", "_teardown"],
         "Push": ["ThreadPush._run", "Producer.wait_space", "publish", "write_grads"],
         "Watchdog": ["Watchdog.run", "_restart_server", "_died", "progress", "capture"],
+        "Other": ["ring.claim", "_take", "Producer.release"],
     }
     header = MODEL_TEXT[:MODEL_TEXT.index("*/")]
     for process, functions in names.items():
