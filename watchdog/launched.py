@@ -143,8 +143,9 @@ class Learners:
             published = ring.dead_owner_applied(region, l.entry, l.pid, published)
         else:
             # It gave its entry back (after draining it) and was killed before it exited, or
-            # never was seen holding one: its entry, or a new owner's copy of it, says what
-            # the server applied of it; `seen` may be older than its last pushes.
+            # never was seen holding one: the record it kept when it gave the entry back, or
+            # that entry, says what the server applied of it; `seen` may be older than its
+            # last pushes.
             left = ring.left_record(region, l.pid)
             if left is not None:
                 published = left
