@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 MAGIC = 0x31304945_44414701  # bytes b"\x01GADEI01" in little-endian order
-LAYOUT_VERSION = 12
+LAYOUT_VERSION = 13  # 13: an entry's last_pid/last_applied are the record its launched learner keeps at release
 PAGE = 4096
 LINE = 64
 NAME_BYTES = 64
@@ -204,8 +204,10 @@ ENTRY, ENTRY_BYTES = _record(
         ("beat", "u64"),
         ("head", "u64"),  # slots published, ever (monotonic)
         ("claim_head", "u64"),  # head when the current owner claimed the ring
-        # the previous owner's pid and applied_samples, copied by a new owner before it resets
-        # the counters: a learner killed after it gave the entry back is counted by them
+        # the launched learner numbered like this entry: the pid of its process that last gave
+        # back a drained ring (whichever entry it held) and what the server applied of it, kept
+        # by that process at release (no claim writes them): a learner killed after it gave its
+        # entry back is counted by them
         ("last_pid", "u32"),
         ("last_applied", "u64"),
         ("pulled_version", "u64"),

@@ -25,7 +25,8 @@ server wrote at its stop, and the evaluating learner's losses (not finite: diver
 
 result.json's "seconds" are this run's, from its owner's start; a resumed run's
 "seconds_in_all" add the runs it went on from, which `forget` carries over from their
-result.json before it removes it (`EARLIER`).
+result.json before it removes it (`EARLIER`), and so does its "seconds_to_best", the chosen
+model's time: one time base for a job however many runs it took.
 """
 
 import fcntl
@@ -85,16 +86,18 @@ def forget(out: Path, resume: bool = False) -> None:
     """Before a run (or a resumed one) starts: the outputs and end record of the run before it
     are not this one's, nor its TensorBoard event files unless this run resumes it. A resumed
     run keeps the seconds of the runs it goes on from (`EARLIER`, from their result.json's
-    `seconds_in_all` or `seconds`), for its own result.json's `seconds_in_all`; where the run
-    before it left no result.json (it was killed), they are unknown and nothing is kept."""
-    earlier = _seconds_in_all(read_result(out)) if resume else None
+    `seconds_in_all` or `seconds`), for its own result.json's `seconds_in_all`, and their
+    chosen model's `seconds_to_best` (in that time base) with its epoch and version, for its
+    own when it hands back the same model; where the run before it left no result.json (it
+    was killed), they are unknown and nothing is kept."""
+    earlier = _earlier_record(read_result(out)) if resume else None
     try:
         (out / EARLIER).unlink()
     except FileNotFoundError:
         pass
     if earlier is not None:
         (out / "logs").mkdir(parents=True, exist_ok=True)
-        _replace(out / EARLIER, json.dumps({"seconds": earlier}) + "\n")
+        _replace(out / EARLIER, json.dumps(earlier) + "\n")
     if not resume:  # a resumed run's TensorBoard curves go on from those of the runs before it
         board.forget(out)
     for name in _RUN_FILES:
@@ -162,11 +165,31 @@ def _seconds_in_all(result: dict | None) -> float | None:
     return seconds if isinstance(seconds, (int, float)) else None
 
 
-def _read_earlier(out: Path) -> float | None:
-    try:
-        return float(json.loads((out / EARLIER).read_text())["seconds"])
-    except (FileNotFoundError, ValueError, KeyError, TypeError):
+def _earlier_record(result: dict | None) -> dict | None:
+    """What a resumed run keeps of the runs before it (`EARLIER`), from their result.json:
+    their seconds and, where it has one, their chosen model's time; None where unknown."""
+    seconds = _seconds_in_all(result)
+    if seconds is None:
         return None
+    record: dict = {"seconds": seconds}
+    best = {key: result[key] for key in ("epoch", "version", "seconds_to_best") if key in result}
+    if len(best) == 3:
+        record["best"] = best
+    return record
+
+
+def _earlier(out: Path) -> dict:
+    """The record `forget` kept for a resumed run ({} for a run that resumed none, or whose
+    earlier runs' time is unknown)."""
+    try:
+        record = json.loads((out / EARLIER).read_text())
+        return record if isinstance(record, dict) and isinstance(record.get("seconds"), (int, float)) else {}
+    except (FileNotFoundError, ValueError):
+        return {}
+
+
+def _read_earlier(out: Path) -> float | None:
+    return _earlier(out).get("seconds")
 
 
 def earlier_seconds(result: dict) -> float | None:
@@ -290,7 +313,7 @@ def chosen(job: jobfile.Job, kind: str, since: float | None = None) -> dict:
     (learner 0's best evaluation, `gadei.selection`) in place of the weights the job ended
     with, and result.json's fields say which evaluation it is (epoch, version, validation
     accuracy and loss, and `seconds_to_best`: how long after `since`, the run's start, it was
-    made) and why training stopped: "patience" (the validation accuracy stopped
+    made, counting the runs a resumed run went on from, `best_seconds`) and why training stopped: "patience" (the validation accuracy stopped
     improving), "cap" (the [train] epochs ran out) or "cancelled" (the job was stopped before
     either). A run without a selection (a bridged node's: the nodes' model is the one their
     bridge agreed on) keeps its last weights and says only why it stopped. Safe to repeat: a
@@ -310,11 +333,26 @@ def chosen(job: jobfile.Job, kind: str, since: float | None = None) -> dict:
     best = state.get("best") or {}
     fields.update({key: best[key] for key in ("epoch", "version", "validation_accuracy", "validation_loss")
                    if key in best})
-    took = seconds_after(since, best.get("at"))
+    took = best_seconds(best, since, _earlier(job.output))
     if took is not None:
         fields["seconds_to_best"] = took
     fields["evaluations"] = state.get("evaluations", 0)
     return fields
+
+
+def best_seconds(best: dict, since: float | None, earlier: dict) -> float | None:
+    """The chosen evaluation `best` (best.json's record)'s time in result.json's
+    `seconds_in_all` base: the seconds of the runs this one resumed (`earlier`, `EARLIER`'s
+    record; none for a run that resumed none) plus those from this run's start `since` to it;
+    for one made before this run started, the time the run that made it gave it (the same
+    epoch and version). None where unknown."""
+    took = seconds_after(since, best.get("at"))
+    if took is not None:
+        return round(took + earlier.get("seconds", 0.0), 1)
+    before = earlier.get("best") or {}
+    if since and (before.get("epoch"), before.get("version")) == (best.get("epoch"), best.get("version")):
+        return before.get("seconds_to_best")
+    return None
 
 
 def seconds_after(since: float | None, at) -> float | None:

@@ -109,9 +109,10 @@ class Producer:
     to the server; `wait_space()` blocks while the ring is full.
     """
 
-    def __init__(self, region: Region, learner: int):
+    def __init__(self, region: Region, learner: int, number: int | None = None):
         self.region = region
         self.learner = learner
+        self.number = number  # a launched learner's number (`claim`'s prefer): where `release` keeps its record
         self.entry = region.entry(learner)
         self.slots = region.shape.slots
         self._head_addr = self.entry.addr("head")
@@ -217,6 +218,8 @@ class Producer:
         if _lease_owner(lease) != os.getpid():
             log.warning("job %r: learner entry %d is no longer ours; leaving it", self.region.job, self.learner)
             return
+        if self.number is not None and drained(self.entry):
+            _keep_record(self.region.entry(self.number), self.entry.get("applied_samples"))
         self.entry.set("state", FREE)
         # `pid` stays: it says whose gradients the entry's counters (applied_samples) count,
         # and a watchdog's checkpoint may still match this learner by it until it exits.
@@ -230,7 +233,8 @@ def claim(region: Region, *, drain_timeout: float, server_alive, prefer: int | N
     Entry `prefer` is taken first when it is free or its owner died (a launched learner's
     number, so that it is the same in its log, `gadei status` and the watchdog's list); then a
     free entry; when none is free, one whose owner died is reclaimed (its published gradients
-    are left for the server to apply, then its slots are zeroed).
+    are left for the server to apply, then its slots are zeroed). A launched learner's
+    `release` keeps what the server applied of it in entry `prefer` (`_keep_record`).
 
     Raises:
         CapacityError: every entry belongs to a live learner.
@@ -251,7 +255,8 @@ def claim(region: Region, *, drain_timeout: float, server_alive, prefer: int | N
             continue
         if reclaim:
             log.warning("job %r: taking over learner entry %d of dead pid %d", region.job, learner, owner)
-        return _take(region, learner, (lease & _U32) + 1, drain_timeout, server_alive)
+        number = prefer if first else None
+        return _take(region, learner, (lease & _U32) + 1, drain_timeout, server_alive, number)
     owners = [_lease_owner(region.entry(i).get("lease")) for i in range(capacity)]
     raise CapacityError(
         f"job {region.job!r}: all {capacity} learner entries are taken by live learners (pids "
@@ -259,13 +264,14 @@ def claim(region: Region, *, drain_timeout: float, server_alive, prefer: int | N
     )
 
 
-def _take(region: Region, learner: int, claims: int, drain_timeout: float, server_alive) -> Producer:
+def _take(region: Region, learner: int, claims: int, drain_timeout: float, server_alive,
+          number: int | None) -> Producer:
     entry = region.entry(learner)
     entry.set("state", CLAIMING)
     entry.set("start", _proc.start_time())
     entry.set("beat", time.monotonic_ns())
     entry.set("space_waiting", 0)  # a killed owner's sleepers may have died counted in
-    producer = Producer(region, learner)
+    producer = Producer(region, learner, number)
     # A previous owner's published slots are applied by the server, never dropped; its
     # unpublished (maybe half-written) slot is zeroed below once nothing is in flight.
     if not producer.drain(drain_timeout, server_alive):
@@ -277,7 +283,9 @@ def _take(region: Region, learner: int, claims: int, drain_timeout: float, serve
         )
     for slot in range(region.shape.slots):
         clear_slot(region, learner, slot)
-    _keep_last_owner(entry)
+    # pid 0 before the reset: a reader that matches the previous owner by pid reads its counters
+    # between two reads of pid (`left_record`), so it never takes the reset ones for its own.
+    entry.set("pid", 0)
     # The server writes these only while consuming this ring, and the ring is empty.
     for name in ("applied_samples", "stale_sum", "stale_max", "discarded"):
         entry.set(name, 0)
@@ -294,22 +302,20 @@ def _take(region: Region, learner: int, claims: int, drain_timeout: float, serve
     return producer
 
 
-def _keep_last_owner(entry) -> None:
-    """Copy the previous owner's (pid, applied_samples) into (last_pid, last_applied), then set pid 0.
+def _keep_record(record, applied: int) -> None:
+    """Keep this process's `applied` (its ring drained: all the server applied of it) in
+    `record`'s (last_pid, last_applied): the entry numbered like the launched learner it is.
 
-    The ring is drained, so applied_samples is all the previous owner contributed; a learner
-    killed after it released the entry is counted by it (`watchdog.launched.left_record`).
-    Every moment of the copy answers that reader right: last_pid is 0 while last_applied
-    changes, and pid is 0 before the counters are reset. pid 0 means a claimant that died
-    after it copied: the record is already in last_*, and is kept.
+    One writer at a time: the watchdog starts a launched learner's next process only after it
+    has counted the last one's end, so a record outlives any number of claims of the entry
+    this process held (a copy kept in that entry by its next owner was overwritten by the
+    one after; a count of claims would only have told so). A learner started by hand with the
+    same `--entry` writes it too, and the reader matches the pid. last_pid is 0 while
+    last_applied changes, for `left_record`'s two reads.
     """
-    pid = entry.get("pid")
-    if pid == 0:
-        return
-    entry.set("last_pid", 0)
-    entry.set("last_applied", entry.get("applied_samples"))
-    entry.set("last_pid", pid)
-    entry.set("pid", 0)
+    record.set("last_pid", 0)
+    record.set("last_applied", applied)
+    record.set("last_pid", os.getpid())
 
 
 # ------------------------------------------------------------------ what others read of the rings
@@ -387,33 +393,33 @@ def dead_owner_applied(region: Region, learner: int, pid: int, seen: int, timeou
 def left_record(region: Region, pid: int, timeout: float = 2.0) -> int | None:
     """applied_samples of process `pid` that gave its learner entry back; None if no entry keeps it.
 
-    The entry it left still names it in `pid` (its counters are kept at release) until a new
-    owner copies them into `last_pid`/`last_applied` (`_keep_last_owner`: last_pid 0 while
-    last_applied changes, pid 0 before the reset). Each answer is read between two reads of
-    the field that names it, so a copy or a reset between them is seen: read again. Its ring
-    is waited for (up to `timeout`) to be drained first: a learner that left because the job
-    stopped or the server died may leave published gradients the server still applies.
+    A launched learner that drained its ring keeps its record when it releases it, in the
+    entry of its number (`_keep_record`: last_pid 0 while last_applied changes), which no
+    claim of any entry overwrites. Else (not launched, or it left without draining, the job
+    stopping or the server gone) the entry it left still names it in `pid` (its counters are
+    kept at release) until a new owner claims it (pid 0 before the reset). Each answer is
+    read between two reads of the field that names it. Its ring is waited for (up to
+    `timeout`) to be drained first: a learner that left because the job stopped or the server
+    died may leave published gradients the server still applies.
     """
+    for i in range(region.shape.capacity):
+        record = region.entry(i)
+        if record.get("last_pid") == pid:
+            applied = record.get("last_applied")
+            if record.get("last_pid") == pid:
+                return applied
     deadline = Deadline(timeout)
     for i in range(region.shape.capacity):
         entry = region.entry(i)
-        while True:
-            if entry.get("pid") == pid:
-                if not drained(entry) and not deadline.expired():
-                    deadline.sleep(0.01)
-                    continue
-                done = drained(entry)
-                applied, samples = entry.get("applied_samples"), entry.get("samples")
-                if entry.get("pid") == pid:
-                    # not drained in time: what it published, as dead_owner_applied counts it
-                    return applied if done else max(applied, samples)
-                continue  # a new owner is taking the entry: read its copy
-            if entry.get("last_pid") == pid:
-                applied = entry.get("last_applied")
-                if entry.get("last_pid") == pid:
-                    return applied
+        while entry.get("pid") == pid:
+            if not drained(entry) and not deadline.expired():
+                deadline.sleep(0.01)
                 continue
-            break
+            done = drained(entry)
+            applied, samples = entry.get("applied_samples"), entry.get("samples")
+            if entry.get("pid") == pid:
+                # not drained in time: what it published, as dead_owner_applied counts it
+                return applied if done else max(applied, samples)
     return None
 
 
@@ -421,9 +427,10 @@ def applied_in(learners: list[dict], pid: int) -> int:
     """What the server applied of process `pid`'s gradients, by the entries' counters as one
     capture read them (a checkpoint's `learners`, read in `checkpoint.capture`'s order).
 
-    The copy a new owner kept (last_pid, last_applied) first: the capture reads it after pid
-    and applied_samples, so a claim between those reads (pid still this learner's, the
-    counters already reset) is seen in it. 0 when no entry names it.
+    The record it kept when it released its entry (last_pid, last_applied: `_keep_record`)
+    first: it is what the entry's counters said then, and the capture reads it after pid and
+    applied_samples, so a claim between those reads (pid still this learner's, the counters
+    already reset) is seen in it. 0 when no entry names it.
     """
     return next((c["last_applied"] for c in learners if c.get("last_pid") == pid),
                 next((c["applied_samples"] for c in learners if c["pid"] == pid), 0))

@@ -54,7 +54,8 @@ class WatchdogSettings:
                                "giving up", low=1, high=10**6)
     window: float = option(300.0, "seconds over which restarts are counted", low=0, low_open=True, high=10**9)
     learners: list[list[str]] = option([], "learners to launch and keep running: the arguments after `gadei learn "
-                                       "JOB` of each (gadei serve --learner passes this)",
+                                       "JOB` of each (gadei serve --learner passes this); each gets `--entry N`, its place in "
+                                       "the list, unless it names an entry",
                                        allowed="a JSON list of lists of strings", check=_argument_lists)
     backoff: float = option(1.0, "seconds before a dead learner's first restart, doubling with each", low=0, high=3600)
     log_dir: str | None = option(None, "where launched processes write their logs", metavar="DIR",

@@ -79,8 +79,8 @@ def progress(table: list[Launched], ckpt) -> dict:
         if l.done:
             out[str(l.number)] = "done"
             continue
-        # its entry's counters, or, once it gave the entry back and a new owner reset them, the
-        # copy that owner kept (`gadei.ring.applied_in`)
+        # its entry's counters, or, once it gave the entry back, the record it kept then
+        # (`gadei.ring.applied_in`)
         applied = ring.applied_in(ckpt.learners, l.pid) if l.running else 0
         out[str(l.number)] = l.start_at + applied
     return out

@@ -34,6 +34,12 @@ def test_a_resumed_run_says_its_seconds_with_the_runs_it_resumed(tmp_path, procs
         took = re.search(r"done in (\d+) s \((\d+) s with the runs it resumed\)", said)
         assert took, said
         assert abs(int(took[2]) - int(took[1]) - stopped["seconds"]) <= 1, (said, stopped)
+        # the chosen model's time in the same base: the stopped run's, or after its seconds
+        if result["version"] == stopped.get("version"):
+            assert result["seconds_to_best"] == stopped["seconds_to_best"], (result, stopped)
+        else:
+            assert result["seconds_to_best"] >= stopped["seconds"], (result, stopped)
+        assert f"reached after {result['seconds_to_best']:.0f} s" in said, said
         # a real run's records carry samples/s and staleness: accuracy.png has their row too
         assert _png_shape(out / "accuracy.png")[:2] == (700, 1000)
     finally:
@@ -83,6 +89,39 @@ def test_conclude_records_the_end_leaves_the_outputs_to_a_live_owner_and_writes_
     written = (out / "result.json").stat().st_mtime_ns
     assert outputs.conclude(out, job=job, interrupted=True, note="again") == result
     assert (out / "result.json").stat().st_mtime_ns == written
+
+
+def test_a_resumed_runs_chosen_model_counts_the_seconds_of_the_runs_it_resumed(tmp_path):
+    """result.json's seconds_to_best is in the time base of its seconds_in_all: a resumed run
+    counts the seconds of the runs before it, for a best it made itself and for one a run
+    before it made (as that run gave it). Once it counted from the resumed run's start (12 s
+    for a model made 62 s into the job), and said nothing of a best made before it."""
+    import torch
+
+    from gadei import jobfile, selection
+    from helpers import small_job
+
+    (tmp_path / "job.toml").write_text(small_job("again") + '\n[output]\nfolder = "out"\n')
+    job = jobfile.load(tmp_path / "job.toml", data_files=False)
+    out = job.output
+    kept = selection.Selection.open(out / "checkpoints", patience=3)
+    E = selection.Evaluation
+    kept.offer(E(1, 10, 0.7, 0.9, at=1000.0), {"weight": torch.full((3,), 1.0)})
+    kept.offer(E(2, 20, 0.8, 0.8, at=1030.5), {"weight": torch.full((3,), 2.0)})
+    first = outputs.chosen(job, outputs.STOPPED, since=990.0)  # the first run: 990 to 1040
+    assert first["seconds_to_best"] == 40.5
+    (out / "result.json").write_text(json.dumps({**first, "outcome": outputs.STOPPED, "seconds": 50.0}))
+    outputs.forget(out, resume=True)
+    # resumed at 2000: the model chosen so far is the first run's, 40.5 s into the job
+    assert outputs.chosen(job, outputs.DONE, since=2000.0)["seconds_to_best"] == 40.5
+    kept.offer(E(3, 30, 0.9, 0.7, at=2012.0), {"weight": torch.full((3,), 3.0)})
+    # a better one 12 s into the resumed run: 50 + 12 s into the job
+    resumed = outputs.chosen(job, outputs.DONE, since=2000.0)
+    assert (resumed["epoch"], resumed["seconds_to_best"]) == (3, 62.0)
+    # resumed again (the second run took 30 s): its best, as the second run gave it
+    (out / "result.json").write_text(json.dumps({**resumed, "seconds": 30.0, "seconds_in_all": 80.0}))
+    outputs.forget(out, resume=True)
+    assert outputs.chosen(job, outputs.DONE, since=3000.0)["seconds_to_best"] == 62.0
 
 
 def _png_shape(path) -> tuple:

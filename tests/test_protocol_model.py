@@ -50,7 +50,7 @@ def _by_name(name):
 
 # ------------------------------------------------------------------ the model verifies
 
-LONG_CHECKS = ("kill-after-release",)  # under a minute, but the longest of the rest by far
+LONG_CHECKS = ("kill-after-release", "two-claims-ckpt", "old-last-owner-ckpt")  # the longest of the rest by far
 
 
 def _tiered(checks):
@@ -101,6 +101,20 @@ def test_no_zero_trail_shows_a_gradient_applied_twice(tmp_path):
     assert "assert((cnt[i]==0))" in result.replay
     applies = [line for line in result.replay.splitlines() if "cnt[i] = (cnt[i]+1)" in line]
     assert len(applies) >= 2
+
+
+def test_old_last_owner_trail_shows_the_record_overwritten_before_the_watchdog_looked(tmp_path):
+    """The learner gave its entry back and was killed; the other learner claimed the entry
+    twice, each claim copying the last owner into (last_pid, last_applied), the second over
+    the first; only then did the watchdog count the dead learner: by `seen`, 0."""
+    _need_tools()
+    result = check.run(_by_name("old-last-owner"), tmp_path)
+    steps = [line for line in result.replay.splitlines() if re.match(r"\s*\d+:\s+proc", line)]
+    counted = next(i for i, line in enumerate(steps) if "start_at[0] = (start_at[0]+seen[0])" in line)
+    copies = [line for line in steps[:counted] if "(Other:" in line and "elast_pid[r] = eplain[r]" in line]
+    assert len(copies) == 2, copies
+    assert any("killed[0] = 1" in line for line in steps[:counted])
+    assert "assert((cnt[i]==0))" in steps[-1] or "cnt[i]==0" in result.failed_assertion
 
 
 # ------------------------------------------------------------------ the model follows the code
@@ -174,35 +188,43 @@ def test_the_server_applies_then_hands_back():
 
 def test_a_new_owner_writes_its_pid_only_after_resetting_the_counters():
     calls = _body_calls(ring._take)
-    pid = _index(calls, "entry.set('pid')")
+    pid = max(i for i, c in enumerate(calls) if c == "entry.set('pid')")  # its own (the first sets 0)
     assert _index(calls, "producer.drain") < pid
     assert _index(calls, "clear_slot(region") < pid  # the previous owner's unpublished slots zeroed
     assert max(i for i, c in enumerate(calls) if c.startswith("entry.set(name)")) < pid  # the counter resets
     assert not any("set('pid')" in c for c in _body_calls(ring.Producer.release))  # release keeps it
 
 
-def test_a_new_owner_keeps_the_previous_owners_counters_before_resetting_them():
-    calls = _body_calls(ring._take)
-    keep = _index(calls, "_keep_last_owner(entry)")
-    assert _index(calls, "producer.drain") < keep  # applied_samples is final: the ring is drained
-    assert keep < min(i for i, c in enumerate(calls) if c.startswith("entry.set(name)"))  # before the counter resets
-    assert keep < _index(calls, "entry.set('pid')")
-    copy = _body_calls(ring._keep_last_owner)
-    sets = [c for c in copy if c.startswith("entry.set(")]
-    # last_pid 0 while last_applied changes, then last_pid, then pid 0 (before _take resets the counters)
-    assert sets == ["entry.set('last_pid')", "entry.set('last_applied')", "entry.set('last_pid')", "entry.set('pid')"], sets
-    assert "entry.get('applied_samples')" in copy and "if pid == 0" in inspect.getsource(ring._keep_last_owner)
-    # the watchdog reads that copy for a learner that left its entry (ring.left_record), each
+def test_a_launched_learner_keeps_its_record_when_it_releases_its_entry():
+    # Producer.release: a launched learner (claim's `prefer`, its number) whose ring is drained
+    # (applied_samples final) keeps (last_pid, last_applied) in the entry of its number before
+    # it gives its entry back; no claim writes them (two claims once overwrote a copy kept there)
+    release = _body_calls(ring.Producer.release)
+    keep = _index(release, "_keep_record(")
+    assert _index(release, "drained(self.entry)") < keep < _index(release, "self.entry.set('state')")
+    assert keep < _index(release, "self.entry.cas('lease')")
+    assert "self.region.entry(self.number)" in inspect.getsource(ring.Producer.release)
+    assert "number = prefer if first else None" in inspect.getsource(ring.claim)
+    assert not any("last_" in c for f in (ring.claim, ring._take) for c in _body_calls(f))
+    sets = [c for c in _body_calls(ring._keep_record) if c.startswith("record.set(")]
+    # last_pid 0 while last_applied changes, then last_pid: a reader checks it around last_applied
+    assert sets == ["record.set('last_pid')", "record.set('last_applied')", "record.set('last_pid')"], sets
+    # _take: pid 0 after the drain, before the counter resets (its own pid after them)
+    take = _body_calls(ring._take)
+    zero = _index(take, "entry.set('pid')")
+    assert _index(take, "producer.drain") < zero < min(i for i, c in enumerate(take) if c.startswith("entry.set(name)"))
+    # the watchdog reads the record for a learner that left its entry (ring.left_record), each
     # answer between two reads of the field naming it, and so does a checkpoint's progress
-    # (ring.applied_in, the copy first)
+    # (ring.applied_in, the record first)
     launched = (ROOT / "watchdog" / "launched.py").read_text()
     died = launched[launched.index("    def _died("):launched.index("    def resume(")]
     assert "ring.left_record(region, l.pid)" in died
     left = inspect.getsource(ring.left_record)
-    for name, answer in (("pid", "applied_samples"), ("last_pid", "last_applied")):
-        first = left.index(f'if entry.get("{name}") == pid')
-        read = left.index(f'entry.get("{answer}")', first)
-        assert left.index(f'if entry.get("{name}") == pid', read) > read, f"left_record: {answer} is not re-checked"
+    for name, answer in (("last_pid", "last_applied"), ("pid", "applied_samples")):
+        first = left.index(f'.get("{name}") == pid')
+        read = left.index(f'.get("{answer}")', first)
+        assert left.index(f'.get("{name}") == pid', read) > read, f"left_record: {answer} is not re-checked"
+    assert left.index('.get("last_pid") == pid') < left.index('entry.get("pid") == pid')
     record = (ROOT / "gadei" / "watchdog_record.py").read_text()  # progress: the watchdog's, and gadei run's at a stop
     assert "ring.applied_in(ckpt.learners, l.pid)" in record[record.index("def progress("):]
     applied_in = inspect.getsource(ring.applied_in)
@@ -233,6 +255,7 @@ def test_each_process_of_the_model_names_the_code_it_models():
         "Train": ["Learner.attach", "ring.claim", "_take", "ThreadPush.push", "_teardown"],
         "Push": ["ThreadPush._run", "Producer.wait_space", "publish", "write_grads"],
         "Watchdog": ["Watchdog.run", "_restart_server", "_died", "progress", "capture"],
+        "Other": ["ring.claim", "_take", "Producer.release"],
     }
     header = MODEL_TEXT[:MODEL_TEXT.index("*/")]
     for process, functions in names.items():

@@ -1,17 +1,22 @@
 """The ring across processes: a learner's two threads blocked on its ring at once (the train
 thread in `drain`, the push thread in `wait_space`) are both woken by the server that frees
-it, in a learner process of its own (tests/worker.py two-waiters); and what the others read
-of a ring through `gadei.ring` (status, a checkpoint, the server's rounds) is what it holds."""
+it, in a learner process of its own (tests/worker.py two-waiters); what the others read of a
+ring through `gadei.ring` (status, a checkpoint, the server's rounds) is what it holds; and a
+launched learner that gave its entry back is counted right by the watchdog whatever claims of
+the entry follow."""
 
 import os
+import signal
 import statistics
 import time
 
-from gadei import ring
+from gadei import checkpoint, ring
 from gadei.protocol import WAIT_SLICE
 from gadei.region import Region
 from gadei.ring import Consumer, claim
 from gadei.server import Server
+from gadei.watchdog_record import Launched, progress
+from gadei_watchdog.launched import Learners
 from helpers import finish, read_line
 
 TRIALS = 5
@@ -78,3 +83,39 @@ def test_what_the_ring_tells_others_of_a_ring_is_what_it_holds(job):
     finally:
         region.close()
         server.close()
+
+
+def test_a_launched_learner_that_left_is_counted_right_after_two_claims_of_its_entry(job, procs, tmp_path):
+    """A launched learner (number 0) pushes 5 gradients, drains, gives its entry back and has
+    not exited yet when two other learners claim that entry one after the other, within one
+    watchdog interval. A checkpoint taken then says the weights hold its 5, and when it is
+    killed before it exits, the watchdog goes on with it after those 5. (Once the entry's next
+    owner copied the last owner's counters into the entry itself: the second claim
+    overwrote the copy, and the watchdog, finding no record, counted 0 and restarted it from
+    the start, its 5 gradients applied twice.)"""
+    server = procs.worker("serve", job, "--learners", 1, "--slots", 2)
+    read_line(server, 60)
+    left = procs.worker("push", job, "--steps", 5, "--entry", 0, "--linger", 120)
+    for _ in range(3):  # attaching, attached, then what it pushed (its entry given back)
+        said = read_line(left, 60)
+    assert said["pushed"] == 5, said
+    for _ in range(2):  # the two claims: each attaches, pushes one gradient and leaves
+        other = procs.worker("push", job, "--steps", 1)
+        finish(other)
+    region = Region.attach(job)
+    try:
+        entry = region.entry(0)
+        assert entry.get("pid") == other.pid and entry.get("applied_samples") == 1  # the last claim's own
+        table = [Launched(0, ["--entry", "0"], pid=left.pid)]
+        table[0].proc = left  # the watchdog's child, as a launched learner is
+        taken = checkpoint.capture(region, progress=lambda ckpt: progress(table, ckpt))
+        assert taken.progress == {"0": 5}  # running, its entry given back: the weights hold its 5
+        left.send_signal(signal.SIGKILL)  # killed before it exited
+        left.wait()
+        learners = Learners(job, table, str(tmp_path), max_restarts=3, window=60.0, backoff=60.0)
+        died, _ = learners.look(region)
+        assert died == [0] and table[0].start_at == 5, table[0]
+    finally:
+        region.close()
+    server.send_signal(signal.SIGTERM)
+    finish(server)

@@ -169,7 +169,8 @@ def push(args) -> int:
     table_params = {id(model.embedding.weight)} if args.model == "table" else set()
     params = list(model.parameters())
     pushed = dropped = 0
-    learner = gadei.Learner(model, args.job, pull=args.pull, push=args.push, device=args.device, timeout=30)
+    learner = gadei.Learner(model, args.job, pull=args.pull, push=args.push, device=args.device, timeout=30,
+                            entry=args.entry)
     jitter = _jitter(args.jitter, args.max_jitter) if args.jitter is not None else None
     if jitter is not None:
         from gadei import device
@@ -192,6 +193,7 @@ def push(args) -> int:
             dropped = learner.entry.get("dropped")
     print(json.dumps({"learner": learner.learner_id, "pushed": pushed, "dropped": dropped,
                       "version": learner.version, "weight0": params[-1].view(-1)[0].item()}), flush=True)
+    time.sleep(args.linger)  # gave its entry back, not exited yet (a launched learner in its shutdown)
     return 0
 
 
@@ -348,6 +350,8 @@ def main(argv=None) -> int:
     p.add_argument("--jitter", type=int, default=None)
     p.add_argument("--max-jitter", type=float, default=0.002)
     p.add_argument("--vary", action="store_true")
+    p.add_argument("--entry", type=int, default=None)  # a launched learner's number (`gadei learn --entry`)
+    p.add_argument("--linger", type=float, default=0.0)  # seconds to stay alive after leaving the job
     p.set_defaults(func=push)
     p = sub.add_parser("read")
     p.add_argument("job")

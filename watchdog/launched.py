@@ -59,7 +59,7 @@ class Learners:
 
     def start(self, l: Launched) -> None:
         os.makedirs(self.log_dir, exist_ok=True)
-        command = _proc.gadei_command("learn", self.job, *l.args, "--start-at", l.start_at)
+        command = _proc.gadei_command("learn", self.job, *_numbered(l), "--start-at", l.start_at)
         l.proc = spawn(command, log=os.path.join(self.log_dir, f"learner-{l.number}.log"), session=False)
         l.pid, l.entry, l.seen, l.due = l.proc.pid, -1, 0, 0.0
         try:
@@ -143,8 +143,9 @@ class Learners:
             published = ring.dead_owner_applied(region, l.entry, l.pid, published)
         else:
             # It gave its entry back (after draining it) and was killed before it exited, or
-            # never was seen holding one: its entry, or a new owner's copy of it, says what
-            # the server applied of it; `seen` may be older than its last pushes.
+            # never was seen holding one: the record it kept when it gave the entry back, or
+            # that entry, says what the server applied of it; `seen` may be older than its
+            # last pushes.
             left = ring.left_record(region, l.pid)
             if left is not None:
                 published = left
@@ -172,6 +173,15 @@ class Learners:
             l.done = done == "done"
             l.start_at = 0 if l.done or done is None else int(done)
             l.due = 0.0
+
+
+def _numbered(l: Launched) -> list[str]:
+    """Its arguments, with `--entry NUMBER` unless they name an entry: a launched learner
+    keeps what the server applied of it in the entry of its number when it gives its ring
+    back (`gadei.ring.claim`'s prefer), which `_died` and `progress` read."""
+    if any(a == "--entry" or a.startswith("--entry=") for a in l.args):
+        return list(l.args)
+    return [*l.args, "--entry", str(l.number)]
 
 
 def _wait_gone(pid: int, started: float, timeout: float) -> None:

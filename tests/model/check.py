@@ -37,7 +37,7 @@ class Check:
 
     Attributes:
         name: how the tests and the docs call it.
-        bounds: the model's -D bounds and switches (L, S, N, LCRASH, SCRASH, CKPTS, STOPS, ...).
+        bounds: the model's -D bounds and switches (L, S, N, LCRASH, SCRASH, CKPTS, STOPS, OCLAIMS, ...).
         mode: 'safety' (assertions, invalid end states), 'progress' (non-progress cycles)
             or an LTL claim's name (`ltl ...` in the model, with -DLIVENESS).
         expect: None when the model must verify; else a text the counter-example's failed
@@ -68,6 +68,10 @@ CHECKS = (
           about="three slots; a learner and the server killed at any step, restarts, stop"),
     Check("kill-after-release", ("L=2", "S=1", "N=1", "LCRASH=1", "SCRASH=0", "CKPTS=0", "STOPS=0"),
           about="two learners, one killed at any step (after it released its entry too), its ring taken over"),
+    Check("two-claims", ("L=1", "S=2", "N=2", "LCRASH=1", "SCRASH=0", "CKPTS=0", "STOPS=0", "OCLAIMS=2"),
+          about="a learner killed after it released its entry, claimed twice by another before the watchdog looks"),
+    Check("two-claims-ckpt", ("L=1", "S=2", "N=2", "LCRASH=0", "SCRASH=1", "CKPTS=1", "STOPS=0", "OCLAIMS=2"),
+          about="a checkpoint's progress of a learner that released its entry, claimed twice since; a restart from it"),
     Check("checkpoint-1x2", ("L=1", "S=2", "N=2", "LCRASH=0", "SCRASH=1", "CKPTS=1", "STOPS=1"),
           about="the checkpoint hold, the server killed at any step and resumed from it, stop"),
     Check("all-1x2", ("L=1", "S=2", "N=2", *_ALL_FAULTS),
@@ -96,6 +100,12 @@ CHECKS = (
     Check("old-kill-after-release", ("L=1", "S=2", "N=2", "LCRASH=1", "SCRASH=0", "CKPTS=0", "STOPS=0",
                                      "OLD_KILL_AFTER_RELEASE"),
           expect="cnt[i]==0", about="killed after release, before exit: restarted from a stale `seen`"),
+    Check("old-last-owner", ("L=1", "S=2", "N=2", "LCRASH=1", "SCRASH=0", "CKPTS=0", "STOPS=0", "OCLAIMS=2",
+                             "OLD_LAST_OWNER"),
+          expect="cnt[i]==0", about="the last owner's copy kept in the claimed entry, overwritten by a second claim"),
+    Check("old-last-owner-ckpt", ("L=1", "S=2", "N=2", "LCRASH=0", "SCRASH=1", "CKPTS=1", "STOPS=0", "OCLAIMS=2",
+                                        "OLD_LAST_OWNER"),
+          expect="cnt[i]==0", about="the same, read by a checkpoint's progress, and a restart from it"),
 )
 
 

@@ -4,7 +4,7 @@
  * What it models (each proctype names the code whose steps it follows; docs/protocol-model.md
  * says what is left out):
  *   Train(l)    learner l's train thread: gadei.learner.Learner.attach/step/_teardown,
- *               gadei.ring.claim/_take/_keep_last_owner/Producer.drain/release,
+ *               gadei.ring.claim/_take/Producer.drain/release/_keep_record,
  *               ThreadPush.push (hand-off).
  *   Push(l)     learner l's push thread: gadei.transport.ThreadPush._run,
  *               gadei.ring.Producer.wait_space/publish, SlotWriter.write_grads.
@@ -15,12 +15,15 @@
  *               _restart_server/_ended, watchdog.launched.Learners.look/_track/_died/progress/
  *               resume, left_record,
  *               gadei.checkpoint.capture/take (the checkpoint hold).
+ *   Other       a learner the watchdog did not launch (OCLAIMS > 0): gadei.ring.claim/_take/
+ *               Producer.release of a process with no number, OCLAIMS claims one after the other.
  *   Crash       SIGKILL of a learner process (both its threads) or of the server, at any step.
  *   Stop        `gadei stop` (gadei.launch.stop_job: run_state SERVING -> STOPPING).
  *
  * Bounds (-D on the spin command line): L learners (1..2, one ring each: capacity == L),
  * S slots per ring, N gradients in each learner's schedule, LCRASH learner kills, SCRASH
- * server kills, CKPTS checkpoints the watchdog tries, STOPS 1 when `gadei stop` may come.
+ * server kills, CKPTS checkpoints the watchdog tries, STOPS 1 when `gadei stop` may come,
+ * OCLAIMS claims by a learner the watchdog did not launch.
  *
  * A gradient is sample k of learner l's schedule, g = l*N + k; a slot's payload is the set
  * (bitmask) of gradients accumulated into it since it was last cleared: backward of the
@@ -32,9 +35,10 @@
  * -DBUG_NO_ZERO (the server hands a slot back without clearing it). The code as it was
  * before the fixes this model led to: -DOLD_DRAIN (Server._drain), -DOLD_CAPTURE
  * (checkpoint.capture), -DOLD_PID_ORDER (ring._take/Producer.release, launched._died),
- * -DOLD_RESTART_STOP (Watchdog._restart_server/run), -DOLD_KILL_AFTER_RELEASE (no copy of the
- * previous owner's counters in ring._take/_keep_last_owner; launched._died counts a learner
- * killed after it released its entry by `seen`).
+ * -DOLD_RESTART_STOP (Watchdog._restart_server/run), -DOLD_KILL_AFTER_RELEASE (no record of a
+ * learner's counters after it released its entry; launched._died counts a learner killed
+ * after it released its entry by `seen`), -DOLD_LAST_OWNER (a new owner's ring._take copied
+ * the previous owner's counters into the entry it claimed, where the next claim overwrote them).
  *
  * Properties: assertions (the slot header read is the one written for that position; no
  * gradient applied twice; 0 <= head - tail <= S wherever head or tail moves; at the end,
@@ -65,6 +69,10 @@
 #ifndef STOPS
 #define STOPS 1
 #endif
+#ifndef OCLAIMS
+#define OCLAIMS 0
+#endif
+#define OTHER_PID 200   /* pids of the learner the watchdog did not launch: 200 + its claim (launched: 1, 2, ...) */
 
 #define G (L * N)   /* gradients in all schedules */
 #define NONE 255    /* no ring */
@@ -92,8 +100,9 @@ byte eplain[L];        /* entry.pid: whose counters applied_samples and samples 
 bool eowner_alive[L];  /* owner_alive(): the lease's pid is a running process */
 byte esamples[L];      /* entry.samples: gradients the owner handed over (learner writes) */
 byte applied_samples[L]; /* entry.applied_samples (server writes; reset by a new owner after its drain) */
-byte elast_pid[L];     /* entry.last_pid: the previous owner's pid, copied by a new owner before the reset */
-byte elast_applied[L]; /* entry.last_applied: the previous owner's applied_samples, copied with it */
+byte elast_pid[L];     /* entry.last_pid: the pid of launched learner l's process that left last (entry l) */
+byte elast_applied[L]; /* entry.last_applied: what the server applied of it (-DOLD_LAST_OWNER: the copy
+                          of the claimed entry's previous owner, kept in that entry) */
 bool hold;             /* header.hold: a checkpointer asks the server to pause */
 bool held;             /* header.held: the server is paused between two updates */
 bit epoch;             /* header.hold_epoch, modulo 2 */
@@ -132,6 +141,7 @@ bool finished;         /* header.finished: the watchdog stopped the job, every l
 bool user_stop;        /* `gadei stop` was given */
 bool wd_ended;
 byte lcrashes, scrashes;
+byte other_r = NONE;   /* the entry the learner the watchdog did not launch holds */
 
 #define ROOM(r) (head[r] - tail[r] < S)
 /* 0 <= head - tail <= slots: asserted wherever head or tail changes */
@@ -264,6 +274,26 @@ end_idle:
 
 /* ------------------------------------------------------------------ a learner */
 
+/* ring._take after the drain, before the counters are reset: pid 0 (a reader matching the
+ * previous owner by pid must not take the reset counters for its own). -DOLD_LAST_OWNER:
+ * _keep_last_owner, the previous owner's (pid, applied_samples) copied into this entry's
+ * (last_pid, last_applied), then pid 0 (pid 0: a claimant died after its copy, which is
+ * kept). One step: the code's order (last_pid 0 while last_applied changes) is for its
+ * reader's two reads, atomic here. */
+#if defined(OLD_LAST_OWNER)
+#define KEEP_LAST_OWNER(e) \
+    d_step { \
+        if \
+        :: eplain[e] != 0 -> elast_applied[e] = applied_samples[e]; elast_pid[e] = eplain[e]; eplain[e] = 0 \
+        :: else -> skip \
+        fi \
+    }
+#elif defined(OLD_KILL_AFTER_RELEASE)
+#define KEEP_LAST_OWNER(e) skip
+#else
+#define KEEP_LAST_OWNER(e) eplain[e] = 0
+#endif
+
 /* gadei.ring.claim: a free entry first, else one whose owner died (lease CAS) */
 inline claim() {
     d_step {
@@ -292,6 +322,21 @@ inline claim() {
     }
 }
 
+/* Producer.release -> _keep_record: a launched learner whose ring is drained keeps what the
+ * server applied of it in the entry of its number, which no claim writes */
+inline keep_record() {
+#if !defined(OLD_LAST_OWNER) && !defined(OLD_KILL_AFTER_RELEASE)
+    d_step {
+        if
+        :: tail[r] == head[r] -> elast_applied[l] = applied_samples[r]; elast_pid[l] = pidof[l]
+        :: else -> skip   /* left undrained (the job stopped, the server gone): its entry's pid names it */
+        fi
+    }
+#else
+    skip
+#endif
+}
+
 /* Producer.release: the entry is free for the next learner */
 inline release() {
     d_step {
@@ -311,6 +356,12 @@ end_idle:
     :: atomic { lgo[l] -> lgo[l] = false; k = first[l] }
         {
             /* Learner.attach */
+#if OCLAIMS > 0
+            /* every entry taken (capacity == L) while the other learner holds one: CapacityError, and
+             * the watchdog starts it again after a back-off, which changes nothing in the region:
+             * here it waits */
+            (other_r == NONE || run_state != SERVING);
+#endif
             if
             :: run_state != SERVING -> lexit[l] = 1; goto gone   /* JobStopped */
             :: else -> skip
@@ -327,18 +378,7 @@ end_idle:
             fi;
             /* zero the slots */
             d_step { i = 0; do :: i < S -> pay[r * S + i] = 0; i++ :: else -> break od; i = 0 }
-#ifndef OLD_KILL_AFTER_RELEASE
-            /* ring._keep_last_owner: the previous owner's (pid, applied_samples) into
-             * (last_pid, last_applied), then pid 0, all before the reset. pid 0: a claimant
-             * died after its copy, which is kept. One step: the code's order (last_pid 0
-             * while last_applied changes) is for its reader's two reads, atomic here. */
-            d_step {
-                if
-                :: eplain[r] != 0 -> elast_applied[r] = applied_samples[r]; elast_pid[r] = eplain[r]; eplain[r] = 0
-                :: else -> skip
-                fi
-            }
-#endif
+            KEEP_LAST_OWNER(r)
             d_step { applied_samples[r] = 0; esamples[r] = 0 }   /* then the counters the server writes */
 #ifndef OLD_PID_ORDER
             eplain[r] = pidof[l];   /* entry.pid: only once the counters are this process's */
@@ -369,6 +409,7 @@ end_idle:
             :: run_state == STOPPED
             :: !salive
             fi;
+            keep_record();
             release();
             lexit[l] = (perr[l] == 2 -> 2 : 1);
 gone:
@@ -431,21 +472,25 @@ inline launch(n) {
   }
 }
 
-/* Learners.progress: a running learner's applied_samples (its entry found by pid) on top
- * of where it started; a dead one's start_at already counts what it published */
+/* Learners.progress: a running learner's record (it left its entry) or applied_samples (its
+ * entry found by pid) on top of where it started; a dead one's start_at already counts what
+ * it published */
+#if L == 1
+#define RECORDED(n) (elast_pid[0] == pidof[n])
+#else
+#define RECORDED(n) (elast_pid[0] == pidof[n] || elast_pid[1] == pidof[n])
+#endif
 inline progress_of(n) {
     if
     :: done[n] -> ck_tmp_prog[n] = N
-    :: !done[n] && lrun[n] && eplain[0] == pidof[n] -> ck_tmp_prog[n] = start_at[n] + applied_samples[0]
+    /* it left its entry: the record it kept (ring.applied_in reads it first) */
+    :: !done[n] && lrun[n] && elast_pid[0] == pidof[n] -> ck_tmp_prog[n] = start_at[n] + elast_applied[0]
 #if L > 1
-    :: !done[n] && lrun[n] && eplain[1] == pidof[n] -> ck_tmp_prog[n] = start_at[n] + applied_samples[1]
+    :: !done[n] && lrun[n] && elast_pid[0] != pidof[n] && elast_pid[1] == pidof[n] -> ck_tmp_prog[n] = start_at[n] + elast_applied[1]
 #endif
-#ifndef OLD_KILL_AFTER_RELEASE
-    /* it left its entry and a new owner took it: the copy that owner kept */
-    :: !done[n] && lrun[n] && eplain[0] != pidof[n] && elast_pid[0] == pidof[n] -> ck_tmp_prog[n] = start_at[n] + elast_applied[0]
+    :: !done[n] && lrun[n] && !RECORDED(n) && eplain[0] == pidof[n] -> ck_tmp_prog[n] = start_at[n] + applied_samples[0]
 #if L > 1
-    :: !done[n] && lrun[n] && eplain[1] != pidof[n] && elast_pid[1] == pidof[n] -> ck_tmp_prog[n] = start_at[n] + elast_applied[1]
-#endif
+    :: !done[n] && lrun[n] && !RECORDED(n) && eplain[1] == pidof[n] -> ck_tmp_prog[n] = start_at[n] + applied_samples[1]
 #endif
     :: else -> ck_tmp_prog[n] = start_at[n]
     fi
@@ -520,7 +565,7 @@ inline restart_server() {
         od;
         i = 0
     }
-    (LEARNERS_IDLE && !sin);
+    (LEARNERS_IDLE && !sin && other_r == NONE);   /* the other learner, if any, gives its entry back */
     d_step {
         /* a `gadei stop` that the dead server had not finished is carried to the new region */
 #ifndef OLD_RESTART_STOP
@@ -564,11 +609,9 @@ inline restart_server() {
     fi
 }
 
-/* launched.left_record, one entry: its own applied_samples while pid names it (its ring
- * drained), else the copy last_pid/last_applied */
+/* launched.left_record, one entry: its own applied_samples while pid names it (its ring drained) */
 #define LEFT_FROM(n, j) \
-    :: eplain[j] == pidof[n] -> start_at[n] = start_at[n] + applied_samples[j] \
-    :: eplain[j] != pidof[n] && elast_pid[j] == pidof[n] -> start_at[n] = start_at[n] + elast_applied[j]
+    :: eplain[j] == pidof[n] -> start_at[n] = start_at[n] + applied_samples[j]
 #if L == 1
 #define LEFT_IN(n) (eplain[0] == pidof[n])
 #define LEFT_DRAINED(n) (tail[0] == head[0])
@@ -605,19 +648,27 @@ inline died(n) {
         fi
     :: else ->
 #ifndef OLD_KILL_AFTER_RELEASE
-        /* launched.left_record: it left its entry (or was never seen holding it). While the
-         * entry's pid is its own, wait until the ring is drained (or the server is gone), then
-         * its applied_samples; else the copy a new owner kept; else what the watchdog saw.
-         * One step: the code reads each answer between two reads of the field naming it. */
+        /* launched.left_record: it left its entry (or was never seen holding it). The record it
+         * kept (last_pid, last_applied) if any; else, while an entry's pid is its own, wait until
+         * the ring is drained (or the server is gone), then its applied_samples; else what the
+         * watchdog saw. One step: the code reads each answer between two reads of the field
+         * naming it. */
         atomic {
-            (!LEFT_IN(n) || LEFT_DRAINED(n) || !salive);
             if
-            :: LEFT_IN(n) && !LEFT_DRAINED(n) -> skip   /* the server is gone: its restart resumes every learner */
-            LEFT_FROM(n, 0)
+            :: elast_pid[0] == pidof[n] -> start_at[n] = start_at[n] + elast_applied[0]
 #if L > 1
-            LEFT_FROM(n, 1)
+            :: elast_pid[0] != pidof[n] && elast_pid[1] == pidof[n] -> start_at[n] = start_at[n] + elast_applied[1]
 #endif
-            :: else -> start_at[n] = start_at[n] + seen[n]   /* 0 here: see TRACK */
+            :: !RECORDED(n) ->
+                (!LEFT_IN(n) || LEFT_DRAINED(n) || !salive);
+                if
+                :: LEFT_IN(n) && !LEFT_DRAINED(n) -> skip   /* the server is gone: its restart resumes every learner */
+                LEFT_FROM(n, 0)
+#if L > 1
+                LEFT_FROM(n, 1)
+#endif
+                :: else -> start_at[n] = start_at[n] + seen[n]   /* 0 here: see TRACK */
+                fi
             fi
         }
 #else
@@ -705,6 +756,38 @@ ltl stop_ends { [] (user_stop -> <> wd_ended) }
     :: atomic { lcrashes < LCRASH && tin[n] && !killed[n] && !wd_ended -> \
         killed[n] = true; lcrashes++; \
         if :: myring[n] != NONE -> eowner_alive[myring[n]] = false :: else -> skip fi }
+
+#if OCLAIMS > 0
+#define OTHER_CLAIM(e) \
+    :: atomic { epid[e] == 0 && head[e] == tail[e] && run_state == SERVING && salive -> \
+        r = e; epid[r] = OTHER_PID + k; eowner_alive[r] = true; estate[r] = CLAIMING; other_r = r }
+
+/* A learner the watchdog did not launch (`gadei learn` without --entry, a bridge node): it
+ * claims a free entry whose ring is drained (one with a dead owner it leaves alone), resets the
+ * counters as ring._take does, and gives the entry back with no record (it has no number), OCLAIMS
+ * times one after the other; its gradients are left out (it publishes none). It claims only while
+ * the server runs, and a server restart waits until it gave its entry back (the restart recreates
+ * the region; in the code it would find its region gone). */
+active proctype Other() {
+    byte r, k;
+end:
+    do
+    :: k < OCLAIMS ->
+        if
+        OTHER_CLAIM(0)
+#if L > 1
+        OTHER_CLAIM(1)
+#endif
+        :: wd_ended -> break
+        fi;
+        KEEP_LAST_OWNER(r);
+        d_step { applied_samples[r] = 0; esamples[r] = 0 }
+        eplain[r] = OTHER_PID + k;
+        d_step { estate[r] = FREE; epid[r] = 0; eowner_alive[r] = false; other_r = NONE; r = 0; k++ }
+    :: k >= OCLAIMS -> break
+    od
+}
+#endif
 
 /* SIGKILL of a learner process or of the server, at any step */
 active proctype Crash() {
