@@ -82,3 +82,31 @@ def test_a_stop_while_gadei_run_starts_its_job_is_a_clean_stop(tmp_path, procs, 
     finally:
         for proc in job_processes(name):
             proc.kill()
+
+
+@pytest.mark.parametrize("how", tiered(list(SIGNALS), default=["SIGTERM"]))
+def test_a_gadei_run_started_held_takes_a_stop_sent_at_once(tmp_path, how):
+    """The daemon starts `gadei run` with the stops held (`launch.spawn(held=True)`), as `gadei
+    run` starts its server: a `gadei cancel` that comes at once, before the interpreter or gadei
+    set a handler, waits until it takes it. Not held, the signal killed it then: -15, or -2 with
+    nothing on stderr (Python's SIGINT before its own handler is set)."""
+    from gadei._proc import gadei_command
+    from gadei.launch import spawn, wait_or_kill
+
+    path = blobs_job(tmp_path, unique_name("held"), train={"learners": 2, "epochs": 50})
+    log = tmp_path / "run.log"
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # not ignored in the child, whoever started us
+    try:
+        run = spawn(gadei_command("run", path), log=log, held=True)
+    finally:
+        signal.signal(signal.SIGINT, before)
+    try:
+        run.send_signal(SIGNALS[how])
+        code = run.wait(timeout=120)
+    finally:
+        wait_or_kill(run, 0, "gadei run")
+    text = log.read_text()
+    assert code == 130, (code, text)
+    assert json.loads((tmp_path / "out" / "result.json").read_text())["outcome"] == "stopped", text
+    assert text.strip().splitlines()[-1].startswith("gadei run: job ") and "start it again" in text, text
+    assert not (tmp_path / "out" / "logs" / "serve.log").exists()  # nothing started
