@@ -103,3 +103,27 @@ def test_a_cancel_the_daemon_was_carrying_out_when_it_died_is_finished_by_the_ne
         if server is not None:
             os.kill(server, signal.SIGCONT)
         _end(name)
+
+
+@pytest.mark.long  # a job held, its run killed mid-cancel: most of a minute
+def test_a_cancelled_job_whose_run_dies_before_stopping_it_is_stopped_by_the_daemon(tmp_path, procs, daemon_env):
+    """The daemon's SIGTERM reached a `gadei run` that was killed before it stopped the job (held
+    by SIGSTOP, then SIGKILL): once, the daemon then only followed the job (orphaned), which ran
+    on to its end with the record saying "cancelling"; now it stops the job itself."""
+    name = f"d{os.getpid()}-run-dies"
+    out = tmp_path / "out"
+    start_daemon(procs, daemon_env)
+    finish(procs.gadei("submit", _job(tmp_path, name, epochs=200), env=daemon_env))
+    try:
+        wait_for(lambda: job_version(name) >= 200, 120, "the job to make 200 updates")
+        run = _jobs(procs, daemon_env)[name]["pid"]
+        os.kill(run, signal.SIGSTOP)  # it cannot take the cancel's SIGTERM
+        finish(procs.gadei("cancel", name, env=daemon_env))
+        os.kill(run, signal.SIGKILL)
+        wait_for(lambda: _jobs(procs, daemon_env)[name]["message"].startswith("cancelled;"), 90,
+                 "the daemon to stop the cancelled job")
+        assert json.loads((out / "result.json").read_text())["outcome"] == "stopped"
+        assert inspect(name) is None
+        finish(procs.gadei("daemon", "stop", env=daemon_env))
+    finally:
+        _end(name)
