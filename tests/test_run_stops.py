@@ -28,7 +28,7 @@ def _catches_sigterm(pid: int) -> bool:
 
 
 def _when(point: str, run, out, name) -> bool:
-    if point == "before the server":  # gadei run prepares the job (data, folder): no server yet
+    if point == "before the server":  # gadei run is about to prepare the job (data, folder): no server yet
         return _catches_sigterm(run.pid)
     if point == "after the server":  # its server was started (serve.log is opened just before)
         return (out / "logs" / "serve.log").exists()
@@ -57,8 +57,8 @@ def test_a_stop_while_gadei_run_starts_its_job_is_a_clean_stop(tmp_path, procs, 
         wait_for(lambda: _when(point, run, out, name) or run.poll() is not None, 120, f"gadei run to be {point}",
                  interval=0.002)
         assert run.poll() is None and job_version(name) == 0, communicate(run, 10)
-        if point == "before the server":
-            assert not (out / "logs" / "serve.log").exists()
+        if point == "before the server":  # taken from its first step: while it reads the data
+            assert not (out / "job.toml").exists() and not (out / "logs" / "serve.log").exists()
         sent = time.monotonic()
         run.send_signal(SIGNALS[how])
         stdout, stderr = communicate(run, 120)
