@@ -160,7 +160,8 @@ class Daemon:
 
     def _orphan(self, record: JobRecord, why: str) -> None:
         """The job's `gadei run` is gone but the job goes on under its watchdog (which writes its
-        outputs at its end): followed by its region until it ends (`_reap`)."""
+        outputs at its end): followed by its region until it ends (`_reap`); a cancelled one
+        (its run died before it stopped the job) is stopped by the daemon (`_cancel_orphan`)."""
         record.pid, record.orphaned = 0, True
         if record.state == CANCELLED:  # cancelled, and its run died before it stopped the job: stopped here
             record.message = f"cancelling ({why})"
