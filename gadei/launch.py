@@ -71,12 +71,27 @@ def stop_job(job: str, timeout: float = 30.0) -> None:
         time.sleep(_POLL)
 
 
-def spawn(command: list[str], *, log=None, session: bool = True, env: dict | None = None) -> subprocess.Popen:
+STOPS = (signal.SIGINT, signal.SIGTERM)  # the signals that stop a gadei process in order (SIGTERM's handler
+# is set last: a process that catches SIGTERM has its SIGINT handler too)
+
+
+def spawn(command: list[str], *, log=None, session: bool = True, env: dict | None = None,
+          held: bool = False) -> subprocess.Popen:
     """Start one of a job's processes: `command` (a `gadei._proc` command line), stdin from
     /dev/null, stdout and stderr appended to `log` (a path, or a file open for writing; None:
     this process's own), in a session of its own unless `session` is False (then a signal to
     this process's group reaches it too). `env`: its whole environment (None: this process's).
+    `held`: it starts with SIGTERM and SIGINT blocked (a signal mask is inherited through exec),
+    so a stop sent to it at once waits until it takes them (`take_stops`, once its handler is
+    set) instead of killing it while it starts (`gadei serve` under `gadei run`, `gadei run`
+    under the daemon).
     """
+    if held:
+        before = signal.pthread_sigmask(signal.SIG_BLOCK, STOPS)  # this thread's, for the fork
+        try:
+            return spawn(command, log=log, session=session, env=env)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, before)
     if log is None:
         return subprocess.Popen(command, stdin=subprocess.DEVNULL, start_new_session=session, env=env)
     if hasattr(log, "fileno"):
@@ -84,6 +99,18 @@ def spawn(command: list[str], *, log=None, session: bool = True, env: dict | Non
                                 start_new_session=session, env=env)
     with open(log, "ab") as out:
         return spawn(command, log=out, session=session, env=env)
+
+
+def take_stops(handler) -> dict:
+    """Set `handler` for SIGTERM and SIGINT (not for one this process was started with ignored,
+    as a shell's background job has SIGINT), then unblock them: a stop that came while this
+    process started (`spawn(held=True)`) is handled now. The handlers before, by signal."""
+    before = {}
+    for sig in STOPS:
+        if signal.getsignal(sig) is not signal.SIG_IGN:
+            before[sig] = signal.signal(sig, handler)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOPS)
+    return before
 
 
 def become(command: list[str]) -> None:

@@ -271,6 +271,8 @@ def outcome(job: jobfile.Job, metrics: list[dict], ending: Ending | None, interr
     if ending is not None and ending.code != 0:
         return FAILED, ending.reason or f"the watchdog ended with {ending.code}"
     if not (out / "model.pt").exists():
+        if interrupted and not note:  # stopped while it started: nothing trained, nothing went wrong
+            return STOPPED, "stopped (by its `gadei run`) before the job wrote a model"
         return FAILED, note or "the job ended without writing its model (see its logs)"
     if ending is not None and ending.finished and not interrupted:
         return DONE, "every learner finished its epochs"

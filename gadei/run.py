@@ -55,11 +55,14 @@ from .errors import GadeiError
 log = logging.getLogger(__name__)
 
 
-def run_job(path: str, *, quiet: bool = False, resume: bool = False, by: str = RUN) -> int:
+def run_job(path: str, *, quiet: bool = False, resume: bool = False, by: str = RUN,
+            asked: list[int] | None = None) -> int:
     """Run the job file at `path` to its end; 0 when it finished and wrote its model.
     `resume`: go on with the run its output folder holds (see `resume_point`). `by`: the
     command that started the job (`gadei.prepare.RUN`, or `SUBMIT` for the daemon's),
-    which what the run says to go on with it names.
+    which what the run says to go on with it names. `asked`: the stops (signal numbers) asked
+    for since this process took them (`launch.take_stops`, `gadei run`'s first step), taken
+    once the job is prepared (see `JobRun`).
 
     A job with a [bridge] section started as more than one MPI rank (`mpiexec -n NODES gadei
     run job.toml`) runs as node `rank` of NODES (`Node`); alone, or as one rank, it runs as
@@ -67,8 +70,8 @@ def run_job(path: str, *, quiet: bool = False, resume: bool = False, by: str = R
     job = jobfile.load(path)
     node = Node.launched(job)
     if node is None:
-        return JobRun(prepare(job, resume, None, by), quiet).run()
-    return node.run(job, quiet=quiet, resume=resume)
+        return JobRun(prepare(job, resume, None, by), quiet, asked=asked).run()
+    return node.run(job, quiet=quiet, resume=resume, asked=asked)
 
 
 class JobRun:
@@ -85,15 +88,24 @@ class JobRun:
     which takes over its launched learners); when that fails, the job is stopped and failed
     with the reason. This process holds the run's lock (`outputs.Owner`) throughout, so the
     watchdog leaves the outputs to it; killed, it lets go, and the watchdog writes them (killed
-    with the watchdog, the server's custody has a new one adopt the job: `gadei.custody`)."""
+    with the watchdog, the server's custody has a new one adopt the job: `gadei.custody`).
 
-    def __init__(self, prepared: Prepared, quiet: bool, node: "Node | None" = None):
+    A stop (SIGTERM: `gadei cancel`; SIGINT: Ctrl-C) is never a death of this process: one asked
+    for before the job is launched (`asked`, from `gadei run`'s start: `launch.take_stops`) is
+    taken before the server would start, which then does not (result.json says stopped before
+    the job wrote a model); one asked for while it launches is taken once it is launched (its
+    server, started with the stops held, takes this run's SIGTERM whenever it comes:
+    `launch.spawn(held=True)`); later ones stop the job in order (`_follow_and_finish`)."""
+
+    def __init__(self, prepared: Prepared, quiet: bool, node: "Node | None" = None, asked: list[int] | None = None):
         self.prepared, self.quiet, self.node = prepared, quiet, node
+        self.asked = asked  # None: this run takes the stops itself (`run`)
         self.job = prepared.job
         self.serve: subprocess.Popen | None = None
         self.dog: tuple[int, float] | None = None  # the watchdog's pid and start time, as the region names it
         self.server: tuple[int, float] | None = None  # the job's server, as the region names it
         self.note = ""  # what went wrong that no end record will say
+        self.stopped = False  # this run stopped the job (`_stop`)
         self._said_restart = False
         self._tried: tuple[int, float] | None = None  # the dead watchdog this run last had a new one take over from
 
@@ -102,9 +114,16 @@ class JobRun:
         out = job.output
         for line in describe(self.prepared, node):
             print(line, flush=True)
+        if self.asked is None:
+            from .launch import take_stops
+
+            self.asked = []
+            take_stops(lambda sig, _frame: self.asked.append(sig))
         owner = outputs.Owner(out)
         self.board = Board(out, job, warn=lambda line: print(line, file=sys.stderr, flush=True))
         try:
+            if self.asked:  # before anything started: nothing to stop, nothing to wait for
+                return self._finish(owner, interrupted=True, started=time.monotonic())
             self.serve = self.launch()
             return self._follow_and_finish(owner)
         finally:
@@ -143,8 +162,8 @@ class JobRun:
         # before that checkpoint, which then records nothing (or is never taken).
         from .launch import spawn
 
-        return spawn(command, log=out / "logs" / "serve.log",
-                     env=node.child_environment() if node is not None else None)
+        return spawn(command, log=out / "logs" / "serve.log", env=node.child_environment() if node is not None else None,
+                     held=True)
 
     def _follow_and_finish(self, owner: outputs.Owner) -> int:
         job, node, serve = self.job, self.node, self.serve
@@ -155,9 +174,13 @@ class JobRun:
         def stop(*_):
             raise KeyboardInterrupt  # SIGTERM (gadei cancel) stops the job as Ctrl-C does
 
-        signal.signal(signal.SIGTERM, stop)
+        from .launch import take_stops
+
+        take_stops(stop)
         train_size = len(self.prepared.train) / (node.size if node is not None else 1)
         try:
+            if self.asked:  # while it launched
+                raise KeyboardInterrupt
             _follow(self, train_size, started, self.quiet, f"node {node.rank}: " if node is not None else "")
         except _Diverged:
             print(f"\ngadei run: job {job.name}: the training loss is not finite; stopping the job", file=sys.stderr,
@@ -165,12 +188,13 @@ class JobRun:
             self._stop()
             interrupted = True
         except KeyboardInterrupt:
+            _ignore_stops()  # one stop is enough: a second must not cut this one (or the outputs) short
             # The watchdog may have recorded the job's end before this run saw it (it looks every
             # 0.25 s): a job that had ended on its own was not stopped, whatever came now.
             interrupted = outputs.read_ending(out) is None
             if interrupted:
                 print(f"\ngadei run: stopping the job {job.name}", flush=True)
-                taken = checkpoint_progress(job)
+                taken = checkpoint_progress(job, self.prepared.found.progress if self.prepared.found else {})
                 if taken is not None:
                     print(f"gadei run: checkpoint {taken.path.name} at version {taken.version:,} (resume with "
                           f"{go_on(job, self.prepared.by)})", flush=True)
@@ -181,18 +205,24 @@ class JobRun:
         # to this process's end. A Ctrl-C here would end this process without result.json, which
         # no one else writes (the watchdog left the outputs to this run, whose lock it saw held),
         # and `--resume` would then find no run that finished.
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        _ignore_stops()
         while not self.ended():  # an interrupted job stopping, or one that ended before this run saw it
             time.sleep(0.2)
         if bridge is not None:
             node.stop_bridge(bridge, out / "model.pt", private=job.private)
-        result = outputs.conclude(out, job=job, owner=owner, interrupted=interrupted, note=self.note,
-                                  bridge=node.summary(bridge) if node is not None else None)
-        return report(job, result, time.monotonic() - started, self.prepared.by)
+        return self._finish(owner, interrupted, started, bridge)
+
+    def _finish(self, owner: outputs.Owner, interrupted: bool, started: float, bridge=None) -> int:
+        """The job ended (or never started): its outputs (`outputs.conclude`), and the exit code."""
+        _ignore_stops()
+        node = self.node
+        result = outputs.conclude(self.job.output, job=self.job, owner=owner, interrupted=interrupted, note=self.note,
+                                  bridge=node.summary(bridge) if node is not None and bridge is not None else None)
+        return report(self.job, result, time.monotonic() - started, self.prepared.by)
 
     def _stop(self) -> None:
         """Stop the job: its server (ours, or the one its watchdog restarted) stops as on `gadei stop`."""
+        self.stopped = True
         if self.serve.poll() is None:
             self.serve.send_signal(signal.SIGTERM)
             return
@@ -222,7 +252,9 @@ class JobRun:
                 outputs.record_end(self.job.output, outputs.Ending(
                     0, True, "every learner finished (its watchdog died before it recorded the end)"))
                 return True
-            if self.dog is None or code == 0:
+            if self.dog is None and code == 0 and self.stopped:
+                pass  # this run stopped its server before it had a watchdog (it launched none): a stop
+            elif self.dog is None or code == 0:
                 self.note = self.note or f"the server exited {code} without a watchdog"
             else:
                 self.note = self.note or (f"the server exited {code} and its watchdog (pid {self.dog[0]}) is gone "
@@ -318,9 +350,10 @@ def report(job: jobfile.Job, result: dict, elapsed: float, by: str = RUN) -> int
         return 1
     if kind == outputs.STOPPED:
         last = outputs.last_epoch(out)
+        weights = f"its weights so far are in {out / 'model.pt'}" if (out / "model.pt").exists() else \
+            "before it wrote a model"
         print(f"gadei run: job {job.name} stopped after {took} (epoch {last.get('epoch', 0)} of "
-              f"{job.train.epochs}{accuracy}); its weights so far are in {out / 'model.pt'}; go on with "
-              f"{go_on(job, by)}", flush=True)
+              f"{job.train.epochs}{accuracy}); {weights}; {_again(job, by)}", flush=True)
         return 130  # as a shell reports a Ctrl-C'd command
     chose = (f", stopped by {result['stopped']}" if "stopped" in result else "") + (
         f", chose epoch {result['epoch']:g} (validation accuracy {result['validation_accuracy']:.2%}"
@@ -328,6 +361,29 @@ def report(job: jobfile.Job, result: dict, elapsed: float, by: str = RUN) -> int
         if "epoch" in result else "")
     print(f"gadei run: job {job.name} done in {took}{chose}{accuracy}; model {out / 'model.pt'}", flush=True)
     return 0
+
+
+def _again(job: jobfile.Job, by: str) -> str:
+    """How to go on with a stopped run, as its output folder allows: `--resume` from a checkpoint
+    that records the learners' progress, or, stopped before any was taken (while it started),
+    the same command again, which a folder without checkpoints takes (`prepare.check`)."""
+    from . import checkpoint
+
+    folder = job.output / "checkpoints"
+    if checkpoint.latest(folder, with_progress=True) is not None:
+        return f"go on with {go_on(job, by)}"
+    if not (folder.is_dir() and any(folder.iterdir())):
+        return "it had not started training; start it again with " + (f"`{by} {job.path}`" if job.path else
+                                                                       "the same command")
+    return (f"no checkpoint in {folder} records the learners' progress, so there is nothing to go on with; remove "
+            "that folder to start it again")
+
+
+def _ignore_stops() -> None:
+    """From here on a stop (SIGTERM, SIGINT) is ignored: the job is stopping or ended, and this
+    process writes its outputs to the end."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
 
 
 class Node:
@@ -379,7 +435,7 @@ class Node:
 
         return child_environment()
 
-    def run(self, job: jobfile.Job, *, quiet: bool, resume: bool) -> int:
+    def run(self, job: jobfile.Job, *, quiet: bool, resume: bool, asked: list[int] | None = None) -> int:
         """Prepare this node's job, agree with the other nodes that every one could (and that
         their schedules fit together), run it with its bridge, and end MPI."""
         from .bridge import finalize
@@ -390,7 +446,7 @@ class Node:
             self._agree(None)
             raise
         self._agree(prepared)
-        code = JobRun(prepared, quiet, self).run()
+        code = JobRun(prepared, quiet, self, asked).run()
         return finalize(self.clean, code, self.options.timeout)
 
     def _agree(self, prepared: Prepared | None) -> None:
@@ -489,27 +545,37 @@ class Node:
         return record
 
 
-def checkpoint_progress(job: jobfile.Job, attempts: int = 5):
+def checkpoint_progress(job: jobfile.Job, start: dict | None = None, attempts: int = 5):
     """Before a stop: a checkpoint that records how far each launched learner got (from the
     watchdog's saved table and the learners' rings, under the server's hold), so that
     `gadei run --resume` goes on from here; the server's own stop checkpoint cannot say.
     Taken by `gadei run` on Ctrl-C (and so on `gadei cancel`), and by the daemon when it
-    cancels a job whose `gadei run` is gone. The checkpoint, or None when there was no job or
-    watchdog to take it from (or every attempt failed)."""
+    cancels a job whose `gadei run` is gone. `start`: where each learner started (a resumed
+    run's checkpoint's progress; {}: at the beginning), what the checkpoint records of a job
+    that serves but whose watchdog has not yet saved its table (it saves it as it launches the
+    learners: none has trained yet); None: no checkpoint then. The checkpoint, or None when
+    there was no job (or no watchdog, without `start`) to take it from, or every attempt failed."""
     from . import checkpoint
     from .region import Region
     from .watchdog_record import load_state, progress
 
     try:
-        _, table = load_state(job.name)
         region = Region.attach(job.name)
-    except (FileNotFoundError, GadeiError):
-        return None  # no watchdog or no job (yet): nothing to record
+    except GadeiError:
+        return None  # no job (yet, or no more): nothing to record
+    try:
+        _, table = load_state(job.name)
+    except FileNotFoundError:
+        if start is None:
+            region.close()
+            return None
+        table = None
+        at = {str(i): start.get(str(i), 0) for i in range(job.train.learners)}
     with region:
         for _ in range(attempts):
             try:
                 return checkpoint.take(region, job.output / "checkpoints", keep=job.checkpoint.keep,
-                                       progress=lambda ckpt: progress(table, ckpt))
+                                       progress=lambda ckpt: progress(table, ckpt) if table is not None else at)
             except checkpoint.CheckpointError as err:  # e.g. the watchdog's is being taken: try again
                 log.warning("checkpoint before stopping: %s", err)
                 time.sleep(0.2)

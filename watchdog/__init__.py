@@ -211,7 +211,7 @@ class Watchdog:
     def _ended(self) -> int:
         log.info("job %r stopped; the watchdog ends after %d checkpoints", self.job, self.checkpoints)
         self.finished = self.region.header.get("finished") == 1
-        self.learners.reap(timeout=30.0)
+        self.learners.reap(timeout=30.0, region=self.region)
         if self._server is not None:  # it writes its last checkpoint, then exits
             wait_or_kill(self._server, 60.0, f"job {self.job!r}: the server")
         if self.learners.failed:

@@ -86,9 +86,17 @@ class Learners:
                 _wait_gone(l.pid, l.started, 10.0)
             l.proc, l.pid, l.started, l.entry = None, 0, 0.0, -1
 
-    def reap(self, timeout: float) -> None:
-        """At the job's end: wait for the learners to leave, then kill what still runs."""
+    def reap(self, timeout: float, region=None) -> None:
+        """At the job's end: wait for the learners to leave, then kill what still runs. With the
+        job's `region`: a learner never seen attached that holds no ring (still starting: it has
+        published nothing) is told to go first (SIGTERM), not waited for: it would wait for a
+        region that is gone (`GADEI_ATTACH_TIMEOUT`) until killed."""
         deadline = Deadline(timeout)
+        for l in self.table if region is not None else ():
+            if l.proc is not None and l.proc.poll() is None and l.entry < 0 and ring.entry_of(region, l.pid) < 0:
+                log.info("job %r: launched learner %d (pid %d) had not attached; stopping it", self.job, l.number,
+                         l.pid)
+                l.proc.send_signal(signal.SIGTERM)
         for l in self.table:
             if l.proc is not None:
                 wait_or_kill(l.proc, deadline.left(), f"job {self.job!r}: launched learner {l.number}")

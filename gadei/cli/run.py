@@ -6,6 +6,14 @@ log = logging.getLogger("gadei.cli")
 
 
 def cmd_run(args) -> int:
+    # A stop (SIGTERM: `gadei cancel`; SIGINT: Ctrl-C) from here on is recorded and taken once the
+    # job is prepared (`run.JobRun`), never a death that leaves no result.json; the daemon starts
+    # this process with them held until now (`launch.spawn(held=True)`).
+    from ..launch import take_stops
+
+    asked: list[int] = []
+    if not args.check:
+        take_stops(lambda sig, _frame: asked.append(sig))
     from ..prepare import RUN, SUBMIT, check_job
     from ..run import run_job
 
@@ -15,7 +23,7 @@ def cmd_run(args) -> int:
             print(line, flush=True)
         print("check passed", flush=True)
         return 0
-    return run_job(args.jobfile, quiet=args.quiet, resume=args.resume, by=by)
+    return run_job(args.jobfile, quiet=args.quiet, resume=args.resume, by=by, asked=asked)
 
 
 def cmd_predict(args) -> int:

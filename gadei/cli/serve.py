@@ -11,7 +11,7 @@ import time
 from .._proc import python_command
 from ..env import restarts as recent_restarts
 from ..errors import GadeiError
-from ..launch import spawn, wait_or_kill
+from ..launch import spawn, take_stops, wait_or_kill
 
 from .. import options, watchdog_options
 from ..checkpoint import CheckpointOptions
@@ -29,10 +29,25 @@ CUSTODY_INTERVAL = 2.0  # seconds (at least) between the server's looks for a jo
 
 
 def cmd_serve(args) -> int:
-    from ..server import Server
-
     if args.adopt:
         return _adopt(args)
+    # SIGTERM/SIGINT stop the server cleanly from the start, before the imports and the model
+    # (torch: seconds): one that comes before the server exists is taken once it does (it then
+    # stops at once, removes its region and, having served nothing, writes no checkpoint and no
+    # --save); one that comes once its region can be seen (published inside Server(): `gadei stop`
+    # may come at once) stops it as on `gadei stop`. A server that `gadei run` started held them
+    # blocked until here (`launch.spawn(held=True)`): not even a stop sent at once is a death.
+    asked: list[int] = []
+    server = None
+
+    def stop(sig, _frame) -> None:
+        asked.append(sig)
+        if server is not None:
+            server.request_stop()
+
+    previous = take_stops(stop)
+    from ..server import Server
+
     if args.workload is None and args.model is None and args.params is None:
         raise GadeiError("gadei serve: give the initial weights with --workload, --model or --params")
     if args.learner and (not args.checkpoint_dir or args.no_watchdog):
@@ -55,19 +70,6 @@ def cmd_serve(args) -> int:
             resume = checkpoint.latest(args.resume)
             if resume is None:
                 raise GadeiError(f"--resume {args.resume}: no checkpoint there that reads and verifies")
-    # SIGTERM/SIGINT stop the server cleanly from the moment its region can be seen (published
-    # inside Server(): `gadei stop` may come at once), not only once it serves; one that comes
-    # while the region is made is taken as soon as the server exists (it then stops at once and
-    # removes its region), never as a death that would leave the region behind.
-    asked: list[int] = []
-    server = None
-
-    def stop(sig, _frame) -> None:
-        asked.append(sig)
-        if server is not None:
-            server.request_stop()
-
-    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         server = Server(args.job, model=model, n_params=args.params, mode=args.mode,
                         rule=options.from_args(RuleOptions, args), transport=options.from_args(TransportOptions, args),
@@ -77,7 +79,8 @@ def cmd_serve(args) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         raise
-    if asked:
+    early = bool(asked)  # stopped before it served: what it would write is what it started from
+    if early:
         server.request_stop()
     restarts = recent_restarts()
     server.region.header.set("restarts", len(restarts))  # this server is a watchdog's restart number n
@@ -97,7 +100,10 @@ def cmd_serve(args) -> int:
               file=sys.stderr, flush=True)
         report = server.serve(grace=args.grace)
         code = 0
-        if args.checkpoint_dir:
+        if early:
+            print(f"gadei: job {args.job!r} stopped before it served: no checkpoint, nothing saved", file=sys.stderr,
+                  flush=True)
+        elif args.checkpoint_dir:
             from ..checkpoint import CheckpointError
 
             try:
@@ -105,7 +111,7 @@ def cmd_serve(args) -> int:
             except CheckpointError as err:  # the weights still go to --save
                 print(f"gadei: error: no checkpoint at stop: {err}", file=sys.stderr, flush=True)
                 code = 1
-        if args.save:
+        if args.save and not early:
             server.save(args.save, private=args.private)
         if args.json:
             from ..ring import published

@@ -132,6 +132,10 @@ class Daemon:
             for record in self.records.values():
                 if record.state == RUNNING:
                     self._reattach(record)
+                elif record.state == CANCELLED and not record.ended and record.orphaned and _job_alive(record):
+                    # its cancel was this daemon's to finish (a thread of the daemon before, which
+                    # died with it): finished now; `_reap` records the end
+                    self._cancel_orphan(record)
 
     # ------------------------------------------------------------------ records
 
@@ -152,8 +156,14 @@ class Daemon:
 
     def _orphan(self, record: JobRecord, why: str) -> None:
         """The job's `gadei run` is gone but the job goes on under its watchdog (which writes its
-        outputs at its end): followed by its region until it ends (`_reap`)."""
+        outputs at its end): followed by its region until it ends (`_reap`); a cancelled one
+        (its run died before it stopped the job) is stopped by the daemon (`_cancel_orphan`)."""
         record.pid, record.orphaned = 0, True
+        if record.state == CANCELLED:  # cancelled, and its run died before it stopped the job: stopped here
+            record.message = f"cancelling ({why})"
+            self._save(record)
+            self._cancel_orphan(record)
+            return
         record.message = f"{why}; the job goes on under its watchdog, which writes its outputs"
         self._save(record)
         log.warning("job %s: %s", record.name, record.message)
@@ -233,10 +243,16 @@ class Daemon:
             record.message = "cancelling"
             record.state = CANCELLED
             self._save(record)
-        if record.orphaned:  # no gadei run: stop the job as it would, without holding the lock (up to a minute)
-            threading.Thread(target=self._stop_orphan, args=(record,), daemon=True,
-                             name=f"gadei-daemon-cancel-{record.name}").start()
+        if record.orphaned:
+            self._cancel_orphan(record)
         return record
+
+    def _cancel_orphan(self, record: JobRecord) -> None:
+        """No gadei run: stop the job as it would, in a thread, without holding the lock (up to a
+        minute). A daemon that dies meanwhile leaves the record cancelled but not ended: the
+        next one starts this again (`__init__`)."""
+        threading.Thread(target=self._stop_orphan, args=(record,), daemon=True,
+                         name=f"gadei-daemon-cancel-{record.name}").start()
 
     def _stop_orphan(self, record: JobRecord, tries: int = 5) -> None:
         """An orphaned job's cancel: the checkpoint that records each learner's progress, then the
@@ -316,7 +332,8 @@ class Daemon:
 
         with open(fd, "ab") as out:
             proc = spawn(_proc.gadei_command("run", record.jobfile, "--quiet", "--submitted")
-                         + (["--resume"] if record.resume else []), log=out)
+                         + (["--resume"] if record.resume else []), log=out, held=True)  # a cancel at once
+        # is then a stop it takes (once its handler is set), never its death
         self.procs[record.name] = proc
         record.state, record.pid, record.started = RUNNING, proc.pid, time.time()
         try:

@@ -1,0 +1,112 @@
+"""A stop (SIGTERM: `gadei cancel`; SIGINT: Ctrl-C) asked of `gadei run` while it starts its job,
+with real processes: before the server starts, once it was started, while the learners attach.
+Each is a stop, never a death or a failure: exit 130, a last line that says "stopped" and how to
+go on, result.json with the reason, an output folder that either `--resume` or the same command
+takes, and nothing of the job left running."""
+
+import json
+import signal
+import time
+
+import pytest
+
+from helpers import blobs_job, communicate, job_processes, job_version, tiered, unique_name, wait_for
+from gadei.region import inspect
+
+SIGNALS = {"SIGTERM": signal.SIGTERM, "SIGINT": signal.SIGINT}
+
+
+def _catches_sigterm(pid: int) -> bool:
+    """`gadei run` set its handler for the stops (`launch.take_stops`; SIGTERM's is set last):
+    bit 15 of SigCgt in /proc/PID/status (nothing else in it catches SIGTERM)."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            caught = next(line for line in status if line.startswith("SigCgt:"))
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return bool(int(caught.split()[1], 16) >> (signal.SIGTERM - 1) & 1)
+
+
+def _when(point: str, run, out, name) -> bool:
+    if point == "before the server":  # gadei run is about to prepare the job (data, folder): no server yet
+        return _catches_sigterm(run.pid)
+    if point == "after the server":  # its server was started (serve.log is opened just before)
+        return (out / "logs" / "serve.log").exists()
+    # the watchdog launched the learners (each one's log is opened as it starts), none trained yet
+    return (out / "logs" / "learner-1.log").exists()
+
+
+@pytest.mark.parametrize("point, how", tiered(
+    [(point, how) for point in ("before the server", "after the server", "while learners attach")
+     for how in SIGNALS],
+    default=[("before the server", "SIGINT"), ("after the server", "SIGTERM")]))
+def test_a_stop_while_gadei_run_starts_its_job_is_a_clean_stop(tmp_path, procs, point, how):
+    """Once, a SIGTERM that reached the server before it set its handler killed it (-15) and the
+    run said "job failed: the server exited -15 without a watchdog"; one that reached `gadei run`
+    before its own handler ended it with no result.json; learners still attaching held the stop
+    for 30 s, until the watchdog killed them."""
+    name = unique_name("early")
+    path = blobs_job(tmp_path, name, train={"learners": 2, "epochs": 50})
+    out = tmp_path / "out"
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # not ignored in the child, whoever started us
+    try:
+        run = procs.gadei("run", path)
+    finally:
+        signal.signal(signal.SIGINT, before)
+    try:
+        wait_for(lambda: _when(point, run, out, name) or run.poll() is not None, 120, f"gadei run to be {point}",
+                 interval=0.002)
+        assert run.poll() is None and job_version(name) == 0, communicate(run, 10)
+        if point == "before the server":  # taken from its first step: while it reads the data
+            assert not (out / "job.toml").exists() and not (out / "logs" / "serve.log").exists()
+        sent = time.monotonic()
+        run.send_signal(SIGNALS[how])
+        stdout, stderr = communicate(run, 120)
+        took = time.monotonic() - sent
+        result = json.loads((out / "result.json").read_text())
+        last = stdout.strip().splitlines()[-1]
+        assert run.returncode == 130 and result["outcome"] == "stopped" and result["reason"], (result, stdout + stderr)
+        assert last.startswith(f"gadei run: job {name} stopped after "), stdout + stderr
+        assert "failed" not in stdout + stderr and "Traceback" not in stderr, stdout + stderr
+        # learners that had not attached are told to go, not waited for until killed (30 s)
+        assert took < 20, f"the stop took {took:.0f} s:\n{stdout}{stderr}"
+        assert inspect(name) is None and not job_processes(name)
+        serve_log = (out / "logs" / "serve.log").read_text() if (out / "logs" / "serve.log").exists() else ""
+        assert "Traceback" not in serve_log, serve_log
+        # what the last line says to do is what the folder takes
+        again = ["--resume"] if "--resume" in last else []
+        assert again or "start it again with `gadei run " in last, last
+        check = procs.gadei("run", path, "--check", *again)
+        _, err = communicate(check, 60)
+        assert check.returncode == 0, (last, err)
+    finally:
+        for proc in job_processes(name):
+            proc.kill()
+
+
+@pytest.mark.parametrize("how", tiered(list(SIGNALS), default=["SIGTERM"]))
+def test_a_gadei_run_started_held_takes_a_stop_sent_at_once(tmp_path, how):
+    """The daemon starts `gadei run` with the stops held (`launch.spawn(held=True)`), as `gadei
+    run` starts its server: a `gadei cancel` that comes at once, before the interpreter or gadei
+    set a handler, waits until it takes it. Not held, the signal killed it then: -15, or -2 with
+    nothing on stderr (Python's SIGINT before its own handler is set)."""
+    from gadei._proc import gadei_command
+    from gadei.launch import spawn, wait_or_kill
+
+    path = blobs_job(tmp_path, unique_name("held"), train={"learners": 2, "epochs": 50})
+    log = tmp_path / "run.log"
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # not ignored in the child, whoever started us
+    try:
+        run = spawn(gadei_command("run", path), log=log, held=True)
+    finally:
+        signal.signal(signal.SIGINT, before)
+    try:
+        run.send_signal(SIGNALS[how])
+        code = run.wait(timeout=120)
+    finally:
+        wait_or_kill(run, 0, "gadei run")
+    text = log.read_text()
+    assert code == 130, (code, text)
+    assert json.loads((tmp_path / "out" / "result.json").read_text())["outcome"] == "stopped", text
+    assert text.strip().splitlines()[-1].startswith("gadei run: job ") and "start it again" in text, text
+    assert not (tmp_path / "out" / "logs" / "serve.log").exists()  # nothing started
