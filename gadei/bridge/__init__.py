@@ -74,7 +74,7 @@ The package, one noun a module:
     gossip      `Gossip`
     exchange    `BridgeRank`: one rank's loop; `main` (`gadei bridge`), `finalize`
     launch      ranks under a launcher, `Background` (a rank's bridge beside its job), mpiexec here
-    bench       `gadei bench bridge`'s measurement (`python -m gadei.bridge SIZES REPEATS`)
+    measurement `gadei bench bridge`'s measurement (`python -m gadei.bridge SIZES REPEATS`)
 """
 
 from .exchange import PEER_LOST, STRATEGIES, BridgeRank, Report, finalize, job_name, main
