@@ -70,7 +70,8 @@ def cmd_serve(args) -> int:
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         server = Server(args.job, model=model, n_params=args.params, mode=args.mode,
-                        rule=options.from_args(RuleOptions, args), transport=options.from_args(TransportOptions, args),
+                        rule_options=options.from_args(RuleOptions, args),
+                        transport=options.from_args(TransportOptions, args),
                         learners=args.learners, threads=args.threads, spin_us=args.spin_us, replace=args.replace,
                         resume=resume)
     except BaseException:  # Server removed what it had made
