@@ -275,7 +275,7 @@ def _take(region: Region, learner: int, claims: int, drain_timeout: float, serve
     for name in ("pulled_version", "pulls", "samples", "dropped", "pull_retries"):
         entry.set(name, 0)
     # Only now are the counters this process's: a checkpoint taken before would otherwise
-    # count the previous owner's applied gradients as this one's (watchdog.launched.progress).
+    # count the previous owner's applied gradients as this one's (gadei.watchdog_record.progress).
     entry.set("pid", os.getpid())
     entry.set("claim_head", producer.head)
     entry.set("state", ACTIVE)
@@ -286,7 +286,7 @@ def _keep_last_owner(entry) -> None:
     """Copy the previous owner's (pid, applied_samples) into (last_pid, last_applied), then set pid 0.
 
     The ring is drained, so applied_samples is all the previous owner contributed; a learner
-    killed after it released the entry is counted by it (`watchdog.launched.left_record`).
+    killed after it released the entry is counted by it (`left_record`, for gadei_watchdog.learners).
     Every moment of the copy answers that reader right: last_pid is 0 while last_applied
     changes, and pid is 0 before the counters are reset. pid 0 means a claimant that died
     after it copied: the record is already in last_*, and is kept.
@@ -301,7 +301,7 @@ def _keep_last_owner(entry) -> None:
 
 
 # ------------------------------------------------------------------ what others read of the rings
-# (the watchdog's accounting of the learners it launched: gadei_watchdog.launched)
+# (the watchdog's accounting of the learners it launched: gadei_watchdog.learners)
 
 
 def drained(entry) -> bool:

@@ -195,8 +195,8 @@ def test_a_new_owner_keeps_the_previous_owners_counters_before_resetting_them():
     # the watchdog reads that copy for a learner that left its entry (ring.left_record), each
     # answer between two reads of the field naming it, and so does a checkpoint's progress
     # (ring.applied_in, the copy first)
-    launched = (ROOT / "watchdog" / "launched.py").read_text()
-    died = launched[launched.index("    def _died("):launched.index("    def resume(")]
+    learners = (ROOT / "watchdog" / "learners.py").read_text()
+    died = learners[learners.index("    def _died("):learners.index("    def resume(")]
     assert "ring.left_record(region, l.pid)" in died
     left = inspect.getsource(ring.left_record)
     for name, answer in (("pid", "applied_samples"), ("last_pid", "last_applied")):
