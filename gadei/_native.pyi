@@ -15,10 +15,10 @@ of a few tens of nanoseconds where any matching of names would show.
 
 Only the modules that own a protocol or a kernel call it (tests/test_owners.py holds the list):
 `gadei.region` (atomic words and futexes: `Record`, `Word`, which `gadei.protocol` builds on;
-`cross_cpu_ns`), `gadei.ring`, `gadei.modes` (the sync and elastic rules' kernels),
-`gadei.transport.slot` (the payload kernels; `Float32Dense`, the kernels on plain float32
-arrays and the weights copy, which pulls, the bridge and the kernel benchmarks use) and
-`gadei.launch` (`exit_after`, the exit guard).
+`cross_cpu_ns`), `gadei.ring`, `gadei.transport.slot` (the payload kernels; `Float32Dense`,
+the kernels on plain float32 arrays and the weights copy, which the sync and elastic rules,
+pulls, the bridge and the kernel benchmarks use) and `gadei.launch` (`exit_after`, the exit
+guard). The update rules (`gadei.modes`) apply their kernels through the slot's format.
 """
 
 # atomics (sequentially consistent)

@@ -2,10 +2,10 @@
 
 The server's loop is the same for every mode except `sync`, which collects one gradient per
 live learner before it updates; what happens to the weights is one `UpdateRule`. A rule
-states its maths in its docstring and applies it with native kernels (GIL released,
-OpenMP); the tests hold it to a pure NumPy oracle (tests/oracles.py). Every rule hands a slot's
-dense area back zeroed and its row counts at zero, because the next backward pass of the
-learner accumulates into it.
+states its maths in its docstring and applies it with the native kernels of the slot's
+format (gadei.transport.slot: GIL released, OpenMP); the tests hold it to a pure NumPy oracle
+(tests/oracles.py). Every rule hands a slot's dense area back zeroed and its row counts at
+zero, because the next backward pass of the learner accumulates into it.
 
 | mode | rule | learners see |
 |---|---|---|
@@ -21,9 +21,8 @@ from typing import ClassVar
 
 import numpy as np
 
-from . import _native
 from .options import check_all, declared, from_header, option, used_in
-from .layout import DTYPE_CODES, MODE_CODES
+from .layout import MODE_CODES
 from .region import Region
 from .transport.slot import Float32Dense, Gradient, SlotFormat
 
@@ -243,6 +242,9 @@ class SyncSGD(AsyncSGD):
         self._sum = np.zeros(region.shape.n_params, dtype=np.float32)
         self._sum_addr = int(self._sum.ctypes.data)
         self._sum_format = Float32Dense(region.shape.n_params, self.threads)
+        # Adam moves the dense parts of the weights and the tables' touched rows apart
+        self._dense_parts = [(offset, Float32Dense(length, self.threads)) for offset, length, _ in self.format.segments]
+        self._tables = [Float32Dense(table.size, 1) for table in self.format.tables]
 
     def apply(self, grads: list[Gradient]) -> None:
         if not grads:
@@ -264,22 +266,19 @@ class SyncSGD(AsyncSGD):
         """Adam on the round's mean gradient (in the sum buffer, zeroed after): dense weights
         every one, a table's rows only where some gradient of the round (`touched`: each one's
         row indices per table) carried them."""
-        lr, step, n, f32 = self.options.lr, self.step(), len(self._sum), DTYPE_CODES["float32"]
+        lr, step, n = self.options.lr, self.step(), len(self._sum)
         m, v = self.state, self.state + 4 * n
-        for offset, length, _ in self.format.segments:
-            _native.adam(self.weights + 4 * offset, m + 4 * offset, v + 4 * offset, self._sum_addr + 4 * offset,
-                         dtype=f32, n=length, lr=lr, beta1=self.betas[0], beta2=self.betas[1], eps=self.betas[2],
-                         step=step, clear=1, threads=self.threads)
-        for k, table in enumerate(self.format.tables):
+        for offset, part in self._dense_parts:
+            part.adam(self.weights + 4 * offset, m + 4 * offset, v + 4 * offset, self._sum_addr + 4 * offset, lr, step,
+                      self.betas)
+        for k, (table, rows_format) in enumerate(zip(self.format.tables, self._tables)):
             indices = np.unique(np.concatenate([rows[k] for rows in touched]))
             if not indices.size:
                 continue
             area = self._sum[table.offset : table.offset + table.size].reshape(table.rows, table.width)
             rows = np.ascontiguousarray(area[indices])
-            _native.adam_rows(self.weights + 4 * table.offset, m + 4 * table.offset, v + 4 * table.offset,
-                              n_rows=table.rows, width=table.width, idx=int(indices.ctypes.data),
-                              rows=int(rows.ctypes.data), dtype=f32, count=len(indices), lr=lr, beta1=self.betas[0],
-                              beta2=self.betas[1], eps=self.betas[2], step=step)
+            rows_format.adam_rows(self.weights + 4 * table.offset, m + 4 * table.offset, v + 4 * table.offset, indices,
+                                  rows, lr, step, self.betas)  # indices checked when the round was summed
             area[indices] = 0.0
 
 
@@ -303,10 +302,11 @@ class ElasticAveraging(UpdateRule):
         if shape.grad_dtype != "float32" or shape.sparse:
             raise ValueError("elastic mode pushes whole float32 weights: use grad_dtype float32 and no row-sparse tables")
         self.n = shape.n_params
+        self._slot_format = Float32Dense(self.n, self.threads)  # a slot holds a learner's float32 weights
 
     def apply(self, grads: list[Gradient]) -> None:
         for grad in grads:
-            _native.elastic(self.weights, grad.payload, n=self.n, alpha=self.options.alpha, threads=self.threads)
+            self._slot_format.elastic(self.weights, grad.payload, self.options.alpha)
 
 
 RULES: dict[str, type[UpdateRule]] = {rule.name: rule for rule in (AsyncSGD, ConsistentSGD, SyncSGD, ElasticAveraging)}

@@ -295,7 +295,7 @@ def _take(region: Region, learner: int, claims: int, drain_timeout: float, serve
     for name in ("pulled_version", "pulls", "samples", "dropped", "pull_retries"):
         entry.set(name, 0)
     # Only now are the counters this process's: a checkpoint taken before would otherwise
-    # count the previous owner's applied gradients as this one's (watchdog.launched.progress).
+    # count the previous owner's applied gradients as this one's (gadei.watchdog_record.progress).
     entry.set("pid", os.getpid())
     entry.set("claim_head", producer.head)
     entry.set("state", ACTIVE)
@@ -320,7 +320,7 @@ def _keep_record(record, applied: int) -> None:
 
 # ------------------------------------------------------------------ what others read of the rings
 # (`gadei status`, a checkpoint, the watchdog's look at every learner and its accounting of
-# the learners it launched: gadei_watchdog.launched). Only loads: safe on a read-only mapping.
+# the learners it launched: gadei_watchdog.learners). Only loads: safe on a read-only mapping.
 
 
 def owner(region: Region, learner: int) -> int:

@@ -29,7 +29,7 @@ checkpoint (docs/fault-tolerance.md). The output folder gets:
                     with TensorBoard installed)
 
 Across nodes: a job with a [bridge] section started as `mpiexec -n NODES gadei run job.toml`
-runs on each rank as that node's job (`Node`): job `<name>-r<rank>`, output folder
+runs on each rank as that node's job (`BridgedRun`): job `<name>-r<rank>`, output folder
 `<folder>/node-<rank>` (the files above, and node.json: the node, the node count and its
 learners' shards; logs/bridge.log: the bridge's JSON lines; result.json's "bridge": what it
 did), one ring more than learners for the bridge, which this process runs in a thread
@@ -65,10 +65,10 @@ def run_job(path: str, *, quiet: bool = False, resume: bool = False, by: str = R
     once the job is prepared (see `JobRun`).
 
     A job with a [bridge] section started as more than one MPI rank (`mpiexec -n NODES gadei
-    run job.toml`) runs as node `rank` of NODES (`Node`); alone, or as one rank, it runs as
+    run job.toml`) runs as node `rank` of NODES (`BridgedRun`); alone, or as one rank, it runs as
     any job on one node."""
     job = jobfile.load(path)
-    node = Node.launched(job)
+    node = BridgedRun.launched(job)
     if node is None:
         return JobRun(prepare(job, resume, None, by), quiet, asked=asked).run()
     return node.run(job, quiet=quiet, resume=resume, asked=asked)
@@ -79,7 +79,7 @@ class JobRun:
     launch (server, watchdog, learners; a bridged node's bridge), follow (the progress line,
     through server restarts and a watchdog's death), finish (`outputs.conclude`: metrics, plot,
     result.json), report (the exit code). `gadei run` runs one; the daemon runs `gadei run`;
-    a bridged node's `Node.run` runs one with its bridge.
+    a bridged node's `BridgedRun.run` runs one with its bridge.
 
     The job ends when its server process has exited and its watchdog has recorded the end
     (`outputs.END`) with no server of the job left running. A server that dies is the
@@ -97,7 +97,7 @@ class JobRun:
     server, started with the stops held, takes this run's SIGTERM whenever it comes:
     `launch.spawn(held=True)`); later ones stop the job in order (`_follow_and_finish`)."""
 
-    def __init__(self, prepared: Prepared, quiet: bool, node: "Node | None" = None, asked: list[int] | None = None):
+    def __init__(self, prepared: Prepared, quiet: bool, node: "BridgedRun | None" = None, asked: list[int] | None = None):
         self.prepared, self.quiet, self.node = prepared, quiet, node
         self.asked = asked  # None: this run takes the stops itself (`run`)
         self.job = prepared.job
@@ -141,7 +141,7 @@ class JobRun:
         command = [*gadei_command("serve", job.name), "--job-file", as_run, "--learners", str(rings),
                    "--checkpoint-dir", str(out / "checkpoints"), "--log-dir", str(out / "logs"),
                    "--save", str(out / "model.pt"), "--outputs", str(out), "--json"]
-        command += ["--lr", str(node.lr(job))] if node is not None else []  # a node's own rate (Node.lr)
+        command += ["--lr", str(node.lr(job))] if node is not None else []  # a node's own rate (BridgedRun.lr)
         command += ["--resume", str(found.path)] if found is not None else []
         shards = node.shards(t.learners) if node is not None else [f"{i}/{t.learners}" for i in range(t.learners)]
         devices = device.spread(tuple(t.devices.split(",")), t.learners)
@@ -386,7 +386,7 @@ def _ignore_stops() -> None:
         signal.signal(sig, signal.SIG_IGN)
 
 
-class Node:
+class BridgedRun:
     """This process as node `rank` of `size` of a bridged job: rank r of `mpiexec -n NODES
     gadei run job.toml` runs its own node's job (`Job.for_node`) with one ring more than
     learners, for the bridge, which this process runs in a thread (`gadei.bridge.Background`)
@@ -399,7 +399,7 @@ class Node:
         self.clean = False  # MPI may be finalised: no request in flight, no peer lost
 
     @classmethod
-    def launched(cls, job: jobfile.Job) -> "Node | None":
+    def launched(cls, job: jobfile.Job) -> "BridgedRun | None":
         """This node, when the job has a [bridge] and the MPI launcher started more than one rank
         (only then is MPI loaded)."""
         if job.bridge is None:

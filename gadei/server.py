@@ -83,8 +83,8 @@ class ServeReport:
     learners_left: int
 
 
-def with_options(rule: RuleOptions, transport: TransportOptions, options: dict):
-    """`rule` and `transport` with `options` (names of either's options) replaced.
+def with_options(rule_options: RuleOptions, transport: TransportOptions, options: dict):
+    """`rule_options` and `transport` with `options` (names of either's options) replaced.
 
     Raises:
         TypeError: a name that is neither's option.
@@ -94,9 +94,9 @@ def with_options(rule: RuleOptions, transport: TransportOptions, options: dict):
     if unknown:
         raise TypeError(f"Server() got unexpected keyword arguments {sorted(unknown)}; options: "
                         f"{sorted(names[0] | names[1])}")
-    rule = dataclasses.replace(rule, **{k: v for k, v in options.items() if k in names[0]})
+    rule_options = dataclasses.replace(rule_options, **{k: v for k, v in options.items() if k in names[0]})
     transport = dataclasses.replace(transport, **{k: v for k, v in options.items() if k in names[1]})
-    return rule, transport
+    return rule_options, transport
 
 
 class Server:
@@ -109,11 +109,11 @@ class Server:
         n_params: instead of `model`: the number of parameters; the first learner to
             attach uploads its model's parameters as the initial weights.
         mode: the update rule: 'async', 'consistent', 'sync' or 'elastic' (see `gadei.modes`).
-        rule: the update rule's options (`gadei.modes.RuleOptions`: lr, momentum, optimizer, ...).
+        rule_options: the update rule's options (`gadei.modes.RuleOptions`: lr, momentum, optimizer, ...).
         transport: the rings' format (`gadei.transport.options.TransportOptions`: gradient
             element type, row-sparse tables (needs `model`), slots per ring).
         **options: any option of those two by name (`lr=0.1, grad_dtype="float16"`),
-            replacing the one in `rule` or `transport`.
+            replacing the one in `rule_options` or `transport`.
         learners: most learners attached at once (one ring each).
         threads: the most OpenMP threads of the update kernel (default: GADEI_THREADS); a team
             has one thread per 262,144 elements of an update (native GD_THREAD_MIN).
@@ -132,7 +132,7 @@ class Server:
         model: torch.nn.Module | None = None,
         n_params: int | None = None,
         mode: str = "async",
-        rule: RuleOptions = RuleOptions(),
+        rule_options: RuleOptions = RuleOptions(),
         transport: TransportOptions = TransportOptions(),
         learners: int = 8,
         threads: int | None = None,
@@ -145,8 +145,8 @@ class Server:
             raise ValueError("give the server either a model or n_params, not both or neither")
         if mode not in RULES:
             raise ValueError(f"mode {mode!r} is not one of {sorted(RULES)}")
-        rule, transport = with_options(rule, transport, options)
-        self.rule_options = rule
+        rule_options, transport = with_options(rule_options, transport, options)
+        self.rule_options = rule_options
         self.rule_options.check(mode, learners)
         check_all(transport)
         grad_dtype, row_sparse, max_rows, slots = transport.grad_dtype, transport.row_sparse, transport.max_rows, transport.slots
@@ -175,7 +175,7 @@ class Server:
             raise ValueError(f"job {job!r}: row_sparse needs the model (serve it with --workload or --model), "
                              "not only --params")
         shape = Shape(n_params=int(n_params), grad_dtype=grad_dtype, capacity=learners, slots=slots, mode=mode,
-                      state_arrays=len(state_names(rule)), sparse=sparse)
+                      state_arrays=len(state_names(rule_options)), sparse=sparse)
         self.region = Region.create(job, shape, replace=replace)
         self.job = job
         self.mode = mode
@@ -218,7 +218,7 @@ class Server:
         log.info(
             "job %r: serving %s parameters (%s) in %s mode, %s, %d learner rings of %d slots, lr %g, "
             "kernel teams of up to %d threads (one per 262,144 elements of an update)", job, f"{shape.n_params:,}",
-            _mb(shape.n_params * 4), mode, described, shape.capacity, slots, rule.lr, self.threads,
+            _mb(shape.n_params * 4), mode, described, shape.capacity, slots, rule_options.lr, self.threads,
         )
 
     def _resume(self, checkpoint: Checkpoint, spec) -> None:

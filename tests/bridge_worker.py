@@ -50,7 +50,7 @@ def serve(args) -> int:
     import gadei
 
     rule = gadei.RuleOptions(lr=args.lr, optimizer=args.optimizer, momentum=args.momentum)
-    servers = [gadei.Server(job, model=Vector(args.n, seed), mode=args.mode, rule=rule, learners=args.learners,
+    servers = [gadei.Server(job, model=Vector(args.n, seed), mode=args.mode, rule_options=rule, learners=args.learners,
                             threads=1, spin_us=0) for seed, job in enumerate(args.jobs)]
     reports = [None] * len(servers)
 

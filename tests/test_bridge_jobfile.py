@@ -106,7 +106,7 @@ def test_bridge_must_be_a_section(small):
 
 
 def test_each_node_has_its_own_job_name_and_folder_and_the_shards_cover_the_data(small):
-    from gadei.run import Node as _Node
+    from gadei.run import BridgedRun
 
     job = _load(small, BASE + "[train]\nlearners = 3\n[bridge]\n")
     node = job.for_node(1, 2)
@@ -122,7 +122,7 @@ def test_each_node_has_its_own_job_name_and_folder_and_the_shards_cover_the_data
         def Get_size(self):
             return 2
 
-    shards = [_Node(Comm(r), None).shards(3) for r in range(2)]
+    shards = [BridgedRun(Comm(r), None).shards(3) for r in range(2)]
     assert shards == [["0/6", "1/6", "2/6"], ["3/6", "4/6", "5/6"]]
 
     long = _load(small, BASE.replace('"pets"', '"' + "p" * 61 + '"') + "[bridge]\n")
@@ -132,16 +132,16 @@ def test_each_node_has_its_own_job_name_and_folder_and_the_shards_cover_the_data
 
 
 def test_only_a_launcher_of_more_than_one_rank_makes_a_node(small, monkeypatch):
-    from gadei.run import Node as _Node
+    from gadei.run import BridgedRun
 
     for name in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
         monkeypatch.delenv(name, raising=False)
     job = _load(small, BASE + "[bridge]\n")
-    assert launched_ranks() == 1 and _Node.launched(job) is None  # plain `gadei run`: MPI is never loaded
+    assert launched_ranks() == 1 and BridgedRun.launched(job) is None  # plain `gadei run`: MPI is never loaded
     monkeypatch.setenv("PMI_SIZE", "1")
-    assert launched_ranks() == 1 and _Node.launched(job) is None
+    assert launched_ranks() == 1 and BridgedRun.launched(job) is None
     monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "4")
-    assert launched_ranks() == 4 and _Node.launched(_load(small, BASE)) is None  # no [bridge]: as before
+    assert launched_ranks() == 4 and BridgedRun.launched(_load(small, BASE)) is None  # no [bridge]: as before
     monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "1")
     monkeypatch.setenv("PMIX_RANK", "1")
     assert not any(k.startswith(("OMPI_", "PMIX_", "PMI_")) for k in child_environment())

@@ -19,6 +19,7 @@ import torch
 from gadei import _native
 from gadei.layout import DTYPE_CODES
 from gadei.modes import ADAGRAD_EPS, ADAM_BETA1, ADAM_BETA2, ADAM_EPS, RuleOptions
+from gadei.transport.slot import Float32Dense
 from oracles import (adam_reference, adam_rows_reference, async_reference, elastic_reference, nonfinite_reference,
                      rows_reference, sync_reference)
 
@@ -306,6 +307,44 @@ def test_elastic_kernel_matches_reference(n, threads):
     _native.elastic(centre.ctypes.data, w.ctypes.data, n=n, alpha=0.3, threads=threads)
     np.testing.assert_array_equal(centre, expected)
 
+
+def test_the_float32_face_of_the_sync_adam_and_elastic_rules_is_their_kernels_on_checked_arguments():
+    """`Float32Dense.adam_rows` (the sync round's Adam on a table's touched rows) is lazy Adam on
+    a table of n floats, its rows as wide as the gradient rows, an index outside the table
+    counted and nothing written past the table; `elastic` moves the centre towards the
+    weights. Indices or rows of another type, shape or layout are refused before the kernel."""
+    rows_n, width, lr = 12, 5, 0.01
+    rng = np.random.default_rng(41)
+    weights = rng.standard_normal(2 * rows_n * width).astype(np.float32)  # the table, then what follows it
+    m, v = np.zeros_like(weights), np.zeros_like(weights)
+    t_ref, m_ref, v_ref = (a[: rows_n * width].reshape(rows_n, width).copy() for a in (weights, m, v))
+    after = weights[rows_n * width:].copy()
+    table = Float32Dense(rows_n * width, 1)
+    for step, chosen in enumerate(([3, 0, 11], [7, 3]), start=1):
+        indices = np.array(chosen + [rows_n], dtype=np.int64)  # the last one is outside the table
+        rows = rng.standard_normal((len(indices), width)).astype(np.float32)
+        bad = table.adam_rows(weights.ctypes.data, m.ctypes.data, v.ctypes.data, indices, rows, lr, step,
+                              (ADAM_BETA1, ADAM_BETA2, ADAM_EPS))
+        assert bad == 1
+        adam_rows_reference(t_ref, m_ref, v_ref, indices[:-1], rows[:-1], lr, step)
+        np.testing.assert_array_equal(weights[: rows_n * width].reshape(rows_n, width), t_ref)
+        np.testing.assert_array_equal(m[: rows_n * width].reshape(rows_n, width), m_ref)
+        np.testing.assert_array_equal(v[: rows_n * width].reshape(rows_n, width), v_ref)
+        np.testing.assert_array_equal(weights[rows_n * width:], after)
+        assert not m[rows_n * width:].any() and not v[rows_n * width:].any()
+    indices, rows = np.array([1, 2], dtype=np.int64), np.ones((2, width), dtype=np.float32)
+    for wrong in ((indices.astype(np.int32), rows), (indices, rows.astype(np.float64)), (indices, rows[:1]),
+                  (indices, np.ones((2, 2 * width), dtype=np.float32)[:, ::2]), (indices, np.ones((2, 7), np.float32))):
+        with pytest.raises(ValueError, match="adam_rows: 2 int64 indices and as many contiguous float32 rows"):
+            table.adam_rows(weights.ctypes.data, m.ctypes.data, v.ctypes.data, *wrong, lr, 1, (0.9, 0.999, 1e-8))
+
+    centre = rng.standard_normal(1000).astype(np.float32)
+    w = rng.standard_normal(1000).astype(np.float32)
+    expected, pushed = centre.copy(), w.copy()
+    elastic_reference(expected, [w], RuleOptions(alpha=0.3))
+    Float32Dense(1000, 2).elastic(centre.ctypes.data, w.ctypes.data, 0.3)
+    np.testing.assert_array_equal(centre, expected)
+    np.testing.assert_array_equal(w, pushed)  # the learner's weights are left as they are
 
 def test_sync_reference_is_sgd_on_the_mean():
     rng = np.random.default_rng(0)

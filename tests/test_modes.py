@@ -373,7 +373,8 @@ def test_adagrad_matches_its_reference_and_its_sums_survive_a_checkpoint(job, tm
         learner.close()
         server.close()
 
-    with gadei.Server(job, model=Flat(100, 1.0), learners=1, rule=gadei.RuleOptions(lr=0.5, optimizer="adagrad"),
+    with gadei.Server(job, model=Flat(100, 1.0), learners=1,
+                      rule_options=gadei.RuleOptions(lr=0.5, optimizer="adagrad"),
                       resume=checkpoint.latest(tmp_path)) as again:
         np.testing.assert_array_equal(again.region.state, s)
         np.testing.assert_array_equal(again.weights(), w)
@@ -391,7 +392,7 @@ def test_adam_matches_its_reference_and_goes_on_from_a_checkpoint(job, tmp_path)
     grads = [np.full(100, v, np.float32) for v in (1.0, -2.0, 0.5, 3.0, 0.0, -1.0, 0.25)]
     rule = RuleOptions(lr=0.5, optimizer="adam", adam_beta1=0.8, adam_beta2=0.99, adam_eps=1e-3)
     w, state = np.ones(100, np.float32), np.zeros(200, np.float32)
-    server, learner = _in_process_job(job, rule=rule)
+    server, learner = _in_process_job(job, rule_options=rule)
     try:
         for g in grads[:4]:
             _push(server, learner, float(g[0]), server.version)
@@ -405,7 +406,7 @@ def test_adam_matches_its_reference_and_goes_on_from_a_checkpoint(job, tmp_path)
         learner.close()
         server.close()
 
-    server, learner = _in_process_job(job, rule=rule, resume=checkpoint.latest(tmp_path))
+    server, learner = _in_process_job(job, rule_options=rule, resume=checkpoint.latest(tmp_path))
     try:
         assert server.region.header.get("optimizer") == 2 and server.version == 4
         assert read_options(server.region) == rule
@@ -426,7 +427,7 @@ def test_adam_matches_its_reference_and_goes_on_from_a_checkpoint(job, tmp_path)
     with gadei.Server(job, model=Flat(100, 1.0), learners=1, lr=0.5, optimizer="adagrad") as server:
         server.write_checkpoint(str(other))
     with pytest.raises(checkpoint.CheckpointError, match="holds no Adam moments .* taken with optimizer 'adagrad'"):
-        gadei.Server(job, model=Flat(100, 1.0), learners=1, rule=rule, resume=checkpoint.latest(other))
+        gadei.Server(job, model=Flat(100, 1.0), learners=1, rule_options=rule, resume=checkpoint.latest(other))
     assert inspect(job) is None  # nothing left behind
 
 

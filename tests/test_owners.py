@@ -16,11 +16,12 @@ FOLDERS = {"gadei": ROOT / "gadei", "gadei_watchdog": ROOT / "watchdog", "gadei_
 
 # The modules that own a protocol or a kernel, and so call gadei._native (see gadei/_native.pyi):
 # the region's atomic words and futexes (and the probe of what one costs to cross between CPUs),
-# the rings, the sync and elastic update kernels, the slot's format (its payload kernels, and
-# `Float32Dense`: the kernels on plain float32 arrays, the weights copy of a pull or a bridge,
-# which the kernel benchmarks time), and the process owner's exit guard (the bridge's
-# MPI_Finalize). Everyone else goes through their functions.
-NATIVE_OWNERS = {"gadei/region.py", "gadei/ring.py", "gadei/modes.py", "gadei/transport/slot.py", "gadei/launch.py"}
+# the rings, the slot's format (its payload kernels, and `Float32Dense`: the kernels on plain
+# float32 arrays, which the sync round's sum, elastic's weights, the weights copy of a pull or a
+# bridge and the kernel benchmarks go through), and the process owner's exit guard (the bridge's
+# MPI_Finalize). Everyone else goes through their functions; the update rules (gadei/modes.py)
+# through the slot's.
+NATIVE_OWNERS = {"gadei/region.py", "gadei/ring.py", "gadei/transport/slot.py", "gadei/launch.py"}
 
 # Header words of the run-state machine (and why it failed), the stop handshake, the doorbell,
 # the version waits, the checkpoint hold and the training decision: only gadei/protocol.py

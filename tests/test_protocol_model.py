@@ -216,7 +216,7 @@ def test_a_launched_learner_keeps_its_record_when_it_releases_its_entry():
     # the watchdog reads the record for a learner that left its entry (ring.left_record), each
     # answer between two reads of the field naming it, and so does a checkpoint's progress
     # (ring.applied_in, the record first)
-    launched = (ROOT / "watchdog" / "launched.py").read_text()
+    launched = (ROOT / "watchdog" / "learners.py").read_text()
     died = launched[launched.index("    def _died("):launched.index("    def resume(")]
     assert "ring.left_record(region, l.pid)" in died
     left = inspect.getsource(ring.left_record)

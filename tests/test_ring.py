@@ -16,7 +16,7 @@ from gadei.region import Region
 from gadei.ring import Consumer, claim
 from gadei.server import Server
 from gadei.watchdog_record import Launched, progress
-from gadei_watchdog.launched import Learners
+from gadei_watchdog.learners import Learners
 from helpers import finish, read_line
 
 TRIALS = 5

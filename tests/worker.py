@@ -99,9 +99,9 @@ def make_model() -> Flat:
 def serve(args) -> int:
     server = gadei.Server(
         args.job, model=MODELS[args.model](args.n, args.init), mode=args.mode,
-        rule=gadei.RuleOptions(lr=args.lr, momentum=args.momentum, optimizer=args.optimizer, stale_lr=args.stale_lr,
-                               stale_bound=args.stale_bound, drop_after=args.drop_after,
-                               **(dict(alpha=args.alpha, tau=args.tau) if args.mode == "elastic" else {})),
+        rule_options=gadei.RuleOptions(lr=args.lr, momentum=args.momentum, optimizer=args.optimizer,
+                                       stale_lr=args.stale_lr, stale_bound=args.stale_bound, drop_after=args.drop_after,
+                                       **(dict(alpha=args.alpha, tau=args.tau) if args.mode == "elastic" else {})),
         transport=gadei.TransportOptions(grad_dtype=args.grad_dtype, row_sparse=args.row_sparse, slots=args.slots),
         learners=args.learners,
         threads=args.threads, resume=checkpoint.latest(args.resume) if args.resume else None, replace=args.replace,

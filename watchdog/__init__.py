@@ -4,7 +4,7 @@ checkpoints of the job, and restarts what dies (installed as `gadei_watchdog`; r
 
 It attaches to a running job, registers its pid, start time and heartbeat in the region
 header (refusing to run beside another live watchdog: the look and the registration are
-one step under `launched.registering`'s lock, so of two that adopt a job at once one
+one step under `gadei.watchdog_record.registering`'s lock, so of two that adopt a job at once one
 attaches), and every `interval` seconds:
 - beats;
 - judges the server and each learner by pid plus process start time (pid reuse cannot fool
@@ -12,7 +12,7 @@ attaches), and every `interval` seconds:
   max_missed` seconds without a beat. It reports each once; the entry of a learner that
   died without leaving is marked dead (its published gradients are still applied, its
   half-written slot is never published, and the next learner that claims the ring takes it);
-- starts, watches and restarts the learners it launched (`learners`, see `launched.py`): a
+- starts, watches and restarts the learners it launched (`learners`, see `learners.py`): a
   learner that dies is started again where the gradients it published end, after a
   back-off that doubles (`backoff` seconds, at most 30) up to `max_restarts` within
   `window`, then given up and reported. When all of them died at once, a checkpoint is
@@ -58,7 +58,7 @@ from gadei.watchdog_options import WatchdogSettings
 from gadei.watchdog_record import (JOB_FAILED, LEARNERS_FAILED, SERVER_DEAD, Launched, load_state, registering,
                                    remove_state, save_state)
 
-from .launched import Learners
+from .learners import Learners
 
 log = logging.getLogger(__name__)
 

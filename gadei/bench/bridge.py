@@ -1,5 +1,5 @@
 """`gadei bench bridge`: the MPI bridge's exchange against one MPI_Allreduce, ranks started
-with mpiexec on this machine (the measurement itself: gadei.bridge.bench)."""
+with mpiexec on this machine (the measurement itself: gadei.bridge.measurement)."""
 
 import json
 import os

@@ -152,7 +152,7 @@ def _server_main(job: str, model: str, learners: int, failed) -> None:
 
     torch.set_num_threads(1)
     try:
-        server = Server(job, model=build(model), learners=learners, rule=RuleOptions(lr=LR))
+        server = Server(job, model=build(model), learners=learners, rule_options=RuleOptions(lr=LR))
     except Exception as err:  # start_server says what, not only an exit code
         failed.put(f"{type(err).__name__}: {err}")
         raise

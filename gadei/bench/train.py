@@ -84,8 +84,8 @@ def _server_worker(job, data, seed, vocab, world, lr, options, failed):
     try:
         workload = get("textcnn")
         train, _ = workload.load_data(data)
-        server = Server(job, model=_bench_model(workload, train, seed, vocab), learners=world, rule=RuleOptions(lr=lr),
-                        transport=TransportOptions(**options))
+        server = Server(job, model=_bench_model(workload, train, seed, vocab), learners=world,
+                        rule_options=RuleOptions(lr=lr), transport=TransportOptions(**options))
     except Exception as err:
         failed.put(f"{type(err).__name__}: {err}")
         raise

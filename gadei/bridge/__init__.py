@@ -73,13 +73,13 @@ The package, one noun a module:
     strategies  the `Strategy` interface, `Average`, `Elastic`
     gossip      `Gossip`
     exchange    `BridgeRank`: one rank's loop; `main` (`gadei bridge`), `finalize`
-    launch      ranks under a launcher, `Background` (a rank's bridge beside its job), mpiexec here
-    bench       `gadei bench bridge`'s measurement (`python -m gadei.bridge SIZES REPEATS`)
+    mpiexec     ranks under a launcher, `Background` (a rank's bridge beside its job), mpiexec here
+    measurement `gadei bench bridge`'s measurement (`python -m gadei.bridge SIZES REPEATS`)
 """
 
 from .exchange import PEER_LOST, STRATEGIES, BridgeRank, Report, finalize, job_name, main
-from .launch import MPIEXEC_OPTIONS, Background, child_environment, find_mpiexec, launched_ranks, local_mpiexec
 from .mpi import BridgeError, LinkDown, PeerLost, mpi, wait_all
+from .mpiexec import MPIEXEC_OPTIONS, Background, child_environment, find_mpiexec, launched_ranks, local_mpiexec
 from .node import LocalNode
 from .options import DEFAULT_INTERVAL, STRATEGY_NAMES, BridgeOptions
 from .strategies import Average, Elastic, Strategy

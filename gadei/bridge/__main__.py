@@ -2,6 +2,6 @@
 
 import sys
 
-from .bench import main
+from .measurement import main
 
 sys.exit(main(sys.argv[1:]))

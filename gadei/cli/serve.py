@@ -72,7 +72,8 @@ def cmd_serve(args) -> int:
                 raise GadeiError(f"--resume {args.resume}: no checkpoint there that reads and verifies")
     try:
         server = Server(args.job, model=model, n_params=args.params, mode=args.mode,
-                        rule=options.from_args(RuleOptions, args), transport=options.from_args(TransportOptions, args),
+                        rule_options=options.from_args(RuleOptions, args),
+                        transport=options.from_args(TransportOptions, args),
                         learners=args.learners, threads=args.threads, spin_us=args.spin_us, replace=args.replace,
                         resume=resume)
     except BaseException:  # Server removed what it had made

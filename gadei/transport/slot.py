@@ -227,8 +227,9 @@ class SlotFormat:
 
 
 class Float32Dense:
-    """The slot format of a plain float32 array of n elements: the sync round's sum, the weights
-    a pull or a bridge copies out, and the kernel benchmarks' buffers (which time the kernels
+    """The slot format of a plain float32 array of n elements: the sync round's sum (and, in its
+    Adam, one dense part of the weights or one table), an elastic slot's weights, the weights a
+    pull or a bridge copies out, and the kernel benchmarks' buffers (which time the kernels
     through these methods, and against `plain_sgd`)."""
 
     def __init__(self, n: int, threads: int):
@@ -252,6 +253,32 @@ class Float32Dense:
         """Adam at step `step` with `betas` (beta1, beta2, eps), its moments at `m` and `v`."""
         _native.adam(weights, m, v, payload, dtype=_F32, n=self.n, lr=lr, beta1=betas[0], beta2=betas[1],
                      eps=betas[2], step=step, clear=int(clear), threads=self.threads)
+
+    def adam_rows(self, weights: int, m: int, v: int, indices: np.ndarray, rows: np.ndarray, lr: float, step: int,
+                  betas: tuple[float, float, float]) -> int:
+        """Lazy Adam on a table of n floats, n / width rows of `width`: only the rows `indices`
+        (int64) move, by their gradients `rows` (float32, one row of `width` per index), with
+        their moments at `m` and `v`. How many indices were out of range (their rows unapplied).
+
+        Raises:
+            ValueError: `indices` and `rows` are not contiguous int64 and float32 arrays of one
+                index per row, or the width does not divide n.
+        """
+        if not (indices.dtype == np.int64 and indices.ndim == 1 and indices.flags.c_contiguous
+                and rows.dtype == np.float32 and rows.ndim == 2 and rows.flags.c_contiguous
+                and len(rows) == len(indices) and rows.shape[1] and self.n % rows.shape[1] == 0):
+            raise ValueError(f"adam_rows: {len(indices)} int64 indices and as many contiguous float32 rows of a width "
+                             f"that divides {self.n:,} wanted; got indices {indices.dtype} {indices.shape}, rows "
+                             f"{rows.dtype} {rows.shape}")
+        width = rows.shape[1]
+        return _native.adam_rows(weights, m, v, n_rows=self.n // width, width=width, idx=int(indices.ctypes.data),
+                                 rows=int(rows.ctypes.data), dtype=_F32, count=len(indices), lr=lr, beta1=betas[0],
+                                 beta2=betas[1], eps=betas[2], step=step)
+
+    def elastic(self, centre: int, weights: int, alpha: float) -> None:
+        """centre += alpha (weights - centre), in place over the n floats at `centre`: a
+        learner's weights move the centre (elastic averaging); `weights` are left as they are."""
+        _native.elastic(centre, weights, n=self.n, alpha=alpha, threads=self.threads)
 
     def nonfinite(self, payload: int) -> int:
         """How many of the n values at `payload` are NaN or infinite (the server's check, read only)."""

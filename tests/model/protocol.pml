@@ -12,7 +12,7 @@
  *               gadei.ring.Consumer.poll/sleep/release, native gd_poll_rings, the update
  *               kernels' apply-and-clear (native/kernels.c gd_sgd ... clear=1).
  *   Watchdog    watchdog.Watchdog.run/_look_at_learners/_supervise/checkpoint/_stop_job/
- *               _restart_server/_ended, watchdog.launched.Learners.look/_track/_died/progress/
+ *               _restart_server/_ended, watchdog.learners.Learners.look/_track/_died/progress/
  *               resume, left_record,
  *               gadei.checkpoint.capture/take (the checkpoint hold).
  *   Other       a learner the watchdog did not launch (OCLAIMS > 0): gadei.ring.claim/_take/

@@ -1,5 +1,5 @@
-"""`gadei bench bridge`'s measurement, run under mpiexec (`python -m gadei.bridge SIZES
-REPEATS`): the bridge's allreduce against one MPI_Allreduce of the whole model."""
+"""The measurement `gadei bench bridge` (gadei.bench.bridge) runs under mpiexec (`python -m
+gadei.bridge SIZES REPEATS`): the bridge's allreduce against one MPI_Allreduce of the whole model."""
 
 import json
 import random

@@ -1,6 +1,6 @@
-"""Starting bridge ranks: the launcher's environment (how many ranks, what a rank's children
-must not inherit), a rank's bridge in a thread beside its node's job (`Background`), and
-mpiexec on this machine."""
+"""Bridge ranks and their MPI launcher (mpiexec): the launcher's environment (how many ranks,
+what a rank's children must not inherit), a rank's bridge in a thread beside its node's job
+(`Background`), and mpiexec on this machine."""
 
 import logging
 import os
