@@ -237,13 +237,13 @@ def test_a_launched_learner_is_started_with_its_number_as_its_entry(monkeypatch,
     back (`gadei.ring._keep_record`), so the watchdog starts each with `--entry NUMBER` unless
     its arguments name one: without it (a `--learners` list written by hand) a learner killed
     after it gave its entry back was counted by nothing once another learner claimed it."""
-    from gadei_watchdog import launched
+    from gadei_watchdog import learners
     from gadei.watchdog_record import Launched
 
     started = []
-    monkeypatch.setattr(launched, "spawn", lambda command, **_: started.append(command) or _NoProcess())
+    monkeypatch.setattr(learners, "spawn", lambda command, **_: started.append(command) or _NoProcess())
     table = [Launched(0, ["--steps", "5"]), Launched(1, ["--entry", "3"]), Launched(2, ["--entry=0"])]
-    launched.Learners("j", table, str(tmp_path), max_restarts=3, window=60.0, backoff=1.0).start_all()
+    learners.Learners("j", table, str(tmp_path), max_restarts=3, window=60.0, backoff=1.0).start_all()
     tails = [c[c.index("j") + 1:] for c in started]
     assert tails[0][:4] == ["--steps", "5", "--entry", "0"], tails
     assert tails[1][:2] == ["--entry", "3"] and tails[1].count("--entry") == 1, tails

@@ -34,9 +34,9 @@
  * Faulty variants: -DBUG_HEAD_BEFORE_HEADER (publish stores head before the slot header),
  * -DBUG_NO_ZERO (the server hands a slot back without clearing it). The code as it was
  * before the fixes this model led to: -DOLD_DRAIN (Server._drain), -DOLD_CAPTURE
- * (checkpoint.capture), -DOLD_PID_ORDER (ring._take/Producer.release, launched._died),
+ * (checkpoint.capture), -DOLD_PID_ORDER (ring._take/Producer.release, learners._died),
  * -DOLD_RESTART_STOP (Watchdog._restart_server/run), -DOLD_KILL_AFTER_RELEASE (no record of a
- * learner's counters after it released its entry; launched._died counts a learner killed
+ * learner's counters after it released its entry; learners._died counts a learner killed
  * after it released its entry by `seen`), -DOLD_LAST_OWNER (a new owner's ring._take copied
  * the previous owner's counters into the entry it claimed, where the next claim overwrote them).
  *
@@ -609,7 +609,7 @@ inline restart_server() {
     fi
 }
 
-/* launched.left_record, one entry: its own applied_samples while pid names it (its ring drained) */
+/* ring.left_record, one entry: its own applied_samples while pid names it (its ring drained) */
 #define LEFT_FROM(n, j) \
     :: eplain[j] == pidof[n] -> start_at[n] = start_at[n] + applied_samples[j]
 #if L == 1
@@ -648,7 +648,7 @@ inline died(n) {
         fi
     :: else ->
 #ifndef OLD_KILL_AFTER_RELEASE
-        /* launched.left_record: it left its entry (or was never seen holding it). The record it
+        /* ring.left_record: it left its entry (or was never seen holding it). The record it
          * kept (last_pid, last_applied) if any; else, while an entry's pid is its own, wait until
          * the ring is drained (or the server is gone), then its applied_samples; else what the
          * watchdog saw. One step: the code reads each answer between two reads of the field
