@@ -538,7 +538,8 @@ def _follow(run: JobRun, train_size: float, started: float, quiet: bool, label: 
 
     total = job.train.epochs * train_size
     # patience may end training before the epoch cap, which the ETA counts to: say so
-    cap = " at the epoch cap (patience may stop it sooner)" if run.prepared.validation is not None and not label else ""
+    sooner = run.prepared.validation is not None and not label and patience_may_stop(job.train, train_size)
+    cap = " at the epoch cap (patience may stop it sooner)" if sooner else ""
     before = None  # (monotonic seconds, version) of the last line
     width = 0
     next_line = time.monotonic() + 2.0
@@ -587,6 +588,18 @@ def _follow(run: JobRun, train_size: float, started: float, quiet: bool, label: 
             print(line, flush=True)
     if overwrite:
         print(flush=True)
+
+
+def patience_may_stop(train: jobfile.Train, samples: float) -> bool:
+    """Whether patience can end a validated job's training before its epoch cap: it needs
+    `patience` evaluations without improvement after the first (always the best so far), and
+    one at the cap's end is no sooner. A job evaluates after each epoch, and a training set
+    of more than `gadei.trainer.EVALUATE_SAMPLES` samples also within it (about once per that
+    many)."""
+    from .trainer import EVALUATE_SAMPLES
+
+    per_epoch = 1 + (int(samples) // EVALUATE_SAMPLES if samples > EVALUATE_SAMPLES else 0)
+    return train.patience + 1 < train.epochs * per_epoch
 
 
 DIVERGED = 3  # `gadei run`'s exit code when the training loss became NaN or infinite

@@ -196,3 +196,20 @@ def test_gadei_run_stops_on_patience_and_hands_back_the_best_model(procs, tmp_pa
     logs = (tmp_path / "out" / "logs" / "learner-1.log").read_text()
     epochs_1 = [json.loads(line)["epoch"] for line in logs.splitlines() if line.startswith('{"event": "epoch"')]
     assert max(epochs_1, default=0) < 12
+
+
+def test_the_eta_says_patience_may_stop_the_job_sooner_only_where_it_can():
+    """gadei run's ETA counts to the epoch cap; it adds "patience may stop it sooner" where
+    patience can (the first evaluation is always the best so far, so it takes patience + 1
+    evaluations, and one at the cap is no sooner), not for 3 epochs with patience 2 (the
+    TREC run with patience 1 says it: `test_gadei_run_stops_on_patience_and_hands_back_the_best_model`).
+    A training set above EVALUATE_SAMPLES is evaluated within its epochs too."""
+    from gadei import jobfile
+    from gadei.run import patience_may_stop
+    from gadei.trainer import EVALUATE_SAMPLES
+
+    assert patience_may_stop(jobfile.Train(epochs=12, patience=1), 5_000)
+    assert patience_may_stop(jobfile.Train(epochs=3, patience=1), 5_000)
+    assert not patience_may_stop(jobfile.Train(epochs=3, patience=2), 5_000)
+    assert not patience_may_stop(jobfile.Train(epochs=3, patience=5), 5_000)
+    assert patience_may_stop(jobfile.Train(epochs=2, patience=3), 3 * EVALUATE_SAMPLES + 1)  # 4 evaluations an epoch
