@@ -23,10 +23,14 @@ watchdog's end record (the job finished, was stopped, or failed: the server died
 a launched learner was given up, the server stopped the job as failed), the model the
 server wrote at its stop, and the evaluating learner's losses (not finite: diverged).
 
-result.json's "seconds" are this run's, from its owner's start; a resumed run's
-"seconds_in_all" add the runs it went on from, which `forget` carries over from their
-result.json before it removes it (`EARLIER`), and so does its "seconds_to_best", the chosen
-model's time: one time base for a job however many runs it took.
+One time base for a job however many runs it took: seconds since the job's start, the start
+of its first run (when its `gadei run` took the output folder, `Owner`), counting only the
+time its runs ran (`job_seconds`). result.json's "runs" are each run's start (wall clock) and
+seconds, "seconds" this run's, a resumed run's "seconds_in_all" all of them (`forget` carries
+the earlier runs over from their result.json before it removes it: `EARLIER`); its
+"seconds_to_best" (the chosen model's time), metrics.jsonl's "seconds_since_start" (each
+epoch's evaluation) and accuracy.png's time axis are in that base, and so is `gadei run`'s
+last line (`gadei.run.report`).
 """
 
 import fcntl
@@ -43,7 +47,7 @@ from .protocol import Deadline
 
 LOCK = "logs/run.lock"  # held by the run's owner (`gadei run`) and by whoever writes the outputs
 END = "logs/watchdog-end.json"  # the watchdog's record of how the job ended
-EARLIER = "logs/earlier-runs.json"  # a resumed run's record of the seconds of the runs it goes on from
+EARLIER = "logs/earlier-runs.json"  # a resumed run's record of the runs it goes on from (start, seconds)
 DONE, STOPPED, FAILED, DIVERGED = "done", "stopped", "failed", "diverged"
 OUTCOMES = (DONE, STOPPED, FAILED, DIVERGED)
 _RUN_FILES = ("result.json", "metrics.jsonl", "accuracy.png", "watchdog-end.json")
@@ -85,19 +89,17 @@ def read_ending(out: Path) -> Ending | None:
 def forget(out: Path, resume: bool = False) -> None:
     """Before a run (or a resumed one) starts: the outputs and end record of the run before it
     are not this one's, nor its TensorBoard event files unless this run resumes it. A resumed
-    run keeps the seconds of the runs it goes on from (`EARLIER`, from their result.json's
-    `seconds_in_all` or `seconds`), for its own result.json's `seconds_in_all`, and their
-    chosen model's `seconds_to_best` (in that time base) with its epoch and version, for its
-    own when it hands back the same model; where the run before it left no result.json (it
-    was killed), they are unknown and nothing is kept."""
-    earlier = _earlier_record(read_result(out)) if resume else None
+    run keeps the runs it goes on from (`EARLIER`: their starts and seconds, from their
+    result.json's "runs"), the job's time base; where the run before it left no result.json
+    (it was killed), they are unknown, and so is the job's time base for this run."""
+    earlier = _valid_runs((read_result(out) or {}).get("runs")) if resume else None
     try:
         (out / EARLIER).unlink()
     except FileNotFoundError:
         pass
-    if earlier is not None:
+    if resume:
         (out / "logs").mkdir(parents=True, exist_ok=True)
-        _replace(out / EARLIER, json.dumps(earlier) + "\n")
+        _replace(out / EARLIER, json.dumps({"runs": earlier}) + "\n")
     if not resume:  # a resumed run's TensorBoard curves go on from those of the runs before it
         board.forget(out)
     for name in _RUN_FILES:
@@ -157,47 +159,41 @@ def started(out: Path) -> float | None:
         return None
 
 
-def _seconds_in_all(result: dict | None) -> float | None:
-    """A result.json's seconds counting the runs it resumed (None where unknown)."""
-    if not result:
+def _valid_runs(runs) -> list[dict] | None:
+    """result.json's "runs" as a list of {"started", "seconds"}; None where it is not one."""
+    if not isinstance(runs, list) or not runs:
         return None
-    seconds = result.get("seconds_in_all", result.get("seconds"))
-    return seconds if isinstance(seconds, (int, float)) else None
-
-
-def _earlier_record(result: dict | None) -> dict | None:
-    """What a resumed run keeps of the runs before it (`EARLIER`), from their result.json:
-    their seconds and, where it has one, their chosen model's time; None where unknown."""
-    seconds = _seconds_in_all(result)
-    if seconds is None:
+    if not all(isinstance(r, dict) and all(isinstance(r.get(k), (int, float)) for k in ("started", "seconds"))
+               for r in runs):
         return None
-    record: dict = {"seconds": seconds}
-    best = {key: result[key] for key in ("epoch", "version", "seconds_to_best") if key in result}
-    if len(best) == 3:
-        record["best"] = best
-    return record
+    return [{"started": r["started"], "seconds": r["seconds"]} for r in runs]
 
 
-def _earlier(out: Path) -> dict:
-    """The record `forget` kept for a resumed run ({} for a run that resumed none, or whose
-    earlier runs' time is unknown)."""
+def _earlier_runs(out: Path) -> list[dict] | None:
+    """The runs this run goes on from (`EARLIER`): [] for a run that resumed none, None where
+    they are unknown (a run before it was killed before writing its result.json)."""
     try:
         record = json.loads((out / EARLIER).read_text())
-        return record if isinstance(record, dict) and isinstance(record.get("seconds"), (int, float)) else {}
-    except (FileNotFoundError, ValueError):
-        return {}
+    except FileNotFoundError:
+        return []
+    except ValueError:
+        return None
+    return _valid_runs(record.get("runs")) if isinstance(record, dict) else None
 
 
-def _read_earlier(out: Path) -> float | None:
-    return _earlier(out).get("seconds")
-
-
-def earlier_seconds(result: dict) -> float | None:
-    """The seconds of the runs a resumed run went on from, from its result.json; None for a run
-    that resumed none, or whose earlier runs' time is unknown."""
-    if isinstance(result.get("seconds_in_all"), (int, float)) and isinstance(result.get("seconds"), (int, float)):
-        return result["seconds_in_all"] - result["seconds"]
-    return None
+def job_seconds(at, runs: list[dict] | None) -> float | None:
+    """Seconds since the job's start at the wall clock `at`, in the job's time base: the
+    seconds of the runs (`runs`, result.json's, in order) before the one `at` fell in, plus
+    those from that run's start to `at`. None where unknown: no runs, no `at`, or an `at`
+    before the first run (a selection older than the evaluations' times gives 0)."""
+    if not runs or not isinstance(at, (int, float)):
+        return None
+    took, base = None, 0.0
+    for run in runs:
+        if at >= run["started"]:
+            took = round(base + at - run["started"], 1)
+        base += run["seconds"]
+    return took
 
 
 def read_result(out: Path) -> dict | None:
@@ -283,25 +279,31 @@ def outcome(job: jobfile.Job, metrics: list[dict], ending: Ending | None, interr
 
 def _write(job: jobfile.Job, interrupted: bool, note: str, bridge: dict | None, since: float | None) -> dict:
     out = job.output
-    metrics = write_metrics(out)
-    if metrics:
-        plot(metrics, out / "accuracy.png", job.name, since)
+    earlier = _earlier_runs(out)
+    # the job's runs (this one's seconds are known at its end: nothing comes after it)
+    runs = earlier + [{"started": since, "seconds": 0.0}] if since and earlier is not None else None
+    metrics = write_metrics(out, runs)
     ending = read_ending(out)
     kind, reason = outcome(job, metrics, ending, interrupted, note)
     result = {"job": job.name, "outcome": kind, "finished": kind == DONE, "reason": reason}
     if (out / "model.pt").exists() and kind in (DONE, STOPPED):
-        result.update(chosen(job, kind, since))
+        result.update(chosen(job, kind, runs))
         if result["stopped"] == "patience":
             from .selection import ran_out
 
             result["reason"] = ran_out(job.train.patience)
+    if metrics:
+        plot(metrics, out / "accuracy.png", job.name,
+             (result["epoch"], result.get("seconds_to_best")) if "epoch" in result else None)
     if (out / "model.pt").exists():
         result.update(evaluate(job))
     seconds = round(time.time() - since, 1) if since else None
     result["seconds"] = seconds
-    earlier = _read_earlier(out)
-    if seconds is not None and earlier is not None:
-        result["seconds_in_all"] = round(seconds + earlier, 1)
+    if runs is not None:
+        runs[-1]["seconds"] = seconds
+        result["runs"] = runs
+        if earlier:
+            result["seconds_in_all"] = round(sum(run["seconds"] for run in runs), 1)
     result.update({"learners": job.train.learners, "epochs": job.train.epochs, "patience": job.train.patience,
                    "written_by": os.getpid()})
     if bridge is not None:
@@ -310,12 +312,12 @@ def _write(job: jobfile.Job, interrupted: bool, note: str, bridge: dict | None, 
     return result
 
 
-def chosen(job: jobfile.Job, kind: str, since: float | None = None) -> dict:
+def chosen(job: jobfile.Job, kind: str, runs: list[dict] | None = None) -> dict:
     """Hand back the model chosen on the validation set: model.pt becomes checkpoints/best.pt
     (learner 0's best evaluation, `gadei.selection`) in place of the weights the job ended
     with, and result.json's fields say which evaluation it is (epoch, version, validation
-    accuracy and loss, and `seconds_to_best`: how long after `since`, the run's start, it was
-    made, counting the runs a resumed run went on from, `best_seconds`) and why training stopped: "patience" (the validation accuracy stopped
+    accuracy and loss, and `seconds_to_best`: when it was made, in the job's time base of its
+    `runs`, `job_seconds`) and why training stopped: "patience" (the validation accuracy stopped
     improving), "cap" (the [train] epochs ran out) or "cancelled" (the job was stopped before
     either). A run without a selection (a bridged node's: the nodes' model is the one their
     bridge agreed on) keeps its last weights and says only why it stopped. Safe to repeat: a
@@ -335,35 +337,11 @@ def chosen(job: jobfile.Job, kind: str, since: float | None = None) -> dict:
     best = state.get("best") or {}
     fields.update({key: best[key] for key in ("epoch", "version", "validation_accuracy", "validation_loss")
                    if key in best})
-    took = best_seconds(best, since, _earlier(job.output))
+    took = job_seconds(best.get("at"), runs)
     if took is not None:
         fields["seconds_to_best"] = took
     fields["evaluations"] = state.get("evaluations", 0)
     return fields
-
-
-def best_seconds(best: dict, since: float | None, earlier: dict) -> float | None:
-    """The chosen evaluation `best` (best.json's record)'s time in result.json's
-    `seconds_in_all` base: the seconds of the runs this one resumed (`earlier`, `EARLIER`'s
-    record; none for a run that resumed none) plus those from this run's start `since` to it;
-    for one made before this run started, the time the run that made it gave it (the same
-    epoch and version). None where unknown."""
-    took = seconds_after(since, best.get("at"))
-    if took is not None:
-        return round(took + earlier.get("seconds", 0.0), 1)
-    before = earlier.get("best") or {}
-    if since and (before.get("epoch"), before.get("version")) == (best.get("epoch"), best.get("version")):
-        return before.get("seconds_to_best")
-    return None
-
-
-def seconds_after(since: float | None, at) -> float | None:
-    """Seconds from a run's start `since` to an evaluation made at `at` (both wall clock); None
-    where either is unknown, or the evaluation was made before the run started (a resumed
-    run's start comes after the evaluations of the runs before it)."""
-    if not since or not isinstance(at, (int, float)) or at < since:
-        return None
-    return round(at - since, 1)
 
 
 def evaluate(job: jobfile.Job) -> dict:
@@ -411,47 +389,56 @@ def last_epoch(out: Path) -> dict:
     return records[-1] if records else {}
 
 
-def write_metrics(out: Path) -> list[dict]:
+def write_metrics(out: Path, runs: list[dict] | None = None) -> list[dict]:
     """metrics.jsonl: per epoch of the evaluating learner (a restarted one's epochs replace the
     lost ones; its catch-up record of the epoch it went on after, "restarted", is kept only
-    where the epoch has no record of its own: its last run was killed before writing it)."""
+    where the epoch has no record of its own: its last run was killed before writing it), each
+    with `seconds_since_start`, when its evaluation was made in the job's time base (`runs`,
+    `job_seconds`; absent where unknown)."""
     by_epoch: dict[int, dict] = {}
     for record in epoch_records(out):
         if record.get("restarted") and record["epoch"] in by_epoch:
             continue
         by_epoch[record["epoch"]] = {k: v for k, v in record.items() if k not in ("event", "job", "learner")}
     metrics = [by_epoch[e] for e in sorted(by_epoch)]
+    for record in metrics:
+        took = job_seconds(record.get("evaluated_at"), runs)
+        if took is not None:
+            record["seconds_since_start"] = took
     _replace(out / "metrics.jsonl", "".join(json.dumps(record) + "\n" for record in metrics))
     return metrics
 
 
-def plot(metrics: list[dict], path: Path, title: str, since: float | None = None) -> None:
+def plot(metrics: list[dict], path: Path, title: str, chosen: tuple | None = None) -> None:
     """accuracy.png (`figure`), written whole or not at all."""
-    fig = figure(metrics, title, since)
+    fig = figure(metrics, title, chosen)
     import matplotlib.pyplot as plt  # on the backend `figure` chose
 
     _replace_with(path, lambda tmp: fig.savefig(tmp, dpi=100, format="png"))
     plt.close(fig)
 
 
-def figure(metrics: list[dict], title: str, since: float | None = None):
+def figure(metrics: list[dict], title: str, chosen: tuple | None = None):
     """accuracy.png's figure: validation and test accuracy against epochs and against seconds
-    since the run's start `since` (the time base of result.json's `seconds_to_best`: when each
-    epoch's evaluation was made; without `since`, or for records older than `evaluated_at`,
-    the epochs' training seconds added up), the chosen (best validation) epoch marked; and,
-    where the records carry them, a second row against epochs: the evaluating learner's
-    samples/s, and the staleness of the job's applied gradients (the epoch's mean, the
-    largest so far)."""
+    since the job's start (metrics.jsonl's `seconds_since_start`, the time base of result.json's
+    `seconds_to_best`; where no record has it, the epochs' training seconds added up), the
+    chosen model marked: `chosen`, result.json's (epoch, seconds_to_best), else the last epoch
+    whose model was the best so far; and, where the records carry them, a second row against
+    epochs: the evaluating learner's samples/s, and the staleness of the job's applied
+    gradients (the epoch's mean, the largest so far)."""
     import matplotlib
 
     matplotlib.use("Agg")  # no screen
     import matplotlib.pyplot as plt
 
+    since_start = any("seconds_since_start" in m for m in metrics)
     seconds, total = {}, 0.0
     for m in metrics:
         total += m.get("epoch_seconds", 0.0)
-        took = seconds_after(since, m.get("evaluated_at"))
-        seconds[m["epoch"]] = took if took is not None else total
+        if not since_start:
+            seconds[m["epoch"]] = total
+        elif "seconds_since_start" in m:  # unknown for the records of a run whose time is unknown
+            seconds[m["epoch"]] = m["seconds_since_start"]
     pace = any(key in m for m in metrics for key in ("samples_per_s", "staleness_mean", "staleness_max"))
     fig, axes = plt.subplots(2 if pace else 1, 2, figsize=(10, 7 if pace else 4), squeeze=False)
     by_epoch, by_time = axes[0]
@@ -461,15 +448,21 @@ def figure(metrics: list[dict], title: str, since: float | None = None):
         if not points:
             continue
         by_epoch.plot([e for e, _ in points], [a for _, a in points], marker="o", label=label)
-        by_time.plot([seconds[e] for e, _ in points], [a for _, a in points], marker="o", label=label)
-    best = [m for m in metrics if m.get("best")]
-    if best:
-        epoch = best[-1]["epoch"]
-        by_epoch.axvline(epoch, color="grey", linestyle="--", label=f"chosen: epoch {epoch}")
-        by_time.axvline(seconds[epoch], color="grey", linestyle="--")
+        timed = [(seconds[e], a) for e, a in points if e in seconds]
+        by_time.plot([t for t, _ in timed], [a for _, a in timed], marker="o", label=label)
+    if chosen is None:
+        best = [m for m in metrics if m.get("best")]
+        chosen = (best[-1]["epoch"], seconds.get(best[-1]["epoch"])) if best else None
+    elif not since_start:  # the time axis is the epochs' training seconds: the chosen epoch's
+        chosen = (chosen[0], seconds.get(chosen[0]))
+    if chosen is not None:
+        epoch, at = chosen
+        by_epoch.axvline(epoch, color="grey", linestyle="--", label=f"chosen: epoch {epoch:g}")
+        if at is not None:
+            by_time.axvline(at, color="grey", linestyle="--")
     by_epoch.set_xlabel("epoch")
     by_epoch.set_ylabel("accuracy (%)")
-    by_time.set_xlabel("seconds since the run's start" if since else "seconds of training")
+    by_time.set_xlabel("seconds since the job's start" if since_start else "seconds of training")
     if any("validation_accuracy" in m or "test_accuracy" in m for m in metrics):
         by_epoch.legend(loc="lower right")
     if pace:

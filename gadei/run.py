@@ -15,13 +15,15 @@ checkpoint (docs/fault-tolerance.md). The output folder gets:
                     chose model.pt (epoch, version, validation accuracy and loss), its test accuracy
                     (evaluated on the whole test set at the end), why training stopped (patience,
                     cap, cancelled), its seconds (a resumed run's also with the runs it resumed,
-                    where they are known); written by whoever sees the job end
+                    where they are known) and the chosen model's, since the job's start (one
+                    time base: `gadei.outputs`); written by whoever sees the job end
                     (`gadei.outputs.conclude`)
     metrics.jsonl   one JSON line per epoch of learner 0: loss, train accuracy (its own mini-batches,
                     with dropout, as it trained), validation loss and accuracy, test accuracy,
-                    samples/s, seconds, and the staleness of the job's gradients (mean over the
-                    epoch, max so far)
-    accuracy.png    validation and test accuracy against epochs and against time, the chosen epoch
+                    samples/s, seconds (the epoch's, and since the job's start to its evaluation),
+                    and the staleness of the job's gradients (mean over the epoch, max so far)
+    accuracy.png    validation and test accuracy against epochs and against seconds since the
+                    job's start, the chosen model
     checkpoints/    crash-safe checkpoints, the last `keep`; best.pt and best.json, the model
                     selection (gadei.selection)
     logs/           the server's and watchdog's log (serve.log) and each learner's
@@ -334,11 +336,14 @@ def _lines(path: Path) -> list[str]:
 
 def report(job: jobfile.Job, result: dict, elapsed: float, by: str = RUN) -> int:
     """Print the job's outcome (result.json, whoever wrote it); `gadei run`'s exit code. `by`:
-    the command that started the job, which a stopped run's line names to go on with it."""
+    the command that started the job, which a stopped run's line names to go on with it;
+    `elapsed`: this run's seconds, said only where result.json has none."""
     out = job.output
     accuracy = f", test accuracy {result['test_accuracy']:.2%}" if "test_accuracy" in result else ""
-    earlier = outputs.earlier_seconds(result)
-    took = f"{elapsed:.0f} s" + (f" ({elapsed + earlier:.0f} s with the runs it resumed)" if earlier is not None else "")
+    # result.json's seconds, the job's time base (`gadei.outputs`): as "reached after" counts
+    seconds = result["seconds"] if isinstance(result.get("seconds"), (int, float)) else elapsed
+    took = f"{seconds:.0f} s" + (f" ({result['seconds_in_all']:.0f} s with the runs it resumed)"
+                                 if isinstance(result.get("seconds_in_all"), (int, float)) else "")
     kind = result.get("outcome")
     if kind == outputs.DIVERGED:
         print(f"gadei run: job {job.name}: {result['reason']}; its outputs and logs are in {out}", file=sys.stderr,
@@ -348,17 +353,21 @@ def report(job: jobfile.Job, result: dict, elapsed: float, by: str = RUN) -> int
         print(f"gadei run: job {job.name} failed: {result['reason']}; see {out / 'logs'}", file=sys.stderr,
               flush=True)
         return 1
+    # the chosen model (`gadei.outputs.chosen`): its time in the job's time base too
+    best = (f"epoch {result['epoch']:g} (validation accuracy {result['validation_accuracy']:.2%}"
+            + (f", reached after {result['seconds_to_best']:.0f} s" if "seconds_to_best" in result else "") + ")"
+            if "epoch" in result else "")
     if kind == outputs.STOPPED:
         last = outputs.last_epoch(out)
-        weights = f"its weights so far are in {out / 'model.pt'}" if (out / "model.pt").exists() else \
-            "before it wrote a model"
+        if not (out / "model.pt").exists():
+            model = "before it wrote a model"
+        else:
+            model = (f"the model chosen so far, {best}, is in" if best else "its weights so far are in") + \
+                f" {out / 'model.pt'}"
         print(f"gadei run: job {job.name} stopped after {took} (epoch {last.get('epoch', 0)} of "
-              f"{job.train.epochs}{accuracy}); {weights}; {_again(job, by)}", flush=True)
+              f"{job.train.epochs}{accuracy}); {model}; {_again(job, by)}", flush=True)
         return 130  # as a shell reports a Ctrl-C'd command
-    chose = (f", stopped by {result['stopped']}" if "stopped" in result else "") + (
-        f", chose epoch {result['epoch']:g} (validation accuracy {result['validation_accuracy']:.2%}"
-        + (f", reached after {result['seconds_to_best']:.0f} s" if "seconds_to_best" in result else "") + ")"
-        if "epoch" in result else "")
+    chose = (f", stopped by {result['stopped']}" if "stopped" in result else "") + (f", chose {best}" if best else "")
     print(f"gadei run: job {job.name} done in {took}{chose}{accuracy}; model {out / 'model.pt'}", flush=True)
     return 0
 
@@ -598,7 +607,8 @@ def _follow(run: JobRun, train_size: float, started: float, quiet: bool, label: 
 
     total = job.train.epochs * train_size
     # patience may end training before the epoch cap, which the ETA counts to: say so
-    cap = " at the epoch cap (patience may stop it sooner)" if run.prepared.validation is not None and not label else ""
+    sooner = run.prepared.validation is not None and not label and patience_may_stop(job.train, train_size)
+    cap = " at the epoch cap (patience may stop it sooner)" if sooner else ""
     before = None  # (monotonic seconds, version) of the last line
     width = 0
     next_line = time.monotonic() + 2.0
@@ -647,6 +657,18 @@ def _follow(run: JobRun, train_size: float, started: float, quiet: bool, label: 
             print(line, flush=True)
     if overwrite:
         print(flush=True)
+
+
+def patience_may_stop(train: jobfile.Train, samples: float) -> bool:
+    """Whether patience can end a validated job's training before its epoch cap: it needs
+    `patience` evaluations without improvement after the first (always the best so far), and
+    one at the cap's end is no sooner. A job evaluates after each epoch, and a training set
+    of more than `gadei.trainer.EVALUATE_SAMPLES` samples also within it (about once per that
+    many)."""
+    from .trainer import EVALUATE_SAMPLES
+
+    per_epoch = 1 + (int(samples) // EVALUATE_SAMPLES if samples > EVALUATE_SAMPLES else 0)
+    return train.patience + 1 < train.epochs * per_epoch
 
 
 DIVERGED = 3  # `gadei run`'s exit code when the training loss became NaN or infinite

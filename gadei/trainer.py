@@ -97,6 +97,7 @@ def run(args) -> int:
             if args.eval:
                 # the chooser's model holds `weights` already; the test set only reports, never chooses
                 record["test_accuracy"] = workload.evaluate(chooser.eval_model if chooser else model, test)
+                record.setdefault("evaluated_at", time.time())  # without a validation set: the test set's
             model.train()
             _report(args, record)
             if chooser is not None:
@@ -125,6 +126,7 @@ def _catch_up(args, learner, chooser, workload, model, test, epoch: int) -> None
         if chooser is not None:
             chooser.eval_model.load_state_dict(weights)  # a copy: the shared weights move while it evaluates
         record["test_accuracy"] = workload.evaluate(chooser.eval_model if chooser else model, test)
+        record.setdefault("evaluated_at", time.time())
     model.train()
     _report(args, record)
 

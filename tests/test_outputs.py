@@ -3,64 +3,132 @@ resumed run's time; what accuracy.png shows."""
 
 import json
 import os
-import re
 import signal
 import time
 
+import pytest
+
 from gadei import jobfile, outputs
-from helpers import blobs_job, communicate, end_jobs, finish, job_version, unique_name, wait_for
+from helpers import blobs_job, communicate, end_jobs, finish, unique_name, wait_for
 
 
+def test_the_chosen_models_time_is_one_figure_in_every_place_a_user_reads_it(tmp_path, procs):
+    """One run to its end: result.json's seconds_to_best, metrics.jsonl's seconds since the
+    job's start of the chosen epoch, accuracy.png's chosen line and time axis, and the last
+    line's "reached after" are one figure, and "done in" is result.json's seconds (once
+    accuracy.png said 5.9 s, result.json 9.8 s and the last line 10 s: three time bases).
+    The same for a resumed run: `test_a_resumed_run_says_its_seconds_with_the_runs_it_resumed`."""
+    name = unique_name("once")
+    path = blobs_job(tmp_path, name, train={"learners": 1, "epochs": 3, "patience": 3, "lr": 0.05, "batch": 8})
+    try:
+        launched = time.time()
+        said, _ = finish(procs.gadei("run", path, "--quiet"), 300)
+    finally:
+        end_jobs(name)
+    result = json.loads((tmp_path / "out" / "result.json").read_text())
+    assert result["finished"] and "seconds_in_all" not in result, result
+    assert f"done in {result['seconds']:.0f} s, stopped by cap, chose epoch" in said, said
+    _one_time_base(tmp_path / "out", said, tmp_path / "again.png", launched, before=0.0)
+
+
+@pytest.mark.long  # two runs of the job, one stopped and one resumed: half a minute on 2 cores
 def test_a_resumed_run_says_its_seconds_with_the_runs_it_resumed(tmp_path, procs):
     """result.json's `seconds` is this run's; `seconds_in_all` adds the runs it resumed (from
     the stopped run's result.json, which the resumed run replaces), and the last line says both
-    (once it said only the resumed part, as if the job had taken that long)."""
+    (once it said only the resumed part, as if the job had taken that long). The chosen model's
+    time is one figure in one time base, seconds since the job's start, in result.json,
+    metrics.jsonl, accuracy.png and the last line, for the stopped run and the resumed one
+    (`_one_time_base`; once accuracy.png put the resumed run's epochs at seconds since its own
+    start, and the first run's at their training seconds added up)."""
     name = unique_name("goon")
     path = blobs_job(tmp_path, name, train={"learners": 1, "epochs": 12, "patience": 12, "lr": 0.05},
                      checkpoint={"interval": 1})
     out = tmp_path / "out"
     try:
+        launched = time.time()
         run = procs.gadei("run", path, "--quiet")
-        wait_for(lambda: job_version(name) >= 300, 180, "the job to make 300 updates", interval=0.05)
+        wait_for(lambda: outputs.epoch_records(out), 180, "the job's first epoch", interval=0.05)
         run.send_signal(signal.SIGTERM)  # `gadei cancel`'s path: checkpoint the progress, then stop
         said, err = communicate(run, 120)
         assert run.returncode == 130 and "stopped after" in said and "with the runs it resumed" not in said, said + err
         stopped = json.loads((out / "result.json").read_text())
         assert stopped["seconds"] > 0 and "seconds_in_all" not in stopped, stopped
+        first = _one_time_base(out, said, tmp_path / "again.png", launched, before=0.0)
+        assert f"stopped after {stopped['seconds']:.0f} s" in said, said
 
+        launched = time.time()
         said, _ = finish(procs.gadei("run", path, "--resume", "--quiet"), 300)
         result = json.loads((out / "result.json").read_text())
         assert result["finished"] and result["seconds_in_all"] == round(stopped["seconds"] + result["seconds"], 1)
-        took = re.search(r"done in (\d+) s \((\d+) s with the runs it resumed\)", said)
-        assert took, said
-        assert abs(int(took[2]) - int(took[1]) - stopped["seconds"]) <= 1, (said, stopped)
+        assert f"done in {result['seconds']:.0f} s ({result['seconds_in_all']:.0f} s with the runs it resumed)" \
+            in said, said
         # the chosen model's time in the same base: the stopped run's, or after its seconds
-        if result["version"] == stopped.get("version"):
+        if result["version"] == stopped["version"]:
             assert result["seconds_to_best"] == stopped["seconds_to_best"], (result, stopped)
         else:
             assert result["seconds_to_best"] >= stopped["seconds"], (result, stopped)
-        assert f"reached after {result['seconds_to_best']:.0f} s" in said, said
+        both = _one_time_base(out, said, tmp_path / "again.png", launched, before=stopped["seconds"])
+        # the stopped run's epochs keep their times; the resumed run's go on after them
+        assert all(both[at] == took for at, took in first.items() if at in both), (first, both)
+        assert set(both) - set(first), both
         # a real run's records carry samples/s and staleness: accuracy.png has their row too
         assert _png_shape(out / "accuracy.png")[:2] == (700, 1000)
     finally:
         end_jobs(name)
 
 
+def _one_time_base(out, said: str, again, launched: float, before: float) -> dict:
+    """The chosen model's time where a user reads it, in one time base (seconds since the job's
+    start: the runs before this one, `before` seconds, then from this run's start, which came
+    after this test's clock read `launched`): result.json's seconds_to_best, metrics.jsonl's
+    seconds_since_start of its epoch, accuracy.png's (the figure of those records with the
+    chosen model at that time: drawn again into `again`, it is the same picture) and the last
+    line's "reached after" (rounded as it prints). Each epoch's seconds since the start, by its
+    evaluation's wall clock."""
+    result = json.loads((out / "result.json").read_text())
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    took = result["seconds_to_best"]
+    assert [m["seconds_since_start"] for m in metrics if m["epoch"] == result["epoch"]] == [took], (result, metrics)
+    assert f"(validation accuracy {result['validation_accuracy']:.2%}, reached after {took:.0f} s)" in said, said
+    times = [m["seconds_since_start"] for m in metrics]
+    # accuracy.png: the figure whose time axis is those seconds, its chosen line at `took`
+    import matplotlib.pyplot as plt
+
+    fig = outputs.figure(metrics, result["job"], (result["epoch"], took))
+    by_time = fig.axes[1]
+    assert by_time.get_xlabel() == "seconds since the job's start"
+    drawn = [list(line.get_xdata()) for line in by_time.lines]
+    assert drawn == [times, times, [took, took]], (drawn, times, took)  # validation, test, the chosen line
+    plt.close(fig)
+    outputs.plot(metrics, again, result["job"], (result["epoch"], took))
+    assert again.read_bytes() == (out / "accuracy.png").read_bytes()
+    # the time base: the job's start, counting the runs before this one; each epoch after the one before
+    assert times == sorted(set(times)) and 0 <= times[0] and times[-1] <= result.get("seconds_in_all",
+                                                                                     result["seconds"]), metrics
+    assert result["runs"][-1]["seconds"] == result["seconds"] and result["runs"][-1]["started"] >= launched, result
+    for m in metrics:
+        if m["evaluated_at"] >= result["runs"][-1]["started"]:  # this run's: after the runs before it
+            assert before <= m["seconds_since_start"] <= before + m["evaluated_at"] - launched + 0.1, (before, m)
+    return {m["evaluated_at"]: m["seconds_since_start"] for m in metrics}
+
+
 def test_a_run_resumed_after_a_kill_that_left_no_result_says_nothing_of_the_time_before(tmp_path):
-    """A run killed before any process wrote its result.json leaves its time unknown: the
+    """A run killed before any process wrote its result.json leaves the job's runs unknown: the
     resumed run keeps none (rather than the older runs' time, which would undercount), and
     neither does a run that is not resumed."""
     out = tmp_path / "out"
     (out / "logs").mkdir(parents=True)
-    (out / "result.json").write_text(json.dumps({"seconds": 30.0, "seconds_in_all": 50.0}))
+    runs = [{"started": 1000.0, "seconds": 20.0}, {"started": 2000.0, "seconds": 30.0}]
+    (out / "result.json").write_text(json.dumps({"seconds": 30.0, "seconds_in_all": 50.0, "runs": runs}))
     outputs.forget(out, resume=True)
-    assert json.loads((out / outputs.EARLIER).read_text()) == {"seconds": 50.0}
+    assert json.loads((out / outputs.EARLIER).read_text()) == {"runs": runs}
     assert not (out / "result.json").exists()
     outputs.forget(out, resume=True)  # the resumed run was killed: no result.json of it
-    assert not (out / outputs.EARLIER).exists()
-    (out / "result.json").write_text(json.dumps({"seconds": 30.0}))
+    assert json.loads((out / outputs.EARLIER).read_text()) == {"runs": None}
+    assert outputs.job_seconds(2010.0, outputs._earlier_runs(out)) is None
+    (out / "result.json").write_text(json.dumps({"seconds": 30.0, "runs": runs[:1]}))
     outputs.forget(out)
-    assert not (out / outputs.EARLIER).exists()
+    assert not (out / outputs.EARLIER).exists() and outputs._earlier_runs(out) == []
 
 
 def test_conclude_records_the_end_leaves_the_outputs_to_a_live_owner_and_writes_them_once(tmp_path):
@@ -92,10 +160,11 @@ def test_conclude_records_the_end_leaves_the_outputs_to_a_live_owner_and_writes_
 
 
 def test_a_resumed_runs_chosen_model_counts_the_seconds_of_the_runs_it_resumed(tmp_path):
-    """result.json's seconds_to_best is in the time base of its seconds_in_all: a resumed run
-    counts the seconds of the runs before it, for a best it made itself and for one a run
-    before it made (as that run gave it). Once it counted from the resumed run's start (12 s
-    for a model made 62 s into the job), and said nothing of a best made before it."""
+    """result.json's seconds_to_best is in the job's time base, that of its seconds_in_all and
+    of metrics.jsonl's seconds_since_start: a resumed run counts the seconds of the runs
+    before it, for a best it made itself and for one a run before it made (as that run gave
+    it). Once it counted from the resumed run's start (12 s for a model made 62 s into the
+    job), and said nothing of a best made before it."""
     import torch
 
     from gadei import jobfile, selection
@@ -108,20 +177,26 @@ def test_a_resumed_runs_chosen_model_counts_the_seconds_of_the_runs_it_resumed(t
     E = selection.Evaluation
     kept.offer(E(1, 10, 0.7, 0.9, at=1000.0), {"weight": torch.full((3,), 1.0)})
     kept.offer(E(2, 20, 0.8, 0.8, at=1030.5), {"weight": torch.full((3,), 2.0)})
-    first = outputs.chosen(job, outputs.STOPPED, since=990.0)  # the first run: 990 to 1040
+    first = outputs.chosen(job, outputs.STOPPED, [{"started": 990.0, "seconds": 0.0}])  # the first run: 990 to 1040
     assert first["seconds_to_best"] == 40.5
-    (out / "result.json").write_text(json.dumps({**first, "outcome": outputs.STOPPED, "seconds": 50.0}))
+    runs = [{"started": 990.0, "seconds": 50.0}]
+    (out / "result.json").write_text(json.dumps({**first, "outcome": outputs.STOPPED, "seconds": 50.0, "runs": runs}))
     outputs.forget(out, resume=True)
+    runs = outputs._earlier_runs(out) + [{"started": 2000.0, "seconds": 0.0}]
     # resumed at 2000: the model chosen so far is the first run's, 40.5 s into the job
-    assert outputs.chosen(job, outputs.DONE, since=2000.0)["seconds_to_best"] == 40.5
+    assert outputs.chosen(job, outputs.DONE, runs)["seconds_to_best"] == 40.5
     kept.offer(E(3, 30, 0.9, 0.7, at=2012.0), {"weight": torch.full((3,), 3.0)})
     # a better one 12 s into the resumed run: 50 + 12 s into the job
-    resumed = outputs.chosen(job, outputs.DONE, since=2000.0)
+    resumed = outputs.chosen(job, outputs.DONE, runs)
     assert (resumed["epoch"], resumed["seconds_to_best"]) == (3, 62.0)
-    # resumed again (the second run took 30 s): its best, as the second run gave it
-    (out / "result.json").write_text(json.dumps({**resumed, "seconds": 30.0, "seconds_in_all": 80.0}))
+    # resumed again (the second run took 30 s): its best, as the second run gave it; one of
+    # the third run 5 s in, 85 s into the job
+    runs[-1]["seconds"] = 30.0
+    (out / "result.json").write_text(json.dumps({**resumed, "seconds": 30.0, "seconds_in_all": 80.0, "runs": runs}))
     outputs.forget(out, resume=True)
-    assert outputs.chosen(job, outputs.DONE, since=3000.0)["seconds_to_best"] == 62.0
+    runs = outputs._earlier_runs(out) + [{"started": 3000.0, "seconds": 0.0}]
+    assert outputs.chosen(job, outputs.DONE, runs)["seconds_to_best"] == 62.0
+    assert [outputs.job_seconds(at, runs) for at in (1000.0, 2012.0, 3005.0, 980.0)] == [10.0, 62.0, 85.0, None]
 
 
 def _png_shape(path) -> tuple:

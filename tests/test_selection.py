@@ -53,9 +53,9 @@ def test_a_best_model_newer_than_the_state_file_is_believed(tmp_path):
 
 
 def test_result_says_how_long_after_the_start_the_chosen_model_was_made(tmp_path):
-    """result.json's seconds_to_best: from the run's start to the evaluation that chose the
-    model handed back (the time to the final model); none for a best made before a resumed
-    run started, or kept by a selection older than the evaluations' times (read as before)."""
+    """result.json's seconds_to_best: from the job's start to the evaluation that chose the
+    model handed back (the time to the final model); none where the job's runs are unknown, or
+    for a best kept by a selection older than the evaluations' times (read as before)."""
     from gadei import jobfile, outputs
     from helpers import small_job
 
@@ -67,14 +67,15 @@ def test_result_says_how_long_after_the_start_the_chosen_model_was_made(tmp_path
     chosen.offer(E(1, 10, 0.7, 0.9, at=1000.0), _weights(1.0))
     chosen.offer(E(2, 20, 0.8, 0.8, at=1030.5), _weights(2.0))
     chosen.offer(E(3, 30, 0.7, 0.8, at=1060.0), _weights(3.0))
-    fields = outputs.chosen(job, outputs.DONE, since=990.0)
+    fields = outputs.chosen(job, outputs.DONE, [{"started": 990.0, "seconds": 0.0}])
     assert (fields["epoch"], fields["seconds_to_best"]) == (2, 40.5)
-    assert "seconds_to_best" not in outputs.chosen(job, outputs.DONE, since=1040.0)  # resumed after it
+    # resumed after it, the runs before unknown (killed before writing result.json)
+    assert "seconds_to_best" not in outputs.chosen(job, outputs.DONE, None)
     state = json.loads((folder / selection.BEST_STATE).read_text())
     del state["best"]["at"]
     (folder / selection.BEST_STATE).write_text(json.dumps(state))
     assert selection.Selection.open(folder, patience=3).best.epoch == 2
-    fields = outputs.chosen(job, outputs.DONE, since=990.0)
+    fields = outputs.chosen(job, outputs.DONE, [{"started": 990.0, "seconds": 0.0}])
     assert fields["epoch"] == 2 and "seconds_to_best" not in fields
 
 
@@ -195,3 +196,20 @@ def test_gadei_run_stops_on_patience_and_hands_back_the_best_model(procs, tmp_pa
     logs = (tmp_path / "out" / "logs" / "learner-1.log").read_text()
     epochs_1 = [json.loads(line)["epoch"] for line in logs.splitlines() if line.startswith('{"event": "epoch"')]
     assert max(epochs_1, default=0) < 12
+
+
+def test_the_eta_says_patience_may_stop_the_job_sooner_only_where_it_can():
+    """gadei run's ETA counts to the epoch cap; it adds "patience may stop it sooner" where
+    patience can (the first evaluation is always the best so far, so it takes patience + 1
+    evaluations, and one at the cap is no sooner), not for 3 epochs with patience 2 (the
+    TREC run with patience 1 says it: `test_gadei_run_stops_on_patience_and_hands_back_the_best_model`).
+    A training set above EVALUATE_SAMPLES is evaluated within its epochs too."""
+    from gadei import jobfile
+    from gadei.run import patience_may_stop
+    from gadei.trainer import EVALUATE_SAMPLES
+
+    assert patience_may_stop(jobfile.Train(epochs=12, patience=1), 5_000)
+    assert patience_may_stop(jobfile.Train(epochs=3, patience=1), 5_000)
+    assert not patience_may_stop(jobfile.Train(epochs=3, patience=2), 5_000)
+    assert not patience_may_stop(jobfile.Train(epochs=3, patience=5), 5_000)
+    assert patience_may_stop(jobfile.Train(epochs=2, patience=3), 3 * EVALUATE_SAMPLES + 1)  # 4 evaluations an epoch

@@ -96,12 +96,13 @@ def run_gadei(path: Path) -> dict:
 
 def _evaluations(out: Path) -> list[dict]:
     """Every validation evaluation of the run in `out`: its epoch, validation accuracy and the
-    seconds from the run's start to it (the selection's history, `gadei.selection`)."""
+    seconds since the job's start to it (the selection's history, `gadei.selection`, in the
+    time base of result.json's seconds_to_best: `gadei.outputs.job_seconds`)."""
     from .. import outputs, selection
 
-    since = outputs.started(out)
+    runs = (outputs.read_result(out) or {}).get("runs")
     history = (selection.read_state(out / "checkpoints") or {}).get("history", [])
-    timed = [(h, outputs.seconds_after(since, h.get("at"))) for h in history]
+    timed = [(h, outputs.job_seconds(h.get("at"), runs)) for h in history]
     return [{"epoch": h["epoch"], "validation_accuracy": h["validation_accuracy"], "seconds": seconds}
             for h, seconds in timed if seconds is not None]
 
