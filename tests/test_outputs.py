@@ -14,7 +14,7 @@ def test_a_resumed_run_says_its_seconds_with_the_runs_it_resumed(tmp_path, procs
     the stopped run's result.json, which the resumed run replaces), and the last line says both
     (once it said only the resumed part, as if the job had taken that long)."""
     name = unique_name("goon")
-    path = blobs_job(tmp_path, name, train={"learners": 1, "epochs": 12, "patience": 12, "lr": 0.05},
+    path = blobs_job(tmp_path, name, train={"learners": 1, "epochs": 6, "patience": 6, "lr": 0.05},
                      checkpoint={"interval": 1})
     out = tmp_path / "out"
     try:
