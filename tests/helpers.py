@@ -365,13 +365,15 @@ def push_known_gradients(job, procs, tmp_path, *, values=VALUES, pull="copy", pu
     server = procs.worker("serve", job, "--model", model, "--n", N, "--lr", LR, "--learners", len(values),
                           "--slots", slots, "--grad-dtype", grad_dtype, "--mode", mode,
                           *(["--row-sparse"] if row_sparse else []), "--dump", dump)
-    read_line(server, 60)
+    # the learners start beside their server, each waiting for its region: their imports of torch
+    # (a second of CPU each) overlap instead of following one another
     learners = [
         procs.worker("push", job, "--model", model, "--n", N, "--value", v, "--steps", STEPS, "--pull", pull,
                      "--push", push, *(["--device", devices[i]] if devices else []), *(["--vary"] if vary else []),
                      *(["--jitter", jitter * 100 + i] if jitter is not None else []))
         for i, v in enumerate(values)
     ]
+    read_line(server, 60)
     try:
         for learner in learners:
             read_line(learner, 60)  # attaching

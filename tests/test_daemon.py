@@ -18,11 +18,12 @@ import psutil
 import pytest
 
 from helpers import daemon_jobs as _jobs
-from helpers import (blobs, communicate, data_dir, finish, job_processes, job_text, job_version, missing, start_daemon, tiered,
-                     trec_job, wait_for)
+from helpers import (blobs, communicate, data_dir, finish, job_processes, job_text, job_version, learner_pids, missing,
+                     start_daemon, tiered, trec_job, wait_for)
 from gadei import checkpoint
 from gadei.daemon import request
-from gadei.region import inspect, remove
+from gadei.errors import GadeiError
+from gadei.region import Region, inspect, remove
 
 
 def _jobfile(folder, name, epochs, interval=2):
@@ -567,6 +568,15 @@ def test_status_and_logs_read_the_records_a_stopped_daemon_left(tmp_path, procs,
             remove(ran)
 
 
+def _attached(name: str) -> int:
+    """How many learners of job `name` are attached to its region now (0 without a region)."""
+    try:
+        with Region.attach(name, readonly=True) as region:
+            return len(learner_pids(region))
+    except GadeiError:
+        return 0
+
+
 def _status_and_logs_without_the_daemon(tmp_path, procs, daemon_env, prefix, ran, never):
     daemon = start_daemon(procs, daemon_env)
     finish(procs.gadei("submit", _jobfile(tmp_path, ran, epochs=50), env=daemon_env))
@@ -577,7 +587,9 @@ def _status_and_logs_without_the_daemon(tmp_path, procs, daemon_env, prefix, ran
     cancelled = f"job '{never}' was cancelled before it started: it never ran, so it has no logs"
     assert out.strip() == cancelled, out
     serve_log = tmp_path / f"out-{ran}" / "logs" / "serve.log"  # "running" is its gadei run; its server comes later
-    wait_for(lambda: inspect(ran) is not None and serve_log.exists(), 120, "the first job's server to start")
+    # and its learners later still: one cancelled while it starts (importing torch) has no server to see stop,
+    # and the job's end waits for the watchdog to kill it after its 30 s grace
+    wait_for(lambda: serve_log.exists() and _attached(ran) == 2, 120, "the first job's learners to attach")
     finish(procs.gadei("cancel", ran, env=daemon_env))
     wait_for(lambda: _jobs(procs, daemon_env)[ran]["pid"] == 0, 120, "the cancelled job to end")
     finish(procs.gadei("daemon", "stop", env=daemon_env))

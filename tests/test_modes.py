@@ -37,10 +37,17 @@ def _serve(procs, job, *args):
 
 
 def _learn(procs, job, *args):
-    learner = procs.worker("push", job, *args)
-    read_line(learner, 60)  # attaching
-    read_line(learner, 60)  # attached
-    return learner
+    return _learners(procs, job, args)[0]
+
+
+def _learners(procs, job, *argsets) -> list:
+    """Push workers, one per entry of `argsets`, started together (each import of torch, a second
+    of CPU, beside the others'), once each has attached; each worker's `learner_id` is its entry."""
+    learners = [procs.worker("push", job, *args) for args in argsets]
+    for learner in learners:
+        read_line(learner, 60)  # attaching
+        learner.learner_id = read_line(learner, 60)["attached"]
+    return learners
 
 
 def _stop(server):
@@ -80,12 +87,14 @@ def _stop(server):
     ]),
 )
 def test_every_mode_and_transport_trains_stops_and_counts(job, procs, mode, options, transports):
-    server = _serve(procs, job, "--model", "table", "--n", N, "--mode", mode, "--learners", 2, "--lr", "0.001",
-                    *options)
+    # the learners start beside their server (each waits for its region): three imports of torch at once
+    server = procs.worker("serve", job, "--model", "table", "--n", N, "--mode", mode, "--learners", 2, "--lr", "0.001",
+                          *options)
     # both attached before either pushes: one learner alone would finish before the other came,
     # and nothing would be stale (each learner's gradients are on the weights of its last one)
-    learners = [_learn(procs, job, "--model", "table", "--n", N, "--value", v, "--steps", STEPS, "--wait-learners", 2,
-                       *transports) for v in (1, 2)]
+    learners = _learners(procs, job, *(("--model", "table", "--n", N, "--value", v, "--steps", STEPS, "--wait-learners", 2,
+                                        *transports) for v in (1, 2)))
+    read_line(server, 60)  # ready
     results = [read_line(l, 120) for l in learners]
     for learner in learners:
         finish(learner)
@@ -230,10 +239,10 @@ def test_sync_leaves_a_stalled_learner_out_and_takes_it_back(job, procs):
     alone, and once continued it rejoins; no round is corrupted: every round moves the weights
     by lr x the mean gradient (1.0), so they stay exactly 1 - lr x version."""
     server = _serve(procs, job, "--mode", "sync", "--learners", 2, "--drop-after", 1.0)
-    learners = [_learn(procs, job, "--steps", 10**9, "--wait-learners", 2) for _ in range(2)]
+    learners = _learners(procs, job, *[("--steps", 10**9, "--wait-learners", 2)] * 2)
     with Region.attach(job, readonly=True) as region:
         version = lambda: region.header.get("version")  # noqa: E731
-        stalled = region.entry(1).get
+        stalled = region.entry(learners[1].learner_id).get
         wait_for(lambda: version() > 20, 60, "rounds with both learners")
         learners[1].send_signal(signal.SIGSTOP)
         alone_from = version()
