@@ -102,8 +102,9 @@ def _one_time_base(out, said: str, again, launched: float, before: float) -> dic
     plt.close(fig)
     outputs.plot(metrics, again, result["job"], (result["epoch"], took))
     assert again.read_bytes() == (out / "accuracy.png").read_bytes()
-    # the time base: the job's start, counting the runs before this one; each epoch after the one before
-    assert times == sorted(set(times)) and 0 <= times[0] and times[-1] <= result.get("seconds_in_all",
+    # the time base: the job's start, counting the runs before this one; each epoch not before the
+    # one before (to 0.1 s: two quick epochs may share a figure)
+    assert times == sorted(times) and 0 <= times[0] and times[-1] <= result.get("seconds_in_all",
                                                                                      result["seconds"]), metrics
     assert result["runs"][-1]["seconds"] == result["seconds"] and result["runs"][-1]["started"] >= launched, result
     for m in metrics:

@@ -206,7 +206,8 @@ class Client:
         """The job's progress as it trains: one record per evaluated epoch (the keys of a
         metrics.jsonl line: epoch, loss, validation_accuracy, test_accuracy, samples_per_s,
         staleness_mean, ...), from its first epoch, until the job has ended (then every epoch
-        it wrote has been given). A job that is queued is waited for.
+        it wrote has been given); metrics.jsonl adds seconds_since_start to each once the job's
+        outputs are written. A job that is queued is waited for.
 
         Raises:
             JobTimeout: the job had not ended `timeout` seconds after the call (None: no limit).
