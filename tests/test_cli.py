@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from helpers import HERE, blobs_job, communicate, end_jobs, finish, read_line, unique_name, wait_for
+from gadei import GadeiError
 from gadei.region import inspect
 
 
@@ -522,6 +523,28 @@ def test_predict_answers_each_of_several_texts_on_a_line_of_its_own(procs, tmp_p
     assert exit.value.code == 2
     assert err.startswith("usage: gadei predict [-h] [--top N] RUN_DIR TEXT [TEXT ...]\n"), err
     assert "gadei predict: error: unrecognized arguments: --tpo 2" in err, err
+
+
+def test_predict_refuses_a_top_below_1_one_string_for_texts_and_a_folder_that_is_no_run(procs, tmp_path):
+    """`--top 0` printed nothing with exit 0 and `--top -1` a torch traceback; Python's
+    `predict(folder, "a text")` predicted each character of the text. Each is refused with one
+    line naming the value, as is a folder that is no run (it named only a missing job file)."""
+    from gadei.predict import predict
+
+    folder, _ = _run_folder(tmp_path)
+    runs = {top: procs.gadei("predict", folder, "how many birds", "--top", top) for top in (0, -1)}
+    runs["elsewhere"] = procs.gadei("predict", tmp_path / "elsewhere", "how many birds")
+    for case, run in runs.items():
+        out, err = communicate(run, 120)
+        assert run.returncode == 2 and out == "" and "Traceback" not in err, (case, out, err)
+        assert len(err.strip().splitlines()) == 1, (case, err)
+        assert ("is not a `gadei run` output folder: it holds no job.toml" if case == "elsewhere" else
+                f"gadei: error: top = {case}: the number of labels to give for each text, 1 or more") in err, err
+    with pytest.raises(GadeiError, match=r"texts = 'how many birds': give a list of texts, not one string"):
+        predict(str(folder), "how many birds")
+    with pytest.raises(GadeiError, match=r"texts: b'how' is bytes; give texts as strings"):
+        predict(str(folder), ["who", b"how"])
+    assert [len(best) for best in predict(str(folder), ("how many birds", "who"), top=1)] == [1, 1]
 
 
 def _tiny_job(tmp_path, name: str, extra: str = "") -> "os.PathLike":
