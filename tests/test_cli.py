@@ -547,6 +547,24 @@ def test_predict_refuses_a_top_below_1_one_string_for_texts_and_a_folder_that_is
     assert [len(best) for best in predict(str(folder), ("how many birds", "who"), top=1)] == [1, 1]
 
 
+def test_a_command_whose_reader_has_gone_stops_quietly():
+    """`gadei logs JOB | head -3` printed a BrokenPipeError traceback once head had its lines: a
+    command whose stdout is a pipe with no reader left stops with the shell's 141 (128 +
+    SIGPIPE) and nothing on stderr, as cat does."""
+    import subprocess
+
+    from gadei._proc import gadei_command
+
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the first line
+    try:
+        done = subprocess.run(gadei_command("daemon", "systemd-unit"), stdout=write, stderr=subprocess.PIPE,
+                              text=True, timeout=120)
+    finally:
+        os.close(write)
+    assert (done.returncode, done.stderr) == (141, ""), done.stderr
+
+
 def _tiny_job(tmp_path, name: str, extra: str = "") -> "os.PathLike":
     data = tmp_path / "tiny.csv"
     rows = ["text,label"] + [f"how many {w} are there,NUM" for w in ("cats", "dogs", "cars", "ants")] + \
