@@ -565,6 +565,23 @@ def test_a_command_whose_reader_has_gone_stops_quietly():
     assert (done.returncode, done.stderr) == (141, ""), done.stderr
 
 
+@pytest.mark.parametrize("verb", ["run", "predict", "daemon", "submit", "cancel", "logs", "status", "demo", "stop",
+                                  "clean"])
+def test_the_row_of_docs_cli_md_names_every_flag_of_the_command(verb):
+    """docs/cli.md, "every option": each flag of the commands that run, follow and use jobs is
+    in its command's row (the daemon's --metrics-port and --timeout, status's --interval and
+    demo's seven flags were in their --help alone)."""
+    from pathlib import Path
+
+    from gadei.cli import build_parser
+
+    rows = [line for line in (Path(HERE).parent / "docs" / "cli.md").read_text().splitlines() if line.startswith("| `")]
+    row = next(row for row in rows if re.search(rf"`gadei {verb}\b", row.split(" | ")[0]))
+    flags = [flag for action in build_parser().verbs[verb]._actions for flag in action.option_strings
+             if flag.startswith("--") and flag != "--help"]
+    assert [flag for flag in flags if not re.search(re.escape(flag) + r"(?![\w-])", row)] == [], row
+
+
 def _tiny_job(tmp_path, name: str, extra: str = "") -> "os.PathLike":
     data = tmp_path / "tiny.csv"
     rows = ["text,label"] + [f"how many {w} are there,NUM" for w in ("cats", "dogs", "cars", "ants")] + \
