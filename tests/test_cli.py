@@ -582,6 +582,19 @@ def test_the_row_of_docs_cli_md_names_every_flag_of_the_command(verb):
     assert [flag for flag in flags if not re.search(re.escape(flag) + r"(?![\w-])", row)] == [], row
 
 
+def test_gadei_demo_refuses_counts_out_of_range_before_anything_starts(procs):
+    """`gadei demo --batch 0` started a server and two learners, which failed (`learners exited
+    with [2, 2]; their logs are in ...`, exit 1), `--epochs 0` said `done` after 0 updates and
+    `--learners 0` started a server that refused its capacity: each is refused as the job
+    file's [train] key is, before a process starts."""
+    runs = {flag: procs.gadei("demo", flag, value) for flag, value in
+            (("--batch", 0), ("--epochs", 0), ("--learners", 0))}  # (a broken check lets them start and end)
+    for flag, run in runs.items():
+        out, err = communicate(run, 120)
+        assert run.returncode == 2 and out == "", (flag, out, err)
+        assert f"gadei demo: error: argument {flag}: " in err and "is out of range; allowed: 1 to " in err, err
+
+
 def _tiny_job(tmp_path, name: str, extra: str = "") -> "os.PathLike":
     data = tmp_path / "tiny.csv"
     rows = ["text,label"] + [f"how many {w} are there,NUM" for w in ("cats", "dogs", "cars", "ants")] + \
