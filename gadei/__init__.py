@@ -82,6 +82,8 @@ __all__ = [
 
 
 def __getattr__(name: str):
+    if name == "_native":  # `from . import _native` asks here too: say why it is missing, not only that it is
+        return _native_module()
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -92,3 +94,20 @@ def __getattr__(name: str):
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
+
+
+def _native_module():
+    """gadei._native, the built C kernels; where there is none (a repository's source folder,
+    which `import gadei` finds first when Python runs there after `pip install .`), an
+    ImportError that says so and what to do."""
+    try:
+        return importlib.import_module("._native", __name__)
+    except ModuleNotFoundError as err:
+        if err.name != f"{__name__}._native":
+            raise
+        import os
+
+        raise ImportError(f"gadei's native module is not built in {os.path.dirname(__file__)}: this is a source "
+                          "folder (Python puts the current folder first on sys.path), not the installed gadei; run "
+                          "Python from another folder, or build it here with `python setup.py build_ext --inplace` "
+                          "(or `pip install -e .`)", name=f"{__name__}._native") from None

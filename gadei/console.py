@@ -1,7 +1,10 @@
 """How a gadei command runs in a terminal: logging set up once from GADEI_LOG, and a
-refusal shown as one line (`gadei: error: ...`, exit 2) instead of a traceback."""
+refusal shown as one line (`gadei: error: ...`, exit 2) instead of a traceback, and a closed
+pipe on stdout a quiet stop."""
 
 import logging
+import os
+import signal
 import sys
 
 from .env import settings
@@ -14,7 +17,8 @@ def configure_logging() -> None:
 
 
 def run(func, args, prog: str = "gadei") -> int:
-    """`func(args)`'s exit code; 2 with one line on stderr for what gadei refuses, 130 on Ctrl-C."""
+    """`func(args)`'s exit code; 2 with one line on stderr for what gadei refuses, 130 on Ctrl-C,
+    141 when stdout's reader has gone."""
     configure_logging()
     try:
         return func(args)
@@ -26,3 +30,6 @@ def run(func, args, prog: str = "gadei") -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # whoever read stdout is gone (`gadei logs JOB | head`): stop quietly, as cat does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the flush at exit must not fail again
+        return 128 + signal.SIGPIPE  # what a shell reports for a command a closed pipe stopped

@@ -325,7 +325,8 @@ def load(path: str | os.PathLike, *, data_files: bool = True) -> Job:
     """
     try:
         path = Path(path).resolve()
-        raw = tomllib.loads(_read_job_file(path).decode("utf-8"))
+        # utf-8-sig: a byte-order mark (Windows editors save one) is dropped, as in data files
+        raw = tomllib.loads(_read_job_file(path).decode("utf-8-sig"))
     except OSError as err:
         raise JobFileError(f"job file {str(path)!r}: {err.strerror}") from None
     except RuntimeError as err:  # Python 3.11's Path.resolve on a symbolic link loop (RecursionError is one too)

@@ -15,13 +15,29 @@ from .errors import GadeiError
 def predict(run_dir: str, texts: list[str], top: int = 3) -> list[list[tuple[str, float]]]:
     """For each of `texts` (a sentence; for a numeric workload, the features separated by
     commas), the `top` labels of the model in a `gadei run` output folder, with
-    probabilities; the model is loaded once (plain PyTorch: the model file is a state dict)."""
+    probabilities; the model is loaded once (plain PyTorch: the model file is a state dict).
+
+    Raises:
+        GadeiError: `texts` is one string (a list of its characters is never what was meant)
+            or holds something else, `top` is less than 1, or the folder is not a finished run's.
+    """
+    if isinstance(texts, (str, bytes)):
+        raise GadeiError(f"texts = {texts[:40]!r}: give a list of texts, not one string (its characters would be "
+                         "the texts)")
+    texts = list(texts)
+    if not all(isinstance(text, str) for text in texts):
+        odd = next(text for text in texts if not isinstance(text, str))
+        raise GadeiError(f"texts: {odd!r} is {type(odd).__name__}; give texts as strings")
+    if isinstance(top, bool) or not isinstance(top, int) or top < 1:
+        raise GadeiError(f"top = {top!r}: the number of labels to give for each text, 1 or more")
     import numpy as np
     import torch
     from gadei_workloads import get
     from gadei_workloads.text import Vocab, tokenize
 
     folder = Path(run_dir)
+    if not (folder / "job.toml").is_file():  # jobfile.load would say only that a job file is missing
+        raise GadeiError(f"{run_dir} is not a `gadei run` output folder: it holds no job.toml")
     try:
         job = jobfile.load(folder / "job.toml", data_files=False)  # the folder alone: its data may be gone
         labels = _read_json(folder / "labels.json")

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from helpers import HERE, blobs_job, communicate, end_jobs, finish, read_line, unique_name, wait_for
+from gadei import GadeiError
 from gadei.region import inspect
 
 
@@ -522,6 +523,76 @@ def test_predict_answers_each_of_several_texts_on_a_line_of_its_own(procs, tmp_p
     assert exit.value.code == 2
     assert err.startswith("usage: gadei predict [-h] [--top N] RUN_DIR TEXT [TEXT ...]\n"), err
     assert "gadei predict: error: unrecognized arguments: --tpo 2" in err, err
+
+
+def test_predict_refuses_a_top_below_1_one_string_for_texts_and_a_folder_that_is_no_run(procs, tmp_path):
+    """`--top 0` printed nothing with exit 0 and `--top -1` a torch traceback; Python's
+    `predict(folder, "a text")` predicted each character of the text. Each is refused with one
+    line naming the value, as is a folder that is no run (it named only a missing job file)."""
+    from gadei.predict import predict
+
+    folder, _ = _run_folder(tmp_path)
+    runs = {top: procs.gadei("predict", folder, "how many birds", "--top", top) for top in (0, -1)}
+    runs["elsewhere"] = procs.gadei("predict", tmp_path / "elsewhere", "how many birds")
+    for case, run in runs.items():
+        out, err = communicate(run, 120)
+        assert run.returncode == 2 and out == "" and "Traceback" not in err, (case, out, err)
+        assert len(err.strip().splitlines()) == 1, (case, err)
+        assert ("is not a `gadei run` output folder: it holds no job.toml" if case == "elsewhere" else
+                f"gadei: error: top = {case}: the number of labels to give for each text, 1 or more") in err, err
+    with pytest.raises(GadeiError, match=r"texts = 'how many birds': give a list of texts, not one string"):
+        predict(str(folder), "how many birds")
+    with pytest.raises(GadeiError, match=r"texts: b'how' is bytes; give texts as strings"):
+        predict(str(folder), ["who", b"how"])
+    assert [len(best) for best in predict(str(folder), ("how many birds", "who"), top=1)] == [1, 1]
+
+
+def test_a_command_whose_reader_has_gone_stops_quietly():
+    """`gadei logs JOB | head -3` printed a BrokenPipeError traceback once head had its lines: a
+    command whose stdout is a pipe with no reader left stops with the shell's 141 (128 +
+    SIGPIPE) and nothing on stderr, as cat does."""
+    import subprocess
+
+    from gadei._proc import gadei_command
+
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the first line
+    try:
+        done = subprocess.run(gadei_command("daemon", "systemd-unit"), stdout=write, stderr=subprocess.PIPE,
+                              text=True, timeout=120)
+    finally:
+        os.close(write)
+    assert (done.returncode, done.stderr) == (141, ""), done.stderr
+
+
+@pytest.mark.parametrize("verb", ["run", "predict", "daemon", "submit", "cancel", "logs", "status", "demo", "stop",
+                                  "clean"])
+def test_the_row_of_docs_cli_md_names_every_flag_of_the_command(verb):
+    """docs/cli.md, "every option": each flag of the commands that run, follow and use jobs is
+    in its command's row (the daemon's --metrics-port and --timeout, status's --interval and
+    demo's seven flags were in their --help alone)."""
+    from pathlib import Path
+
+    from gadei.cli import build_parser
+
+    rows = [line for line in (Path(HERE).parent / "docs" / "cli.md").read_text().splitlines() if line.startswith("| `")]
+    row = next(row for row in rows if re.search(rf"`gadei {verb}\b", row.split(" | ")[0]))
+    flags = [flag for action in build_parser().verbs[verb]._actions for flag in action.option_strings
+             if flag.startswith("--") and flag != "--help"]
+    assert [flag for flag in flags if not re.search(re.escape(flag) + r"(?![\w-])", row)] == [], row
+
+
+def test_gadei_demo_refuses_counts_out_of_range_before_anything_starts(procs):
+    """`gadei demo --batch 0` started a server and two learners, which failed (`learners exited
+    with [2, 2]; their logs are in ...`, exit 1), `--epochs 0` said `done` after 0 updates and
+    `--learners 0` started a server that refused its capacity: each is refused as the job
+    file's [train] key is, before a process starts."""
+    runs = {flag: procs.gadei("demo", flag, value) for flag, value in
+            (("--batch", 0), ("--epochs", 0), ("--learners", 0))}  # (a broken check lets them start and end)
+    for flag, run in runs.items():
+        out, err = communicate(run, 120)
+        assert run.returncode == 2 and out == "", (flag, out, err)
+        assert f"gadei demo: error: argument {flag}: " in err and "is out of range; allowed: 1 to " in err, err
 
 
 def _tiny_job(tmp_path, name: str, extra: str = "") -> "os.PathLike":

@@ -151,6 +151,13 @@ REFUSED = [
     ("jsonl deeply nested", '{"text": ' + "[" * 100_000 + "]" * 100_000 + ', "label": "a"}\n', "jsonl", {},
      r"data:1: not a JSON object"),
     ("no samples at all", H + "\ta\n\n", "tsv", {}, r"no samples \(data: 3 lines, 0 samples; left out: 1 row"),
+    ("text column is the label column", C + "a,one\nb,two\n", "csv", {"text_column": "label"},
+     r"data: \[data\] text_column = 'label' and label_column = 'label' both name column 1 \('label'\): the label "
+     r"would be the text"),
+    ("text column by number is the label column", "a\tone\n", "tsv", {"header": False, "text_column": 1,
+                                                                       "label_column": 1}, r"both name column 1:"),
+    ("jsonl text key is the label key", '{"text": "one", "label": "a"}\n', "jsonl", {"text_column": "label"},
+     r"both name key 'label': the label would be the text"),
     ("utf-16 is not utf-8", "label\ttext\na\tone\n".encode("utf-16"), "tsv", {},
      r"is (not utf-8|binary)"),
 ]

@@ -203,3 +203,23 @@ def test_an_unknown_name_is_an_attribute_error():
     with pytest.raises(AttributeError, match="no attribute 'Srever'"):
         gadei.__getattr__("Srever")
     assert not hasattr(gadei, "Srever")
+
+
+def test_a_source_folder_without_its_native_module_says_so_and_what_to_do(tmp_path):
+    """After `pip install .`, Python started in the repository's root imports its source folder
+    (the current folder comes first on sys.path), which holds no built native module: the
+    README's `gadei.Client()` there failed with `cannot import name '_native' from 'gadei'`. It
+    says why and what to do; where the module is there, nothing changes."""
+    import shutil
+
+    shutil.copytree(ROOT / "gadei", tmp_path / "gadei", ignore=shutil.ignore_patterns("_native*", "__pycache__"))
+    code = ("import sys; sys.meta_path = [f for f in sys.meta_path if 'Editable' not in "  # as a plain install
+            "getattr(f, '__name__', type(f).__name__)]\n"
+            "import gadei; assert gadei.__file__.startswith(sys.argv[1]), gadei.__file__; gadei.Client")
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert (f"ImportError: gadei's native module is not built in {tmp_path / 'gadei'}: this is a source folder"
+            in done.stderr and "run Python from another folder, or build it here with `python setup.py "
+            "build_ext --inplace`" in done.stderr), done.stderr
+    assert gadei._native.__name__ == "gadei._native"

@@ -173,6 +173,26 @@ def test_bad_data_is_refused_before_anything_starts(small, rows, header, message
     assert message in str(err.value)
 
 
+def test_gadei_run_check_reads_a_job_file_saved_with_a_byte_order_mark_and_refuses_the_label_as_the_text(small,
+                                                                                                          procs):
+    """What a newcomer's first job files hold: one saved by a Windows editor starts with a UTF-8
+    byte-order mark, which is read as data files' is (it was `not valid TOML: Invalid
+    statement (at line 1, column 1)`); one whose text_column names the label column, by name
+    or by number, is refused naming both (it trained on the label as the text: vocabulary 4)."""
+    marked = small / "marked.toml"
+    marked.write_bytes(b"\xef\xbb\xbf" + small_job().encode())
+    same = _job(small, small_job() + 'text_column = "category"\n', "same.toml")
+    by_number = _job(small, small_job() + "text_column = 2\n", "by_number.toml")
+    runs = {path: procs.gadei("run", "--check", path) for path in (marked, same, by_number)}
+    out, err = communicate(runs[marked], 120)
+    assert runs[marked].returncode == 0 and out.splitlines()[-1] == "check passed", out + err
+    for path in (same, by_number):
+        out, err = communicate(runs[path], 120)
+        assert runs[path].returncode == 2 and "Traceback" not in err, err
+        assert (f"[data] text_column = {'2' if path == by_number else repr('category')} and label_column = "
+                "'category' both name column 2 ('category'): the label would be the text") in err, err
+
+
 def test_a_file_that_does_not_decode_names_its_byte_and_the_fallback_reads_it(small):
     (small / "train.csv").write_bytes(b"text,category\ncaf\xe9 au lait,drink\ntea,drink\nbread,food\nrice,food\n")
     job = jobfile.load(_job(small, small_job()))

@@ -339,6 +339,10 @@ def _table(path: Path, text: str, fmt: str, text_column: Column, label_column: C
         names = [name.strip() for name in first[1]]
     columns = {kind: column_index(path, names, kind, column)
                for kind, column in (("text_column", text_column), ("label_column", label_column))}
+    if columns["text_column"] == columns["label_column"]:
+        at = columns["text_column"]
+        raise DataError(_same_column(path, text_column, label_column, f"column {at + 1}" +
+                                     (f" ({names[at]!r})" if names else "")))
     width = len(names) if names else None
     rows = []
     for lineno, fields in found:
@@ -358,6 +362,13 @@ def _table(path: Path, text: str, fmt: str, text_column: Column, label_column: C
             continue
         _keep(rows, report, lineno, fields[columns["text_column"]], fields[columns["label_column"]].strip())
     return rows
+
+
+def _same_column(path: Path, text_column: Column, label_column: Column, which: str) -> str:
+    """The refusal of a text column that is the label column: trained so, the model would
+    read each sample's label as its text (100% accuracy that means nothing)."""
+    return (f"{path}: [data] text_column = {text_column!r} and label_column = {label_column!r} both name {which}: "
+            "the label would be the text; set text_column to the texts' own")
 
 
 def _keep(rows: list, report: FileReport, lineno: int, sentence: str, label: str) -> None:
@@ -401,6 +412,8 @@ def _jsonl(path: Path, text: str, text_column: Column, label_column: Column, rep
     for kind, key in (("text_column", text_column), ("label_column", label_column)):
         if not isinstance(key, str):
             raise DataError(f"[data] {kind} = {key!r}: jsonl names keys, not column numbers")
+    if text_column == label_column:
+        raise DataError(_same_column(path, text_column, label_column, f"key {text_column!r}"))
     rows = []
     lines = split_lines(text)
     report.lines = len(lines)

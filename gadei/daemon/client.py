@@ -313,7 +313,7 @@ class Client:
         predict` gives them (`gadei.predict.predict` on its output folder)."""
         from ..predict import predict
 
-        return predict(str(self.model_path(job).parent), list(texts), top)
+        return predict(str(self.model_path(job).parent), texts, top)  # predict checks texts and top
 
 
 def ended(record: JobRecord) -> bool:
