@@ -586,13 +586,15 @@ def test_gadei_demo_refuses_counts_out_of_range_before_anything_starts(procs):
     """`gadei demo --batch 0` started a server and two learners, which failed (`learners exited
     with [2, 2]; their logs are in ...`, exit 1), `--epochs 0` said `done` after 0 updates and
     `--learners 0` started a server that refused its capacity: each is refused as the job
-    file's [train] key is, before a process starts."""
-    runs = {flag: procs.gadei("demo", flag, value) for flag, value in
+    file's [train] key is, before a process starts; and so are `gadei learn`'s --batch and
+    --epochs (a learner of no job: refused before it looks for one)."""
+    runs = {("demo", flag): procs.gadei("demo", flag, value) for flag, value in
             (("--batch", 0), ("--epochs", 0), ("--learners", 0))}  # (a broken check lets them start and end)
-    for flag, run in runs.items():
+    runs.update({("learn", flag): procs.gadei("learn", "no-such-job", flag, 0) for flag in ("--batch", "--epochs")})
+    for (verb, flag), run in runs.items():
         out, err = communicate(run, 120)
         assert run.returncode == 2 and out == "", (flag, out, err)
-        assert f"gadei demo: error: argument {flag}: " in err and "is out of range; allowed: 1 to " in err, err
+        assert f"gadei {verb}: error: argument {flag}: " in err and "is out of range; allowed: 1 to " in err, err
 
 
 def _tiny_job(tmp_path, name: str, extra: str = "") -> "os.PathLike":

@@ -1,11 +1,12 @@
 """What the verbs share: JSON lines for programs, a model and data from --workload/--data/--seed
 or --model."""
 
+import argparse
 import importlib
 import json
 import logging
 
-from .. import data
+from .. import data, options
 from ..errors import GadeiError
 
 log = logging.getLogger("gadei.cli")
@@ -82,3 +83,25 @@ def job_file_defaults(argv: list[str]) -> dict | None:
 def add_job_file(p) -> None:
     p.add_argument(JOB_FILE, metavar="FILE", help="take the job's workload, data, seed and options from this job "
                    "file (a flag given as well wins); how `gadei run` starts its processes")
+
+
+def train_value(name: str):
+    """An argparse type: an integer checked as a job file's [train] `name` is (its range,
+    declared in `gadei.jobfile.Train`), so that `gadei demo --batch 0` or `gadei learn
+    --epochs 0` is refused before a process starts."""
+
+    def parse(text: str) -> int:
+        from ..jobfile import Train
+
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer; allowed: "
+                                             f"{options.allowed(Train, name)}") from None
+        try:
+            return options.check(Train, name, value)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(options.said(text, err)) from None
+
+    parse.__name__ = "int"
+    return parse
