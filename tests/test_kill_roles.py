@@ -446,6 +446,8 @@ def test_the_daemon_reports_the_real_outcome_when_a_role_of_its_job_is_killed(sm
         assert f"its `gadei run` (pid {run_pid}) was killed by signal 9" in record["message"], record
     if role == "daemon until the job ended":
         assert "ended while the daemon was down" in record["message"], record
+        # when it ended (its result.json's time), not when the new daemon came to read it
+        assert abs(record["ended"] - (out / "result.json").stat().st_mtime) < 1, record
     else:  # the new daemon found the job's gadei run alive and followed it to its end
         assert "ended while the daemon was down" not in record["message"], record
     if role in ("server", "watchdog", "learner"):

@@ -181,18 +181,24 @@ class Daemon:
             except Exception as err:  # noqa: BLE001 (the record must end whatever this costs)
                 log.error("job %s: cannot write its outputs: %s", record.name, _reason(err))
         outcome = result.get("outcome") if result else None
+        # when it ended: its result.json's time (a job that ended while no daemon ran ended then,
+        # not when this daemon came to read it)
+        at = _written_at(out / "result.json") if result is not None else None
         if record.state == CANCELLED:
-            self._finish(record, CANCELLED, code, "cancelled; its last checkpoint and logs are kept")
+            self._finish(record, CANCELLED, code, "cancelled; its last checkpoint and logs are kept", at)
         elif outcome == "done" or (outcome is None and code == 0):
-            self._finish(record, DONE, code, why)
+            self._finish(record, DONE, code, why, at)
         elif result is not None:
-            self._finish(record, FAILED, code, f"{outcome}: {result.get('reason', '')}" + (f" ({why})" if why else ""))
+            self._finish(record, FAILED, code, f"{outcome}: {result.get('reason', '')}" + (f" ({why})" if why else ""),
+                         at)
         else:
             self._finish(record, FAILED, code, (f"{why}; " if why else "") + f"gadei run exited {code}; see "
                          f"`gadei logs {record.name}`")
 
-    def _finish(self, record: JobRecord, state: str, code: int | None, message: str = "") -> None:
-        record.state, record.returncode, record.ended, record.pid = state, code, time.time(), 0
+    def _finish(self, record: JobRecord, state: str, code: int | None, message: str = "",
+                at: float | None = None) -> None:
+        """Record the job's end: `state`, its run's exit `code`, `message`, and when (`at`; None: now)."""
+        record.state, record.returncode, record.ended, record.pid = state, code, at or time.time(), 0
         record.message = message
         self._save(record)
         log.info("job %s %s%s", record.name, state, f": {message}" if message else "")
@@ -560,3 +566,11 @@ def _raise_fd_limit(wanted: int) -> None:
 
 class DaemonRunning(GadeiError):
     """Another daemon already serves this state folder or socket."""
+
+
+def _written_at(path: Path) -> float | None:
+    """When `path` was last written (not after now), or None where it cannot be read."""
+    try:
+        return min(time.time(), path.stat().st_mtime)
+    except OSError:
+        return None
