@@ -94,11 +94,7 @@ def test_a_cancel_the_daemon_was_carrying_out_when_it_died_is_finished_by_the_ne
         server = None
         assert inspect(name).state == "running"  # the job runs on: no one stops it but the next daemon
         start_daemon(procs, daemon_env)
-        wait_for(lambda: _jobs(procs, daemon_env)[name]["message"].startswith("cancelled;"), 90,
-                 "the next daemon to finish the cancel")
-        assert json.loads((out / "result.json").read_text())["outcome"] == "stopped"
-        assert inspect(name) is None
-        finish(procs.gadei("daemon", "stop", env=daemon_env))
+        _stopped_as_cancelled(procs, daemon_env, name, out, "the next daemon to finish the cancel")
     finally:
         if server is not None:
             os.kill(server, signal.SIGCONT)
@@ -120,10 +116,15 @@ def test_a_cancelled_job_whose_run_dies_before_stopping_it_is_stopped_by_the_dae
         os.kill(run, signal.SIGSTOP)  # it cannot take the cancel's SIGTERM
         finish(procs.gadei("cancel", name, env=daemon_env))
         os.kill(run, signal.SIGKILL)
-        wait_for(lambda: _jobs(procs, daemon_env)[name]["message"].startswith("cancelled;"), 90,
-                 "the daemon to stop the cancelled job")
-        assert json.loads((out / "result.json").read_text())["outcome"] == "stopped"
-        assert inspect(name) is None
-        finish(procs.gadei("daemon", "stop", env=daemon_env))
+        _stopped_as_cancelled(procs, daemon_env, name, out, "the daemon to stop the cancelled job")
     finally:
         _end(name)
+
+
+def _stopped_as_cancelled(procs, daemon_env, name: str, out, what: str) -> None:
+    """The job's record ends cancelled (waited for as `what`), its result.json says stopped, its
+    region is gone; then the daemon is stopped."""
+    wait_for(lambda: _jobs(procs, daemon_env)[name]["message"].startswith("cancelled;"), 90, what)
+    assert json.loads((out / "result.json").read_text())["outcome"] == "stopped"
+    assert inspect(name) is None
+    finish(procs.gadei("daemon", "stop", env=daemon_env))
