@@ -11,15 +11,18 @@ from .env import settings
 from .errors import GadeiError
 
 
-def configure_logging() -> None:
-    level = getattr(logging, settings().log_level, logging.INFO)
+def configure_logging(default: str = "INFO") -> None:
+    """The log records of this process to stderr, at GADEI_LOG's level, else at `default`."""
+    level = getattr(logging, settings().log_level or default, logging.INFO)
     logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
 
 
 def run(func, args, prog: str = "gadei") -> int:
     """`func(args)`'s exit code; 2 with one line on stderr for what gadei refuses, 130 on Ctrl-C,
     141 when stdout's reader has gone."""
-    configure_logging()
+    # A command whose own lines say what happens (`gadei run`) shows the library's records only
+    # from WARNING unless GADEI_LOG asks for more; the others log at INFO (their logs are files).
+    configure_logging(getattr(args, "log_default", "INFO"))
     try:
         return func(args)
     except GadeiError as err:

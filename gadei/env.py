@@ -6,7 +6,7 @@
 | GADEI_SPIN_US | the most microseconds the server spins for the next gradient, while they come less than 200 us apart and it has a core of its own | 2000 |
 | GADEI_ATTACH_TIMEOUT | seconds a learner waits for the job's region and weights | 30 |
 | GADEI_SERVER_TIMEOUT | seconds without a server heartbeat before a waiting learner gives up | 30 |
-| GADEI_LOG | log level of the command-line tools (DEBUG, INFO, WARNING) | INFO |
+| GADEI_LOG | log level of the command-line tools (DEBUG, INFO, WARNING) | INFO (WARNING in `gadei run`'s own process, whose lines say what happens) |
 | GADEI_DATA_DIR | folder of the shared text data sets (tests, `gadei learn --data trec`) | ../shared/data |
 | GADEI_STATE_DIR | the daemon's state folder: its lock, and the job records in its jobs/ | $XDG_STATE_HOME/gadei, else ~/.local/state/gadei |
 | GADEI_RUNTIME_DIR | this user's folder for gadei's runtime files (a watchdog's state, for `gadei serve --adopt`) | $XDG_RUNTIME_DIR/gadei, else /tmp/gadei-UID |
@@ -47,7 +47,7 @@ class Settings:
     spin_us: float
     attach_timeout: float
     server_timeout: float
-    log_level: str
+    log_level: str | None  # None: not set (each command has its default: `gadei.console`)
     data_dir: str | None
 
 
@@ -67,7 +67,7 @@ def settings() -> Settings:
         spin_us=_number("GADEI_SPIN_US", 2000.0, float),
         attach_timeout=_number("GADEI_ATTACH_TIMEOUT", 30.0, float),
         server_timeout=_number("GADEI_SERVER_TIMEOUT", 30.0, float),
-        log_level=os.environ.get("GADEI_LOG", "INFO").upper(),
+        log_level=(os.environ.get("GADEI_LOG") or "").upper() or None,
         data_dir=os.environ.get("GADEI_DATA_DIR") or None,
     )
 

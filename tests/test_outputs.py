@@ -51,6 +51,7 @@ def test_a_resumed_run_says_its_seconds_with_the_runs_it_resumed(tmp_path, procs
         run.send_signal(signal.SIGTERM)  # `gadei cancel`'s path: checkpoint the progress, then stop
         said, err = communicate(run, 120)
         assert run.returncode == 130 and "stopped after" in said and "with the runs it resumed" not in said, said + err
+        assert " INFO " not in said + err, said + err  # its own lines say the checkpoint, not the library's records
         stopped = json.loads((out / "result.json").read_text())
         assert stopped["seconds"] > 0 and "seconds_in_all" not in stopped, stopped
         first = _one_time_base(out, said, tmp_path / "again.png", launched, before=0.0)

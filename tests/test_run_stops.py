@@ -68,6 +68,7 @@ def test_a_stop_while_gadei_run_starts_its_job_is_a_clean_stop(tmp_path, procs, 
         assert run.returncode == 130 and result["outcome"] == "stopped" and result["reason"], (result, stdout + stderr)
         assert last.startswith(f"gadei run: job {name} stopped after "), stdout + stderr
         assert "failed" not in stdout + stderr and "Traceback" not in stderr, stdout + stderr
+        assert " INFO " not in stdout + stderr, stdout + stderr  # its own lines, not the library's records
         # learners that had not attached are told to go, not waited for until killed (30 s)
         assert took < 20, f"the stop took {took:.0f} s:\n{stdout}{stderr}"
         assert inspect(name) is None and not job_processes(name)

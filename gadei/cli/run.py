@@ -61,7 +61,7 @@ def add_parser(sub) -> None:
                    "progress; only [train] epochs, patience, devices and threads may differ from that run's job.toml")
     p.add_argument("--submitted", action="store_true", help="the job was submitted to the daemon, which runs it so: "
                    "what the run says to go on with it names `gadei submit --resume` (default: `gadei run --resume`)")
-    p.set_defaults(func=cmd_run)
+    p.set_defaults(func=cmd_run, log_default="WARNING")  # its own lines say what the library logs
 
     p = sub.add_parser("predict", help="the top labels of a finished run's model for one text or several",
                        description="Load the model, label and vocabulary maps of a `gadei run` output folder "
