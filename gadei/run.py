@@ -178,9 +178,9 @@ class JobRun:
 
         from .launch import take_stops
 
-        take_stops(stop)
         train_size = len(self.prepared.train) / (node.size if node is not None else 1)
         try:
+            take_stops(stop)  # inside the try: a stop that comes at once is this one, not an escape
             if self.asked:  # while it launched
                 raise KeyboardInterrupt
             _follow(self, train_size, started, self.quiet, f"node {node.rank}: " if node is not None else "")
