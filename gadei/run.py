@@ -97,7 +97,12 @@ class JobRun:
     taken before the server would start, which then does not (result.json says stopped before
     the job wrote a model); one asked for while it launches is taken once it is launched (its
     server, started with the stops held, takes this run's SIGTERM whenever it comes:
-    `launch.spawn(held=True)`); later ones stop the job in order (`_follow_and_finish`)."""
+    `launch.spawn(held=True)`); later ones stop the job in order (`_follow_and_finish`), taken
+    within 0.25 s by the loop that follows the job. The handler only records a stop: a
+    KeyboardInterrupt raised from it lands in whatever code runs, and one that lands in an
+    exec'd string (dataclasses make their methods so, in an import) leaves CPython's flag for an
+    unhandled interrupt set even once caught, so this process exited -2 after writing
+    result.json."""
 
     def __init__(self, prepared: Prepared, quiet: bool, node: "BridgedRun | None" = None, asked: list[int] | None = None):
         self.prepared, self.quiet, self.node = prepared, quiet, node
@@ -172,24 +177,17 @@ class JobRun:
         out = job.output
         started = time.monotonic()
         bridge = node.start_bridge(job, serve) if node is not None else None
-
-        def stop(*_):
-            raise KeyboardInterrupt  # SIGTERM (gadei cancel) stops the job as Ctrl-C does
-
-        from .launch import take_stops
-
         train_size = len(self.prepared.train) / (node.size if node is not None else 1)
         try:
-            take_stops(stop)  # inside the try: a stop that comes at once is this one, not an escape
-            if self.asked:  # while it launched
-                raise KeyboardInterrupt
+            if self.asked:  # while it launched (or its bridge started)
+                raise _StopAsked
             _follow(self, train_size, started, self.quiet, f"node {node.rank}: " if node is not None else "")
         except _Diverged:
             print(f"\ngadei run: job {job.name}: the training loss is not finite; stopping the job", file=sys.stderr,
                   flush=True)
             self._stop()
             interrupted = True
-        except KeyboardInterrupt:
+        except _StopAsked:
             _ignore_stops()  # one stop is enough: a second must not cut this one (or the outputs) short
             # The watchdog may have recorded the job's end before this run saw it (it looks every
             # 0.25 s): a job that had ended on its own was not stopped, whatever came now.
@@ -386,6 +384,10 @@ def _again(job: jobfile.Job, by: str) -> str:
                                                                        "the same command")
     return (f"no checkpoint in {folder} records the learners' progress, so there is nothing to go on with; remove "
             "that folder to start it again")
+
+
+class _StopAsked(Exception):
+    """A stop (SIGTERM: `gadei cancel`; SIGINT: Ctrl-C) was asked of this run (`JobRun.asked`)."""
 
 
 def _ignore_stops() -> None:
@@ -615,6 +617,8 @@ def _follow(run: JobRun, train_size: float, started: float, quiet: bool, label: 
     board = run.board
     while not run.ended():
         time.sleep(0.25)
+        if run.asked:  # a stop (SIGTERM, SIGINT), recorded by its handler: taken here, between two looks
+            raise _StopAsked
         records = outputs.epoch_records(job.output)
         board.epochs(records)
         epoch = records[-1] if records else {}

@@ -111,3 +111,50 @@ def test_a_gadei_run_started_held_takes_a_stop_sent_at_once(tmp_path, how):
     assert json.loads((tmp_path / "out" / "result.json").read_text())["outcome"] == "stopped", text
     assert text.strip().splitlines()[-1].startswith("gadei run: job ") and "start it again" in text, text
     assert not (tmp_path / "out" / "logs" / "serve.log").exists()  # nothing started
+
+
+# Loaded by `gadei run` (and, through PYTHONPATH, by its children, which it leaves alone): once
+# its server was started, its first pause sends it a SIGTERM from inside an exec'd string, as a
+# stop may come while dataclasses build a class's methods in an import.
+_STOP_IN_EXEC = '''
+import os, time
+if os.getppid() == int(os.environ["STOP_IN_EXEC_PARENT"]):
+    _sleep, _sent = time.sleep, []
+    def _pause(seconds):
+        if not _sent and os.path.exists(os.environ["STOP_IN_EXEC_LOG"]):
+            _sent.append(1)
+            exec("import os, signal, time\\nos.kill(os.getpid(), signal.SIGTERM)\\ntime.sleep(0.05)\\n")
+        _sleep(seconds)
+    time.sleep = _pause
+'''
+
+
+def test_a_stop_that_comes_while_exec_runs_is_a_stop_with_exit_130(tmp_path, procs):
+    """A stop's handler that raised KeyboardInterrupt where it landed: one that landed in code
+    run by exec() (a string) left CPython's flag for an unhandled interrupt set although
+    `gadei run` caught it, and the run, having written result.json and its last line, exited
+    -2 (killed by SIGINT) instead of 130: 3 of 20 stops sent as the server started. The handler
+    now records the stop, which the loop that follows the job takes."""
+    import os
+
+    (tmp_path / "hook").mkdir()
+    (tmp_path / "hook" / "sitecustomize.py").write_text(_STOP_IN_EXEC)
+    name = unique_name("exec-stop")
+    path = blobs_job(tmp_path, name, train={"learners": 2, "epochs": 50})
+    out = tmp_path / "out"
+    env = {"PYTHONPATH": str(tmp_path / "hook"), "STOP_IN_EXEC_PARENT": str(os.getpid()),
+           "STOP_IN_EXEC_LOG": str(out / "logs" / "serve.log")}
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # not ignored in the child, whoever started us
+    try:
+        run = procs.gadei("run", path, env=env)
+    finally:
+        signal.signal(signal.SIGINT, before)
+    try:
+        stdout, stderr = communicate(run, 120)
+        result = json.loads((out / "result.json").read_text())
+        assert run.returncode == 130 and result["outcome"] == "stopped", (run.returncode, result, stdout + stderr)
+        assert stdout.strip().splitlines()[-1].startswith(f"gadei run: job {name} stopped after "), stdout + stderr
+        assert inspect(name) is None and not job_processes(name)
+    finally:
+        for proc in job_processes(name):
+            proc.kill()
