@@ -44,6 +44,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -178,6 +179,7 @@ class JobRun:
         started = time.monotonic()
         bridge = node.start_bridge(job, serve) if node is not None else None
         train_size = len(self.prepared.train) / (node.size if node is not None else 1)
+        threading.Thread(target=outputs.load_plotting, name="gadei-load-plotting", daemon=True).start()
         try:
             if self.asked:  # while it launched (or its bridge started)
                 raise _StopAsked
