@@ -597,6 +597,25 @@ def test_gadei_demo_refuses_counts_out_of_range_before_anything_starts(procs):
         assert f"gadei {verb}: error: argument {flag}: " in err and "is out of range; allowed: 1 to " in err, err
 
 
+@pytest.mark.parametrize("argv, allowed", [
+    (["status", "--interval", "0"], "'0': allowed: a number above 0"),  # was: rates over no time
+    (["status", "--interval", "-1"], "'-1': allowed: a number above 0"),  # was: "sleep length must be non-negative"
+    (["status", "--interval", "soon"], "'soon' is not a number; allowed: a number above 0"),
+    (["stop", "job", "--timeout", "nan"], "'nan': allowed: a number above 0"),
+    (["logs", "job", "--lines", "0"], "'0': allowed: an integer from 1"),
+    (["daemon", "--max-jobs", "0"], "'0': allowed: an integer from 1"),
+    (["daemon", "stop", "--timeout", "-5"], "'-5': allowed: a number above 0"),
+    (["bench", "peers", "--repeats", "0"], "'0': allowed: an integer from 1"),
+    (["learn", "job", "--torch-threads", "0"], "'0': allowed: an integer from 1")])
+def test_counts_and_seconds_out_of_range_are_refused_saying_what_is_allowed(argv, allowed, capsys):
+    from gadei.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and f"gadei {argv[0]}: error: argument {argv[-2]}: {allowed}" in err, err
+
+
 def _tiny_job(tmp_path, name: str, extra: str = "") -> "os.PathLike":
     data = tmp_path / "tiny.csv"
     rows = ["text,label"] + [f"how many {w} are there,NUM" for w in ("cats", "dogs", "cars", "ants")] + \

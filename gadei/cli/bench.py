@@ -2,6 +2,8 @@
 
 import logging
 
+from .common import at_least
+
 log = logging.getLogger("gadei.cli")
 
 
@@ -15,14 +17,14 @@ def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="measure gadei against its alternatives, side by side")
     p.add_argument("what", nargs="*", default=["kernel", "latency", "train"],
                    help="kernel, latency, train, transport, accuracy, modes, bridge, gpu, peers, scaling, quality, server, threads, jobs (default: the first three)")
-    p.add_argument("--repeats", type=int, default=5, help="repeated runs (for accuracy and modes: seeds 0..N-1); medians are reported, "
+    p.add_argument("--repeats", type=at_least(1), default=5, help="repeated runs (for accuracy and modes: seeds 0..N-1); medians are reported, "
                    "for accuracies the mean and range (default 5)")
     p.add_argument("--quick", action="store_true", help="fewer sizes and steps (a smoke run)")
     p.add_argument("--out", default="gadei-bench.json", help="where to save the figures as JSON")
     p.add_argument("--data", default=None, help="train, transport, modes, peers, scaling, threads: data set (default: trec under GADEI_DATA_DIR or "
                    "../shared/data, else generated)")
-    p.add_argument("--epochs", type=int, default=1, help="train, transport, peers, scaling, threads: epochs per run (default 1)")
-    p.add_argument("--accuracy-epochs", type=int, default=4,
+    p.add_argument("--epochs", type=at_least(1), default=1, help="train, transport, peers, scaling, threads: epochs per run (default 1)")
+    p.add_argument("--accuracy-epochs", type=at_least(1), default=4,
                    help="accuracy, modes: epochs per run (default 4)")
     p.add_argument("--sets", help="quality: shared data sets, comma-separated (default trec,sst2,subj,cr,banking77; "
                    "--quick: a cut of trec)")
@@ -30,7 +32,7 @@ def add_parser(sub) -> None:
                    help="quality: a candidate setting of job-file [train] keys (e.g. optimizer=adam,lr=0.001), run "
                    "with 2 learners beside the defaults; repeat it for more candidates")
     p.add_argument("--sizes", help="bridge: model sizes in MB, comma-separated (default 1,16,64,256; --quick 1,4)")
-    p.add_argument("--ranks", type=int, default=2, help="bridge: MPI ranks started on this machine (default 2)")
+    p.add_argument("--ranks", type=at_least(1), default=2, help="bridge: MPI ranks started on this machine (default 2)")
     p.add_argument("--device", default="cuda:0", help="gpu: the GPU measured (default cuda:0; cpu: a smoke run of "
                    "the harness, figures meaningless)")
     p.add_argument("--batches", help="peers, scaling, threads: mini-batch sizes, comma-separated (default 1,2,4,32; "

@@ -85,6 +85,26 @@ def add_job_file(p) -> None:
                    "file (a flag given as well wins); how `gadei run` starts its processes")
 
 
+def at_least(low: float, kind=int, *, above: bool = False):
+    """An argparse type: a `kind` (int or float) of at least `low` (`above`: more than `low`),
+    so that `--lines 0` or `--interval -1` is refused with what is allowed, not met later as a
+    traceback or a silent nonsense (a rate over no time)."""
+    what = "an integer" if kind is int else "a number"
+    allowed = f"{what} {'above' if above else 'from'} {low:g}"
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}; allowed: {allowed}") from None
+        if value != value or value < low or (above and value == low):
+            raise argparse.ArgumentTypeError(f"{text!r}: allowed: {allowed}")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
 def train_value(name: str):
     """An argparse type: an integer checked as a job file's [train] `name` is (its range,
     declared in `gadei.jobfile.Train`), so that `gadei demo --batch 0` or `gadei learn

@@ -6,6 +6,7 @@ import sys
 from dataclasses import asdict
 
 from ..errors import GadeiError
+from .common import at_least
 
 log = logging.getLogger("gadei.cli")
 
@@ -102,8 +103,8 @@ def add_parser(sub) -> None:
                    help="run: serve in the foreground until `gadei daemon stop`, SIGTERM or Ctrl-C (default); "
                    "stop: stop the running daemon and wait until it has; systemd-unit: print a systemd user unit "
                    "that runs it")
-    p.add_argument("--max-jobs", type=int, default=1, help="jobs run at once (default 1)")
-    p.add_argument("--timeout", type=float, default=30.0, help="stop: seconds to wait for it (default 30)")
+    p.add_argument("--max-jobs", type=at_least(1), default=1, help="jobs run at once (default 1)")
+    p.add_argument("--timeout", type=at_least(0, float, above=True), default=30.0, help="stop: seconds to wait for it (default 30)")
     p.add_argument("--metrics-port", type=int, metavar="PORT",
                    help="run: serve the daemon's figures (jobs per state; per running job its version, updates/s, "
                    "samples/s, restarts, learners alive; uptime, requests refused) in the Prometheus text format on "
@@ -112,13 +113,13 @@ def add_parser(sub) -> None:
     p.set_defaults(func=cmd_daemon)
 
     p = sub.add_parser("submit", help="queue a job file with the daemon (checked first)")
-    p.add_argument("jobfile")
+    p.add_argument("jobfile", help="the job's TOML file (as for `gadei run`)")
     p.add_argument("--resume", action="store_true", help="go on with the (cancelled or failed) run in the job's "
                    "output folder, as `gadei run --resume`")
     p.set_defaults(func=cmd_submit)
 
     p = sub.add_parser("cancel", help="cancel a queued or running daemon job (its checkpoints and logs stay)")
-    p.add_argument("job")
+    p.add_argument("job", help="the job's name, as `gadei submit` printed it and `gadei status` lists it")
     p.set_defaults(func=cmd_cancel)
 
     p = sub.add_parser("logs", help="the last lines of a daemon job's logs",
@@ -126,7 +127,7 @@ def add_parser(sub) -> None:
                        "in its output folder); while no daemon runs, found by the job record it left on disk. A job "
                        "that never started (cancelled while queued) has none, and this says so. --follow: then the "
                        "lines they gain, as they are written, until the job has ended (a queued job is waited for).")
-    p.add_argument("job")
-    p.add_argument("--lines", type=int, default=50, help="lines per log (default 50)")
+    p.add_argument("job", help="the job's name, as `gadei submit` printed it and `gadei status` lists it")
+    p.add_argument("--lines", type=at_least(1), default=50, help="lines per log (default 50)")
     p.add_argument("--follow", "-f", action="store_true", help="then the lines the logs gain, until the job ends")
     p.set_defaults(func=cmd_logs)

@@ -1,24 +1,12 @@
 """`gadei learn`: one learner of a job (the program itself: `gadei.trainer`)."""
 
-from .common import add_job_file, add_workload, train_value
+from .common import add_job_file, add_workload, at_least, train_value
 
 
 def cmd_learn(args) -> int:
     from ..trainer import run
 
     return run(args)
-
-
-def _threads(text: str) -> int:
-    import argparse
-
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: allowed: an integer from 1")
-    return value
 
 
 def add_parser(sub) -> None:
@@ -58,7 +46,7 @@ def add_parser(sub) -> None:
                    "--job-file: its [train] patience)")
     p.add_argument("--best", metavar="FOLDER", help="--validate: where the best model (best.pt) and the selection's "
                    "state (best.json) are kept, crash safely (a restarted learner goes on with them)")
-    p.add_argument("--torch-threads", type=_threads, default=1, metavar="N",
+    p.add_argument("--torch-threads", type=at_least(1), default=1, metavar="N",
                    help="PyTorch intra-op threads (default 1; --job-file: its [train] threads, where \"auto\" is "
                    "the cores less one for the server, shared by the job's learners)")
     p.add_argument("--start-at", type=int, default=0, metavar="SAMPLES",

@@ -5,7 +5,7 @@ import sys
 import time
 
 from ..errors import GadeiError
-from .common import emit
+from .common import at_least, emit
 from .daemon import FROM_DISK, daemon_jobs
 
 log = logging.getLogger("gadei.cli")
@@ -69,7 +69,7 @@ def add_parser(sub) -> None:
                        "last recorded them), then each running job's server, watchdog, learners, rates and "
                        "staleness, read from its region without writing to it.")
     p.add_argument("job", nargs="?", help="the job (default: every job on this machine)")
-    p.add_argument("--interval", type=float, default=0.5, help="seconds between the two samples of a rate")
+    p.add_argument("--interval", type=at_least(0, float, above=True), default=0.5, help="seconds between the two samples of a rate")
     p.add_argument("--watch", action="store_true", help="repeat until interrupted")
     p.add_argument("--json", action="store_true", help="JSON lines instead of a table")
     p.set_defaults(func=cmd_status)
