@@ -19,7 +19,8 @@ def predict(run_dir: str, texts: list[str], top: int = 3) -> list[list[tuple[str
 
     Raises:
         GadeiError: `texts` is one string (a list of its characters is never what was meant)
-            or holds something else, `top` is less than 1, or the folder is not a finished run's.
+            or holds something else or a text with no words, `top` is less than 1, or the
+            folder is not a finished run's.
     """
     if isinstance(texts, (str, bytes)):
         raise GadeiError(f"texts = {texts[:40]!r}: give a list of texts, not one string (its characters would be "
@@ -64,7 +65,10 @@ def predict(run_dir: str, texts: list[str], top: int = 3) -> list[list[tuple[str
 
     def encoded(text: str):
         if workload.kind != "numeric":
-            ids = vocab.encode(tokenize(text)) or [vocab.encode(["<unk>"])[0]]
+            words = tokenize(text)
+            if not words:  # the model would answer from padding alone, as if it had read something
+                raise GadeiError(f"{text!r}: no words to predict from; give a text")
+            ids = vocab.encode(words)
             return torch.tensor([ids + [0] * max(0, getattr(model, "min_len", 1) - len(ids))])  # the widest filter
         try:
             values = np.array([float(v) for v in text.replace(",", " ").split()], dtype=np.float64)

@@ -544,6 +544,9 @@ def test_predict_refuses_a_top_below_1_one_string_for_texts_and_a_folder_that_is
         predict(str(folder), "how many birds")
     with pytest.raises(GadeiError, match=r"texts: b'how' is bytes; give texts as strings"):
         predict(str(folder), ["who", b"how"])
+    for empty in ("", " \t\n"):  # once answered as for the word <unk>, saying nothing
+        with pytest.raises(GadeiError, match=r"no words to predict from; give a text"):
+            predict(str(folder), ["who", empty])
     assert [len(best) for best in predict(str(folder), ("how many birds", "who"), top=1)] == [1, 1]
 
 
