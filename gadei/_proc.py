@@ -1,10 +1,15 @@
 """The processes gadei starts and watches: their command lines, and their identity for
 liveness checks (a pid plus its start time, so pid reuse cannot fool us)."""
 
+import ctypes
 import os
+import signal
 import sys
 
 import psutil
+
+TIED_TO = "GADEI_TIED_TO"  # a pid: this process stops (SIGTERM) when that process, its parent, ends (`tie_to_parent`)
+_PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
 def python_command(module: str, *args) -> list[str]:
@@ -55,3 +60,18 @@ def alive_since(pid: int, when: float) -> bool:
         return False
     except psutil.AccessDenied:
         return True
+
+
+def tie_to_parent() -> None:
+    """Stop this process (SIGTERM: a server stops as on `gadei stop`) when the process that
+    started it ends, even killed by SIGKILL, where that process asked for it by setting
+    TIED_TO to its pid (`launch.LocalJob`: a demo's or a bench's server and learners do not
+    outlive it). Linux's parent-death signal; the variable is removed, so that what this
+    process starts in turn is not tied. A parent already gone is seen at once."""
+    parent = os.environ.pop(TIED_TO, "")
+    if not parent.isdigit() or not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != int(parent):  # it ended before the signal was asked for
+        os.kill(os.getpid(), signal.SIGTERM)

@@ -194,7 +194,8 @@ class LocalJob:
         self._temporary = log_dir is None
         self.keep_logs = False  # True: close() leaves a temporary log folder (its caller names it to the user)
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.env = {**os.environ, **(env or {})}
+        # its processes stop when this one ends, however it ends (`_proc.tie_to_parent`)
+        self.env = {**os.environ, **(env or {}), _proc.TIED_TO: str(os.getpid())}
         self.inherit = inherit
         self.server: subprocess.Popen | None = None
         self.learners: list[subprocess.Popen] = []

@@ -266,6 +266,30 @@ def test_gadei_demo_prints_its_own_lines_and_numbers_learners_as_it_launched_the
     assert out.splitlines()[-1].startswith("gadei demo: done in "), out
 
 
+def test_a_killed_gadei_demo_leaves_no_process_and_no_region(procs, tmp_path):
+    """A `gadei demo` killed by SIGKILL left its server and learners training on, and the
+    server then served its region forever: they stop with it now (`_proc.tie_to_parent`)."""
+    import psutil
+
+    demo = procs.gadei("demo", "--epochs", "50", cwd=tmp_path)
+    children = lambda: [c for c in psutil.Process(demo.pid).children() if "gadei" in " ".join(c.cmdline())]
+    wait_for(lambda: len(children()) == 3 or demo.poll() is not None, 120, "the demo's server and two learners")
+    started = children()
+    name = next(c.cmdline()[c.cmdline().index("serve") + 1] for c in started if "serve" in c.cmdline())
+    wait_for(lambda: inspect(name) is not None or demo.poll() is not None, 120, "the demo's region")
+    assert demo.poll() is None, communicate(demo, 10)
+    demo.kill()
+    demo.wait()
+    try:
+        gone, alive = psutil.wait_procs(started, timeout=30)
+        assert not alive, [p.cmdline() for p in alive]
+        wait_for(lambda: inspect(name) is None, 10, f"job {name}'s region to be removed")
+    finally:
+        for proc in started:
+            if proc.is_running():
+                proc.kill()
+
+
 @pytest.mark.long  # a bench's --quick run: minutes of timing loops
 def test_bench_kernel_reports_sgd_adagrad_and_adam_against_torch(procs, tmp_path):
     """A smoke run of `gadei bench kernel`: the tables and the JSON hold every size and thread

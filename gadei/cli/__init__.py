@@ -8,6 +8,7 @@ import argparse
 import sys
 
 from .. import __version__, console
+from .._proc import tie_to_parent
 from ..errors import GadeiError
 from .common import job_file_defaults
 from . import bench, bridge, clean, daemon, demo, learn, run, serve, status, stop, watchdog
@@ -33,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    tie_to_parent()  # first: a process of a demo's or a bench's job ends with it
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
     try:
