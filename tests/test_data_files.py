@@ -137,7 +137,7 @@ REFUSED = [
      r"data:3: a quoted field starts on this line and runs to the end of the file; is a quote unbalanced\?"),
     ("csv quote over many lines", C + 'a,"opens\n' + "x,y\n" * MAX_QUOTED_LINES + 'z,closes"\nb,two\n', "csv", {},
      rf"data:2: a quoted field runs over {MAX_QUOTED_LINES + 2} lines \(to line {MAX_QUOTED_LINES + 3}\)"),
-    ("csv text after a closing quote", C + 'a,"one"two\n', "csv", {}, r"data:2: not CSV: ',' expected after"),
+    ("csv text after a closing quote", C + 'a,"one"two\n', "csv", {}, r"data:2: a quoted field goes on after its closing quote; quote the whole field and double a quote inside it"),
     ("missing column, header looks like data", "pos\tthis film was great fun\nneg\tdull\n", "tsv", {},
      r"\[data\] text_column = 'text' is not a column of its header \(columns: 'pos', 'this film was great fun'\); "
      r"the first row looks like data, not a header: if the file has none, set \[data\] header = false"),

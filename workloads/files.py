@@ -324,6 +324,9 @@ def table_rows(path: Path, text: str, fmt: str, report: FileReport) -> Iterator[
                             "is a quote unbalanced?") from None
         if "field larger than field limit" in str(err):
             raise DataError(f"{path}:{start}: a field is longer than {MAX_FIELD_CHARS:,} characters") from None
+        if "expected after" in str(err):  # `"how many" cats,NUM`: text after a closing quote
+            raise DataError(f"{path}:{start}: a quoted field goes on after its closing quote; quote the whole field "
+                            'and double a quote inside it (`"how ""many"" cats",NUM`), or leave the quotes out') from None
         raise DataError(f"{path}:{start}: not CSV: {err}") from None
     report.lines = len(split_lines(text))
 
