@@ -142,7 +142,8 @@ def test_a_stop_that_comes_while_exec_runs_is_a_stop_with_exit_130(tmp_path, pro
     name = unique_name("exec-stop")
     path = blobs_job(tmp_path, name, train={"learners": 2, "epochs": 50})
     out = tmp_path / "out"
-    env = {"PYTHONPATH": str(tmp_path / "hook"), "STOP_IN_EXEC_PARENT": str(os.getpid()),
+    paths = [str(tmp_path / "hook"), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = {"PYTHONPATH": os.pathsep.join(paths), "STOP_IN_EXEC_PARENT": str(os.getpid()),
            "STOP_IN_EXEC_LOG": str(out / "logs" / "serve.log")}
     before = signal.signal(signal.SIGINT, signal.default_int_handler)  # not ignored in the child, whoever started us
     try:

@@ -255,3 +255,41 @@ class _NoProcess:
 
     def poll(self):
         return 0
+
+
+def test_the_watchdogs_pause_ends_when_a_launched_learner_exits(tmp_path):
+    """The watchdog looked every `interval` whatever happened: a job whose learners had all
+    finished ended up to two intervals later (two 0.5 s looks on every job's end). Its pause
+    ends now when a learner it launched exits, its own child or one it adopted (a pid it did
+    not start); with none running, it is the whole pause."""
+    import subprocess
+    import sys
+
+    from gadei.watchdog_record import Launched
+    from gadei_watchdog.learners import Learners
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.3)"])
+    adopted = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        ours, theirs = Launched(0, []), Launched(1, [])
+        ours.proc, ours.pid, ours.started = child, child.pid, _proc.start_time(child.pid)
+        theirs.pid, theirs.started = adopted.pid, _proc.start_time(adopted.pid)
+        learners = Learners("pause", [ours, theirs], str(tmp_path), max_restarts=1, window=1.0, backoff=1.0)
+        began = time.monotonic()
+        learners.pause(20)  # the child exits after 0.3 s
+        assert time.monotonic() - began < 10 and child.poll() is not None
+        import threading
+
+        threading.Timer(0.3, adopted.kill).start()
+        began = time.monotonic()
+        learners.pause(20)  # the child is done; the adopted one is killed in the pause
+        assert time.monotonic() - began < 10
+        adopted.wait()
+        ours.proc, ours.pid, theirs.pid = None, 0, 0
+        began = time.monotonic()
+        learners.pause(0.2)  # none runs: a plain sleep
+        assert time.monotonic() - began >= 0.2
+    finally:
+        for proc in (child, adopted):
+            proc.kill()
+            proc.wait()

@@ -116,7 +116,10 @@ class Learners:
                     except (AttributeError, OSError):  # no pidfds here, or it is gone: the look will see
                         pass
             if fds:
-                select.select(fds, [], [], seconds)
+                poller = select.poll()  # not select(): any descriptor number
+                for fd in fds:
+                    poller.register(fd, select.POLLIN)
+                poller.poll(1000 * seconds)
             else:
                 time.sleep(seconds)
         finally:
