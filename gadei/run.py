@@ -99,7 +99,8 @@ class JobRun:
     the job wrote a model); one asked for while it launches is taken once it is launched (its
     server, started with the stops held, takes this run's SIGTERM whenever it comes:
     `launch.spawn(held=True)`); later ones stop the job in order (`_follow_and_finish`), taken
-    within 0.25 s by the loop that follows the job. The handler only records a stop: a
+    by the loop that follows the job, within 0.25 s (or once `ended` has had a new watchdog
+    take over, where the job's died: `_adopt`). The handler only records a stop: a
     KeyboardInterrupt raised from it lands in whatever code runs, and one that lands in an
     exec'd string (dataclasses make their methods so, in an import) leaves CPython's flag for an
     unhandled interrupt set even once caught, so this process exited -2 after writing
