@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
+import time
 from typing import TYPE_CHECKING, Callable
 
 from .errors import DeviceError
@@ -116,6 +117,37 @@ def stream_context(stream):
     import torch
 
     return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+
+class CopyTimer:
+    """How long copies took: on a CUDA stream, by two events the GPU times around them (the
+    copy engine's time, not the host's wait for work queued before them); on a CPU device
+    (stream None), by the wall clock around the synchronous copies.
+
+    Start it once the copies may begin, `stop()` once they are queued, and read `seconds()`
+    after the stream was synchronised.
+    """
+
+    def __init__(self, stream):
+        self._stream = stream
+        if stream is None:
+            self._started = time.perf_counter()
+            return
+        import torch
+
+        self._start, self._end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        self._start.record(stream)
+
+    def stop(self) -> None:
+        if self._stream is None:
+            self._seconds = time.perf_counter() - self._started
+        else:
+            self._end.record(self._stream)
+
+    def seconds(self) -> float:
+        if self._stream is None:
+            return self._seconds
+        return self._start.elapsed_time(self._end) / 1e3  # milliseconds between the two events
 
 
 class PageLock:

@@ -22,7 +22,7 @@ from helpers import (LR, N, VALUES, Serving, communicate, finish, push_known_gra
 from gadei import device, jobfile, status
 from gadei.jobfile import JobFileError
 from gadei.region import Region
-from worker import Flat
+from worker import TABLE_WIDTH, Flat, Table
 
 GPUS = device.cuda_count()
 NO_GPU = f"needs a CUDA GPU: torch {torch.__version__} sees none on this machine"
@@ -140,6 +140,32 @@ def test_a_gpu_learner_page_locks_the_region_and_unlocks_it_when_it_leaves(job):
                     p.grad = torch.ones_like(p)
                 learner.step()
         assert model.weight.device.type == "cuda"
+
+
+@cuda
+def test_a_gpu_learners_step_returns_while_the_gpu_still_computes_its_gradient(job):
+    """`step` never waits for the device: it queues the staging copies and hands the
+    gradient over (a row-sparse table's touched rows, whose count needs the device, are
+    found on the push thread's stream), so the train thread can queue the next mini-batch
+    while the GPU still runs this one. A second of GPU work queued before the step is still
+    running when it returns."""
+
+    model = Table(N, 0.0)
+    rows = torch.ones(3, TABLE_WIDTH, device="cuda:0")
+    with Serving(job, model=Table(N, 1.0), lr=LR, row_sparse=True):
+        with gadei.Learner(model, job, device="cuda:0") as learner:
+            for step in range(3):
+                for p in model.parameters():
+                    p.grad = (torch.sparse_coo_tensor(torch.tensor([[1, 5, 1]], device="cuda:0"), rows, p.shape)
+                              if p.dim() == 2 else torch.ones_like(p))
+                torch.cuda._sleep(2_000_000_000)  # about a second of one GPU thread, on the train stream
+                queued = torch.cuda.Event()
+                queued.record()
+                learner.step()
+                assert not queued.query(), f"step {step} waited for the GPU"
+                torch.cuda.synchronize()
+            wait_for(lambda: learner._push.pending == 0, 30, "the gradients to be published")
+            assert learner.entry.get("head") == 3
 
 
 def test_gradients_the_push_thread_still_holds_count_towards_the_staleness_bound(job):

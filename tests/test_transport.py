@@ -232,8 +232,8 @@ def test_a_gradient_touching_more_rows_than_a_slot_carries_is_refused_and_nothin
                 push.push(0, 0, 1)
             # not written, not published
             assert _count(region, producer.learner, producer.slot, 0) == 0 and producer.tail() == 0
-            for p in parameters:
-                p.grad = _sparse([1, 2], torch.ones(2, TABLE_WIDTH)) if p.dim() == 2 else torch.ones(p.shape)
+            for p in parameters:  # more entries than a slot's rows, but two rows once coalesced: it fits
+                p.grad = _sparse([1, 2, 1, 2, 2], torch.ones(5, TABLE_WIDTH)) if p.dim() == 2 else torch.ones(p.shape)
             assert push.push(0, 1, 1)  # the next one goes as usual
             _applied(region, 1)
         finally:

@@ -4,7 +4,6 @@ the pull is `copy` with device buffers."""
 
 import logging
 import math
-import time
 
 import torch
 
@@ -15,7 +14,7 @@ from .pull import CopyPull
 from .push import Push
 from .handoff import Handoff
 from .slot import dense_area, dense_offset
-from .writer import TORCH_DTYPES
+from .writer import TORCH_DTYPES, touched_rows
 
 log = logging.getLogger(__name__)
 
@@ -23,15 +22,17 @@ log = logging.getLogger(__name__)
 class DevicePush(Push):
     """The paper's push thread for a model on a device (a GPU; on a CPU "device" the same steps).
 
-    After backward the train thread copies the gradients into a free one of two staging
-    buffers on the model's device (device to device, already in the ring's dtype: float16 and
-    bfloat16 are converted on the device, so half the bytes cross PCIe), records an event on
-    its stream, hands the buffer over and goes on with the next mini-batch. The push thread
-    waits for a free ring slot, copies the buffer into it on its own CUDA stream once that
-    event has passed, waits for its stream and publishes. A buffer is reused only after the
-    push thread is done with it, and the hand-off holds one buffer at most, so the train
-    thread waits only when two gradients are still on their way. Row-sparse tables travel as
-    their touched rows. On a CPU device there are no streams or events: synchronous copies.
+    After backward the train thread queues the copy of the dense gradients into a free one of
+    two staging buffers on the model's device (device to device, already in the ring's dtype:
+    float16 and bfloat16 are converted on the device, so half the bytes cross PCIe), records
+    an event on its stream, hands the buffer over and goes on with the next mini-batch: it
+    never waits for the device. The push thread, on its own CUDA stream once that event has
+    passed, takes the row-sparse tables' touched rows (which waits for that stream: their
+    count sizes them), waits for a free ring slot, copies the buffer and the rows into it,
+    waits for its stream and publishes. A buffer is reused only after the push thread is
+    done with it, and the hand-off holds one buffer at most, so the train thread waits only
+    when two gradients are still on their way. On a CPU device there are no streams or
+    events: synchronous copies.
     """
 
     name = "device"
@@ -66,7 +67,8 @@ class DevicePush(Push):
             self._locked.add(region.base + layout.payload(learner, 0), shape.slots * layout.payload_stride,
                              f"the ring of learner {learner}")
         self.bytes = 0  # copied from the device into slots
-        self.copy_seconds = 0.0  # the push thread's copies, from their start to their stream's end
+        self.copy_seconds = 0.0  # the push thread's copies, as the device timed them (device.CopyTimer)
+        self.copies = 0  # gradients copied into slots
         self._handoff = Handoff(self._run, f"gadei-device-push-{region.job}")
         self._cond = self._handoff.cond
         self._handoff.start()
@@ -91,7 +93,7 @@ class DevicePush(Push):
                 raise self._error
             buf = self._free.pop()
         try:
-            rows = self._stage(buf)
+            tables = self._stage(buf)
         except BaseException:
             with self._cond:
                 self._free.append(buf)
@@ -101,32 +103,47 @@ class DevicePush(Push):
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self.device))
         with self._cond:
-            self._item = (buf, rows, event, version, step, samples)
+            self._item = (buf, tables, event, version, step, samples)
             self._cond.notify_all()
         self.bind()
         return True
 
-    def _stage(self, buf: int) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
-        """Copy the model's gradients into staging buffer `buf` (on the train thread's stream);
-        the row-sparse tables' (table, indices, rows), on the device."""
-        rows = []
+    def _stage(self, buf: int) -> list[tuple[int, int, torch.Tensor]]:
+        """Queue the copy of the model's dense gradients into staging buffer `buf` on the train
+        thread's stream (one multi-tensor copy, converting to the ring's dtype); the row-sparse
+        tables' gradients as backward left them, (parameter, table, gradient), for the push
+        thread: finding their touched rows waits for the device, which here would stall the
+        train thread until backward ended instead of letting it queue the next step."""
+        tables, targets, sources, zeros = [], [], [], []
         with torch.no_grad():
             for i, (p, view) in enumerate(zip(self.parameters, self._views[buf])):
                 grad, table = p.grad, self.writer.table_of[i]
                 if table is not None:
                     if grad is not None:
-                        index, values = _touched_rows(grad)
-                        self.writer.check_rows(i, table, index.numel())
-                        rows.append((table, index, values.to(self.dtype).reshape(index.numel(), -1)))
+                        self._check_rows(i, table, grad)
+                        tables.append((i, table, grad))
                 elif grad is None:
-                    view.zero_()
+                    zeros.append(view)
                 elif grad.is_sparse:  # a sparse gradient of a table the job sends dense
                     grad = grad.coalesce()
                     view.zero_()
                     view.index_copy_(0, grad.indices()[0], grad.values().to(self.dtype))
                 else:
-                    view.copy_(grad)  # converts to the ring's dtype on the device
-        return rows
+                    targets.append(view)
+                    sources.append(grad)
+            if zeros:
+                torch._foreach_zero_(zeros)
+            if targets:
+                torch._foreach_copy_(targets, sources)
+        return tables
+
+    def _check_rows(self, param: int, table: int, grad: torch.Tensor) -> None:
+        """Raise GadeiError now, at this step, if table `table`'s touched rows do not fit a slot:
+        without waiting for the device where a bound on their count fits (a sparse gradient's
+        entries, or the table's rows), else by counting them."""
+        bound = grad._nnz() if grad.is_sparse else grad.shape[0]
+        if bound > self.writer.max_rows[table]:
+            self.writer.check_rows(param, table, touched_rows(grad)[0].numel())
 
     def _run(self) -> None:
         with _device.stream_context(self._stream):
@@ -150,14 +167,19 @@ class DevicePush(Push):
                     self._free.append(item[0])
                     self._cond.notify_all()
 
-    def _write(self, buf: int, rows: list, event, version: int, step: int, samples: int) -> None:
-        """Push thread: staging buffer `buf` into the free slot, then publish it."""
+    def _write(self, buf: int, tables: list, event, version: int, step: int, samples: int) -> None:
+        """Push thread: staging buffer `buf` and the tables' touched rows into the free slot,
+        then publish it."""
         _device.inject("push.copy")
-        self.producer.wait_space(self.on_slice)
-        slot = self.producer.slot
-        started = time.perf_counter()
         if event is not None:
             self._stream.wait_event(event)  # the train stream has finished staging
+        rows = []
+        for _, table, grad in tables:  # on this thread's stream, which waits for the rows' count
+            index, values = touched_rows(grad)
+            rows.append((table, index, values.to(self.dtype).reshape(index.numel(), -1)))
+        self.producer.wait_space(self.on_slice)
+        slot = self.producer.slot
+        timer = _device.CopyTimer(self._stream)
         self._slots[slot].copy_(self._staging[buf], non_blocking=self.cuda)
         nbytes = self._staging[buf].numel() * self._itemsize
         counts = []
@@ -168,12 +190,14 @@ class DevicePush(Push):
             area[:count].copy_(values, non_blocking=self.cuda)
             counts.append((table, count))
             nbytes += count * 8 + values.numel() * self._itemsize
+        timer.stop()
         if self._stream is not None:
             self._stream.synchronize()  # the slot holds the whole gradient before it is published
         for table, count in counts:
             self.writer.set_rows(slot, table, count)
-        self.copy_seconds += time.perf_counter() - started
+        self.copy_seconds += timer.seconds()
         self.bytes += nbytes
+        self.copies += 1
         _device.inject("push.publish")
         self.producer.publish(version, step, samples)
 
@@ -186,16 +210,6 @@ class DevicePush(Push):
                 self._stream.synchronize()
             self._locked.release()
         super().close()
-
-
-def _touched_rows(grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(indices, rows) of a table's gradient: a sparse one coalesced (repeated rows summed), a
-    dense one's rows that are not all zero."""
-    if grad.is_sparse:
-        grad = grad.coalesce()
-        return grad.indices()[0], grad.values()
-    index = grad.reshape(grad.shape[0], -1).ne(0).any(dim=1).nonzero().flatten()
-    return index, grad[index]
 
 
 class DevicePull(CopyPull):
@@ -220,7 +234,8 @@ class DevicePull(CopyPull):
         self._stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._released = None  # event: the train stream is done with the staging buffer (CUDA)
         self.bytes = 0  # copied from the region to the device
-        self.copy_seconds = 0.0
+        self.copy_seconds = 0.0  # as the device timed the copies (device.CopyTimer)
+        self.copies = 0
         super().start()
 
     def _buffer(self, n: int) -> torch.Tensor:
@@ -228,12 +243,15 @@ class DevicePull(CopyPull):
 
     def _copy_into(self, target: torch.Tensor, nbytes: int) -> None:
         """On the calling thread's current stream (the pull thread's own, or the train stream)."""
-        started = time.perf_counter()
+        stream = torch.cuda.current_stream(self.device) if self.cuda else None
+        timer = _device.CopyTimer(stream)
         target.copy_(self._host, non_blocking=self.cuda)
-        if self.cuda:
-            torch.cuda.current_stream(self.device).synchronize()
-        self.copy_seconds += time.perf_counter() - started
+        timer.stop()
+        if stream is not None:
+            stream.synchronize()
+        self.copy_seconds += timer.seconds()
         self.bytes += nbytes
+        self.copies += 1
 
     def _swap_in(self) -> bool:
         _device.inject("train.swap")

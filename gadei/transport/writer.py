@@ -94,12 +94,7 @@ class SlotWriter:
 
     def _write_rows(self, slot: int, param: int, table: int, grad: torch.Tensor) -> None:
         indices, rows = self.rows_area(slot, table)
-        if grad.is_sparse:
-            grad = grad.coalesce()
-            index, values = grad.indices()[0], grad.values()
-        else:  # a dense gradient of a row-sparse table: send the rows that are not zero
-            index = grad.reshape(grad.shape[0], -1).ne(0).any(dim=1).nonzero().flatten()
-            values = grad[index]
+        index, values = touched_rows(grad)
         count = index.numel()
         self.check_rows(param, table, count)
         indices[:count].copy_(index)
@@ -113,6 +108,17 @@ class SlotWriter:
                 f"job {self.job!r}: one gradient touches {count:,} rows of {self.names[param]!r}, the job carries at "
                 f"most {self.max_rows[table]:,} (serve it with a larger --max-rows)"
             )
+
+
+def touched_rows(grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(indices, rows) of a row-sparse table's gradient: a sparse one coalesced (repeated rows
+    summed), a dense one's rows that are not all zero. On a GPU this waits for the gradient
+    (the count of rows sizes the result), so a device push finds them on its own stream."""
+    if grad.is_sparse:
+        grad = grad.coalesce()
+        return grad.indices()[0], grad.values()
+    index = grad.reshape(grad.shape[0], -1).ne(0).any(dim=1).nonzero().flatten()
+    return index, grad[index]
 
 
 def is_view_of_slot(grad: torch.Tensor, writer: SlotWriter) -> bool:
