@@ -346,7 +346,12 @@ def test_the_gpu_busy_figure_counts_only_the_samples_taken_while_the_learners_tr
     from gadei.bench.gpu import _Busy
 
     busy = _Busy(torch.device("cpu"))
+    busy.source = "torch"
     busy.samples = [(1.0, 0.0), (2.0, 0.0), (3.0, 0.0), (5.0, 0.9), (6.0, 0.7), (9.0, 0.0)]
-    assert busy.fraction([(4.0, 7.0), (4.5, 8.0)]) == pytest.approx(0.8)  # the overlap: 5 and 6
-    assert busy.fraction([(4.0, 5.5), (5.8, 6.5)]) == pytest.approx(0.8)  # no overlap: their span
+    assert busy.fraction([(4.0, 7.0), (4.5, 8.0)]) == (pytest.approx(0.8), "torch, polled")  # the overlap: 5, 6
+    assert busy.fraction([(4.0, 5.5), (5.8, 6.5)])[0] == pytest.approx(0.8)  # no overlap: their span
     assert busy.fraction([(3.5, 4.5)]) is None  # a window shorter than the sampling: no figure
+    # the driver's time-stamped samples (nvidia-ml-py) are preferred where some fall in the window
+    busy.driver_samples = [(4.2, 1.0), (4.9, 0.5), (7.5, 0.0)]
+    assert busy.fraction([(4.0, 7.0), (4.5, 8.0)]) == (pytest.approx(0.5), "NVML samples")
+    assert busy.fraction([(5.5, 6.5)]) == (pytest.approx(0.7), "torch, polled")

@@ -6,11 +6,18 @@ step   per-step time of one GPU learner + server against a plain single-process 
        issue's target: within 1.1x of the plain loop, i.e. pushes and pulls hidden.
 share  samples/s of the text CNN (mini-batch 4) with 1, 2, 4 and 8 learner processes on one
        GPU (over-subscription), against one plain loop, and the fraction of time the GPU was
-       busy (NVML utilisation sampled every 50 ms, through torch.cuda.utilization or
-       nvidia-smi, the mean of the samples taken while every learner ran its timed steps).
+       busy (NVML's utilisation: the driver's time-stamped samples with nvidia-ml-py, else
+       the figure polled every 50 ms through torch.cuda.utilization or nvidia-smi; the mean
+       of the samples taken while every learner ran its timed steps, see `_Busy`).
 copy   bytes per second the learner's push thread (device -> region) and pull thread
        (region -> device) moved while copying, in the `step` runs, against the bandwidth of
-       pinned-buffer copies of the same size measured here.
+       pinned-buffer copies of the same size (the bytes of one push, of one pull) measured
+       here; both timed by CUDA events around the copies, so the figures are the copy
+       engine's, not the host's waits for the work queued before them.
+
+The `step` table also says where one learner's step waited: the train thread for a staging
+buffer (two gradients still on their way) and the push thread for a free ring slot (the
+server behind), in ms per step.
 
 Every figure is the median of `--repeats` runs, plain and gadei interleaved within each.
 Without CUDA it stops with a message; `--device cpu` runs the same harness on the CPU (a
@@ -137,14 +144,18 @@ def gadei_steps(model: nn.Module, job: str, data: list, warmup: int, device: tor
         learner.close()
     steps = len(data) - warmup
     return {"step_seconds": seconds / steps, "window": (wall - seconds, wall),
-            "push_bytes": push1[0] - push0[0], "push_copy_seconds": push1[1] - push0[1],
-            "pull_bytes": pull1[0] - pull0[0], "pull_copy_seconds": pull1[1] - pull0[1],
-            "moved_bytes_per_s": (push1[0] - push0[0] + pull1[0] - pull0[0]) / seconds}
+            **{key: push1[key] - push0[key] for key in push0},
+            **{key: pull1[key] - pull0[key] for key in pull0},
+            "moved_bytes_per_s": (push1["push_bytes"] - push0["push_bytes"] + pull1["pull_bytes"]
+                                  - pull0["pull_bytes"]) / seconds}
 
 
-def _copies(learner) -> tuple[tuple[int, float], tuple[int, float]]:
+def _copies(learner) -> tuple[dict, dict]:
+    """The push's and the pull's counters (device transports) as they stand."""
     push, pull = learner._push, learner._pull
-    return (push.bytes, push.copy_seconds), (pull.bytes, pull.copy_seconds)
+    return ({"push_bytes": push.bytes, "push_copy_seconds": push.copy_seconds, "push_copies": push.copies,
+             "train_wait_seconds": push.train_wait_seconds, "space_wait_seconds": push.space_wait_seconds},
+            {"pull_bytes": pull.bytes, "pull_copy_seconds": pull.copy_seconds, "pull_copies": pull.copies})
 
 
 def _server_main(job: str, model: str, learners: int, failed) -> None:
@@ -206,6 +217,10 @@ def bench_step(args, device: torch.device) -> dict:
                                             if r["push_copy_seconds"]]),
                "pull_bytes_per_s": median([r["pull_bytes"] / r["pull_copy_seconds"] for r in runs
                                             if r["pull_copy_seconds"]]),
+               "push_bytes_per_copy": median([r["push_bytes"] / r["push_copies"] for r in runs if r["push_copies"]]),
+               "pull_bytes_per_copy": median([r["pull_bytes"] / r["pull_copies"] for r in runs if r["pull_copies"]]),
+               "train_wait_ms": median([r["train_wait_seconds"] / steps for r in runs]) * 1e3,
+               "space_wait_ms": median([r["space_wait_seconds"] / steps for r in runs]) * 1e3,
                "moved_bytes_per_s": median([r["moved_bytes_per_s"] for r in runs]),
                "params": sum(p.numel() for p in build(model_name).parameters()), "runs": runs, "plain_runs": plain}
         row["gadei_vs_plain"] = row["gadei_step_ms"] / row["plain_step_ms"]
@@ -214,9 +229,12 @@ def bench_step(args, device: torch.device) -> dict:
         rows.append(row)
     print(f"\ngpu step: ms per step on {device}, one learner + server against a plain PyTorch loop, median of "
           f"{args.repeats} runs of {steps} steps (target: gadei/plain <= 1.1)")
-    print(table(("model", "batch", "params", "plain ms", "gadei ms", "gadei/plain"),
+    print(table(("model", "batch", "params", "plain ms", "gadei ms", "gadei/plain", "train waited ms", "ring full ms"),
                  [(r["model"], r["batch"], f"{r['params']:,}", f"{r['plain_step_ms']:.3f}", f"{r['gadei_step_ms']:.3f}",
-                   f"{r['gadei_vs_plain']:.2f}x") for r in rows]))
+                   f"{r['gadei_vs_plain']:.2f}x", f"{r['train_wait_ms']:.3f}", f"{r['space_wait_ms']:.3f}")
+                  for r in rows]))
+    print("(train waited: the train thread for a staging buffer; ring full: the push thread for a free slot, the "
+          "server behind; both per step)")
     return {"rows": rows, "steps": steps, "warmup": warmup}
 
 
@@ -231,15 +249,48 @@ def _share_worker(job: str, device: str, steps: int, warmup: int, barrier, queue
 
 
 class _Busy:
-    """Samples the GPU's utilisation (NVML) every 50 ms on a thread, until stopped; each
-    sample with its wall-clock time, so that only those taken while the learners trained
-    count (`fraction`): the processes' start (spawn, imports, CUDA's set-up) takes seconds
-    of an idle GPU, longer than the timed steps, and counted it read 0% of a GPU that trains."""
+    """The GPU's utilisation while the learners trained, from NVML: the percent of time one
+    or more kernels ran, over NVML's own sample period (1/6 to 1 s).
+
+    Where nvidia-ml-py is installed, the driver's own samples, each with its time stamp
+    (`nvmlDeviceGetSamples`, read every 0.25 s), are kept; else (or if the driver has none)
+    the latest figure is read every 50 ms (torch.cuda.utilization, or nvidia-smi without
+    nvidia-ml-py). Only the samples taken while every learner ran its timed steps count
+    (`fraction`): the processes' start (spawn, imports, CUDA's set-up) takes seconds of an
+    idle GPU, longer than the timed steps, and counted it read 0% of a GPU that trains."""
 
     def __init__(self, device: torch.device):
-        self.device, self.samples, self.source = device, [], None
+        self.device, self.samples, self.driver_samples, self.source = device, [], [], None
+        self._nvml = None  # (pynvml, handle) where the driver's samples can be read
+        self._last_seen = 0  # the driver's time stamp (microseconds) of the newest sample kept
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _open_nvml(self) -> None:
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda._get_nvml_device_index(self.device))
+            self._nvml = (pynvml, handle)
+        except Exception as err:  # no nvidia-ml-py, or no NVML: the polled figure only
+            log.info("gpu busy: NVML's samples are not readable (%s: %s)", type(err).__name__, err)
+
+    def _read_driver_samples(self) -> None:
+        pynvml, handle = self._nvml
+        try:
+            kind, samples = pynvml.nvmlDeviceGetSamples(handle, pynvml.NVML_GPU_UTILIZATION_SAMPLES, self._last_seen)
+        except pynvml.NVMLError as err:  # NOT_FOUND: no new sample since the last read
+            if not isinstance(err, pynvml.NVMLError_NotFound):
+                log.info("gpu busy: nvmlDeviceGetSamples failed (%s); polling instead", err)
+                self._nvml = None
+            return
+        for sample in samples:
+            if sample.timeStamp > self._last_seen:
+                self._last_seen = sample.timeStamp
+                value = sample.sampleValue.uiVal if kind == pynvml.NVML_VALUE_TYPE_UNSIGNED_INT else None
+                if value is not None:
+                    self.driver_samples.append((sample.timeStamp / 1e6, value / 100))
 
     def _read(self) -> float | None:
         if self.source in (None, "torch"):
@@ -257,10 +308,18 @@ class _Busy:
         return float(out.stdout.strip()) / 100 if out.returncode == 0 and out.stdout.strip() else None
 
     def _run(self) -> None:
-        while not self._stop.wait(0.05) and self.source != "none":
-            value = self._read()
-            if value is not None:
-                self.samples.append((time.time(), value))
+        self._open_nvml()
+        ticks = 0
+        while not self._stop.wait(0.05):
+            if self._nvml is not None and ticks % 5 == 0:
+                self._read_driver_samples()
+            ticks += 1
+            if self.source != "none":
+                value = self._read()
+                if value is not None:
+                    self.samples.append((time.time(), value))
+        if self._nvml is not None:
+            self._read_driver_samples()
 
     def __enter__(self):
         if self.device.type == "cuda":
@@ -272,15 +331,19 @@ class _Busy:
         if self._thread.is_alive():
             self._thread.join(10)
 
-    def fraction(self, windows: list[tuple[float, float]]) -> float | None:
+    def fraction(self, windows: list[tuple[float, float]]) -> tuple[float, str] | None:
         """The mean utilisation of the samples taken while every learner ran its timed steps
-        (the windows' overlap; their span where they do not overlap); None without a sample
-        in it (NVML's own period is 1/6 to 1 s: a shorter run has no true figure)."""
+        (the windows' overlap; their span where they do not overlap), and where they came from;
+        None without a sample in it (NVML's own period is 1/6 to 1 s: a shorter run has no
+        true figure). The driver's time-stamped samples are preferred to the polled ones."""
         start, end = max(w[0] for w in windows), min(w[1] for w in windows)
         if start >= end:
             start, end = min(w[0] for w in windows), max(w[1] for w in windows)
-        inside = [value for at, value in self.samples if start <= at <= end]
-        return sum(inside) / len(inside) if inside else None
+        for samples, source in ((self.driver_samples, "NVML samples"), (self.samples, f"{self.source}, polled")):
+            inside = [value for at, value in samples if start <= at <= end]
+            if inside:
+                return sum(inside) / len(inside), source
+        return None
 
 
 def bench_share(args, device: torch.device) -> dict:
@@ -314,47 +377,54 @@ def bench_share(args, device: torch.device) -> dict:
             busy.append(sampler.fraction([r["window"] for r in results]))
         busy = [b for b in busy if b is not None]
         rows.append({"learners": learners, "samples_per_s": median(rates), "vs_plain": median(rates) / plain,
-                     "gpu_busy": median(busy) if busy else None})
+                     "gpu_busy": median([value for value, _ in busy]) if busy else None,
+                     "gpu_busy_source": ", ".join(sorted({source for _, source in busy})) or None})
     print(f"\ngpu share: text CNN, mini-batch {SHARE_BATCH}, learners on {device} (plain loop: {plain:,.0f} samples/s); "
           f"median of {args.repeats}")
-    print(table(("learners", "samples/s", "x plain", "GPU busy"),
+    print(table(("learners", "samples/s", "x plain", "GPU busy", "busy from"),
                  [(r["learners"], f"{r['samples_per_s']:,.0f}", f"{r['vs_plain']:.2f}",
-                   "n/a" if r["gpu_busy"] is None else f"{r['gpu_busy']:.0%}") for r in rows]))
+                   "n/a" if r["gpu_busy"] is None else f"{r['gpu_busy']:.0%}", r["gpu_busy_source"] or "-")
+                  for r in rows]))
     return {"plain_samples_per_s": plain, "rows": rows, "batch": SHARE_BATCH}
 
 
-def copy_bandwidth(nbytes: int, device: torch.device, repeats: int) -> dict:
-    """Bytes/s of pinned host <-> `device` copies of `nbytes` (the ceiling the transports can reach)."""
+def copy_bandwidth(nbytes: int, to_device: bool, device: torch.device, repeats: int) -> float:
+    """Bytes/s of one pinned host -> `device` (or back) copy of `nbytes`, timed as the
+    transports time theirs (device.CopyTimer): the ceiling they can reach at that size."""
+    from ..device import CopyTimer
+
     pin = device.type == "cuda"
-    host = torch.empty(nbytes // 4, dtype=torch.float32, pin_memory=pin)
-    dev = torch.empty(nbytes // 4, dtype=torch.float32, device=device)
-    out = {}
-    for name, (dst, src) in {"host_to_device": (dev, host), "device_to_host": (host, dev)}.items():
-        times = []
-        for _ in range(max(3, repeats)):
-            _sync(device)
-            start = time.perf_counter()
-            dst.copy_(src, non_blocking=pin)
-            _sync(device)
-            times.append(time.perf_counter() - start)
-        out[name] = nbytes / median(times)
-    return out
+    host = torch.empty(max(1, int(nbytes) // 4), dtype=torch.float32, pin_memory=pin)
+    dev = torch.empty(host.numel(), dtype=torch.float32, device=device)
+    dst, src = (dev, host) if to_device else (host, dev)
+    stream = torch.cuda.current_stream(device) if pin else None
+    times = []
+    for _ in range(max(5, repeats)):
+        _sync(device)
+        timer = CopyTimer(stream)
+        dst.copy_(src, non_blocking=pin)
+        timer.stop()
+        _sync(device)
+        times.append(timer.seconds())
+    return host.numel() * 4 / median(times)
 
 
 def bench_copy(step: dict, device: torch.device, repeats: int) -> dict:
     rows = []
     for r in step["rows"]:
-        ceiling = copy_bandwidth(r["params"] * 4, device, repeats)
+        d2h = copy_bandwidth(r["push_bytes_per_copy"], False, device, repeats)
+        h2d = copy_bandwidth(r["pull_bytes_per_copy"], True, device, repeats)
         rows.append({"model": r["model"], "batch": r["batch"], "push_bytes_per_s": r["push_bytes_per_s"],
                      "pull_bytes_per_s": r["pull_bytes_per_s"], "moved_bytes_per_s": r["moved_bytes_per_s"],
-                     "device_to_host_bytes_per_s": ceiling["device_to_host"],
-                     "host_to_device_bytes_per_s": ceiling["host_to_device"],
-                     "push_vs_d2h": r["push_bytes_per_s"] / ceiling["device_to_host"],
-                     "pull_vs_h2d": r["pull_bytes_per_s"] / ceiling["host_to_device"]})
+                     "push_bytes_per_copy": r["push_bytes_per_copy"], "pull_bytes_per_copy": r["pull_bytes_per_copy"],
+                     "device_to_host_bytes_per_s": d2h, "host_to_device_bytes_per_s": h2d,
+                     "push_vs_d2h": r["push_bytes_per_s"] / d2h, "pull_vs_h2d": r["pull_bytes_per_s"] / h2d})
     print(f"\ngpu copy: GB/s of the push (device -> region) and pull (region -> device) copies while they ran, "
-          f"against pinned copies of the model's size on {device}; 'moved' is bytes over the whole run")
-    print(table(("model", "batch", "push", "D2H pinned", "push/D2H", "pull", "H2D pinned", "pull/H2D", "moved"),
-                 [(r["model"], r["batch"], f"{r['push_bytes_per_s'] / 1e9:.2f}",
+          f"against one pinned copy of the same bytes (one push's, one pull's) on {device}, all timed by the "
+          f"device; 'moved' is bytes over the whole run")
+    print(table(("model", "batch", "push MB", "push", "D2H pinned", "push/D2H", "pull", "H2D pinned", "pull/H2D",
+                  "moved"),
+                 [(r["model"], r["batch"], f"{r['push_bytes_per_copy'] / 1e6:.2f}", f"{r['push_bytes_per_s'] / 1e9:.2f}",
                    f"{r['device_to_host_bytes_per_s'] / 1e9:.2f}", f"{r['push_vs_d2h']:.2f}",
                    f"{r['pull_bytes_per_s'] / 1e9:.2f}", f"{r['host_to_device_bytes_per_s'] / 1e9:.2f}",
                    f"{r['pull_vs_h2d']:.2f}", f"{r['moved_bytes_per_s'] / 1e9:.2f}") for r in rows]))

@@ -4,6 +4,7 @@ the pull is `copy` with device buffers."""
 
 import logging
 import math
+import time
 
 import torch
 
@@ -69,6 +70,8 @@ class DevicePush(Push):
         self.bytes = 0  # copied from the device into slots
         self.copy_seconds = 0.0  # the push thread's copies, as the device timed them (device.CopyTimer)
         self.copies = 0  # gradients copied into slots
+        self.train_wait_seconds = 0.0  # the train thread's waits for a staging buffer (two still on their way)
+        self.space_wait_seconds = 0.0  # the push thread's waits for a free slot (the server behind)
         self._handoff = Handoff(self._run, f"gadei-device-push-{region.job}")
         self._cond = self._handoff.cond
         self._handoff.start()
@@ -85,10 +88,12 @@ class DevicePush(Push):
     def push(self, version: int, step: int, samples: int) -> bool:
         _device.inject("train.stage")
         with self._cond:
+            started = time.perf_counter()
             while (self._item is not None or not self._free) and self._error is None:
                 if not self._handoff.thread.is_alive():
                     raise GadeiError(f"job {self.region.job!r}: the push thread ended")
                 self._cond.wait(WAIT_SLICE)  # two gradients are still on their way
+            self.train_wait_seconds += time.perf_counter() - started
             if self._error is not None:
                 raise self._error
             buf = self._free.pop()
@@ -177,7 +182,9 @@ class DevicePush(Push):
         for _, table, grad in tables:  # on this thread's stream, which waits for the rows' count
             index, values = touched_rows(grad)
             rows.append((table, index, values.to(self.dtype).reshape(index.numel(), -1)))
+        started = time.perf_counter()
         self.producer.wait_space(self.on_slice)
+        self.space_wait_seconds += time.perf_counter() - started
         slot = self.producer.slot
         timer = _device.CopyTimer(self._stream)
         self._slots[slot].copy_(self._staging[buf], non_blocking=self.cuda)
