@@ -28,6 +28,7 @@ import logging
 import os
 import shutil
 import subprocess
+import tempfile
 import threading
 import time
 
@@ -346,46 +347,107 @@ class _Busy:
         return None
 
 
-def bench_share(args, device: torch.device) -> dict:
-    import torch.multiprocessing as mp
+class Mps:
+    """A CUDA MPS control daemon of the bench's own (`gadei bench gpu --mps`), for the
+    processes started while it is entered: their kernels share the GPU in one MPS server's
+    context instead of time-slicing between a context per process. It runs in pipe and log
+    folders of its own (CUDA_MPS_PIPE_DIRECTORY, CUDA_MPS_LOG_DIRECTORY, set in this
+    process's environment, which spawned learners inherit) and is told to quit on exit."""
 
+    def __init__(self):
+        self.control = shutil.which("nvidia-cuda-mps-control")
+        if self.control is None:
+            raise DeviceError("gadei bench gpu --mps: nvidia-cuda-mps-control is not on PATH (it comes with the "
+                              "NVIDIA driver's utilities)")
+        self.folder, self.env, self._saved = "", {}, {}
+
+    def _control(self, *args: str, text: str | None = None) -> None:
+        done = subprocess.run([self.control, *args], input=text, capture_output=True, text=True, timeout=60,
+                              env={**os.environ, **self.env})
+        if done.returncode != 0:
+            raise DeviceError(f"nvidia-cuda-mps-control {' '.join(args) or text.strip()} exited {done.returncode}: "
+                              f"{(done.stderr or done.stdout).strip()}")
+
+    def __enter__(self) -> "Mps":
+        self.folder = tempfile.mkdtemp(prefix="gadei-mps-")
+        self.env = {"CUDA_MPS_PIPE_DIRECTORY": os.path.join(self.folder, "pipe"),
+                    "CUDA_MPS_LOG_DIRECTORY": os.path.join(self.folder, "log")}
+        for folder in self.env.values():
+            os.makedirs(folder)
+        try:
+            self._control("-d")
+        except BaseException:
+            shutil.rmtree(self.folder, ignore_errors=True)
+            raise
+        for key, value in self.env.items():
+            self._saved[key] = os.environ.get(key)
+            os.environ[key] = value
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for key, value in self._saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        try:
+            self._control(text="quit\n")
+        finally:
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def bench_share(args, device: torch.device, mps: Mps | None = None) -> dict:
     steps, warmup = (20, 5) if args.quick else (300, 30)
     counts = (1, 2) if args.quick else SHARE_LEARNERS
-    ctx = mp.get_context("spawn")
     data = batches("textcnn", SHARE_BATCH, steps + warmup, device)
     plain = median([SHARE_BATCH / plain_steps(build("textcnn").to(device), data, warmup, device)
                      for _ in range(args.repeats)])
-    rows = []
-    for learners in counts:
-        rates, busy = [], []
-        for _ in range(args.repeats):
-            with _Job("textcnn", learners) as job:
-                barrier, queue = ctx.Barrier(learners), ctx.Queue()
-                procs = [ctx.Process(target=_share_worker, args=(job, str(device), steps, warmup, barrier, queue))
-                         for _ in range(learners)]
-                for p in procs:
-                    p.start()
-                with _Busy(device) as sampler:
-                    results = [queue.get(timeout=1800) for _ in procs]
-                for p in procs:
-                    p.join(60)
-                    if p.is_alive():
-                        p.kill()
-                        p.join()
-            # each learner's own rate, added: they ran side by side
-            rates.append(sum(SHARE_BATCH / r["step_seconds"] for r in results))
-            busy.append(sampler.fraction([r["window"] for r in results]))
-        busy = [b for b in busy if b is not None]
-        rows.append({"learners": learners, "samples_per_s": median(rates), "vs_plain": median(rates) / plain,
-                     "gpu_busy": median([value for value, _ in busy]) if busy else None,
-                     "gpu_busy_source": ", ".join(sorted({source for _, source in busy})) or None})
+    rows = [_share_row(learners, device, steps, warmup, args.repeats, plain) for learners in counts]
+    if mps is not None:
+        with mps:
+            rows += [{**_share_row(learners, device, steps, warmup, args.repeats, plain), "mps": True}
+                     for learners in counts]
     print(f"\ngpu share: text CNN, mini-batch {SHARE_BATCH}, learners on {device} (plain loop: {plain:,.0f} samples/s); "
           f"median of {args.repeats}")
-    print(table(("learners", "samples/s", "x plain", "GPU busy", "busy from"),
-                 [(r["learners"], f"{r['samples_per_s']:,.0f}", f"{r['vs_plain']:.2f}",
+    print(table(("learners", "MPS", "samples/s", "x plain", "x 1 learner", "ring full ms", "GPU busy", "busy from"),
+                 [(r["learners"], "yes" if r.get("mps") else "no", f"{r['samples_per_s']:,.0f}", f"{r['vs_plain']:.2f}",
+                   f"{r['samples_per_s'] / rows[0]['samples_per_s']:.2f}", f"{r['space_wait_ms']:.3f}",
                    "n/a" if r["gpu_busy"] is None else f"{r['gpu_busy']:.0%}", r["gpu_busy_source"] or "-")
                   for r in rows]))
+    print("(x 1 learner: against one learner without MPS; ring full: the push threads' waits for a free slot per "
+          "step, the median learner's)")
     return {"plain_samples_per_s": plain, "rows": rows, "batch": SHARE_BATCH}
+
+
+def _share_row(learners: int, device: torch.device, steps: int, warmup: int, repeats: int, plain: float) -> dict:
+    """`learners` learner processes training side by side on `device`, `repeats` times."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    rates, busy, waits = [], [], []
+    for _ in range(repeats):
+        with _Job("textcnn", learners) as job:
+            barrier, queue = ctx.Barrier(learners), ctx.Queue()
+            procs = [ctx.Process(target=_share_worker, args=(job, str(device), steps, warmup, barrier, queue))
+                     for _ in range(learners)]
+            for p in procs:
+                p.start()
+            with _Busy(device) as sampler:
+                results = [queue.get(timeout=1800) for _ in procs]
+            for p in procs:
+                p.join(60)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+        # each learner's own rate, added: they ran side by side
+        rates.append(sum(SHARE_BATCH / r["step_seconds"] for r in results))
+        busy.append(sampler.fraction([r["window"] for r in results]))
+        waits.append(median([r["space_wait_seconds"] / steps for r in results]))
+    busy = [b for b in busy if b is not None]
+    return {"learners": learners, "samples_per_s": median(rates), "vs_plain": median(rates) / plain,
+            "space_wait_ms": median(waits) * 1e3,
+            "gpu_busy": median([value for value, _ in busy]) if busy else None,
+            "gpu_busy_source": ", ".join(sorted({source for _, source in busy})) or None}
 
 
 def copy_bandwidth(nbytes: int, to_device: bool, device: torch.device, repeats: int) -> float:
@@ -441,6 +503,11 @@ def bench_gpu(args) -> dict:
     except DeviceError as err:
         raise DeviceError(f"gadei bench gpu measures GPU learners: {err}. (`--device cpu` runs the harness on the "
                           "CPU as a smoke run; its figures say nothing about GPUs)") from None
+    mps = None
+    if getattr(args, "mps", False):
+        if device.type != "cuda":
+            raise DeviceError("gadei bench gpu --mps shares a GPU through CUDA MPS: it needs a CUDA device")
+        mps = Mps()  # refused now, not after the step runs, where the machine has no MPS
     if device.type == "cpu":
         print("gadei bench gpu --device cpu: a smoke run of the harness on the CPU; the figures say nothing about GPUs")
         gpu = None
@@ -451,7 +518,7 @@ def bench_gpu(args) -> dict:
         print(f"gadei bench gpu: {props.name} ({props.total_memory / 2**30:.0f} GiB), CUDA {torch.version.cuda}, "
               f"torch {torch.__version__}")
     step = bench_step(args, device)
-    share = bench_share(args, device)
+    share = bench_share(args, device, mps)
     copy = bench_copy(step, device, args.repeats)
     out = {"device": str(device), "gpu": gpu, "step": step, "share": share, "copy": copy}
     path = plot_path(args, "gpu")
@@ -478,8 +545,13 @@ def figure(result: dict):
     step.set_title("step time (lower is better)", fontsize=9)
     step.legend(fontsize=7)
     shared = result["share"]
-    learners = [r["learners"] for r in shared["rows"]]
-    share.plot(learners, [r["samples_per_s"] for r in shared["rows"]], "o-", color="tab:blue", label="gadei learners")
+    plain_rows = [r for r in shared["rows"] if not r.get("mps")]
+    mps_rows = [r for r in shared["rows"] if r.get("mps")]
+    learners = [r["learners"] for r in plain_rows]
+    share.plot(learners, [r["samples_per_s"] for r in plain_rows], "o-", color="tab:blue", label="gadei learners")
+    if mps_rows:
+        share.plot([r["learners"] for r in mps_rows], [r["samples_per_s"] for r in mps_rows], "s--", color="tab:purple",
+                   label="gadei learners, CUDA MPS")
     share.axhline(shared["plain_samples_per_s"], color="grey", linestyle=":", label="plain PyTorch, 1 process")
     share.set_xticks(learners)
     share.set_xlabel("learners on one GPU")
@@ -487,7 +559,7 @@ def figure(result: dict):
     share.set_ylim(bottom=0)
     share.set_title(f"sharing the GPU (text CNN, batch {shared['batch']})", fontsize=9)
     share.legend(fontsize=7, loc="lower right")
-    busy = [(n, r["gpu_busy"]) for n, r in zip(learners, shared["rows"]) if r["gpu_busy"] is not None]
+    busy = [(n, r["gpu_busy"]) for n, r in zip(learners, plain_rows) if r["gpu_busy"] is not None]
     if busy:
         twin = share.twinx()
         twin.bar([n for n, _ in busy], [100 * b for _, b in busy], width=0.3, alpha=0.2, color="tab:blue")

@@ -35,6 +35,8 @@ def add_parser(sub) -> None:
     p.add_argument("--ranks", type=at_least(1), default=2, help="bridge: MPI ranks started on this machine (default 2)")
     p.add_argument("--device", default="cuda:0", help="gpu: the GPU measured (default cuda:0; cpu: a smoke run of "
                    "the harness, figures meaningless)")
+    p.add_argument("--mps", action="store_true", help="gpu: also run the learners sharing the GPU under a CUDA MPS "
+                   "daemon of the bench's own (nvidia-cuda-mps-control), beside the runs without")
     p.add_argument("--batches", help="peers, scaling, threads: mini-batch sizes, comma-separated (default 1,2,4,32; "
                    "--quick 4; threads: 2,32)")
     p.add_argument("--plot", default=None, metavar="PNG",
