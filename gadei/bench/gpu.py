@@ -362,11 +362,15 @@ class Mps:
         self.folder, self.env, self._saved = "", {}, {}
 
     def _control(self, *args: str, text: str | None = None) -> None:
-        done = subprocess.run([self.control, *args], input=text, capture_output=True, text=True, timeout=60,
-                              env={**os.environ, **self.env})
+        # its output goes to a file, not a pipe: the daemon `-d` forks may hold a pipe open
+        with tempfile.TemporaryFile("w+") as out:
+            done = subprocess.run([self.control, *args], input=text, stdout=out, stderr=subprocess.STDOUT, text=True,
+                                  timeout=60, env={**os.environ, **self.env})
+            out.seek(0)
+            said = out.read().strip()
         if done.returncode != 0:
             raise DeviceError(f"nvidia-cuda-mps-control {' '.join(args) or text.strip()} exited {done.returncode}: "
-                              f"{(done.stderr or done.stdout).strip()}")
+                              f"{said}")
 
     def __enter__(self) -> "Mps":
         self.folder = tempfile.mkdtemp(prefix="gadei-mps-")
