@@ -5,7 +5,7 @@ run says to go on with it, `go_on`; a finished run, which has nothing to go on w
 `finished`), and the output folder's job.toml and maps (`prepare`). `gadei.run.JobRun` owns the rest of the job's
 life: launch, follow, finish.
 
-`node` everywhere here: the bridged node this process runs (`gadei.run.BridgedRun`), or None.
+`node` everywhere here: the bridged node this process runs (`gadei.bridge.run.BridgedRun`), or None.
 """
 
 import dataclasses

@@ -53,6 +53,7 @@ from .board import Board
 from .custody import adopt
 from .prepare import RUN, Prepared, describe, go_on, prepare
 from ._proc import gadei_command
+from .bridge.run import BridgedRun
 from .errors import GadeiError
 
 log = logging.getLogger(__name__)
@@ -74,7 +75,7 @@ def run_job(path: str, *, quiet: bool = False, resume: bool = False, by: str = R
     node = BridgedRun.launched(job)
     if node is None:
         return JobRun(prepare(job, resume, None, by), quiet, asked=asked).run()
-    return node.run(job, quiet=quiet, resume=resume, asked=asked)
+    return node.end(JobRun(node.prepare(job, resume), quiet, node, asked).run())
 
 
 class JobRun:
@@ -82,7 +83,7 @@ class JobRun:
     launch (server, watchdog, learners; a bridged node's bridge), follow (the progress line,
     through server restarts and a watchdog's death), finish (`outputs.conclude`: metrics, plot,
     result.json), report (the exit code). `gadei run` runs one; the daemon runs `gadei run`;
-    a bridged node's `BridgedRun.run` runs one with its bridge.
+    a bridged node's runs with its bridge (`BridgedRun`).
 
     The job ends when its server process has exited and its watchdog has recorded the end
     (`outputs.END`) with no server of the job left running. A server that dies is the
@@ -398,165 +399,6 @@ def _ignore_stops() -> None:
     process writes its outputs to the end."""
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, signal.SIG_IGN)
-
-
-class BridgedRun:
-    """This process as node `rank` of `size` of a bridged job: rank r of `mpiexec -n NODES
-    gadei run job.toml` runs its own node's job (`Job.for_node`) with one ring more than
-    learners, for the bridge, which this process runs in a thread (`gadei.bridge.Background`)
-    once its job serves. Learner i of node r trains shard r*L + i of NODES*L, so the nodes
-    together see each sample once per epoch: the work of one node with NODES*L learners."""
-
-    def __init__(self, comm, options):
-        self.comm, self.options = comm, options
-        self.rank, self.size = comm.Get_rank(), comm.Get_size()
-        self.clean = False  # MPI may be finalised: no request in flight, no peer lost
-
-    @classmethod
-    def launched(cls, job: jobfile.Job) -> "BridgedRun | None":
-        """This node, when the job has a [bridge] and the MPI launcher started more than one rank
-        (only then is MPI loaded)."""
-        if job.bridge is None:
-            return None
-        from . import bridge
-
-        if bridge.launched_ranks() < 2:
-            return None
-        options = job.bridge  # the job file's [bridge] is the bridge's own BridgeOptions
-        MPI = bridge.mpi()
-        comm = MPI.COMM_WORLD
-        comm.Set_errhandler(MPI.ERRORS_RETURN)
-        options.check(comm.Get_size())
-        return cls(comm, options)
-
-    def shards(self, learners: int) -> list[str]:
-        return [f"{self.rank * learners + i}/{self.size * learners}" for i in range(learners)]
-
-    def shares(self, job: jobfile.Job) -> int:
-        """Among how many models each node's progress is shared: the N nodes' (average and
-        gossip average them), or N + 1 with elastic, whose moves keep the sum of the nodes'
-        weights and the centre."""
-        return self.size + (1 if job.bridge.strategy == "elastic" else 0)
-
-    def lr(self, job: jobfile.Job) -> float:
-        """The rate each node serves at: [bridge] node_lr, or [train] lr x shares. [train] lr is
-        one node's rate; a node's progress counts 1/shares in the joint model, so each node
-        steps at shares x lr (the linear scaling rule of data-parallel SGD)."""
-        return job.bridge.node_lr or job.train.lr * self.shares(job)
-
-    def child_environment(self) -> dict:
-        from .bridge import child_environment
-
-        return child_environment()
-
-    def run(self, job: jobfile.Job, *, quiet: bool, resume: bool, asked: list[int] | None = None) -> int:
-        """Prepare this node's job, agree with the other nodes that every one could (and that
-        their schedules fit together), run it with its bridge, and end MPI."""
-        from .bridge import finalize
-
-        try:
-            prepared = prepare(job, resume, self)
-        except Exception:  # the others must not wait for this node into their timeout
-            self._agree(None)
-            raise
-        self._agree(prepared)
-        code = JobRun(prepared, quiet, self, asked).run()
-        return finalize(self.clean, code, self.options.timeout)
-
-    def _agree(self, prepared: Prepared | None) -> None:
-        """Every rank says whether it is ready and what its schedule is; all start, or none.
-
-        Raises:
-            GadeiError: another rank could not prepare its job, their schedules differ (the
-                shards would not cover the data once), or a rank did not answer in time.
-        """
-        import numpy as np
-
-        from .bridge import LinkDown, mpi, wait_all
-        from .protocol import Deadline
-
-        MPI = mpi()
-        t = prepared.job.train if prepared else None
-        mine = np.array([1, t.learners, t.epochs, t.batch, t.seed, len(prepared.train)] if prepared else [0] * 6,
-                        dtype=np.int64)
-        low, high = np.empty_like(mine), np.empty_like(mine)
-        try:
-            wait_all([self.comm.Iallreduce(mine, low, op=MPI.MIN), self.comm.Iallreduce(mine, high, op=MPI.MAX)],
-                     Deadline(self.options.timeout), "the nodes agreeing to start")
-        except LinkDown as err:
-            self.clean = False
-            raise GadeiError(f"node {self.rank}: {err}; not starting (is every rank running `gadei run` on the same "
-                             "job file?)") from None
-        self.clean = True
-        if not low[0]:
-            self._end()
-            if prepared is None:
-                return  # this node's own error follows
-            raise GadeiError(f"node {self.rank}: another node could not prepare its job (see its error); nothing "
-                             "started")
-        names = ("[train] learners", "[train] epochs", "[train] batch", "[train] seed", "training samples")
-        differ = [f"{name} {lo} to {hi}" for name, lo, hi in zip(names, low[1:], high[1:]) if lo != hi]
-        if differ:
-            self._end()
-            raise GadeiError(f"node {self.rank}: the nodes' jobs differ in " + ", ".join(differ) + "; the learners' "
-                             "shards would not cover the data once: run the same job file (and data) on every node")
-
-    def _end(self) -> None:
-        """MPI ends here (no job started): every rank knows, nothing is in flight."""
-        from .bridge import mpi
-
-        mpi().Finalize()
-
-    def start_bridge(self, job: jobfile.Job, serve: subprocess.Popen):
-        """This node's bridge, in a thread: it attaches once the job serves, its events go to
-        logs/bridge.log (JSON lines)."""
-        from .bridge import Background
-
-        events = open(job.output / "logs" / "bridge.log", "a")
-
-        def on_event(record: dict) -> None:
-            events.write(json.dumps(record) + "\n")
-            events.flush()
-
-        self._events = events
-        return Background(job.name, self.options, ended=lambda: serve.poll() is not None, on_event=on_event).start()
-
-    def stop_bridge(self, bridge, model: Path, private: bool = True) -> None:
-        """After the local job ended: wait for the bridge to leave the exchanges (the others
-        learn it at the next one, within a quarter of the timeout), or, when the job finished,
-        for every node to finish (it takes part with its final weights meanwhile, as long as
-        the exchanges go on), and write the model they agreed on into `model` (`private`: the
-        job's [output] private)."""
-        quiet = self.options.timeout + 30
-        while not bridge.join(1.0):
-            if time.monotonic() - bridge.last_event > quiet:
-                log.error("node %d: the bridge made no exchange for %g s after the job ended; not waiting for it",
-                          self.rank, quiet)
-                break
-        self.clean = bridge.clean and bridge.report is not None
-        if bridge.bridge is not None and bridge.bridge.final is not None:
-            bridge.bridge.save_final(str(model), private=private)
-            print(f"gadei run: node {self.rank}: every node finished; {model} holds the model they agreed on",
-                  flush=True)
-        self._events.close()
-        report = bridge.report
-        if report is not None:
-            print(f"gadei run: node {self.rank}: bridge {report.strategy}: {report.exchanges:,} exchanges, "
-                  f"{report.published:,} moves, {report.bytes_sent / (1 << 20):,.1f} MB sent; {report.reason}"
-                  + (f"; lost ranks {report.lost}" if report.lost else ""), flush=True)
-        else:
-            print(f"gadei run: node {self.rank}: no bridge ran: {bridge.error}", file=sys.stderr, flush=True)
-
-    def summary(self, bridge) -> dict:
-        """result.json's "bridge": this node, and what its bridge did."""
-        from dataclasses import asdict
-
-        record = {"node": self.rank, "nodes": self.size, "strategy": self.options.strategy}
-        if bridge.report is not None:
-            record.update({k: v for k, v in asdict(bridge.report).items() if k not in ("rank", "job", "strategy")})
-        else:
-            record["reason"] = f"no bridge ran: {bridge.error}"
-        return record
 
 
 def checkpoint_progress(job: jobfile.Job, start: dict | None = None, attempts: int = 5):

@@ -106,7 +106,7 @@ def test_bridge_must_be_a_section(small):
 
 
 def test_each_node_has_its_own_job_name_and_folder_and_the_shards_cover_the_data(small):
-    from gadei.run import BridgedRun
+    from gadei.bridge.run import BridgedRun
 
     job = _load(small, BASE + "[train]\nlearners = 3\n[bridge]\n")
     node = job.for_node(1, 2)
@@ -132,7 +132,7 @@ def test_each_node_has_its_own_job_name_and_folder_and_the_shards_cover_the_data
 
 
 def test_only_a_launcher_of_more_than_one_rank_makes_a_node(small, monkeypatch):
-    from gadei.run import BridgedRun
+    from gadei.bridge.run import BridgedRun
 
     for name in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
         monkeypatch.delenv(name, raising=False)
