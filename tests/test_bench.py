@@ -111,6 +111,15 @@ def test_bench_gpu_on_the_cpu_draws_its_figure_beside_out(procs, tmp_path):
     path = tmp_path / "gadei-bench-gpu.png"
     assert saved["gpu"]["plot"] == str(path)
     assert _png(path)[:2] == (380, 1300)  # three panels side by side
+    # each push is set against a pinned copy of its own bytes: the text CNN's table travels as
+    # its touched rows, so a push is smaller than the model, and a pull is the whole model
+    steps = {r["model"]: r for r in saved["gpu"]["step"]["rows"]}
+    copies = {r["model"]: r for r in saved["gpu"]["copy"]["rows"]}
+    assert 0 < copies["textcnn"]["push_bytes_per_copy"] < steps["textcnn"]["params"] * 4
+    assert copies["textcnn"]["pull_bytes_per_copy"] == steps["textcnn"]["params"] * 4
+    assert copies["vgg"]["push_bytes_per_copy"] == steps["vgg"]["params"] * 4  # dense, float32
+    assert all(r["push_vs_d2h"] > 0 and r["pull_vs_h2d"] > 0 for r in copies.values())
+    assert all(r["train_wait_ms"] >= 0 and r["space_wait_ms"] >= 0 for r in steps.values())
 
 
 @pytest.mark.long  # a bench's --quick run: minutes of training
