@@ -15,7 +15,8 @@ import numpy as np
 
 from .. import jobfile
 from ..errors import GadeiError
-from ..prepare import Prepared, prepare
+from ..prepare import Prepared
+from ..prepare import prepare as prepare_job  # this class has a `prepare` of its own
 from ..protocol import Deadline
 from .mpi import LinkDown, mpi, wait_all
 from .mpiexec import Background, child_environment, launched_ranks
@@ -74,7 +75,7 @@ class BridgedRun:
         that their schedules fit together); then `gadei.run.JobRun` runs it with its bridge,
         and `end` ends MPI."""
         try:
-            prepared = prepare(job, resume, self)
+            prepared = prepare_job(job, resume, self)
         except Exception:  # the others must not wait for this node into their timeout
             self._agree(None)
             raise
