@@ -13,9 +13,10 @@ status`, `stop`, `clean`, `--help`) never need; `RuleOptions` brings NumPy and t
 
 import importlib
 
-from .env import quiet_openmp
+from .env import quiet_openmp, serving_command
 
-quiet_openmp()  # before anything loads OpenMP (torch, gadei._native): idle kernel threads sleep
+if serving_command():  # before the command-line tools load OpenMP: the kernel's idle threads sleep
+    quiet_openmp()
 
 from .errors import (
     BadJobName,

@@ -18,11 +18,14 @@ bookkeeping, not a setting: the times of a job's recent server restarts, which a
 watchdog hands to the server it restarts (the server shows their count in `gadei status`),
 written by `restarts_env` and read by `restarts`.
 
-One variable of OpenMP's own is set, at import, by `quiet_openmp`: OMP_WAIT_POLICY=PASSIVE,
-unless it or GOMP_SPINCOUNT is set already.
+One variable of OpenMP's own is set by `quiet_openmp`, in a server's process only and for as
+long as its OpenMP runtime takes to load: OMP_WAIT_POLICY=PASSIVE, unless it or GOMP_SPINCOUNT
+is set already. Learners and every other process keep OpenMP's defaults.
 """
 
+import ctypes
 import os
+import sys
 from dataclasses import dataclass
 
 
@@ -73,30 +76,83 @@ def settings() -> Settings:
 
 
 _OPENMP_LATE = False  # OpenMP was loaded before quiet_openmp could set its wait policy
+_OPENMP_QUIET = False  # quiet_openmp loaded this process's OpenMP runtime under the passive policy
 
 
 def quiet_openmp() -> None:
-    """Make this process's idle OpenMP threads sleep instead of spinning: OMP_WAIT_POLICY=PASSIVE
-    (children inherit it), unless the user set OMP_WAIT_POLICY or GOMP_SPINCOUNT. GNU OpenMP's
-    default keeps every thread of a team spinning for about 3 ms after each parallel region;
-    the server's kernel team runs for tens of microseconds per update, so between updates its
-    threads would take as many cores as they are, on any machine. The runtime reads the
-    policy once, when it loads (with torch or gadei._native), so gadei calls this on import;
-    `openmp_spins` says when that was too late."""
-    global _OPENMP_LATE
-    if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
+    """Make this process's idle OpenMP threads sleep instead of spinning: a server's. GNU
+    OpenMP's default keeps every thread of a team spinning for about 3 ms after each parallel
+    region; the server's kernel team runs for tens of microseconds per update, so between
+    updates its threads would take as many cores as they are, on any machine.
+
+    The runtime reads its policy once, when it loads (with gadei._native or torch), so this
+    sets OMP_WAIT_POLICY=PASSIVE, loads it now, and takes the variable out of the environment
+    again: the policy is this process's, and the processes it
+    starts keep OpenMP's defaults. Learners must: PyTorch runs a step's parallel regions back
+    to back, and waking sleeping threads for each one made a text CNN's step at mini-batch 2
+    twice as slow with 2 threads as with one (docs/benchmarks.md, "threads").
+
+    Called where a server runs: by `gadei serve` when the package is imported
+    (`serving_command`), and by `gadei.server` when it is imported (a server of the Python
+    API). Nothing where the user set OMP_WAIT_POLICY or GOMP_SPINCOUNT; `openmp_spins` says
+    when the runtime was loaded before (torch imported first)."""
+    global _OPENMP_LATE, _OPENMP_QUIET
+    if _OPENMP_QUIET or "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
         return
-    _OPENMP_LATE = _openmp_loaded()
+    if _openmp_loaded():
+        _OPENMP_LATE = True
+        return
     os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    try:  # GNU OpenMP, which gadei._native links and torch's wheels bundle under the same soname
+        ctypes.CDLL("libgomp.so.1")  # reads the policy as it loads; both find it loaded then
+    except OSError:  # none on the library path: the variable stays for whatever loads OpenMP later
+        return
+    if _openmp_loaded():
+        del os.environ["OMP_WAIT_POLICY"]
+        _OPENMP_QUIET = True
 
 
 def openmp_spins() -> bool:
     """Whether this process's OpenMP threads spin between parallel regions: the runtime was
-    loaded (torch imported before gadei) before `quiet_openmp` set the passive policy, or the
-    user asked for it (OMP_WAIT_POLICY=ACTIVE, GOMP_SPINCOUNT above 0)."""
+    loaded (torch imported before gadei.server) before `quiet_openmp` could make it passive,
+    or the user asked for it (OMP_WAIT_POLICY=ACTIVE, GOMP_SPINCOUNT above 0)."""
+    if _OPENMP_QUIET:
+        return False
     policy = os.environ.get("OMP_WAIT_POLICY", "").strip().upper()
     spin = os.environ.get("GOMP_SPINCOUNT", "").strip()
     return _OPENMP_LATE or policy == "ACTIVE" or (policy != "PASSIVE" and spin not in ("", "0"))
+
+
+def openmp_policy() -> str:
+    """This process's OpenMP wait policy in words (the logs of servers and learners say it)."""
+    if _OPENMP_QUIET:
+        return "passive (gadei's: idle threads sleep)"
+    given = [f"{name}={os.environ[name]}" for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if name in os.environ]
+    if given:
+        return ", ".join(given)
+    return "OpenMP's default" + (" (loaded before gadei could make it passive)" if _OPENMP_LATE else "")
+
+
+def serving_command(argv: list[str] | None = None) -> bool:
+    """Whether this process is `gadei serve` (`gadei serve ...` or `python -m gadei serve ...`:
+    its original command line, `sys.orig_argv`, by default). The command-line tools load the
+    kernel's OpenMP runtime as they import, so the package decides there (`quiet_openmp`)."""
+    argv = list(getattr(sys, "orig_argv", sys.argv) if argv is None else argv)
+    i = 1
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "-m":
+            return argv[i + 1:i + 3] == ["gadei", "serve"]
+        if arg in ("-c", "-"):
+            return False
+        if arg in ("-X", "-W", "-Q"):  # an interpreter option whose value is the next argument
+            i += 2
+            continue
+        if arg.startswith("-"):
+            i += 1
+            continue
+        return os.path.basename(arg) == "gadei" and argv[i + 1:i + 2] == ["serve"]
+    return False
 
 
 def _openmp_loaded() -> bool:

@@ -28,7 +28,7 @@ import torch
 
 from . import _proc, params
 from . import device as _device
-from .env import settings
+from .env import openmp_policy, settings
 from .errors import GadeiTimeout, JobFailed, JobStopped, RegionMismatch, ServerGone
 from .layout import INIT_EMPTY, INIT_READY, INIT_WRITING, LEAVING, STOPPED, TRAIN_STOPS
 from .protocol import WAIT_SLICE, Deadline, RunState, TrainStop, Version
@@ -140,9 +140,9 @@ class Learner:
         except BaseException:
             self._teardown(drain=False)
             raise
-        log.info("job %r: learner %d attached (pid %d, %s, %d PyTorch thread%s, pull %s, push %s)", self.job,
-                 self.learner_id, os.getpid(), self.device, torch.get_num_threads(),
-                 "s" if torch.get_num_threads() != 1 else "", self.pull_mode, self.push_mode)
+        log.info("job %r: learner %d attached (pid %d, %s, %d PyTorch thread%s, OpenMP wait policy: %s, pull %s, "
+                 "push %s)", self.job, self.learner_id, os.getpid(), self.device, torch.get_num_threads(),
+                 "s" if torch.get_num_threads() != 1 else "", openmp_policy(), self.pull_mode, self.push_mode)
         return self
 
     def _ensure_weights(self, spec) -> None:

@@ -32,13 +32,17 @@ import struct
 import time
 from dataclasses import dataclass
 
+from .env import quiet_openmp
+
+quiet_openmp()  # before torch loads OpenMP: the kernel's idle threads sleep (a server of the Python API too)
+
 import numpy as np
 import torch
 
 from . import params
 from .checkpoint import Checkpoint, CheckpointError
 from .checkpoint import take as take_checkpoint
-from .env import openmp_spins, settings, usable_cores
+from .env import openmp_policy, openmp_spins, settings, usable_cores
 from .errors import NonFiniteGradient, RegionCorrupt, RegionMismatch
 from .layout import (
     ACTIVE,
@@ -157,7 +161,7 @@ class Server:
         if self.threads > 1 and openmp_spins():
             log.warning("job %r: OpenMP's idle threads spin here (OMP_WAIT_POLICY=ACTIVE, GOMP_SPINCOUNT, or torch was "
                         "imported before gadei): the update kernel's %d threads will keep up to %d cores busy between "
-                        "updates; import gadei before torch, or set OMP_WAIT_POLICY=PASSIVE", job, self.threads,
+                        "updates; import gadei.server before torch, or set OMP_WAIT_POLICY=PASSIVE", job, self.threads,
                         self.threads)
         spec, sparse = None, ()
         auto = row_sparse is None
@@ -217,8 +221,9 @@ class Server:
             (" (chosen: the model's embedding gradients are sparse)" if auto and sparse else "")
         log.info(
             "job %r: serving %s parameters (%s) in %s mode, %s, %d learner rings of %d slots, lr %g, "
-            "kernel teams of up to %d threads (one per 262,144 elements of an update)", job, f"{shape.n_params:,}",
-            _mb(shape.n_params * 4), mode, described, shape.capacity, slots, rule_options.lr, self.threads,
+            "kernel teams of up to %d threads (one per 262,144 elements of an update; OpenMP wait policy: %s)", job,
+            f"{shape.n_params:,}", _mb(shape.n_params * 4), mode, described, shape.capacity, slots, rule_options.lr,
+            self.threads, openmp_policy(),
         )
 
     def _resume(self, checkpoint: Checkpoint, spec) -> None:

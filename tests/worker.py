@@ -33,6 +33,11 @@ import time
 
 import threading
 
+if sys.argv[1:2] == ["serve"]:  # as `gadei serve`: the kernel's OpenMP runtime loads passive, before torch's import
+    from gadei.env import quiet_openmp
+
+    quiet_openmp()
+
 import numpy as np
 import torch
 

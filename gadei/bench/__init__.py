@@ -88,8 +88,8 @@ def run_bench(args) -> int:
 
         args.data = resolve(args.data)  # a shared data set's bare name ('trec'), as `gadei learn --data` takes it
     built, processors = openmp()
-    # the cores this process may run on beside the machine's; the OpenMP settings as the bench's
-    # processes see them (gadei sets OMP_WAIT_POLICY=PASSIVE at import unless the user set it)
+    # the cores this process may run on beside the machine's; the OpenMP settings the user gave
+    # (None: the learners and peers run at OpenMP's defaults, gadei's servers passive)
     out = {"machine": {"cpus": os.cpu_count(), "usable_cpus": usable_cores(),
                        "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"),
                        "GADEI_THREADS": os.environ.get("GADEI_THREADS"),

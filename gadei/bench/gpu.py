@@ -178,10 +178,8 @@ class _Job:
     """A server process for `model` with room for `learners`; stopped and reaped on exit."""
 
     def __init__(self, model: str, learners: int, timeout: float = 120.0):
-        import torch.multiprocessing as mp
-
         self.job = f"bench-gpu-{os.getpid()}-{time.monotonic_ns() % 10**9}"
-        self.proc = start_server(mp.get_context("spawn"), self.job, _server_main, (self.job, model, learners), timeout)
+        self.proc = start_server(self.job, _server_main, (self.job, model, learners), timeout)
 
     def __enter__(self):
         return self.job

@@ -77,7 +77,7 @@ def run_peer(kind: str, world: int, batch: int, *, epochs: int, seed: int, lr: f
                      for r in range(world)]
         elif kind == "gadei":
             job = f"bench-peers-{os.getpid()}-{time.monotonic_ns() % 10**9}"
-            server = _start_server(ctx, job, (data, seed, world, lr, options or {}), queue)
+            server = _start_server(job, (data, seed, world, lr, options or {}), queue)
             barrier = ctx.Barrier(world)
             procs = [ctx.Process(target=w.gadei_learner,
                                  args=(r, world, batch, epochs, seed, lr, data, limit, job, barrier, queue),
@@ -130,19 +130,22 @@ def run_peer(kind: str, world: int, batch: int, *, epochs: int, seed: int, lr: f
 def _context():
     """Fresh processes from a fork server that imported torch and the workloads once (a run's
     start then takes a fork, not seconds of imports per process; nothing of this process's
-    threads or OpenMP state is inherited, unlike a plain fork)."""
+    threads or OpenMP state is inherited, unlike a plain fork). Its OpenMP runtime has
+    OpenMP's defaults, as a learner's: gadei's servers are spawned (`_start_server`)."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "gadei_workloads", "gadei.bench.peer_workers", "gadei.learner", "gadei.server"])
+    ctx.set_forkserver_preload(["torch", "gadei_workloads", "gadei.bench.peer_workers", "gadei.learner"])
     return ctx
 
 
-def _start_server(ctx, job: str, args: tuple, queue, timeout: float = 120.0):
-    """Start the gadei server of a run and wait until its region is up (or raise what it failed with)."""
+def _start_server(job: str, args: tuple, queue, timeout: float = 120.0):
+    """Start the gadei server of a run and wait until its region is up (or raise what it failed
+    with). Spawned, not from the learners' fork server (`timing.start_server`): its kernel's
+    idle threads sleep, as `gadei serve`'s do, while the learners keep OpenMP's defaults."""
     from .peer_workers import gadei_server
 
-    return start_server(ctx, job, gadei_server, (job, *args, queue), timeout)
+    return start_server(job, gadei_server, (job, *args, queue), timeout)
 
 
 def _gadei_weights(job: str) -> dict:

@@ -111,17 +111,32 @@ def table(headers, rows) -> str:
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells)
 
 
-def start_server(ctx, job: str, target, args: tuple, timeout: float = 120.0):
-    """Start `target(*args, failed)` (a bench run's gadei server) in a process of `ctx` and wait
-    until job `job`'s region is up; raise what it failed with (a message on the `failed` queue,
-    or its exit code), or TimeoutError after `timeout` seconds."""
+def start_server(job: str, target, args: tuple, timeout: float = 120.0):
+    """Start `target(*args, failed)` (a bench run's gadei server) in a process of its own and
+    wait until job `job`'s region is up; raise what it failed with (a message on the `failed`
+    queue, or its exit code), or TimeoutError after `timeout` seconds.
+
+    The process is spawned (a new interpreter) with OMP_WAIT_POLICY=PASSIVE in the environment
+    it starts with, unless the user set an OpenMP wait policy: its kernel's idle threads sleep,
+    as `gadei serve`'s do (`env.quiet_openmp`). A fork server's child would have the fork
+    server's OpenMP runtime, loaded with the learners' policy."""
+    import torch.multiprocessing as mp
+
     from ..errors import GadeiTimeout, RegionNotFound
     from ..protocol import Deadline
     from ..region import Region
 
+    ctx = mp.get_context("spawn")
     failed = ctx.Queue()
     proc = ctx.Process(target=target, args=(*args, failed))
-    proc.start()
+    given = "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ
+    if not given:
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    try:
+        proc.start()
+    finally:
+        if not given:
+            del os.environ["OMP_WAIT_POLICY"]
     deadline = Deadline(timeout)
     while True:
         try:

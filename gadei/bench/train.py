@@ -95,9 +95,9 @@ def _server_worker(job, data, seed, vocab, world, lr, options, failed):
         server.close()
 
 
-def _start_server(ctx, job, data, seed, vocab, world, lr, options, timeout: float = 120.0):
+def _start_server(job, data, seed, vocab, world, lr, options, timeout: float = 120.0):
     """Start `_server_worker` and wait until its region is up (or raise what it failed with)."""
-    return start_server(ctx, job, _server_worker, (job, data, seed, vocab, world, lr, options), timeout)
+    return start_server(job, _server_worker, (job, data, seed, vocab, world, lr, options), timeout)
 
 
 def _run_train(kind, world, batch, epochs, seed, lr, data, *, vocab: int = 0, options: dict | None = None) -> dict:
@@ -122,7 +122,7 @@ def _run_train(kind, world, batch, epochs, seed, lr, data, *, vocab: int = 0, op
         shared = _bench_model(workload, train, seed, vocab)
         shared.share_memory()
     job = f"bench-train-{os.getpid()}-{time.monotonic_ns() % 10**9}"
-    server = _start_server(ctx, job, data, seed, vocab, world, lr, options or {}) if kind == "gadei" else None
+    server = _start_server(job, data, seed, vocab, world, lr, options or {}) if kind == "gadei" else None
     procs = []
     extra = {}
     try:
