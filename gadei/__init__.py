@@ -13,9 +13,10 @@ status`, `stop`, `clean`, `--help`) never need; `RuleOptions` brings NumPy and t
 
 import importlib
 
-from .env import quiet_openmp, serving_command
+from ._proc import gadei_subcommand
+from .env import quiet_openmp
 
-if serving_command():  # before the command-line tools load OpenMP: the kernel's idle threads sleep
+if gadei_subcommand() == "serve":  # before the command-line tools load OpenMP: the kernel's idle threads sleep
     quiet_openmp()
 
 from .errors import (

@@ -20,6 +20,28 @@ def python_command(module: str, *args) -> list[str]:
     return [sys.executable, "-P", "-m", module, *map(str, args)]
 
 
+def gadei_subcommand(argv: list[str] | None = None) -> str | None:
+    """The gadei command (`serve`, `learn`, ...) a command line runs: `gadei CMD ...`, or
+    `python [options] -m gadei CMD ...` as `python_command` builds it; by default this
+    process's original command line (`sys.orig_argv`, which the interpreter's options keep).
+    None for any other program."""
+    argv = list(getattr(sys, "orig_argv", sys.argv) if argv is None else argv)
+    i = 1  # argv[0] is the interpreter
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "-m":
+            return argv[i + 2] if argv[i + 1:i + 2] == ["gadei"] and i + 2 < len(argv) else None
+        if arg in ("-c", "-"):
+            return None
+        if arg in ("-X", "-W", "-Q"):  # an interpreter option whose value is the next argument
+            i += 2
+        elif arg.startswith("-"):
+            i += 1
+        else:  # a script: the `gadei` entry point, or another program
+            return argv[i + 1] if os.path.basename(arg) == "gadei" and i + 1 < len(argv) else None
+    return None
+
+
 def gadei_command(*args) -> list[str]:
     """The command line that runs `gadei ARGS...` (the `gadei` command) with this Python."""
     return python_command("gadei", *args)

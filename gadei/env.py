@@ -25,7 +25,6 @@ is set already. Learners and every other process keep OpenMP's defaults.
 
 import ctypes
 import os
-import sys
 from dataclasses import dataclass
 
 
@@ -92,9 +91,9 @@ def quiet_openmp() -> None:
     to back, and waking sleeping threads for each one made a text CNN's step at mini-batch 2
     twice as slow with 2 threads as with one (docs/benchmarks.md, "threads").
 
-    Called where a server runs: by `gadei serve` when the package is imported
-    (`serving_command`), and by `gadei.server` when it is imported (a server of the Python
-    API). Nothing where the user set OMP_WAIT_POLICY or GOMP_SPINCOUNT; `openmp_spins` says
+    Called where a server runs: by `gadei serve` when the package is imported (the
+    command-line tools load the kernel as they import; `_proc.gadei_subcommand`), and by
+    `gadei.server` when it is imported (a server of the Python API). Nothing where the user set OMP_WAIT_POLICY or GOMP_SPINCOUNT; `openmp_spins` says
     when the runtime was loaded before (torch imported first)."""
     global _OPENMP_LATE, _OPENMP_QUIET
     if _OPENMP_QUIET or "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
@@ -131,28 +130,6 @@ def openmp_policy() -> str:
     if given:
         return ", ".join(given)
     return "OpenMP's default" + (" (loaded before gadei could make it passive)" if _OPENMP_LATE else "")
-
-
-def serving_command(argv: list[str] | None = None) -> bool:
-    """Whether this process is `gadei serve` (`gadei serve ...` or `python -m gadei serve ...`:
-    its original command line, `sys.orig_argv`, by default). The command-line tools load the
-    kernel's OpenMP runtime as they import, so the package decides there (`quiet_openmp`)."""
-    argv = list(getattr(sys, "orig_argv", sys.argv) if argv is None else argv)
-    i = 1
-    while i < len(argv):
-        arg = argv[i]
-        if arg == "-m":
-            return argv[i + 1:i + 3] == ["gadei", "serve"]
-        if arg in ("-c", "-"):
-            return False
-        if arg in ("-X", "-W", "-Q"):  # an interpreter option whose value is the next argument
-            i += 2
-            continue
-        if arg.startswith("-"):
-            i += 1
-            continue
-        return os.path.basename(arg) == "gadei" and argv[i + 1:i + 2] == ["serve"]
-    return False
 
 
 def _openmp_loaded() -> bool:

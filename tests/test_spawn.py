@@ -56,3 +56,16 @@ def test_gadei_run_from_a_folder_of_decoy_packages_runs_the_installed_gadei(tmp_
     assert result["finished"] is True
     logs = "".join(p.read_text() for p in (tmp_path / "out" / "logs").iterdir() if p.is_file())
     assert "decoy" not in logs
+
+
+def test_a_command_line_says_which_gadei_command_it_runs():
+    """`gadei serve` decides its OpenMP wait policy from its own command line as the package is
+    imported (gadei/__init__.py): every way gadei or a user starts it is recognised, and no other
+    program or command is taken for it."""
+    assert _proc.gadei_subcommand(_proc.gadei_command("serve", "--job-file", "j.toml")) == "serve"
+    assert _proc.gadei_subcommand(_proc.gadei_command("learn", "--job-file", "j.toml")) == "learn"
+    assert _proc.gadei_subcommand(["/venv/bin/python3", "/venv/bin/gadei", "serve", "x"]) == "serve"
+    assert _proc.gadei_subcommand(["python", "-X", "importtime", "-B", "-m", "gadei", "serve"]) == "serve"
+    for other in (["python", "-m", "pytest", "serve"], ["python", "train.py", "serve"], ["python", "-c", "x", "serve"],
+                  ["python", "-m", "gadei"], ["python", "/venv/bin/gadei"], ["python"]):
+        assert _proc.gadei_subcommand(other) is None, other

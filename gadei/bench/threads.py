@@ -7,9 +7,10 @@ up to the cores less one; 4 even on 2 cores, over-subscribing it on purpose: wha
 given more threads than the machine has costs) at mini-batches 2 and 32 (`--batches`). For
 each: samples/s and CPU milliseconds per sample (every process, the server's included), the
 speed-up over one thread, and gadei's ratio to the plain loop at the same threads. A small
-mini-batch's step is too short to split across threads; a large one's matrix products split
-well: that is where `[train] threads` (`gadei.jobfile.auto_threads`) pays for the cores it
-takes. Each figure is the median of `--repeats` runs, the runs of a repeat in shuffled order.
+mini-batch's step splits poorly across threads (on 2 cores a second thread gave 1.1x at
+batch 2, at 1.7x the CPU per sample); a large one's matrix products split well (1.4-1.6x at
+batch 32): that is where `[train] threads` (`gadei.jobfile.auto_threads`) pays for the cores
+it takes. Each figure is the median of `--repeats` runs, the runs of a repeat in shuffled order.
 """
 
 import logging
