@@ -2,7 +2,8 @@
 
 | variable | meaning | default |
 |---|---|---|
-| GADEI_THREADS | the most OpenMP threads of the server's update kernel (a team has one thread per 262,144 elements of the update) | half the usable cores (the affinity), at least 1 |
+| GADEI_CORES | the cores gadei's choices count on: learners' threads = "auto", the server's kernel team (GADEI_THREADS) and its spin for the next gradient; at most the affinity | the usable cores (the affinity: a container's or taskset's share); in a job the daemon runs beside others (`--max-jobs` N), the daemon's cores / N |
+| GADEI_THREADS | the most OpenMP threads of the server's update kernel (a team has one thread per 262,144 elements of the update) | half the usable cores (GADEI_CORES), at least 1 |
 | GADEI_SPIN_US | the most microseconds the server spins for the next gradient, while they come less than 200 us apart and it has a core of its own | 2000 |
 | GADEI_ATTACH_TIMEOUT | seconds a learner waits for the job's region and weights | 30 |
 | GADEI_SERVER_TIMEOUT | seconds without a server heartbeat before a waiting learner gives up | 30 |
@@ -53,13 +54,44 @@ class Settings:
     data_dir: str | None
 
 
-def usable_cores() -> int:
+CORES = "GADEI_CORES"
+
+
+def affinity_cores() -> int:
     """The CPUs this process may run on (its affinity: a container's or taskset's share of the
     machine, not `os.cpu_count()`)."""
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         return os.cpu_count() or 1
+
+
+def usable_cores() -> int:
+    """The cores gadei's choices count on (learners' auto threads, the server's team and spin):
+    the CPUs this process may run on, or fewer where GADEI_CORES says so (the daemon gives
+    each job that runs beside others its share, `job_cores_env`)."""
+    cores = affinity_cores()
+    given = _number(CORES, None, int)
+    if given is None:
+        return cores
+    if given < 1:
+        raise ValueError(f"environment variable {CORES}={os.environ[CORES]!r} must be at least 1")
+    return min(cores, given)
+
+
+def cores_said() -> str:
+    """`usable_cores` in words, with where a smaller count comes from ("8 cores (GADEI_CORES;
+    the process may use 16)")."""
+    cores, affinity = usable_cores(), affinity_cores()
+    said = f"{cores} core{'s' if cores != 1 else ''}"
+    return said + (f" ({CORES}; the process may use {affinity})" if cores < affinity else "")
+
+
+def job_cores_env(jobs: int) -> dict[str, str]:
+    """The environment of a job that runs beside up to `jobs` - 1 others (the daemon's
+    `--max-jobs`): GADEI_CORES, its share of this process's cores, so that their learners'
+    threads and servers fit the cores together as one job's do alone. Nothing for one job."""
+    return {CORES: str(max(1, usable_cores() // jobs))} if jobs > 1 else {}
 
 
 def settings() -> Settings:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import data, jobfile, outputs
-from .env import usable_cores
+from .env import cores_said, usable_cores
 from .errors import GadeiError
 
 
@@ -253,14 +253,14 @@ def describe(prepared: Prepared, node) -> list[str]:
 
 def _threads_line(t: jobfile.Train) -> str:
     """How many PyTorch threads each learner takes, and why ([train] threads)."""
-    n, cores = t.learner_threads, usable_cores()
+    n, cores, where = t.learner_threads, usable_cores(), cores_said()
     said = f"{t.learners} x {n} PyTorch thread{'s' if n != 1 else ''}"
     if "threads" in t.given:
         over = t.learners * n + 1 > cores
-        return said + " ([train] threads" + (f"; with the server more than the {cores} cores" if over else "") + ")"
+        return said + " ([train] threads" + (f"; with the server more than the {where}" if over else "") + ")"
     if cores - 1 >= t.learners:
-        return said + f" (auto: {cores} cores: one for the server, {cores - 1} for the learners)"
-    return said + f" (auto: {cores} core{'s' if cores != 1 else ''}: one for the server, and one thread a learner at least)"
+        return said + f" (auto: {where}: one for the server, {cores - 1} for the learners)"
+    return said + f" (auto: {where}: one for the server, and one thread a learner at least)"
 
 
 def _compared(section) -> dict:

@@ -19,7 +19,7 @@ import pytest
 
 from helpers import daemon_jobs as _jobs
 from helpers import (blobs, communicate, data_dir, finish, job_processes, job_text, job_version, learner_pids, missing,
-                     start_daemon, tiered, trec_job, wait_for)
+                     small_job, start_daemon, tiered, trec_job, unique_name, wait_for)
 from gadei import checkpoint
 from gadei.daemon import request
 from gadei.errors import GadeiError
@@ -202,6 +202,24 @@ def test_a_bad_job_file_is_refused_at_submit_and_nothing_is_queued(tmp_path, pro
     assert submit.returncode == 2 and "[data] train = '" in err and "no such file" in err
     out, _ = finish(procs.gadei("status", "--json", env=daemon_env))
     assert "daemon-jobs" not in out  # nothing was queued
+    daemon.terminate()
+    communicate(daemon, 60)
+
+
+def test_jobs_that_run_side_by_side_share_the_cores(small, procs, daemon_env):
+    """`--max-jobs 2`: each job's `gadei run` counts on half the daemon's cores (GADEI_CORES),
+    for its learners' threads and its server, and its opening lines say so."""
+    name = unique_name("share")
+    job = small / "job.toml"
+    job.write_text(small_job(name) + '[train]\nlearners = 1\nepochs = 1\n[output]\nfolder = "out"\n')
+    daemon = start_daemon(procs, daemon_env, "--max-jobs", 2)
+    finish(procs.gadei("submit", job, env=daemon_env))
+    wait_for(lambda: _jobs(procs, daemon_env)[name]["state"] in ("done", "failed"), 120, "the job to end")
+    assert _jobs(procs, daemon_env)[name]["state"] == "done"
+    logs, _ = finish(procs.gadei("logs", name, "--lines", 200, env=daemon_env))
+    cores = max(1, len(os.sched_getaffinity(0)) // 2)
+    line = next((ln for ln in logs.splitlines() if "learners: 1 x" in ln), logs)
+    assert f"(auto: {cores} core" in line and "(GADEI_CORES; the process may use" in line, line
     daemon.terminate()
     communicate(daemon, 60)
 

@@ -517,6 +517,27 @@ def test_threads_given_in_the_job_file_are_kept_whatever_the_cores(small, monkey
                                                             "and one thread a learner at least)")
 
 
+@pytest.mark.parametrize("given, learners, threads, counted", [("4", 2, 1, 4), ("8", 2, 3, 8), ("64", 2, 7, 16)])
+def test_gadei_cores_is_the_count_auto_threads_share(small, monkeypatch, given, learners, threads, counted):
+    """GADEI_CORES (the daemon's share for a job beside others) caps the cores that threads =
+    "auto" shares, never above the affinity, and the run's opening line says where the count
+    comes from; the daemon's share of 16 cores for 4 jobs at once is 4 each, for one job nothing."""
+    from gadei.env import job_cores_env
+    from gadei.prepare import _threads_line
+
+    monkeypatch.setattr(jobfile.os, "sched_getaffinity", lambda pid: set(range(16)))
+    monkeypatch.setenv("GADEI_CORES", given)
+    job = jobfile.load(_job(small, small_job() + f"[train]\nlearners = {learners}\n"))
+    assert job.train.learner_threads == threads
+    capped = " (GADEI_CORES; the process may use 16)" if counted < 16 else ""
+    assert f"(auto: {counted} cores{capped}: one for the server" in _threads_line(job.train)
+    assert job_cores_env(1) == {} and job_cores_env(2) == {"GADEI_CORES": str(counted // 2)}
+    for bad in ("0", "two", "-1"):
+        monkeypatch.setenv("GADEI_CORES", bad)
+        with pytest.raises(ValueError, match=f"GADEI_CORES={bad!r}"):
+            _ = job.train.learner_threads
+
+
 def test_row_sparse_is_the_servers_choice_unless_the_job_file_says(small):
     """[transport] row_sparse: "auto" (the default) leaves the choice to the server (row-sparse
     where the model's embedding gradients are sparse), but a bridged node's gradients stay

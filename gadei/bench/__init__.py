@@ -88,11 +88,11 @@ def run_bench(args) -> int:
 
         args.data = resolve(args.data)  # a shared data set's bare name ('trec'), as `gadei learn --data` takes it
     built, processors = openmp()
-    # the cores this process may run on beside the machine's; the OpenMP settings the user gave
+    # the cores this process counts on (its affinity, or GADEI_CORES) beside the machine's; the settings the user gave
     # (None: the learners and peers run at OpenMP's defaults, gadei's servers passive)
     out = {"machine": {"cpus": os.cpu_count(), "usable_cpus": usable_cores(),
                        "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"),
-                       "GADEI_THREADS": os.environ.get("GADEI_THREADS"),
+                       "GADEI_THREADS": os.environ.get("GADEI_THREADS"), "GADEI_CORES": os.environ.get("GADEI_CORES"),
                        "platform": platform.platform(), "python": platform.python_version(),
                        "torch": torch.__version__, "openmp": built, "kernel_threads_default": settings().threads},
            "repeats": args.repeats, "quick": args.quick, "started": time.strftime("%Y-%m-%dT%H:%M:%S")}

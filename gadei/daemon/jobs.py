@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .. import _proc, jobfile
-from ..env import runtime_dir, state_dir as state_folder
+from ..env import CORES, cores_said, job_cores_env, runtime_dir, state_dir as state_folder
 from ..errors import GadeiError, NoSuchJob
 from .listener import BACKLOG, MAX_CONNECTIONS, WORKERS, Loop, check_request
 
@@ -338,7 +338,8 @@ class Daemon:
 
         with open(fd, "ab") as out:
             proc = spawn(_proc.gadei_command("run", record.jobfile, "--quiet", "--submitted")
-                         + (["--resume"] if record.resume else []), log=out, held=True)  # a cancel at once
+                         + (["--resume"] if record.resume else []), log=out, held=True,  # a cancel at once
+                         env={**os.environ, **job_cores_env(self.max_jobs)})  # its share of the cores
         # is then a stop it takes (once its handler is set), never its death
         self.procs[record.name] = proc
         record.state, record.pid, record.started = RUNNING, proc.pid, time.time()
@@ -426,8 +427,10 @@ class Daemon:
         runner = threading.Thread(target=self.run_queue, name="gadei-daemon-runner", daemon=True)
         runner.start()
         previous = {sig: signal.signal(sig, lambda *_: self.stop()) for sig in (signal.SIGTERM, signal.SIGINT)}
-        log.info("gadei daemon (pid %d) listening on %s; %d jobs at once; job records in %s", os.getpid(), path,
-                 self.max_jobs, self.folder / "jobs")
+        share = job_cores_env(self.max_jobs)
+        log.info("gadei daemon (pid %d) listening on %s; %d jobs at once%s; job records in %s", os.getpid(), path,
+                 self.max_jobs, f", each counting on {share[CORES]} of {cores_said()}" if share else "",
+                 self.folder / "jobs")
         print(f"gadei daemon: listening on {path}; stop it with `gadei daemon stop`", file=sys.stderr, flush=True)
         try:
             Loop(self, listener).run()
