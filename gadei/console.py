@@ -22,8 +22,8 @@ def run(func, args, prog: str = "gadei") -> int:
     141 when stdout's reader has gone."""
     # A command whose own lines say what happens (`gadei run`) shows the library's records only
     # from WARNING unless GADEI_LOG asks for more; the others log at INFO (their logs are files).
-    configure_logging(getattr(args, "log_default", "INFO"))
     try:
+        configure_logging(getattr(args, "log_default", "INFO"))  # reads GADEI_LOG (and GADEI_CORES): refused here
         return func(args)
     except GadeiError as err:
         print(f"{prog}: error: {err}", file=sys.stderr)

@@ -36,7 +36,8 @@ def _number(name, default, kind):
     try:
         value = kind(raw)
     except ValueError:
-        raise ValueError(f"environment variable {name}={raw!r} is not a {kind.__name__}") from None
+        raise ValueError(f"environment variable {name}={raw!r} is not {'an integer' if kind is int else 'a number'}") \
+            from None
     if value < 0:
         raise ValueError(f"environment variable {name}={raw!r} must not be negative")
     return value

@@ -643,6 +643,18 @@ def test_counts_and_seconds_out_of_range_are_refused_saying_what_is_allowed(argv
     assert exited.value.code == 2 and f"gadei {argv[0]}: error: argument {argv[-2]}: {allowed}" in err, err
 
 
+@pytest.mark.parametrize("name, value, said", [("GADEI_CORES", "abc", "is not an integer"),
+                                               ("GADEI_CORES", "0", "must be at least 1"),
+                                               ("GADEI_THREADS", "-2", "must not be negative"),
+                                               ("GADEI_SPIN_US", "soon", "is not a number")])
+def test_a_bad_environment_variable_is_refused_in_one_line(procs, name, value, said):
+    """A GADEI_* variable that is not a count is refused by every command, naming it, before
+    anything runs (it was a traceback from the logging's set-up)."""
+    status = procs.gadei("status", env={**os.environ, name: value})
+    out, err = communicate(status, 60)
+    assert status.returncode == 2 and err.strip() == f"gadei: error: environment variable {name}={value!r} {said}", err
+
+
 def _tiny_job(tmp_path, name: str, extra: str = "") -> "os.PathLike":
     data = tmp_path / "tiny.csv"
     rows = ["text,label"] + [f"how many {w} are there,NUM" for w in ("cats", "dogs", "cars", "ants")] + \
