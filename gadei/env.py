@@ -119,15 +119,16 @@ def quiet_openmp() -> None:
 
     The runtime reads its policy once, when it loads (with gadei._native or torch), so this
     sets OMP_WAIT_POLICY=PASSIVE, loads it now, and takes the variable out of the environment
-    again: the policy is this process's, and the processes it
-    starts keep OpenMP's defaults. Learners must: PyTorch runs a step's parallel regions back
-    to back, and waking sleeping threads for each one made a text CNN's step at mini-batch 2
-    twice as slow with 2 threads as with one (docs/benchmarks.md, "threads").
+    again: the policy is this process's, and the processes it starts keep OpenMP's defaults.
+    Learners must: PyTorch runs a step's parallel regions back to back, and waking sleeping
+    threads for each one made a text CNN's step at mini-batch 2 twice as slow with 2 threads
+    as with one (docs/benchmarks.md, "threads").
 
     Called where a server runs: by `gadei serve` when the package is imported (the
     command-line tools load the kernel as they import; `_proc.gadei_subcommand`), and by
-    `gadei.server` when it is imported (a server of the Python API). Nothing where the user set OMP_WAIT_POLICY or GOMP_SPINCOUNT; `openmp_spins` says
-    when the runtime was loaded before (torch imported first)."""
+    `gadei.server` when it is imported (a server of the Python API). Nothing where the user
+    set OMP_WAIT_POLICY or GOMP_SPINCOUNT; `openmp_spins` says when the runtime was loaded
+    before (torch imported first)."""
     global _OPENMP_LATE, _OPENMP_QUIET
     if _OPENMP_QUIET or "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
         return

@@ -336,10 +336,10 @@ class Daemon:
         fd = os.open(record.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         from ..launch import spawn
 
+        env = {**os.environ, **job_cores_env(self.max_jobs)}  # its share of the cores, beside the other jobs
         with open(fd, "ab") as out:
             proc = spawn(_proc.gadei_command("run", record.jobfile, "--quiet", "--submitted")
-                         + (["--resume"] if record.resume else []), log=out, held=True,  # a cancel at once
-                         env={**os.environ, **job_cores_env(self.max_jobs)})  # its share of the cores
+                         + (["--resume"] if record.resume else []), log=out, held=True, env=env)  # a cancel at once
         # is then a stop it takes (once its handler is set), never its death
         self.procs[record.name] = proc
         record.state, record.pid, record.started = RUNNING, proc.pid, time.time()
