@@ -23,7 +23,7 @@ def run(func, args, prog: str = "gadei") -> int:
     # A command whose own lines say what happens (`gadei run`) shows the library's records only
     # from WARNING unless GADEI_LOG asks for more; the others log at INFO (their logs are files).
     try:
-        configure_logging(getattr(args, "log_default", "INFO"))  # reads GADEI_LOG (and GADEI_CORES): refused here
+        configure_logging(getattr(args, "log_default", "INFO"))  # reads every GADEI_* setting: a bad one is refused
         return func(args)
     except GadeiError as err:
         print(f"{prog}: error: {err}", file=sys.stderr)
