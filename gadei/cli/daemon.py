@@ -104,7 +104,7 @@ def add_parser(sub) -> None:
                    "stop: stop the running daemon and wait until it has; systemd-unit: print a systemd user unit "
                    "that runs it")
     p.add_argument("--max-jobs", type=at_least(1), default=1, help="jobs run at once (default 1); each counts on its "
-                   "share of the cores (GADEI_CORES: the cores / N) for its learners' threads and its server")
+                   "share of the cores (GADEI_CORES: the cores / --max-jobs) for its learners' threads and its server")
     p.add_argument("--timeout", type=at_least(0, float, above=True), default=30.0, help="stop: seconds to wait for it (default 30)")
     p.add_argument("--metrics-port", type=int, metavar="PORT",
                    help="run: serve the daemon's figures (jobs per state; per running job its version, updates/s, "
