@@ -24,6 +24,7 @@ long as its OpenMP runtime takes to load: OMP_WAIT_POLICY=PASSIVE, unless it or 
 is set already. Learners and every other process keep OpenMP's defaults.
 """
 
+import contextlib
 import ctypes
 import os
 from dataclasses import dataclass
@@ -107,6 +108,28 @@ def settings() -> Settings:
     )
 
 
+@contextlib.contextmanager
+def environ(values: dict[str, str]):
+    """`values` in this process's environment for the block (processes started in it inherit
+    them), and the variables as they were after it."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def openmp_policy_given() -> bool:
+    """Whether the user set OpenMP's wait policy (OMP_WAIT_POLICY or GOMP_SPINCOUNT): gadei
+    then leaves it alone everywhere."""
+    return "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ
+
+
 _OPENMP_LATE = False  # OpenMP was loaded before quiet_openmp could set its wait policy
 _OPENMP_QUIET = False  # quiet_openmp loaded this process's OpenMP runtime under the passive policy
 
@@ -130,7 +153,7 @@ def quiet_openmp() -> None:
     set OMP_WAIT_POLICY or GOMP_SPINCOUNT; `openmp_spins` says when the runtime was loaded
     before (torch imported first)."""
     global _OPENMP_LATE, _OPENMP_QUIET
-    if _OPENMP_QUIET or "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
+    if _OPENMP_QUIET or openmp_policy_given():
         return
     if _openmp_loaded():
         _OPENMP_LATE = True

@@ -35,6 +35,7 @@ import time
 import torch
 from torch import nn
 
+from ..env import environ
 from ..errors import DeviceError
 from ..modes import RuleOptions
 from .figure import plot_path, pyplot, save
@@ -357,7 +358,7 @@ class Mps:
         if self.control is None:
             raise DeviceError("gadei bench gpu --mps: nvidia-cuda-mps-control is not on PATH (it comes with the "
                               "NVIDIA driver's utilities)")
-        self.folder, self.env, self._saved = "", {}, {}
+        self.folder, self.env, self._environ = "", {}, None
 
     def _control(self, *args: str, text: str | None = None) -> None:
         # its output goes to a file, not a pipe: the daemon `-d` forks may hold a pipe open
@@ -381,17 +382,12 @@ class Mps:
         except BaseException:
             shutil.rmtree(self.folder, ignore_errors=True)
             raise
-        for key, value in self.env.items():
-            self._saved[key] = os.environ.get(key)
-            os.environ[key] = value
+        self._environ = environ(self.env)
+        self._environ.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
-        for key, value in self._saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        self._environ.__exit__(None, None, None)
         try:
             self._control(text="quit\n")
         finally:

@@ -122,6 +122,7 @@ def start_server(job: str, target, args: tuple, timeout: float = 120.0):
     server's OpenMP runtime, loaded with the learners' policy."""
     import torch.multiprocessing as mp
 
+    from ..env import environ, openmp_policy_given
     from ..errors import GadeiTimeout, RegionNotFound
     from ..protocol import Deadline
     from ..region import Region
@@ -129,14 +130,8 @@ def start_server(job: str, target, args: tuple, timeout: float = 120.0):
     ctx = mp.get_context("spawn")
     failed = ctx.Queue()
     proc = ctx.Process(target=target, args=(*args, failed))
-    given = "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ
-    if not given:
-        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
-    try:
+    with environ({} if openmp_policy_given() else {"OMP_WAIT_POLICY": "PASSIVE"}):
         proc.start()
-    finally:
-        if not given:
-            del os.environ["OMP_WAIT_POLICY"]
     deadline = Deadline(timeout)
     while True:
         try:
