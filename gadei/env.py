@@ -144,8 +144,8 @@ def quiet_openmp() -> None:
     sets OMP_WAIT_POLICY=PASSIVE, loads it now, and takes the variable out of the environment
     again: the policy is this process's, and the processes it starts keep OpenMP's defaults.
     Learners must: PyTorch runs a step's parallel regions back to back, and waking sleeping
-    threads for each one made a text CNN's step at mini-batch 2 twice as slow with 2 threads
-    as with one (docs/benchmarks.md, "threads").
+    threads for each one made a text CNN's step at mini-batch 2 nearly twice as slow with 2
+    threads as with one (docs/benchmarks.md, "threads").
 
     Called where a server runs: by `gadei serve` when the package is imported (the
     command-line tools load the kernel as they import; `_proc.gadei_subcommand`), and by

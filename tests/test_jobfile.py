@@ -301,8 +301,8 @@ def test_gadei_run_says_the_learners_threads_and_its_learners_run_them(small, pr
 
     The server's OpenMP threads sleep between updates (`gadei serve` loads its runtime passive)
     and the learners' keep OpenMP's default wait: the passive policy does not reach them through
-    the environment (with it, PyTorch's step at a small mini-batch took twice as long with 2
-    threads as with one)."""
+    the environment (with it, PyTorch's step at a small mini-batch took nearly twice as long
+    with 2 threads as with one)."""
     name = unique_name("threads")
     path = _job(small, small_job(name) + '[train]\nlearners = 2\nepochs = 1\nthreads = 3\n[output]\nfolder = "out"\n')
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
