@@ -130,6 +130,18 @@ def openmp_policy_given() -> bool:
     return "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ
 
 
+def learners_openmp_env(learners: int, threads: int) -> dict[str, str]:
+    """The OpenMP wait policy of a job's learners, for the environment `gadei run` starts them
+    in: OpenMP's default (nothing) where their threads and the server fit the cores, passive
+    where they do not (`threads` given above what the cores hold). Threads that spin between
+    PyTorch's parallel regions then take the cores from the threads that compute and from the
+    server: 2 learners of 2 threads on 2 cores trained an epoch of TREC in 90 s, against 12 s
+    with passive threads. Nothing where the user set a policy, or with one thread a learner."""
+    if threads > 1 and learners * threads + 1 > usable_cores() and not openmp_policy_given():
+        return {"OMP_WAIT_POLICY": "PASSIVE"}
+    return {}
+
+
 _OPENMP_LATE = False  # OpenMP was loaded before quiet_openmp could set its wait policy
 _OPENMP_QUIET = False  # quiet_openmp loaded this process's OpenMP runtime under the passive policy
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import data, jobfile, outputs
-from .env import cores_said, usable_cores
+from .env import cores_said, learners_openmp_env, usable_cores
 from .errors import GadeiError
 
 
@@ -257,7 +257,8 @@ def _threads_line(t: jobfile.Train) -> str:
     said = f"{t.learners} x {n} PyTorch thread{'s' if n != 1 else ''}"
     if "threads" in t.given:
         over = t.learners * n + 1 > cores
-        return said + " ([train] threads" + (f"; with the server more than the {where}" if over else "") + ")"
+        asleep = "; their idle threads sleep (OMP_WAIT_POLICY=PASSIVE)" if learners_openmp_env(t.learners, n) else ""
+        return said + " ([train] threads" + (f"; with the server more than the {where}{asleep}" if over else "") + ")"
     if cores - 1 >= t.learners:
         return said + f" (auto: {where}: one for the server, {cores - 1} for the learners)"
     return said + f" (auto: {where}: one for the server, and one thread a learner at least)"

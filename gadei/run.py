@@ -40,6 +40,7 @@ once its job serves, and learner i trains shard rank*L + i of NODES*L.
 
 import json
 import logging
+import os
 import shlex
 import signal
 import subprocess
@@ -51,6 +52,7 @@ from pathlib import Path
 from . import device, jobfile, outputs
 from .board import Board
 from .custody import adopt
+from .env import learners_openmp_env
 from .prepare import RUN, Prepared, describe, go_on, prepare
 from ._proc import gadei_command
 from .bridge.run import BridgedRun
@@ -172,8 +174,10 @@ class JobRun:
         # before that checkpoint, which then records nothing (or is never taken).
         from .launch import spawn
 
-        return spawn(command, log=out / "logs" / "serve.log", env=node.child_environment() if node is not None else None,
-                     held=True)
+        # learners' threads that over-subscribe the cores sleep between PyTorch's parallel regions
+        env = {**(node.child_environment() if node is not None else os.environ),
+               **learners_openmp_env(t.learners, t.learner_threads)}
+        return spawn(command, log=out / "logs" / "serve.log", env=env, held=True)
 
     def _follow_and_finish(self, owner: outputs.Owner) -> int:
         job, node, serve = self.job, self.node, self.serve

@@ -220,6 +220,8 @@ def test_jobs_that_run_side_by_side_share_the_cores(small, procs, daemon_env):
     cores = max(1, len(os.sched_getaffinity(0)) // 2)
     line = next((ln for ln in logs.splitlines() if "learners: 1 x" in ln), logs)
     assert f"(auto: {cores} core" in line and "(GADEI_CORES; the process may use" in line, line
+    # `gadei serve` makes its own OpenMP runtime passive (the learners' one thread has no team)
+    assert "OpenMP wait policy: passive (gadei's" in logs and "OpenMP wait policy: OpenMP's default" in logs
     daemon.terminate()
     communicate(daemon, 60)
 

@@ -299,10 +299,11 @@ def test_gadei_run_says_the_learners_threads_and_its_learners_run_them(small, pr
     job.toml): each learner's log says the PyTorch threads it trains with, and the run's opening
     lines say what was chosen (3 a learner here, over-subscribing a small machine on purpose).
 
-    The server's OpenMP threads sleep between updates (`gadei serve` loads its runtime passive)
-    and the learners' keep OpenMP's default wait: the passive policy does not reach them through
-    the environment (with it, PyTorch's step at a small mini-batch took nearly twice as long
-    with 2 threads as with one)."""
+    The server's OpenMP threads sleep between updates (`gadei serve` loads its runtime passive).
+    The learners' keep OpenMP's default wait where their threads and the server fit the cores
+    (passive, PyTorch's step at a small mini-batch took nearly twice as long with 2 threads as
+    with one), and sleep too where they do not, as here on fewer than 7 cores (spinning, 2
+    learners of 2 threads on 2 cores took an epoch 7x as long)."""
     name = unique_name("threads")
     path = _job(small, small_job(name) + '[train]\nlearners = 2\nepochs = 1\nthreads = 3\n[output]\nfolder = "out"\n')
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
@@ -312,11 +313,15 @@ def test_gadei_run_says_the_learners_threads_and_its_learners_run_them(small, pr
     assert "  learners: 2 x 3 PyTorch threads ([train] threads" in out, out
     assert "threads = 3\n" in (small / "out" / "job.toml").read_text()
     logs = small / "out" / "logs"
-    assert "OpenMP wait policy: passive (gadei's" in (logs / "serve.log").read_text()
+    over = 2 * 3 + 1 > len(os.sched_getaffinity(0))
+    server = "OMP_WAIT_POLICY=PASSIVE" if over else "passive (gadei's"  # the job's, or the server's own
+    assert f"OpenMP wait policy: {server}" in (logs / "serve.log").read_text()
+    assert ("their idle threads sleep (OMP_WAIT_POLICY=PASSIVE)" in out) is over, out
+    policy = "OMP_WAIT_POLICY=PASSIVE" if over else "OpenMP's default"
     for i in range(2):
         log = (logs / f"learner-{i}.log").read_text()
         # torch.get_num_threads() in the learner, once it attached
-        assert "3 PyTorch threads, OpenMP wait policy: OpenMP's default, pull" in log, log
+        assert f"3 PyTorch threads, OpenMP wait policy: {policy}, pull" in log, log
 
 
 @pytest.mark.long  # two TREC runs: most of a minute
@@ -511,7 +516,10 @@ def test_threads_given_in_the_job_file_are_kept_whatever_the_cores(small, monkey
     assert job.train.threads == filled.train.threads == 3 and "threads = 3\n" in filled.to_toml()
     from gadei.prepare import _threads_line
 
-    assert _threads_line(filled.train) == "2 x 3 PyTorch threads ([train] threads; with the server more than the 2 cores)"
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    assert _threads_line(filled.train) == ("2 x 3 PyTorch threads ([train] threads; with the server more than the 2 cores; "
+                                           "their idle threads sleep (OMP_WAIT_POLICY=PASSIVE))")
     auto = jobfile.load(_job(small, small_job() + '[train]\nlearners = 2\nthreads = "auto"\n')).train
     assert auto.threads is None and _threads_line(auto) == ("2 x 1 PyTorch thread (auto: 2 cores: one for the server, "
                                                             "and one thread a learner at least)")
@@ -536,6 +544,23 @@ def test_gadei_cores_is_the_count_auto_threads_share(small, monkeypatch, given, 
         monkeypatch.setenv("GADEI_CORES", bad)
         with pytest.raises(ValueError, match=f"GADEI_CORES={bad!r}"):
             _ = job.train.learner_threads
+
+
+@pytest.mark.parametrize("learners, threads, given, passive", [(2, 7, None, False), (2, 8, None, True),
+                                                               (4, 1, None, False), (2, 8, "ACTIVE", False)])
+def test_learners_threads_sleep_where_they_over_subscribe_the_cores(monkeypatch, learners, threads, given, passive):
+    """On 16 cores, 2 learners of 7 threads and the server fit: OpenMP's default wait; 2 of 8
+    do not: passive, unless the user set a policy; one thread a learner has no team to wait."""
+    from gadei.env import learners_openmp_env
+
+    monkeypatch.setattr(jobfile.os, "sched_getaffinity", lambda pid: set(range(16)))
+    monkeypatch.delenv("GADEI_CORES", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    if given is None:
+        monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    else:
+        monkeypatch.setenv("OMP_WAIT_POLICY", given)
+    assert learners_openmp_env(learners, threads) == ({"OMP_WAIT_POLICY": "PASSIVE"} if passive else {})
 
 
 def test_row_sparse_is_the_servers_choice_unless_the_job_file_says(small):
