@@ -17,16 +17,18 @@ FIRST_LOOKS = 0.05  # seconds between the looks until the job's first watchdog i
 WATCHDOG_GRACE = 90  # seconds a new watchdog may take to take over from a dead one
 
 
-def adopt(name: str) -> tuple[bool, str]:
-    """A new watchdog takes over the job `name` from one that died (`gadei serve NAME --adopt`):
-    (True, which watchdog) once a live one watches it (this call's, or one that another process
-    started at the same moment: the header takes one, the other stands down), or once the job
-    no longer serves (it is stopping or gone: nothing is left to take over, and a watchdog that
-    took over may already have watched it to its end); else (False, why none could)."""
+def adopt(name: str, env: dict[str, str] | None = None) -> tuple[bool, str]:
+    """A new watchdog takes over the job `name` from one that died (`gadei serve NAME --adopt`,
+    in the environment `env`, this process's by default: the watchdog and the learners it
+    restarts inherit it): (True, which watchdog) once a live one watches it (this call's, or one
+    that another process started at the same moment: the header takes one, the other stands
+    down), or once the job no longer serves (it is stopping or gone: nothing is left to take
+    over, and a watchdog that took over may already have watched it to its end); else (False,
+    why none could)."""
     from .launch import run_command
 
     try:
-        code, stderr = run_command(gadei_command("serve", name, "--adopt"), WATCHDOG_GRACE)
+        code, stderr = run_command(gadei_command("serve", name, "--adopt"), WATCHDOG_GRACE, env)
     except subprocess.TimeoutExpired:
         return False, f"`gadei serve {name} --adopt` did not end within {WATCHDOG_GRACE} s"
     said = (stderr.strip().splitlines() or [f"exit {code}"])[-1]

@@ -121,14 +121,14 @@ def become(command: list[str]) -> None:
     os.execv(command[0], command)
 
 
-def run_command(command: list[str], timeout: float) -> tuple[int, str]:
-    """Run `command` (a `gadei._proc` command line) to its end, stdin from /dev/null: its exit
-    code and its stderr.
+def run_command(command: list[str], timeout: float, env: dict[str, str] | None = None) -> tuple[int, str]:
+    """Run `command` (a `gadei._proc` command line) to its end, stdin from /dev/null, in the
+    environment `env` (this process's by default): its exit code and its stderr.
 
     Raises:
         subprocess.TimeoutExpired: it ran for longer than `timeout` seconds (it is killed).
     """
-    done = subprocess.run(command, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout)
+    done = subprocess.run(command, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout, env=env)
     return done.returncode, done.stderr
 
 

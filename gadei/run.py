@@ -174,10 +174,16 @@ class JobRun:
         # before that checkpoint, which then records nothing (or is never taken).
         from .launch import spawn
 
-        # learners' threads that over-subscribe the cores sleep between PyTorch's parallel regions
-        env = {**(node.child_environment() if node is not None else os.environ),
-               **learners_openmp_env(t.learners, t.learner_threads)}
-        return spawn(command, log=out / "logs" / "serve.log", env=env, held=True)
+        return spawn(command, log=out / "logs" / "serve.log", env=self.environment(), held=True)
+
+    def environment(self) -> dict[str, str]:
+        """The environment of the job's processes: `gadei serve` and, through it, the watchdog
+        and the learners it starts; and a new watchdog that takes over (`_adopt`), whose
+        restarted learners must run as the first ones did. Learners' threads that over-subscribe
+        the cores sleep between PyTorch's parallel regions (`env.learners_openmp_env`)."""
+        t = self.job.train
+        return {**(self.node.child_environment() if self.node is not None else os.environ),
+                **learners_openmp_env(t.learners, t.learner_threads)}
 
     def _follow_and_finish(self, owner: outputs.Owner) -> int:
         job, node, serve = self.job, self.node, self.serve
@@ -322,7 +328,7 @@ class JobRun:
         print(f"\ngadei run: job {self.job.name}: its watchdog (pid {dead}) died; starting a new one that takes over "
               "its learners", file=sys.stderr, flush=True)
         self._tried = self.dog
-        adopted, reason = adopt(self.job.name)
+        adopted, reason = adopt(self.job.name, self.environment())
         if adopted:  # a new watchdog watches the job, or the job no longer serves: nothing to take over
             print(f"gadei run: job {self.job.name}: {reason}", file=sys.stderr, flush=True)
             self._look()

@@ -129,6 +129,43 @@ def test_a_learner_given_up_ends_gadei_run_with_the_reason(tmp_path, procs):
         end_jobs(name)
 
 
+def _environment(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        return dict(item.decode().partition("=")[::2] for item in f.read().split(b"\0") if item)
+
+
+@pytest.mark.long
+def test_learners_a_new_watchdog_restarts_run_as_the_first_ones_did(tmp_path, procs):
+    """Learners whose threads over-subscribe the cores start passive (`env.learners_openmp_env`);
+    a watchdog that `gadei run` has take over from a dead one restarts learners with that
+    policy too: it is started in the job's environment, not in `gadei run`'s own."""
+    name = unique_name("adopt-env")
+    threads = len(os.sched_getaffinity(0))  # 2 learners of as many threads as the cores: over-subscribed anywhere
+    path = blobs_job(tmp_path, name, train={"learners": 2, "threads": threads, "epochs": 200, "patience": 200,
+                                            "lr": 0.05})
+    try:
+        run = procs.gadei("run", path)
+        roles = _when_training(name)
+        for learner in roles["learners"]:
+            assert _environment(learner).get("OMP_WAIT_POLICY") == "PASSIVE", _environment(learner)
+        os.kill(roles["watchdog"], signal.SIGKILL)
+        def new_watchdog():
+            dog = _roles(name).get("watchdog")
+            return dog if dog and dog != roles["watchdog"] else None
+        dog = wait_for(new_watchdog, 60, "a new watchdog to take over")
+        os.kill(roles["learners"][0], signal.SIGKILL)
+        restarted = wait_for(lambda: next((p for p in _roles(name).get("learners", []) if p not in roles["learners"]),
+                                          None), 60, "the new watchdog to restart the killed learner")
+        assert psutil.Process(restarted).ppid() == dog
+        assert _environment(restarted).get("OMP_WAIT_POLICY") == "PASSIVE", _environment(restarted)
+        run.send_signal(signal.SIGTERM)
+        stdout, stderr = communicate(run, STOP_WITHIN)
+        assert run.returncode == 130, (run.returncode, stdout + stderr)
+        assert json.loads((tmp_path / "out" / "result.json").read_text())["outcome"] == "stopped"
+    finally:
+        end_jobs(name)
+
+
 @pytest.mark.long
 def test_a_watchdog_that_dies_and_cannot_be_replaced_ends_the_job_with_a_clear_error(small, procs):
     path, name, out = small
