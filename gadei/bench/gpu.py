@@ -262,6 +262,7 @@ class _Busy:
     def __init__(self, device: torch.device):
         self.device, self.samples, self.driver_samples, self.source = device, [], [], None
         self._nvml = None  # (pynvml, handle) where the driver's samples can be read
+        self._nvml_inits = None  # pynvml, once its nvmlInit succeeded (to be shut down)
         self._last_seen = 0  # the driver's time stamp (microseconds) of the newest sample kept
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -271,6 +272,7 @@ class _Busy:
             import pynvml
 
             pynvml.nvmlInit()
+            self._nvml_inits = pynvml
             handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda._get_nvml_device_index(self.device))
             self._nvml = (pynvml, handle)
         except Exception as err:  # no nvidia-ml-py, or no NVML: the polled figure only
@@ -304,8 +306,16 @@ class _Busy:
             self.source = "none"
             return None
         out = subprocess.run(["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits",
-                              "-i", str(self.device.index or 0)], capture_output=True, text=True, timeout=5)
+                              "-i", str(self._nvml_index())], capture_output=True, text=True, timeout=5)
         return float(out.stdout.strip()) / 100 if out.returncode == 0 and out.stdout.strip() else None
+
+    def _nvml_index(self) -> int:
+        """The device's index as NVML and nvidia-smi number the GPUs, whatever CUDA_VISIBLE_DEVICES
+        hides from torch (torch's own index where torch cannot tell: UUIDs there, without NVML)."""
+        try:
+            return torch.cuda._get_nvml_device_index(self.device)
+        except Exception:
+            return self.device.index or 0
 
     def _run(self) -> None:
         self._open_nvml()
@@ -320,6 +330,8 @@ class _Busy:
                     self.samples.append((time.time(), value))
         if self._nvml is not None:
             self._read_driver_samples()
+        if self._nvml_inits is not None:
+            self._nvml_inits.nvmlShutdown()  # NVML counts its inits: this run's must end with it
 
     def __enter__(self):
         if self.device.type == "cuda":
