@@ -803,8 +803,9 @@ def test_bench_peers_and_scaling_quick(procs, tmp_path):
 @pytest.mark.long  # a bench's --quick run: about a minute of training runs
 def test_bench_threads_quick(procs, tmp_path):
     """A smoke run of `gadei bench threads --quick`: one gadei learner + server and the plain
-    PyTorch loop at mini-batches 2 and 32, each at 1, 2 and 4 PyTorch threads (4 over-subscribing
-    a 2-core machine), their training processes running with those threads as they report them;
+    PyTorch loop at mini-batches 2 and 32 and the text CNN at 100 and 400 filters per width, each
+    at 1, 2 and 4 PyTorch threads (4 over-subscribing a 2-core machine), their training processes
+    running with those threads as they report them, and training the model of that size;
     samples/s, CPU per sample and the speed-up over one thread in the table and the JSON."""
     from helpers import data_dir, missing
 
@@ -820,16 +821,24 @@ def test_bench_threads_quick(procs, tmp_path):
     saved = json.loads(out_file.read_text())["threads"]
     counts = thread_counts(len(os.sched_getaffinity(0)))
     assert counts[:3] == [1, 2, 4] and saved["threads"] == counts and saved["batches"] == [2, 32]
-    assert [(r["batch"], r["threads"]) for r in saved["rows"]] == [(b, t) for b in (2, 32) for t in counts]
+    assert saved["filters"] == [100, 400] and "filters (dense MB)" in out and "400 (5.79)" in out, out
+    assert [(r["filters"], r["batch"], r["threads"]) for r in saved["rows"]] == \
+        [(f, b, t) for f in (100, 400) for b in (2, 32) for t in counts]
+    sizes = {}
     for row in saved["rows"]:
         for kind in ("plain", "gadei"):
             m = row[kind]
             (run,) = m["runs"]
             assert run["torch_threads"] == [row["threads"]], (kind, row["threads"], run["torch_threads"])
+            sizes.setdefault(row["filters"], set()).add(run["parameters"])
             assert m["samples_per_s"] > 0 and m["cpu_s_per_sample"] > 0 and run["samples"] >= row["batch"], kind
         assert row["gadei"]["server_cpu_s"] > 0 and row["plain"]["server_cpu_s"] == 0
         assert row["gadei/plain"] == pytest.approx(row["gadei"]["samples_per_s"] / row["plain"]["samples_per_s"])
     assert all(r["plain"]["speedup"] == r["gadei"]["speedup"] == 1 for r in saved["rows"] if r["threads"] == 1)
+    (small,), (large,) = sizes[100], sizes[400]  # every run of a size trained the same model
+    dense = {f: next(r["dense_mb"] for r in saved["rows"] if r["filters"] == f) for f in (100, 400)}
+    assert dense[400] == pytest.approx(4 * dense[100], rel=0.01)
+    assert large - small == pytest.approx((dense[400] - dense[100]) * 1e6 / 4)  # the dense part grew, nothing else
 
 
 def _dies(code: int, after: float = 0.0) -> None:

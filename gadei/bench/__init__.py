@@ -34,9 +34,10 @@ server   the `gadei serve` process's CPU seconds per 1,000 applied updates with 
          of 1, 2, 4 and 8 threads, one learner pushing at a fixed pace, against the kernel's
          own work: what idle or spinning threads cost (gadei.bench.server).
 threads  one gadei learner + server against the plain PyTorch loop at 1, 2 and 4 PyTorch threads
-         per process (more up to the cores on a larger machine) and mini-batches 2 and 32: samples/s,
-         CPU ms per sample, the speed-up over one thread: when a learner's threads pay
-         (gadei.bench.threads, `[train] threads`).
+         per process (more up to the cores on a larger machine), mini-batches 2 and 32, and the text
+         CNN at 100 and 400 filters per width (--filters): samples/s, CPU ms per sample, the
+         speed-up over one thread: when a learner's threads pay (gadei.bench.threads, `[train]
+         threads`).
 jobs     N identical jobs (text CNN on TREC, 2 learners) side by side under one `gadei daemon
          --max-jobs N`, N = 1, 2, 4: the total samples/s against one job alone, the CPU
          seconds per sample and the threads of every process (gadei.bench.jobs).

@@ -51,9 +51,14 @@ def _me(role: str, threads: int | None = None) -> dict:
     return {"role": role, "pid": os.getpid(), "threads": os_threads() if threads is None else threads}
 
 
-def model_for(workload, train, seed: int):
-    """The run's text CNN (the same initial weights in every process for a seed)."""
-    return workload.build_model(train, seed)
+def model_for(workload, train, seed: int, filters: int | None = None):
+    """The run's text CNN (the same initial weights in every process for a seed), with
+    `filters` filters per convolution width (None: the workload's, 100)."""
+    if filters is None:
+        return workload.build_model(train, seed)
+    from gadei_workloads.textcnn import build_textcnn
+
+    return build_textcnn(len(train.vocab), train.n_labels, seed=seed, filters=filters)
 
 
 def steps_in_lockstep(n: int, world: int, batch: int) -> int:
@@ -106,11 +111,12 @@ def numpy_state(model) -> dict:
     return {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
 
 
-def local_worker(kind, rank, world, batch, epochs, seed, lr, data, limit, shared, barrier, queue, threads=1):
+def local_worker(kind, rank, world, batch, epochs, seed, lr, data, limit, shared, barrier, queue, threads=1,
+                 filters=None):
     """plain (world 1) or hogwild (`shared` is the shared model), with `threads` PyTorch threads."""
     workload = _setup(threads)
     train, _ = workload.load_data(data)
-    model = shared if shared is not None else model_for(workload, train, seed)
+    model = shared if shared is not None else model_for(workload, train, seed, filters)
     model.train()
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     barrier.wait()
@@ -121,13 +127,13 @@ def local_worker(kind, rank, world, batch, epochs, seed, lr, data, limit, shared
                "state": numpy_state(model) if kind == "plain" else None})
 
 
-def gadei_learner(rank, world, batch, epochs, seed, lr, data, limit, job, barrier, queue, threads=1):
+def gadei_learner(rank, world, batch, epochs, seed, lr, data, limit, job, barrier, queue, threads=1, filters=None):
     """A gadei learner with `threads` PyTorch threads."""
     from ..learner import Learner
 
     workload = _setup(threads)
     train, _ = workload.load_data(data)
-    model = model_for(workload, train, seed)
+    model = model_for(workload, train, seed, filters)
     model.train()
     learner = Learner(model, job).attach()
     barrier.wait()
@@ -138,7 +144,7 @@ def gadei_learner(rank, world, batch, epochs, seed, lr, data, limit, job, barrie
                "torch_threads": torch.get_num_threads(), **_me("learner", running), "state": None})
 
 
-def gadei_server(job, data, seed, world, lr, options, queue, failed):
+def gadei_server(job, data, seed, world, lr, options, filters, queue, failed):
     """The server, through the Python API, until `stop_job`; reports the CPU seconds of `serve`
     and its OS threads when `serve` returns (its kernel's OpenMP team outlives the call)."""
     from ..server import Server
@@ -146,7 +152,7 @@ def gadei_server(job, data, seed, world, lr, options, queue, failed):
     try:
         workload = _setup()
         train, _ = workload.load_data(data)
-        server = Server(job, model=model_for(workload, train, seed), learners=world, lr=lr, **options)
+        server = Server(job, model=model_for(workload, train, seed, filters), learners=world, lr=lr, **options)
     except Exception as err:
         failed.put(f"{type(err).__name__}: {err}")
         raise

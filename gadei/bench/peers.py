@@ -42,22 +42,27 @@ def free_port() -> int:
 
 
 def run_peer(kind: str, world: int, batch: int, *, epochs: int, seed: int, lr: float, data: str, limit: int = 0,
-             options: dict | None = None, timeout: float = 3600.0, threads: int = 1) -> dict:
+             options: dict | None = None, timeout: float = 3600.0, threads: int = 1,
+             filters: int | None = None) -> dict:
     """One timed training run of `kind` with `world` learners (processes, trainers).
 
-    Returns samples/s, seconds, samples, test accuracy, CPU seconds of every process over
+    Returns samples/s, seconds, samples, test accuracy (of the trained model, whose size is
+    `parameters`), CPU seconds of every process over
     its training loop (`cpu_s`, the server's or parameter server's part in `server_cpu_s`),
     CPU seconds per sample, the PyTorch threads the training processes reported
     (`torch_threads`, each value once), and `processes`: each process's role, rank (None for a
     server), pid, CPU seconds and OS threads at the end of its loop, servers first.
     `limit`: stop after about this many samples (smoke runs). `options`: the gadei Server's
     options. `threads`: the PyTorch threads of the plain process, of each Hogwild process and
-    of each gadei learner (the others keep one).
+    of each gadei learner (the others keep one). `filters`: the text CNN's filters per
+    convolution width, for the plain loop, Hogwild and gadei (None: the workload's, 100).
     """
     from gadei_workloads import get
 
     from . import peer_workers as w
 
+    if filters is not None and kind not in ("plain", "hogwild", "gadei"):
+        raise ValueError(f"{kind}: only the plain loop, Hogwild and gadei take a model size (filters)")
     ctx = _context()
     workload = get("textcnn")
     train, test = workload.load_data(data)
@@ -68,20 +73,20 @@ def run_peer(kind: str, world: int, batch: int, *, epochs: int, seed: int, lr: f
     try:
         if kind in ("plain", "hogwild"):
             if kind == "hogwild":
-                shared = w.model_for(workload, train, seed)
+                shared = w.model_for(workload, train, seed, filters)
                 shared.share_memory()
             barrier = ctx.Barrier(world)
             procs = [ctx.Process(target=w.local_worker,
                                  args=(kind, r, world, batch, epochs, seed, lr, data, limit, shared, barrier, queue),
-                                 kwargs={"threads": threads})
+                                 kwargs={"threads": threads, "filters": filters})
                      for r in range(world)]
         elif kind == "gadei":
             job = f"bench-peers-{os.getpid()}-{time.monotonic_ns() % 10**9}"
-            server = _start_server(job, (data, seed, world, lr, options or {}), queue)
+            server = _start_server(job, (data, seed, world, lr, options or {}, filters), queue)
             barrier = ctx.Barrier(world)
             procs = [ctx.Process(target=w.gadei_learner,
                                  args=(r, world, batch, epochs, seed, lr, data, limit, job, barrier, queue),
-                                 kwargs={"threads": threads})
+                                 kwargs={"threads": threads, "filters": filters})
                      for r in range(world)]
         elif kind in ("ddp", "ddp-lr"):
             port = free_port()
@@ -101,7 +106,7 @@ def run_peer(kind: str, world: int, batch: int, *, epochs: int, seed: int, lr: f
         if kind == "hogwild":
             model = shared
         else:
-            model = w.model_for(workload, train, seed)
+            model = w.model_for(workload, train, seed, filters)
             if kind == "gadei":
                 model.load_state_dict(_gadei_weights(job))
             else:
@@ -123,6 +128,7 @@ def run_peer(kind: str, world: int, batch: int, *, epochs: int, seed: int, lr: f
                   "threads": r["threads"]} for r in reports]
     return {"method": kind, "learners": world, "batch": batch, "lr": lr_used, "samples": samples,
             "seconds": end - start, "samples_per_s": samples / (end - start), "test_accuracy": workload.evaluate(model, test),
+            "parameters": sum(p.numel() for p in model.parameters()),
             "cpu_s": cpu, "server_cpu_s": server_cpu, "cpu_s_per_sample": cpu / samples,
             "torch_threads": sorted({r["torch_threads"] for r in trained}), "processes": processes}
 

@@ -4,13 +4,15 @@ One gadei learner + server (`gadei.bench.peers.run_peer`, the learner in its own
 against the plain single-process PyTorch loop, the text CNN on the same data, epochs, seed and
 lr, each process training with 1, 2 and 4 PyTorch intra-op threads (more on a larger machine,
 up to the cores less one; 4 even on 2 cores, over-subscribing it on purpose: what a learner
-given more threads than the machine has costs) at mini-batches 2 and 32 (`--batches`). For
+given more threads than the machine has costs) at mini-batches 2 and 32 (`--batches`), with
+the text CNN's 100 filters per width and with 400 (`--filters`: a model 4 times as large). For
 each: samples/s and CPU milliseconds per sample (every process, the server's included), the
 speed-up over one thread, and gadei's ratio to the plain loop at the same threads. A small
 mini-batch's step splits poorly across threads (on 2 cores a second thread gave 1.1x at
 batch 2, at 1.7x the CPU per sample); a large one's matrix products split well (1.4-1.6x at
-batch 32): that is where `[train] threads` (`gadei.jobfile.auto_threads`) pays for the cores
-it takes. Each figure is the median of `--repeats` runs, the runs of a repeat in shuffled order.
+batch 32), and so do a larger model's: that is where `[train] threads`
+(`gadei.jobfile.auto_threads`) pays for the cores it takes. Each figure is the median of
+`--repeats` runs, the runs of a repeat in shuffled order.
 """
 
 import logging
@@ -25,6 +27,7 @@ log = logging.getLogger(__name__)
 
 THREADS = (1, 2, 4, 8, 16, 32)
 BATCHES = (2, 32)
+FILTERS = (100, 400)  # the text CNN's filters per convolution width: the workload's, and a model 4 times as large
 OVERSUBSCRIBE = 4  # threads measured even where the machine has fewer cores
 METHODS = ("plain", "gadei")
 LABELS = {"plain": "plain PyTorch", "gadei": "gadei 1 learner"}
@@ -36,46 +39,76 @@ def thread_counts(cores: int) -> list[int]:
     return [t for t in THREADS if t <= max(OVERSUBSCRIBE, cores - 1)]
 
 
+def _filters(args) -> list[int]:
+    if not getattr(args, "filters", None):
+        return list(FILTERS)
+    try:
+        filters = [int(f) for f in args.filters.split(",")]
+    except ValueError:
+        raise ValueError(f"--filters {args.filters!r}: give filter counts as integers, comma-separated") from None
+    if any(f < 1 for f in filters):
+        raise ValueError(f"--filters {args.filters!r}: filter counts must be >= 1")
+    return filters
+
+
+def _dense_mb(data: str, filters: int) -> float:
+    """The text CNN's dense weights (all but the embedding table, whose gradient is sparse), in
+    MB, with `filters` filters per width: what a step's convolutions and the server's dense
+    update touch."""
+    from gadei_workloads import get
+
+    from .peer_workers import model_for
+
+    workload = get("textcnn")
+    train, _ = workload.load_data(data)
+    model = model_for(workload, train, 0, filters)
+    return sum(p.numel() for name, p in model.named_parameters() if not name.startswith("embedding.")) * 4 / 1e6
+
+
 def bench_threads(args) -> dict:
     data = _default_data(args)
     batches = _batches(args) if getattr(args, "batches", None) else list(BATCHES)
+    filters = _filters(args)
     cores = usable_cores()
     counts = thread_counts(cores)
     lr = 0.01
-    keys = [(kind, threads, batch) for kind in METHODS for threads in counts for batch in batches]
+    keys = [(kind, threads, batch, f) for kind in METHODS for threads in counts for batch in batches for f in filters]
 
-    def run(key: tuple[str, int, int], repeat: int) -> dict:
-        kind, threads, batch = key
+    def run(key: tuple[str, int, int, int], repeat: int) -> dict:
+        kind, threads, batch, f = key
         # --quick: at least 20 steps of the larger batches, so that a step's time is measured
         limit = max(QUICK_LIMIT, 20 * batch) if args.quick else 0
         result = run_peer(kind, 1, batch, epochs=args.epochs, seed=repeat, lr=lr, data=data, limit=limit,
-                          threads=threads)
-        log.info("repeat %d batch %d %s %d threads: %.0f samples/s, %.2f CPU ms/sample", repeat, batch, kind,
-                 threads, result["samples_per_s"], 1e3 * result["cpu_s_per_sample"])
+                          threads=threads, filters=f)
+        log.info("repeat %d batch %d filters %d %s %d threads: %.0f samples/s, %.2f CPU ms/sample", repeat, batch,
+                 f, kind, threads, result["samples_per_s"], 1e3 * result["cpu_s_per_sample"])
         return result
 
     runs = interleaved_runs(keys, args.repeats, run)
+    dense = {f: _dense_mb(data, f) for f in filters}
     records = []
-    for batch in batches:
-        med = {(kind, t): {k: median([r[k] for r in runs[(kind, t, batch)]])
-                           for k in ("samples_per_s", "cpu_s_per_sample", "test_accuracy", "server_cpu_s")}
-               for kind in METHODS for t in counts}
-        for t in counts:
-            row = {"batch": batch, "threads": t}
-            for kind in METHODS:
-                m = med[(kind, t)]
-                row[kind] = {**m, "speedup": m["samples_per_s"] / med[(kind, counts[0])]["samples_per_s"],
-                             "runs": runs[(kind, t, batch)]}
-            row["gadei/plain"] = row["gadei"]["samples_per_s"] / row["plain"]["samples_per_s"]
-            records.append(row)
+    for f in filters:
+        for batch in batches:
+            med = {(kind, t): {k: median([r[k] for r in runs[(kind, t, batch, f)]])
+                               for k in ("samples_per_s", "cpu_s_per_sample", "test_accuracy", "server_cpu_s")}
+                   for kind in METHODS for t in counts}
+            for t in counts:
+                row = {"filters": f, "dense_mb": dense[f], "batch": batch, "threads": t}
+                for kind in METHODS:
+                    m = med[(kind, t)]
+                    row[kind] = {**m, "speedup": m["samples_per_s"] / med[(kind, counts[0])]["samples_per_s"],
+                                 "runs": runs[(kind, t, batch, f)]}
+                row["gadei/plain"] = row["gadei"]["samples_per_s"] / row["plain"]["samples_per_s"]
+                records.append(row)
     limit = f" (quick: about {QUICK_LIMIT} samples, or 20 mini-batches)" if args.quick else ""
     print(f"\nthreads: text CNN on {data}, 1 gadei learner + server against the plain PyTorch loop, each with 1 to "
           f"{counts[-1]} PyTorch threads, {args.epochs} epoch(s){limit}, lr {lr}, seeds 0..{args.repeats - 1}; medians "
           f"of {args.repeats} interleaved runs; {cores} usable cores (CPU ms/sample: every process, the server's "
           "included)")
-    print(table(("batch", "threads", "plain samples/s", "CPU ms/sample", "x 1 thread", "gadei samples/s",
-                 "CPU ms/sample", "x 1 thread", "gadei / plain"),
-                [(r["batch"], r["threads"] if r["threads"] <= cores else f"{r['threads']} (> {cores} cores)",
+    print(table(("filters (dense MB)", "batch", "threads", "plain samples/s", "CPU ms/sample", "x 1 thread",
+                 "gadei samples/s", "CPU ms/sample", "x 1 thread", "gadei / plain"),
+                [(f"{r['filters']} ({r['dense_mb']:.2f})", r["batch"],
+                  r["threads"] if r["threads"] <= cores else f"{r['threads']} (> {cores} cores)",
                   f"{r['plain']['samples_per_s']:.0f}", f"{1e3 * r['plain']['cpu_s_per_sample']:.2f}",
                   f"{r['plain']['speedup']:.2f}x", f"{r['gadei']['samples_per_s']:.0f}",
                   f"{1e3 * r['gadei']['cpu_s_per_sample']:.2f}", f"{r['gadei']['speedup']:.2f}x",
@@ -84,4 +117,4 @@ def bench_threads(args) -> dict:
     if where:
         print(where)
     return {"data": data, "epochs": args.epochs, "lr": lr, "cores": cores, "cpus": os.cpu_count(), "threads": counts,
-            "batches": batches, "rows": records}
+            "batches": batches, "filters": filters, "rows": records}
