@@ -633,6 +633,8 @@ def test_gadei_demo_refuses_counts_out_of_range_before_anything_starts(procs):
     (["daemon", "--max-jobs", "0"], "'0': allowed: an integer from 1"),
     (["daemon", "stop", "--timeout", "-5"], "'-5': allowed: a number above 0"),
     (["bench", "peers", "--repeats", "0"], "'0': allowed: an integer from 1"),
+    (["bench", "scaling", "--batches", "2,,32"], "'2,,32': give mini-batch sizes as integers, comma-separated"),
+    (["bench", "threads", "--filters", "100,0"], "'100,0': filter counts must be at least 1"),
     (["learn", "job", "--torch-threads", "0"], "'0': allowed: an integer from 1")])
 def test_counts_and_seconds_out_of_range_are_refused_saying_what_is_allowed(argv, allowed, capsys):
     from gadei.cli import main

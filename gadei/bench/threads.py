@@ -19,7 +19,7 @@ import logging
 import os
 
 from ..jobfile import usable_cores
-from .peers import QUICK_LIMIT, _batches, interleaved_runs, placement_of, run_peer
+from .peers import QUICK_LIMIT, interleaved_runs, placement_of, run_peer
 from .timing import median, table
 from .train import _default_data
 
@@ -39,18 +39,6 @@ def thread_counts(cores: int) -> list[int]:
     return [t for t in THREADS if t <= max(OVERSUBSCRIBE, cores - 1)]
 
 
-def _filters(args) -> list[int]:
-    if not getattr(args, "filters", None):
-        return list(FILTERS)
-    try:
-        filters = [int(f) for f in args.filters.split(",")]
-    except ValueError:
-        raise ValueError(f"--filters {args.filters!r}: give filter counts as integers, comma-separated") from None
-    if any(f < 1 for f in filters):
-        raise ValueError(f"--filters {args.filters!r}: filter counts must be >= 1")
-    return filters
-
-
 def _dense_mb(data: str, filters: int) -> float:
     """The text CNN's dense weights (all but the embedding table, whose gradient is sparse), in
     MB, with `filters` filters per width: what a step's convolutions and the server's dense
@@ -67,8 +55,8 @@ def _dense_mb(data: str, filters: int) -> float:
 
 def bench_threads(args) -> dict:
     data = _default_data(args)
-    batches = _batches(args) if getattr(args, "batches", None) else list(BATCHES)
-    filters = _filters(args)
+    batches = getattr(args, "batches", None) or list(BATCHES)
+    filters = getattr(args, "filters", None) or list(FILTERS)
     cores = usable_cores()
     counts = thread_counts(cores)
     lr = 0.01

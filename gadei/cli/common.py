@@ -105,6 +105,22 @@ def at_least(low: float, kind=int, *, above: bool = False):
     return parse
 
 
+def int_list(low: int, what: str):
+    """An argparse type: comma-separated integers, each at least `low` (`what` they are, for
+    the error: "mini-batch sizes"), as a list; `--batches 2,,x` is refused with what is allowed."""
+    def parse(text: str) -> list[int]:
+        try:
+            values = [int(item) for item in text.split(",")]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: give {what} as integers, comma-separated") from None
+        if any(value < low for value in values):
+            raise argparse.ArgumentTypeError(f"{text!r}: {what} must be at least {low}")
+        return values
+
+    parse.__name__ = "list of integers"
+    return parse
+
+
 def train_value(name: str):
     """An argparse type: an integer checked as a job file's [train] `name` is (its range,
     declared in `gadei.jobfile.Train`), so that `gadei demo --batch 0` or `gadei learn
