@@ -37,10 +37,12 @@ def add_parser(sub) -> None:
                    "the harness, figures meaningless)")
     p.add_argument("--mps", action="store_true", help="gpu: also run the learners sharing the GPU under a CUDA MPS "
                    "daemon of the bench's own (nvidia-cuda-mps-control), beside the runs without")
-    p.add_argument("--batches", type=int_list(1, "mini-batch sizes"), help="peers, scaling, threads: mini-batch sizes, comma-separated (default 1,2,4,32; "
-                   "--quick 4; threads: 2,32)")
-    p.add_argument("--filters", type=int_list(1, "filter counts"), help="threads: the text CNN's filters per convolution width, comma-separated "
-                   "(default 100,400: the workload's model and one 4 times as large)")
+    p.add_argument("--batches", type=int_list(1, "mini-batch sizes"),
+                   help="peers, scaling, threads: mini-batch sizes, comma-separated (default 1,2,4,32; --quick 4; "
+                   "threads: 2,32)")
+    p.add_argument("--filters", type=int_list(1, "filter counts"),
+                   help="threads: the text CNN's filters per convolution width, comma-separated (default 100,400: "
+                   "the workload's model and one 4 times as large)")
     p.add_argument("--plot", default=None, metavar="PNG",
                    help="peers, scaling, quality, gpu: where to draw the figure beside the tables (default "
                    "gadei-bench-<name>.png beside --out; with several of them, PNG's name gets -<name>; none: no figure)")
