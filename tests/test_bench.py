@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from helpers import data_dir, missing
+from helpers import communicate, data_dir, missing
 
 
 @pytest.mark.parametrize("kind, roles", [("gadei", ["server", "learner", "learner"]),
@@ -30,6 +30,66 @@ def test_a_run_records_every_process_with_its_cpu_and_threads(kind, roles):
     # the run's CPU is the sum of its processes' (the figure CPU ms/sample is made of)
     assert run["cpu_s"] == pytest.approx(sum(p["cpu_s"] for p in processes))
     assert run["server_cpu_s"] == pytest.approx(sum(p["cpu_s"] for p in processes if p["role"] == "server"))
+
+
+def _sleep_forever():
+    import time
+
+    while True:
+        time.sleep(1)
+
+
+def test_a_peer_process_killed_by_a_signal_is_named_with_the_likely_cause():
+    """A run whose process the kernel killed (SIGKILL: most often the out-of-memory killer,
+    what a model too large for the machine gets) says so, not only "exited with code -9"."""
+    import multiprocessing
+    import signal
+
+    from gadei.bench.peers import PeerCrashed, _collect
+
+    ctx = multiprocessing.get_context("spawn")
+    queue, proc = ctx.Queue(), ctx.Process(target=_sleep_forever)
+    proc.start()
+    try:
+        os.kill(proc.pid, signal.SIGKILL)
+        with pytest.raises(PeerCrashed) as crashed:
+            _collect(queue, [proc], 1, 60.0, "plain 1")
+    finally:
+        proc.kill()
+        proc.join(30)
+    said = str(crashed.value)
+    assert said.startswith(f"bench plain 1: process {proc.pid} was killed by SIGKILL (signal 9): "), said
+    assert "out-of-memory killer" in said and "dmesg" in said, said
+
+
+def test_filters_too_large_for_the_machine_are_refused_before_any_run(procs, tmp_path):
+    """`gadei bench threads --filters` with a model that cannot fit (5,000,000 filters a width:
+    72 GB of weights) is refused in one line saying the model's size and the memory there is,
+    exit 2, before a process is started (it was a worker killed by the kernel and a traceback)."""
+    out = tmp_path / "bench.json"
+    bench = procs.gadei("bench", "threads", "--quick", "--repeats", "1", "--filters", "100,5000000", "--out", out,
+                        env={**os.environ, "GADEI_DATA_DIR": str(data_dir())})
+    stdout, err = communicate(bench, 120)
+    assert bench.returncode == 2, err
+    assert err.startswith("gadei: error: --filters 5,000,000: the text CNN would have ") and err.count("\n") == 1, err
+    assert "GB of float32 weights" in err and "GB available: use fewer filters" in err, err
+    assert "samples/s" not in stdout and not out.exists()  # no run, no table, no figures
+
+
+def test_a_filter_count_fits_up_to_the_memory_available():
+    """The check itself: RUN_COPIES float32 copies of the parameters against the bytes
+    available, the dense part smaller than the whole (the embedding table is not dense)."""
+    from gadei.bench.threads import RUN_COPIES, check_fits, model_sizes
+
+    data = f"trec:{data_dir() / 'trec'}" if (data_dir() / "trec" / "TREC.train").is_file() else "generated"
+    sizes = model_sizes(data, [100, 400])
+    (small, small_dense), (large, large_dense) = sizes[100], sizes[400]
+    assert 0 < small_dense < small and 0 < large_dense < large
+    assert large_dense == pytest.approx(4 * small_dense, rel=0.01)  # convolutions grow with the filters
+    need = RUN_COPIES * 4 * large
+    check_fits(sizes, need)  # exactly enough
+    with pytest.raises(ValueError, match=r"^--filters 400: the text CNN would have [\d,]+ parameters"):
+        check_fits(sizes, need - 1)
 
 
 # The pictures the benchmarks draw beside their tables (`--plot`, gadei.bench.figure).

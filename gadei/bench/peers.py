@@ -22,7 +22,7 @@ import time
 import torch
 
 from .figure import plot_path, pyplot, save
-from .timing import cross_cpu_ns, median, placement, start_server, table
+from .timing import cross_cpu_ns, how_it_ended, median, placement, start_server, table
 from .train import _default_data
 
 log = logging.getLogger(__name__)
@@ -194,7 +194,7 @@ def _collect(queue, procs, n: int, timeout: float, what: str) -> list[dict]:
                 p.join(timeout=settle.left())
             dead = sorted((p for p in procs if p.exitcode not in (None, 0)), key=lambda p: p.exitcode >= 0)
             error = PeerCrashed if dead[0].exitcode < 0 else RuntimeError
-            raise error(f"bench {what}: process {dead[0].pid} exited with code {dead[0].exitcode}")
+            raise error(f"bench {what}: process {dead[0].pid} {how_it_ended(dead[0].exitcode)}")
         if deadline.expired():
             raise TimeoutError(f"bench {what}: {len(got)} of {n} reports after {timeout:g} s")
     return got

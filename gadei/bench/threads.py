@@ -18,6 +18,8 @@ batch 32), and so do a larger model's: that is where `[train] threads`
 import logging
 import os
 
+import psutil
+
 from ..jobfile import usable_cores
 from .peers import QUICK_LIMIT, interleaved_runs, placement_of, run_peer
 from .timing import median, table
@@ -29,6 +31,9 @@ THREADS = (1, 2, 4, 8, 16, 32)
 BATCHES = (2, 32)
 FILTERS = (100, 400)  # the text CNN's filters per convolution width: the workload's, and a model 4 times as large
 OVERSUBSCRIBE = 4  # threads measured even where the machine has fewer cores
+# float32 copies of the model a run holds at once, about: gadei's region (the weights and two
+# ring slots) and its learner's model; the plain loop's weights and gradients
+RUN_COPIES = 4
 METHODS = ("plain", "gadei")
 LABELS = {"plain": "plain PyTorch", "gadei": "gadei 1 learner"}
 
@@ -39,18 +44,38 @@ def thread_counts(cores: int) -> list[int]:
     return [t for t in THREADS if t <= max(OVERSUBSCRIBE, cores - 1)]
 
 
-def _dense_mb(data: str, filters: int) -> float:
-    """The text CNN's dense weights (all but the embedding table, whose gradient is sparse), in
-    MB, with `filters` filters per width: what a step's convolutions and the server's dense
-    update touch."""
+def model_sizes(data: str, filters: list[int]) -> dict[int, tuple[int, int]]:
+    """The text CNN's (parameters, dense parameters) with each of `filters` filters per width,
+    built on PyTorch's meta device (shapes without memory). Dense: all but the embedding table,
+    whose gradient is sparse: what a step's convolutions and the server's dense update touch."""
+    import torch
     from gadei_workloads import get
 
     from .peer_workers import model_for
 
     workload = get("textcnn")
     train, _ = workload.load_data(data)
-    model = model_for(workload, train, 0, filters)
-    return sum(p.numel() for name, p in model.named_parameters() if not name.startswith("embedding.")) * 4 / 1e6
+    sizes = {}
+    for f in filters:
+        with torch.device("meta"):
+            model = model_for(workload, train, 0, f)
+        params = list(model.named_parameters())
+        sizes[f] = (sum(p.numel() for _, p in params),
+                    sum(p.numel() for name, p in params if not name.startswith("embedding.")))
+    return sizes
+
+
+def check_fits(sizes: dict[int, tuple[int, int]], available: int) -> None:
+    """Refuse (ValueError) a filter count whose runs would hold more float32 copies of the
+    model (RUN_COPIES) than `available` bytes of memory, before any run starts: a process that
+    outgrows the machine is killed by the kernel, not told why."""
+    for f, (params, _) in sizes.items():
+        need = RUN_COPIES * 4 * params
+        if need > available:
+            raise ValueError(f"--filters {f:,}: the text CNN would have {params:,} parameters ({4 * params / 1e9:,.1f} "
+                             f"GB of float32 weights), and a run holds about {RUN_COPIES} copies of them "
+                             f"({need / 1e9:,.1f} GB), where this machine has {available / 1e9:,.1f} GB available: "
+                             "use fewer filters")
 
 
 def bench_threads(args) -> dict:
@@ -61,6 +86,8 @@ def bench_threads(args) -> dict:
     counts = thread_counts(cores)
     lr = 0.01
     keys = [(kind, threads, batch, f) for kind in METHODS for threads in counts for batch in batches for f in filters]
+    sizes = model_sizes(data, filters)
+    check_fits(sizes, psutil.virtual_memory().available)
 
     def run(key: tuple[str, int, int, int], repeat: int) -> dict:
         kind, threads, batch, f = key
@@ -73,7 +100,7 @@ def bench_threads(args) -> dict:
         return result
 
     runs = interleaved_runs(keys, args.repeats, run)
-    dense = {f: _dense_mb(data, f) for f in filters}
+    dense = {f: 4 * sizes[f][1] / 1e6 for f in filters}  # MB
     records = []
     for f in filters:
         for batch in batches:
