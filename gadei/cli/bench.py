@@ -42,7 +42,8 @@ def add_parser(sub) -> None:
                    "threads: 2,32)")
     p.add_argument("--filters", type=int_list(1, "filter counts"),
                    help="threads: the text CNN's filters per convolution width, comma-separated (default 100,400: "
-                   "the workload's model and one 4 times as large)")
+                   "the workload's model and one 4 times as large; one whose runs cannot fit the memory is "
+                   "refused)")
     p.add_argument("--plot", default=None, metavar="PNG",
                    help="peers, scaling, quality, gpu: where to draw the figure beside the tables (default "
                    "gadei-bench-<name>.png beside --out; with several of them, PNG's name gets -<name>; none: no figure)")
