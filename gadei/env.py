@@ -2,7 +2,7 @@
 
 | variable | meaning | default |
 |---|---|---|
-| GADEI_CORES | the cores gadei's choices count on: learners' threads = "auto", the server's kernel team (GADEI_THREADS) and its spin for the next gradient; at most the affinity | the usable cores (the affinity: a container's or taskset's share); in a job the daemon runs beside others (`--max-jobs` N), the daemon's cores / N |
+| GADEI_CORES | the cores gadei's choices count on: learners' threads = "auto", the server's kernel team (GADEI_THREADS) and its spin for the next gradient; at most the usable cores | the usable cores (the affinity, a container's or taskset's share, or the cgroup's CPU quota where that is fewer: `gadei.cgroup`); in a job the daemon runs beside others (`--max-jobs` N), the daemon's cores / N |
 | GADEI_THREADS | the most OpenMP threads of the server's update kernel (a team has one thread per 262,144 elements of the update) | half the usable cores (GADEI_CORES), at least 1 |
 | GADEI_SPIN_US | the most microseconds the server spins for the next gradient, while they come less than 200 us apart and it has a core of its own | 2000 |
 | GADEI_ATTACH_TIMEOUT | seconds a learner waits for the job's region and weights | 30 |
@@ -26,6 +26,7 @@ is set already. Learners and every other process keep OpenMP's defaults.
 
 import contextlib
 import ctypes
+import math
 import os
 from dataclasses import dataclass
 
@@ -70,9 +71,14 @@ def affinity_cores() -> int:
 
 def usable_cores() -> int:
     """The cores gadei's choices count on (learners' auto threads, the server's team and spin):
-    the CPUs this process may run on, or fewer where GADEI_CORES says so (the daemon gives
-    each job that runs beside others its share, `job_cores_env`)."""
+    the CPUs this process may run on, fewer where its cgroup's CPU quota allows fewer (a
+    container's `--cpus`: `gadei.cgroup.quota_cores`), or fewer still where GADEI_CORES says so
+    (the daemon gives each job that runs beside others its share, `job_cores_env`)."""
+    from .cgroup import quota_cores
+
     cores = affinity_cores()
+    quota = quota_cores()
+    cores = cores if quota is None else min(cores, quota)
     given = _number(CORES, None, int)
     if given is None:
         return cores
@@ -83,10 +89,18 @@ def usable_cores() -> int:
 
 def cores_said() -> str:
     """`usable_cores` in words, with where a smaller count comes from ("8 cores (GADEI_CORES;
-    the process may use 16)")."""
+    the process may use 16)", "4 cores (the cgroup's CPU quota, 4.5 CPUs; the process may run
+    on 16)")."""
+    from .cgroup import cpu_quota
+
     cores, affinity = usable_cores(), affinity_cores()
     said = f"{cores} core{'s' if cores != 1 else ''}"
-    return said + (f" ({CORES}; the process may use {affinity})" if cores < affinity else "")
+    if cores >= affinity:
+        return said
+    quota = cpu_quota()
+    if quota is not None and math.floor(quota + 1e-9) <= cores:  # the quota, not GADEI_CORES, is what limits
+        return said + f" (the cgroup's CPU quota, {quota:g} CPUs; the process may run on {affinity})"
+    return said + f" ({CORES}; the process may use {affinity})"
 
 
 def job_cores_env(jobs: int) -> dict[str, str]:

@@ -9,6 +9,7 @@ the reason on a developer's machine, and fails under CI=true, where a skip would
 broken install.
 """
 
+import contextlib
 import json
 import os
 import queue
@@ -60,6 +61,56 @@ def unique_name(prefix: str) -> str:
     process's id and 10 random hex digits (a name made of the test's tmp_path is the same in
     two concurrent runs of the suite)."""
     return f"{prefix}-{os.getpid()}-{uuid.uuid4().hex[:10]}"
+
+
+@contextlib.contextmanager
+def cgroup(cpus: float | None = None, memory: int | None = None):
+    """A cgroup of a test's own, made for its block and removed after: limited to `cpus` CPUs
+    on average (a quota, as a container's `--cpus` sets) and `memory` bytes (no swap). Yields
+    a function that turns a command line into one that runs inside it. Each limit gets a
+    folder under this process's own cgroup of that controller, in cgroup v1 (the only version
+    where a process's cgroup can have children without moving the process); a machine without
+    a writable v1 hierarchy for it (not root, or cgroup v2 alone) skips the test, and under
+    CI=true fails it (`missing`)."""
+    from gadei.cgroup import folders
+
+    made = []
+    try:
+        for controller, wanted in (("cpu", cpus), ("memory", memory)):
+            if wanted is None:
+                continue
+            found = folders(controller)
+            own = found[0] if found else None
+            if own is None or not (own / "cgroup.procs").exists() or not os.access(own, os.W_OK) or \
+                    (controller == "cpu" and not (own / "cpu.cfs_quota_us").exists()):
+                missing(f"a writable cgroup v1 {controller} hierarchy (root, and cgroup v1 mounted)")
+            folder = own / unique_name("gadei-test")
+            folder.mkdir()
+            made.append(folder)
+            if controller == "cpu":
+                (folder / "cpu.cfs_period_us").write_text("100000")
+                (folder / "cpu.cfs_quota_us").write_text(str(int(wanted * 100000)))
+            else:
+                (folder / "memory.limit_in_bytes").write_text(str(wanted))
+                if (folder / "memory.memsw.limit_in_bytes").exists():
+                    (folder / "memory.memsw.limit_in_bytes").write_text(str(wanted))
+        joins = " ".join(f"echo $$ > '{f}/cgroup.procs' &&" for f in made)
+        yield lambda argv: ["sh", "-c", f'{joins} exec "$@"', "sh", *map(str, argv)]
+    finally:
+        for folder in reversed(made):
+            wait_for(lambda: _emptied(folder), 30, f"the test's cgroup {folder} to empty")
+
+
+def _emptied(folder: Path) -> bool:
+    """Kill what is left in a test's cgroup (a test that failed) and remove it once empty."""
+    for pid in (folder / "cgroup.procs").read_text().split():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(pid), signal.SIGKILL)
+    try:
+        folder.rmdir()
+        return True
+    except OSError:
+        return False
 
 
 def job_text(body: dict[str, dict]) -> str:

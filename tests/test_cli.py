@@ -386,6 +386,10 @@ def test_bench_jobs_quick_runs_1_2_and_4_jobs_side_by_side_under_a_daemon_of_its
     assert set(glob.glob(folders)) <= before  # and removed it
     machine = json.loads(out_file.read_text())["machine"]
     assert machine["usable_cpus"] >= 1 and "OMP_WAIT_POLICY" in machine
+    from gadei import cgroup
+
+    # the limits of the bench's cgroup beside the machine's cores (None where there are none)
+    assert (machine["cgroup_cpu_quota"], machine["cgroup_memory_limit"]) == (cgroup.cpu_quota(), cgroup.memory_limit())
 
 
 def test_bench_quality_times_two_learners_to_one_learners_accuracy():

@@ -60,6 +60,7 @@ from pathlib import Path
 
 import torch
 
+from .. import cgroup
 from ..env import settings, usable_cores
 from ..transport.slot import openmp
 from .bridge import bench_bridge
@@ -89,9 +90,11 @@ def run_bench(args) -> int:
 
         args.data = resolve(args.data)  # a shared data set's bare name ('trec'), as `gadei learn --data` takes it
     built, processors = openmp()
-    # the cores this process counts on (its affinity, or GADEI_CORES) beside the machine's; the settings the user gave
-    # (None: the learners and peers run at OpenMP's defaults, gadei's servers passive)
-    out = {"machine": {"cpus": os.cpu_count(), "usable_cpus": usable_cores(),
+    # the cores this process counts on (its affinity, its cgroup's CPU quota, or GADEI_CORES) beside the machine's,
+    # and its cgroup's limits (None: none); the settings the user gave (None: the learners and peers run at
+    # OpenMP's defaults, gadei's servers passive)
+    out = {"machine": {"cpus": os.cpu_count(), "usable_cpus": usable_cores(), "cgroup_cpu_quota": cgroup.cpu_quota(),
+                       "cgroup_memory_limit": cgroup.memory_limit(),
                        "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"),
                        "GADEI_THREADS": os.environ.get("GADEI_THREADS"), "GADEI_CORES": os.environ.get("GADEI_CORES"),
                        "platform": platform.platform(), "python": platform.python_version(),

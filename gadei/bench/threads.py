@@ -20,6 +20,7 @@ import os
 
 import psutil
 
+from ..cgroup import memory_available
 from ..jobfile import usable_cores
 from .peers import QUICK_LIMIT, interleaved_runs, placement_of, run_peer
 from .timing import median, table
@@ -65,17 +66,28 @@ def model_sizes(data: str, filters: list[int]) -> dict[int, tuple[int, int]]:
     return sizes
 
 
-def check_fits(sizes: dict[int, tuple[int, int]], available: int) -> None:
+def check_fits(sizes: dict[int, tuple[int, int]], available: int, where: str = "this machine has") -> None:
     """Refuse (ValueError) a filter count whose runs would hold more float32 copies of the
-    model (RUN_COPIES) than `available` bytes of memory, before any run starts: a process that
-    outgrows the machine is killed by the kernel, not told why."""
+    model (RUN_COPIES) than `available` bytes of memory (what `where` has), before any run
+    starts: a process that outgrows the machine is killed by the kernel, not told why."""
     for f, (params, _) in sizes.items():
         need = RUN_COPIES * 4 * params
         if need > available:
             raise ValueError(f"--filters {f:,}: the text CNN would have {params:,} parameters ({4 * params / 1e9:,.1f} "
                              f"GB of float32 weights), and a run holds about {RUN_COPIES} copies of them "
-                             f"({need / 1e9:,.1f} GB), where this machine has {available / 1e9:,.1f} GB available: "
+                             f"({need / 1e9:,.1f} GB), where {where} {available / 1e9:,.1f} GB available: "
                              "use fewer filters")
+
+
+def memory_to_count_on() -> tuple[int, str]:
+    """The bytes of memory a bench's runs can have, and whose figure it is: the machine's
+    available memory, or less where this process's cgroup limits it (a container's memory
+    limit, which the machine's figure knows nothing of)."""
+    available, where = psutil.virtual_memory().available, "this machine has"
+    limited = memory_available()
+    if limited is not None and limited < available:
+        available, where = limited, "this process's cgroup (a container's memory limit) has"
+    return available, where
 
 
 def bench_threads(args) -> dict:
@@ -87,7 +99,7 @@ def bench_threads(args) -> dict:
     lr = 0.01
     keys = [(kind, threads, batch, f) for kind in METHODS for threads in counts for batch in batches for f in filters]
     sizes = model_sizes(data, filters)
-    check_fits(sizes, psutil.virtual_memory().available)
+    check_fits(sizes, *memory_to_count_on())
 
     def run(key: tuple[str, int, int, int], repeat: int) -> dict:
         kind, threads, batch, f = key
