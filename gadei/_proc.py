@@ -1,5 +1,5 @@
-"""The processes gadei starts and watches: their command lines, and their identity for
-liveness checks (a pid plus its start time, so pid reuse cannot fool us)."""
+"""The processes gadei starts and watches: their command lines, their identity for liveness
+checks (a pid plus its start time, so pid reuse cannot fool us), and how one ended, in words."""
 
 import ctypes
 import os
@@ -82,6 +82,49 @@ def alive_since(pid: int, when: float) -> bool:
         return False
     except psutil.AccessDenied:
         return True
+
+
+def oom_kills() -> int | None:
+    """How many processes the kernel's out-of-memory killer has killed on this machine since it
+    booted (`oom_kill` in /proc/vmstat, Linux 4.13 and later; it counts the kills of a cgroup's
+    memory limit too); None where it is not kept. Read it when a process starts, and
+    `how_it_ended` can say whether that killer is what ended it."""
+    try:
+        with open("/proc/vmstat", "rb") as f:
+            for line in f:
+                if line.startswith(b"oom_kill "):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def how_it_ended(code: int, oom_kills_at_start: int | None = None) -> str:
+    """How a process ended, in words, from its exit code as `subprocess` and `multiprocessing`
+    give it (a negative code is the signal that killed it): "exited with code 2", "was killed
+    by SIGSEGV (signal 11)". For SIGKILL, which no process catches, it says who most likely
+    sent it: given `oom_kills()` as read when the process started, whether the kernel's
+    out-of-memory killer killed anything since (the machine's count: another process's kill
+    can be counted too, hence "most likely"); without it, that this killer is the usual cause
+    where no one sent the signal."""
+    if code >= 0:
+        return f"exited with code {code}"
+    try:
+        name = f"{signal.Signals(-code).name} (signal {-code})"
+    except ValueError:
+        return f"was killed by signal {-code}"
+    if -code != signal.SIGKILL:
+        return f"was killed by {name}"
+    now = oom_kills() if oom_kills_at_start is not None else None
+    if now is None:
+        return (f"was killed by {name}: where no one sent it, the kernel's out-of-memory killer did, when the "
+                "machine or its cgroup ran out of memory (`dmesg` names what it killed)")
+    if now > oom_kills_at_start:
+        kills = now - oom_kills_at_start
+        return (f"was killed by {name}, most likely by the kernel's out-of-memory killer, which killed {kills} "
+                f"process{'es' if kills != 1 else ''} on this machine since it started: the machine or its cgroup "
+                "ran out of memory (`dmesg` names what it killed)")
+    return f"was killed by {name}, sent by a process (not the out-of-memory killer, which killed nothing since it started)"
 
 
 def tie_to_parent() -> None:

@@ -10,6 +10,7 @@ import time
 import torch
 
 from . import params, status
+from ._proc import how_it_ended
 from .launch import LocalJob
 from .region import Region
 
@@ -58,7 +59,8 @@ def run_demo(args) -> int:
         local.stop()
         if any(codes):
             local.keep_logs = True
-            print(f"gadei demo: learners exited with {codes}; their logs are in {local.log_dir}")
+            ended = "; ".join(f"learner {i} {how_it_ended(code)}" for i, code in enumerate(codes) if code)
+            print(f"gadei demo: {ended}; their logs are in {local.log_dir}")
             return 1
     accuracy = workload.evaluate(model, test)
     print(f"gadei demo: done in {elapsed:.0f} s: {version:,} updates, test accuracy {accuracy:.2%}", flush=True)

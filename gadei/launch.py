@@ -219,11 +219,12 @@ class LocalJob:
         found = inspect(self.job)
         if found is not None:
             raise JobRunning(f"job {self.job!r} already has a region ({found.state})")
+        oom_kills = _proc.oom_kills()
         self.server = self._spawn(["serve", self.job, *self.serve_args], "server.log")
         deadline = Deadline(timeout)
         while True:
             if self.server.poll() is not None:
-                raise GadeiError(f"job {self.job!r}: server exited with {self.server.returncode}:\n{self.log('server')[-3000:]}")
+                raise GadeiError(f"job {self.job!r}: the server {_proc.how_it_ended(self.server.returncode, oom_kills)}:\n{self.log('server')[-3000:]}")
             try:
                 Region.attach(self.job, readonly=True).close()
                 return

@@ -49,7 +49,7 @@ import threading
 import time
 from pathlib import Path
 
-from . import device, jobfile, outputs
+from . import _proc, device, jobfile, outputs
 from .board import Board
 from .custody import adopt
 from .env import learners_openmp_env
@@ -114,6 +114,7 @@ class JobRun:
         self.asked = asked  # None: this run takes the stops itself (`run`)
         self.job = prepared.job
         self.serve: subprocess.Popen | None = None
+        self.oom_kills: int | None = None  # `_proc.oom_kills()` when it started the server
         self.dog: tuple[int, float] | None = None  # the watchdog's pid and start time, as the region names it
         self.server: tuple[int, float] | None = None  # the job's server, as the region names it
         self.note = ""  # what went wrong that no end record will say
@@ -136,6 +137,7 @@ class JobRun:
         try:
             if self.asked:  # before anything started: nothing to stop, nothing to wait for
                 return self._finish(owner, interrupted=True, started=time.monotonic())
+            self.oom_kills = _proc.oom_kills()
             self.serve = self.launch()
             return self._follow_and_finish(owner)
         finally:
@@ -249,7 +251,6 @@ class JobRun:
 
     def ended(self) -> bool:
         """One look at the job: True once it ended. Replaces a dead watchdog (`_adopt`)."""
-        from . import _proc
         from .region import inspect
 
         code = self.serve.poll()
@@ -261,6 +262,7 @@ class JobRun:
         dog_alive = self.dog is not None and _proc.alive(*self.dog)
         if ending is not None:
             return code is not None and not serving
+        how = _proc.how_it_ended(code, self.oom_kills) if code is not None else ""
         if code is not None and not serving and not dog_alive:
             if code == 0 and not self.note and self._learners_done():  # not when this run stopped it (note)
                 outputs.record_end(self.job.output, outputs.Ending(
@@ -269,14 +271,14 @@ class JobRun:
             if self.dog is None and code == 0 and self.stopped:
                 pass  # this run stopped its server before it had a watchdog (it launched none): a stop
             elif self.dog is None or code == 0:
-                self.note = self.note or f"the server exited {code} without a watchdog"
+                self.note = self.note or f"the server {how} without a watchdog"
             else:
-                self.note = self.note or (f"the server exited {code} and its watchdog (pid {self.dog[0]}) is gone "
+                self.note = self.note or (f"the server {how} and its watchdog (pid {self.dog[0]}) is gone "
                                           "without saying how the job ended")
             return True
         if code is not None and code != 0 and not self._said_restart:
             self._said_restart = True
-            print(f"\ngadei run: job {self.job.name}: the server exited {code}; its watchdog restarts it from the "
+            print(f"\ngadei run: job {self.job.name}: the server {how}; its watchdog restarts it from the "
                   "last checkpoint", file=sys.stderr, flush=True)
         if self.dog is not None and not dog_alive and serving and self.dog != self._tried:
             self._adopt()

@@ -28,6 +28,8 @@ from helpers import (blobs_job, communicate, dead, end_jobs, finish, job_process
                      unique_name, wait_for)
 
 STOP_WITHIN = 120  # seconds from a kill to a clear stop, at most (the job itself takes about 15 s)
+# how a process these tests SIGKILL is said to have ended (`gadei._proc.how_it_ended`)
+KILLED = "was killed by SIGKILL (signal 9), sent by a process (not the out-of-memory killer, which killed nothing since it started)"
 
 
 @pytest.fixture
@@ -93,7 +95,7 @@ def test_gadei_run_reports_the_real_outcome_when_a_role_of_its_job_is_killed(sma
     assert run.returncode == 0, stdout + stderr
     assert "done in" in stdout, stdout
     if role == "server":
-        assert "the server exited -9; its watchdog restarts it" in stderr, stderr
+        assert f"the server {KILLED}; its watchdog restarts it" in stderr, stderr
     if role == "watchdog":
         assert f"its watchdog (pid {pid}) died; starting a new one" in stderr, stderr
     result = _outputs_written(out, run.pid)
@@ -339,7 +341,7 @@ def test_two_adoptions_at_once_leave_one_watchdog_and_the_loser_says_so(small, p
         assert f"adopted by watchdog pid {winner};" in said, said
     else:
         assert (f"job {name!r} was adopted by watchdog pid {winner} at the same moment; this one stood down" in said
-                or f"exited with 2: job {name!r} already has a live watchdog (pid {winner})" in said), said
+                or f"exited with code 2: job {name!r} already has a live watchdog (pid {winner})" in said), said
     log = (out / "logs" / "watchdog.log").read_text()
     assert f"job {name!r} already has a live watchdog (pid {winner})" in log, log[-3000:]  # the loser's refusal
     wait_for(lambda: _gone(name), 60, "every process of the job to end")
@@ -430,7 +432,7 @@ def test_the_daemon_reports_the_real_outcome_when_gadei_run_the_server_and_the_d
     # the record as the daemon first shows the death (the small job may end soon after: read it once)
     record = wait_for(lambda: (r := _record(procs, daemon_env, name))["orphaned"] and r, 30,
                       "the daemon to see gadei run die", 0.2)
-    assert "killed by signal 9" in record["message"] and record["state"] in ("running", "done"), record
+    assert KILLED in record["message"] and record["state"] in ("running", "done"), record
     daemon.send_signal(signal.SIGKILL)
     daemon.wait()
     daemon = start_daemon(procs, daemon_env)  # a new daemon finds the job by its record and its region
@@ -482,7 +484,7 @@ def test_the_daemon_reports_the_real_outcome_when_a_role_of_its_job_is_killed(sm
     assert record["state"] == "done" and record["returncode"] in (0, None), record
     assert record["orphaned"] == (role == "gadei run") and record["pid"] == 0, record
     if role == "gadei run":
-        assert f"its `gadei run` (pid {run_pid}) was killed by signal 9" in record["message"], record
+        assert f"its `gadei run` (pid {run_pid}) {KILLED}" in record["message"], record
     if role == "daemon until the job ended":
         assert "ended while the daemon was down" in record["message"], record
         # when it ended (its result.json's time), not when the new daemon came to read it
@@ -493,7 +495,7 @@ def test_the_daemon_reports_the_real_outcome_when_a_role_of_its_job_is_killed(sm
         assert record["returncode"] == 0, record  # the daemon's own child: its exit status is known
     log = (out / "logs" / "run.log").read_text()
     if role == "server":
-        assert "the server exited -9; its watchdog restarts it" in log, log[-3000:]
+        assert f"the server {KILLED}; its watchdog restarts it" in log, log[-3000:]
     if role == "watchdog":
         assert f"its watchdog (pid {victim}) died; starting a new one" in log, log[-3000:]
     # the job's gadei run wrote them, or its watchdog where gadei run was killed

@@ -9,9 +9,12 @@ run a whole job from a folder that holds decoy packages of every name gadei impo
 
 import ast
 import json
+import os
+import signal
+import sys
 from pathlib import Path
 
-from helpers import communicate, unique_name
+from helpers import cgroup, communicate, missing, unique_name
 
 from gadei import _proc
 
@@ -69,3 +72,42 @@ def test_a_command_line_says_which_gadei_command_it_runs():
     for other in (["python", "-m", "pytest", "serve"], ["python", "train.py", "serve"], ["python", "-c", "x", "serve"],
                   ["python", "-m", "gadei"], ["python", "/venv/bin/gadei"], ["python"]):
         assert _proc.gadei_subcommand(other) is None, other
+
+
+# How a process ended, in words (`_proc.how_it_ended`): every message of gadei's that says a
+# process it started or watched died says it so.
+
+def test_how_a_process_ended_names_the_exit_code_or_the_signal():
+    assert _proc.how_it_ended(0) == "exited with code 0"
+    assert _proc.how_it_ended(2) == "exited with code 2"
+    assert _proc.how_it_ended(-11) == "was killed by SIGSEGV (signal 11)"
+    assert _proc.how_it_ended(-15) == "was killed by SIGTERM (signal 15)"
+    assert _proc.how_it_ended(-200) == "was killed by signal 200"  # no such signal: its number
+    # SIGKILL with no count from the process's start: the usual cause, hedged
+    said = _proc.how_it_ended(-9)
+    assert said.startswith("was killed by SIGKILL (signal 9): where no one sent it, the kernel's out-of-memory "
+                           "killer did") and "dmesg" in said, said
+
+
+def test_a_sigkill_says_whether_the_out_of_memory_killer_sent_it(procs):
+    """Two real deaths by SIGKILL: one sent by this test, one by the kernel's out-of-memory
+    killer to a process that outgrew the 64 MB of a cgroup of its own (`helpers.cgroup`)."""
+    if _proc.oom_kills() is None:
+        missing("the kernel's count of out-of-memory kills (oom_kill in /proc/vmstat, Linux 4.13 and later)")
+    started = _proc.oom_kills()
+    sleeper = procs.start("-c", "import time; time.sleep(600)")
+    os.kill(sleeper.pid, signal.SIGKILL)
+    assert sleeper.wait(30) == -signal.SIGKILL
+    assert _proc.how_it_ended(sleeper.returncode, started) == (
+        "was killed by SIGKILL (signal 9), sent by a process (not the out-of-memory killer, which killed nothing "
+        "since it started)")
+
+    with cgroup(memory=64 << 20) as inside:
+        started = _proc.oom_kills()
+        hungry = procs.spawn(inside([sys.executable, "-c", "held = b'x' * (1 << 30)"]))
+        _, err = communicate(hungry, 120)
+    assert hungry.returncode == -signal.SIGKILL, err
+    said = _proc.how_it_ended(hungry.returncode, started)
+    assert said.startswith("was killed by SIGKILL (signal 9), most likely by the kernel's out-of-memory killer, which "
+                           "killed 1 process on this machine since it started: the machine or its cgroup ran out "
+                           "of memory"), said

@@ -164,7 +164,7 @@ def test_a_launched_learner_that_keeps_failing_is_given_up_and_the_job_ends(job,
                         "--max-restarts", 1, "--learner", f"--data trec:{tmp_path}/no-such-folder --epochs 1")
     _, err = communicate(serve, 120)
     assert serve.returncode == 1, err
-    assert "launched learner 0 exited with 2 after 0 samples of its schedule; starting it again in 1 s" in err
+    assert "launched learner 0 exited with code 2 after 0 samples of its schedule; starting it again in 1 s" in err
     assert "gave up on it: it died 2 times within 300 s" in err
     assert "ended without some launched learners" in err
     said = (tmp_path / "learner-0.log").read_text()

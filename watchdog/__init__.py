@@ -306,6 +306,7 @@ class Watchdog:
         env = {**os.environ, **restarts_env(self._restarts)}
         os.makedirs(self.log_dir, exist_ok=True)
         server_log = os.path.join(self.log_dir, "server.log")
+        oom_kills = _proc.oom_kills()
         proc = spawn(_proc.gadei_command(*args), log=server_log, env=env)
         self._server = proc
         log.warning("job %r: restarting the server (pid %d) %s; its output goes to %s", self.job, proc.pid,
@@ -317,7 +318,7 @@ class Watchdog:
             if now_found is not None and now_found.state == "running" and now_found.server_pid == proc.pid:
                 break
             if proc.poll() is not None:
-                log.error("job %r: the restarted server exited with %d (see %s)", self.job, proc.returncode,
+                log.error("job %r: the restarted server %s (see %s)", self.job, _proc.how_it_ended(proc.returncode, oom_kills),
                           server_log)
                 return False
             if deadline.expired():

@@ -61,6 +61,7 @@ class Learners:
     def start(self, l: Launched) -> None:
         os.makedirs(self.log_dir, exist_ok=True)
         command = _proc.gadei_command("learn", self.job, *_numbered(l), "--start-at", l.start_at)
+        l.oom_kills = _proc.oom_kills()
         l.proc = spawn(command, log=os.path.join(self.log_dir, f"learner-{l.number}.log"), session=False)
         l.pid, l.entry, l.seen, l.due = l.proc.pid, -1, 0, 0.0
         try:
@@ -169,7 +170,7 @@ class Learners:
         if code is None:
             how = "is gone"
         else:
-            how = f"was killed by signal {-code}" if code < 0 else f"exited with {code}"
+            how = _proc.how_it_ended(code, l.oom_kills if l.proc is not None else None)
         published = l.seen
         if l.entry >= 0 and ring.owned_by(region, l.entry, l.pid):
             region.entry(l.entry).cas("state", ACTIVE, DEAD)

@@ -4,7 +4,7 @@ with mpiexec on this machine (the measurement itself: gadei.bridge.measurement).
 import json
 import os
 
-from .._proc import python_command
+from .._proc import how_it_ended, python_command
 from .timing import MB, table
 
 
@@ -23,7 +23,7 @@ def bench_bridge(args) -> dict:
     done = subprocess.run(argv, env={**os.environ, **env}, capture_output=True, text=True, timeout=3600)
     lines = [line for line in done.stdout.splitlines() if line.startswith("BENCH ")]
     if done.returncode != 0 or not lines:
-        raise RuntimeError(f"bench bridge: mpiexec exited {done.returncode}:\n{done.stderr[-3000:]}")
+        raise RuntimeError(f"bench bridge: mpiexec {how_it_ended(done.returncode)}:\n{done.stderr[-3000:]}")
     result = json.loads(lines[0][len("BENCH "):])
     link = result["link"]
     print(f"\nbridge: {result['ranks']} ranks on this machine; link alpha {link['alpha'] * 1e6:.1f} us per message, "

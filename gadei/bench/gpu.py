@@ -35,6 +35,7 @@ import time
 import torch
 from torch import nn
 
+from .._proc import how_it_ended
 from ..env import environ
 from ..errors import DeviceError
 from ..modes import RuleOptions
@@ -380,8 +381,8 @@ class Mps:
             out.seek(0)
             said = out.read().strip()
         if done.returncode != 0:
-            raise DeviceError(f"nvidia-cuda-mps-control {' '.join(args) or text.strip()} exited {done.returncode}: "
-                              f"{said}")
+            raise DeviceError(f"nvidia-cuda-mps-control {' '.join(args) or text.strip()} "
+                              f"{how_it_ended(done.returncode)}: {said}")
 
     def __enter__(self) -> "Mps":
         self.folder = tempfile.mkdtemp(prefix="gadei-mps-")

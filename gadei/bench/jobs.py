@@ -31,7 +31,7 @@ from pathlib import Path
 
 import psutil
 
-from .._proc import gadei_command
+from .._proc import gadei_command, how_it_ended
 from ..protocol import Deadline, wait_for
 from .quality import SETS, data_dir, job_file
 from .timing import median, process_cpu_s, process_threads, table
@@ -135,7 +135,7 @@ def _side_by_side(folder: Path, data: dict, n: int, *, seed: int, epochs: int, s
         wait_for(lambda: os.path.exists(sock) or daemon.poll() is not None, 60,
                  "gadei bench jobs: the daemon's socket")
         if daemon.poll() is not None:
-            raise RuntimeError(f"gadei bench jobs: the daemon exited {daemon.returncode}: "
+            raise RuntimeError(f"gadei bench jobs: the daemon {how_it_ended(daemon.returncode)}: "
                                f"{(folder / 'daemon.log').read_text()[-2000:]}")
         with _Readings(str(folder), daemon.pid) as readings:
             for i in range(n):

@@ -21,8 +21,9 @@ import time
 
 import torch
 
+from .. import _proc
 from .figure import plot_path, pyplot, save
-from .timing import cross_cpu_ns, how_it_ended, median, placement, start_server, table
+from .timing import cross_cpu_ns, median, placement, start_server, table
 from .train import _default_data
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,7 @@ def run_peer(kind: str, world: int, batch: int, *, epochs: int, seed: int, lr: f
     lr_used = lr * world if kind == "ddp-lr" else lr
     procs, server, shared, job = [], None, None, None
     expected = world
+    oom_kills = _proc.oom_kills()
     try:
         if kind in ("plain", "hogwild"):
             if kind == "hogwild":
@@ -101,7 +103,8 @@ def run_peer(kind: str, world: int, batch: int, *, epochs: int, seed: int, lr: f
             raise ValueError(f"unknown method {kind!r}; choose from gadei, {', '.join(PEERS)}")
         for p in procs:
             p.start()
-        results = _collect(queue, procs + ([server] if server else []), expected, timeout, f"{kind} {world}")
+        results = _collect(queue, procs + ([server] if server else []), expected, timeout, f"{kind} {world}",
+                           oom_kills)
         state = next((r["state"] for r in results if r.get("state") is not None), None)
         if kind == "hogwild":
             model = shared
@@ -115,7 +118,7 @@ def run_peer(kind: str, world: int, batch: int, *, epochs: int, seed: int, lr: f
             from ..launch import stop_job
 
             stop_job(job)
-            results += _collect(queue, [server], 1, 60, "gadei server")
+            results += _collect(queue, [server], 1, 60, "gadei server", oom_kills)
     finally:
         _reap(procs, server, job)
     trained = [r for r in results if r["rank"] >= 0 and r.get("start") is not None]
@@ -170,9 +173,9 @@ class PeerCrashed(RuntimeError):
 PEER_RETRIES = 3  # a peer's run that crashed is run again (its crashes counted) at most this many times
 
 
-def _collect(queue, procs, n: int, timeout: float, what: str) -> list[dict]:
-    """`n` reports from `queue`; raises if a process died first (PeerCrashed: by a signal) or
-    `timeout` passed."""
+def _collect(queue, procs, n: int, timeout: float, what: str, oom_kills: int | None = None) -> list[dict]:
+    """`n` reports from `queue`; raises if a process died first (PeerCrashed: by a signal; how,
+    with `_proc.oom_kills()` as read when the run started) or `timeout` passed."""
     import queue as queues
 
     from ..protocol import Deadline
@@ -194,7 +197,7 @@ def _collect(queue, procs, n: int, timeout: float, what: str) -> list[dict]:
                 p.join(timeout=settle.left())
             dead = sorted((p for p in procs if p.exitcode not in (None, 0)), key=lambda p: p.exitcode >= 0)
             error = PeerCrashed if dead[0].exitcode < 0 else RuntimeError
-            raise error(f"bench {what}: process {dead[0].pid} {how_it_ended(dead[0].exitcode)}")
+            raise error(f"bench {what}: process {dead[0].pid} {_proc.how_it_ended(dead[0].exitcode, oom_kills)}")
         if deadline.expired():
             raise TimeoutError(f"bench {what}: {len(got)} of {n} reports after {timeout:g} s")
     return got

@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .._proc import gadei_command
+from .._proc import gadei_command, how_it_ended
 from ..env import settings
 from .figure import plot_path, pyplot, save
 from .timing import table
@@ -85,7 +85,7 @@ def run_gadei(path: Path) -> dict:
 
     out = jobfile.load(path).output
     if done.returncode != 0 or not (out / "result.json").exists():
-        raise RuntimeError(f"gadei run {path} exited {done.returncode}: {done.stdout[-2000:]}")
+        raise RuntimeError(f"gadei run {path} {how_it_ended(done.returncode)}: {done.stdout[-2000:]}")
     result = json.loads((out / "result.json").read_text())
     result["wall_seconds"] = round(wall, 1)
     result["evaluations"] = _evaluations(out)

@@ -3,13 +3,13 @@ buffers, plain-text tables, and how near the host placed the CPUs the runs share
 
 import os
 import random
-import signal
 import statistics
 import time
 
 import numpy as np
 import psutil
 
+from .. import _proc
 from ..region import cross_cpu_ns as _round_trip_ns
 
 MB = 1 << 20
@@ -112,21 +112,6 @@ def table(headers, rows) -> str:
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells)
 
 
-def how_it_ended(exitcode: int) -> str:
-    """How a process with multiprocessing's `exitcode` ended, in words: a negative code is the
-    signal that killed it, and SIGKILL is most often the kernel's out-of-memory killer."""
-    if exitcode >= 0:
-        return f"exited with code {exitcode}"
-    try:
-        name = signal.Signals(-exitcode).name
-    except ValueError:
-        return f"was killed by signal {-exitcode}"
-    if -exitcode == signal.SIGKILL:
-        return (f"was killed by {name} (signal {-exitcode}): where no one sent it, the kernel's out-of-memory "
-                "killer did, to a process that asked for more memory than the machine has (`dmesg` names it)")
-    return f"was killed by {name} (signal {-exitcode})"
-
-
 def start_server(job: str, target, args: tuple, timeout: float = 120.0):
     """Start `target(*args, failed)` (a bench run's gadei server) in a process of its own and
     wait until job `job`'s region is up; raise what it failed with (a message on the `failed`
@@ -145,6 +130,7 @@ def start_server(job: str, target, args: tuple, timeout: float = 120.0):
 
     ctx = mp.get_context("spawn")
     failed = ctx.Queue()
+    oom_kills = _proc.oom_kills()
     proc = ctx.Process(target=target, args=(*args, failed))
     with environ({} if openmp_policy_given() else {"OMP_WAIT_POLICY": "PASSIVE"}):
         proc.start()
@@ -156,7 +142,7 @@ def start_server(job: str, target, args: tuple, timeout: float = 120.0):
         except (RegionNotFound, GadeiTimeout):
             pass
         if not proc.is_alive():
-            reason = failed.get(timeout=1) if not failed.empty() else f"it {how_it_ended(proc.exitcode)}"
+            reason = failed.get(timeout=1) if not failed.empty() else f"it {_proc.how_it_ended(proc.exitcode, oom_kills)}"
             raise RuntimeError(f"bench job {job!r}: the server did not start: {reason}")
         if deadline.expired():
             proc.kill()

@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from .._proc import python_command
+from .._proc import how_it_ended, python_command
 from ..env import restarts as recent_restarts
 from ..errors import GadeiError
 from ..launch import spawn, take_stops, wait_or_kill
@@ -219,7 +219,7 @@ def _adopt(args) -> int:
                 if live:  # another process adopted the job at the same moment: the header took one of us
                     raise GadeiError(f"job {args.job!r} was adopted by watchdog pid {live} at the same moment; this "
                                      "one stood down")
-                raise GadeiError(f"job {args.job!r}: the adopting watchdog exited with {dog.returncode}"
+                raise GadeiError(f"job {args.job!r}: the adopting watchdog {how_it_ended(dog.returncode)}"
                                  + _last_error(out_path) + f" (see {out_path})")
             if deadline.expired():
                 dog.kill()

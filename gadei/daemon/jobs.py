@@ -125,7 +125,7 @@ class Daemon:
         self._locks = [_lock(self.folder / "daemon.lock", f"state folder {self.folder}")]
         self.lock = threading.Lock()
         self.records: dict[str, JobRecord] = {}
-        self.procs: dict[str, subprocess.Popen] = {}
+        self.procs: dict[str, tuple[subprocess.Popen, int | None]] = {}  # with `_proc.oom_kills()` at its start
         self._stop = threading.Event()
         self.records.update(read_records(self.folder))
         with self.lock:
@@ -168,16 +168,18 @@ class Daemon:
         self._save(record)
         log.warning("job %s: %s", record.name, record.message)
 
-    def _conclude(self, record: JobRecord, code: int | None, why: str = "") -> None:
+    def _conclude(self, record: JobRecord, code: int | None, why: str = "", oom_kills: int | None = None) -> None:
         """The job ended: its state from its result.json (`gadei.outputs`), which is written
-        here when neither its `gadei run` nor its watchdog lived to write it."""
+        here when neither its `gadei run` nor its watchdog lived to write it. `code`: its `gadei
+        run`'s exit code where known (`oom_kills`: `_proc.oom_kills()` when it started)."""
         from .. import outputs
 
         out = Path(record.output)
         result = outputs.read_result(out)
+        run_ended = "gadei run " + ("is gone" if code is None else _proc.how_it_ended(code, oom_kills))
         if result is None and (code is None or code < 0) and (out / "job.toml").is_file():
             try:  # gadei run was killed: the job's outputs are this process's to write
-                result = outputs.conclude(out, note=why or f"gadei run was killed ({code})", wait=120)
+                result = outputs.conclude(out, note=why or run_ended, wait=120)
             except Exception as err:  # noqa: BLE001 (the record must end whatever this costs)
                 log.error("job %s: cannot write its outputs: %s", record.name, _reason(err))
         outcome = result.get("outcome") if result else None
@@ -192,8 +194,7 @@ class Daemon:
             self._finish(record, FAILED, code, f"{outcome}: {result.get('reason', '')}" + (f" ({why})" if why else ""),
                          at)
         else:
-            self._finish(record, FAILED, code, (f"{why}; " if why else "") + f"gadei run exited {code}; see "
-                         f"`gadei logs {record.name}`")
+            self._finish(record, FAILED, code, (f"{why}; " if why else "") + f"{run_ended}; see `gadei logs {record.name}`")
 
     def _finish(self, record: JobRecord, state: str, code: int | None, message: str = "",
                 at: float | None = None) -> None:
@@ -337,11 +338,12 @@ class Daemon:
         from ..launch import spawn
 
         env = {**os.environ, **job_cores_env(self.max_jobs)}  # its share of the cores, beside the other jobs
+        oom_kills = _proc.oom_kills()
         with open(fd, "ab") as out:
             proc = spawn(_proc.gadei_command("run", record.jobfile, "--quiet", "--submitted")
                          + (["--resume"] if record.resume else []), log=out, held=True, env=env)  # a cancel at once
         # is then a stop it takes (once its handler is set), never its death
-        self.procs[record.name] = proc
+        self.procs[record.name] = proc, oom_kills
         record.state, record.pid, record.started = RUNNING, proc.pid, time.time()
         try:
             record.pid_start = _proc.start_time(proc.pid)
@@ -358,7 +360,7 @@ class Daemon:
                 continue
             if not record.pid:
                 continue
-            proc = self.procs.get(record.name)
+            proc, oom_kills = self.procs.get(record.name, (None, None))
             if proc is not None:
                 code = proc.poll()
                 if code is None:
@@ -370,9 +372,9 @@ class Daemon:
                 code = None
             if code != 0 and _job_alive(record):
                 self._orphan(record, f"its `gadei run` (pid {record.pid}) " + ("is gone" if code is None else
-                             f"was killed by signal {-code}" if code < 0 else f"exited {code}"))
+                             _proc.how_it_ended(code, oom_kills)))
                 continue
-            self._conclude(record, code)
+            self._conclude(record, code, oom_kills=oom_kills)
 
     # ------------------------------------------------------------------ the socket
 

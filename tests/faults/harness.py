@@ -342,7 +342,9 @@ def kill_learner(job: Job, rng: random.Random) -> Fault:
         restarted = [l for l in launched if l["restarts"] == 1 and l["state"] == "running"]
         return [] if len(restarted) == 1 else [f"gadei status does not show the restart: {launched}"]
     return Fault(time.monotonic(), _all_learners_back(job, {victim}, before),
-                 after_recovery=status_shows_it, expect_in_logs=["was killed by signal 9", "starting it again"])
+                 after_recovery=status_shows_it,
+                 expect_in_logs=["was killed by SIGKILL (signal 9), sent by a process (not the out-of-memory killer",
+                                 "starting it again"])
 
 
 def kill_learners(job: Job, rng: random.Random) -> Fault:
