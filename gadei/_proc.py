@@ -115,16 +115,30 @@ def how_it_ended(code: int, oom_kills_at_start: int | None = None) -> str:
         return f"was killed by signal {-code}"
     if -code != signal.SIGKILL:
         return f"was killed by {name}"
-    now = oom_kills() if oom_kills_at_start is not None else None
-    if now is None:
+    if oom_kills_at_start is None or oom_kills() is None:
         return (f"was killed by {name}: where no one sent it, the kernel's out-of-memory killer did, when the "
                 "machine or its cgroup ran out of memory (`dmesg` names what it killed)")
-    if now > oom_kills_at_start:
-        kills = now - oom_kills_at_start
-        return (f"was killed by {name}, most likely by the kernel's out-of-memory killer, which killed {kills} "
-                f"process{'es' if kills != 1 else ''} on this machine since it started: the machine or its cgroup "
-                "ran out of memory (`dmesg` names what it killed)")
+    said = _oom_killed_since(oom_kills_at_start)
+    if said:
+        return f"was killed by {name}, most likely by {said}"
     return f"was killed by {name}, sent by a process (not the out-of-memory killer, which killed nothing since it started)"
+
+
+def gone_since(oom_kills_at_start: int | None) -> str:
+    """What can be said of a process that is gone where its exit code cannot be read (one that
+    is not this process's child): ", most likely killed by the kernel's out-of-memory killer,
+    which killed ..." where that killer's count rose since `oom_kills_at_start`, else ""."""
+    said = _oom_killed_since(oom_kills_at_start) if oom_kills_at_start is not None else ""
+    return f", most likely killed by {said}" if said else ""
+
+
+def _oom_killed_since(oom_kills_at_start: int) -> str:
+    now = oom_kills()
+    if now is None or now <= oom_kills_at_start:
+        return ""
+    kills = now - oom_kills_at_start
+    return (f"the kernel's out-of-memory killer, which killed {kills} process{'es' if kills != 1 else ''} on this "
+            "machine since it started: the machine or its cgroup ran out of memory (`dmesg` names what it killed)")
 
 
 def tie_to_parent() -> None:

@@ -60,7 +60,7 @@ class Launched:
 
     def __post_init__(self):
         self.proc: subprocess.Popen | None = None  # only when it is this watchdog's child
-        self.oom_kills: int | None = None  # `_proc.oom_kills()` when this watchdog started it
+        self.oom_kills: int | None = None  # `_proc.oom_kills()` when this watchdog started (or adopted) it
 
     @property
     def running(self) -> bool:

@@ -130,6 +130,13 @@ def test_gadei_serve_restarts_a_killed_server_from_its_last_checkpoint(job, proc
         assert status["checkpointed_version"] >= last.version
         text, _ = finish(procs.gadei("status", job, "--interval", "0.1"))
         assert f"watchdog: pid {dog.pid} alive" in text and "1 server restarts" in text
+        assert any(f"the server pid {serve.pid} is gone" in line for line in serve.err_lines), serve.err_lines
+        # the restarted server is the watchdog's child: its death is told with how it ended
+        restarted.kill()
+        again = wait_for(lambda: _served_by_another(job, new_pid), 120, "the watchdog to restart the server again")
+        said = f"the server pid {new_pid} was killed by SIGKILL (signal 9), sent by a process (not the out-of-memory"
+        assert any(said in line for line in serve.err_lines), serve.err_lines
+        restarted = psutil.Process(again)
         out = procs.gadei("stop", job)
         communicate(out, 60)
         assert out.returncode == 0

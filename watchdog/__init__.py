@@ -80,10 +80,13 @@ class Watchdog:
         self.job, self.settings = job, settings
         self.log_dir = settings.log_dir or settings.checkpoint_dir
         table = adopted if adopted is not None else [Launched(i, list(a)) for i, a in enumerate(settings.learners)]
+        for l in adopted or []:  # learners an earlier watchdog started: their deaths are counted from now
+            l.oom_kills = _proc.oom_kills()
         self.learners = Learners(job, table, self.log_dir, max_restarts=settings.max_restarts,
                                  window=settings.window, backoff=settings.backoff)
         self._restarts = restarts()
         self._server: subprocess.Popen | None = None  # a server this watchdog restarted
+        self._server_oom_kills = _proc.oom_kills()  # when this watchdog, or the server it restarted, started
         self._reported: set[tuple[int, int]] = set()  # (learner entry, pid) reported dead or hung
         self._stopped_it = False  # this watchdog's own stop (every launched learner done) is the job's
         self.checkpoints = 0
@@ -274,7 +277,10 @@ class Watchdog:
     def _server_problem(self) -> str | None:
         h = self.region.header
         if not _proc.alive(h.get("server_pid"), h.get("server_start")):
-            return f"pid {h.get('server_pid')} is gone"
+            own = self._server
+            if own is not None and own.pid == h.get("server_pid") and own.poll() is not None:
+                return f"pid {own.pid} {_proc.how_it_ended(own.returncode, self._server_oom_kills)}"
+            return f"pid {h.get('server_pid')} is gone" + _proc.gone_since(self._server_oom_kills)
         silent = (time.monotonic_ns() - h.get("server_beat")) / 1e9
         if silent > self.settings.interval * self.settings.max_missed and RunState(self.region).get() in (SERVING, STOPPING):
             return f"pid {h.get('server_pid')} has not beaten for {silent:.1f} s (hung)"
@@ -306,7 +312,7 @@ class Watchdog:
         env = {**os.environ, **restarts_env(self._restarts)}
         os.makedirs(self.log_dir, exist_ok=True)
         server_log = os.path.join(self.log_dir, "server.log")
-        oom_kills = _proc.oom_kills()
+        self._server_oom_kills = oom_kills = _proc.oom_kills()
         proc = spawn(_proc.gadei_command(*args), log=server_log, env=env)
         self._server = proc
         log.warning("job %r: restarting the server (pid %d) %s; its output goes to %s", self.job, proc.pid,
