@@ -118,6 +118,7 @@ class Daemon:
             raise GadeiError(f"--metrics-port {metrics_port}: must be a TCP port, 0 to 65535 (0: any free one)")
         self.max_jobs, self.poll, self.metrics_port = max_jobs, poll, metrics_port
         self.started = time.monotonic()
+        self.oom_kills = _proc.oom_kills()  # for a job's `gadei run` an earlier daemon started, which it cannot reap
         self.refused = 0  # requests answered with an error (`gadei.daemon.metrics`), counted by `note_refused`
         self.folder = state_dir()
         # One daemon per state folder, for its whole life: a second one (even beside a stopped
@@ -176,7 +177,8 @@ class Daemon:
 
         out = Path(record.output)
         result = outputs.read_result(out)
-        run_ended = "gadei run " + ("is gone" if code is None else _proc.how_it_ended(code, oom_kills))
+        run_ended = "gadei run " + ("is gone" + _proc.gone_since(oom_kills) if code is None else
+                                    _proc.how_it_ended(code, oom_kills))
         if result is None and (code is None or code < 0) and (out / "job.toml").is_file():
             try:  # gadei run was killed: the job's outputs are this process's to write
                 result = outputs.conclude(out, note=why or run_ended, wait=120)
@@ -369,10 +371,10 @@ class Daemon:
             elif _proc.alive(record.pid, record.pid_start):
                 continue  # a job an earlier daemon started
             else:
-                code = None
+                code, oom_kills = None, self.oom_kills
             if code != 0 and _job_alive(record):
-                self._orphan(record, f"its `gadei run` (pid {record.pid}) " + ("is gone" if code is None else
-                             _proc.how_it_ended(code, oom_kills)))
+                self._orphan(record, f"its `gadei run` (pid {record.pid}) " + ("is gone" + _proc.gone_since(oom_kills)
+                             if code is None else _proc.how_it_ended(code, oom_kills)))
                 continue
             self._conclude(record, code, oom_kills=oom_kills)
 
