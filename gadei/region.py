@@ -29,6 +29,7 @@ import numpy as np
 import posix_ipc
 
 from . import _native, _proc
+from .cgroup import memory_available
 from .errors import (BadJobName, ForeignOwner, ForeignRegion, GadeiTimeout, JobRunning, LeftoverRegion, RegionError,
                      RegionMismatch, RegionNotFound)
 from .layout import (DTYPE_CODES, DTYPES, ENTRY, FIELD_BYTES, HEADER, HEADER_BYTES, HIST_BUCKETS, LAYOUT_VERSION, MAGIC,
@@ -384,6 +385,11 @@ class Region:
             else:
                 check_name_free(job, found)
         lay = layout(shape)
+        room = memory_available()  # its pages are charged to this process's cgroup: past the limit, the kernel kills us
+        if room is not None and lay.total > room:
+            raise RegionError(f"job {job!r}: the region needs {lay.total / 1e6:,.1f} MB, where this process's cgroup (a "
+                              f"container's memory limit) has {room / 1e6:,.1f} MB available: fewer parameters or "
+                              "learners, or a larger limit")
         started = _proc.start_time()
         try:
             shm = posix_ipc.SharedMemory(name, flags=posix_ipc.O_CREX, mode=0o600, size=lay.total)
@@ -404,7 +410,7 @@ class Region:
             raise RegionError(
                 f"job {job!r}: cannot reserve {lay.total / 1e6:,.1f} MB for the region in {SHM_DIR} "
                 f"({err.strerror}; {free.f_bavail * free.f_frsize / 1e6:,.1f} MB free there): free space in "
-                f"{SHM_DIR} (`gadei clean` removes leftovers) or make it larger"
+                f"{SHM_DIR} (`gadei clean` removes leftovers) or make it larger (a container's: `docker run --shm-size`)"
             ) from None
         stat = os.fstat(shm.fd)
         opened = _Opened(shm, stat.st_size, stat.st_uid, stat.st_ino)

@@ -68,6 +68,23 @@ def test_a_bench_sizes_its_runs_by_the_cgroups_memory_limit_not_the_machines(pro
 
 
 
+
+def test_a_region_larger_than_the_cgroups_memory_is_refused_before_it_is_made(procs):
+    """A region's pages (tmpfs) are charged to its server's cgroup: `gadei serve --params
+    20000000` (a region of 1.4 GB) in a cgroup of 300 MB was killed by the out-of-memory killer
+    while it reserved them, saying nothing, and left the region behind. Now it is refused in
+    one line before the region is made, naming the sizes."""
+    from gadei.region import inspect
+
+    job = unique_name("roomless")
+    with cgroup(memory=300 * MB) as inside:
+        serve = procs.spawn(inside(gadei_command("serve", job, "--params", 20_000_000, "--no-watchdog")))
+        out, err = communicate(serve, 120)
+    assert serve.returncode == 2, out + err
+    assert err.startswith(f"gadei: error: job {job!r}: the region needs ") and err.count("\n") == 1, err
+    assert "MB, where this process's cgroup (a container's memory limit) has " in err, err
+    assert inspect(job) is None  # nothing left in /dev/shm
+
 def test_cgroup_v2_limits_are_read_along_the_path_to_the_mounts_root(tmp_path, monkeypatch):
     """cgroup v2 as a container on a systemd host or under Kubernetes sees it (this machine's CI
     has v1, whose real cgroups the tests above make): the limits are files of a folder tree,
