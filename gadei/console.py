@@ -17,6 +17,20 @@ def configure_logging(default: str = "INFO") -> None:
     logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
 
 
+def last_error(log, prog: str = "gadei") -> str | None:
+    """The last refusal a command `prog` wrote to the log file `log` (its line
+    `PROG: error: ...`, as `run` writes it), read from the log's last 8 KB; None where there is
+    none (or no log). What a process that started that command says of why it ended."""
+    try:
+        with open(log, "rb") as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - 8192))
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return None
+    said = [line[len(prog) + len(": error: "):] for line in lines if line.startswith(f"{prog}: error: ")]
+    return said[-1] if said else None
+
+
 def run(func, args, prog: str = "gadei") -> int:
     """`func(args)`'s exit code; 2 with one line on stderr for what gadei refuses, 130 on Ctrl-C,
     141 when stdout's reader has gone."""

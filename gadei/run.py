@@ -51,6 +51,7 @@ from pathlib import Path
 
 from . import _proc, device, jobfile, outputs
 from .board import Board
+from .console import last_error
 from .custody import adopt
 from .env import learners_openmp_env
 from .prepare import RUN, Prepared, describe, go_on, prepare
@@ -271,7 +272,8 @@ class JobRun:
             if self.dog is None and code == 0 and self.stopped:
                 pass  # this run stopped its server before it had a watchdog (it launched none): a stop
             elif self.dog is None or code == 0:
-                self.note = self.note or f"the server {how} without a watchdog"
+                said = last_error(self.job.output / "logs" / "serve.log")  # a refusal before it served
+                self.note = self.note or f"the server {how} without a watchdog" + (f": {said}" if said else "")
             else:
                 self.note = self.note or (f"the server {how} and its watchdog (pid {self.dog[0]}) is gone "
                                           "without saying how the job ended")

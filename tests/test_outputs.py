@@ -1,5 +1,5 @@
 """A run's outputs (`gadei.outputs`): what result.json and the run's last line say of a
-resumed run's time; what accuracy.png shows."""
+resumed run's time and of a server that refused to start; what accuracy.png shows."""
 
 import json
 import os
@@ -9,7 +9,8 @@ import time
 import pytest
 
 from gadei import jobfile, outputs
-from helpers import blobs_job, communicate, end_jobs, finish, unique_name, wait_for
+from gadei._proc import gadei_command
+from helpers import blobs_job, communicate, end_jobs, finish, missing, unique_name, wait_for
 
 
 def test_the_chosen_models_time_is_one_figure_in_every_place_a_user_reads_it(tmp_path, procs):
@@ -214,6 +215,27 @@ def _records(pace: bool) -> list[dict]:
              "best": e == 2, **({k: v for k, v in zip(keys, (900.0 + e, 1.0 + e / 10, 2 + e))} if pace else {})}
             for e in (1, 2, 3)]
 
+
+
+def test_a_server_that_refuses_to_start_says_why_in_result_json_and_the_last_line(tmp_path, procs):
+    """`gadei run` where /dev/shm cannot hold the job's region (a container's /dev/shm is 64 MB
+    unless `--shm-size` says otherwise; here a tmpfs of 16 KB in a mount namespace of the
+    run's own): the server refuses in one line in logs/serve.log, and the run's last line and
+    result.json say that line, not only "the server exited with code 2 without a watchdog"."""
+    import shutil
+
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        missing("root and unshare (util-linux), for a /dev/shm of the test's own")
+    name = unique_name("shmless")
+    path = blobs_job(tmp_path, name, train={"learners": 2, "epochs": 1})
+    run = procs.spawn(["unshare", "-m", "sh", "-c", 'mount -t tmpfs -o size=16k tmpfs /dev/shm && exec "$@"', "sh",
+                       *gadei_command("run", path)])
+    out, err = communicate(run, 120)
+    assert run.returncode == 1, out + err
+    said = (f"the server exited with code 2 without a watchdog: job {name!r}: cannot reserve ")
+    assert f"gadei run: job {name} failed: {said}" in err and "No space left on device" in err, err
+    result = json.loads((tmp_path / "out" / "result.json").read_text())
+    assert result["outcome"] == "failed" and result["reason"].startswith(said), result
 
 def test_accuracy_png_shows_samples_per_s_and_staleness_in_panels_of_their_own(tmp_path):
     """Records with samples/s and staleness (metrics.jsonl's) get a second row of panels against

@@ -9,6 +9,7 @@ import sys
 import time
 
 from .._proc import how_it_ended, python_command
+from ..console import last_error
 from ..env import restarts as recent_restarts
 from ..errors import GadeiError
 from ..launch import spawn, take_stops, wait_or_kill
@@ -232,14 +233,8 @@ def _adopt(args) -> int:
 
 def _last_error(log_path: str) -> str:
     """": " and the last error a watchdog wrote to its log (`gadei watchdog: error: ...`), or ""."""
-    try:
-        with open(log_path, "rb") as log_file:
-            log_file.seek(max(0, os.fstat(log_file.fileno()).st_size - 8192))
-            lines = log_file.read().decode(errors="replace").splitlines()
-    except OSError:
-        return ""
-    said = [line.split(" error: ", 1)[1] for line in lines if line.startswith("gadei watchdog: error: ")]
-    return f": {said[-1]}" if said else ""
+    said = last_error(log_path, "gadei watchdog")
+    return f": {said}" if said else ""
 
 
 def add_parser(sub) -> None:
