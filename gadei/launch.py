@@ -224,7 +224,8 @@ class LocalJob:
         deadline = Deadline(timeout)
         while True:
             if self.server.poll() is not None:
-                raise GadeiError(f"job {self.job!r}: the server {_proc.how_it_ended(self.server.returncode, oom_kills)}:\n{self.log('server')[-3000:]}")
+                how = _proc.how_it_ended(self.server.returncode, oom_kills)
+                raise GadeiError(f"job {self.job!r}: the server {how}:\n{self.log('server')[-3000:]}")
             try:
                 Region.attach(self.job, readonly=True).close()
                 return
