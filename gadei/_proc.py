@@ -99,14 +99,19 @@ def oom_kills() -> int | None:
     return None
 
 
-def how_it_ended(code: int, oom_kills_at_start: int | None = None) -> str:
+def how_it_ended(code: int | None, oom_kills_at_start: int | None = None) -> str:
     """How a process ended, in words, from its exit code as `subprocess` and `multiprocessing`
     give it (a negative code is the signal that killed it): "exited with code 2", "was killed
     by SIGSEGV (signal 11)". For SIGKILL, which no process catches, it says who most likely
     sent it: given `oom_kills()` as read when the process started, whether the kernel's
     out-of-memory killer killed anything since (the machine's count: another process's kill
     can be counted too, hence "most likely"); without it, that this killer is the usual cause
-    where no one sent the signal."""
+    where no one sent the signal. `code` None: a process whose exit code cannot be read (not
+    this process's child): "is gone", and "most likely killed by the kernel's out-of-memory
+    killer, ..." where that count rose."""
+    if code is None:
+        said = _oom_killed_since(oom_kills_at_start) if oom_kills_at_start is not None else ""
+        return "is gone" + (f", most likely killed by {said}" if said else "")
     if code >= 0:
         return f"exited with code {code}"
     try:
@@ -122,14 +127,6 @@ def how_it_ended(code: int, oom_kills_at_start: int | None = None) -> str:
     if said:
         return f"was killed by {name}, most likely by {said}"
     return f"was killed by {name}, sent by a process (not the out-of-memory killer, which killed nothing since it started)"
-
-
-def gone_since(oom_kills_at_start: int | None) -> str:
-    """What can be said of a process that is gone where its exit code cannot be read (one that
-    is not this process's child): ", most likely killed by the kernel's out-of-memory killer,
-    which killed ..." where that killer's count rose since `oom_kills_at_start`, else ""."""
-    said = _oom_killed_since(oom_kills_at_start) if oom_kills_at_start is not None else ""
-    return f", most likely killed by {said}" if said else ""
 
 
 def _oom_killed_since(oom_kills_at_start: int) -> str:

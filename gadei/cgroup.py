@@ -110,25 +110,29 @@ def cpu_quota() -> float | None:
     return smallest
 
 
-def quota_cores() -> int | None:
-    """`cpu_quota` as a count of cores to plan threads for: rounded down (threads beyond a
-    quota are throttled, not run), at least 1; None where no quota is set."""
-    quota = cpu_quota()
+def quota_cores(quota: float | None = None) -> int | None:
+    """A quota (default: `cpu_quota()`) as a count of cores to plan threads for: rounded down
+    (threads beyond a quota are throttled, not run), at least 1; None where no quota is set."""
+    quota = cpu_quota() if quota is None else quota
     return None if quota is None else max(1, math.floor(quota + 1e-9))
+
+
+def _limit(folder: Path) -> tuple[int, bool] | None:
+    """A cgroup folder's own memory limit and whether it is v2's; None where it has none."""
+    raw = _read(folder, "memory.max")  # v2: "max" for none
+    v2 = raw is not None
+    if not v2:
+        raw = _read(folder, "memory.limit_in_bytes")  # v1: about 2**63 for none
+    if raw is None or not raw.isdigit() or int(raw) >= _UNLIMITED:
+        return None
+    return int(raw), v2
 
 
 def memory_limit() -> int | None:
     """The bytes of memory this process's cgroups let it (with the others in them) use; None
     where no limit is set."""
-    smallest = None
-    for folder in folders("memory"):
-        raw = _read(folder, "memory.max")  # v2: "max" for none
-        if raw is None:
-            raw = _read(folder, "memory.limit_in_bytes")  # v1: about 2**63 for none
-        if raw is None or not raw.isdigit() or int(raw) >= _UNLIMITED:
-            continue
-        smallest = int(raw) if smallest is None else min(smallest, int(raw))
-    return smallest
+    limits = [found[0] for found in map(_limit, folders("memory")) if found is not None]
+    return min(limits, default=None)
 
 
 def memory_available() -> int | None:
@@ -138,14 +142,13 @@ def memory_available() -> int | None:
     MemAvailable, knows nothing of a cgroup's limit.)"""
     smallest = None
     for folder in folders("memory"):
-        v2 = _read(folder, "memory.max")
-        raw = v2 if v2 is not None else _read(folder, "memory.limit_in_bytes")
-        if raw is None or not raw.isdigit() or int(raw) >= _UNLIMITED:
+        found = _limit(folder)
+        if found is None:
             continue
-        used = _read(folder, "memory.current" if v2 is not None else "memory.usage_in_bytes")
+        limit, v2 = found
+        used = _read(folder, "memory.current" if v2 else "memory.usage_in_bytes")
         if used is None or not used.isdigit():
             continue
-        reclaimable = _stat(folder, "inactive_file" if v2 is not None else "total_inactive_file")
-        free = max(0, int(raw) - int(used) + reclaimable)
+        free = max(0, limit - int(used) + _stat(folder, "inactive_file" if v2 else "total_inactive_file"))
         smallest = free if smallest is None else min(smallest, free)
     return smallest

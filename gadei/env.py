@@ -26,7 +26,6 @@ is set already. Learners and every other process keep OpenMP's defaults.
 
 import contextlib
 import ctypes
-import math
 import os
 from dataclasses import dataclass
 
@@ -91,14 +90,14 @@ def cores_said() -> str:
     """`usable_cores` in words, with where a smaller count comes from ("8 cores (GADEI_CORES;
     the process may use 16)", "4 cores (the cgroup's CPU quota, 4.5 CPUs; the process may run
     on 16)")."""
-    from .cgroup import cpu_quota
+    from .cgroup import cpu_quota, quota_cores
 
     cores, affinity = usable_cores(), affinity_cores()
     said = f"{cores} core{'s' if cores != 1 else ''}"
     if cores >= affinity:
         return said
     quota = cpu_quota()
-    if quota is not None and math.floor(quota + 1e-9) <= cores:  # the quota, not GADEI_CORES, is what limits
+    if quota is not None and quota_cores(quota) <= cores:  # the quota, not GADEI_CORES, is what limits
         return said + f" (the cgroup's CPU quota, {quota:g} CPUs; the process may run on {affinity})"
     return said + f" ({CORES}; the process may use {affinity})"
 

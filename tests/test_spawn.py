@@ -101,7 +101,7 @@ def test_a_sigkill_says_whether_the_out_of_memory_killer_sent_it(procs):
     assert _proc.how_it_ended(sleeper.returncode, started) == (
         "was killed by SIGKILL (signal 9), sent by a process (not the out-of-memory killer, which killed nothing "
         "since it started)")
-    assert _proc.gone_since(started) == ""  # a process gone where its code cannot be read: nothing to add
+    assert _proc.how_it_ended(None, started) == "is gone"  # a process whose code cannot be read: nothing to add
 
     with cgroup(memory=64 << 20) as inside:
         started = _proc.oom_kills()
@@ -112,5 +112,5 @@ def test_a_sigkill_says_whether_the_out_of_memory_killer_sent_it(procs):
     assert said.startswith("was killed by SIGKILL (signal 9), most likely by the kernel's out-of-memory killer, which "
                            "killed 1 process on this machine since it started: the machine or its cgroup ran out "
                            "of memory"), said
-    assert _proc.gone_since(started).startswith(", most likely killed by the kernel's out-of-memory killer, which "
-                                                 "killed 1 process on this machine since it started")
+    assert _proc.how_it_ended(None, started).startswith("is gone, most likely killed by the kernel's out-of-memory "
+                                                        "killer, which killed 1 process on this machine since it started")

@@ -277,10 +277,9 @@ class Watchdog:
     def _server_problem(self) -> str | None:
         h = self.region.header
         if not _proc.alive(h.get("server_pid"), h.get("server_start")):
-            own = self._server
-            if own is not None and own.pid == h.get("server_pid") and own.poll() is not None:
-                return f"pid {own.pid} {_proc.how_it_ended(own.returncode, self._server_oom_kills)}"
-            return f"pid {h.get('server_pid')} is gone" + _proc.gone_since(self._server_oom_kills)
+            pid, own = h.get("server_pid"), self._server
+            code = own.poll() if own is not None and own.pid == pid else None  # only a child's code can be read
+            return f"pid {pid} {_proc.how_it_ended(code, self._server_oom_kills)}"
         silent = (time.monotonic_ns() - h.get("server_beat")) / 1e9
         if silent > self.settings.interval * self.settings.max_missed and RunState(self.region).get() in (SERVING, STOPPING):
             return f"pid {h.get('server_pid')} has not beaten for {silent:.1f} s (hung)"

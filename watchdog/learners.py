@@ -167,10 +167,7 @@ class Learners:
             l.seen = region.entry(l.entry).get("samples")
 
     def _died(self, l: Launched, region, code, now: float) -> None:
-        if code is None:  # not this watchdog's child (adopted): its exit code is not ours to read
-            how = "is gone" + _proc.gone_since(l.oom_kills)
-        else:
-            how = _proc.how_it_ended(code, l.oom_kills)
+        how = _proc.how_it_ended(code, l.oom_kills)  # code None: adopted, not this watchdog's child
         published = l.seen
         if l.entry >= 0 and ring.owned_by(region, l.entry, l.pid):
             region.entry(l.entry).cas("state", ACTIVE, DEAD)

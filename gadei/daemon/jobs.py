@@ -177,8 +177,7 @@ class Daemon:
 
         out = Path(record.output)
         result = outputs.read_result(out)
-        run_ended = "gadei run " + ("is gone" + _proc.gone_since(oom_kills) if code is None else
-                                    _proc.how_it_ended(code, oom_kills))
+        run_ended = "gadei run " + _proc.how_it_ended(code, oom_kills)
         if result is None and (code is None or code < 0) and (out / "job.toml").is_file():
             try:  # gadei run was killed: the job's outputs are this process's to write
                 result = outputs.conclude(out, note=why or run_ended, wait=120)
@@ -373,8 +372,7 @@ class Daemon:
             else:
                 code, oom_kills = None, self.oom_kills
             if code != 0 and _job_alive(record):
-                self._orphan(record, f"its `gadei run` (pid {record.pid}) " + ("is gone" + _proc.gone_since(oom_kills)
-                             if code is None else _proc.how_it_ended(code, oom_kills)))
+                self._orphan(record, f"its `gadei run` (pid {record.pid}) " + _proc.how_it_ended(code, oom_kills))
                 continue
             self._conclude(record, code, oom_kills=oom_kills)
 
