@@ -326,7 +326,8 @@ def load(path: str | os.PathLike, *, data_files: bool = True) -> Job:
     try:
         path = Path(path).resolve()
         # utf-8-sig: a byte-order mark (Windows editors save one) is dropped, as in data files
-        raw = tomllib.loads(_read_job_file(path).decode("utf-8-sig"))
+        data = _read_job_file(path)
+        raw = tomllib.loads(data.decode("utf-8-sig"))
     except OSError as err:
         raise JobFileError(f"job file {str(path)!r}: {err.strerror}") from None
     except RuntimeError as err:  # Python 3.11's Path.resolve on a symbolic link loop (RecursionError is one too)
@@ -334,7 +335,13 @@ def load(path: str | os.PathLike, *, data_files: bool = True) -> Job:
                "a symbolic link loop")
         raise JobFileError(f"job file {str(path)!r}: {why}") from None
     except UnicodeDecodeError as err:
-        raise JobFileError(f"job file {path}: not UTF-8 text (byte {err.start})") from None
+        from gadei_workloads.files import byte_order_mark
+
+        wide = {"utf-16": "UTF-16", "utf-32": "UTF-32"}.get(byte_order_mark(data))
+        raise JobFileError(f"job file {path}: not UTF-8 text (byte {err.start})" + (
+            f"; it is {wide} (it starts with a {wide} byte-order mark), and a TOML file is UTF-8: "
+            "save it as UTF-8"
+            if wide else "")) from None
     except tomllib.TOMLDecodeError as err:
         raise JobFileError(f"job file {path}: not valid TOML: {err}") from None
     return parse(raw, path, data_files=data_files)

@@ -39,6 +39,14 @@ READ = [
     ("tsv crlf", (H + "a\tone\nb\ttwo\n").replace("\n", "\r\n"), "tsv", {}, [("one", "a"), ("two", "b")]),
     ("tsv lone cr", (H + "a\tone\nb\ttwo\n").replace("\n", "\r"), "tsv", {}, [("one", "a"), ("two", "b")]),
     ("tsv bom", "\ufeff" + H + "a\tone\n", "tsv", {}, [("one", "a")]),
+    # Excel's "Unicode text" and PowerShell's files: UTF-16 with a byte-order mark, which is dropped
+    # however the encoding is named
+    *((f"tsv {encoding} with a byte-order mark read as {name}", ("\ufeff" + H + "a\tcafé\r\n").encode(encoding), "tsv",
+       {"encoding": name}, [("café", "a")])
+      for encoding, name in (("utf-16-le", "utf-16"), ("utf-16-be", "utf-16"), ("utf-16-le", "utf-16-le"),
+                             ("utf-32-le", "utf-32"), ("utf-16-be", "UTF_16BE"))),
+    ("tsv utf-16 without a mark", (H + "a\tcafé\n").encode("utf-16-le"), "tsv", {"encoding": "utf-16-le"},
+     [("café", "a")]),
     ("tsv trailing tabs", H + "a\tone\t\nb\ttwo\t\t\n", "tsv", {}, [("one", "a"), ("two", "b")]),
     ("tsv latin-1 byte 0x85 is no line break", (H + "a\tone\x85two\n").encode("latin-1"), "tsv",
      {"encoding": "latin-1"}, [("one\x85two", "a")]),
@@ -159,7 +167,16 @@ REFUSED = [
     ("jsonl text key is the label key", '{"text": "one", "label": "a"}\n', "jsonl", {"text_column": "label"},
      r"both name key 'label': the label would be the text"),
     ("utf-16 is not utf-8", "label\ttext\na\tone\n".encode("utf-16"), "tsv", {},
-     r"is (not utf-8|binary)"),
+     r"data' is UTF-16 text \(it starts with a UTF-16 byte-order mark\), not utf-8: set \[data\] encoding = \"utf-16\"$"),
+    ("utf-16 is not latin-1 either", "label\ttext\na\tone\n".encode("utf-16"), "tsv", {"encoding": "latin-1"},
+     r"is UTF-16 text \(it starts with a UTF-16 byte-order mark\), not latin-1"),
+    ("utf-32 is not utf-8", "label\ttext\na\tone\n".encode("utf-32"), "tsv", {},
+     r"is UTF-32 text \(it starts with a UTF-32 byte-order mark\), not utf-8: set \[data\] encoding = \"utf-32\""),
+    ("utf-16 without a mark", "label\ttext\na\tone\n".encode("utf-16-le"), "tsv", {},
+     r"looks like UTF-16-LE text without a byte-order mark \(every other byte is NUL\), not utf-8: "
+     r"set \[data\] encoding = \"utf-16-le\""),
+    ("utf-16-be without a mark", "label\ttext\na\tone\n".encode("utf-16-be"), "tsv", {},
+     r"looks like UTF-16-BE text .*encoding = \"utf-16-be\""),
 ]
 
 

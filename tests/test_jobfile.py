@@ -194,6 +194,25 @@ def test_gadei_run_check_reads_a_job_file_saved_with_a_byte_order_mark_and_refus
                 "'category' both name column 2 ('category'): the label would be the text") in err, err
 
 
+def test_utf16_files_are_named_as_such_and_read_when_the_job_says_so(small):
+    """What Windows tools save as "Unicode": a job file in UTF-16 is refused saying so (it was
+    `not UTF-8 text (byte 0)`), and a data file in UTF-16 too, naming the encoding to set (it was
+    "binary, not text: a NUL byte on line 1"), which then reads it to the same samples."""
+    marked = small / "wide.toml"
+    marked.write_bytes(small_job().encode("utf-16"))
+    with pytest.raises(JobFileError, match=r"wide.toml: not UTF-8 text \(byte 0\); it is UTF-16 \(it starts with a "
+                                           r"UTF-16 byte-order mark\), and a TOML file is UTF-8: save it as UTF-8$"):
+        jobfile.load(marked)
+    expected = data.load_job(jobfile.load(_job(small, small_job())))
+    train = small / "train.csv"
+    train.write_bytes(train.read_text(encoding="utf-8").encode("utf-16"))
+    with pytest.raises(JobFileError, match=r"train.csv' is UTF-16 text \(it starts with a UTF-16 byte-order mark\), "
+                                           r"not utf-8: set \[data\] encoding = \"utf-16\""):
+        data.load_job(jobfile.load(_job(small, small_job())))
+    wide = data.load_job(jobfile.load(_job(small, small_job() + 'encoding = "utf-16"\n')))
+    assert [(s.ids, s.labels, s.label_names) for s in wide] == [(s.ids, s.labels, s.label_names) for s in expected]
+
+
 def test_a_file_that_does_not_decode_names_its_byte_and_the_fallback_reads_it(small):
     (small / "train.csv").write_bytes(b"text,category\ncaf\xe9 au lait,drink\ntea,drink\nbread,food\nrice,food\n")
     job = jobfile.load(_job(small, small_job()))

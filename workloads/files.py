@@ -17,11 +17,13 @@ columns are given by number (1 is the first). A column named by an integer is ta
 position in either case.
 
 Lines end at `\\n`, `\\r\\n` or a lone `\\r`, and nowhere else (Latin-1 files may hold byte
-0x85, which `str.splitlines()` would take for a line break). A UTF-8 byte-order mark is
-dropped. A file is decoded with `encoding`; when it does not decode and `fallback` is given,
+0x85, which `str.splitlines()` would take for a line break). A byte-order mark is dropped; a
+file that starts with a UTF-16 or UTF-32 one (Excel's "Unicode text", PowerShell's files) is
+refused unless `encoding` is that encoding, naming it. A file is decoded with `encoding`; when it does not decode and `fallback` is given,
 only the lines that do not decode are read with `fallback` (the report counts them), so a
 file of mixed encodings keeps its UTF-8 lines intact. A file with a NUL byte is refused as
-binary, an empty file as empty.
+binary (or, where every other byte is one, as UTF-16 without a byte-order mark), an empty
+file as empty.
 
 What is left out, and why, is counted in a `FileReport` per file (`gadei run` prints it):
 blank lines, rows whose text is empty, rows whose label is blank, a header row repeated
@@ -30,6 +32,7 @@ inside the file. Everything else that does not read as the format says is refuse
 
 from __future__ import annotations
 
+import codecs
 import csv
 import errno
 import io
@@ -60,6 +63,9 @@ MAX_FIELD_CHARS = 64 << 20
 MAX_DATA_FILE = 2 << 30
 _LINE_BREAK = re.compile("\r\n|\r|\n")
 _LINE_BREAK_BYTES = re.compile(b"(\r\n|\r|\n)")
+# UTF-32's little-endian mark begins with UTF-16's: it is looked for first
+_BYTE_ORDER_MARKS = ((codecs.BOM_UTF32_LE, "utf-32"), (codecs.BOM_UTF32_BE, "utf-32"), (codecs.BOM_UTF8, "utf-8"),
+                     (codecs.BOM_UTF16_LE, "utf-16"), (codecs.BOM_UTF16_BE, "utf-16"))
 _PLURAL = {"blank line": "blank lines", "row with empty text": "rows with empty text",
            "row with a blank label": "rows with a blank label", "row without text or label": "rows without text or label",
            "repeated header row": "repeated header rows"}
@@ -155,14 +161,20 @@ def decode(path: Path, encoding: str, fallback: str | None = None, report: FileR
         raise DataError(f"[data] encoding {encoding!r} is not a text encoding Python knows") from None
     if not raw.strip():
         raise DataError(f"data file {str(path)!r} is empty" + (f" ({len(raw)} bytes of white space)" if raw else ""))
+    mark = byte_order_mark(raw)
+    if mark in ("utf-16", "utf-32") and not codecs.lookup(encoding).name.startswith(mark):
+        raise DataError(f"data file {str(path)!r} is {mark.upper()} text (it starts with a {mark.upper()} byte-order "
+                        f"mark), not {encoding}: set [data] encoding = \"{mark}\"")
     if ascii_compatible and b"\0" in raw:
         at = raw.index(b"\0")
+        wide = _utf16_without_mark(raw)
+        if wide:
+            raise DataError(f"data file {str(path)!r} looks like {wide.upper()} text without a byte-order mark (every "
+                            f"other byte is NUL), not {encoding}: set [data] encoding = \"{wide}\"")
         line = _line_of(raw, at)
         raise DataError(f"data file {str(path)!r} is binary, not text: a NUL byte on line {line} (byte {at:,})")
-    if raw.startswith(b"\xef\xbb\xbf") and encoding.lower().replace("_", "-") in ("utf-8", "utf8"):
-        raw = raw[3:]
     try:
-        return raw.decode(encoding)
+        return _unmarked(raw.decode(encoding))
     except UnicodeDecodeError as err:
         line = _line_of(raw, err.start) if ascii_compatible else None
         where = f"line {line}, byte {err.start:,}" if line else f"byte {err.start:,}"
@@ -176,7 +188,7 @@ def decode(path: Path, encoding: str, fallback: str | None = None, report: FileR
     if not ascii_compatible:  # lines cannot be told apart in bytes: all or nothing
         _warn_once(raw, "%s is not %s; reading it as %s", path, encoding, fallback)
         try:
-            return raw.decode(fallback)
+            return _unmarked(raw.decode(fallback))
         except UnicodeDecodeError as err:
             raise DataError(f"data file {str(path)!r} is neither {encoding} nor {fallback} (byte {err.start:,}: "
                             f"{err.reason})") from None
@@ -197,7 +209,32 @@ def decode(path: Path, encoding: str, fallback: str | None = None, report: FileR
     for i in range(1, len(parts), 2):
         parts[i] = parts[i].decode("ascii")
     _warn_once(raw, "%s: some lines are not %s; read those as %s", path, encoding, fallback)
-    return "".join(parts)
+    return _unmarked("".join(parts))
+
+
+def byte_order_mark(raw: bytes) -> str | None:
+    """The Unicode encoding whose byte-order mark `raw` starts with: "utf-8", "utf-16" or
+    "utf-32" (the codec that reads the mark and drops it), or None."""
+    return next((name for mark, name in _BYTE_ORDER_MARKS if raw.startswith(mark)), None)
+
+
+def _utf16_without_mark(raw: bytes) -> str | None:
+    """"utf-16-le" or "utf-16-be" where `raw` reads as mostly ASCII text in that encoding
+    without a byte-order mark (nine in ten of the odd, or the even, bytes of its first 4 KB are
+    NUL, and few of the others), else None."""
+    sample = raw[:4096]
+    if len(sample) < 8:
+        return None
+    for name, zeros, others in (("utf-16-le", sample[1::2], sample[0::2]), ("utf-16-be", sample[0::2], sample[1::2])):
+        if zeros.count(0) >= 0.9 * len(zeros) and others.count(0) <= 0.1 * len(others):
+            return name
+    return None
+
+
+def _unmarked(text: str) -> str:
+    """`text` without the byte-order mark it starts with, if any (a codec such as utf-8 or
+    utf-16-le keeps one as U+FEFF)."""
+    return text[1:] if text.startswith("\ufeff") else text
 
 
 _WARNED: set[tuple] = set()
