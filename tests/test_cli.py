@@ -549,8 +549,42 @@ def test_predict_answers_each_of_several_texts_on_a_line_of_its_own(procs, tmp_p
         main(["predict", str(folder), "A", "--tpo", "2"])
     err = capsys.readouterr().err
     assert exit.value.code == 2
-    assert err.startswith("usage: gadei predict [-h] [--top N] RUN_DIR TEXT [TEXT ...]\n"), err
+    assert err.startswith("usage: gadei predict [-h] [--top N] [--json] RUN_DIR TEXT [TEXT ...]\n"), err
     assert "gadei predict: error: unrecognized arguments: --tpo 2" in err, err
+
+
+def test_predict_reads_texts_from_standard_input_and_answers_in_json_lines(tmp_path):
+    """`gadei predict FOLDER -` labels the texts of standard input, one a line (a file of texts
+    to label had to be spelled out as arguments), answering a line each in input order, or with
+    --json a JSON object each (a text may hold ": ", which the plain line cannot tell apart);
+    input that is not one text a line is refused naming the line."""
+    import subprocess
+
+    from gadei._proc import gadei_command
+
+    folder, _ = _run_folder(tmp_path)
+    texts = ["how many birds", 'who: "the king"', "what \u00e9lan", "who is the queen"]
+
+    def predict(data: bytes, *args):
+        done = subprocess.run(gadei_command("predict", folder, *args), input=data, capture_output=True, timeout=120)
+        return done.returncode, done.stdout.decode(), done.stderr.decode()
+
+    code, out, err = predict(("\ufeff" + "\r\n".join(texts) + "\n").encode(), "-", "--top", "2")
+    assert code == 0, err
+    assert [line.rpartition(": ")[0] for line in out.splitlines()] == texts, out
+    code, out, err = predict("\n".join(texts[1:]).encode(), "how many birds", "-", "--json")
+    assert code == 0, err
+    answers = [json.loads(line) for line in out.splitlines()]
+    assert [answer["text"] for answer in answers] == texts
+    for answer in answers:
+        probabilities = [label["probability"] for label in answer["labels"]]
+        assert sorted(label["label"] for label in answer["labels"]) == ["HUM", "NUM"]
+        assert probabilities == sorted(probabilities, reverse=True) and abs(sum(probabilities) - 1) < 1e-4
+    for data, message in ((b"who\n\nwhat\n", "standard input: line 2 is blank; give one text a line"),
+                          (b"who\nwh\xffat\n", "standard input: line 2 is not UTF-8 (byte 6: invalid start byte)"),
+                          (b"", "standard input: no texts; give one a line")):
+        code, out, err = predict(data, "-")
+        assert (code, out, err) == (2, "", f"gadei: error: {message}\n")
 
 
 def test_predict_refuses_a_top_below_1_one_string_for_texts_and_a_folder_that_is_no_run(procs, tmp_path):

@@ -26,17 +26,56 @@ def cmd_run(args) -> int:
     return run_job(args.jobfile, quiet=args.quiet, resume=args.resume, by=by, asked=asked)
 
 
+MAX_STDIN_TEXTS = 64 << 20  # bytes of texts `gadei predict RUN -` reads from standard input
+
+
 def cmd_predict(args) -> int:
+    import json
+    import sys
+
     from ..predict import predict
 
-    answers = predict(args.run_dir, args.text, top=args.top)
-    if len(answers) == 1:  # one text: a label a line
+    texts = list(args.text)
+    if "-" in texts:  # the texts of standard input, one a line, in its place
+        at = texts.index("-")
+        texts[at:at + 1] = texts_of(sys.stdin.buffer.read(MAX_STDIN_TEXTS + 1), "standard input")
+    answers = predict(args.run_dir, texts, top=args.top)
+    if args.json:  # a JSON object a line, for programs (a text may hold ": " or a newline)
+        for text, best in zip(texts, answers):
+            print(json.dumps({"text": text, "labels": [{"label": label, "probability": round(probability, 6)}
+                                                       for label, probability in best]}, ensure_ascii=False))
+        return 0
+    if len(answers) == 1 and "-" not in args.text:  # one text given: a label a line
         for label, probability in answers[0]:
             print(f"{probability:7.2%}  {label}")
         return 0
-    for text, best in zip(args.text, answers):  # several: one line each, the text first
+    for text, best in zip(texts, answers):  # several: one line each, the text first
         print(f"{text}: " + ", ".join(f"{label} {probability:.2%}" for label, probability in best))
     return 0
+
+
+def texts_of(data: bytes, where: str) -> list[str]:
+    """The texts in `data`, one a line (UTF-8, a byte-order mark dropped; lines end at \\n or
+    \\r\\n); GadeiError naming `where` and the line for bytes that are not UTF-8, a blank line,
+    no line at all, or more than MAX_STDIN_TEXTS bytes."""
+    from ..errors import GadeiError
+
+    if len(data) > MAX_STDIN_TEXTS:
+        raise GadeiError(f"{where}: more than {MAX_STDIN_TEXTS >> 20} MiB of texts; give them in parts")
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        line = data.count(b"\n", 0, err.start) + 1
+        raise GadeiError(f"{where}: line {line} is not UTF-8 (byte {err.start:,}: {err.reason})") from None
+    lines = [line.removesuffix("\r") for line in text.split("\n")]
+    if lines[-1] == "":  # the newline that ends the last line
+        lines.pop()
+    if not lines:
+        raise GadeiError(f"{where}: no texts; give one a line")
+    blank = next((number for number, line in enumerate(lines, 1) if not line.strip()), None)
+    if blank:
+        raise GadeiError(f"{where}: line {blank} is blank; give one text a line")
+    return lines
 
 
 def add_parser(sub) -> None:
@@ -66,10 +105,14 @@ def add_parser(sub) -> None:
     p = sub.add_parser("predict", help="the top labels of a finished run's model for one text or several",
                        description="Load the model, label and vocabulary maps of a `gadei run` output folder "
                        "and print the most likely labels of each TEXT with their probabilities: for one text a label "
-                       "a line, for several one line each (`TEXT: LABEL P, LABEL P, ...`). Quote a text of several "
-                       "words: each argument is a text of its own.")
+                       "a line, for several (or those of standard input, `-`) one line each (`TEXT: LABEL P, LABEL P, "
+                       "...`), or with --json a JSON object a line. Quote a text of several words: each argument is a "
+                       "text of its own.")
     p.add_argument("run_dir", metavar="RUN_DIR", help="a `gadei run` output folder")
     p.add_argument("text", metavar="TEXT", nargs="+", help="a text (quote a text of several words); "
-                   "for a numeric workload, the features separated by commas")
+                   "for a numeric workload, the features separated by commas; - reads texts from standard input, "
+                   "one a line (UTF-8)")
     p.add_argument("--top", type=int, default=3, metavar="N", help="labels to print (default 3)")
+    p.add_argument("--json", action="store_true", help='a JSON object a line for each text: {"text": ..., '
+                   '"labels": [{"label": ..., "probability": ...}, ...]}, the likeliest first')
     p.set_defaults(func=cmd_predict, intermixed=True)
