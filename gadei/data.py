@@ -72,10 +72,7 @@ def load_job(job: jobfile.Job, reports: list | None = None):
         validation = read(list(d.validation), d.format, **options) if d.validation else None
     except DataError as err:
         raise jobfile.JobFileError(f"{where}: [data]: {err}") from None
-    labels = sorted({label for _, label in train})
-    if len(labels) < 2:
-        raise jobfile.JobFileError(f"{where}: [data] train: {len(train):,} samples but only the label {labels[0]!r}; a classifier "
-                           "needs at least two labels")
+    check_labels([label for _, label in train], job)
     source = f"job {job.name}"
     if test is None:
         train, test = hold_out(train, d.holdout, job.train.seed)
@@ -98,6 +95,29 @@ def load_job(job: jobfile.Job, reports: list | None = None):
 VALIDATION_STREAM = 104729  # the validation split's random stream (the test hold-out's is another)
 
 
+def check_labels(labels: list[str], job: jobfile.Job) -> None:
+    """The training set's labels are classes: at least two, and fewer than half as many as
+    samples. JobFileError otherwise: more labels than that is a column of values or texts
+    named as the labels (columns swapped, a regression target), which trained a model of a
+    class a sample with nothing held out to validate or test it (a label with one sample
+    stays in train)."""
+    from collections import Counter
+
+    counts = Counter(labels)
+    where = job.path.name if job.path else "job"
+    if len(counts) < 2:
+        raise jobfile.JobFileError(f"{where}: [data] train: {len(labels):,} samples but only the label "
+                                   f"{next(iter(counts))!r}; a classifier needs at least two labels")
+    if len(counts) > len(labels) / 2:
+        single = sum(1 for count in counts.values() if count == 1)
+        column = "its 'y'" if job.data.format == "npz" else f"[data] label_column = {job.data.label_column!r}"
+        raise jobfile.JobFileError(
+            f"{where}: [data] train: {len(counts):,} labels for {len(labels):,} samples ({single:,} of them seen "
+            f"once, e.g. {next(label for label, count in counts.items() if count == 1)[:40]!r}): a classifier learns "
+            f"labels that recur, and nothing can be held out to validate or test one seen once; does {column} hold "
+            "the classes, not values or texts?")
+
+
 def _load_arrays(job: jobfile.Job, reports: list | None):
     """(train, validation, test) ArrayDatasets of a numeric job (see gadei_workloads.numeric)."""
     from gadei_workloads.files import DataError
@@ -110,10 +130,7 @@ def _load_arrays(job: jobfile.Job, reports: list | None):
         train = read_arrays(d.train[0], d.format, d.label_column, **options)
         test = read_arrays(d.test[0], d.format, d.label_column, **options) if d.test else None
         validation = read_arrays(d.validation[0], d.format, d.label_column, **options) if d.validation else None
-        labels = sorted(set(train[1]))
-        if len(labels) < 2:
-            raise DataError(f"train: {len(train[1]):,} samples but only the label {labels[0]!r}; a classifier "
-                            "needs at least two labels")
+        check_labels(train[1], job)
         if test is None:
             train, test = hold_out(train, d.holdout, job.train.seed)
             source = f"job {job.name}: held-out {d.holdout:.0%} of train"

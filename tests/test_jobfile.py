@@ -164,6 +164,11 @@ def test_validation_holdout_0_holds_nothing_out_and_a_bridged_node_holds_nothing
     ([], "text,category", "no samples"),
     (["hello,cat"], "text,label", "[data] label_column = 'category' is not a column of its header (columns: 'text', 'label')"),
     ([f"sentence {i},cat" for i in range(5)], "text,category", "only the label 'cat'; a classifier needs at least two"),
+    # the columns' names swapped: each text a label, nothing held out (it trained a model of 6 classes, 1 a sample)
+    ([f"sentence {i},{'cat' if i % 2 else 'dog'}" for i in range(6)], "category,text",
+     "[data] train: 6 labels for 6 samples (6 of them seen once, e.g. 'sentence 0'): a classifier learns labels that "
+     "recur, and nothing can be held out to validate or test one seen once; does [data] label_column = 'category' "
+     "hold the classes, not values or texts?"),
     (["hello,"], "text,category", "no samples (train.csv: 2 lines, 0 samples; left out: 1 row with a blank label (line 2))"),
 ])
 def test_bad_data_is_refused_before_anything_starts(small, rows, header, message):
@@ -421,6 +426,15 @@ def test_numeric_data_reads_the_same_from_npz_and_csv_and_bad_cells_are_named(tm
     np.savez(tmp_path / "wrong.npz", features=x)
     with pytest.raises(JobFileError, match=r"needs arrays 'x' .* and 'y'"):
         data.load_job(_numeric_job(tmp_path, "wrong.npz", "npz"))
+    np.savez(tmp_path / "target.npz", x=x, y=x[:, 0])  # a regression target: each value a label of one sample
+    with pytest.raises(JobFileError, match=r"train: 40 labels for 40 samples \(40 of them seen once, e.g. '.*'\): a "
+                                           r"classifier learns labels that recur.*does its 'y' hold the classes"):
+        data.load_job(_numeric_job(tmp_path, "target.npz", "npz"))
+    np.savez(tmp_path / "complex.npz", x=x + 1j, y=y)  # a cast to float would drop the imaginary parts silently
+    with pytest.raises(JobFileError, match=r"complex.npz: 'x' holds complex numbers \(complex128\); features and "):
+        data.load_job(_numeric_job(tmp_path, "complex.npz", "npz"))
+    np.savez(tmp_path / "flags.npz", x=x > x.mean(axis=0), y=y)  # yes/no features
+    assert (data.load_job(_numeric_job(tmp_path, "flags.npz", "npz"))[0].x.std(axis=0) > 0).all()
 
 
 @pytest.mark.long  # a second whole gadei run (TREC's is the default tier's)

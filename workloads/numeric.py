@@ -75,8 +75,11 @@ def read_arrays(path: Path, fmt: str, label_column: str | int, header: bool = Tr
         if x.ndim != 2 or y.ndim != 1 or len(x) != len(y):
             raise DataError(f"{path}: 'x' must be samples x features and 'y' one label per sample; got shapes "
                             f"{x.shape} and {y.shape}")
-        if not np.issubdtype(x.dtype, np.number):
+        if not (np.issubdtype(x.dtype, np.number) or x.dtype == np.bool_):
             raise DataError(f"{path}: 'x' holds {x.dtype}, not numbers")
+        for name, array in (("x", x), ("y", y)):  # a cast to float would drop the imaginary parts
+            if np.iscomplexobj(array):
+                raise DataError(f"{path}: {name!r} holds complex numbers ({array.dtype}); features and labels are real")
         x = x.astype(np.float64)
         labels = [str(v) for v in y.tolist()]
     elif fmt == "csv":
