@@ -149,6 +149,12 @@ REFUSED = [
     ("missing column, header looks like data", "pos\tthis film was great fun\nneg\tdull\n", "tsv", {},
      r"\[data\] text_column = 'text' is not a column of its header \(columns: 'pos', 'this film was great fun'\); "
      r"the first row looks like data, not a header: if the file has none, set \[data\] header = false"),
+    ("semicolons read as csv", "label;text\na;one\n", "csv", {},
+     r"is not a column of its header \(columns: 'label;text'\); the header is one column holding ';': is the file "
+     r"separated by semicolons\? format csv reads commas, tsv tabs; save it with commas \(Excel saves ';' where"),
+    ("commas read as tsv", C + "a,one\n", "tsv", {},
+     r"\(columns: 'label,text'\); the header is one column holding ',': is the file separated by commas\? format csv "
+     r"reads commas, tsv tabs$"),
     ("missing column, a real header", "category\tsentence\npos\tfun\n", "tsv", {},
      r"is not a column of its header \(columns: 'category', 'sentence'\)$"),
     ("column name without header", "a\tone\n", "tsv", {"header": False, "text_column": "text", "label_column": 1},

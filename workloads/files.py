@@ -433,11 +433,19 @@ def column_index(path: Path, names: list[str] | None, kind: str, column: Column)
     if column in names:
         return names.index(column)
     hint = ""
-    if _looks_like_data(names):
+    separator = next((mark for mark in _SEPARATORS if len(names) == 1 and mark in names[0]), None)
+    if separator:
+        hint = (f"; the header is one column holding {separator!r}: is the file separated by {_SEPARATORS[separator]}? "
+                "format csv reads commas, tsv tabs" + ("; save it with commas (Excel saves ';' where a comma is the "
+                                                        "decimal mark)" if separator == ";" else ""))
+    elif _looks_like_data(names):
         hint = ("; the first row looks like data, not a header: if the file has none, set [data] header = false "
                 "(columns are then given by number, 1 = the first)")
     raise DataError(f"{path}: [data] {kind} = {column!r} is not a column of its header (columns: "
                     f"{', '.join(repr(n[:40]) for n in names) or 'none'}){hint}")
+
+
+_SEPARATORS = {"\t": "tabs", ",": "commas", ";": "semicolons", "|": "bars"}  # what a one-column header may hold
 
 
 def _looks_like_data(names: list[str]) -> bool:
