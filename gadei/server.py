@@ -217,13 +217,13 @@ class Server:
         self._skipped_word = h.word("nonfinite_skipped")
         self._next_audit = 0
         self._closed = False
-        described = f"{grad_dtype} gradients" + (f", {len(sparse)} row-sparse tables" if sparse else "") + \
+        described = f"{grad_dtype} gradients" + (f", {len(sparse)} row-sparse table{'s' * (len(sparse) != 1)}" if sparse else "") + \
             (" (chosen: the model's embedding gradients are sparse)" if auto and sparse else "")
         log.info(
             "job %r: serving %s parameters (%s) in %s mode, %s, %d learner rings of %d slots, lr %g, "
-            "kernel teams of up to %d threads (one per 262,144 elements of an update; OpenMP wait policy: %s)", job,
+            "kernel teams of up to %d thread%s (one per 262,144 elements of an update; OpenMP wait policy: %s)", job,
             f"{shape.n_params:,}", _mb(shape.n_params * 4), mode, described, shape.capacity, slots, rule_options.lr,
-            self.threads, openmp_policy(),
+            self.threads, "s" * (self.threads != 1), openmp_policy(),
         )
 
     def _resume(self, checkpoint: Checkpoint, spec) -> None:

@@ -224,10 +224,11 @@ def format_table(status: JobStatus, rate: Rates | None) -> str:
         server += f", beat {status.server_beat_age:.1f}s ago"
     options = {k: v for k, v in status.options.items()
                if k != "lr" and v != DEFAULTS[k] and used_in(RuleOptions, k, status.mode)}
-    transport = status.grad_dtype + (f" + {status.row_sparse_tables} row-sparse tables" if status.row_sparse_tables else "")
+    tables = status.row_sparse_tables
+    transport = status.grad_dtype + (f" + {tables} row-sparse table{'s' * (tables != 1)}" if tables else "")
     lines = [
         f"job {status.job}: {status.run_state}; server {server}; mode {status.mode}, lr {status.lr:g}"
-        + "".join(_option(k, v) for k, v in options.items()) + f"; kernel teams of up to {status.threads} threads",
+        + "".join(_option(k, v) for k, v in options.items()) + f"; kernel teams of up to {status.threads} thread{'s' * (status.threads != 1)}",
         f"  weights: {status.n_params:,} parameters ({status.n_params * 4 / 1e6:.1f} MB), {transport} gradients, "
         f"version {status.version:,}, {status.applied:,} gradients applied"
         + (f", {status.nonfinite_skipped:,} non-finite gradients skipped" if status.nonfinite_skipped else "")
