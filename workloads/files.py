@@ -19,11 +19,11 @@ position in either case.
 Lines end at `\\n`, `\\r\\n` or a lone `\\r`, and nowhere else (Latin-1 files may hold byte
 0x85, which `str.splitlines()` would take for a line break). A byte-order mark is dropped; a
 file that starts with a UTF-16 or UTF-32 one (Excel's "Unicode text", PowerShell's files) is
-refused unless `encoding` is that encoding, naming it. A file is decoded with `encoding`; when it does not decode and `fallback` is given,
-only the lines that do not decode are read with `fallback` (the report counts them), so a
-file of mixed encodings keeps its UTF-8 lines intact. A file with a NUL byte is refused as
-binary (or, where every other byte is one, as UTF-16 without a byte-order mark), an empty
-file as empty.
+refused unless `encoding` is that encoding, naming it. A file is decoded with `encoding`;
+when it does not decode and `fallback` is given, only the lines that do not decode are read
+with `fallback` (the report counts them), so a file of mixed encodings keeps its UTF-8 lines
+intact. A file with a NUL byte is refused as binary (or, where every other byte is one, as
+UTF-16 without a byte-order mark), an empty file as empty.
 
 What is left out, and why, is counted in a `FileReport` per file (`gadei run` prints it):
 blank lines, rows whose text is empty, rows whose label is blank, a header row repeated
