@@ -368,15 +368,17 @@ class Region:
             ForeignOwner: the object belongs to another user.
         """
         name = shm_name(job)
+        lay = layout(shape)
+        started = _proc.start_time()
         found = inspect(job)
+        leftover = None  # the region it replaces
         if found is not None:
             if found.state == "running":
                 raise JobRunning(f"job {job!r} is already served by pid {found.server_pid} ({name})")
             if found.state == "starting":
                 raise JobRunning(f"job {job!r}: server pid {found.server_pid} is creating {name}")
             if found.state == "leftover" and replace:
-                log.warning("job %r: replacing the region left behind by server pid %d", job, found.server_pid)
-                remove(job)
+                leftover = found
             elif found.state == "leftover":
                 raise LeftoverRegion(
                     f"job {job!r}: {name} was left behind by server pid {found.server_pid}, which is "
@@ -384,13 +386,16 @@ class Region:
                 )
             else:
                 check_name_free(job, found)
-        lay = layout(shape)
-        room = memory_available()  # its pages are charged to this process's cgroup: past the limit, the kernel kills us
-        if room is not None and lay.total > room:
+        # Its pages are charged to this process's cgroup: past the limit, the kernel kills us. A
+        # region it replaces gives its pages back (its server ran in this cgroup: a restart's).
+        room = memory_available()
+        if room is not None and lay.total > room + (leftover.size if leftover else 0):
             raise RegionError(f"job {job!r}: the region needs {lay.total / 1e6:,.1f} MB, where this process's cgroup (a "
                               f"container's memory limit) has {room / 1e6:,.1f} MB available: fewer parameters or "
                               "learners, or a larger limit")
-        started = _proc.start_time()
+        if leftover:  # removed only now, and created at once: a restart's region is missing for as short as can be
+            log.warning("job %r: replacing the region left behind by server pid %d", job, leftover.server_pid)
+            remove(job)
         try:
             shm = posix_ipc.SharedMemory(name, flags=posix_ipc.O_CREX, mode=0o600, size=lay.total)
         except posix_ipc.ExistentialError as err:

@@ -14,7 +14,7 @@ import psutil
 
 from gadei._proc import gadei_command
 
-from helpers import blobs_job, cgroup, communicate, data_dir, missing, unique_name
+from helpers import blobs_job, cgroup, communicate, data_dir, missing, unique_name, wait_for
 
 MB = 1 << 20
 
@@ -74,7 +74,7 @@ def test_a_region_larger_than_the_cgroups_memory_is_refused_before_it_is_made(pr
     20000000` (a region of 1.4 GB) in a cgroup of 300 MB was killed by the out-of-memory killer
     while it reserved them, saying nothing, and left the region behind. Now it is refused in
     one line before the region is made, naming the sizes."""
-    from gadei.region import inspect
+    from gadei.region import inspect, remove
 
     job = unique_name("roomless")
     with cgroup(memory=300 * MB) as inside:
@@ -84,6 +84,23 @@ def test_a_region_larger_than_the_cgroups_memory_is_refused_before_it_is_made(pr
     assert err.startswith(f"gadei: error: job {job!r}: the region needs ") and err.count("\n") == 1, err
     assert "MB, where this process's cgroup (a container's memory limit) has " in err, err
     assert inspect(job) is None  # nothing left in /dev/shm
+
+    # A refused replacement loses nothing: the region a killed server left stays, as it was
+    # (it was removed before the size was checked), for a restart that fits or for `gadei clean`.
+    small = procs.gadei("serve", job, "--params", 1000, "--no-watchdog")
+    try:
+        wait_for(lambda: getattr(inspect(job), "state", None) == "running", 60, "the small server to serve")
+        small.kill()
+        small.wait()
+        with cgroup(memory=300 * MB) as inside:
+            serve = procs.spawn(inside(gadei_command("serve", job, "--params", 20_000_000, "--no-watchdog",
+                                                     "--replace")))
+            out, err = communicate(serve, 120)
+        assert serve.returncode == 2 and "the region needs " in err, out + err
+        left = inspect(job)
+        assert left is not None and left.state == "leftover" and left.server_pid == small.pid, left
+    finally:
+        remove(job)
 
 def test_cgroup_v2_limits_are_read_along_the_path_to_the_mounts_root(tmp_path, monkeypatch):
     """cgroup v2 as a container on a systemd host or under Kubernetes sees it (this machine's CI

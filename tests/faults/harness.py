@@ -635,7 +635,9 @@ def run_scenario(scenario: Scenario, settings: Settings, workdir: Path, *, toler
             job.wait_training()
         fault = scenario.inject(job, rng)
         if not fault.refused:
-            over = lambda: inspect(job.name) is None  # noqa: E731
+            # over: the region gone and no process of the job left (a restart replaces the region,
+            # which is missing for a moment between the leftover's removal and the new one's creation)
+            over = lambda: inspect(job.name) is None and not job.processes()  # noqa: E731
             wait_until(lambda: fault.recovered() or over(), 300, "the job to recover")
             if not fault.recovered():
                 raise Failed("the job ended without the recovery being seen")
