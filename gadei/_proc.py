@@ -52,8 +52,26 @@ def start_time(pid: int | None = None) -> float:
     return psutil.Process(os.getpid() if pid is None else pid).create_time()
 
 
+def running(pid: int) -> bool:
+    """True when some process runs as `pid` (whichever it is: see `alive` for one process).
+
+    A zombie (exited, not yet reaped) counts as ended; a process that is not ours to inspect
+    runs (AccessDenied: never declared dead).
+    """
+    if pid <= 0:
+        return False
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.AccessDenied:
+        return True
+
+
 def alive(pid: int, started: float) -> bool:
-    """True when `pid` runs and is the same process that started at `started`.
+    """True when `pid` runs and is the same process that started at `started`: the one answer
+    to "is this process running" for every process gadei watches (a server, a learner, a
+    supervisor, a daemon's job).
 
     A zombie (exited, not yet reaped) counts as dead; so does a new process that reused the pid.
     """

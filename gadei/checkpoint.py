@@ -38,8 +38,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
-import psutil
 
+from . import _proc
 from .errors import GadeiError
 from .options import option
 
@@ -347,18 +347,11 @@ def _remove_orphans(folder: Path) -> None:
     """Remove temporary files of writers that died mid-write (their pid is gone)."""
     for name in os.listdir(folder):
         found = _TMP.match(name)
-        if found and not _pid_alive(int(found.group(1))):
+        if found and not _proc.running(int(found.group(1))):
             try:
                 (folder / name).unlink()
             except OSError:
                 pass
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 def _fsync_dir(folder: Path) -> None:

@@ -2,6 +2,7 @@
 refusal shown as one line (`gadei: error: ...`, exit 2) instead of a traceback, and a closed
 pipe on stdout a quiet stop."""
 
+import json
 import logging
 import os
 import signal
@@ -11,24 +12,15 @@ from .env import settings
 from .errors import GadeiError
 
 
+def emit(record: dict) -> None:
+    """One JSON line on stdout, for programs (a command's `--json`, a learner's epoch records)."""
+    print(json.dumps(record), flush=True)
+
+
 def configure_logging(default: str = "INFO") -> None:
     """The log records of this process to stderr, at GADEI_LOG's level, else at `default`."""
     level = getattr(logging, settings().log_level or default, logging.INFO)
     logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
-
-
-def last_error(log, prog: str = "gadei") -> str | None:
-    """The last refusal a command `prog` wrote to the log file `log` (its line
-    `PROG: error: ...`, as `run` writes it), read from the log's last 8 KB; None where there is
-    none (or no log). What a process that started that command says of why it ended."""
-    try:
-        with open(log, "rb") as f:
-            f.seek(max(0, os.fstat(f.fileno()).st_size - 8192))
-            lines = f.read().decode(errors="replace").splitlines()
-    except OSError:
-        return None
-    said = [line[len(prog) + len(": error: "):] for line in lines if line.startswith(f"{prog}: error: ")]
-    return said[-1] if said else None
 
 
 def run(func, args, prog: str = "gadei") -> int:

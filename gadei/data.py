@@ -27,6 +27,23 @@ def resolve(spec: str) -> str:
     return f"{name}:{os.path.join(base, name)}"
 
 
+def has_validation(job: jobfile.Job) -> bool:
+    """Whether the job chooses its model on a validation set: one it names, or a share held out of
+    its training set (`load_job`; a share of 0, as a bridged node's job has, is none)."""
+    return bool(job.data.validation) or job.data.validation_holdout > 0
+
+
+def workload_model(name: str, spec: str | None, seed: int):
+    """(workload, train, validation, test, model): the built-in workload `name`, its data
+    (`spec`, or the workload's default; validation None unless the data is a job file's, see
+    `load`) and its model built for the training set with `seed`."""
+    from gadei_workloads import get
+
+    workload = get(name)
+    train, validation, test = load(workload, spec or workload.default_data)
+    return workload, train, validation, test, workload.build_model(train, seed)
+
+
 def load(workload, spec: str):
     """(train, validation, test) of `spec` for `workload` (a `gadei_workloads.Workload`):
     a job file's validation set (its [data] validation, or the share of train it holds out);

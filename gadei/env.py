@@ -10,13 +10,14 @@
 | GADEI_LOG | log level of the command-line tools (DEBUG, INFO, WARNING) | INFO (WARNING in `gadei run`'s own process, whose lines say what happens) |
 | GADEI_DATA_DIR | folder of the shared text data sets (tests, `gadei learn --data trec`) | ../shared/data |
 | GADEI_STATE_DIR | the daemon's state folder: its lock, and the job records in its jobs/ | $XDG_STATE_HOME/gadei, else ~/.local/state/gadei |
-| GADEI_RUNTIME_DIR | this user's folder for gadei's runtime files (a watchdog's state, for `gadei serve --adopt`) | $XDG_RUNTIME_DIR/gadei, else /tmp/gadei-UID |
+| GADEI_RUNTIME_DIR | this user's folder for gadei's runtime files (a job's supervisor's record, which `gadei status` shows; the daemon's socket) | $XDG_RUNTIME_DIR/gadei, else /tmp/gadei-UID |
+| GADEI_PAUSE_AT | a test's hold: a job's supervisor stops itself (SIGSTOP) at this point of its life, until continued (SIGCONT): `concluding`, the job's end decided, its outputs not yet written | none |
 
 Two more are read outside Python: GADEI_NO_OPENMP=1 at build time (setup.py builds the
 kernel serial) and GADEI_NO_AVX2=1 when gadei._native loads (the portable kernel even where
 the CPU has AVX2; the tests use it to check that path). GADEI_RESTARTS is gadei's own
 bookkeeping, not a setting: the times of a job's recent server restarts, which a
-watchdog hands to the server it restarts (the server shows their count in `gadei status`),
+supervisor hands to the server it restarts (the server shows their count in `gadei status`),
 written by `restarts_env` and read by `restarts`.
 
 One variable of OpenMP's own is set by `quiet_openmp`, in a server's process only and for as
@@ -220,6 +221,19 @@ def _openmp_loaded() -> bool:
             return any(b"libgomp" in line or b"libomp" in line or b"libiomp" in line for line in f)
     except OSError:  # not Linux: unknown, taken as not loaded
         return False
+
+
+PAUSE_POINTS = ("concluding",)  # where GADEI_PAUSE_AT may hold a job's supervisor
+
+
+def pause_at(point: str) -> None:
+    """Stop this process (SIGSTOP) until it is continued, where GADEI_PAUSE_AT names `point`
+    (one of PAUSE_POINTS): how a test holds a job's supervisor at a chosen moment, by a hook it
+    controls, not by a timing it hopes for."""
+    import signal
+
+    if os.environ.get("GADEI_PAUSE_AT") == point:
+        os.kill(os.getpid(), signal.SIGSTOP)
 
 
 def restarts() -> list[float]:

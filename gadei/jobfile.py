@@ -57,6 +57,7 @@ decode) are found by `gadei.data.load_job`, also before anything starts.
 from __future__ import annotations
 
 import difflib
+import json
 import math
 import os
 import tomllib
@@ -226,17 +227,6 @@ class Job:
 
     def to_toml(self) -> str:
         """The job as TOML, every field written (the job as run)."""
-        def value(v) -> str:
-            if isinstance(v, (tuple, list)):
-                return "[" + ", ".join(value(x) for x in v) + "]"
-            if isinstance(v, Path):
-                return value(str(v))
-            if isinstance(v, str):
-                return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
-            if isinstance(v, bool):
-                return "true" if v else "false"
-            return repr(v)
-
         sections = {
             "job": {"name": self.name, "workload": self.workload},
             "data": asdict(self.data),
@@ -247,12 +237,49 @@ class Job:
         }
         if self.bridge is not None:
             sections["bridge"] = _table(self.bridge)
-        lines = []
-        for section, fields in sections.items():
-            lines.append(f"[{section}]")
-            lines += [f"{key} = {value(v)}" for key, v in fields.items() if v is not None]
-            lines.append("")
-        return "\n".join(lines)
+        return toml_text(sections)
+
+
+def toml_text(sections: dict[str, dict]) -> str:
+    """Tables of a job file's values (booleans, numbers, strings, paths, lists of them; a None
+    is left out) as TOML text: the one writer of job files (the job as run, a job the daemon
+    was given as a dict).
+
+    Raises:
+        ValueError: a value TOML does not hold as given (it would read back otherwise).
+    """
+    text = "".join(f"[{section}]\n" + "".join(f"{key} = {_toml_value(value)}\n" for key, value in table.items()
+                                               if value is not None) + "\n"
+                   for section, table in sections.items())
+    written = {section: {k: _plain(v) for k, v in table.items() if v is not None} for section, table in sections.items()}
+    if tomllib.loads(text) != written:
+        raise ValueError(f"cannot be written as TOML: {text!r:.300}")
+    return text
+
+
+def _toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return int.__repr__(value)
+    if isinstance(value, float):
+        return float.__repr__(value)  # a NumPy float too ("1e-05", not "np.float64(1e-05)")
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    return json.dumps(str(value), ensure_ascii=False)  # JSON's escapes are TOML's (control characters included)
+
+
+def _plain(value):
+    """`value` as TOML reads it back: paths as strings, tuples as lists."""
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if isinstance(value, float) and not isinstance(value, bool):
+        return float(value)
+    return value
 
 
 def _table(options) -> dict:

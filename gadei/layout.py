@@ -167,12 +167,12 @@ HEADER, HEADER_BYTES = _record(
         ("init", "u64"),
         ("spec_len", "u32"),
         _LINE_BREAK,
-        # watchdog (its process fills these; gadei status shows them)
-        ("watchdog_pid", "u32"),
-        ("watchdog_start", "f64"),
-        ("watchdog_beat", "u64"),
+        # the job's supervisor (its process fills these; gadei status shows them)
+        ("supervisor_pid", "u32"),
+        ("supervisor_start", "f64"),
+        ("supervisor_beat", "u64"),
         ("checkpointed_version", "u64"),
-        ("finished", "u32"),  # 1: the watchdog stopped the job because every launched learner finished
+        ("finished", "u32"),  # 1: the supervisor stopped the job because every launched learner finished
         _LINE_BREAK,
         # checkpoint hold: a checkpointer sets hold (0 -> 1), the server pauses between two
         # updates and says so in held until hold is 0 again or HOLD_LIMIT passed; each pause

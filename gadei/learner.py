@@ -23,7 +23,6 @@ import logging
 import os
 import time
 
-import psutil
 import torch
 
 from . import _proc, params
@@ -160,7 +159,7 @@ class Learner:
                 h.set("init", INIT_READY)
                 log.info("job %r: uploaded this model's parameters as the initial weights", self.job)
                 return
-            if state == INIT_WRITING and not psutil.pid_exists(pid):
+            if state == INIT_WRITING and not _proc.running(pid):
                 h.cas("init", word, INIT_EMPTY)  # the uploader died half way; someone uploads again
                 continue
             if deadline.expired():

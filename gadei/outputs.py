@@ -1,97 +1,74 @@
-"""A run's outputs in its folder, written in one place whoever sees the job end: metrics.jsonl
-from the learners' epoch records, the plot (accuracy.png), model.pt made the model chosen on
-the validation set, and result.json (the job's outcome, which model was chosen and why
-training stopped, its test accuracy); and the record of how the job ended that they are
-decided from (`END`). This module is the only one that writes them (tests/test_owners.py
-holds it): whoever sees the job end calls `conclude` (the end record as it saw it, then the
-outputs), or `record_end` where it records the end before the outputs can be written (the
-job's server still stops, a bridge still ends); the callers decide only when, and why.
+"""A run's outputs in its folder, written once, at the job's end, by the job's supervisor (the
+one process that decides that the job ended, and how: `conclude`): metrics.jsonl from the
+learners' epoch records, the plot (accuracy.png), model.pt (the model chosen on the validation
+set, else the weights the job ended with) and result.json last (the job's outcome, which model
+was chosen and why training stopped, its test accuracy). This module is the only one that
+writes them, and only the supervisor calls it to (tests/test_owners.py holds both); a run's
+clients (`gadei run`, the daemon) read result.json (`read_result`) and say what it says
+(`summary`, `exit_code`). Each file is written beside its place and renamed there, so a
+reader never sees half of one; result.json, written last, says the rest are there.
 
-One writer wins. `gadei run` holds `logs/run.lock` (an exclusive `flock`) from before it
-starts the job until it has written the outputs (`Owner`); the job's watchdog, which
-outlives a killed `gadei run`, records how the job ended in `logs/watchdog-end.json` and
-writes the outputs itself only when it can take that lock (the `gadei run` is gone), and so
-does the daemon for a job whose `gadei run` died, and the job's server for a job it failed
-when its watchdog and its `gadei run` both died and no new watchdog could take over
-(`gadei.custody`). Whoever writes holds the lock, writes each
-file beside its place and renames it there, result.json last: a result.json exists only
-whole, and once it exists the others read it instead of writing (`conclude`). A writer that is
-killed mid-way lets go of the lock with its life, and the next one writes it all again.
-
-result.json's "outcome" is one of OUTCOMES, decided from what every writer can see: the
-watchdog's end record (the job finished, was stopped, or failed: the server died for good,
-a launched learner was given up, the server stopped the job as failed), the model the
-server wrote at its stop, and the evaluating learner's losses (not finite: diverged).
+result.json's "outcome" is one of OUTCOMES, decided from how the supervisor saw the job end
+(`Ending`: the job finished, was stopped, or failed: the server died for good, a launched
+learner was given up, the server stopped the job as failed), the model there is to hand back,
+and the evaluating learner's losses (not finite: diverged).
 
 One time base for a job however many runs it took: seconds since the job's start, the start
-of its first run (when its `gadei run` took the output folder, `Owner`), counting only the
-time its runs ran (`job_seconds`). result.json's "runs" are each run's start (wall clock) and
-seconds, "seconds" this run's, a resumed run's "seconds_in_all" all of them (`forget` carries
-the earlier runs over from their result.json before it removes it: `EARLIER`); its
-"seconds_to_best" (the chosen model's time), metrics.jsonl's "seconds_since_start" (each
-epoch's evaluation) and accuracy.png's time axis are in that base, and so is `gadei run`'s
-last line (`gadei.run.report`).
+of its first run (when its supervisor started), counting only the time its runs ran
+(`job_seconds`). result.json's "runs" are each run's start (wall clock) and seconds, "seconds"
+this run's, a resumed run's "seconds_in_all" all of them (`forget` carries the earlier runs
+over from their result.json before it removes it: `EARLIER`); its "seconds_to_best" (the chosen
+model's time), metrics.jsonl's "seconds_since_start" (each epoch's evaluation) and
+accuracy.png's time axis are in that base, and so is `gadei run`'s last line (`summary`).
 """
 
-import fcntl
 import json
 import math
 import os
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from . import board, data, jobfile
 from .errors import GadeiError
-from .protocol import Deadline
 
-LOCK = "logs/run.lock"  # held by the run's owner (`gadei run`) and by whoever writes the outputs
-END = "logs/watchdog-end.json"  # the watchdog's record of how the job ended
 EARLIER = "logs/earlier-runs.json"  # a resumed run's record of the runs it goes on from (start, seconds)
+EPOCHS = "logs/epochs.jsonl"  # the evaluating learner's records (`gadei learn --records`), a JSON line each
 DONE, STOPPED, FAILED, DIVERGED = "done", "stopped", "failed", "diverged"
 OUTCOMES = (DONE, STOPPED, FAILED, DIVERGED)
-_RUN_FILES = ("result.json", "metrics.jsonl", "accuracy.png", "watchdog-end.json")
+EXIT_CODES = {DONE: 0, STOPPED: 130, FAILED: 1, DIVERGED: 3}  # `gadei run`'s, by outcome (130: as for a Ctrl-C)
+_RUN_FILES = ("result.json", "metrics.jsonl", "accuracy.png", "model.pt")  # and EPOCHS, unless resumed
 
 
 @dataclass
 class Ending:
-    """How the watchdog saw the job end (its exit code, `gadei.watchdog_record`'s codes: 0 the job
-    stopped, 3 the server died for good, 4 launched learners were given up, 5 the server
-    stopped the job as failed), whether the job had finished (every launched learner done),
-    and why, in words."""
+    """How the job's supervisor saw the job end.
 
-    code: int
-    finished: bool
+    Attributes:
+        code: why its watch ended (`gadei.supervisor`'s codes: 0 the job stopped, 3 the server
+            died for good, 4 launched learners were given up, 5 the server stopped the job as
+            failed).
+        finished: every launched learner finished its schedule.
+        stopped: a stop was asked (Ctrl-C, `gadei cancel`, `gadei stop`) before training ended.
+        reason: why, in words, where it did not end well; else a note ("the stop came after
+            training ended").
+        final: the weights the job ended with (the server's checkpoint at its stop, or a
+            bridged node's agreed model), handed back where no model was chosen on validation.
+    """
+
+    code: int = 0
+    finished: bool = False
+    stopped: bool = False
     reason: str = ""
-    pid: int = 0
-    time: float = 0.0
-
-
-def write_ending(out: Path, ending: Ending) -> None:
-    """The end record (`END`) as `ending` says, atomically (`record_end` stamps it with its writer)."""
-    _replace(out / END, json.dumps(asdict(ending)) + "\n")
-
-
-def record_end(out: Path, ending: Ending) -> None:
-    """Record how the job ended (`END`) as this process saw it now: `ending`'s code, finished
-    and reason, with this process's pid and the time (the daemon tells by them whether its
-    writer still lives: `gadei.daemon.jobs._job_alive`)."""
-    write_ending(out, replace(ending, pid=os.getpid(), time=time.time()))
-
-
-def read_ending(out: Path) -> Ending | None:
-    try:
-        return Ending(**json.loads((out / END).read_text()))
-    except (FileNotFoundError, ValueError, TypeError):
-        return None
+    final: str | None = None
 
 
 def forget(out: Path, resume: bool = False) -> None:
-    """Before a run (or a resumed one) starts: the outputs and end record of the run before it
-    are not this one's, nor its TensorBoard event files unless this run resumes it. A resumed
-    run keeps the runs it goes on from (`EARLIER`: their starts and seconds, from their
-    result.json's "runs"), the job's time base; where the run before it left no result.json
-    (it was killed), they are unknown, and so is the job's time base for this run."""
+    """Before a run (or a resumed one) starts: the outputs of the run before are not this one's,
+    nor its TensorBoard event files unless this run resumes it. A resumed run keeps the runs it
+    goes on from (`EARLIER`: their starts and seconds, from their result.json's "runs"), the
+    job's time base; where the run before it left no result.json (its supervisor was killed),
+    they are unknown, and so is the job's time base for this run."""
     earlier = _valid_runs((read_result(out) or {}).get("runs")) if resume else None
     try:
         (out / EARLIER).unlink()
@@ -102,61 +79,11 @@ def forget(out: Path, resume: bool = False) -> None:
         _replace(out / EARLIER, json.dumps({"runs": earlier}) + "\n")
     if not resume:  # a resumed run's TensorBoard curves go on from those of the runs before it
         board.forget(out)
-    for name in _RUN_FILES:
-        for folder in (out, out / "logs"):
-            try:
-                (folder / name).unlink()
-            except FileNotFoundError:
-                pass
-
-
-class Owner:
-    """`gadei run`'s hold on its run (`LOCK`) from before the job starts until its outputs
-    are written: while it holds it, the watchdog leaves the outputs to it.
-
-    Raises:
-        GadeiError: another live process owns a run in this folder.
-    """
-
-    def __init__(self, out: Path):
-        self.path = out / LOCK
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    for name in _RUN_FILES + (() if resume else (EPOCHS,)):  # a resumed run's epochs go on from the ones before
         try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self.fd)
-            raise GadeiError(f"output folder {out}: another process runs a job there (it holds {self.path})") from None
-        self.started = time.time()
-        os.ftruncate(self.fd, 0)
-        os.pwrite(self.fd, json.dumps({"pid": os.getpid(), "started": self.started}).encode(), 0)
-
-    def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-
-
-def owned(out: Path) -> bool:
-    """Some live process holds the run's lock (its `gadei run`, or a writer of its outputs)."""
-    try:
-        fd = os.open(out / LOCK, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return False
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
-
-
-def started(out: Path) -> float | None:
-    """When the run's owner started it (wall clock), from its lock file."""
-    try:
-        return float(json.loads((out / LOCK).read_text())["started"])
-    except (FileNotFoundError, ValueError, KeyError, TypeError):
-        return None
+            (out / name).unlink()
+        except FileNotFoundError:
+            pass
 
 
 def _valid_runs(runs) -> list[dict] | None:
@@ -203,95 +130,31 @@ def read_result(out: Path) -> dict | None:
         return None
 
 
-def conclude(out: Path, *, ending: Ending | None = None, job: jobfile.Job | None = None,
-             owner: Owner | None = None, leave_to_owner: bool = False, interrupted: bool = False, note: str = "",
-             bridge: dict | None = None, wait: float = 600.0) -> dict | None:
-    """Conclude the job that ran in `out`: record how it ended (`ending`, as this process saw
-    it: `record_end`), then write the run's outputs (metrics.jsonl, accuracy.png, result.json)
-    unless another process wrote them already; result.json's content either way.
-
-    `job`: the job as the caller loaded it; else its job.toml in `out`, loaded only when the
-    outputs are written. `owner`: the caller holds the run's lock (`gadei run`); otherwise the
-    lock is taken here, waiting up to `wait` seconds for a writer that holds it.
-    `leave_to_owner`: while another live process holds the run's lock (its `gadei run`), the
-    outputs are left to it (None is returned). `interrupted`: the caller stopped the job
-    (Ctrl-C, `gadei cancel`) before it finished. `note`: what the caller saw go wrong, for
-    result.json's reason when the job failed without an end record.
+def conclude(job: jobfile.Job, ending: Ending, *, since: float | None, bridge: dict | None = None) -> dict:
+    """Write the outputs of the job that ran in `job.output` and ended as `ending` says:
+    metrics.jsonl, accuracy.png, model.pt, and result.json last; result.json's content. Its
+    supervisor alone calls this, once, at the job's end. `since`: when this run started (wall
+    clock), the job's time base; `bridge`: what a bridged node's bridge did, for result.json.
 
     Raises:
-        GadeiError: the lock was held for longer than `wait` seconds, or job.toml is not a job.
         OSError: a file could not be written.
     """
-    if ending is not None:
-        record_end(out, ending)
-    if leave_to_owner and owned(out):
-        return None
-    if job is None:
-        job = jobfile.load(out / "job.toml")
-    fd = owner.fd if owner is not None else _lock(out, wait)
-    try:
-        found = read_result(out)
-        if found is not None:
-            return found
-        return _write(job, interrupted, note, bridge, owner.started if owner is not None else started(out))
-    finally:
-        if owner is None:
-            os.close(fd)
-
-
-def _lock(out: Path, wait: float) -> int:
-    (out / "logs").mkdir(parents=True, exist_ok=True)
-    fd = os.open(out / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    deadline = Deadline(wait)
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return fd
-        except BlockingIOError:
-            if deadline.expired():
-                os.close(fd)
-                raise GadeiError(f"{out / LOCK} is still held after {wait:g} s: another process writes the run's "
-                                 "outputs") from None
-            deadline.sleep(0.1)
-
-
-def outcome(job: jobfile.Job, metrics: list[dict], ending: Ending | None, interrupted: bool,
-            note: str) -> tuple[str, str]:
-    """(one of OUTCOMES, a sentence saying why) for a job that ended."""
-    out = job.output
-    for record in metrics:
-        loss = record.get("loss")
-        if isinstance(loss, (int, float)) and not math.isfinite(loss):
-            return DIVERGED, (f"the training loss is {loss} after epoch {record.get('epoch')}: training diverged; "
-                              f"the learning rate is likely too high (lr {job.train.lr:g}), lower [train] lr")
-    if ending is not None and ending.code != 0:
-        return FAILED, ending.reason or f"the watchdog ended with {ending.code}"
-    if not (out / "model.pt").exists():
-        if interrupted and not note:  # stopped while it started: nothing trained, nothing went wrong
-            return STOPPED, "stopped (by its `gadei run`) before the job wrote a model"
-        return FAILED, note or "the job ended without writing its model (see its logs)"
-    if ending is not None and ending.finished and not interrupted:
-        return DONE, "every learner finished its epochs"
-    if ending is None and note:
-        return FAILED, note
-    return STOPPED, "stopped before its end" + (" (by its `gadei run`)" if interrupted else "")
-
-
-def _write(job: jobfile.Job, interrupted: bool, note: str, bridge: dict | None, since: float | None) -> dict:
     out = job.output
     earlier = _earlier_runs(out)
     # the job's runs (this one's seconds are known at its end: nothing comes after it)
     runs = earlier + [{"started": since, "seconds": 0.0}] if since and earlier is not None else None
     metrics = write_metrics(out, runs)
-    ending = read_ending(out)
-    kind, reason = outcome(job, metrics, ending, interrupted, note)
+    handed = hand_back(job, ending, runs, chooses=bridge is None)
+    kind, reason = outcome(job, metrics, ending, model=(out / "model.pt").exists())
     result = {"job": job.name, "outcome": kind, "finished": kind == DONE, "reason": reason}
     if (out / "model.pt").exists() and kind in (DONE, STOPPED):
-        result.update(chosen(job, kind, runs))
-        if result["stopped"] == "patience":
+        result.update(handed)
+        if result.get("stopped") == "patience":
             from .selection import ran_out
 
             result["reason"] = ran_out(job.train.patience)
+        if kind == DONE and ending.reason:
+            result["reason"] += f" ({ending.reason})"
     if metrics:
         plot(metrics, out / "accuracy.png", job.name,
              (result["epoch"], result.get("seconds_to_best")) if "epoch" in result else None)
@@ -312,28 +175,49 @@ def _write(job: jobfile.Job, interrupted: bool, note: str, bridge: dict | None, 
     return result
 
 
-def chosen(job: jobfile.Job, kind: str, runs: list[dict] | None = None) -> dict:
-    """Hand back the model chosen on the validation set: model.pt becomes checkpoints/best.pt
-    (learner 0's best evaluation, `gadei.selection`) in place of the weights the job ended
-    with, and result.json's fields say which evaluation it is (epoch, version, validation
-    accuracy and loss, and `seconds_to_best`: when it was made, in the job's time base of its
-    `runs`, `job_seconds`) and why training stopped: "patience" (the validation accuracy stopped
-    improving), "cap" (the [train] epochs ran out) or "cancelled" (the job was stopped before
-    either). A run without a selection (a bridged node's: the nodes' model is the one their
-    bridge agreed on) keeps its last weights and says only why it stopped. Safe to repeat: a
-    writer killed mid-way leaves model.pt whole, and the next one copies best.pt again."""
-    import torch
+def outcome(job: jobfile.Job, metrics: list[dict], ending: Ending, model: bool) -> tuple[str, str]:
+    """(one of OUTCOMES, a sentence saying why) for a job that ended as `ending` says, with or
+    without a `model` to hand back."""
+    for record in metrics:
+        loss = record.get("loss")
+        if isinstance(loss, (int, float)) and not math.isfinite(loss):
+            return DIVERGED, (f"the training loss is {loss} after epoch {record.get('epoch')}: training diverged; "
+                              f"the learning rate is likely too high (lr {job.train.lr:g}), lower [train] lr")
+    if ending.code != 0:
+        return FAILED, ending.reason or f"the supervisor ended with {ending.code}"
+    if not model:
+        if ending.stopped and not ending.reason:  # stopped while it started: nothing trained, nothing went wrong
+            return STOPPED, "stopped before the job wrote a model"
+        return FAILED, ending.reason or "the job ended without a model (see its logs)"
+    if ending.finished:
+        return DONE, "every learner finished its epochs"
+    return STOPPED, "stopped before its end" + (f" ({ending.reason})" if ending.reason else "")
 
-    from . import selection
+
+def hand_back(job: jobfile.Job, ending: Ending, runs: list[dict] | None = None, chooses: bool = True) -> dict:
+    """model.pt: the model chosen on the validation set (learner 0's best evaluation,
+    checkpoints/best.pt: `gadei.selection`) where one was chosen (`chooses`: not a bridged node,
+    whose model is the one its bridge agreed on), else the weights the job ended with
+    (`ending.final`); and result.json's fields that say which evaluation it is (epoch, version,
+    validation accuracy and loss, and `seconds_to_best`: when it was made, in the job's time
+    base of its `runs`, `job_seconds`) and why training stopped: "patience" (the validation
+    accuracy stopped improving), "cap" (the [train] epochs ran out) or "cancelled" (the job was
+    stopped before either)."""
+    from . import params, selection
 
     folder = job.output / "checkpoints"
     state = selection.read_state(folder) or {}
-    stopped = "patience" if state.get("stopped") == "patience" else "cap" if kind == DONE else "cancelled"
+    stopped = "patience" if state.get("stopped") == "patience" else "cap" if ending.finished and not \
+        ending.stopped else "cancelled"
     fields: dict = {"stopped": stopped}
-    weights = selection.best_weights(folder)
+    weights = selection.best_weights(folder) if chooses else None
     if weights is None:
+        if ending.final:
+            weights = _final_weights(ending.final)
+        if weights is not None:
+            params.save(weights, str(job.output / "model.pt"), private=job.private)
         return fields
-    _replace_with(job.output / "model.pt", lambda tmp: torch.save(weights, tmp))
+    params.save(weights, str(job.output / "model.pt"), private=job.private)
     best = state.get("best") or {}
     fields.update({key: best[key] for key in ("epoch", "version", "validation_accuracy", "validation_loss")
                    if key in best})
@@ -342,6 +226,103 @@ def chosen(job: jobfile.Job, kind: str, runs: list[dict] | None = None) -> dict:
         fields["seconds_to_best"] = took
     fields["evaluations"] = state.get("evaluations", 0)
     return fields
+
+
+def _final_weights(path: str):
+    """The state dict a stop checkpoint (`ckpt-N.pt`) or a saved model file holds; None where unreadable."""
+    import torch
+
+    from . import checkpoint
+
+    try:
+        if os.path.basename(path).startswith("ckpt-"):
+            return checkpoint.load(path).model
+        return torch.load(path, weights_only=True)
+    except (OSError, RuntimeError, GadeiError, ValueError) as err:
+        import logging
+
+        logging.getLogger(__name__).error("%s: cannot read the job's final weights: %s", path, err)
+        return None
+
+
+RUN, SUBMIT = "gadei run", "gadei submit"  # the commands that start a job: in the foreground, or by the daemon
+AFRESH = "to run the job again, set another [output] folder or remove that one"
+
+
+def go_on(job: jobfile.Job, by: str = RUN) -> str:
+    """The command that goes on with the job's stopped run: `gadei run --resume JOB.toml`, or,
+    for a job the daemon runs (`by` SUBMIT), `gadei submit --resume JOB.toml`."""
+    return f"`{by} --resume {job.path}`" if job.path else f"`{by} --resume`"
+
+
+def finished(out: Path) -> str | None:
+    """The run in the output folder `out` finished (its result.json says outcome done), in
+    words (when, and why training stopped); None for any other run, or none."""
+    result = read_result(out)
+    if result is None or result.get("outcome") != DONE:
+        return None
+    try:
+        when = time.strftime(" on %Y-%m-%d at %H:%M:%S", time.localtime((out / "result.json").stat().st_mtime))
+    except OSError:
+        when = ""
+    why = f", stopped by {result['stopped']}" if result.get("stopped") else ""
+    return f"the run in {out} finished (outcome done{when}{why})"
+
+
+def summary(job: jobfile.Job, result: dict, by: str = RUN, elapsed: float | None = None) -> str:
+    """The job's outcome (result.json) in one line for people ("job NAME done in ..."): `gadei
+    run`'s last line, the supervisor's, the daemon's record. `by`: the command that started the
+    job, which a stopped run's line names to go on with it; `elapsed`: seconds, said only where
+    result.json has none."""
+    out = job.output
+    accuracy = f", test accuracy {result['test_accuracy']:.2%}" if "test_accuracy" in result else ""
+    # result.json's seconds, the job's time base: as "reached after" counts
+    seconds = result["seconds"] if isinstance(result.get("seconds"), (int, float)) else elapsed or 0.0
+    took = f"{seconds:.0f} s" + (f" ({result['seconds_in_all']:.0f} s with the runs it resumed)"
+                                 if isinstance(result.get("seconds_in_all"), (int, float)) else "")
+    kind = result.get("outcome")
+    if kind == DIVERGED:
+        return f"job {job.name}: {result['reason']}; its outputs and logs are in {out}"
+    if kind != DONE and kind != STOPPED:
+        return f"job {job.name} failed: {result.get('reason', 'no result.json says how it ended')}; " \
+               f"see {out / 'logs'}"
+    # the chosen model (`hand_back`): its time in the job's time base too
+    best = (f"epoch {result['epoch']:g} (validation accuracy {result['validation_accuracy']:.2%}"
+            + (f", reached after {result['seconds_to_best']:.0f} s" if "seconds_to_best" in result else "") + ")"
+            if "epoch" in result else "")
+    if kind == STOPPED:
+        last = last_epoch(out)
+        if not (out / "model.pt").exists():
+            model = "before it wrote a model"
+        else:
+            model = (f"the model chosen so far, {best}, is in" if best else "its weights so far are in") + \
+                f" {out / 'model.pt'}"
+        return (f"job {job.name} stopped after {took} (epoch {last.get('epoch', 0)} of "
+                f"{job.train.epochs}{accuracy}); {model}; {again(job, by)}")
+    chose = (f", stopped by {result['stopped']}" if "stopped" in result else "") + (f", chose {best}" if best else "")
+    return f"job {job.name} done in {took}{chose}{accuracy}; model {out / 'model.pt'}"
+
+
+def again(job: jobfile.Job, by: str) -> str:
+    """How to go on with a stopped run, as its output folder allows: `--resume` from a checkpoint
+    that records the learners' progress, or, stopped before any was taken (while it started),
+    the same command again, which a folder without checkpoints takes (`prepare.check`)."""
+    from . import checkpoint
+
+    folder = job.output / "checkpoints"
+    if checkpoint.latest(folder, with_progress=True) is not None:
+        return f"go on with {go_on(job, by)}"
+    if not (folder.is_dir() and any(folder.iterdir())):
+        return "it had not started training; start it again with " + (f"`{by} {job.path}`" if job.path else
+                                                                       "the same command")
+    return (f"no checkpoint in {folder} records the learners' progress, so there is nothing to go on with; "
+            f"{AFRESH}")
+
+
+def exit_code(result: dict | None) -> int:
+    """`gadei run`'s exit code for a job that ended as `result` (result.json) says: 0 done, 130
+    stopped, 1 failed (also where no result.json says), 3 diverged."""
+    return EXIT_CODES.get((result or {}).get("outcome"), 1)
 
 
 def evaluate(job: jobfile.Job) -> dict:
@@ -368,19 +349,19 @@ def _replace_with(path: Path, write) -> None:
 
 
 def epoch_records(out: Path) -> list[dict]:
-    """The evaluating learner's epoch records (learner 0 writes JSON lines to its log)."""
-    path = out / "logs" / "learner-0.log"
+    """The evaluating learner's epoch records (learner 0 appends them to `EPOCHS`, a JSON line each)."""
     try:
-        lines = path.read_text(errors="replace").splitlines()
+        lines = (out / EPOCHS).read_text(errors="replace").splitlines()
     except FileNotFoundError:
         return []
     records = []
     for line in lines:
-        if line.startswith('{"event": "epoch"'):
-            try:
-                records.append(json.loads(line))
-            except ValueError:
-                pass
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and record.get("event") == "epoch":
+            records.append(record)
     return records
 
 

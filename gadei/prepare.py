@@ -1,11 +1,11 @@
 """A job made ready to run, before anything starts: `gadei run`'s (and `gadei submit`'s) checks of
 the job file, its data, the region's name and the output folder (`check`, `check_output`),
-the defaults filled in, the point a resumed run goes on from (`resume_point`; what a stopped
-run says to go on with it, `go_on`; a finished run, which has nothing to go on with,
-`finished`), and the output folder's job.toml and maps (`prepare`). `gadei.run.JobRun` owns the rest of the job's
-life: launch, follow, finish.
+the defaults filled in, the point a resumed run goes on from (`resume_point`), and the output
+folder's job.toml, maps and placement (`prepare`), which the job's supervisor runs from; what
+`gadei run` says of the job before it starts (`describe`).
 
-`node` everywhere here: the bridged node this process runs (`gadei.bridge.run.BridgedRun`), or None.
+`place` everywhere here: where the job runs (`gadei.placement`: on this machine alone, or as one
+node of a bridged job).
 """
 
 import dataclasses
@@ -17,32 +17,8 @@ from pathlib import Path
 from . import data, jobfile, outputs
 from .env import cores_said, learners_openmp_env, usable_cores
 from .errors import GadeiError
-
-
-RUN, SUBMIT = "gadei run", "gadei submit"  # the commands that start a job: in the foreground, or by the daemon
-AFRESH = "to run the job again, set another [output] folder or remove that one"
-
-
-def go_on(job: jobfile.Job, by: str = RUN) -> str:
-    """The command that goes on with the job's stopped run: `gadei run --resume JOB.toml`, or,
-    for a job the daemon runs (`by` SUBMIT), `gadei submit --resume JOB.toml`."""
-    return f"`{by} --resume {job.path}`" if job.path else f"`{by} --resume`"
-
-
-def finished(out: Path) -> str | None:
-    """The run in the output folder `out` finished (its result.json says outcome done), in
-    words (when, and why training stopped); None for any other run, or none."""
-    import time
-
-    result = outputs.read_result(out)
-    if result is None or result.get("outcome") != outputs.DONE:
-        return None
-    try:
-        when = time.strftime(" on %Y-%m-%d at %H:%M:%S", time.localtime((out / "result.json").stat().st_mtime))
-    except OSError:
-        when = ""
-    why = f", stopped by {result['stopped']}" if result.get("stopped") else ""
-    return f"the run in {out} finished (outcome done{when}{why})"
+from .outputs import AFRESH, RUN, finished, go_on
+from .placement import NODE, Local
 
 
 @dataclass
@@ -69,17 +45,17 @@ def check_job(path: str, *, resume: bool = False, by: str = RUN) -> list[str]:
         GadeiError: (JobFileError among them) the one-line reason the job would be refused.
     """
     job = jobfile.load(path)
-    prepared = check(job, resume, None, remove_model=False, by=by)
-    return describe(prepared, None)
+    prepared = check(job, resume, Local(), by=by)
+    return describe(prepared, Local())
 
 
-def check(job: jobfile.Job, resume: bool, node, *, remove_model: bool = True, by: str = RUN) -> Prepared:
+def check(job: jobfile.Job, resume: bool, place=None, *, by: str = RUN) -> Prepared:
     """Everything that can be refused, before anything starts, writing nothing; `by`: the
     command that starts the job (RUN or SUBMIT), which the refusals name."""
     from .region import check_name_free
 
-    if node is not None:
-        job = job.for_node(node.rank, node.size)
+    place = place or Local()
+    job = place.job(job)
     check_name_free(job.name)  # another user's (or a foreign) object in the region's place: say whose, now
     read: list = []
     train, validation, test = data.load_job(job, read)
@@ -88,7 +64,7 @@ def check(job: jobfile.Job, resume: bool, node, *, remove_model: bool = True, by
     check_output(job)
     found = None
     if resume:
-        found = resume_point(job, nodes=node.size if node else 1, remove_model=remove_model)
+        found = resume_point(job, nodes=place.size)
     elif (out / "checkpoints").is_dir() and any((out / "checkpoints").iterdir()):
         done = finished(out)
         if done:
@@ -163,12 +139,26 @@ def check_output(job: jobfile.Job) -> None:
                              "there); remove it or set another [output] folder")
 
 
-def prepare(job: jobfile.Job, resume: bool, node, by: str = RUN) -> Prepared:
-    """Everything that can be refused, before anything starts (`check`); the output folder's job.toml and maps."""
-    prepared = check(job, resume, node, by=by)
+def prepare(job: jobfile.Job, resume: bool, place=None, by: str = RUN) -> Prepared:
+    """Everything that can be refused, before anything starts (`check`); then the output folder
+    made ready: an earlier run's outputs gone (`outputs.forget`), the job as run (job.toml), the
+    maps, and where it runs (node.json, for a bridged node)."""
+    place = place or Local()
+    prepared = check(job, resume, place, by=by)
+    job = prepared.job
+    mask = os.umask(0o077)  # what this process creates now is private until the job's modes are known
+    try:
+        output_modes(job, mask)
+        os.umask(0o077 if job.private else mask)
+        _write(prepared, place, resume)
+    finally:
+        os.umask(mask)
+    return prepared
+
+
+def _write(prepared: Prepared, place, resume: bool) -> None:
     job, train, out = prepared.job, prepared.train, prepared.job.output
-    output_modes(job)
-    outputs.forget(out, resume)  # an earlier run's result.json and end record are not this run's
+    outputs.forget(out, resume)  # an earlier run's outputs are not this run's
     (out / "logs").mkdir(parents=True, exist_ok=True)
     (out / "job.toml").write_text(job.to_toml())
     (out / "labels.json").write_text(json.dumps(train.label_names, ensure_ascii=False))
@@ -177,29 +167,25 @@ def prepare(job: jobfile.Job, resume: bool, node, by: str = RUN) -> Prepared:
     else:  # numeric features: predict standardises with the training set's statistics
         (out / "features.json").write_text(json.dumps({"features": train.features, "mean": train.mean.tolist(),
                                                        "std": train.std.tolist()}))
+    node = place.record(job)
     if node is not None:
-        (out / "node.json").write_text(json.dumps({"node": node.rank, "nodes": node.size,
-                                                   "shards": node.shards(job.train.learners)}) + "\n")
-    return prepared
+        (out / NODE).write_text(json.dumps(dataclasses.asdict(node)) + "\n")
 
 
-def output_modes(job: jobfile.Job) -> None:
-    """Make the output folder private ([output] private, the default): this process and every
-    process it starts (server, watchdog, learners: the model, checkpoints, logs, metrics) create
-    files 0600 and folders 0700 whatever the umask it was given, and what an earlier run or
-    the daemon left there (logs/run.log) is closed the same way. With private = false the
-    umask decides, and what the daemon created private is opened up to it."""
+def output_modes(job: jobfile.Job, mask: int) -> None:
+    """Make the output folder private ([output] private, the default): folders 0700 and files
+    0600 whatever the umask, what an earlier run or the daemon left there closed the same way
+    (the job's supervisor, and so every process of the job, creates its files so too). With
+    private = false the umask `mask` decides, and what the daemon created private is opened up
+    to it."""
     import stat
 
     out = job.output
     if out.is_symlink() or (out.exists() and not out.is_dir()):
         raise GadeiError(f"output folder {out} is not a folder" + (" (a symbolic link)" if out.is_symlink() else ""))
     if job.private:
-        os.umask(0o077)
         dir_mode, file_mode = 0o700, 0o600
     else:
-        mask = os.umask(0o077)
-        os.umask(mask)
         dir_mode, file_mode = 0o777 & ~mask, 0o666 & ~mask
     out.mkdir(parents=True, exist_ok=True)
     if out.stat().st_uid != os.geteuid():
@@ -215,12 +201,12 @@ def output_modes(job: jobfile.Job) -> None:
                 os.chmod(entry, file_mode if job.private else (stat.S_IMODE(info.st_mode) | file_mode))
 
 
-def describe(prepared: Prepared, node) -> list[str]:
+def describe(prepared: Prepared, place) -> list[str]:
     """What `gadei run` prints before it starts (and `gadei run --check`): the job, each data
     file's read line, the chosen defaults, the node, the output folder, the resume point."""
     job, train, test, found = prepared.job, prepared.train, prepared.test, prepared.found
     t = job.train
-    lines = [f"gadei run: job {job.name}: {job.workload} on {len(train):,} training / "
+    lines = [f"{prepared.by}: job {job.name}: {job.workload} on {len(train):,} training / "
              + (f"{len(prepared.validation):,} validation / " if prepared.validation is not None else "")
              + f"{len(test):,} test samples, "
              f"{train.n_labels} labels, " + (f"vocabulary {len(train.vocab):,}" if train.vocab is not None else
@@ -231,18 +217,7 @@ def describe(prepared: Prepared, node) -> list[str]:
     lines += [f"  read {report}" for report in prepared.read]
     lines += [f"  chose {line}" for line in prepared.chosen]
     lines.append(f"  learners: {_threads_line(t)}")
-    if node is not None:
-        b = job.bridge
-        lines.append(f"  node {node.rank} of {node.size}: learners' shards {', '.join(node.shards(t.learners))}; "
-                     f"bridge {b.strategy}, "
-                     + (f"every {b.every:g} s" if b.every is not None else f"every {b.interval} versions")
-                     + f", buckets {'auto' if b.bucket_mb is None else f'{b.bucket_mb:g} MB'}"
-                     + (", float16" if b.float16 else "") + f", timeout {b.timeout:g} s; lr {node.lr(job):g} per node"
-                     + ("" if b.node_lr else f" (lr {t.lr:g} x {node.shares(job)}: "
-                        + (f"{node.size} nodes and the centre share" if b.strategy == "elastic" else
-                           f"{node.size} nodes average") + " each node's progress)"))
-    elif job.bridge is not None:
-        lines.append("  one node, so no bridge ([bridge] joins the nodes of `mpiexec -n NODES gadei run`)")
+    lines += place.describe(job)
     lines.append(f"  output: {job.output}")
     if found is not None:
         lines.append(f"  resuming from {found.path.name} (version {found.version:,}, progress "
@@ -269,13 +244,15 @@ def _compared(section) -> dict:
     return {f.name: getattr(section, f.name) for f in dataclasses.fields(section) if f.compare}
 
 
-def resume_point(job: jobfile.Job, *, remove_model: bool = True, nodes: int = 1):
+def resume_point(job: jobfile.Job, *, nodes: int = 1):
     """The checkpoint a resumed run goes on from: the newest one of its output folder that says
     how far each learner got (a watchdog's periodic or final-stage one; the server's own stop
     checkpoint does not, so up to one checkpoint interval is trained again). The folder's
-    job.toml must be this job with at most other epochs, patience, devices or threads: the learners' schedules (data,
-    shards, mini-batch, seed) must be the ones the progress counts in; a bridged node's
-    folder (node.json) must come from a run of as many `nodes`, whose shards these are."""
+    job.toml must be this job with at most other [train] epochs, patience, devices or threads
+    and [checkpoint] settings: the learners' schedules (data, shards, mini-batch, seed) must be
+    the ones the progress counts in, and the update rule, the rings' format and the bridge the
+    ones the checkpoint's state was made by; a bridged node's folder (node.json) must come from a
+    run of as many `nodes`, whose shards these are."""
     from . import checkpoint
 
     out = job.output
@@ -285,16 +262,21 @@ def resume_point(job: jobfile.Job, *, remove_model: bool = True, nodes: int = 1)
     before = jobfile.load(as_run)
     free = {("train", "epochs"), ("train", "devices"), ("train", "patience"),  # none changes a learner's schedule
             ("train", "threads")}
-    changed = [f"[{section}] {key}" for section in ("data", "train")
+    changed = [f"[{section}] {key}" for section in ("data", "train", "transport")
                for key, value in _compared(getattr(before, section)).items()
                if (section, key) not in free and getattr(getattr(job, section), key) != value]
     changed += [f"[job] {key}" for key in ("name", "workload") if getattr(job, key) != getattr(before, key)]
+    if (job.bridge is None) != (before.bridge is None):
+        changed.append("[bridge] (" + ("added" if before.bridge is None else "removed") + ")")
+    elif job.bridge is not None:
+        changed += [f"[bridge] {key}" for key, value in _compared(before.bridge).items()
+                    if getattr(job.bridge, key) != value]
     if changed:
         raise GadeiError(f"--resume: the job differs from the run in {out} in " + ", ".join(changed)
-                         + " (only [train] epochs, patience, devices and threads may change); run it with another [output] "
-                         "folder instead")
+                         + " (only [train] epochs, patience, devices and threads and the [checkpoint] settings may "
+                         "change); run it with another [output] folder instead")
     try:
-        before_nodes = json.loads((out / "node.json").read_text())["nodes"]
+        before_nodes = json.loads((out / NODE).read_text())["nodes"]
     except FileNotFoundError:
         before_nodes = 1
     if before_nodes != nodes:
@@ -307,8 +289,6 @@ def resume_point(job: jobfile.Job, *, remove_model: bool = True, nodes: int = 1)
             raise GadeiError(f"--resume: {done}: there is nothing to go on with; {AFRESH}")
         raise GadeiError(f"--resume: no checkpoint in {out / 'checkpoints'} that verifies and records the learners' "
                          "progress")
-    if remove_model and (out / "model.pt").exists():
-        (out / "model.pt").unlink()  # the resumed run writes its own final weights
     return found
 
 

@@ -32,7 +32,6 @@ import logging
 import os
 import time
 
-import psutil
 
 from . import _native, _proc
 from .errors import CapacityError, GadeiTimeout, RegionCorrupt
@@ -61,7 +60,7 @@ def owner_alive(region: Region, learner: int) -> bool:
     """True when learner entry `learner` is owned by a running process."""
     entry = region.entry(learner)
     pid = _lease_owner(entry.get("lease"))
-    if pid == 0 or not _running(pid):
+    if pid == 0 or not _proc.running(pid):
         return False
     started = entry.get("start")
     if started == 0 or _proc.alive(pid, started):
@@ -88,15 +87,6 @@ def check_rings(region: Region) -> None:
     for learner in range(region.shape.capacity):
         entry = region.entry(learner)
         check_ring(region.job, learner, entry.get("head"), entry.get("tail"), region.shape.slots)
-
-
-def _running(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-    except psutil.AccessDenied:
-        return True
 
 
 class Producer:
@@ -295,7 +285,7 @@ def _take(region: Region, learner: int, claims: int, drain_timeout: float, serve
     for name in ("pulled_version", "pulls", "samples", "dropped", "pull_retries"):
         entry.set(name, 0)
     # Only now are the counters this process's: a checkpoint taken before would otherwise
-    # count the previous owner's applied gradients as this one's (gadei.watchdog_record.progress).
+    # count the previous owner's applied gradients as this one's (gadei.supervisor.progress).
     entry.set("pid", os.getpid())
     entry.set("claim_head", producer.head)
     entry.set("state", ACTIVE)

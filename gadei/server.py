@@ -1,4 +1,5 @@
-"""The server: creates the job's region and applies every published gradient exactly once.
+"""The server: creates the job's region and settles every published gradient exactly once
+(applies it, or discards and counts it: staler than the job's bound, not finite).
 
 The apply loop looks at the learners' rings round-robin, takes one published slot at a
 time, applies it with the job's update rule (a native kernel, GIL released), bumps the
@@ -10,8 +11,9 @@ an idle server costs no CPU. It spins or dozes only while the machine has a core
 threads the attached learners keep busy, plus the server, fit the cores) and no other server
 on the machine does the same (`spin.SpinToken`): on a machine the learners fill, a spinning
 server would take their CPU. Its kernel's OpenMP threads sleep between updates too
-(`env.quiet_openmp`). It never waits for a learner: a learner that dies or stops simply stops
-publishing.
+(`env.quiet_openmp`). In async, consistent and elastic modes it never waits for a learner: one
+that dies or stops simply stops publishing; a sync round waits for a gradient of every live
+learner, and leaves out one that has not beaten for `drop_after` seconds.
 
 The region is untrusted input: every process of the user can write it. The server checks
 each ring's head - tail when it takes a gradient (`ring.Consumer.take`), a slot's counters,
@@ -312,6 +314,10 @@ class Server:
         seconds = time.monotonic() - started
         log.info("job %r: stopped after %s gradients in %.1f s", self.job, f"{applied:,}", seconds)
         return ServeReport(applied, seconds, h.get("version"), left)
+
+    def failure(self) -> str:
+        """Why this server stopped the job as failed ("" unless it did)."""
+        return self._state.reason()
 
     def _fail(self, err: Exception) -> None:
         """Stop the job on `err`: its reason recorded in the region (`RunState.fail`: the

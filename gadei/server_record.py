@@ -1,17 +1,78 @@
-"""The server's record outside its region: its pid and start time in this user's runtime
+"""The server's records outside its region: its pid and start time in this user's runtime
 folder (`JOB.server.json`), so that `gadei stop` can find and stop a server whose region's
-header cannot be read (corrupted, or another object in its place)."""
+header cannot be read (corrupted, or another object in its place); and how it ended
+(`StopRecord`), which it writes where its supervisor asks (`gadei serve --stop-record`), and
+which `gadei serve --json` prints."""
 
 import json
 import logging
 import os
 import struct
+import time
+from dataclasses import asdict, dataclass, fields
 
 from . import _proc
 from .layout import HEADER
 from .region import SHM_DIR, check_job_name, shm_name
 
 log = logging.getLogger(__name__)
+
+
+STOPPED, FAILED, REFUSED, EARLY = "stopped", "failed", "refused", "early"
+
+
+@dataclass
+class StopRecord:
+    """How one server ended, written by it once, atomically, as its last act.
+
+    Attributes:
+        job: the job's name.
+        outcome: "stopped" (asked to stop, it drained the rings and stopped), "failed" (it
+            stopped the job as failed: a corrupt region, a non-finite gradient), "refused" (it
+            did not start: `reason`), "early" (stopped before it served: it wrote nothing).
+        reason: why, where it failed or refused.
+        applied: gradients this server applied; seconds: how long it served.
+        version: the weights' version at its end; applied_total: gradients applied in the
+            job (across resumes); resumed_applied: those the checkpoint it resumed from held.
+        published: gradients the learners published; discarded: those it discarded (stale
+            beyond the bound, not finite); nonfinite_skipped: of those, the non-finite ones.
+        checkpoint: the checkpoint it wrote at its stop (its final weights), if any.
+        pid, time: who wrote it, and when (time.time()).
+    """
+
+    job: str
+    outcome: str
+    reason: str = ""
+    applied: int = 0
+    seconds: float = 0.0
+    version: int = 0
+    applied_total: int = 0
+    resumed_applied: int = 0
+    published: int = 0
+    discarded: int = 0
+    nonfinite_skipped: int = 0
+    checkpoint: str | None = None
+    pid: int = 0
+    time: float = 0.0
+
+
+def write_stop_record(path: str, record: StopRecord) -> None:
+    """Write `record` at `path` whole or not at all, stamped with this process and the time."""
+    record.pid, record.time = os.getpid(), time.time()
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as out:
+        json.dump(asdict(record), out)
+        out.write("\n")
+    os.replace(tmp, path)
+
+
+def read_stop_record(path) -> StopRecord | None:
+    """The stop record at `path`; None where there is none, or not a whole one."""
+    try:
+        raw = json.loads(open(path).read())
+        return StopRecord(**{f.name: raw[f.name] for f in fields(StopRecord) if f.name in raw})
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
 
 
 def _record_path(job: str) -> str:

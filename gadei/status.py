@@ -13,9 +13,10 @@ from .layout import ENTRY_STATES, HIST_BUCKETS
 from .modes import RuleOptions, read_options
 from .options import declared, used_in
 from .protocol import RunState
+from .region import Region
+from .supervisor import alive, registered
 
 DEFAULTS = {f.name: f.default for f in declared(RuleOptions)}  # an option is shown where it is not its default
-from .region import Region
 
 
 @dataclass
@@ -66,13 +67,13 @@ class JobStatus:
     slots: int
     mode: str
     options: dict
-    watchdog_pid: int
-    watchdog_alive: bool
-    watchdog_beat_age: float | None
+    supervisor_pid: int
+    supervisor_alive: bool
+    supervisor_beat_age: float | None
     restarts: int
     checkpointed_version: int
     learners: list[LearnerStatus]
-    launched: list[dict] = field(default_factory=list)  # the watchdog's launched learners (see `_launched`)
+    launched: list[dict] = field(default_factory=list)  # the supervisor's launched learners (see `_launched`)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -156,9 +157,9 @@ def read(region: Region) -> JobStatus:
         slots=region.shape.slots,
         mode=region.shape.mode,
         options=asdict(read_options(region)),
-        watchdog_pid=h.get("watchdog_pid"),
-        watchdog_alive=_proc.alive(h.get("watchdog_pid"), h.get("watchdog_start")),
-        watchdog_beat_age=_age(h.get("watchdog_beat"), now) if h.get("watchdog_pid") else None,
+        supervisor_pid=registered(region)[0],
+        supervisor_alive=alive(region),
+        supervisor_beat_age=_age(h.get("supervisor_beat"), now) if registered(region)[0] else None,
         restarts=h.get("restarts"),
         checkpointed_version=h.get("checkpointed_version"),
         learners=learners,
@@ -167,10 +168,10 @@ def read(region: Region) -> JobStatus:
 
 
 def _launched(job: str) -> list[dict]:
-    """The learners the job's watchdog launched, as its saved state says: number, pid, state
+    """The learners the job's supervisor launched, as its record says: number, pid, state
     (running, waiting for a restart, done, given up), restarts and where it (re)started."""
     try:
-        from .watchdog_record import load_state
+        from .supervisor import load_state
 
         _, table = load_state(job)
     except (OSError, ValueError, KeyError, TypeError, ImportError):
@@ -237,16 +238,16 @@ def format_table(status: JobStatus, rate: Rates | None) -> str:
     ]
     if status.fail_reason:
         lines.insert(1, f"  failed: {status.fail_reason}")
-    if status.watchdog_pid or status.checkpointed_version or status.restarts:
-        dog = "none"
-        if status.watchdog_pid:
-            dog = f"pid {status.watchdog_pid} " + ("alive" if status.watchdog_alive else "GONE")
-            if status.watchdog_beat_age is not None:
-                dog += f", beat {status.watchdog_beat_age:.1f}s ago"
-        lines.insert(2, f"  watchdog: {dog}; last checkpoint at version {status.checkpointed_version:,}; "
+    if status.supervisor_pid or status.checkpointed_version or status.restarts:
+        who = "none"
+        if status.supervisor_pid:
+            who = f"pid {status.supervisor_pid} " + ("alive" if status.supervisor_alive else "GONE")
+            if status.supervisor_beat_age is not None:
+                who += f", beat {status.supervisor_beat_age:.1f}s ago"
+        lines.insert(2, f"  supervisor: {who}; last checkpoint at version {status.checkpointed_version:,}; "
                         f"{status.restarts} server restarts")
     if status.launched:
-        lines.append("  launched by the watchdog: " + "; ".join(
+        lines.append("  launched by the supervisor: " + "; ".join(
             f"{l['number']} {l['state']}" + (f" (pid {l['pid']})" if l["pid"] else "")
             + (f", {l['restarts']} restarts" if l["restarts"] else "") for l in status.launched))
     if status.learners:

@@ -4,10 +4,13 @@ order and dropout, a restarted learner going on where its gradients end (`--star
 epoch records its log carries, and, for the evaluating learner, validation-driven training
 (`_Chooser`: evaluate, keep the best model, end every learner's training on patience)."""
 
+import json
 import logging
+import os
 import time
 
-from .cli.common import emit, workload_model
+from .console import emit
+from .data import workload_model
 from .errors import GadeiError
 from .layout import TRAIN_STOP_PATIENCE
 
@@ -23,7 +26,7 @@ def run(args) -> int:
 
     device = resolve(args.device)  # a CUDA device on a machine without one fails here, before the data loads
     torch.set_num_threads(args.torch_threads)
-    workload, train, validation, test, model = workload_model(args)
+    workload, train, validation, test, model = workload_model(args.workload, args.data, args.seed)
     model.to(device)
     batches = workload.batches
     chooser = _Chooser.start(args, workload, train, validation, device) if args.validate else None
@@ -241,7 +244,20 @@ class _Staleness:
         return {"staleness_mean": round(stale / applied, 3) if applied else 0.0, "staleness_max": self.most}
 
 
+def _record(args, record: dict) -> None:
+    """`record` as one JSON line appended to --records (one write of a whole line: a reader never
+    sees half of one), where it is given: the job's epoch records, which its supervisor follows."""
+    if args.records:
+        line = (json.dumps(record) + "\n").encode()
+        fd = os.open(args.records, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        try:
+            os.write(fd, line)
+        finally:
+            os.close(fd)
+
+
 def _report(args, record: dict) -> None:
+    _record(args, record)
     if args.json:
         emit(record)
         return
@@ -255,6 +271,7 @@ def _report(args, record: dict) -> None:
 
 
 def _report_evaluation(args, record: dict) -> None:
+    _record(args, record)
     if args.json:
         emit(record)
         return

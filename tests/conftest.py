@@ -1,7 +1,9 @@
 """The suite's two tiers (the default one, and the long one that --long adds), the --soak
-option, markers and fixtures: unique job names, real child processes that are always reaped,
-mpiexec's environment (`mpi_env`), a runtime folder of the suite's own. Every region a test's
-job created is removed at the end even if the test failed. What tests import is in helpers.py.
+and --busy options, markers and fixtures: unique job names, real child processes that are
+always reaped, mpiexec's environment (`mpi_env`), a runtime folder of the suite's own, and busy
+processes beside each test where --busy asks for them (a loaded machine). Every region a
+test's job created is removed at the end even if the test failed. What tests import is in
+helpers.py.
 """
 
 import importlib.util
@@ -22,6 +24,9 @@ def pytest_addoption(parser):
     parser.addoption("--soak", action="store_true",
                      help="also run the long tier and the soak runs (marked soak: accuracy on SST-2 and banking77, "
                           "the rest of the fault scenarios, the bridge's repeated runs; in neither tier, not in CI)")
+    parser.addoption("--busy", type=int, default=0, metavar="N",
+                     help="run N busy processes (a loop each, at full speed) beside every test, from its start to its "
+                          "end: the machine loaded, as a service's often is; every wait's deadline must hold then too")
 
 
 def pytest_configure(config):
@@ -60,6 +65,21 @@ def _runtime_dir(tmp_path_factory):
             os.environ.pop(name, None)
         else:
             os.environ[name] = value
+
+
+@pytest.fixture(autouse=True)
+def _busy(request):
+    """--busy N: N processes that keep a core each busy beside the test, killed and reaped after it."""
+    count = request.config.getoption("--busy")
+    loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"], stdin=subprocess.DEVNULL)
+             for _ in range(count)]
+    try:
+        yield
+    finally:
+        for loop in loops:
+            loop.kill()
+        for loop in loops:
+            loop.wait()
 
 
 @pytest.fixture

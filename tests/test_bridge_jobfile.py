@@ -106,7 +106,7 @@ def test_bridge_must_be_a_section(small):
 
 
 def test_each_node_has_its_own_job_name_and_folder_and_the_shards_cover_the_data(small):
-    from gadei.bridge.run import BridgedRun
+    from gadei.placement import Bridged
 
     job = _load(small, BASE + "[train]\nlearners = 3\n[bridge]\n")
     node = job.for_node(1, 2)
@@ -122,7 +122,7 @@ def test_each_node_has_its_own_job_name_and_folder_and_the_shards_cover_the_data
         def Get_size(self):
             return 2
 
-    shards = [BridgedRun(Comm(r), None).shards(3) for r in range(2)]
+    shards = [Bridged(Comm(r), None).shards(3) for r in range(2)]
     assert shards == [["0/6", "1/6", "2/6"], ["3/6", "4/6", "5/6"]]
 
     long = _load(small, BASE.replace('"pets"', '"' + "p" * 61 + '"') + "[bridge]\n")
@@ -132,16 +132,17 @@ def test_each_node_has_its_own_job_name_and_folder_and_the_shards_cover_the_data
 
 
 def test_only_a_launcher_of_more_than_one_rank_makes_a_node(small, monkeypatch):
-    from gadei.bridge.run import BridgedRun
+    from gadei import placement
 
     for name in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
         monkeypatch.delenv(name, raising=False)
     job = _load(small, BASE + "[bridge]\n")
-    assert launched_ranks() == 1 and BridgedRun.launched(job) is None  # plain `gadei run`: MPI is never loaded
+    local = lambda job: type(placement.of(job)) is placement.Local  # noqa: E731
+    assert launched_ranks() == 1 and local(job)  # plain `gadei run`: MPI is never loaded
     monkeypatch.setenv("PMI_SIZE", "1")
-    assert launched_ranks() == 1 and BridgedRun.launched(job) is None
+    assert launched_ranks() == 1 and local(job)
     monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "4")
-    assert launched_ranks() == 4 and BridgedRun.launched(_load(small, BASE)) is None  # no [bridge]: as before
+    assert launched_ranks() == 4 and local(_load(small, BASE))  # no [bridge]: as before
     monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "1")
     monkeypatch.setenv("PMIX_RANK", "1")
     assert not any(k.startswith(("OMPI_", "PMIX_", "PMI_")) for k in child_environment())
@@ -176,7 +177,7 @@ def test_when_one_node_cannot_start_none_does(small, procs, mpi_env):
         out, err = communicate(run, 300)
         assert "node-1 holds a previous run" in err, out + err
         assert "node 0: another node could not prepare its job (see its error); nothing started" in err, out + err
-        assert "serving job" not in out + err and not (small / "runs" / name / "node-0" / "logs" / "serve.log").exists()
+        assert "serving job" not in out + err and not (small / "runs" / name / "node-0" / "logs" / "server.log").exists()
         assert job_processes(f"{name}-r0", f"{name}-r1") == []
     finally:
         end_jobs(f"{name}-r0", f"{name}-r1")
@@ -204,7 +205,8 @@ def test_mpiexec_runs_one_job_file_as_two_bridged_nodes(tmp_path, procs, mpi_env
             folder = tmp_path / "out" / f"node-{r}"
             for file in ("job.toml", "node.json", "model.pt", "result.json", "metrics.jsonl", "accuracy.png"):
                 assert (folder / file).exists(), (folder, file)
-            assert json.loads((folder / "node.json").read_text()) == {"node": r, "nodes": 2, "shards": [f"{r}/2"]}
+            node = json.loads((folder / "node.json").read_text())
+            assert (node["node"], node["nodes"], node["shards"], node["lr"]) == (r, 2, [f"{r}/2"], 0.1), node
             assert jobfile.load(folder / "job.toml").name == jobs[r]
             result = json.loads((folder / "result.json").read_text())
             assert result["finished"] and result["test_accuracy"] > 0.75, result
@@ -218,8 +220,8 @@ def test_mpiexec_runs_one_job_file_as_two_bridged_nodes(tmp_path, procs, mpi_env
             assert events[0]["event"] == "ready" and events[-1]["event"] == "ended"
             assert sum(e["event"] == "exchange" for e in events) == bridge["exchanges"]
             assert events[-2]["event"] == "exchange" and events[-2]["final"], events[-2]
-            assert "every node finished; " in out and "holds the model they agreed on" in out
-            stopped = [json.loads(line) for line in (folder / "logs" / "serve.log").read_text().splitlines()
+            assert f"node {r}: every node finished; the model they agreed on is the job's" in out
+            stopped = [json.loads(line) for line in (folder / "logs" / "server.log").read_text().splitlines()
                        if line.startswith('{"event": "stopped"')]
             assert len(stopped) == 1, stopped  # no server restart
             steps += stopped[0]["version"] - bridge["published"]  # the learners' own updates

@@ -107,17 +107,15 @@ def test_launched_learners_are_checked_before_anything_starts(job, procs, tmp_pa
         (["--learner", "--epochs 1"], "give --checkpoint-dir"),
         (["--checkpoint-dir", tmp_path, "--no-watchdog", "--learner", "--epochs 1"], "give --checkpoint-dir"),
         (["--checkpoint-dir", tmp_path, "--learner", "--epochs one"], "not arguments of `gadei learn`"),
-        (["--checkpoint-dir", tmp_path, "--learner", "--epochs 1 --start-at 5"], "--start-at is the watchdog's"),
+        (["--checkpoint-dir", tmp_path, "--learner", "--epochs 1 --start-at 5"], "--start-at is the supervisor's"),
         (["--checkpoint-dir", tmp_path, "--learner", "--epochs 'unclosed"], "No closing quotation"),
+        (["--checkpoint-dir", tmp_path, "--watch-interval", "0"], "supervisor interval"),
     ]
     for extra, message in cases:
         serve = procs.gadei("serve", job, "--params", 100, *extra)
         _, err = communicate(serve, 60)
         assert serve.returncode == 2 and message in err, (extra, err)
         assert inspect(job) is None
-    adopt = procs.gadei("serve", "--adopt", job)
-    _, err = communicate(adopt, 60)
-    assert adopt.returncode == 2 and f"job {job!r} has no running server to adopt" in err
 
 
 def test_the_runtime_folder_must_be_ours_and_private(tmp_path, monkeypatch):
@@ -133,19 +131,19 @@ def test_the_runtime_folder_must_be_ours_and_private(tmp_path, monkeypatch):
         runtime_dir()
 
 
-def test_clean_removes_a_dead_watchdogs_state_once_its_job_is_gone(job, procs, tmp_path):
+def test_clean_removes_a_dead_supervisors_record_once_its_job_is_gone(job, procs, tmp_path):
     env = {"GADEI_RUNTIME_DIR": str(tmp_path / "run")}
     server = procs.gadei("serve", job, "--params", 100, env=env)
     wait_for(lambda: inspect(job) is not None and inspect(job).state == "running", 60, "the server")
     (tmp_path / "run").mkdir(mode=0o700, exist_ok=True)
-    state = tmp_path / "run" / f"{job}.watchdog.json"
+    state = tmp_path / "run" / f"{job}.supervisor.json"
     state.write_text("{}")
     finish(procs.gadei("clean", job, env=env))
-    assert state.exists()  # the job still runs: a new watchdog may adopt it
+    assert state.exists()  # the job still runs: `gadei status` shows its launched learners by it
     finish(procs.gadei("stop", job))
     finish(server)
     out, _ = finish(procs.gadei("clean", job, "--dry-run", env=env))
-    assert "would remove the dead watchdog's state" in out and state.exists()
+    assert "would remove the dead supervisor's record" in out and state.exists()
     finish(procs.gadei("clean", job, env=env))
     assert not state.exists()
 
@@ -723,7 +721,7 @@ def test_run_outputs_are_private_whatever_the_umask(procs, tmp_path, job):
         os.umask(old)
     modes = _modes(tmp_path / job)
     for name in ("model.pt", "job.toml", "labels.json", "vocab.json", "metrics.jsonl", "result.json",
-                 "logs/serve.log", "logs/learner-0.log"):
+                 "logs/server.log", "logs/supervisor.log", "logs/learner-0.log", "logs/epochs.jsonl"):
         assert modes.pop(name) == 0o600, name
     assert any(name.startswith("checkpoints/") for name in modes)
     assert all(mode == (0o700 if (tmp_path / job / name).is_dir() else 0o600) for name, mode in modes.items()), modes
@@ -732,19 +730,15 @@ def test_run_outputs_are_private_whatever_the_umask(procs, tmp_path, job):
     from gadei.prepare import output_modes as _output_modes
 
     (tmp_path / "open" / "logs").mkdir(parents=True, mode=0o700)
-    (tmp_path / "open" / "logs" / "run.log").touch(mode=0o600)  # as the daemon leaves them
-    old = os.umask(0o022)
-    try:
-        _output_modes(jobfile.load(_tiny_job(tmp_path, "open", "private = false\n")))
-    finally:
-        os.umask(old)
-    assert _modes(tmp_path / "open") == {".": 0o755, "logs": 0o755, "logs/run.log": 0o644}
+    (tmp_path / "open" / "logs" / "supervisor.log").touch(mode=0o600)  # as an earlier private run left it
+    _output_modes(jobfile.load(_tiny_job(tmp_path, "open", "private = false\n")), 0o022)
+    assert _modes(tmp_path / "open") == {".": 0o755, "logs": 0o755, "logs/supervisor.log": 0o644}
 
 
 def test_run_outputs_follow_the_umask_when_the_job_says_private_false(procs, tmp_path, job):
-    """[output] private = false leaves every output to the umask, model.pt too where the
-    server's --save writes it (no validation set: nothing chosen replaces it); `gadei serve
-    --save` writes 0600 only for a job that keeps its outputs private."""
+    """[output] private = false leaves every output to the umask, model.pt too where it is the
+    weights the job ended with (no validation set: nothing is chosen); `gadei serve --save`
+    writes 0600 only for a job that keeps its outputs private."""
     path = _tiny_job(tmp_path, job, "private = false\n")
     path.write_text(path.read_text().replace("holdout = 0.25\n", "holdout = 0.25\nvalidation_holdout = 0\n"))
     old = os.umask(0o022)
@@ -753,8 +747,8 @@ def test_run_outputs_follow_the_umask_when_the_job_says_private_false(procs, tmp
     finally:
         os.umask(old)
     modes = _modes(tmp_path / job)
-    assert "checkpoints/best.pt" not in modes  # model.pt is the server's --save
-    for name in ("model.pt", "result.json", "logs/serve.log"):
+    assert "checkpoints/best.pt" not in modes  # model.pt is the weights the job ended with
+    for name in ("model.pt", "result.json", "logs/server.log"):
         assert modes[name] == 0o644, (name, modes)
 
 

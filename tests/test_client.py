@@ -89,8 +89,8 @@ def test_a_job_submitted_waited_for_followed_and_read_back_through_the_client(tm
     assert all("seconds_since_start" in w for w in written), written
     assert progress == [{k: v for k, v in w.items() if k != "seconds_since_start"} for w in written]
     assert [p["epoch"] for p in progress] == [1]
-    serve_log = out / "logs" / "serve.log"
-    assert f"==> {serve_log} <==" in logs and f"==> {out / 'logs' / 'run.log'} <==" in logs, logs
+    serve_log = out / "logs" / "server.log"
+    assert f"==> {serve_log} <==" in logs and f"==> {out / 'logs' / 'supervisor.log'} <==" in logs, logs
     stopped = next(line for line in serve_log.read_text().splitlines() if line.startswith('{"event": "stopped"'))
     assert stopped in logs  # the server's last words, written as the job ended
     # followed once it has ended: all of it at once, then the end

@@ -19,11 +19,12 @@ import pytest
 
 from helpers import daemon_jobs as _jobs
 from helpers import (blobs, communicate, data_dir, finish, job_processes, job_text, job_version, learner_pids, missing,
-                     small_job, start_daemon, tiered, trec_job, unique_name, wait_for)
+                     small_job, start_daemon, trec_job, unique_name, wait_for)
 from gadei import checkpoint
 from gadei.daemon import request
 from gadei.errors import GadeiError
 from gadei.region import Region, inspect, remove
+from gadei.server_record import read_stop_record
 
 
 def _jobfile(folder, name, epochs, interval=2):
@@ -54,7 +55,7 @@ def test_submit_status_cancel_and_a_restarted_daemon_knows_every_job(tmp_path, p
     wait_for(lambda: _jobs(procs, daemon_env)[short]["state"] == "running", 120, "the short job to start")
     assert _jobs(procs, daemon_env)[long]["state"] == "cancelled"
     wait_for(lambda: inspect(long) is None, 60, "the cancelled job's region to go")
-    assert checkpoint.latest(out / "checkpoints") is not None and (out / "logs" / "serve.log").exists()
+    assert checkpoint.latest(out / "checkpoints") is not None and (out / "logs" / "server.log").exists()
     wait_for(lambda: not job_processes(long), 60, "the cancelled job's processes to end")
 
     daemon.terminate()  # the running job goes on without the daemon
@@ -70,17 +71,13 @@ def test_submit_status_cancel_and_a_restarted_daemon_knows_every_job(tmp_path, p
     communicate(daemon, 60)
 
 
-@pytest.mark.parametrize("how", tiered(["running", "orphaned"], default=["running"]))
-def test_a_job_cancelled_while_running_goes_on_with_submit_resume_to_every_learners_end(tmp_path, procs, daemon_env,
-                                                                                        how):
-    """`gadei cancel` stops a running job as Ctrl-C does: a checkpoint that records each
-    learner's progress first (once the daemon's SIGTERM reached the job's server at once, which
-    stopped before that checkpoint and overwrote it with one recording none), so `gadei submit
-    --resume` goes on from it to the end of every learner's schedule, as an uncancelled run
-    would end. What the run says to go on with it names `gadei submit --resume`, the command
-    that started it (once `gadei run --resume`). Orphaned: the job's `gadei run` was killed and
-    the job went on under its watchdog; the daemon takes that checkpoint itself (once it took
-    none, and only a periodic checkpoint could be resumed from)."""
+def test_a_job_cancelled_while_running_goes_on_with_submit_resume_to_every_learners_end(tmp_path, procs, daemon_env):
+    """`gadei cancel` stops a running job as Ctrl-C does: its supervisor takes a checkpoint that
+    records each learner's progress first, so `gadei submit --resume` goes on from it to the end
+    of every learner's schedule, as an uncancelled run would end. The supervisor is slow to take
+    the cancel (held, as on a loaded machine): the daemon answers at once, the job's server goes
+    on serving meanwhile, and the stop is taken once the supervisor runs. What the job says to go
+    on with it names `gadei submit --resume` and the file submitted, the command that started it."""
     name = f"d{os.getpid()}-cancel"
     x, y = blobs(900)
     np.savez(tmp_path / "blobs.npz", x=x, y=y)
@@ -93,41 +90,38 @@ def test_a_job_cancelled_while_running_goes_on_with_submit_resume_to_every_learn
     daemon = start_daemon(procs, daemon_env)
     finish(procs.gadei("submit", path, env=daemon_env))
 
-    version = lambda: job_version(name)  # noqa: E731
-    wait_for(lambda: version() >= 500, 120, "the job to make 500 updates")
-    run = _jobs(procs, daemon_env)[name]["pid"]
-    if how == "orphaned":
-        os.kill(run, signal.SIGKILL)
-        wait_for(lambda: _jobs(procs, daemon_env)[name]["orphaned"], 60, "the daemon to see gadei run die")
+    wait_for(lambda: job_version(name) >= 500, 120, "the job to make 500 updates")
+    supervisor = _jobs(procs, daemon_env)[name]["pid"]
+    # held, as on a loaded machine: the supervisor, and the learners too, so that the job is
+    # still training (most of its schedule left) when the supervisor takes the cancel
+    held = [supervisor, *(c.pid for c in psutil.Process(supervisor).children() if "learn" in c.cmdline())]
+    for pid in held:
+        os.kill(pid, signal.SIGSTOP)
+    try:
         finish(procs.gadei("cancel", name, env=daemon_env))
-    else:
-        # `gadei run` is slow to take the daemon's signal (held, as on a loaded machine): the
-        # job's server must go on serving until `gadei run` has checkpointed and stops it
-        os.kill(run, signal.SIGSTOP)
-        try:
-            finish(procs.gadei("cancel", name, env=daemon_env))
-            # a job submitted again while its run still stops would start beside it (once it did)
-            early = procs.gadei("submit", path, env=daemon_env)
-            _, err = communicate(early, 60)
-            assert early.returncode == 2 and "is being cancelled: its run is still stopping" in err, err
-            at = version()
-            wait_for(lambda: getattr(inspect(name), "state", None) != "running" or version() >= at + 300, 60,
-                     "the job's server to stop or to make 300 more updates")
-        finally:
-            os.kill(run, signal.SIGCONT)
+        assert _jobs(procs, daemon_env)[name]["message"] == "cancelling"  # answered while the supervisor is held
+        # a job submitted again while its supervisor still stops it would start beside it (once it did)
+        early = procs.gadei("submit", path, env=daemon_env)
+        _, err = communicate(early, 60)
+        assert early.returncode == 2 and "is being cancelled: its supervisor is still stopping it" in err, err
+        assert inspect(name).state == "running"  # the job's server serves on meanwhile
+    finally:
+        for pid in reversed(held):  # the learners first: they train on when the supervisor takes the stop
+            os.kill(pid, signal.SIGCONT)
     wait_for(lambda: _jobs(procs, daemon_env)[name]["message"].startswith("cancelled;"), 120,
              "the cancelled job to end")
     assert json.loads((out / "result.json").read_text())["outcome"] == "stopped"
+    first = read_stop_record(out / "logs" / "server-stop.json")
     # the job stopped after the checkpoint that records the learners' progress: its server's own
     # checkpoint at its stop (which records none) is the newest
     found = checkpoint.latest(out / "checkpoints", with_progress=True)
     assert found is not None and set(found.progress) == {"0", "1"}, found and found.progress
     newest = checkpoint.load(checkpoint.listing(out / "checkpoints")[-1])
     assert newest.path != found.path and newest.version >= found.version, (found.path, newest.path)
-    # what the run says to go on with it, and the refusal of a plain submit, name the command that started it
-    log = (out / "logs" / "run.log").read_text()
-    if how == "running":
-        assert log.count(f"`gadei submit --resume {path}`") == 2 and "gadei run --resume" not in log, log
+    # what the job says to go on with it, and the refusal of a plain submit, name the command that started it
+    last = (out / "logs" / "supervisor.log").read_text().strip().splitlines()[-1]
+    assert last.startswith(f"gadei submit: job {name} stopped after ") and \
+        last.endswith(f"go on with `gadei submit --resume {path}`"), last
     again = procs.gadei("submit", path, env=daemon_env)
     _, err = communicate(again, 60)
     assert again.returncode == 2 and f"go on with it with `gadei submit --resume {path}`" in err, err
@@ -137,60 +131,16 @@ def test_a_job_cancelled_while_running_goes_on_with_submit_resume_to_every_learn
     assert _jobs(procs, daemon_env)[name]["state"] == "done", _jobs(procs, daemon_env)[name]
     result = json.loads((out / "result.json").read_text())
     assert result["outcome"] == "done" and result["finished"], result
-    stops = [json.loads(line) for line in (out / "logs" / "serve.log").read_text().splitlines()
-             if line.startswith('{"event": "stopped"')]
+    last = read_stop_record(out / "logs" / "server-stop.json")
     # every mini-batch of 20 epochs of each learner's shard is in the weights once, as in an uncancelled run
     steps = 20 * sum(-(-len(range(i, 721, 2)) // 2) for i in range(2))
-    assert stops[-1]["version"] == steps and stops[-1]["resumed_applied"] + stops[-1]["applied"] == steps, stops
-    assert 0 < stops[-1]["resumed_applied"] <= stops[0]["version"], stops
+    assert last.version == steps and last.resumed_applied + last.applied == steps, (first, last)
+    assert 0 < last.resumed_applied <= first.version, (first, last)
     again = procs.gadei("submit", path, env=daemon_env)  # a finished run is not offered --resume
     _, err = communicate(again, 60)
     assert again.returncode == 2 and f"the run in {out} finished (outcome done on " in err and "--resume" not in err, err
     finish(procs.gadei("daemon", "stop", env=daemon_env))
     communicate(daemon, 60)
-
-
-@pytest.mark.long  # an orphaned job held while it is cancelled: half a minute
-def test_cancelling_an_orphaned_job_answers_at_once_and_the_daemon_answers_while_it_stops(tmp_path, procs,
-                                                                                          daemon_env):
-    """The daemon stops an orphaned job itself (a checkpoint of the learners' progress, then the
-    stop): with its server held (SIGSTOP, as on a loaded machine) that takes a minute, through
-    which `gadei cancel` once waited past the client's timeout and every other request waited
-    for the daemon's lock. Now the cancel answers at once and the job ends cancelled once its
-    server runs again."""
-    name = f"d{os.getpid()}-held"
-    x, y = blobs(900)
-    np.savez(tmp_path / "blobs.npz", x=x, y=y)
-    path = tmp_path / "job.toml"
-    path.write_text(job_text({"job": {"name": name, "workload": "mlp"},
-                              "data": {"train": "blobs.npz", "format": "npz", "holdout": 0.2, "validation_holdout": 0},
-                              "train": {"learners": 2, "epochs": 200}, "checkpoint": {"interval": 600},
-                              "output": {"folder": "out"}}))
-    start_daemon(procs, daemon_env)
-    finish(procs.gadei("submit", path, env=daemon_env))
-    try:
-        wait_for(lambda: job_version(name) >= 200, 120, "the job to make 200 updates")
-        os.kill(_jobs(procs, daemon_env)[name]["pid"], signal.SIGKILL)
-        wait_for(lambda: _jobs(procs, daemon_env)[name]["orphaned"], 60, "the daemon to see gadei run die")
-        server = inspect(name).server_pid
-        os.kill(server, signal.SIGSTOP)
-        try:
-            finish(procs.gadei("cancel", name, env=daemon_env), 60)  # once: the client's 30 s timeout
-            record = _jobs(procs, daemon_env)[name]  # the daemon answers while the job stops
-            assert (record["state"], record["message"]) == ("cancelled", "cancelling"), record
-            assert inspect(name).state == "running"  # the held server has not stopped
-        finally:
-            os.kill(server, signal.SIGCONT)
-        wait_for(lambda: _jobs(procs, daemon_env)[name]["message"].startswith("cancelled;"), 120,
-                 "the cancelled job to end")
-        assert json.loads((tmp_path / "out" / "result.json").read_text())["outcome"] == "stopped"
-        found = checkpoint.latest(tmp_path / "out" / "checkpoints", with_progress=True)
-        assert found is not None and set(found.progress) == {"0", "1"}, found and found.progress
-    finally:
-        for proc in job_processes(name):
-            proc.kill()
-        if inspect(name) is not None:
-            remove(name)
 
 
 def test_a_bad_job_file_is_refused_at_submit_and_nothing_is_queued(tmp_path, procs, daemon_env):
@@ -207,8 +157,8 @@ def test_a_bad_job_file_is_refused_at_submit_and_nothing_is_queued(tmp_path, pro
 
 
 def test_jobs_that_run_side_by_side_share_the_cores(small, procs, daemon_env):
-    """`--max-jobs 2`: each job's `gadei run` counts on half the daemon's cores (GADEI_CORES),
-    for its learners' threads and its server, and its opening lines say so."""
+    """`--max-jobs 2`: each job counts on half the daemon's cores (GADEI_CORES), for its learners'
+    threads and its server, and its log's opening lines (what the daemon chose for it) say so."""
     name = unique_name("share")
     job = small / "job.toml"
     job.write_text(small_job(name) + '[train]\nlearners = 1\nepochs = 1\n[output]\nfolder = "out"\n')
@@ -513,34 +463,6 @@ def test_daemon_stop_and_the_systemd_unit(tmp_path, procs, daemon_env):
     assert stop.returncode == 2 and "no gadei daemon listens" in err
 
 
-def test_a_job_lives_while_the_watchdog_that_recorded_its_end_writes_its_outputs(tmp_path, daemon_env, monkeypatch):
-    """The watchdog writes the end record, then takes the outputs' lock to write them: in that
-    moment the daemon must not count the job ended and write them itself (it did once in CI, and
-    result.json named the daemon as its writer). Once that watchdog is gone, or the end record is
-    older than the process that now has its pid, the job has ended."""
-    from gadei import outputs
-    from gadei.daemon.jobs import JobRecord, _job_alive
-
-    monkeypatch.setenv("GADEI_RUNTIME_DIR", daemon_env["GADEI_RUNTIME_DIR"])
-    out = tmp_path / "out"
-    (out / "logs").mkdir(parents=True)
-    record = JobRecord(name=f"ended-{os.getpid()}", jobfile=str(tmp_path / "job.toml"), output=str(out))
-    writer = subprocess.Popen(["sleep", "60"])
-    try:
-        started = psutil.Process(writer.pid).create_time()
-        outputs.write_ending(out, outputs.Ending(0, True, "", writer.pid, started + 1))
-        assert _job_alive(record), "the end record's writer still runs: the job's outputs are still to come"
-        outputs.write_ending(out, outputs.Ending(0, True, "", writer.pid, started - 5))
-        assert not _job_alive(record), "a process that started after the end record is not its writer"
-        outputs.write_ending(out, outputs.Ending(0, True, "", writer.pid, started + 1))
-        writer.kill()
-        writer.wait()
-        assert not _job_alive(record), "the end record's writer is gone"
-    finally:
-        writer.kill()
-        writer.wait()
-
-
 @pytest.mark.parametrize("xdg", [False, True], ids=["home", "xdg-state-home"])
 def test_job_records_are_where_the_docs_say(tmp_path, monkeypatch, xdg):
     """Without GADEI_STATE_DIR the daemon keeps a job's record in the jobs/ folder of
@@ -606,9 +528,7 @@ def _status_and_logs_without_the_daemon(tmp_path, procs, daemon_env, prefix, ran
     out, _ = finish(procs.gadei("logs", never, env=daemon_env))
     cancelled = f"job '{never}' was cancelled before it started: it never ran, so it has no logs"
     assert out.strip() == cancelled, out
-    serve_log = tmp_path / f"out-{ran}" / "logs" / "serve.log"  # "running" is its gadei run; its server comes later
-    # and its learners later still: one cancelled while it starts (importing torch) has no server to see stop,
-    # and the job's end waits for the watchdog to kill it after its 30 s grace
+    serve_log = tmp_path / f"out-{ran}" / "logs" / "server.log"  # "running" is its supervisor; its server comes later
     wait_for(lambda: serve_log.exists() and _attached(ran) == 2, 120, "the first job's learners to attach")
     finish(procs.gadei("cancel", ran, env=daemon_env))
     wait_for(lambda: _jobs(procs, daemon_env)[ran]["pid"] == 0, 120, "the cancelled job to end")
@@ -630,7 +550,7 @@ def _status_and_logs_without_the_daemon(tmp_path, procs, daemon_env, prefix, ran
 
     out, err = finish(procs.gadei("logs", ran, "--lines", 5, env=daemon_env))
     logs = tmp_path / f"out-{ran}" / "logs"
-    assert all(f"==> {logs / name} <==" in out for name in ("run.log", "serve.log")), out  # as docs/jobs.md says
+    assert all(f"==> {logs / name} <==" in out for name in ("supervisor.log", "server.log")), out  # as docs/jobs.md says
     assert not_running in err, err
     out, err = finish(procs.gadei("logs", never, env=daemon_env))
     assert out.strip() == cancelled and not_running in err, out + err

@@ -1,6 +1,7 @@
 """The daemon's cancel with real processes: a cancel that comes while the job starts is a stop
-(the job ends cancelled, its run says stopped), and a cancel that the daemon was carrying out
-itself when it died is finished by the daemon started after it."""
+(the job ends cancelled, its supervisor says stopped); a cancel outlives the daemon that took
+it (the job's supervisor carries it out, and the daemon started after it records the end); and
+a cancelled job whose supervisor is killed before it stopped the job ends cancelled, with how."""
 
 import json
 import os
@@ -12,6 +13,7 @@ import pytest
 
 from helpers import daemon_jobs as _jobs
 from helpers import blobs, communicate, finish, job_processes, job_text, job_version, start_daemon, tiered, wait_for
+from gadei import checkpoint
 from gadei.region import inspect, remove
 
 
@@ -33,22 +35,22 @@ def _end(name: str) -> None:
         remove(name)
 
 
-@pytest.mark.parametrize("when", tiered(["as its run starts", "once its server started"],
-                                        default=["as its run starts"]))
-def test_a_cancel_while_the_job_starts_ends_it_cancelled_and_its_run_stopped(tmp_path, procs, daemon_env, when):
-    """`gadei cancel` a second or two after `gadei submit`: its SIGTERM reaches a `gadei run` that
-    is still importing or preparing, or a server still starting. Once, that killed `gadei run`
-    (-15, no result.json: the daemon wrote one that said failed), or the server before it set its
+@pytest.mark.parametrize("when", tiered(["as its supervisor starts", "once its server started"],
+                                        default=["as its supervisor starts"]))
+def test_a_cancel_while_the_job_starts_ends_it_cancelled_and_stopped(tmp_path, procs, daemon_env, when):
+    """`gadei cancel` a second or two after `gadei submit`: its SIGTERM reaches a supervisor that
+    is still starting, or a server still starting. Once, that killed the job's `gadei run` (-15,
+    no result.json: the daemon wrote one that said failed), or the server before it set its
     handler, and the run said "job failed: the server exited -15 without a watchdog"."""
     name = f"d{os.getpid()}-early-{when.split()[-1]}"
     out = tmp_path / "out"
     start_daemon(procs, daemon_env)
     try:
         finish(procs.gadei("submit", _job(tmp_path, name, epochs=50), env=daemon_env))
-        if when == "as its run starts":
-            wait_for(lambda: _jobs(procs, daemon_env)[name]["pid"], 30, "the daemon to start the job's gadei run")
+        if when == "as its supervisor starts":
+            wait_for(lambda: _jobs(procs, daemon_env)[name]["pid"], 30, "the daemon to start the job's supervisor")
         else:
-            wait_for(lambda: (out / "logs" / "serve.log").exists(), 60, "gadei run to start the job's server",
+            wait_for(lambda: (out / "logs" / "server.log").exists(), 60, "the supervisor to start the job's server",
                      interval=0.002)
         assert job_version(name) == 0
         cancelled = time.monotonic()
@@ -58,65 +60,70 @@ def test_a_cancel_while_the_job_starts_ends_it_cancelled_and_its_run_stopped(tmp
         took = time.monotonic() - cancelled
         record = _jobs(procs, daemon_env)[name]
         result = json.loads((out / "result.json").read_text())
-        last = (out / "logs" / "run.log").read_text().strip().splitlines()[-1]
+        last = (out / "logs" / "supervisor.log").read_text().strip().splitlines()[-1]
         assert record["state"] == "cancelled" and record["returncode"] == 130, record
         assert result["outcome"] == "stopped" and result["reason"], result
-        assert last.startswith(f"gadei run: job {name} stopped after ") and "gadei submit" in last, last
+        assert last.startswith(f"gadei submit: job {name} stopped after ") and "gadei submit" in last, last
         assert took < 20, f"the cancel took {took:.0f} s"
         assert inspect(name) is None and not job_processes(name)
     finally:
         _end(name)
 
 
-@pytest.mark.long  # an orphaned job held, its daemon killed, another started: a minute
-def test_a_cancel_the_daemon_was_carrying_out_when_it_died_is_finished_by_the_next_daemon(tmp_path, procs,
-                                                                                          daemon_env):
-    """An orphaned job's cancel runs in a thread of the daemon (the progress checkpoint, then the
-    stop). Killed while it runs (the job's server held by SIGSTOP, so the thread is caught in it),
-    the daemon left the record cancelled with the message "cancelling": once, the daemon started
-    after it kept that for as long as the job ran on; now it finishes the cancel."""
+@pytest.mark.long  # a job held, its daemon killed, another started: most of a minute
+def test_a_cancel_outlives_the_daemon_that_took_it(tmp_path, procs, daemon_env):
+    """The daemon killed right after it passed a cancel on (the job's supervisor held by SIGSTOP,
+    so that it has not taken it yet): the supervisor takes the stop once it runs, and the daemon
+    started after it finds the job by its record and records it cancelled."""
     name = f"d{os.getpid()}-cancel-dies"
     out = tmp_path / "out"
     daemon = start_daemon(procs, daemon_env)
     finish(procs.gadei("submit", _job(tmp_path, name, epochs=200), env=daemon_env))
-    server = None
+    supervisor = None
     try:
         wait_for(lambda: job_version(name) >= 200, 120, "the job to make 200 updates")
-        os.kill(_jobs(procs, daemon_env)[name]["pid"], signal.SIGKILL)
-        wait_for(lambda: _jobs(procs, daemon_env)[name]["orphaned"], 60, "the daemon to see gadei run die")
-        server = inspect(name).server_pid
-        os.kill(server, signal.SIGSTOP)  # the cancel's checkpoint waits for it: the thread is caught
+        supervisor = _jobs(procs, daemon_env)[name]["pid"]
+        os.kill(supervisor, signal.SIGSTOP)
         finish(procs.gadei("cancel", name, env=daemon_env))
         assert _jobs(procs, daemon_env)[name]["message"] == "cancelling"
         daemon.kill()
         communicate(daemon, 30)
-        os.kill(server, signal.SIGCONT)
-        server = None
-        assert inspect(name).state == "running"  # the job runs on: no one stops it but the next daemon
+        os.kill(supervisor, signal.SIGCONT)
+        supervisor = None
         start_daemon(procs, daemon_env)
-        _stopped_as_cancelled(procs, daemon_env, name, out, "the next daemon to finish the cancel")
+        _stopped_as_cancelled(procs, daemon_env, name, out, "the next daemon to record the cancel")
+        found = checkpoint.latest(out / "checkpoints", with_progress=True)
+        assert found is not None and set(found.progress) == {"0", "1"}, found and found.progress
     finally:
-        if server is not None:
-            os.kill(server, signal.SIGCONT)
+        if supervisor is not None:
+            os.kill(supervisor, signal.SIGCONT)
         _end(name)
 
 
-@pytest.mark.long  # a job held, its run killed mid-cancel: most of a minute
-def test_a_cancelled_job_whose_run_dies_before_stopping_it_is_stopped_by_the_daemon(tmp_path, procs, daemon_env):
-    """The daemon's SIGTERM reached a `gadei run` that was killed before it stopped the job (held
-    by SIGSTOP, then SIGKILL): once, the daemon then only followed the job (orphaned), which ran
-    on to its end with the record saying "cancelling"; now it stops the job itself."""
-    name = f"d{os.getpid()}-run-dies"
+@pytest.mark.long  # a job held, its supervisor killed mid-cancel: most of a minute
+def test_a_cancelled_job_whose_supervisor_dies_before_stopping_it_ends_cancelled(tmp_path, procs, daemon_env):
+    """The daemon's SIGTERM reached a supervisor that was killed before it stopped the job (held
+    by SIGSTOP, then SIGKILL): the job ends with its supervisor (nothing of it runs on), no new
+    supervisor goes on with a job that was asked to stop, and the record says cancelled and how
+    its supervisor ended."""
+    name = f"d{os.getpid()}-sup-dies"
     out = tmp_path / "out"
     start_daemon(procs, daemon_env)
     finish(procs.gadei("submit", _job(tmp_path, name, epochs=200), env=daemon_env))
     try:
         wait_for(lambda: job_version(name) >= 200, 120, "the job to make 200 updates")
-        run = _jobs(procs, daemon_env)[name]["pid"]
-        os.kill(run, signal.SIGSTOP)  # it cannot take the cancel's SIGTERM
+        supervisor = _jobs(procs, daemon_env)[name]["pid"]
+        os.kill(supervisor, signal.SIGSTOP)  # it cannot take the cancel's SIGTERM
         finish(procs.gadei("cancel", name, env=daemon_env))
-        os.kill(run, signal.SIGKILL)
-        _stopped_as_cancelled(procs, daemon_env, name, out, "the daemon to stop the cancelled job")
+        os.kill(supervisor, signal.SIGKILL)
+        wait_for(lambda: _jobs(procs, daemon_env)[name]["message"].startswith("cancelled;"), 90,
+                 "the daemon to record the cancelled job's end")
+        record = _jobs(procs, daemon_env)[name]
+        assert record["state"] == "cancelled" and f"its supervisor (pid {supervisor}) was killed by SIGKILL" in \
+            record["message"], record
+        wait_for(lambda: inspect(name) is None and not job_processes(name), 60, "the job to end with its supervisor")
+        assert not (out / "result.json").exists()
+        finish(procs.gadei("daemon", "stop", env=daemon_env))
     finally:
         _end(name)
 

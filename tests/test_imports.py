@@ -102,18 +102,34 @@ def test_the_check_finds_a_circle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
-def watchdog_importers(graph: dict[str, set[str]]) -> list[str]:
-    """gadei's modules that import the watchdog package (inside functions too)."""
+def supervisor_importers(graph: dict[str, set[str]]) -> list[str]:
+    """gadei's modules that import the supervisor's package, gadei_watchdog (inside functions too)."""
     return sorted(f"{name} imports {target}" for name, targets in graph.items() if name.split(".")[0] == "gadei"
                   for target in targets if target.split(".")[0] == "gadei_watchdog")
 
 
-def test_gadei_starts_the_watchdog_and_never_imports_it():
-    """The dependency runs one way: gadei_watchdog uses gadei; gadei starts the watchdog as a
-    process (`python -m gadei_watchdog`) and reads what it leaves (`gadei.watchdog_record`)."""
-    assert watchdog_importers(_graph()) == []
-    assert watchdog_importers({"gadei.cli": {"gadei_watchdog.cli"}, "gadei_watchdog": {"gadei.region"}}) == \
+def test_gadei_starts_the_supervisor_and_never_imports_it():
+    """The dependency runs one way: gadei_watchdog uses gadei; gadei starts the supervisor as a
+    process (`python -m gadei_watchdog`) and reads what it leaves (`gadei.supervisor`)."""
+    assert supervisor_importers(_graph()) == []
+    assert supervisor_importers({"gadei.cli": {"gadei_watchdog.cli"}, "gadei_watchdog": {"gadei.region"}}) == \
         ["gadei.cli imports gadei_watchdog.cli"]
+
+
+def command_line_importers(graph: dict[str, set[str]]) -> list[str]:
+    """Modules of the library (and the supervisor's) that import the command line, gadei.cli
+    (inside functions too): only gadei.cli itself and gadei.__main__ may."""
+    return sorted(f"{name} imports {target}" for name, targets in graph.items()
+                  if not (name == "gadei.cli" or name.startswith("gadei.cli.") or name == "gadei.__main__")
+                  for target in targets if target == "gadei.cli" or target.startswith("gadei.cli."))
+
+
+def test_the_library_never_imports_the_command_line():
+    """The command line is a thin client of the library; the library (the trainer once took its
+    JSON lines and its model from gadei.cli.common) never needs it."""
+    assert command_line_importers(_graph()) == []
+    assert command_line_importers({"gadei.trainer": {"gadei.cli.common"}, "gadei.cli.run": {"gadei.cli.common"},
+                                   "gadei.__main__": {"gadei.cli"}}) == ["gadei.trainer imports gadei.cli.common"]
 
 
 def test_every_package_is_installed():

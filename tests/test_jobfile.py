@@ -15,6 +15,7 @@ from helpers import blobs, blobs_job, communicate, job_version, small_job, trec_
 from gadei import data, jobfile
 from gadei.jobfile import JobFileError
 from gadei.region import inspect
+from gadei.server_record import read_stop_record
 
 
 
@@ -339,7 +340,7 @@ def test_gadei_run_says_the_learners_threads_and_its_learners_run_them(small, pr
     logs = small / "out" / "logs"
     over = 2 * 3 + 1 > len(os.sched_getaffinity(0))
     server = "OMP_WAIT_POLICY=PASSIVE" if over else "passive (gadei's"  # the job's, or the server's own
-    assert f"OpenMP wait policy: {server}" in (logs / "serve.log").read_text()
+    assert f"OpenMP wait policy: {server}" in (logs / "server.log").read_text()
     assert ("their idle threads sleep (OMP_WAIT_POLICY=PASSIVE)" in out) is over, out
     policy = "OMP_WAIT_POLICY=PASSIVE" if over else "OpenMP's default"
     for i in range(2):
@@ -368,25 +369,25 @@ def test_a_stopped_run_goes_on_with_resume_and_trains_each_mini_batch_once(tmp_p
     stopped = json.loads((folder / "result.json").read_text())
     assert not stopped["finished"]
     assert inspect(name) is None
+    first = read_stop_record(folder / "logs" / "server-stop.json")
 
     changed = _job(tmp_path, body(epochs=2, lr=0.1))  # another lr: the schedules' maths differ
     refused = procs.gadei("run", changed, "--resume")
     _, err = communicate(refused, 60)
-    assert refused.returncode == 2 and "[train] lr" in err and "only [train] epochs, patience, devices and threads may change" in err, err
+    assert refused.returncode == 2 and "[train] lr" in err and \
+        "only [train] epochs, patience, devices and threads and the [checkpoint] settings may change" in err, err
 
     longer = _job(tmp_path, body(epochs=2, lr=0.05))  # more epochs may be asked for
     resumed = procs.gadei("run", longer, "--resume", "--quiet")
     out, err = communicate(resumed, 600)
     assert resumed.returncode == 0 and "resuming from" in out and "done in" in out, out + err
-    events = [json.loads(line) for line in (folder / "logs" / "serve.log").read_text().splitlines()
-              if line.startswith('{"event": "stopped"')]
-    first, last = events[0], events[-1]
+    last = read_stop_record(folder / "logs" / "server-stop.json")
     # every mini-batch of two epochs of each learner's shard is in the weights once: what the
     # first run applied before the progress checkpoint is not trained again, nothing is skipped
     steps = 2 * sum(-(-len(range(i, 4906, 2)) // 2) for i in range(2))  # TREC less its validation share
-    assert last["version"] == steps, (first, last)
-    assert 0 < last["resumed_applied"] <= first["version"]
-    assert last["resumed_applied"] + last["applied"] == steps
+    assert last.version == steps, (first, last)
+    assert 0 < last.resumed_applied <= first.version
+    assert last.resumed_applied + last.applied == steps
     assert json.loads((folder / "result.json").read_text())["finished"]
     metrics = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
     assert [m["epoch"] for m in metrics] == [1, 2] and all("staleness_mean" in m and "train_accuracy" in m
@@ -470,15 +471,15 @@ def test_a_finished_run_is_said_to_have_finished_not_offered_resume(tmp_path, pr
         assert "no checkpoint" not in err, err
 
 
-@pytest.mark.parametrize("first", ["metrics.jsonl", "logs/watchdog-end.json"])
-def test_ctrl_c_while_gadei_run_writes_the_outputs_of_a_finished_job_loses_nothing(tmp_path, procs, first):
-    """Ctrl-C after the job ended, while `gadei run` writes its outputs (the watchdog left them to
-    it): the outputs are written all the same, and the run is one that finished (once the
-    KeyboardInterrupt ended `gadei run` mid-way, with no result.json and no one left to write it,
-    and `--resume` then refused). SIGINT is sent again and again from `first` on until the run
-    exits: metrics.jsonl, the first file `outputs.conclude` writes, or the watchdog's end record,
-    which `gadei run` sees within 0.25 s (a Ctrl-C in between once made the finished job one it
-    had stopped)."""
+@pytest.mark.parametrize("first", ["metrics.jsonl", "logs/server-stop.json"])
+def test_ctrl_c_while_the_outputs_of_a_finished_job_are_written_loses_nothing(tmp_path, procs, first):
+    """Ctrl-C after the job ended, while its supervisor writes its outputs: the outputs are
+    written all the same, and the run is one that finished (once a KeyboardInterrupt ended the
+    writer mid-way, with no result.json and no one left to write it, and `--resume` then
+    refused). SIGINT is sent again and again from `first` on until the run exits: the server's
+    stop record (the job ended, its outputs not yet written) or metrics.jsonl, the first file
+    `outputs.conclude` writes (a Ctrl-C in between once made the finished job one it had
+    stopped)."""
     path = blobs_job(tmp_path, unique_name("late-c"), train={"learners": 2, "epochs": 2, "lr": 0.05})
     out = tmp_path / "out"
     before = signal.signal(signal.SIGINT, signal.default_int_handler)  # not ignored in the child, whoever started us
@@ -488,7 +489,7 @@ def test_ctrl_c_while_gadei_run_writes_the_outputs_of_a_finished_job_loses_nothi
         signal.signal(signal.SIGINT, before)
     wait_for(lambda: (out / first).exists() or run.poll() is not None, 300, f"gadei run's job to leave {first}",
              interval=0.002)
-    assert (out / "logs" / "watchdog-end.json").exists() and not (out / "result.json").exists()
+    assert (out / "logs" / "server-stop.json").exists() and not (out / "result.json").exists()
     sent = 0
     while run.poll() is None:
         run.send_signal(signal.SIGINT)
@@ -610,23 +611,3 @@ def test_row_sparse_is_the_servers_choice_unless_the_job_file_says(small):
     bridged = small_job() + "[transport]\nrow_sparse = true\n[bridge]\n"
     with pytest.raises(JobFileError, match=r"\[transport\] row_sparse = true with a \[bridge\] section"):
         jobfile.load(_job(small, bridged))
-
-
-
-
-def test_a_finished_job_whose_watchdog_died_before_recording_its_end_is_done(small):
-    """The watchdog killed between stopping a finished job and writing its end record: `gadei
-    run` finds every learner's schedule applied (the server's stop record) and reports the job
-    done; one gradient short, it cannot, and does not."""
-    from gadei import prepare
-    from gadei.run import JobRun
-
-    job = jobfile.load(_job(small, small_job() + "[train]\nlearners = 2\nepochs = 3\nbatch = 2\n"))
-    run = JobRun(prepare.check(job, False, None), quiet=True)
-    n = len(run.prepared.train)
-    steps = 3 * (-(-len(range(0, n, 2)) // 2) + -(-len(range(1, n, 2)) // 2))
-    logs = run.job.output / "logs"
-    logs.mkdir(parents=True)
-    for applied, done in ((steps - 1, False), (steps, True)):
-        (logs / "serve.log").write_text('gadei: serving\n{"event": "stopped", "applied_total": %d}\n' % applied)
-        assert run._learners_done() is done

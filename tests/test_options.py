@@ -161,35 +161,37 @@ def test_the_docs_name_every_bridge_option(document, where):
     assert not missing, f"docs/{document} does not name {missing}"
 
 
-def test_every_watchdog_setting_survives_the_command_line_that_hands_it_to_the_watchdog():
-    """`gadei serve` writes its watchdog's settings as flags (`watchdog_options.command`) and the
-    watchdog reads them back (`add_arguments`, `from_args`), both from the one list of
-    declarations: every setting, each set to a value other than its default (a float `:g`
-    would round, a folder that starts with a dash, quotes in a learner's arguments), comes
-    back equal, and so do the defaults."""
+def test_every_supervisor_setting_survives_the_command_line_that_hands_it_to_the_supervisor():
+    """`gadei serve --checkpoint-dir` writes its supervisor's settings as flags
+    (`supervisor.command`) and the supervisor reads them back (`add_arguments`, `from_args`),
+    both from the one list of declarations: every setting, each set to a value other than its
+    default (a float `:g` would round, a folder that starts with a dash, quotes in a learner's
+    arguments), comes back equal, and so do the defaults."""
     import argparse
     import dataclasses
 
-    from gadei import _proc, watchdog_options
-    from gadei.watchdog_options import WatchdogSettings
+    from gadei import _proc, supervisor
+    from gadei.supervisor import SupervisorSettings
 
-    changed = WatchdogSettings(checkpoint_dir="/tmp/check points", every=0.1 + 0.2, keep=7, interval=1 / 3,
-                               max_missed=5, restart=["serve", "job", "--lr", "0.05", "--learner=--epochs 2"],
-                               max_restarts=9, window=12.5, learners=[["--shard", "0/2", "--x", 'it\'s "quoted"'], []],
-                               backoff=0.0, log_dir="-logs", outputs="/out")
-    unchanged = [f.name for f in dataclasses.fields(WatchdogSettings)
+    changed = SupervisorSettings(checkpoint_dir="/tmp/check points", every=0.1 + 0.2, keep=7, interval=1 / 3,
+                                 max_missed=5, restart=["serve", "job", "--lr", "0.05", "--learner=--epochs 2"],
+                                 start=True, max_restarts=9, window=12.5,
+                                 learners=[["--shard", "0/2", "--x", 'it\'s "quoted"'], []], backoff=0.0,
+                                 log_dir="-logs")
+    unchanged = [f.name for f in dataclasses.fields(SupervisorSettings)
                  if getattr(changed, f.name) == options.default_of(f)]
     assert unchanged == [], f"give these settings a value other than their default here: {unchanged}"
-    assert {f.name for f in dataclasses.fields(WatchdogSettings)} == {f.name for f in options.declared(WatchdogSettings)}
+    assert {f.name for f in dataclasses.fields(SupervisorSettings)} == \
+        {f.name for f in options.declared(SupervisorSettings)}
     parser = argparse.ArgumentParser()
-    watchdog_options.add_arguments(parser)
-    for settings in (changed, WatchdogSettings()):
-        argv = watchdog_options.command("job", settings, {"0": 5, "1": "done"})
+    supervisor.add_arguments(parser)
+    for settings in (changed, SupervisorSettings()):
+        argv = supervisor.command("job", settings, {"0": 5, "1": "done"})
         program = _proc.python_command("gadei_watchdog", "job")
         assert argv[:len(program)] == program
         args = parser.parse_args(argv[len(program) - 1:])
         assert (args.job, args.progress) == ("job", {"0": 5, "1": "done"})
-        assert options.from_args(WatchdogSettings, args) == settings
+        assert options.from_args(SupervisorSettings, args) == settings
 
 
 def test_server_keywords_are_the_declared_options():

@@ -134,32 +134,37 @@ def test_a_run_resumed_after_a_kill_that_left_no_result_says_nothing_of_the_time
     assert not (out / outputs.EARLIER).exists() and outputs._earlier_runs(out) == []
 
 
-def test_conclude_records_the_end_leaves_the_outputs_to_a_live_owner_and_writes_them_once(tmp_path):
-    """`outputs.conclude`, as the watchdog calls it: the end record is written at once, stamped
-    with this process and the time (the daemon tells by them whether its writer lives); while
-    the run's `gadei run` holds the lock the outputs are left to it; once it let go they are
-    written (failed, with the end record's reason: no model.pt), and a second conclude reads
-    result.json instead of writing it again."""
+def test_conclude_writes_the_outputs_of_the_end_its_supervisor_saw(tmp_path):
+    """`outputs.conclude`, as a job's supervisor calls it at the end it decided: a job whose
+    server died for good is failed with the reason, and metrics.jsonl and result.json (last) are
+    written; one stopped as it started is stopped before a model, not failed; one whose every
+    learner finished hands back the weights it ended with (no validation: nothing chosen) and is
+    done, with the supervisor's note."""
+    import torch
+
+    from gadei import checkpoint
+
     job = jobfile.load(blobs_job(tmp_path, unique_name("concl"), train={"learners": 1, "epochs": 1}))
     out = job.output
     (out / "logs").mkdir(parents=True)
-    ending = outputs.Ending(3, False, "the server died for good")
-    owner = outputs.Owner(out)
-    try:
-        before = time.time()
-        assert outputs.conclude(out, job=job, ending=ending, leave_to_owner=True, wait=1) is None
-        recorded = outputs.read_ending(out)
-        assert (recorded.code, recorded.finished, recorded.reason) == (3, False, "the server died for good")
-        assert recorded.pid == os.getpid() and before <= recorded.time <= time.time(), recorded
-        assert outputs.read_result(out) is None and not (out / "metrics.jsonl").exists()
-    finally:
-        owner.close()
-    result = outputs.conclude(out, job=job, leave_to_owner=True, note="not this")
+    before = time.time()
+    result = outputs.conclude(job, outputs.Ending(3, False, False, "the server died for good"), since=before)
     assert (result["outcome"], result["reason"]) == (outputs.FAILED, "the server died for good"), result
-    assert outputs.read_result(out) == result and (out / "metrics.jsonl").exists()
-    written = (out / "result.json").stat().st_mtime_ns
-    assert outputs.conclude(out, job=job, interrupted=True, note="again") == result
-    assert (out / "result.json").stat().st_mtime_ns == written
+    assert outputs.read_result(out) == result and (out / "metrics.jsonl").exists() and not (out / "model.pt").exists()
+    assert result["written_by"] == os.getpid() and 0 <= result["seconds"] <= time.time() - before + 0.1, result
+    result = outputs.conclude(job, outputs.Ending(0, False, True), since=before)
+    assert (result["outcome"], result["reason"]) == (outputs.STOPPED, "stopped before the job wrote a model")
+    from gadei import data
+    from gadei_workloads import get
+
+    train, _, _ = data.load_job(job)
+    weights = {k: torch.full_like(v, 0.5) for k, v in get(job.workload).build_model(train, 0).state_dict().items()}
+    final = checkpoint.save(out / "checkpoints", checkpoint.Checkpoint(job.name, 7, 7, weights))
+    result = outputs.conclude(job, outputs.Ending(0, True, True, "the stop came after training ended", str(final)),
+                              since=before)
+    assert result["outcome"] == outputs.DONE and "the stop came after training ended" in result["reason"], result
+    handed = torch.load(out / "model.pt", weights_only=True)
+    assert all(torch.equal(handed[k], v) for k, v in weights.items()) and "test_accuracy" in result
 
 
 def test_a_resumed_runs_chosen_model_counts_the_seconds_of_the_runs_it_resumed(tmp_path):
@@ -180,17 +185,18 @@ def test_a_resumed_runs_chosen_model_counts_the_seconds_of_the_runs_it_resumed(t
     E = selection.Evaluation
     kept.offer(E(1, 10, 0.7, 0.9, at=1000.0), {"weight": torch.full((3,), 1.0)})
     kept.offer(E(2, 20, 0.8, 0.8, at=1030.5), {"weight": torch.full((3,), 2.0)})
-    first = outputs.chosen(job, outputs.STOPPED, [{"started": 990.0, "seconds": 0.0}])  # the first run: 990 to 1040
+    stopped, done = outputs.Ending(0, False, True), outputs.Ending(0, True)
+    first = outputs.hand_back(job, stopped, [{"started": 990.0, "seconds": 0.0}])  # the first run: 990 to 1040
     assert first["seconds_to_best"] == 40.5
     runs = [{"started": 990.0, "seconds": 50.0}]
     (out / "result.json").write_text(json.dumps({**first, "outcome": outputs.STOPPED, "seconds": 50.0, "runs": runs}))
     outputs.forget(out, resume=True)
     runs = outputs._earlier_runs(out) + [{"started": 2000.0, "seconds": 0.0}]
     # resumed at 2000: the model chosen so far is the first run's, 40.5 s into the job
-    assert outputs.chosen(job, outputs.DONE, runs)["seconds_to_best"] == 40.5
+    assert outputs.hand_back(job, done, runs)["seconds_to_best"] == 40.5
     kept.offer(E(3, 30, 0.9, 0.7, at=2012.0), {"weight": torch.full((3,), 3.0)})
     # a better one 12 s into the resumed run: 50 + 12 s into the job
-    resumed = outputs.chosen(job, outputs.DONE, runs)
+    resumed = outputs.hand_back(job, done, runs)
     assert (resumed["epoch"], resumed["seconds_to_best"]) == (3, 62.0)
     # resumed again (the second run took 30 s): its best, as the second run gave it; one of
     # the third run 5 s in, 85 s into the job
@@ -198,7 +204,7 @@ def test_a_resumed_runs_chosen_model_counts_the_seconds_of_the_runs_it_resumed(t
     (out / "result.json").write_text(json.dumps({**resumed, "seconds": 30.0, "seconds_in_all": 80.0, "runs": runs}))
     outputs.forget(out, resume=True)
     runs = outputs._earlier_runs(out) + [{"started": 3000.0, "seconds": 0.0}]
-    assert outputs.chosen(job, outputs.DONE, runs)["seconds_to_best"] == 62.0
+    assert outputs.hand_back(job, done, runs)["seconds_to_best"] == 62.0
     assert [outputs.job_seconds(at, runs) for at in (1000.0, 2012.0, 3005.0, 980.0)] == [10.0, 62.0, 85.0, None]
 
 
@@ -220,8 +226,8 @@ def _records(pace: bool) -> list[dict]:
 def test_a_server_that_refuses_to_start_says_why_in_result_json_and_the_last_line(tmp_path, procs):
     """`gadei run` where /dev/shm cannot hold the job's region (a container's /dev/shm is 64 MB
     unless `--shm-size` says otherwise; here a tmpfs of 16 KB in a mount namespace of the
-    run's own): the server refuses in one line in logs/serve.log, and the run's last line and
-    result.json say that line, not only "the server exited with code 2 without a watchdog"."""
+    run's own): the server refuses in one line, its stop record says it, and the run's last line
+    and result.json say that line, not only "the server exited with code 2"."""
     import shutil
 
     if os.geteuid() != 0 or shutil.which("unshare") is None:
@@ -232,7 +238,7 @@ def test_a_server_that_refuses_to_start_says_why_in_result_json_and_the_last_lin
                        *gadei_command("run", path)])
     out, err = communicate(run, 120)
     assert run.returncode == 1, out + err
-    said = (f"the server exited with code 2 without a watchdog: job {name!r}: cannot reserve ")
+    said = (f"the server did not start: job {name!r}: cannot reserve ")
     assert f"gadei run: job {name} failed: {said}" in err and "No space left on device" in err, err
     result = json.loads((tmp_path / "out" / "result.json").read_text())
     assert result["outcome"] == "failed" and result["reason"].startswith(said), result

@@ -3,8 +3,9 @@ that starts and kills processes: the house rules of issues 16 and 32, held by a 
 source (AST), so that a new module cannot quietly write a handshake again, call the native
 layer around its owners or start a process of its own; and only the ring reads or writes a
 ring's counters and owner accounting, and writes a slot's header; only the slot's format and
-the learner's writer a slot's row counts; and only gadei/outputs.py writes a job's outputs
-and the record of how it ended."""
+the learner's writer a slot's row counts; only gadei/outputs.py writes a job's outputs, and only
+the job's supervisor has it write them; only gadei/_proc.py says whether a process runs; and no
+module reads a process's state from its log."""
 
 import ast
 import re
@@ -54,14 +55,27 @@ SLOT_HEADER_TAKERS = {"gadei/region.py", "gadei/ring.py", "gadei/transport/slot.
 ROW_COUNT_WRITERS = {"gadei/transport/slot.py", "gadei/transport/writer.py"}
 
 
-# A job's outputs (result.json, metrics.jsonl, accuracy.png) and the record of how it ended
-# (gadei.outputs.END, logs/watchdog-end.json): only gadei/outputs.py writes them. Whoever sees
-# the job end calls its `conclude` (or `record_end`), never its writers, and writes none of
-# those files itself.
+# A job's outputs (result.json, metrics.jsonl, accuracy.png, model.pt): only gadei/outputs.py
+# writes them, and only when the job's supervisor, which alone decides that the job ended, calls
+# its `conclude` (watchdog/job.py); everyone else reads result.json and writes none of them.
 OUTPUTS = "gadei/outputs.py"
-OUTPUT_FILES = ("result.json", "metrics.jsonl", "accuracy.png", "watchdog-end.json")
-OUTPUT_NAMES = {"END"}  # gadei.outputs' names of those paths
-OUTPUT_WRITERS = {"write_ending", "write_metrics", "plot", "_write", "_replace", "_replace_with"}
+CONCLUDER = "watchdog/job.py"
+OUTPUT_FILES = ("result.json", "metrics.jsonl", "accuracy.png", "model.pt")
+OUTPUT_NAMES: set[str] = set()  # gadei.outputs' names of those paths
+OUTPUT_WRITERS = {"write_metrics", "hand_back", "plot", "_replace", "_replace_with"}
+
+# "Is this process running" (a pid, and its start time): gadei/_proc.py answers it (`alive`,
+# `running`, `alive_since`), for every process gadei watches; nobody else asks psutil or the
+# kernel whether a pid lives.
+LIVENESS = "gadei/_proc.py"
+LIVENESS_CALLS = {"create_time", "pid_exists", "is_running", "STATUS_ZOMBIE"}
+
+# A process's state passes as a typed record (a server's stop record, result.json, a learner's
+# epoch records), never as lines read back from its log: only the modules that show logs to
+# people (`gadei logs`, `gadei run`'s supervisor's warnings) open a log to read it.
+LOG_SHOWERS = {"gadei/daemon/jobs.py", "gadei/daemon/client.py", "gadei/run.py",
+               "gadei/launch.py"}  # its `LocalJob` shows a child's log in the error that it failed
+READS = {"read_text", "read_bytes", "open", "readlines"}
 FILE_WRITES = {"write_text", "write_bytes", "savefig", "touch", "dump", "save", "replace", "rename", "copy",
                "copyfile", "copy2", "move"}  # calls that write a file named in their receiver or arguments
 
@@ -301,6 +315,62 @@ def output_writers(sources) -> set[str]:
     return found
 
 
+def concluders(sources) -> set[str]:
+    """Modules that call `conclude` (`outputs.conclude(...)`, or imported by name)."""
+    found = set()
+    for name, tree in sources:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and (getattr(node.func, "attr", None) == "conclude"
+                                               or getattr(node.func, "id", None) == "conclude"):
+                found.add(name)
+    return found
+
+
+def liveness_checkers(sources) -> set[str]:
+    """Modules other than gadei/_proc.py (and the benchmarks) that ask whether a process runs
+    themselves: a process's start time (`create_time`), `psutil.pid_exists`, `is_running`, its
+    status against `STATUS_ZOMBIE`, or `os.kill(pid, 0)`."""
+    found = set()
+    for name, tree in sources:
+        if name == LIVENESS or name.startswith(BENCHMARKS):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr in LIVENESS_CALLS:
+                found.add(name)
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "kill"
+                  and len(node.args) == 2 and isinstance(node.args[1], ast.Constant) and node.args[1].value == 0):
+                found.add(name)
+    return found
+
+
+def log_readers(sources) -> set[str]:
+    """Modules other than LOG_SHOWERS that read a log: a read (READS, `open` not to write) whose
+    path names a `.log` file, there or through a name bound to one in that module."""
+    found = set()
+    for name, tree in sources:
+        if name in LOG_SHOWERS or name.startswith(BENCHMARKS):  # a benchmark's own processes are not a job's
+            continue
+        paths: set[str] = set()
+
+        def names_log(expr) -> bool:
+            return any(isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value.endswith(".log")
+                       or isinstance(n, (ast.Name, ast.Attribute)) and _bound(n)[1] in paths
+                       for n in ast.walk(expr))
+
+        while True:
+            before = len(paths)
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Assign) and names_log(node.value):
+                    paths.update(_bound(t)[1] for t in node.targets if isinstance(t, (ast.Name, ast.Attribute)))
+            if len(paths) == before:
+                break
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) in READS
+                    and not _file_write(node) and names_log(node)):
+                found.add(name)
+    return found
+
+
 def _file_write(node) -> bool:
     if not isinstance(node, ast.Call):
         return False
@@ -357,8 +427,20 @@ def test_only_the_slot_format_and_the_learners_writer_write_a_row_count():
     assert row_count_writers(_sources()) == ROW_COUNT_WRITERS
 
 
-def test_only_the_outputs_module_writes_a_jobs_outputs_or_its_end_record():
+def test_only_the_outputs_module_writes_a_jobs_outputs():
     assert output_writers(_sources()) == set()
+
+
+def test_only_the_supervisor_has_the_outputs_written():
+    assert concluders(_sources()) == {CONCLUDER}
+
+
+def test_only_the_process_module_says_whether_a_process_runs():
+    assert liveness_checkers(_sources()) == set()
+
+
+def test_no_module_reads_a_processs_state_from_its_log():
+    assert log_readers(_sources()) == set()
 
 
 def test_no_two_public_classes_share_a_name():
@@ -413,18 +495,37 @@ def test_the_scans_find_what_they_look_for():
     started = [("gadei/a.py", ast.parse("subprocess.Popen(['x'])")), ("gadei/b.py", ast.parse("os.execv('x', ['x'])")),
                ("gadei/bench/c.py", ast.parse("subprocess.run(['x'])")), ("gadei/d.py", ast.parse("p.run()"))]
     assert spawners(started) == {"gadei/a.py", "gadei/b.py"}
-    # a second writer of the outputs or the end record: through outputs' writers, or a file of its own
-    written = [("watchdog/__init__.py", ast.parse("outputs.write_ending(out, outputs.Ending(0, True))\n")),
+    # a second writer of the outputs: through outputs' writers, or a file of its own
+    written = [("watchdog/__init__.py", ast.parse("outputs.write_metrics(out)\n")),
                ("gadei/a.py", ast.parse("from .outputs import write_metrics\n")),
                ("gadei/b.py", ast.parse("def f(out):\n    (out / 'result.json').write_text('{}')\n")),
-               ("gadei/c.py", ast.parse("def f(out):\n    path = out / 'logs' / 'watchdog-end.json'\n"
+               ("gadei/c.py", ast.parse("def f(out):\n    path = out / 'model.pt'\n"
                                         "    with open(path, 'w') as f:\n        f.write('{}')\n")),
-               ("gadei/d.py", ast.parse("def f(out):\n    os.open(out / outputs.END, os.O_WRONLY | os.O_CREAT, 0o600)\n")),
+               ("gadei/d.py", ast.parse("def f(out):\n    os.open(out / 'result.json', os.O_WRONLY | os.O_CREAT, 0o600)\n")),
                ("gadei/e.py", ast.parse("def f(out):\n    fig.savefig(out / 'accuracy.png')\n")),
                ("gadei/outputs.py", ast.parse("def f(out):\n    (out / 'metrics.jsonl').write_text('')\n")),
                ("gadei/readers.py", ast.parse(  # reads them, and writes another file
                    "def f(out):\n    with open(out / 'daemon.log', 'wb'):\n        pass\n"
-                   "    outputs.conclude(out, ending=outputs.Ending(0, True))\n"
-                   "    return json.loads((out / 'result.json').read_text()), open(out / outputs.END).read()\n"))]
+                   "    return json.loads((out / 'result.json').read_text())\n"))]
     assert output_writers(written) == {"watchdog/__init__.py", "gadei/a.py", "gadei/b.py", "gadei/c.py", "gadei/d.py",
                                        "gadei/e.py"}
+    # a second writer's call of conclude, a second liveness check, a state read from a log
+    assert concluders([("gadei/run.py", ast.parse("outputs.conclude(job, ending, since=0)\n")),
+                       ("gadei/daemon/jobs.py", ast.parse("from ..outputs import conclude\nconclude(job, e)\n")),
+                       ("gadei/x.py", ast.parse("outputs.read_result(out)\n"))]) == {"gadei/run.py",
+                                                                                    "gadei/daemon/jobs.py"}
+    assert liveness_checkers([("gadei/ring.py", ast.parse("def f(p):\n    return psutil.Process(p).status() != "
+                                                          "psutil.STATUS_ZOMBIE\n")),
+                              ("gadei/a.py", ast.parse("def f(p, t):\n    return psutil.Process(p).create_time() == t\n")),
+                              ("gadei/b.py", ast.parse("os.kill(pid, 0)\n")),
+                              ("gadei/c.py", ast.parse("_proc.alive(pid, started)\nos.kill(pid, signal.SIGTERM)\n")),
+                              ("gadei/bench/d.py", ast.parse("psutil.pid_exists(3)\n"))]) == {
+        "gadei/ring.py", "gadei/a.py", "gadei/b.py"}
+    assert log_readers([("gadei/run.py", ast.parse("LOG = 'logs/supervisor.log'\ndef f(out):\n"
+                                                   "    return (out / LOG).read_text()\n")),  # a shower
+                        ("gadei/a.py", ast.parse("def f(out):\n    return (out / 'logs' / 'serve.log').read_text()\n")),
+                        ("gadei/b.py", ast.parse("from .supervisor import LOG\nPATH = 'x/server.log'\n"
+                                                 "def f():\n    return open(PATH).read()\n")),
+                        ("gadei/c.py", ast.parse("def f(out):\n    spawn(cmd, log=out / 'server.log')\n"
+                                                 "    with open(out / 'learner.log', 'ab'):\n        pass\n"))]) == {
+        "gadei/a.py", "gadei/b.py"}

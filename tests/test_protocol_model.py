@@ -103,10 +103,10 @@ def test_no_zero_trail_shows_a_gradient_applied_twice(tmp_path):
     assert len(applies) >= 2
 
 
-def test_old_last_owner_trail_shows_the_record_overwritten_before_the_watchdog_looked(tmp_path):
+def test_old_last_owner_trail_shows_the_record_overwritten_before_the_supervisor_looked(tmp_path):
     """The learner gave its entry back and was killed; the other learner claimed the entry
     twice, each claim copying the last owner into (last_pid, last_applied), the second over
-    the first; only then did the watchdog count the dead learner: by `seen`, 0."""
+    the first; only then did the supervisor count the dead learner: by `seen`, 0."""
     _need_tools()
     result = check.run(_by_name("old-last-owner"), tmp_path)
     steps = [line for line in result.replay.splitlines() if re.match(r"\s*\d+:\s+proc", line)]
@@ -213,7 +213,7 @@ def test_a_launched_learner_keeps_its_record_when_it_releases_its_entry():
     take = _body_calls(ring._take)
     zero = _index(take, "entry.set('pid')")
     assert _index(take, "producer.drain") < zero < min(i for i, c in enumerate(take) if c.startswith("entry.set(name)"))
-    # the watchdog reads the record for a learner that left its entry (ring.left_record), each
+    # the supervisor reads the record for a learner that left its entry (ring.left_record), each
     # answer between two reads of the field naming it, and so does a checkpoint's progress
     # (ring.applied_in, the record first)
     launched = (ROOT / "watchdog" / "learners.py").read_text()
@@ -225,7 +225,7 @@ def test_a_launched_learner_keeps_its_record_when_it_releases_its_entry():
         read = left.index(f'.get("{answer}")', first)
         assert left.index(f'.get("{name}") == pid', read) > read, f"left_record: {answer} is not re-checked"
     assert left.index('.get("last_pid") == pid') < left.index('entry.get("pid") == pid')
-    record = (ROOT / "gadei" / "watchdog_record.py").read_text()  # progress: the watchdog's, and gadei run's at a stop
+    record = (ROOT / "gadei" / "supervisor.py").read_text()  # progress: the supervisor's, also at a stop
     assert "ring.applied_in(ckpt.learners, l.pid)" in record[record.index("def progress("):]
     applied_in = inspect.getsource(ring.applied_in)
     assert applied_in.index('c.get("last_pid") == pid') < applied_in.index('c["pid"] == pid')
@@ -242,8 +242,8 @@ def test_capture_does_not_copy_a_dead_servers_region():
     assert "server_alive()" in source and "died while serving" in source
 
 
-def test_the_watchdog_carries_a_stop_over_a_restart():
-    source = (ROOT / "watchdog" / "__init__.py").read_text()
+def test_the_supervisor_carries_a_stop_over_a_restart():
+    source = (ROOT / "watchdog" / "supervisor.py").read_text()
     assert "self._stopped_it = RunState(self.region).request_stop()" in source
     assert "stopping = False" in source and "carried" in source
     assert 'entry.get("applied_samples") if entry.get("pid") == pid else 0' in inspect.getsource(ring.dead_owner_applied)
@@ -254,7 +254,7 @@ def test_each_process_of_the_model_names_the_code_it_models():
         "Server": ["Server.serve", "_serve_each", "_drain", "_update", "_pause", "Consumer.poll", "gd_poll_rings"],
         "Train": ["Learner.attach", "ring.claim", "_take", "ThreadPush.push", "_teardown"],
         "Push": ["ThreadPush._run", "Producer.wait_space", "publish", "write_grads"],
-        "Watchdog": ["Watchdog.run", "_restart_server", "_died", "progress", "capture"],
+        "Supervisor": ["Supervisor.run", "_restart_server", "_died", "progress", "capture"],
         "Other": ["ring.claim", "_take", "Producer.release"],
     }
     header = MODEL_TEXT[:MODEL_TEXT.index("*/")]

@@ -2,7 +2,7 @@
 thread in `drain`, the push thread in `wait_space`) are both woken by the server that frees
 it, in a learner process of its own (tests/worker.py two-waiters); what the others read of a
 ring through `gadei.ring` (status, a checkpoint, the server's rounds) is what it holds; and a
-launched learner that gave its entry back is counted right by the watchdog whatever claims of
+launched learner that gave its entry back is counted right by the supervisor whatever claims of
 the entry follow."""
 
 import os
@@ -15,7 +15,7 @@ from gadei.protocol import WAIT_SLICE
 from gadei.region import Region
 from gadei.ring import Consumer, claim
 from gadei.server import Server
-from gadei.watchdog_record import Launched, progress
+from gadei.supervisor import Launched, progress
 from gadei_watchdog.learners import Learners
 from helpers import finish, read_line
 
@@ -88,10 +88,10 @@ def test_what_the_ring_tells_others_of_a_ring_is_what_it_holds(job):
 def test_a_launched_learner_that_left_is_counted_right_after_two_claims_of_its_entry(job, procs, tmp_path):
     """A launched learner (number 0) pushes 5 gradients, drains, gives its entry back and has
     not exited yet when two other learners claim that entry one after the other, within one
-    watchdog interval. A checkpoint taken then says the weights hold its 5, and when it is
-    killed before it exits, the watchdog goes on with it after those 5. (Once the entry's next
+    supervisor's interval. A checkpoint taken then says the weights hold its 5, and when it is
+    killed before it exits, the supervisor goes on with it after those 5. (Once the entry's next
     owner copied the last owner's counters into the entry itself: the second claim
-    overwrote the copy, and the watchdog, finding no record, counted 0 and restarted it from
+    overwrote the copy, and the supervisor, finding no record, counted 0 and restarted it from
     the start, its 5 gradients applied twice.)"""
     server = procs.worker("serve", job, "--learners", 1, "--slots", 2)
     read_line(server, 60)
@@ -107,12 +107,12 @@ def test_a_launched_learner_that_left_is_counted_right_after_two_claims_of_its_e
         entry = region.entry(0)
         assert entry.get("pid") == other.pid and entry.get("applied_samples") == 1  # the last claim's own
         table = [Launched(0, ["--entry", "0"], pid=left.pid)]
-        table[0].proc = left  # the watchdog's child, as a launched learner is
+        table[0].proc = left  # the supervisor's child, as a launched learner is
         taken = checkpoint.capture(region, progress=lambda ckpt: progress(table, ckpt))
         assert taken.progress == {"0": 5}  # running, its entry given back: the weights hold its 5
         left.send_signal(signal.SIGKILL)  # killed before it exited
         left.wait()
-        learners = Learners(job, table, str(tmp_path), max_restarts=3, window=60.0, backoff=60.0)
+        learners = Learners(job, table, str(tmp_path), {}, max_restarts=3, window=60.0, backoff=60.0)
         died, _ = learners.look(region)
         assert died == [0] and table[0].start_at == 5, table[0]
     finally:

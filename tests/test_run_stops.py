@@ -30,8 +30,8 @@ def _catches_sigterm(pid: int) -> bool:
 def _when(point: str, run, out, name) -> bool:
     if point == "before the server":  # gadei run is about to prepare the job (data, folder): no server yet
         return _catches_sigterm(run.pid)
-    if point == "after the server":  # its server was started (serve.log is opened just before)
-        return (out / "logs" / "serve.log").exists()
+    if point == "after the server":  # its server was started (server.log is opened just before)
+        return (out / "logs" / "server.log").exists()
     # the watchdog launched the learners (each one's log is opened as it starts), none trained yet
     return (out / "logs" / "learner-1.log").exists()
 
@@ -58,7 +58,7 @@ def test_a_stop_while_gadei_run_starts_its_job_is_a_clean_stop(tmp_path, procs, 
                  interval=0.002)
         assert run.poll() is None and job_version(name) == 0, communicate(run, 10)
         if point == "before the server":  # taken from its first step: while it reads the data
-            assert not (out / "job.toml").exists() and not (out / "logs" / "serve.log").exists()
+            assert not (out / "job.toml").exists() and not (out / "logs" / "server.log").exists()
         sent = time.monotonic()
         run.send_signal(SIGNALS[how])
         stdout, stderr = communicate(run, 120)
@@ -72,7 +72,7 @@ def test_a_stop_while_gadei_run_starts_its_job_is_a_clean_stop(tmp_path, procs, 
         # learners that had not attached are told to go, not waited for until killed (30 s)
         assert took < 20, f"the stop took {took:.0f} s:\n{stdout}{stderr}"
         assert inspect(name) is None and not job_processes(name)
-        serve_log = (out / "logs" / "serve.log").read_text() if (out / "logs" / "serve.log").exists() else ""
+        serve_log = (out / "logs" / "server.log").read_text() if (out / "logs" / "server.log").exists() else ""
         assert "Traceback" not in serve_log, serve_log
         # what the last line says to do is what the folder takes
         again = ["--resume"] if "--resume" in last else []
@@ -110,7 +110,7 @@ def test_a_gadei_run_started_held_takes_a_stop_sent_at_once(tmp_path, how):
     assert code == 130, (code, text)
     assert json.loads((tmp_path / "out" / "result.json").read_text())["outcome"] == "stopped", text
     assert text.strip().splitlines()[-1].startswith("gadei run: job ") and "start it again" in text, text
-    assert not (tmp_path / "out" / "logs" / "serve.log").exists()  # nothing started
+    assert not (tmp_path / "out" / "logs" / "server.log").exists()  # nothing started
 
 
 # Loaded by `gadei run` (and, through PYTHONPATH, by its children, which it leaves alone): once
@@ -144,7 +144,7 @@ def test_a_stop_that_comes_while_exec_runs_is_a_stop_with_exit_130(tmp_path, pro
     out = tmp_path / "out"
     paths = [str(tmp_path / "hook"), *filter(None, [os.environ.get("PYTHONPATH")])]
     env = {"PYTHONPATH": os.pathsep.join(paths), "STOP_IN_EXEC_PARENT": str(os.getpid()),
-           "STOP_IN_EXEC_LOG": str(out / "logs" / "serve.log")}
+           "STOP_IN_EXEC_LOG": str(out / "logs" / "server.log")}
     before = signal.signal(signal.SIGINT, signal.default_int_handler)  # not ignored in the child, whoever started us
     try:
         run = procs.gadei("run", path, env=env)

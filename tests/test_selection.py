@@ -67,15 +67,16 @@ def test_result_says_how_long_after_the_start_the_chosen_model_was_made(tmp_path
     chosen.offer(E(1, 10, 0.7, 0.9, at=1000.0), _weights(1.0))
     chosen.offer(E(2, 20, 0.8, 0.8, at=1030.5), _weights(2.0))
     chosen.offer(E(3, 30, 0.7, 0.8, at=1060.0), _weights(3.0))
-    fields = outputs.chosen(job, outputs.DONE, [{"started": 990.0, "seconds": 0.0}])
+    done = outputs.Ending(0, True)
+    fields = outputs.hand_back(job, done, [{"started": 990.0, "seconds": 0.0}])
     assert (fields["epoch"], fields["seconds_to_best"]) == (2, 40.5)
     # resumed after it, the runs before unknown (killed before writing result.json)
-    assert "seconds_to_best" not in outputs.chosen(job, outputs.DONE, None)
+    assert "seconds_to_best" not in outputs.hand_back(job, done, None)
     state = json.loads((folder / selection.BEST_STATE).read_text())
     del state["best"]["at"]
     (folder / selection.BEST_STATE).write_text(json.dumps(state))
     assert selection.Selection.open(folder, patience=3).best.epoch == 2
-    fields = outputs.chosen(job, outputs.DONE, [{"started": 990.0, "seconds": 0.0}])
+    fields = outputs.hand_back(job, done, [{"started": 990.0, "seconds": 0.0}])
     assert fields["epoch"] == 2 and "seconds_to_best" not in fields
 
 
@@ -90,7 +91,7 @@ def test_a_restarted_learners_catch_up_fills_only_an_epoch_its_last_run_did_not_
              {"event": "epoch", "learner": 0, "epoch": 2, "version": 9, "restarted": True, "validation_accuracy": 0.8},
              {"event": "epoch", "learner": 0, "epoch": 1, "version": 5, "restarted": True},
              {"event": "epoch", "learner": 0, "epoch": 3, "loss": 0.3, "validation_accuracy": 0.9}]
-    (tmp_path / "logs" / "learner-0.log").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    (tmp_path / outputs.EPOCHS).write_text("".join(json.dumps(line) + "\n" for line in lines))
     metrics = outputs.write_metrics(tmp_path)
     assert [m["epoch"] for m in metrics] == [1, 2, 3]
     assert metrics[0]["loss"] == 0.5 and "restarted" not in metrics[0]  # epoch 1's own record stays

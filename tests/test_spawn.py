@@ -57,7 +57,7 @@ def test_gadei_run_from_a_folder_of_decoy_packages_runs_the_installed_gadei(tmp_
             "(line 63)") in out
     result = json.loads((tmp_path / "out" / "result.json").read_text())
     assert result["finished"] is True
-    logs = "".join(p.read_text() for p in (tmp_path / "out" / "logs").iterdir() if p.is_file())
+    logs = "".join(p.read_text(errors="replace") for p in (tmp_path / "out" / "logs").glob("*.log"))
     assert "decoy" not in logs
 
 

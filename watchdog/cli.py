@@ -1,34 +1,79 @@
-"""The `gadei watchdog` command, run as `python -m gadei_watchdog` (how `gadei serve` and `gadei
-watchdog` start a job's watchdog): its arguments, made from `WatchdogSettings`' declarations
-(`gadei.watchdog_options`), and what it runs."""
+"""The supervisor's command, `python -m gadei_watchdog` (how gadei starts a job's supervisor, and
+what `gadei watchdog` and `gadei serve --checkpoint-dir` become): its arguments, made from
+`SupervisorSettings`' declarations (`gadei.supervisor`), and what it runs: a job file's
+supervisor (`--job-file`), or the supervisor of a running job (JOB)."""
 
 import argparse
+import sys
 
 from gadei import console, options
+from gadei._proc import how_it_ended
 from gadei.errors import GadeiError
-from gadei.watchdog_options import DESCRIPTION, WatchdogSettings, add_arguments
+from gadei.server_record import REFUSED
+from gadei.supervisor import DESCRIPTION, SERVER_DEAD, SupervisorSettings, add_arguments
 
-from . import Watchdog
+from . import job
+from .supervisor import Supervisor
 
 
 def command(args) -> int:
-    """Run the watchdog the arguments describe, to its end (its exit code)."""
-    if args.adopt:
-        return Watchdog.adopt(args.job).run()
+    """Run the supervisor the arguments describe, to its end (its exit code)."""
+    if args.job_file:
+        if args.job:
+            raise GadeiError("gadei watchdog: give JOB or --job-file, not both")
+        return job.run(args.job_file, resume=args.resume, by=args.by, named=args.named, since=args.since)
+    if not args.job:
+        raise GadeiError("gadei watchdog: give JOB (a running job) or --job-file")
     if not args.checkpoint_dir:
-        raise GadeiError("gadei watchdog: give --checkpoint-dir (or --adopt)")
-    settings = options.from_args(WatchdogSettings, args)
+        raise GadeiError("gadei watchdog: give --checkpoint-dir")
+    settings = options.from_args(SupervisorSettings, args)
     try:
         settings.check()
     except ValueError as err:
         raise GadeiError(str(err)) from None
-    dog = Watchdog(args.job, settings)
-    dog.learners.resume(args.progress)
-    return dog.run()
+    from gadei.launch import take_stops
+
+    progress = args.progress
+    if settings.start and settings.learners and not progress:
+        settings.restart, progress = _resume_point(settings.restart)
+    supervisor = Supervisor(args.job, settings, progress=progress)
+    take_stops(lambda sig, _frame: supervisor.ask_stop())
+    code = supervisor.run()
+    record = supervisor.server_ended()
+    if code == SERVER_DEAD and record is not None and record.outcome == REFUSED:  # as the server alone would say
+        raise GadeiError(record.reason)
+    if code == 0 and supervisor.server_code:  # it stopped the job, and failed at its stop (its last checkpoint)
+        print(f"gadei watchdog: error: the server {how_it_ended(supervisor.server_code)} at its stop (see its log)",
+              file=sys.stderr, flush=True)
+        return 1
+    return code
+
+
+def _resume_point(args: list[str]) -> tuple[list[str], dict]:
+    """The server's arguments with its --resume (the last one counts, as for argparse) made the
+    checkpoint its launched learners go on from: a folder is the newest checkpoint there that
+    records their progress (a newer one without it, a stopped server's own, holds updates the
+    learners would train again); and that progress. Without --resume: as given, and {}."""
+    import os
+
+    from gadei import checkpoint
+
+    at, given = None, None
+    for i, arg in enumerate(args):
+        if arg == "--resume" and i + 1 < len(args):
+            at, given = (i, i + 2), args[i + 1]
+        elif arg.startswith("--resume="):
+            at, given = (i, i + 1), arg.partition("=")[2]
+    if given is None:
+        return args, {}
+    found = checkpoint.load(given) if os.path.isfile(given) else checkpoint.latest(given, with_progress=True)
+    if found is None:
+        return args, {}
+    return [*args[:at[0]], "--resume", str(found.path), *args[at[1]:]], found.progress
 
 
 def main(argv=None) -> int:
-    """`python -m gadei_watchdog JOB ...`: the same as `gadei watchdog JOB ...`."""
+    """`python -m gadei_watchdog ...`: the same as `gadei watchdog ...`."""
     parser = argparse.ArgumentParser(prog="gadei watchdog", description=DESCRIPTION)
     add_arguments(parser)
     return console.run(command, parser.parse_args(argv), prog="gadei watchdog")

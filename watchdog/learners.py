@@ -1,16 +1,11 @@
-"""The learners a watchdog launched: their processes, progress and restarts.
+"""The learners a supervisor launched: their processes (its children), progress and restarts.
 
 A launched learner is `gadei learn JOB ARGS... --start-at N`, where N is the samples of its
 schedule (its epochs over its shard) that the job's weights already hold: a learner that
 dies is started again where the gradients it published end, and after a server restart
 from a checkpoint, where that checkpoint's `progress` says. Its output goes to
-`learner-<number>.log` in the watchdog's log folder.
-
-The table of launched learners (`gadei.watchdog_record.Launched`) is saved as JSON (with the
-watchdog's settings) in the user's runtime folder (`gadei.watchdog_record.save_state`), so a
-new watchdog (`gadei serve --adopt JOB`) can take over the learners of one that died: it
-cannot wait for processes that are not its children, so it tells a clean exit (the learner
-gave its ring back) from a death (its ring still names it).
+`learner-<number>.log` in the supervisor's log folder. The table of launched learners
+(`gadei.supervisor.Launched`) is saved with the supervisor's record, which `gadei status` shows.
 """
 
 import logging
@@ -25,7 +20,7 @@ from gadei import _proc, ring
 from gadei.launch import spawn, wait_or_kill
 from gadei.layout import ACTIVE, DEAD
 from gadei.protocol import Deadline
-from gadei.watchdog_record import Launched, progress
+from gadei.supervisor import Launched, progress
 
 log = logging.getLogger(__name__)
 
@@ -35,9 +30,9 @@ BACKOFF_CAP = 30.0  # seconds: the longest wait before a learner is started agai
 class Learners:
     """Starts, watches and restarts a job's launched learners (the watchdog calls `look()`)."""
 
-    def __init__(self, job: str, table: list[Launched], log_dir: str, *, max_restarts: int, window: float,
-                 backoff: float):
-        self.job, self.table, self.log_dir = job, table, log_dir
+    def __init__(self, job: str, table: list[Launched], log_dir: str, env: dict, *, max_restarts: int,
+                 window: float, backoff: float):
+        self.job, self.table, self.log_dir, self.env = job, table, log_dir, env
         self.max_restarts, self.window, self.backoff = max_restarts, window, backoff
 
     # ------------------------------------------------------------------ state
@@ -53,7 +48,7 @@ class Learners:
 
     def progress(self, ckpt) -> dict:
         """What a checkpoint taken now holds of each learner's schedule (the `progress` hook;
-        `gadei.watchdog_record.progress`)."""
+        `gadei.supervisor.progress`)."""
         return progress(self.table, ckpt)
 
     # ------------------------------------------------------------------ processes
@@ -62,7 +57,7 @@ class Learners:
         os.makedirs(self.log_dir, exist_ok=True)
         command = _proc.gadei_command("learn", self.job, *_numbered(l), "--start-at", l.start_at)
         l.oom_kills = _proc.oom_kills()
-        l.proc = spawn(command, log=os.path.join(self.log_dir, f"learner-{l.number}.log"), session=False)
+        l.proc = spawn(command, log=os.path.join(self.log_dir, f"learner-{l.number}.log"), session=False, env=self.env)
         l.pid, l.entry, l.seen, l.due = l.proc.pid, -1, 0, 0.0
         try:
             l.started = _proc.start_time(l.pid)
@@ -79,13 +74,11 @@ class Learners:
     def kill_all(self) -> None:
         """SIGKILL every running launched learner and reap it (the server is being replaced)."""
         for l in self.table:
-            if l.running and _proc.alive(l.pid, l.started):
-                os.kill(l.pid, signal.SIGKILL)
+            if l.proc is not None and l.proc.poll() is None:
+                l.proc.kill()
         for l in self.table:
             if l.proc is not None:
                 l.proc.wait()
-            elif l.running:
-                _wait_gone(l.pid, l.started, 10.0)
             l.proc, l.pid, l.started, l.entry = None, 0, 0.0, -1
 
     def reap(self, timeout: float, region=None) -> None:
@@ -110,8 +103,7 @@ class Learners:
         fds = []
         try:
             for l in self.table:
-                running = l.proc.poll() is None if l.proc is not None else l.running and _proc.alive(l.pid, l.started)
-                if running:
+                if l.proc is not None and l.proc.poll() is None:
                     try:
                         fds.append(os.pidfd_open(l.pid))
                     except (AttributeError, OSError):  # no pidfds here, or it is gone: the look will see
@@ -152,13 +144,8 @@ class Learners:
         return died, changed
 
     def _exited(self, l: Launched, region) -> tuple[bool, int | None]:
-        if l.proc is not None:
-            code = l.proc.poll()
-            return code is not None, code
-        if _proc.alive(l.pid, l.started):
-            return False, None
-        # Not our child (adopted): a learner that left gave its ring back; one that died did not.
-        return True, (None if ring.entry_of(region, l.pid) >= 0 else 0)
+        code = l.proc.poll() if l.proc is not None else None
+        return l.proc is None or code is not None, code
 
     def _track(self, l: Launched, region) -> None:
         if l.entry < 0 or not ring.owned_by(region, l.entry, l.pid):
@@ -167,7 +154,7 @@ class Learners:
             l.seen = region.entry(l.entry).get("samples")
 
     def _died(self, l: Launched, region, code, now: float) -> None:
-        how = _proc.how_it_ended(code, l.oom_kills)  # code None: adopted, not this watchdog's child
+        how = _proc.how_it_ended(code, l.oom_kills)
         published = l.seen
         if l.entry >= 0 and ring.owned_by(region, l.entry, l.pid):
             region.entry(l.entry).cas("state", ACTIVE, DEAD)
@@ -213,9 +200,3 @@ def _numbered(l: Launched) -> list[str]:
     if any(a == "--entry" or a.startswith("--entry=") for a in l.args):
         return list(l.args)
     return [*l.args, "--entry", str(l.number)]
-
-
-def _wait_gone(pid: int, started: float, timeout: float) -> None:
-    deadline = Deadline(timeout)
-    while _proc.alive(pid, started) and not deadline.expired():
-        deadline.sleep(0.02)

@@ -8,8 +8,8 @@ epochs; `--quick`: TREC cut to its first QUICK_SAMPLES questions, one epoch, so 
 the processes is most of the time), waits until all have ended, and
 reports the total samples/s over the wall time from the first job's start to the last one's
 end (the daemon's records; it notices an end within its poll, half a second), against one
-job alone. While the jobs run it reads every process of theirs (`gadei run`, the server, the
-learners, the watchdog) and the daemon every SAMPLE_EVERY seconds: CPU seconds over its life
+job alone. While the jobs run it reads every process of theirs (the supervisor, the server,
+the learners) and the daemon every SAMPLE_EVERY seconds: CPU seconds over its life
 (all threads) and the most OS threads it had, so that N idle servers spinning together show
 as a server's CPU seconds, and the CPU seconds per sample, growing with N. The CPU a process
 spends after its last reading is missed (up to SAMPLE_EVERY seconds of each), so the CPU
@@ -240,22 +240,22 @@ class _Readings:
         return sorted(self.seen.values(), key=lambda p: (ROLES.index(p["role"]), p["pid"]))
 
 
-ROLES = ("daemon", "run", "server", "learner", "watchdog", "other")
+ROLES = ("daemon", "supervisor", "server", "learner", "other")
 
 
 def _role(cmdline: list[str]) -> str:
-    """What a job's process is, from its command line: `gadei run`, `gadei serve` (the server),
-    `gadei learn` (a learner), the watchdog."""
-    if any("watchdog" in a for a in cmdline):
-        return "watchdog"
-    for word, role in (("run", "run"), ("serve", "server"), ("learn", "learner")):
+    """What a job's process is, from its command line: its supervisor (`python -m gadei_watchdog`),
+    `gadei serve` (the server), `gadei learn` (a learner)."""
+    if any("gadei_watchdog" in a for a in cmdline):
+        return "supervisor"
+    for word, role in (("serve", "server"), ("learn", "learner")):
         if word in cmdline:
             return role
     return "other"
 
 
 def _threads(processes: list[dict]) -> str:
-    """'daemon 5, run 3 (x2), server 4 (x2), learner 2-3 (x4), ...': the most OS threads each
+    """'daemon 5, supervisor 3 (x2), server 4 (x2), learner 2-3 (x4), ...': the most OS threads each
     process had, by role (the range over that role's processes, and how many there were)."""
     roles: dict[str, list[int]] = {}
     for p in processes:

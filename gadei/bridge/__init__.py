@@ -37,7 +37,7 @@ latency alpha and per-byte cost beta (MG-WFBP's merging: a bucket is large enoug
 alpha is at most 5 % of its transfer time), optionally as float16 with float32
 accumulation (an allgather of float16 buckets summed in rank order, the same on every rank).
 
-End: when the local job finished (its watchdog stopped it after every launched learner
+End: when the local job finished (its supervisor stopped it after every launched learner
 finished, and says so in the header `finished`), the bridge gives its ring back so the
 server can stop, and reads the final weights. average and elastic keep taking part in the
 exchanges with them (moved to each target in memory; nothing more reaches the stopped
@@ -59,10 +59,10 @@ can wait forever on a rank that died without any survivor noticing, so it is bou
 A passive gossip rank held by one asker for a quarter of the timeout answers the others'
 requests BUSY, so they try another peer and do not take it for lost while it waits out a
 dead asker.
-A local server that dies without stopping its job is restarted by the node's watchdog into
+A local server that dies without stopping its job is restarted by the node's supervisor into
 a new region: the bridge takes part with the dead server's last weights (moved in memory,
 never in the dead region) until the restarted one serves, then attaches to it
-(`LocalNode.successor`); with no watchdog left, or none serving within RESTART_WAIT, it
+(`LocalNode.successor`); with no supervisor left, or none serving within RESTART_WAIT, it
 leaves the exchanges and says why.
 
 The package, one noun a module:

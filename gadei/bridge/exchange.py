@@ -164,7 +164,7 @@ class BridgeRank:
                         held, restart = np.empty_like(weights), Deadline(RESTART_WAIT)
                         node.snapshot(held)  # the node's last weights: the region stays mapped here
                         log.warning("bridge rank %d: the server (pid %d) of job %r died; taking part with its last "
-                                    "weights until its watchdog's restarted server serves (at most %g s)", self.rank,
+                                    "weights until its supervisor's restarted server serves (at most %g s)", self.rank,
                                     node.server[0], self.job, RESTART_WAIT)
                         self._emit({"event": "server-died", "pid": node.server[0], "t": time.time()})
                         continue
@@ -243,15 +243,15 @@ class BridgeRank:
 
     def _restarted(self, node: LocalNode, restart: Deadline) -> tuple[LocalNode | None, str]:
         """One look for the restarted server of a node whose server died: (the node attached
-        to it, "") once it serves; (None, why) when none will (no watchdog, or none served
+        to it, "") once it serves; (None, why) when none will (no supervisor, or none served
         within RESTART_WAIT); (None, "") while one may yet."""
         successor = node.successor()
         if successor is not None:
             return self._reattach(node, successor), ""
-        if node.watchdog_alive() and not restart.expired():
+        if node.supervisor_alive() and not restart.expired():
             return None, ""
         why = (f"the local server (pid {node.server[0]}) died and " +
-               ("no watchdog restarts it" if not node.watchdog_alive() else
+               ("no supervisor restarts it" if not node.supervisor_alive() else
                 f"no restarted server served within {restart.seconds:g} s"))
         log.error("bridge rank %d: %s; leaving the exchanges", self.rank, why)
         return None, why
@@ -273,7 +273,7 @@ class BridgeRank:
             time.sleep(RESTART_LOOK)
 
     def _reattach(self, old: LocalNode, new: LocalNode) -> LocalNode:
-        """The local server was restarted (by its watchdog, from its last checkpoint): the
+        """The local server was restarted (by its supervisor, from its last checkpoint): the
         bridge goes on with the restarted one; the next exchange copies its weights."""
         self._published += old.published
         self.node = new

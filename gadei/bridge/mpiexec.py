@@ -75,7 +75,8 @@ class Background:
         self._thread.join(timeout)
         return not self._thread.is_alive()
 
-    def _serving(self) -> bool:
+    def serving(self) -> bool:
+        """The local job serves now."""
         try:
             with Region.attach(self.job, readonly=True) as region:
                 return RunState(region).serving()
@@ -84,7 +85,7 @@ class Background:
 
     def _run(self) -> None:
         deadline = Deadline(self.wait)
-        while not self._serving():
+        while not self.serving():
             if self.ended() or deadline.expired():
                 self.error = (f"job {self.job!r} " + ("ended before it served" if self.ended() else
                                                       f"did not serve within {self.wait:g} s"))

@@ -1,6 +1,6 @@
 """The node's job seen from its bridge rank: attach like a learner, copy the weights, write the
 move to a target back through the bridge's own ring as one MOVE slot, and notice a server
-that died without stopping the job and the restarted one its watchdog brings up (a new
+that died without stopping the job and the restarted one its supervisor brings up (a new
 region under the job's name: `successor`)."""
 
 import logging
@@ -19,8 +19,8 @@ from .mpi import BridgeError
 
 log = logging.getLogger(__name__)
 
-RESTART_WAIT = 150.0  # seconds a bridge waits for its node's watchdog to restart a dead server (which the
-# watchdog gives 120 s to serve), while the node's watchdog lives
+RESTART_WAIT = 150.0  # seconds a bridge waits for its node's supervisor to restart a dead server (which the
+# supervisor gives 120 s to serve), while the node's supervisor lives
 
 
 class LocalNode:
@@ -99,15 +99,14 @@ class LocalNode:
 
     def crashed(self) -> bool:
         """The server died without stopping the job (the run state still says serving or
-        stopping): its watchdog, if it has one, restarts it into a new region (`successor`)."""
+        stopping): its supervisor, if it has one, restarts it into a new region (`successor`)."""
         return self._state.get() in (SERVING, STOPPING) and not self.server_alive()
 
-    def watchdog_alive(self) -> bool:
-        """The job's watchdog (the one this region's header names) still runs."""
-        from .. import _proc
+    def supervisor_alive(self) -> bool:
+        """The job's supervisor (the one this region's header names) still runs."""
+        from .. import supervisor
 
-        h = self.region.header
-        return _proc.alive(h.get("watchdog_pid"), h.get("watchdog_start"))
+        return supervisor.alive(self.region)
 
     def successor(self) -> "LocalNode | None":
         """After a crash: the job as a restarted server serves it (the job's region is another
@@ -176,7 +175,7 @@ class LocalNode:
 
     def finished(self, wait: float) -> bool:
         """After the job stopped: True when it stopped because every launched learner finished
-        (its watchdog says so) and every move reached the weights. Gives the ring back (so
+        (its supervisor says so) and every move reached the weights. Gives the ring back (so
         the stopping server need not wait for it) and waits up to `wait` seconds for the
         server to have stopped: the weights are then final, and stay readable here."""
         h = self.region.header

@@ -50,7 +50,7 @@ class BridgeOptions:
         float16: float16 on the wire, float32 accumulation.
         timeout: seconds any MPI wait may last before the peer counts as lost.
         node_lr: a bridged job's lr on each node (None: [train] lr x nodes, elastic x (nodes + 1):
-            gadei.bridge.run.BridgedRun.lr).
+            gadei.placement.Bridged.lr).
         checkpoint_dir: average/elastic write a checkpoint of the local job here when they end on a lost peer.
         save: once every node's job finished, write the model they agreed on here.
         json: print JSON lines (one per exchange and one at the end) on stdout.

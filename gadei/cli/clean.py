@@ -1,5 +1,5 @@
-"""`gadei clean`: remove what crashed servers and dead watchdogs left behind (regions, watchdog
-states, server records)."""
+"""`gadei clean`: remove what crashed servers and dead supervisors left behind (regions,
+supervisors' records, server records)."""
 
 import logging
 import os
@@ -37,18 +37,18 @@ def cmd_clean(args) -> int:
         remove(job)
         removed += 1
         print(f"{job}: removed {SHM_DIR}/gadei-{job} ({what}, {found.size / 1e6:.1f} MB)")
-    _clean_watchdog_states(args)
+    _clean_supervisor_records(args)
     _clean_server_records(args)
     if not args.dry_run:
         print(f"gadei: removed {removed} region(s)", file=sys.stderr)
     return 0
 
 
-def _clean_watchdog_states(args) -> None:
-    """Remove the saved state of watchdogs that died with no one adopting their job, once
-    the job has no region (nothing is left to adopt)."""
+def _clean_supervisor_records(args) -> None:
+    """Remove the records of supervisors that died (a live one removes its own at its end), once
+    their job has no region."""
     from ..region import inspect
-    from ..watchdog_record import saved_jobs
+    from ..supervisor import saved_jobs
 
     try:
         saved = saved_jobs()
@@ -62,10 +62,10 @@ def _clean_watchdog_states(args) -> None:
         except GadeiError:  # not a job name gadei writes: not ours to remove
             continue
         if args.dry_run:
-            print(f"{job}: would remove the dead watchdog's state {path}")
+            print(f"{job}: would remove the dead supervisor's record {path}")
             continue
         os.unlink(path)
-        print(f"{job}: removed the dead watchdog's state {path}")
+        print(f"{job}: removed the dead supervisor's record {path}")
 
 
 def _clean_server_records(args) -> None:
@@ -91,7 +91,7 @@ def _clean_server_records(args) -> None:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("clean", help="remove regions left behind by crashed servers (and dead watchdogs' state and "
+    p = sub.add_parser("clean", help="remove regions left behind by crashed servers (and dead supervisors' and "
                        "dead servers' records)")
     p.add_argument("jobs", nargs="*", help="jobs to clean (default: all of this user's leftovers)")
     p.add_argument("--force", action="store_true", help="also remove objects that are not readable gadei regions")

@@ -3,7 +3,6 @@ or --model."""
 
 import argparse
 import importlib
-import json
 import logging
 
 from .. import data, options
@@ -12,18 +11,9 @@ from ..errors import GadeiError
 log = logging.getLogger("gadei.cli")
 
 
-def emit(record: dict) -> None:
-    print(json.dumps(record), flush=True)
-
-
 def workload_model(args):
-    """(workload, train, validation, test, model) for --workload/--data/--seed (validation:
-    None unless the data is a job file's, see `gadei.data.load`)."""
-    from gadei_workloads import get
-
-    workload = get(args.workload)
-    train, validation, test = data.load(workload, args.data or workload.default_data)
-    return workload, train, validation, test, workload.build_model(train, args.seed)
+    """(workload, train, validation, test, model) for --workload/--data/--seed (`gadei.data.workload_model`)."""
+    return data.workload_model(args.workload, args.data, args.seed)
 
 
 def factory_model(spec: str):

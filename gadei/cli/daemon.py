@@ -96,7 +96,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser("daemon", help="run queued job files for this user (training as a service)",
                        description="Accept job files from `gadei submit` on a Unix socket in this user's runtime "
                        "folder (mode 0600; another user's request is refused by its peer uid), queue them and run up "
-                       "to --max-jobs at once with `gadei run`. Job records are kept on disk: a restarted daemon "
+                       "to --max-jobs at once, each under its own supervisor (as `gadei run` runs one). Job records are kept on disk: a restarted daemon "
                        "knows every job's state and output, and finds jobs that ran on without it. One daemon per "
                        "state folder (a lock). See docs/daemon.md.")
     p.add_argument("action", nargs="?", choices=("run", "stop", "systemd-unit"), default="run",
@@ -124,7 +124,7 @@ def add_parser(sub) -> None:
     p.set_defaults(func=cmd_cancel)
 
     p = sub.add_parser("logs", help="the last lines of a daemon job's logs",
-                       description="The last lines of a daemon job's logs (logs/run.log, serve.log and each learner's "
+                       description="The last lines of a daemon job's logs (logs/supervisor.log, server.log and each learner's "
                        "in its output folder); while no daemon runs, found by the job record it left on disk. A job "
                        "that never started (cancelled while queued) has none, and this says so. --follow: then the "
                        "lines they gain, as they are written, until the job has ended (a queued job is waited for).")

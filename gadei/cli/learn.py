@@ -53,4 +53,6 @@ def add_parser(sub) -> None:
                    help="skip this many samples of the schedule (epochs x shard): a restarted learner goes on "
                    "where its gradients in the weights end (the watchdog sets it)")
     p.add_argument("--json", action="store_true", help="JSON lines instead of text")
+    p.add_argument("--records", metavar="FILE", help="append each epoch's and evaluation's record to FILE as a "
+                   "JSON line too (how the job's supervisor follows its evaluating learner)")
     p.set_defaults(func=cmd_learn)

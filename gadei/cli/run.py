@@ -6,24 +6,23 @@ log = logging.getLogger("gadei.cli")
 
 
 def cmd_run(args) -> int:
-    # A stop (SIGTERM: `gadei cancel`; SIGINT: Ctrl-C) from here on is recorded and taken once the
-    # job is prepared (`run.JobRun`), never a death that leaves no result.json; the daemon starts
-    # this process with them held until now (`launch.spawn(held=True)`).
+    # A stop (SIGTERM, SIGINT: Ctrl-C) from here on is recorded and passed on to the job's
+    # supervisor once it runs (`run.JobRun`), never a death that leaves no result.json; a process
+    # that starts this one held keeps them blocked until now (`launch.spawn(held=True)`).
     from ..launch import take_stops
 
     asked: list[int] = []
     if not args.check:
         take_stops(lambda sig, _frame: asked.append(sig))
-    from ..prepare import RUN, SUBMIT, check_job
+    from ..prepare import check_job
     from ..run import run_job
 
-    by = SUBMIT if args.submitted else RUN
     if args.check:
-        for line in check_job(args.jobfile, resume=args.resume, by=by):
+        for line in check_job(args.jobfile, resume=args.resume):
             print(line, flush=True)
         print("check passed", flush=True)
         return 0
-    return run_job(args.jobfile, quiet=args.quiet, resume=args.resume, by=by, asked=asked)
+    return run_job(args.jobfile, quiet=args.quiet, resume=args.resume, asked=asked)
 
 
 MAX_STDIN_TEXTS = 64 << 20  # bytes of texts `gadei predict RUN -` reads from standard input
@@ -79,10 +78,11 @@ def texts_of(data: bytes, where: str) -> list[str]:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("run", help="run a job file in the foreground: server, watchdog, learners, outputs",
+    p = sub.add_parser("run", help="run a job file in the foreground: its supervisor, server, learners, outputs",
                        description="Check a job file and its data (any problem is refused before anything "
-                       "starts), fill in the defaults, run the job with a watchdog that restarts what crashes, "
-                       "print progress, and leave the model chosen on validation, result.json, the label and "
+                       "starts), fill in the defaults, run the job under its supervisor, which restarts what crashes, "
+                       "print progress (a Ctrl-C stops the job with a checkpoint to go on from), and leave the model "
+                       "chosen on validation, result.json, the label and "
                        "vocabulary maps, metrics.jsonl, accuracy.png, TensorBoard event files (with TensorBoard installed), "
                        "checkpoints and logs in its output folder "
                        "(docs/jobs.md). A job "
@@ -97,9 +97,8 @@ def add_parser(sub) -> None:
                    "starting and 'check passed'; start nothing, write nothing (exit 0, or 2 with the reason)")
     p.add_argument("--resume", action="store_true", help="go on with the run in the job's output folder (one that "
                    "was cancelled, failed, or ended early) from its newest checkpoint that records the learners' "
-                   "progress; only [train] epochs, patience, devices and threads may differ from that run's job.toml")
-    p.add_argument("--submitted", action="store_true", help="the job was submitted to the daemon, which runs it so: "
-                   "what the run says to go on with it names `gadei submit --resume` (default: `gadei run --resume`)")
+                   "progress; only [train] epochs, patience, devices and threads and the [checkpoint] settings may differ "
+                   "from that run's job.toml")
     p.set_defaults(func=cmd_run, log_default="WARNING")  # its own lines say what the library logs
 
     p = sub.add_parser("predict", help="the top labels of a finished run's model for one text or several",

@@ -1,42 +1,36 @@
-"""`gadei serve`: create a job's region and run the server's apply loop (and its watchdog)."""
+"""`gadei serve`: create a job's region and run the server's apply loop, leaving a stop record;
+with --checkpoint-dir, the job under a supervisor (this command becomes it)."""
 
 import argparse
 import logging
 import os
 import signal
-import subprocess
 import sys
-import time
+from dataclasses import asdict
 
-from .._proc import how_it_ended, python_command
-from ..console import last_error
+from .. import options
+from ..checkpoint import CheckpointOptions
+from ..console import emit
 from ..env import restarts as recent_restarts
 from ..errors import GadeiError
-from ..launch import spawn, take_stops, wait_or_kill
-
-from .. import options, watchdog_options
-from ..checkpoint import CheckpointOptions
+from ..launch import take_stops
 from ..modes import MODES, RuleOptions
-from ..protocol import Deadline
+from ..server_record import EARLY, FAILED, REFUSED, STOPPED, StopRecord, write_stop_record
+from ..supervisor import SupervisorSettings
 from ..transport.options import TransportOptions
-from ..watchdog_options import WatchdogSettings
-from ..watchdog_record import LEARNERS_FAILED
 from . import learn
-from .common import add_job_file, emit, factory_model, workload_model
+from .common import add_job_file, factory_model, workload_model
 
 log = logging.getLogger("gadei.cli")
 
-CUSTODY_INTERVAL = 2.0  # seconds (at least) between the server's looks for a job left without watchdog and owner
-
-
 def cmd_serve(args) -> int:
-    if args.adopt:
-        return _adopt(args)
+    if args.checkpoint_dir and not args.no_watchdog:
+        return _supervised(args)
     # SIGTERM/SIGINT stop the server cleanly from the start, before the imports and the model
     # (torch: seconds): one that comes before the server exists is taken once it does (it then
     # stops at once, removes its region and, having served nothing, writes no checkpoint and no
     # --save); one that comes once its region can be seen (published inside Server(): `gadei stop`
-    # may come at once) stops it as on `gadei stop`. A server that `gadei run` started held them
+    # may come at once) stops it as on `gadei stop`. A server that its supervisor started held them
     # blocked until here (`launch.spawn(held=True)`): not even a stop sent at once is a death.
     asked: list[int] = []
     server = None
@@ -47,15 +41,36 @@ def cmd_serve(args) -> int:
             server.request_stop()
 
     previous = take_stops(stop)
+    record = StopRecord(args.job, REFUSED)
+    try:
+        try:
+            server = _server(args)
+        except BaseException:  # Server removed what it had made
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            raise
+        return _serve(args, server, asked, record)
+    except BaseException as err:
+        if record.outcome in (REFUSED, FAILED) and not record.reason:
+            record.reason = str(err) if isinstance(err, (GadeiError, ValueError, OSError)) else \
+                f"{type(err).__name__}: {err}"
+        raise
+    finally:
+        if args.stop_record:
+            write_stop_record(args.stop_record, record)
+        if args.json:
+            emit({"event": "stopped", **asdict(record)})
+
+
+def _server(args):
+    """The server the arguments describe: its region made, its initial weights in it."""
     from ..server import Server
 
     if args.workload is None and args.model is None and args.params is None:
         raise GadeiError("gadei serve: give the initial weights with --workload, --model or --params")
-    if args.learner and (not args.checkpoint_dir or args.no_watchdog):
-        raise GadeiError("--learner: launched learners are run by the job's watchdog; give --checkpoint-dir "
+    if args.learner:
+        raise GadeiError("--learner: launched learners are run by the job's supervisor; give --checkpoint-dir "
                          "(and no --no-watchdog)")
-    learners = [_learner_args(text) for text in args.learner]
-    watching = _watchdog_settings(args, learners) if args.checkpoint_dir and not args.no_watchdog else None
     model = None
     if args.workload:
         model = workload_model(args)[-1]
@@ -63,44 +78,40 @@ def cmd_serve(args) -> int:
         model = factory_model(args.model)
     resume = None
     if args.resume:
-        from .. import checkpoint
+        resume = _resume_from(args.resume)
+    return Server(args.job, model=model, n_params=args.params, mode=args.mode,
+                  rule_options=options.from_args(RuleOptions, args),
+                  transport=options.from_args(TransportOptions, args),
+                  learners=args.learners, threads=args.threads, spin_us=args.spin_us, replace=args.replace,
+                  resume=resume)
 
-        if os.path.isfile(args.resume):
-            resume = checkpoint.load(args.resume)
-        else:
-            resume = checkpoint.latest(args.resume)
-            if resume is None:
-                raise GadeiError(f"--resume {args.resume}: no checkpoint there that reads and verifies")
-    try:
-        server = Server(args.job, model=model, n_params=args.params, mode=args.mode,
-                        rule_options=options.from_args(RuleOptions, args),
-                        transport=options.from_args(TransportOptions, args),
-                        learners=args.learners, threads=args.threads, spin_us=args.spin_us, replace=args.replace,
-                        resume=resume)
-    except BaseException:  # Server removed what it had made
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        raise
+
+def _resume_from(given: str):
+    from .. import checkpoint
+
+    if os.path.isfile(given):
+        return checkpoint.load(given)
+    found = checkpoint.latest(given)
+    if found is None:
+        raise GadeiError(f"--resume {given}: no checkpoint there that reads and verifies")
+    return found
+
+
+def _serve(args, server, asked: list[int], record: StopRecord) -> int:
+    """Serve until stopped; the stop checkpoint and --save; the exit code. `record` says how it ended."""
     early = bool(asked)  # stopped before it served: what it would write is what it started from
     if early:
         server.request_stop()
-    restarts = recent_restarts()
-    server.region.header.set("restarts", len(restarts))  # this server is a watchdog's restart number n
-    dog = custody = None
+    server.region.header.set("restarts", len(recent_restarts()))  # this server is its supervisor's restart number n
     try:
-        if watching is not None and not asked:
-            dog = _start_watchdog(args.job, watching, resume.progress if resume is not None else None)
-        if args.outputs and args.checkpoint_dir:  # a `gadei run` job's server (or one its watchdog restarted)
-            from ..custody import Custody
-            from pathlib import Path
-
-            awaited = dog is not None or bool(restarts)  # a watchdog registers: ours, or the one that restarted us
-            custody = Custody(server.region, Path(args.outputs), server.request_stop,
-                              max(args.watch_interval, CUSTODY_INTERVAL),
-                              args.watch_interval * args.max_missed if awaited else None).start()
         print(f"gadei: serving job {args.job!r} (pid {os.getpid()}); stop it with `gadei stop {args.job}`",
               file=sys.stderr, flush=True)
-        report = server.serve(grace=args.grace)
+        try:
+            report = server.serve(grace=args.grace)
+        except GadeiError as err:  # it stopped the job as failed: the reason is in the region too
+            record.outcome, record.reason = FAILED, server.failure() or str(err)
+            raise
+        record.outcome = EARLY if early else STOPPED
         code = 0
         if early:
             print(f"gadei: job {args.job!r} stopped before it served: no checkpoint, nothing saved", file=sys.stderr,
@@ -109,42 +120,34 @@ def cmd_serve(args) -> int:
             from ..checkpoint import CheckpointError
 
             try:
-                server.write_checkpoint(args.checkpoint_dir, keep=args.keep)
+                record.checkpoint = str(server.write_checkpoint(args.checkpoint_dir, keep=args.keep))
             except CheckpointError as err:  # the weights still go to --save
                 print(f"gadei: error: no checkpoint at stop: {err}", file=sys.stderr, flush=True)
                 code = 1
         if args.save and not early:
             server.save(args.save, private=args.private)
-        if args.json:
-            from ..ring import published
+        from ..ring import published
 
-            h, entries = server.region.header, [server.region.entry(i) for i in range(server.region.shape.capacity)]
-            emit({"event": "stopped", "job": args.job, "applied": report.applied, "seconds": report.seconds,
-                   "version": report.version, "applied_total": h.get("applied"),
-                   "resumed_applied": h.get("resumed_applied"),
-                   "published": published(server.region),
-                   "discarded": sum(e.get("discarded") for e in entries),
-                   "nonfinite_skipped": h.get("nonfinite_skipped")})
+        h, entries = server.region.header, [server.region.entry(i) for i in range(server.region.shape.capacity)]
+        record.applied, record.seconds, record.version = report.applied, report.seconds, report.version
+        record.applied_total, record.resumed_applied = h.get("applied"), h.get("resumed_applied")
+        record.published = published(server.region)
+        record.discarded = sum(e.get("discarded") for e in entries)
+        record.nonfinite_skipped = h.get("nonfinite_skipped")
+        return code
     finally:
-        if custody is not None:
-            custody.close()
         server.close()
-        if custody is not None:
-            custody.write_outputs()  # after the stop: what no watchdog or `gadei run` is left to write
-        if dog is not None:  # it sees the job stopped within one interval and reaps its learners
-            wait_or_kill(dog, 60.0, f"job {args.job!r}: the watchdog")
-            if dog.returncode == LEARNERS_FAILED:
-                print(f"gadei: error: job {args.job!r} ended without some launched learners: the watchdog gave "
-                      f"up on them (see their logs in {args.log_dir or args.checkpoint_dir})", file=sys.stderr)
-                code = 1
-    return code
 
 
-def _watchdog_settings(args, learners: list[list[str]]) -> WatchdogSettings:
-    """The settings of the job's watchdog, from this command's flags, checked before anything
-    starts: it launches `learners`, and restarts the server with this command's arguments
-    less the learners (the watchdog keeps those)."""
-    restart, skip = [], False
+def _supervised(args) -> int:
+    """`gadei serve ... --checkpoint-dir DIR`: the job under a supervisor. This process becomes
+    the job's supervisor (`python -m gadei_watchdog`, same pid), which starts the server with these
+    arguments (and --no-watchdog) as its child, launches the --learner learners, checkpoints the
+    job and restarts what dies; the settings are checked here first."""
+    from .. import supervisor
+    from ..launch import become
+
+    restart, skip = [], False  # this command's arguments less the learners (the supervisor keeps those)
     for arg in args.argv:
         if skip:
             skip = False
@@ -152,22 +155,16 @@ def _watchdog_settings(args, learners: list[list[str]]) -> WatchdogSettings:
             skip = True
         elif not arg.startswith("--learner="):
             restart.append(arg)
-    settings = WatchdogSettings(checkpoint_dir=args.checkpoint_dir, every=args.checkpoint_every, keep=args.keep,
-                                interval=args.watch_interval, max_missed=args.max_missed,
-                                max_restarts=args.max_restarts, restart=restart, learners=learners,
-                                log_dir=args.log_dir, outputs=args.outputs)
+    settings = SupervisorSettings(checkpoint_dir=args.checkpoint_dir, every=args.checkpoint_every, keep=args.keep,
+                                  interval=args.watch_interval, max_missed=args.max_missed,
+                                  max_restarts=args.max_restarts, restart=restart, start=True,
+                                  learners=[_learner_args(text) for text in args.learner], log_dir=args.log_dir)
     try:
         settings.check()
     except ValueError as err:
         raise GadeiError(f"gadei serve: {err}") from None
-    return settings
-
-
-def _start_watchdog(job: str, settings: WatchdogSettings, progress: dict | None) -> subprocess.Popen:
-    """The job's watchdog, in its own session (a Ctrl-C meant for the server does not reach
-    it, and it outlives a server that crashes, to restart it). It launches its learners, from
-    `progress` (a resumed checkpoint's) when there is one."""
-    return spawn(watchdog_options.command(job, settings, progress if settings.learners else None))
+    become(supervisor.command(args.job, settings))
+    return 1  # not reached: exec returns only by raising
 
 
 def _learner_args(text: str) -> list[str]:
@@ -185,56 +182,8 @@ def _learner_args(text: str) -> list[str]:
     except SystemExit:
         raise GadeiError(f"--learner {text!r}: not arguments of `gadei learn` (see `gadei learn --help`)") from None
     if parsed.start_at:
-        raise GadeiError(f"--learner {text!r}: --start-at is the watchdog's to set")
+        raise GadeiError(f"--learner {text!r}: --start-at is the supervisor's to set")
     return args
-
-
-def _adopt(args) -> int:
-    """`gadei serve --adopt JOB`: a new watchdog takes over a running job whose watchdog died."""
-    from ..watchdog_record import load_state
-
-    from ..custody import live_watchdog
-    from ..region import Region, inspect
-
-    found = inspect(args.job)
-    if found is None or found.state != "running":
-        raise GadeiError(f"job {args.job!r} has no running server to adopt" + (f" ({found.state})" if found else ""))
-    live = live_watchdog(args.job)
-    if live:
-        raise GadeiError(f"job {args.job!r} already has a live watchdog (pid {live}): nothing to adopt")
-    try:
-        saved, _ = load_state(args.job)
-    except FileNotFoundError:
-        raise GadeiError(f"job {args.job!r}: no watchdog state to adopt on this machine; start a watchdog with "
-                         f"`gadei watchdog {args.job} --checkpoint-dir DIR`") from None
-    folder = saved.get("log_dir") or saved["checkpoint_dir"]
-    os.makedirs(folder, exist_ok=True)
-    out_path = os.path.join(folder, "watchdog.log")
-    dog = spawn(python_command("gadei_watchdog", args.job, "--adopt"), log=out_path)  # detached: it must not
-    # hold this command's output open
-    deadline = Deadline(60)
-    with Region.attach(args.job, readonly=True) as region:
-        while region.header.get("watchdog_pid") != dog.pid:
-            if dog.poll() is not None:
-                live = live_watchdog(args.job)
-                if live:  # another process adopted the job at the same moment: the header took one of us
-                    raise GadeiError(f"job {args.job!r} was adopted by watchdog pid {live} at the same moment; this "
-                                     "one stood down")
-                raise GadeiError(f"job {args.job!r}: the adopting watchdog {how_it_ended(dog.returncode)}"
-                                 + _last_error(out_path) + f" (see {out_path})")
-            if deadline.expired():
-                dog.kill()
-                raise GadeiError(f"job {args.job!r}: the adopting watchdog did not register within 60 s")
-            time.sleep(0.05)
-    print(f"gadei: job {args.job!r} adopted by watchdog pid {dog.pid}; its log: {out_path}", file=sys.stderr,
-          flush=True)
-    return 0
-
-
-def _last_error(log_path: str) -> str:
-    """": " and the last error a watchdog wrote to its log (`gadei watchdog: error: ...`), or ""."""
-    said = last_error(log_path, "gadei watchdog")
-    return f": {said}" if said else ""
 
 
 def add_parser(sub) -> None:
@@ -247,8 +196,6 @@ def add_parser(sub) -> None:
                        "unless --nonfinite stop: the job stops as failed on the first one, with the reason.")
     p.add_argument("job")
     add_job_file(p)
-    p.add_argument("--adopt", action="store_true", help="start a new watchdog that takes over the running JOB "
-                   "(its old watchdog died), with the old one's settings and launched learners; nothing else")
     init = p.add_mutually_exclusive_group()
     init.add_argument("--workload", help="build the initial model of this built-in workload (textcnn, lstm, mlp)")
     init.add_argument("--model", help="MODULE:CALLABLE returning the initial torch.nn.Module")
@@ -270,33 +217,34 @@ def add_parser(sub) -> None:
     p.add_argument("--save", help="write the final weights here (a state dict torch.load reads; mode 0600 whatever "
                    "the umask, as `gadei run`'s model.pt, unless the --job-file says [output] private = false)")
     p.set_defaults(private=True)  # a --job-file's [output] private (`job_file_defaults`)
-    p.add_argument("--checkpoint-dir", help="checkpoints go here: the job's watchdog takes one every "
-                   "--checkpoint-every seconds and restarts a crashed server from the newest; one more at clean stop")
+    p.add_argument("--checkpoint-dir", help="checkpoints go here, and the job runs under a supervisor: this command "
+                   "becomes it, which starts the server (its child), takes a checkpoint every --checkpoint-every "
+                   "seconds and restarts a crashed server from the newest; the server writes one more at its stop")
     p.add_argument("--checkpoint-every", type=float, default=CheckpointOptions.interval,
                    help="seconds between checkpoints (default %(default)g)")
-    p.add_argument("--no-watchdog", action="store_true", help="with --checkpoint-dir: no watchdog, only the "
-                   "checkpoint at clean stop")
+    p.add_argument("--no-watchdog", action="store_true", help="with --checkpoint-dir: no supervisor, only the "
+                   "server's checkpoint at its stop (how a supervisor starts the server)")
     p.add_argument("--keep", type=int, default=CheckpointOptions.keep,
                    help="checkpoints kept in --checkpoint-dir (default %(default)d)")
     p.add_argument("--resume", metavar="DIR|FILE", help="go on from the newest valid checkpoint in DIR, or from "
                    "the checkpoint FILE (weights, version, momentum or Adagrad sums; launched learners from its progress); the "
                    "model must match")
-    p.add_argument("--watch-interval", type=float, default=WatchdogSettings.interval,
-                   help="the watchdog's seconds between looks and beats (default %(default)g)")
-    p.add_argument("--max-missed", type=int, default=WatchdogSettings.max_missed, help="beats a process may miss before the "
-                   "watchdog counts it as hung (default %(default)d)")
-    p.add_argument("--max-restarts", type=int, default=WatchdogSettings.max_restarts, help="restarts of the server, and of "
-                   f"each launched learner, within {WatchdogSettings.window:g} s before the watchdog gives up (default %(default)d)")
-    p.add_argument("--log-dir", help="where the watchdog's launched learners and restarted servers write their "
-                   "logs (default: --checkpoint-dir)")
-    p.add_argument("--outputs", metavar="FOLDER", help="a `gadei run` output folder: when the job ends, the watchdog "
-                   "records how (logs/watchdog-end.json) and, if the `gadei run` that started the job is gone, writes "
-                   "its outputs (metrics.jsonl, accuracy.png, result.json); with --checkpoint-dir, the server starts a "
-                   "new watchdog (--adopt) when the watchdog and the `gadei run` are both gone, or fails the job "
-                   "with the reason when none can take over")
+    p.add_argument("--watch-interval", type=float, default=SupervisorSettings.interval,
+                   help="the supervisor's seconds between looks and beats (default %(default)g)")
+    p.add_argument("--max-missed", type=int, default=SupervisorSettings.max_missed, help="beats a process may miss "
+                   "before the supervisor counts it as hung (default %(default)d)")
+    p.add_argument("--max-restarts", type=int, default=SupervisorSettings.max_restarts, help="restarts of the server, "
+                   f"and of each launched learner, within {SupervisorSettings.window:g} s before the supervisor gives up "
+                   "(default %(default)d)")
+    p.add_argument("--log-dir", help="where the server (restarted ones too) and the launched learners write their "
+                   "logs under a supervisor (default: --checkpoint-dir)")
     p.add_argument("--learner", action="append", default=[], metavar="ARGS",
-                   help="with --checkpoint-dir: the watchdog launches a learner `gadei learn JOB ARGS` (one "
+                   help="with --checkpoint-dir: the supervisor launches a learner `gadei learn JOB ARGS` (one "
                    "quoted string; repeat for more), restarts it where it was if it dies, and stops the job "
                    "when every launched learner is done")
-    p.add_argument("--json", action="store_true", help="print a JSON line when stopped")
+    p.add_argument("--stop-record", metavar="FILE", help="write how this server ended here, as JSON (outcome: "
+                   "stopped, failed, refused or early; the reason; its gradients applied, published, discarded; its "
+                   "stop checkpoint): what its supervisor reads")
+    p.add_argument("--json", action="store_true", help="print the same record as a JSON line when it ends "
+                   '({"event": "stopped", ...})')
     p.set_defaults(func=cmd_serve)

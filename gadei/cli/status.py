@@ -5,7 +5,8 @@ import sys
 import time
 
 from ..errors import GadeiError
-from .common import at_least, emit
+from ..console import emit
+from .common import at_least
 from .daemon import FROM_DISK, daemon_jobs
 
 log = logging.getLogger("gadei.cli")

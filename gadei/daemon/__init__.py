@@ -1,5 +1,6 @@
 """`gadei daemon`: training as a service for one user. Jobs arrive as job files on a Unix
-socket, wait in a queue, and run (`gadei run`) up to `max_jobs` at once.
+socket, wait in a queue, and run up to `max_jobs` at once, each under its own supervisor (the
+daemon prepares the job, starts its supervisor, and reads its result.json at the end).
 
 The socket is `daemon.sock` in the user's runtime folder (`gadei.env.runtime_dir`, mode
 0700), itself mode 0600, and every request's peer uid is read with SO_PEERCRED: a request
@@ -7,13 +8,12 @@ from another user is refused even where the file modes would let it through.
 
 Each job's record is a JSON file in the state folder's jobs/ (`$GADEI_STATE_DIR/jobs/`,
 default `$XDG_STATE_HOME/gadei/jobs/` or `~/.local/state/gadei/jobs/`), written atomically
-on every change, so a daemon that is restarted knows every job's state and output. Jobs run in sessions of
-their own: a daemon that stops or dies leaves them running, and the next one finds them
-again by pid and start time (or, if they ended meanwhile, by their result.json). A job whose
-`gadei run` died while the job went on under its watchdog is `orphaned`: followed by its
-region until it ends, then its state is its result.json's outcome (`gadei.outputs`; the
-watchdog writes it, or the daemon when nobody else could). Cancelling an orphaned job stops
-its server as `gadei stop` does.
+on every change, so a daemon that is restarted knows every job's state and output. A job's
+supervisor runs in a session of its own: a daemon that stops or dies leaves it running, and the
+next one finds it again by its pid and start time (or, if the job ended meanwhile, its
+result.json). A job's supervisor that dies takes its job down with it; the daemon starts a new
+one that goes on from the job's newest checkpoint (`gadei.supervisor.Supervised`). A cancel is
+a stop the job's supervisor takes: a checkpoint to go on from, then the job's end.
 
 One daemon per state folder: it holds an exclusive `flock` on `daemon.lock` there (and on
 `daemon.sock.lock` beside its socket) for its whole life, so a second daemon is refused at

@@ -183,7 +183,7 @@ class Client:
             GadeiTimeout: it did not end within `timeout` seconds.
         """
         pid = self._ask({"op": "stop"})["pid"]
-        wait_for(lambda: not _proc_running(pid), timeout, f"the gadei daemon (pid {pid}) to stop")
+        wait_for(lambda: not _proc.running(pid), timeout, f"the gadei daemon (pid {pid}) to stop")
         return pid
 
     # ------------------------------------------------------------------ waiting and following
@@ -230,7 +230,7 @@ class Client:
 
     def logs(self, job: str | JobRecord, lines: int = 50, *, follow: bool = False,
              timeout: float | None = None) -> Iterator[str]:
-        """The last `lines` lines of each of the job's logs (its `gadei run`'s, its server's, each
+        """The last `lines` lines of each of the job's logs (its supervisor's, its server's, each
         learner's), each log after a `==> PATH <==` line, as `gadei logs` prints them; a job
         that never ran says why. `follow`: then the lines they gain, as they are written, until
         the job has ended (`==> PATH <==` again when another log has gained lines, as `tail -f`
@@ -274,7 +274,7 @@ class Client:
         """Sleep `poll` seconds (less if the deadline comes sooner), or raise JobTimeout once
         the deadline has passed with the job still live."""
         if deadline is not None and deadline.expired():
-            state = "cancelling (its run is still stopping)" if record.state == CANCELLED else record.state
+            state = "cancelling (its supervisor is still stopping it)" if record.state == CANCELLED else record.state
             raise JobTimeout(f"job {record.name!r} is still {state} after {deadline.seconds:g} s of waiting"
                              + (f" ({record.message})" if record.message and record.state != CANCELLED else "")
                              + f"; its output folder is {record.output}", job=record.name, state=record.state)
@@ -357,15 +357,6 @@ def _refusal(answer: dict) -> DaemonRefused:
     return DaemonRefused(message)
 
 
-def _proc_running(pid: int) -> bool:
-    import psutil
-
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
 # ------------------------------------------------------------------ a job as a dict
 
 
@@ -376,8 +367,6 @@ def _write_job_file(job: dict, base: Path) -> str:
     Raises:
         JobFileError: naming the section and key (as "job dict: [train] lr = ...").
     """
-    import tomllib
-
     from .. import jobfile
 
     raw = _plain(job)
@@ -389,10 +378,10 @@ def _write_job_file(job: dict, base: Path) -> str:
             paths = [str(p) for p in getattr(parsed.data, key)]
             written["data"][key] = paths if isinstance(given, list) else paths[0]
     written.setdefault("output", {})["folder"] = str(parsed.output)
-    text = "".join(f"[{section}]\n" + "".join(f"{key} = {_toml(value)}\n" for key, value in table.items()) + "\n"
-                   for section, table in written.items())
-    if tomllib.loads(text) != written:  # a value TOML does not hold as given
-        raise jobfile.JobFileError(f"{DICT}: cannot be written as a job file: {text!r:.300}")
+    try:
+        text = jobfile.toml_text(written)
+    except ValueError as err:  # a value TOML does not hold as given
+        raise jobfile.JobFileError(f"{DICT}: {err}") from None
     folder = state_dir() / "job-files"
     folder.mkdir(mode=0o700, exist_ok=True)
     fd, path = tempfile.mkstemp(prefix=f"{parsed.name}.", suffix=".toml", dir=folder)  # one per submit, never
@@ -412,30 +401,17 @@ def _plain(value):
     return value
 
 
-def _toml(value) -> str:
-    """A value a job file holds (checked by `jobfile.parse`) as TOML."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int):
-        return int.__repr__(value)
-    if isinstance(value, float):
-        return float.__repr__(value)  # a NumPy float too ("1e-05", not "np.float64(1e-05)")
-    if isinstance(value, list):
-        return "[" + ", ".join(_toml(v) for v in value) + "]"
-    return json.dumps(str(value), ensure_ascii=False)  # JSON's escapes are TOML's (control characters refused)
-
-
 # ------------------------------------------------------------------ reading a job's files as they grow
 
 
 def _log_files(record: JobRecord) -> list[str]:
-    """A job's logs, in the order `gadei logs` prints them: its `gadei run`'s, its server's, each learner's."""
+    """A job's logs, in the order `gadei logs` prints them: its supervisor's, its server's, each learner's."""
     folder = Path(record.output, "logs")
     try:
         learners = sorted(str(p) for p in folder.glob("learner-*.log"))
     except OSError:
         learners = []
-    return [p for p in (record.log, str(folder / "serve.log")) if os.path.exists(p)] + learners
+    return [p for p in (record.log, str(folder / "server.log")) if os.path.exists(p)] + learners
 
 
 class _Tail:

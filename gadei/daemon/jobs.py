@@ -1,5 +1,6 @@
-"""The daemon's jobs: their records on disk, the queue, the runner that starts them as `gadei
-run`, and the daemon's life (one per state folder, by a lock)."""
+"""The daemon's jobs: their records on disk, the queue, the runner that prepares each job and
+starts its supervisor (`gadei.supervisor.Supervised`, whose result.json it reads at the job's
+end), and the daemon's life (one per state folder, by a lock)."""
 
 import fcntl
 import json
@@ -9,17 +10,18 @@ import queue
 import resource
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-from .. import _proc, jobfile
-from ..env import CORES, cores_said, job_cores_env, runtime_dir, state_dir as state_folder
+from .. import jobfile, outputs
+from ..env import CORES, cores_said, environ, job_cores_env, runtime_dir, state_dir as state_folder
 from ..errors import GadeiError, NoSuchJob
+from ..outputs import SUBMIT
+from ..supervisor import Supervised
 from .listener import BACKLOG, MAX_CONNECTIONS, WORKERS, Loop, check_request
 
 log = logging.getLogger(__name__)
@@ -52,16 +54,17 @@ class JobRecord:
     submitted: float = 0.0
     started: float = 0.0
     ended: float = 0.0
-    pid: int = 0  # the `gadei run` process while it runs
+    pid: int = 0  # the job's supervisor while it runs
     pid_start: float = 0.0
     returncode: int | None = None
     message: str = ""
-    resume: bool = False  # go on with the run its output folder holds (`gadei run --resume`)
-    orphaned: bool = False  # its `gadei run` died while the job went on (under its watchdog): followed by region
+    resume: bool = False  # go on with the run its output folder holds (`gadei submit --resume`)
 
     @property
     def log(self) -> str:
-        return os.path.join(self.output, "logs", "run.log")
+        from ..supervisor import LOG
+
+        return os.path.join(self.output, LOG)
 
 
 def read_records(folder: Path) -> dict[str, JobRecord]:
@@ -69,9 +72,10 @@ def read_records(folder: Path) -> dict[str, JobRecord]:
     unreadable one is skipped with a warning. What a starting daemon knows, and what `gadei
     status` and `gadei logs` show while no daemon runs."""
     records = {}
+    known = {f.name for f in fields(JobRecord)}
     for path in sorted((folder / "jobs").glob("*.json")):
         try:
-            record = JobRecord(**json.loads(path.read_text()))
+            record = JobRecord(**{k: v for k, v in json.loads(path.read_text()).items() if k in known})
         except (OSError, ValueError, TypeError) as err:
             log.warning("skipping the unreadable job record %s: %s", path, err)
             continue
@@ -80,8 +84,8 @@ def read_records(folder: Path) -> dict[str, JobRecord]:
 
 
 def job_logs(record: JobRecord, lines: int) -> str:
-    """The last `lines` lines of each of a job's logs (`gadei logs`: its `gadei run`'s, its
-    server's and watchdog's, each learner's), or why it has none: a job that never started
+    """The last `lines` lines of each of a job's logs (`gadei logs`: its supervisor's, its
+    server's, each learner's), or why it has none: a job that never started
     (cancelled while queued, or one that could not start) says so."""
     parts = []
     folder = Path(record.output, "logs")
@@ -89,7 +93,7 @@ def job_logs(record: JobRecord, lines: int) -> str:
         learners = sorted(folder.glob("learner-*.log"))
     except OSError:
         learners = []
-    for path in [record.log, str(folder / "serve.log"), *learners]:
+    for path in [record.log, str(folder / "server.log"), *learners]:
         try:
             text = _tail(path, lines)
         except (FileNotFoundError, NotADirectoryError):
@@ -118,7 +122,6 @@ class Daemon:
             raise GadeiError(f"--metrics-port {metrics_port}: must be a TCP port, 0 to 65535 (0: any free one)")
         self.max_jobs, self.poll, self.metrics_port = max_jobs, poll, metrics_port
         self.started = time.monotonic()
-        self.oom_kills = _proc.oom_kills()  # for a job's `gadei run` an earlier daemon started, which it cannot reap
         self.refused = 0  # requests answered with an error (`gadei.daemon.metrics`), counted by `note_refused`
         self.folder = state_dir()
         # One daemon per state folder, for its whole life: a second one (even beside a stopped
@@ -126,17 +129,14 @@ class Daemon:
         self._locks = [_lock(self.folder / "daemon.lock", f"state folder {self.folder}")]
         self.lock = threading.Lock()
         self.records: dict[str, JobRecord] = {}
-        self.procs: dict[str, tuple[subprocess.Popen, int | None]] = {}  # with `_proc.oom_kills()` at its start
+        self.supervised: dict[str, Supervised] = {}  # each running job's supervisor
         self._stop = threading.Event()
         self.records.update(read_records(self.folder))
         with self.lock:
             for record in self.records.values():
-                if record.state == RUNNING:
-                    self._reattach(record)
-                elif record.state == CANCELLED and not record.ended and record.orphaned and _job_alive(record):
-                    # its cancel was this daemon's to finish (a thread of the daemon before, which
-                    # died with it): finished now; `_reap` records the end
-                    self._cancel_orphan(record)
+                if record.pid and not record.ended:  # running, or cancelled and still stopping
+                    # a supervisor an earlier daemon started: followed by its pid and start time
+                    self.supervised[record.name] = self._supervised(record, pid=record.pid, started=record.pid_start)
 
     # ------------------------------------------------------------------ records
 
@@ -146,56 +146,45 @@ class Daemon:
         tmp.write_text(json.dumps(asdict(record), indent=1))
         os.replace(tmp, path)
 
-    def _reattach(self, record: JobRecord) -> None:
-        if _proc.alive(record.pid, record.pid_start):
-            log.info("job %s still runs (pid %d): watching it again", record.name, record.pid)
-            return
-        if record.orphaned or _job_alive(record):
-            self._orphan(record, "its `gadei run` ended while the daemon was down")
-            return
-        self._conclude(record, None, "ended while the daemon was down")
+    def _supervised(self, record: JobRecord, **kw) -> Supervised:
+        try:
+            private = jobfile.load(Path(record.output) / "job.toml").private
+        except GadeiError:  # not prepared yet, or gone: its log is private until the job says otherwise
+            private = True
+        supervised = Supervised(Path(record.output) / "job.toml", Path(record.output), by=SUBMIT,
+                                named=Path(record.jobfile), env={**os.environ, **job_cores_env(self.max_jobs)}, log=Path(record.log),
+                                private=private, **kw)
+        supervised.stop_asked = record.state == CANCELLED  # a cancelled job's supervisor is not replaced
+        return supervised
 
-    def _orphan(self, record: JobRecord, why: str) -> None:
-        """The job's `gadei run` is gone but the job goes on under its watchdog (which writes its
-        outputs at its end): followed by its region until it ends (`_reap`); a cancelled one
-        (its run died before it stopped the job) is stopped by the daemon (`_cancel_orphan`)."""
-        record.pid, record.orphaned = 0, True
-        if record.state == CANCELLED:  # cancelled, and its run died before it stopped the job: stopped here
-            record.message = f"cancelling ({why})"
-            self._save(record)
-            self._cancel_orphan(record)
-            return
-        record.message = f"{why}; the job goes on under its watchdog, which writes its outputs"
-        self._save(record)
-        log.warning("job %s: %s", record.name, record.message)
-
-    def _conclude(self, record: JobRecord, code: int | None, why: str = "", oom_kills: int | None = None) -> None:
-        """The job ended: its state from its result.json (`gadei.outputs`), which is written
-        here when neither its `gadei run` nor its watchdog lived to write it. `code`: its `gadei
-        run`'s exit code where known (`oom_kills`: `_proc.oom_kills()` when it started)."""
-        from .. import outputs
-
+    def _conclude(self, record: JobRecord, result: dict, code: int | None) -> None:
+        """The job ended: its state from its result.json (`gadei.outputs`), or, where its supervisor
+        died and none could go on with it, from the reason (`result`'s "reason"). `code`: its
+        supervisor's exit code where known."""
         out = Path(record.output)
-        result = outputs.read_result(out)
-        run_ended = "gadei run " + _proc.how_it_ended(code, oom_kills)
-        if result is None and (code is None or code < 0) and (out / "job.toml").is_file():
-            try:  # gadei run was killed: the job's outputs are this process's to write
-                result = outputs.conclude(out, note=why or run_ended, wait=120)
-            except Exception as err:  # noqa: BLE001 (the record must end whatever this costs)
-                log.error("job %s: cannot write its outputs: %s", record.name, _reason(err))
-        outcome = result.get("outcome") if result else None
+        outcome = result.get("outcome")
         # when it ended: its result.json's time (a job that ended while no daemon ran ended then,
         # not when this daemon came to read it)
-        at = _written_at(out / "result.json") if result is not None else None
-        if record.state == CANCELLED:
+        at = _written_at(out / "result.json") if outcome is not None else None
+        try:
+            said = outputs.summary(jobfile.load(record.jobfile), result, SUBMIT) if outcome is not None else ""
+        except GadeiError:  # its job file is gone: result.json's words alone
+            said = f"{outcome}: {result.get('reason', '')}"
+        if outcome == outputs.DONE:
+            self._finish(record, DONE, code, (said + "; the cancel came after training ended")
+                         if record.state == CANCELLED else said, at)
+        elif record.state == CANCELLED and outcome is not None:
             self._finish(record, CANCELLED, code, "cancelled; its last checkpoint and logs are kept", at)
-        elif outcome == "done" or (outcome is None and code == 0):
-            self._finish(record, DONE, code, why, at)
-        elif result is not None:
-            self._finish(record, FAILED, code, f"{outcome}: {result.get('reason', '')}" + (f" ({why})" if why else ""),
-                         at)
+        elif record.state == CANCELLED:  # its supervisor died before it stopped the job
+            self._finish(record, CANCELLED, code, f"cancelled; {result['reason']}; " + (
+                f"go on with `gadei submit --resume {record.jobfile}`" if result.get("resumable") else
+                "no checkpoint records the learners' progress"))
+        elif outcome is not None:
+            self._finish(record, FAILED, code, said, at)
         else:
-            self._finish(record, FAILED, code, (f"{why}; " if why else "") + f"{run_ended}; see `gadei logs {record.name}`")
+            self._finish(record, FAILED, code, f"{result['reason']}; " + (
+                f"go on with `gadei submit --resume {record.jobfile}`" if result.get("resumable") else
+                f"see `gadei logs {record.name}`"))
 
     def _finish(self, record: JobRecord, state: str, code: int | None, message: str = "",
                 at: float | None = None) -> None:
@@ -210,7 +199,7 @@ class Daemon:
     def submit(self, path: str, resume: bool = False) -> JobRecord:
         """Check a job file and its data now, then queue it; `resume`: to go on with the run in
         its output folder. Raises GadeiError saying why not."""
-        from ..prepare import SUBMIT, check
+        from ..prepare import check
 
         job = jobfile.load(path)
         with self.lock:
@@ -218,12 +207,13 @@ class Daemon:
             if old is not None and old.state in LIVE:
                 raise GadeiError(f"job {job.name!r} is already {old.state}; cancel it first or give the job "
                                  "another [job] name")
-            if old is not None and old.state == CANCELLED and not old.ended:  # its run still stops (`_conclude`)
-                raise GadeiError(f"job {job.name!r} is being cancelled: its run is still stopping (its checkpoint, "
-                                 "then its outputs); submit it again once `gadei status` no longer says cancelling")
+            if old is not None and old.state == CANCELLED and not old.ended:  # its supervisor still stops it
+                raise GadeiError(f"job {job.name!r} is being cancelled: its supervisor is still stopping it (its "
+                                 "checkpoint, then its outputs); submit it again once `gadei status` no longer says "
+                                 "cancelling")
         # what `gadei run` would refuse (a squatted region name, the data, the output folder, the
         # resume point) is the submitter's to hear now, not the log's
-        check(job, resume, None, remove_model=False, by=SUBMIT)
+        check(job, resume, by=SUBMIT)
         record = JobRecord(name=job.name, jobfile=str(job.path), output=str(job.output), submitted=time.time(),
                         resume=resume)
         with self.lock:
@@ -233,9 +223,10 @@ class Daemon:
         return record
 
     def cancel(self, name: str) -> JobRecord:
-        """Cancel a queued job, or stop a running one as Ctrl-C stops `gadei run` (a checkpoint
-        that records the learners' progress, then the stop). Answers at once: a running job's
-        state is `cancelled` with the message "cancelling" until its run has stopped (`_reap`)."""
+        """Cancel a queued job, or stop a running one as Ctrl-C stops `gadei run` (its supervisor
+        takes a checkpoint that records the learners' progress, then stops the job; a job whose
+        training had ended is done). Answers at once: a running job's state is `cancelled` with
+        the message "cancelling" until its supervisor has ended it (`_reap`)."""
         with self.lock:
             record = self._get(name)
             if record.state == QUEUED:
@@ -243,51 +234,13 @@ class Daemon:
                 return record
             if record.state != RUNNING:
                 raise GadeiError(f"job {name!r} is {record.state}; nothing to cancel")
-            if not record.orphaned:
-                try:
-                    os.killpg(record.pid, signal.SIGTERM)  # gadei run stops its job: last checkpoint, logs kept
-                except ProcessLookupError:
-                    pass
+            supervised = self.supervised.get(name)
+            if supervised is not None:
+                supervised.stop()  # its supervisor stops the job: a checkpoint to go on from, logs kept
             record.message = "cancelling"
             record.state = CANCELLED
             self._save(record)
-        if record.orphaned:
-            self._cancel_orphan(record)
         return record
-
-    def _cancel_orphan(self, record: JobRecord) -> None:
-        """No gadei run: stop the job as it would, in a thread, without holding the lock (up to a
-        minute). A daemon that dies meanwhile leaves the record cancelled but not ended: the
-        next one starts this again (`__init__`)."""
-        threading.Thread(target=self._stop_orphan, args=(record,), daemon=True,
-                         name=f"gadei-daemon-cancel-{record.name}").start()
-
-    def _stop_orphan(self, record: JobRecord, tries: int = 5) -> None:
-        """An orphaned job's cancel: the checkpoint that records each learner's progress, then the
-        stop (`gadei.launch.stop_job`), tried again while a server of the job lives on (its
-        watchdog may restart a server it found dead meanwhile); `_reap` records the end."""
-        from ..launch import stop_job
-        from ..run import checkpoint_progress
-
-        name = record.name
-        try:
-            taken = checkpoint_progress(jobfile.load(Path(record.output) / "job.toml"))
-        except GadeiError as err:  # its job as run is gone: stop it all the same
-            log.warning("job %s: no checkpoint before cancelling it: %s", name, err)
-            taken = None
-        if taken is not None:
-            log.info("job %s: checkpoint %s at version %s before cancelling it", name, taken.path.name,
-                     f"{taken.version:,}")
-        for attempt in range(tries):
-            try:
-                stop_job(name, timeout=60)
-                return
-            except Exception as err:  # noqa: BLE001 (a thread of the daemon: say it, never die silently)
-                if not _job_alive(record):
-                    return
-                log.warning("job %s: cannot stop it (try %d of %d): %s", name, attempt + 1, tries, _reason(err))
-                time.sleep(2.0)
-        log.error("job %s: still runs after %d tries to stop it; stop it with `gadei stop %s`", name, tries, name)
 
     def logs(self, name: str, lines: int) -> str:
         with self.lock:
@@ -316,7 +269,7 @@ class Daemon:
         failed with the reason and the next one is started instead."""
         with self.lock:
             self._reap()
-            running = sum(r.state == RUNNING or (r.state == CANCELLED and r.pid) for r in self.records.values())
+            running = sum(r.name in self.supervised for r in self.records.values())
             queued = sorted((r for r in self.records.values() if r.state == QUEUED), key=lambda r: r.submitted)
             for record in queued[: max(0, self.max_jobs - running)]:
                 try:
@@ -331,50 +284,41 @@ class Daemon:
                         self.records.pop(record.name, None)
 
     def _start(self, record: JobRecord) -> None:
-        logs = os.path.dirname(record.log)
+        """Prepare the job (the checks of its submit again: its data or folder may have changed
+        since) and start its supervisor, in a session of its own, writing its log in the output
+        folder; a cancel that comes at once is a stop it takes."""
+        from ..placement import Local
+        from ..prepare import describe, prepare
+
         if os.path.lexists(record.output) and not os.path.isdir(record.output):
             raise GadeiError(f"output folder {record.output} is not a folder")
-        os.makedirs(logs, mode=0o700, exist_ok=True)  # private until `gadei run` applies the job's [output] private
-        fd = os.open(record.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        from ..launch import spawn
-
-        env = {**os.environ, **job_cores_env(self.max_jobs)}  # its share of the cores, beside the other jobs
-        oom_kills = _proc.oom_kills()
-        with open(fd, "ab") as out:
-            proc = spawn(_proc.gadei_command("run", record.jobfile, "--quiet", "--submitted")
-                         + (["--resume"] if record.resume else []), log=out, held=True, env=env)  # a cancel at once
-        # is then a stop it takes (once its handler is set), never its death
-        self.procs[record.name] = proc, oom_kills
-        record.state, record.pid, record.started = RUNNING, proc.pid, time.time()
-        try:
-            record.pid_start = _proc.start_time(proc.pid)
-        except Exception:  # it ended at once: _reap says how
-            record.pid_start = 0.0
+        with environ(job_cores_env(self.max_jobs)):  # the defaults it chooses count on its share of the cores
+            prepared = prepare(jobfile.load(record.jobfile), record.resume, by=SUBMIT)
+            said = describe(prepared, Local())
+        supervised = self._supervised(record)
+        supervised.start(resume=record.resume, said=said)
+        self.supervised[record.name] = supervised
+        record.state, record.pid, record.pid_start, record.started = RUNNING, supervised.pid, supervised.started, \
+            time.time()
         self._save(record)
-        log.info("job %s started (pid %d)", record.name, proc.pid)
+        log.info("job %s started (supervisor pid %d)", record.name, supervised.pid)
 
     def _reap(self) -> None:
-        for record in self.records.values():
-            if record.orphaned and record.state in (RUNNING, CANCELLED):
-                if not _job_alive(record):
-                    self._conclude(record, None, record.message.split(";")[0])
+        """Each running job's supervisor looked at: a job that ended concluded, a supervisor that
+        died replaced (`Supervised.ended`: its new pid recorded)."""
+        for name, supervised in list(self.supervised.items()):
+            record = self.records.get(name)
+            if record is None:
+                del self.supervised[name]
                 continue
-            if not record.pid:
+            result = supervised.ended()
+            if result is None:
+                if (record.pid, record.pid_start) != (supervised.pid, supervised.started):  # a new one goes on
+                    record.pid, record.pid_start = supervised.pid, supervised.started
+                    self._save(record)
                 continue
-            proc, oom_kills = self.procs.get(record.name, (None, None))
-            if proc is not None:
-                code = proc.poll()
-                if code is None:
-                    continue
-                del self.procs[record.name]
-            elif _proc.alive(record.pid, record.pid_start):
-                continue  # a job an earlier daemon started
-            else:
-                code, oom_kills = None, self.oom_kills
-            if code != 0 and _job_alive(record):
-                self._orphan(record, f"its `gadei run` (pid {record.pid}) " + _proc.how_it_ended(code, oom_kills))
-                continue
-            self._conclude(record, code, oom_kills=oom_kills)
+            del self.supervised[name]
+            self._conclude(record, result, supervised.code())
 
     # ------------------------------------------------------------------ the socket
 
@@ -496,33 +440,6 @@ class Daemon:
         except Exception as err:  # a bug must cost one request its answer, never the daemon
             log.exception("request %.200r failed", line)
             return {"ok": False, "error": f"the daemon failed on this request: {type(err).__name__}: {err}"}
-
-
-def _job_alive(record: JobRecord) -> bool:
-    """A server of the job runs, or someone (its watchdog) is writing its outputs."""
-    from .. import outputs
-    from ..region import inspect
-
-    found = inspect(record.name)
-    if found is not None and found.state in ("running", "starting"):
-        return True
-    out = Path(record.output)
-    if outputs.owned(out):
-        return True
-    if outputs.read_result(out) is not None:
-        return False
-    ending = outputs.read_ending(out)
-    if ending is None:
-        return _watchdog_alive(record.name)
-    # the watchdog writes the end record, then takes the lock to write the outputs: between the two it lives on
-    return _proc.alive_since(ending.pid, ending.time)
-
-
-def _watchdog_alive(name: str) -> bool:
-    """The job's watchdog still runs (its record names it while it lives: `gadei.watchdog_record`)."""
-    from ..watchdog_record import state_path
-
-    return os.path.exists(state_path(name))
 
 
 def _reason(err: Exception) -> str:

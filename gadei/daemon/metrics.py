@@ -10,7 +10,7 @@ Exposed, computed at each scrape from the daemon's job records and the running j
     gadei_job_version{job}                      per running job: the weights' version (updates applied)
     gadei_job_updates_per_second{job}           its updates/s since the scrape before (0 at the first)
     gadei_job_samples_per_second{job}           the same in samples (updates x the job's mini-batch)
-    gadei_job_restarts{job}                     times its watchdog restarted its server
+    gadei_job_restarts{job}                     times its supervisor restarted its server
     gadei_job_learners_alive{job}               its learners whose process is alive
 
 `prometheus_client` is an optional extra (`pip install 'gadei[prometheus]'`); asking for the
@@ -81,7 +81,7 @@ class _Collector:
             ("version", "The running job's weights' version (updates applied)"),
             ("updates_per_second", "The running job's updates per second since the scrape before"),
             ("samples_per_second", "The running job's samples per second since the scrape before"),
-            ("restarts", "Times the running job's watchdog restarted its server"),
+            ("restarts", "Times the running job's supervisor restarted its server"),
             ("learners_alive", "The running job's learners whose process is alive"))}
         with self._lock:
             running = {name: output for name, state, output in records if state == self.running}

@@ -2,12 +2,13 @@
 pytest, from tests/faults/run.py; it needs the test extras, `pip install -e '.[test]'`).
 
 A `Job` is what a user runs: `gadei serve JOB --workload textcnn --data trec ...
---checkpoint-dir DIR --learner ... --learner ...`, that is a server, its watchdog and the
-learners the watchdog launches, training the text CNN on TREC from the shared data. A
-`Scenario` injects one fault into a running job (SIGKILL of learners, the server, the
-watchdog, during a checkpoint write; a corrupted checkpoint; SIGSTOP/SIGCONT of a learner;
-a checkpoint folder that is full or read-only; a /dev/shm too small for the region) and
-`run_scenario` then checks what the system promises:
+--checkpoint-dir DIR --learner ... --learner ...`, that is the job's supervisor (the command
+becomes it), the server it starts and the learners it launches, training the text CNN on TREC
+from the shared data. A `Scenario` injects one fault into a running job (SIGKILL of learners,
+the server, the supervisor, also during a checkpoint write, after which the job, which ends with
+its supervisor, is resumed from its newest checkpoint; a corrupted checkpoint; SIGSTOP/SIGCONT
+of a learner; a checkpoint folder that is full or read-only; a /dev/shm too small for the
+region) and `run_scenario` then checks what the system promises:
 
 - the job finishes (every launched learner done, the server stopped cleanly);
 - test accuracy near fault-free runs with the same seed and epochs (see `run_scenario`);
@@ -18,7 +19,7 @@ a checkpoint folder that is full or read-only; a /dev/shm too small for the regi
   taken at most `every` seconds, plus the time to write one, before the fault);
 - nothing left behind: no region, no temporary checkpoint file, no process of the job.
 
-The harness makes itself a child subreaper, so processes orphaned by a killed watchdog or
+The harness makes itself a child subreaper, so processes orphaned by a killed supervisor or
 server are reparented to it and reaped, never left as zombies.
 """
 
@@ -44,7 +45,8 @@ from gadei._proc import gadei_command
 from gadei.errors import GadeiError
 from gadei.protocol import Deadline, wait_for
 from gadei.region import Region, inspect
-from helpers import dead, end_jobs, job_processes, learner_pids
+from gadei.server_record import read_stop_record
+from helpers import end_jobs, job_processes, learner_pids
 
 HERE = Path(__file__).resolve().parent
 PR_SET_CHILD_SUBREAPER = 36
@@ -93,7 +95,7 @@ class Settings:
     lr: float = 0.1  # here over 4 runs, against 2-5 points at batch 2, lr 0.05)
     mode: str = "async"
     every: float = 2.0  # seconds between checkpoints
-    interval: float = 0.2  # watchdog look interval
+    interval: float = 0.2  # the supervisor's look interval
     max_missed: int = 15  # hung after interval * max_missed seconds
     timeout: float = 600.0  # the whole job
 
@@ -103,7 +105,8 @@ class Settings:
 
 
 class Job:
-    """One real job: `gadei serve ... --learner ...` with its watchdog and launched learners.
+    """One real job: `gadei serve ... --checkpoint-dir ... --learner ...`, its supervisor (`serve`:
+    the command becomes it), its server and launched learners.
 
     Args:
         name: the job name (unique per run).
@@ -122,7 +125,7 @@ class Job:
         self.final = self.folder / "final.pt"
         self.ckpt.mkdir(parents=True, exist_ok=True)
         self.ckpt_tmpfs_mb, self.shm_tmpfs_mb = ckpt_tmpfs_mb, shm_tmpfs_mb
-        self.serve: subprocess.Popen | None = None
+        self.serve: subprocess.Popen | None = None  # its supervisor (the last one, where it was resumed)
         self._ckpt_fd: int | None = None  # the private checkpoint tmpfs, held open (see ckpt_view)
         self.serve_out = self.folder / "serve.out"
         self.serve_err = self.folder / "serve.err"
@@ -150,18 +153,28 @@ class Job:
                        " && ".join(mounts) + ' && exec "$@"', "sh", *command]
         return command
 
-    def start(self) -> "Job":
-        self.started = time.monotonic()
-        self.serve = subprocess.Popen(self.command(), stdout=open(self.serve_out, "wb"),
-                                      stderr=open(self.serve_err, "wb"), stdin=subprocess.DEVNULL)
+    def start(self, *resume: str) -> "Job":
+        """Start the job (`resume`: the arguments that go on from its checkpoints, once it ended)."""
+        self.started = self.started or time.monotonic()
+        self.serve = subprocess.Popen([*self.command(), *resume], stdout=open(self.serve_out, "ab"),
+                                      stderr=open(self.serve_err, "ab"), stdin=subprocess.DEVNULL)
         return self
 
+    def resume(self) -> "Job":
+        """Go on with the job, which ended with its supervisor, from its newest checkpoint that
+        records the learners' progress (the supervisor makes `--resume DIR` that one)."""
+        return self.start("--replace", "--resume", str(self.ckpt))
+
+    def training(self) -> bool:
+        """Its supervisor registered and every learner is attached."""
+        return bool(self.read(lambda r: r.header.get("supervisor_pid") and len(learner_pids(r)) == self.s.learners))
+
     def wait_training(self, timeout: float = 120.0) -> None:
-        """Until the watchdog registered and every learner is attached."""
+        """Until the supervisor registered and every learner is attached."""
         def ready():
             if self.serve.poll() is not None:
                 raise Failed(f"gadei serve exited with {self.serve.returncode}:\n{self.errors()[-2000:]}")
-            return self.read(lambda r: r.header.get("watchdog_pid") and len(learner_pids(r)) == self.s.learners)
+            return self.training()
         wait_until(ready, timeout, "the job to train")
         self.ckpt_view()  # a private checkpoint folder is held open from here on
 
@@ -179,8 +192,8 @@ class Job:
     def server_pid(self) -> int:
         return self.read(lambda r: r.header.get("server_pid"), 0)
 
-    def watchdog_pid(self) -> int:
-        return self.read(lambda r: r.header.get("watchdog_pid"), 0)
+    def supervisor_pid(self) -> int:
+        return self.read(lambda r: r.header.get("supervisor_pid"), 0)
 
     def learner_pids(self) -> list[int]:
         return self.read(learner_pids, [])
@@ -253,16 +266,11 @@ class Job:
         return Path(f"/proc/self/fd/{self._ckpt_fd}")
 
     def stopped_record(self) -> dict:
-        """The last server's `stopped` JSON line (the first server's stdout, or a restarted
-        server's log)."""
-        lines = self.serve_out.read_text(errors="replace").splitlines()
-        server_log = self.log_dir / "server.log"
-        if server_log.exists():
-            lines += server_log.read_text(errors="replace").splitlines()
-        records = [json.loads(line) for line in lines if line.startswith('{"event": "stopped"')]
-        if not records:
-            raise Failed("no server printed its stopped record")
-        return records[-1]
+        """The last server's stop record (`gadei.server_record.StopRecord`, in the log folder)."""
+        record = read_stop_record(self.log_dir / "server-stop.json")
+        if record is None:
+            raise Failed("no server left its stop record")
+        return vars(record)
 
     def accuracy(self) -> float:
         import torch
@@ -382,42 +390,51 @@ def kill_server(job: Job, rng: random.Random) -> Fault:
 
 
 def _resume_point(job: Job, pid: int):
-    """The checkpoint a restart will resume from: the newest that verifies once the watchdog
-    noticed that server `pid` is gone. (A checkpoint the watchdog was writing at the fault,
-    of weights taken before it, lands until then; after it, nothing writes one until the
-    restarted server serves.) Quietly: the restart itself warns about a bad one."""
-    wait_until(lambda: f"the server pid {pid} is gone" in job.errors(), 60, "the watchdog to notice the dead server")
+    """The checkpoint a restart will resume from: the newest that verifies and records the
+    learners' progress once the supervisor noticed that server `pid` is gone. (A checkpoint the
+    supervisor was writing at the fault, of weights taken before it, lands until then; after it,
+    nothing writes one until the restarted server serves.) Quietly: the restart itself warns
+    about a bad one."""
+    wait_until(lambda: f"the server pid {pid} " in job.errors(), 60, "the supervisor to notice the dead server")
+    return _newest(job)
+
+
+def _newest(job: Job):
     quiet = logging.getLogger("gadei.checkpoint")
     level = quiet.level
     quiet.setLevel(logging.ERROR)
     try:
-        return checkpoint.latest(job.ckpt)
+        return checkpoint.latest(job.ckpt_view(), with_progress=True)
     finally:
         quiet.setLevel(level)
 
 
-def _adopt(job: Job, old: int) -> None:
-    wait_until(lambda: dead(old), 10, "the watchdog to die")
-    reap_orphans(job)
-    adopt = subprocess.run(gadei_command("serve", "--adopt", job.name), capture_output=True,
-                           text=True, timeout=120)
-    if adopt.returncode != 0:
-        raise Failed(f"gadei serve --adopt exited {adopt.returncode}: {adopt.stderr[-2000:]}")
+def _ended_with_its_supervisor(job: Job) -> None:
+    """The killed supervisor's job ends with it (its server and learners are tied to it): until
+    no process of the job is left and its region is gone."""
+    job.serve.wait(timeout=60)
+
+    def over():
+        reap_orphans(job)
+        return inspect(job.name) is None and not job.processes()
+    wait_until(over, 120, "the job to end with its supervisor", interval=0.05)
 
 
-def kill_watchdog(job: Job, rng: random.Random) -> Fault:
+def kill_supervisor(job: Job, rng: random.Random) -> Fault:
+    """SIGKILL of the supervisor: the job ends with it (nothing of it runs unwatched), and goes on
+    from its newest checkpoint when it is resumed (`gadei serve ... --resume DIR`, as `gadei run`
+    and the daemon start a new supervisor)."""
     job.at_progress(rng.uniform(0.2, 0.5))
-    old = job.watchdog_pid()
-    _kill(old)
-    at = time.monotonic()
-    _adopt(job, old)  # returns once the new watchdog registered: the job is whole again
-    # no learner died: one the new watchdog restarts is one that finished, taken for dead
-    return Fault(at, lambda: True, never_in_logs=["starting it again"])
+    _kill(job.serve.pid)
+    at, wall = time.monotonic(), time.time()
+    _ended_with_its_supervisor(job)
+    resume = _newest(job)
+    job.resume()
+    return Fault(at, job.training, restarted_server=True, resume=resume, wall=wall)
 
 
 def kill_during_checkpoint_write(job: Job, rng: random.Random) -> Fault:
     job.at_progress(rng.uniform(0.1, 0.3))
-    old = job.watchdog_pid()
     folder = job.ckpt_view()
 
     def writing():
@@ -427,17 +444,20 @@ def kill_during_checkpoint_write(job: Job, rng: random.Random) -> Fault:
             return []
     for attempt in range(10):  # until a SIGKILL lands while the temporary file is being written
         wait_until(writing, 60, "a checkpoint write", interval=0.0005)
-        _kill(old)
-        at = time.monotonic()
+        _kill(job.serve.pid)
+        at, wall = time.monotonic(), time.time()
         landed = writing()
-        _adopt(job, old)
+        _ended_with_its_supervisor(job)
+        resume = _newest(job)
+        job.resume()
         if landed:
             break
-        old = job.watchdog_pid()
+        job.wait_training()
     else:
         raise Failed("no SIGKILL landed during a checkpoint write in 10 tries")
-    fault = Fault(at, lambda: True)
-    # the next checkpoint (by the adopting watchdog) removes the dead writer's temporary file
+    fault = Fault(at, job.training, restarted_server=True, resume=resume, wall=wall)
+    # the next checkpoint (by the new supervisor) removes the dead writer's temporary file
+    job.wait_training()
     count = len(checkpoint.listing(folder))
     wait_until(lambda: len(checkpoint.listing(folder)) > count or not job.processes(), 60, "the next checkpoint")
     if any(name in landed for name in writing()):
@@ -557,7 +577,7 @@ SCENARIOS = {s.name: s for s in [
     Scenario("kill-several-learners", kill_learners),
     Scenario("kill-all-learners", kill_all_learners, fast=True),
     Scenario("kill-server", kill_server, fast=True),
-    Scenario("kill-watchdog", kill_watchdog, fast=True),
+    Scenario("kill-supervisor", kill_supervisor, fast=True),
     Scenario("kill-during-checkpoint-write", kill_during_checkpoint_write),
     Scenario("corrupt-latest-checkpoint", corrupt_latest_checkpoint),
     Scenario("stall-learner", stall_learner, fast=True),
@@ -696,7 +716,7 @@ def _check(job: Job, fault: Fault, outcome: Outcome, reference: float | None, to
         return
     # the job finished: every launched learner ran its whole schedule
     if "gave up" in logs:
-        problems.append("the watchdog gave up on something")
+        problems.append("the supervisor gave up on something")
     if not job.final.exists():
         problems.append("no final weights were saved")
         return

@@ -2,7 +2,7 @@
 `--soak` the rest (the full randomized suite: `python tests/faults/run.py`; see harness.py for
 what each scenario does and checks).
 
-Each test runs a real job (server, watchdog, three launched learners training the text CNN
+Each test runs a real job (its supervisor, server, three launched learners training the text CNN
 on TREC), injects one fault and checks that the job finishes with every mini-batch of its
 schedule in the weights once, the exactly-once ledger, the lost progress, nothing left
 behind, and test accuracy within 3 points of the median of three fault-free runs of the
@@ -32,7 +32,7 @@ SLOW = [name for name, s in harness.SCENARIOS.items() if not s.fast]
 def workdir(tmp_path_factory):
     if not (harness.data_dir() / "trec").is_dir():
         missing(f"the TREC data set is not at {harness.data_dir() / 'trec'} (set GADEI_DATA_DIR)")
-    harness.set_subreaper(True)  # orphans of killed watchdogs and servers come to us to be reaped
+    harness.set_subreaper(True)  # orphans of killed supervisors and servers come to us to be reaped
     yield tmp_path_factory.mktemp("faults")
     harness.set_subreaper(False)
     harness.reap_orphans()

@@ -69,7 +69,7 @@ CHECKS = (
     Check("kill-after-release", ("L=2", "S=1", "N=1", "LCRASH=1", "SCRASH=0", "CKPTS=0", "STOPS=0"),
           about="two learners, one killed at any step (after it released its entry too), its ring taken over"),
     Check("two-claims", ("L=1", "S=2", "N=2", "LCRASH=1", "SCRASH=0", "CKPTS=0", "STOPS=0", "OCLAIMS=2"),
-          about="a learner killed after it released its entry, claimed twice by another before the watchdog looks"),
+          about="a learner killed after it released its entry, claimed twice by another before the supervisor looks"),
     Check("two-claims-ckpt", ("L=1", "S=2", "N=2", "LCRASH=0", "SCRASH=1", "CKPTS=1", "STOPS=0", "OCLAIMS=2"),
           about="a checkpoint's progress of a learner that released its entry, claimed twice since; a restart from it"),
     Check("checkpoint-1x2", ("L=1", "S=2", "N=2", "LCRASH=0", "SCRASH=1", "CKPTS=1", "STOPS=1"),

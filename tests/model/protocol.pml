@@ -11,19 +11,19 @@
  *   Server      gadei.server.Server.serve/_serve_each/_drain/_take/_update/_pause,
  *               gadei.ring.Consumer.poll/sleep/release, native gd_poll_rings, the update
  *               kernels' apply-and-clear (native/kernels.c gd_sgd ... clear=1).
- *   Watchdog    watchdog.Watchdog.run/_look_at_learners/_supervise/checkpoint/_stop_job/
- *               _restart_server/_ended, watchdog.learners.Learners.look/_track/_died/progress/
+ *   Supervisor  watchdog.supervisor.Supervisor.run/_look_at_learners/_supervise/checkpoint/
+ *               _stop_job/_restart_server/_ended, watchdog.learners.Learners.look/_track/_died/progress/
  *               resume, left_record,
  *               gadei.checkpoint.capture/take (the checkpoint hold).
- *   Other       a learner the watchdog did not launch (OCLAIMS > 0): gadei.ring.claim/_take/
+ *   Other       a learner the supervisor did not launch (OCLAIMS > 0): gadei.ring.claim/_take/
  *               Producer.release of a process with no number, OCLAIMS claims one after the other.
  *   Crash       SIGKILL of a learner process (both its threads) or of the server, at any step.
  *   Stop        `gadei stop` (gadei.launch.stop_job: run_state SERVING -> STOPPING).
  *
  * Bounds (-D on the spin command line): L learners (1..2, one ring each: capacity == L),
  * S slots per ring, N gradients in each learner's schedule, LCRASH learner kills, SCRASH
- * server kills, CKPTS checkpoints the watchdog tries, STOPS 1 when `gadei stop` may come,
- * OCLAIMS claims by a learner the watchdog did not launch.
+ * server kills, CKPTS checkpoints the supervisor tries, STOPS 1 when `gadei stop` may come,
+ * OCLAIMS claims by a learner the supervisor did not launch.
  *
  * A gradient is sample k of learner l's schedule, g = l*N + k; a slot's payload is the set
  * (bitmask) of gradients accumulated into it since it was last cleared: backward of the
@@ -35,7 +35,7 @@
  * -DBUG_NO_ZERO (the server hands a slot back without clearing it). The code as it was
  * before the fixes this model led to: -DOLD_DRAIN (Server._drain), -DOLD_CAPTURE
  * (checkpoint.capture), -DOLD_PID_ORDER (ring._take/Producer.release, learners._died),
- * -DOLD_RESTART_STOP (Watchdog._restart_server/run), -DOLD_KILL_AFTER_RELEASE (no record of a
+ * -DOLD_RESTART_STOP (Supervisor._restart_server/run), -DOLD_KILL_AFTER_RELEASE (no record of a
  * learner's counters after it released its entry; learners._died counts a learner killed
  * after it released its entry by `seen`), -DOLD_LAST_OWNER (a new owner's ring._take copied
  * the previous owner's counters into the entry it claimed, where the next claim overwrote them).
@@ -72,7 +72,7 @@
 #ifndef OCLAIMS
 #define OCLAIMS 0
 #endif
-#define OTHER_PID 200   /* pids of the learner the watchdog did not launch: 200 + its claim (launched: 1, 2, ...) */
+#define OTHER_PID 200   /* pids of the learner the supervisor did not launch: 200 + its claim (launched: 1, 2, ...) */
 
 #define G (L * N)   /* gradients in all schedules */
 #define NONE 255    /* no ring */
@@ -120,8 +120,8 @@ byte ck_prog[L];       /* progress: samples of each schedule the weights hold (N
 /* ------------------------------------------------------------------ processes */
 bool salive = true;    /* the server process runs */
 bool sin = true;       /* the Server proctype is inside a serve (not idle) */
-bool sgo;              /* the watchdog started a server */
-bool lgo[L];           /* the watchdog started learner l */
+bool sgo;              /* the supervisor started a server */
+bool lgo[L];           /* the supervisor started learner l */
 bool tin[L];           /* learner l's process exists (train thread not yet gone) */
 bool pin[L];           /* learner l's push thread runs */
 bool pgo[L];           /* the train thread started the push thread */
@@ -132,16 +132,16 @@ byte perr[L];          /* ThreadPush._error: 0, 1 JobStopped, 2 ServerGone */
 byte myring[L];        /* the ring learner l's current process owns (bookkeeping of the kill) */
 byte lexit[L];         /* exit of learner l's process: 0 running/killed, 1 status 0, 2 error */
 byte pidof[L];         /* pid of learner l's current process (1, 2, ... per launch) */
-byte seen[L];          /* Launched.seen: entry.samples when the watchdog last looked */
+byte seen[L];          /* Launched.seen: entry.samples when the supervisor last looked */
 byte start_at[L];      /* Launched.start_at: where learner l's schedule goes on */
 byte first[L];         /* the sample the current process of learner l starts at */
-bool lrun[L];          /* Launched.running (the watchdog's view) */
+bool lrun[L];          /* Launched.running (the supervisor's view) */
 bool done[L];          /* Launched.done */
-bool finished;         /* header.finished: the watchdog stopped the job, every launched learner being done */
+bool finished;         /* header.finished: the supervisor stopped the job, every launched learner being done */
 bool user_stop;        /* `gadei stop` was given */
 bool wd_ended;
 byte lcrashes, scrashes;
-byte other_r = NONE;   /* the entry the learner the watchdog did not launch holds */
+byte other_r = NONE;   /* the entry the learner the supervisor did not launch holds */
 
 #define ROOM(r) (head[r] - tail[r] < S)
 /* 0 <= head - tail <= slots: asserted wherever head or tail changes */
@@ -207,7 +207,7 @@ inline update() {
 progress_apply:
     /* entry.applied_samples += samples (one per gradient here), then Consumer.release:
      * store64(tail, tail + 1). One step: nothing reads applied_samples in between (a
-     * checkpoint copies it only between two updates, the watchdog after the ring drained) */
+     * checkpoint copies it only between two updates, the supervisor after the ring drained) */
     d_step { applied_samples[r]++; tail[r]++; RING_OK(r) }
 }
 
@@ -358,7 +358,7 @@ end_idle:
             /* Learner.attach */
 #if OCLAIMS > 0
             /* every entry taken (capacity == L) while the other learner holds one: CapacityError, and
-             * the watchdog starts it again after a back-off, which changes nothing in the region:
+             * the supervisor starts it again after a back-off, which changes nothing in the region:
              * here it waits */
             (other_r == NONE || run_state != SERVING);
 #endif
@@ -463,7 +463,7 @@ progress_publish:
     od
 }
 
-/* ------------------------------------------------------------------ the watchdog */
+/* ------------------------------------------------------------------ the supervisor */
 
 inline launch(n) {
   d_step {
@@ -516,7 +516,7 @@ inline commit() {
     }
 }
 
-/* Watchdog.checkpoint -> checkpoint.take -> capture */
+/* Supervisor.checkpoint -> checkpoint.take -> capture */
 inline checkpoint() {
     ckpts++;
     if
@@ -554,7 +554,7 @@ inline checkpoint() {
     fi
 }
 
-/* Watchdog._restart_server: kill the launched learners, recreate the region from the newest
+/* Supervisor._restart_server: kill the launched learners, recreate the region from the newest
  * checkpoint (--replace --resume), start the server and the learners again */
 inline restart_server() {
     atomic {
@@ -591,7 +591,7 @@ inline restart_server() {
         salive = true; sin = true; sgo = true
     }
 #ifndef OLD_RESTART_STOP
-    stopping = false;   /* the learners go on, and the watchdog stops the job when they are done */
+    stopping = false;   /* the learners go on, and the supervisor stops the job when they are done */
 #endif
     if
     :: carried ->
@@ -651,7 +651,7 @@ inline died(n) {
         /* ring.left_record: it left its entry (or was never seen holding it). The record it
          * kept (last_pid, last_applied) if any; else, while an entry's pid is its own, wait until
          * the ring is drained (or the server is gone), then its applied_samples; else what the
-         * watchdog saw. One step: the code reads each answer between two reads of the field
+         * supervisor saw. One step: the code reads each answer between two reads of the field
          * naming it. */
         atomic {
             if
@@ -672,13 +672,13 @@ inline died(n) {
             fi
         }
 #else
-        start_at[n] = start_at[n] + seen[n]   /* it left its entry: what the watchdog saw */
+        start_at[n] = start_at[n] + seen[n]   /* it left its entry: what the supervisor saw */
 #endif
     fi;
     seen[n] = 0
 }
 
-/* Learners._track: the samples counter of learner n's entry (ring r), as the watchdog last saw it.
+/* Learners._track: the samples counter of learner n's entry (ring r), as the supervisor last saw it.
  * Only the old variant has it (and entry.samples): with left_record, `seen` is read only by a
  * learner whose entry names it nowhere, and leaving it 0 there can only add counter-examples
  * (seen <= what the server applied of a learner that drained), so the checks stay sound and
@@ -692,8 +692,8 @@ inline died(n) {
     :: lrun[n] && !tin[n] && !pin[n] && !killed[n] && lexit[n] == 2 -> died(n) \
     :: !lrun[n] && !done[n] && salive && run_state == SERVING -> launch(n)
 
-/* The watchdog: Watchdog.run and what it calls (checkpoints, learner deaths, server restarts, _ended) */
-active proctype Watchdog() {
+/* The supervisor: Supervisor.run and what it calls (checkpoints, learner deaths, server restarts, _ended) */
+active proctype Supervisor() {
     byte i, r, e, ckpts;
     byte ck_tmp[G];
     byte ck_tmp_prog[L];
@@ -717,12 +717,12 @@ active proctype Watchdog() {
     TRACK(1, 1)
 #endif
 #endif
-    :: !stopping && ALL_FINISHED && run_state == SERVING && salive ->   /* Watchdog._stop_job */
+    :: !stopping && ALL_FINISHED && run_state == SERVING && salive ->   /* Supervisor._stop_job */
         stopping = true;
         atomic { finished = true; if :: run_state == SERVING -> run_state = STOPPING; own_stop = true :: else -> skip fi }
     :: ckpts < CKPTS && salive && run_state == SERVING -> checkpoint()
     od;
-    /* Watchdog._ended: reap the learners; the server exits */
+    /* Supervisor._ended: reap the learners; the server exits */
     (LEARNERS_IDLE && !sin);
     /* exactly once, part 3: every gradient published into this region is applied; with no
      * `gadei stop`, every gradient of every schedule is in the weights */
@@ -743,7 +743,7 @@ active proctype Watchdog() {
 }
 
 #ifdef LIVENESS
-/* every run ends: the server stops and every learner and the watchdog end (a deadlock
+/* every run ends: the server stops and every learner and the supervisor end (a deadlock
  * or a cycle that never gets there is a counter-example) */
 ltl ends { <> wd_ended }
 /* a `gadei stop` ends every process */
@@ -762,7 +762,7 @@ ltl stop_ends { [] (user_stop -> <> wd_ended) }
     :: atomic { epid[e] == 0 && head[e] == tail[e] && run_state == SERVING && salive -> \
         r = e; epid[r] = OTHER_PID + k; eowner_alive[r] = true; estate[r] = CLAIMING; other_r = r }
 
-/* A learner the watchdog did not launch (`gadei learn` without --entry, a bridge node): it
+/* A learner the supervisor did not launch (`gadei learn` without --entry, a bridge node): it
  * claims a free entry whose ring is drained (one with a dead owner it leaves alone), resets the
  * counters as ring._take does, and gives the entry back with no record (it has no number), OCLAIMS
  * times one after the other; its gradients are left out (it publishes none). It claims only while

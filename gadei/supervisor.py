@@ -1,0 +1,405 @@
+"""A job's supervisor, seen from gadei: its settings (declared once) and the command line that
+starts it, what it leaves for others to read (its exit codes, its record in the runtime folder,
+how far each learner it launched got), whether it lives, and `Supervised`: a supervisor as its
+client holds it (`gadei run`, the daemon), started, asked to stop, followed to the job's end.
+
+The supervisor itself is the package `gadei_watchdog` (the watchdog grown into the owner of a
+job), a process of its own that uses gadei; gadei starts it and never imports it. One
+supervisor per job: it starts the job's server and learners (its children, tied to it: they
+end when it does), checkpoints the job, restarts what dies, decides that the job ended and
+why, and alone writes the job's outputs. Its clients only start it, pass a stop on (SIGTERM)
+and read result.json. A supervisor that dies takes its job down with it (nothing of the job
+runs unwatched); `Supervised` then starts a new one that goes on from the newest checkpoint
+that records the learners' progress, up to `max_restarts` times within `window` seconds.
+
+Its record (`save_state`: its settings and the learners it launched, JSON written
+atomically in the runtime folder) is what `gadei status` shows of the launched learners; it
+goes when the supervisor ends. `registering`'s lock beside it makes a supervisor's look for a
+live one and its registration in the region's header one step.
+"""
+
+import argparse
+import fcntl
+import glob
+import json
+import logging
+import os
+import signal
+import subprocess
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from . import _proc, options, ring
+from ._proc import python_command
+from .checkpoint import CheckpointOptions
+from .env import runtime_dir
+from .options import option, same_as
+
+log = logging.getLogger(__name__)
+
+PROGRAM = "gadei_watchdog"  # the supervisor's package, run as `python -m gadei_watchdog`
+LOG = "logs/supervisor.log"  # a job's supervisor's own log, in its output folder
+STOP_RECORD = "logs/server-stop.json"  # the last server's stop record (`gadei.server_record.StopRecord`)
+
+# Why a supervisor's watch ended (its exit code in `gadei watchdog`; 0: the job stopped). A
+# supervisor of a job file exits with the code `gadei run` reports instead (`gadei.outputs.exit_code`).
+SERVER_DEAD = 3  # the server died or hung and was not (or could not be) restarted
+LEARNERS_FAILED = 4  # the job ended after the supervisor gave up on a launched learner
+JOB_FAILED = 5  # the server stopped the job as failed; nothing was restarted
+
+HELP = "supervise a running job: checkpoint it, restart what dies"
+DESCRIPTION = ("Attach to a running job (or, with --start, start its server with --restart's arguments), report dead "
+               "or hung learners and server, and take a checkpoint between two updates every --every seconds; launch "
+               "--learners and restart them when they die; restart a dead server (--restart). Ends when the job stops "
+               "(0; 4 when it gave up on a launched learner; 5 when the server failed the job) or its server is dead "
+               "for good (3).")
+
+_SUFFIX = ".supervisor.json"
+
+
+def _strings(value: list) -> list:
+    for item in value:
+        if not isinstance(item, str):
+            raise ValueError(f"holds {json.dumps(item)}, not a string; allowed: a JSON list of strings")
+    return value
+
+
+def _argument_lists(value: list) -> list:
+    for item in value:
+        if not isinstance(item, list) or not all(isinstance(a, str) for a in item):
+            raise ValueError(f"holds {json.dumps(item)}, not a list of strings; allowed: a JSON list of lists of "
+                             "strings")
+    return value
+
+
+@dataclass
+class SupervisorSettings:
+    """How a supervisor watches: what `gadei serve --checkpoint-dir` starts it with, what `gadei
+    watchdog` takes as flags, and what a job file's supervisor derives from the job."""
+
+    checkpoint_dir: str = option("", "where checkpoints go (and, by default, launched processes' logs)",
+                                 metavar="DIR")
+    every: float = same_as(CheckpointOptions, "interval")  # a job file's [checkpoint] interval
+    keep: int = same_as(CheckpointOptions, "keep")
+    interval: float = option(0.5, "seconds between looks and beats", low=0, low_open=True, high=3600)
+    max_missed: int = option(20, "beats a process may miss before it counts as hung", low=1, high=10**6)
+    restart: list[str] | None = option(None, "the gadei arguments that start the server: when it dies, start it "
+                                       "again with them plus --replace --resume (gadei serve passes this); none: "
+                                       "it is not restarted", allowed="a JSON list of strings", check=_strings)
+    start: bool = option(False, "start the server with --restart's arguments first, as this supervisor's child, "
+                         "instead of attaching to a running one (gadei serve --checkpoint-dir does)")
+    max_restarts: int = option(3, "restarts of the server, and of each launched learner, within the window before "
+                               "giving up", low=1, high=10**6)
+    window: float = option(300.0, "seconds over which restarts are counted", low=0, low_open=True, high=10**9)
+    learners: list[list[str]] = option([], "learners to launch and keep running: the arguments after `gadei learn "
+                                       "JOB` of each (gadei serve --learner passes this); each gets `--entry N`, its "
+                                       "place in the list, unless it names an entry",
+                                       allowed="a JSON list of lists of strings", check=_argument_lists)
+    backoff: float = option(1.0, "seconds before a dead learner's first restart, doubling with each", low=0, high=3600)
+    log_dir: str | None = option(None, "where launched processes write their logs", metavar="DIR",
+                                 shown="--checkpoint-dir")
+
+    def check(self) -> None:
+        """Raises ValueError naming the first setting whose value is not allowed."""
+        try:
+            options.check_all(self)
+        except ValueError as err:
+            raise ValueError(f"supervisor {err}") from None
+        if self.start and not self.restart:
+            raise ValueError("supervisor start: give the server's arguments (restart) to start it with")
+
+
+def _progress(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a checkpoint's progress; allowed: a JSON object")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The supervisor's arguments: JOB and a flag for each setting, --progress; or --job-file."""
+    parser.add_argument("job", nargs="?", help="the running job to supervise (not with --job-file)")
+    options.add_arguments(parser, SupervisorSettings)
+    parser.add_argument("--progress", metavar="JSON", type=_progress, default={}, help="how far each launched "
+                        "learner got, from the checkpoint the server resumed from: they start there")
+    parser.add_argument("--job-file", metavar="FILE", help="run the job whose prepared output folder holds this "
+                        "job.toml (`gadei run` and the daemon prepare it) to its end: its server, learners, "
+                        "checkpoints and outputs (the other flags come from it)")
+    parser.add_argument("--resume", action="store_true", help="--job-file: go on from the newest checkpoint of its "
+                        "output folder that records the learners' progress")
+    parser.add_argument("--by", default="gadei run", help="--job-file: the command that started the job, which "
+                        "what it says to go on with it names (gadei run, gadei submit)")
+    parser.add_argument("--named", metavar="FILE", help="--job-file: the job file the job was started from, "
+                        "which what it says to go on with it names (default: the job.toml it runs)")
+    parser.add_argument("--since", type=float, help="--job-file: when this run of the job started (seconds since "
+                        "the epoch), where a supervisor before this one started it (default: now)")
+
+
+def command(job: str, settings: SupervisorSettings, progress: dict | None = None) -> list[str]:
+    """The command line of the supervisor of the running `job` with `settings` (its launched
+    learners starting from `progress`, a checkpoint's)."""
+    return python_command(PROGRAM, job, *options.to_argv(settings),
+                          *([f"--progress={json.dumps(progress)}"] if progress else []))
+
+
+def job_command(job_file: Path, *, resume: bool, by: str, named: Path | None = None,
+                since: float | None = None) -> list[str]:
+    """The command line of the supervisor that runs the prepared job whose job.toml is `job_file`
+    to its end (`named`: the job file it was started from; `since`: when this run of the job
+    started, where an earlier supervisor started it)."""
+    return python_command(PROGRAM, "--job-file", str(job_file), "--by", by, *(["--resume"] if resume else []),
+                          *([f"--named={named}"] if named else []), *([f"--since={since!r}"] if since else []))
+
+
+# ------------------------------------------------------------------ what it leaves behind
+
+
+@dataclass
+class Launched:
+    """One learner the supervisor launched, across its restarts.
+
+    Attributes:
+        number: its place in the job's list of learners (0, 1, ...).
+        args: the arguments after `gadei learn JOB`.
+        start_at: samples of its schedule its current process skipped.
+        pid, started: its current process (pid and start time; 0 when none runs).
+        entry: the learner entry (ring) that process holds, once it attached.
+        seen: samples that process had published when last looked at.
+        done: it finished its schedule.
+        failed: it died too often within the window; no more restarts.
+        restarts: wall-clock times it was started again after a death.
+        due: wall-clock time of the next start (0: none pending).
+    """
+
+    number: int
+    args: list[str]
+    start_at: int = 0
+    pid: int = 0
+    started: float = 0.0
+    entry: int = -1
+    seen: int = 0
+    done: bool = False
+    failed: bool = False
+    restarts: list[float] = field(default_factory=list)
+    due: float = 0.0
+
+    def __post_init__(self):
+        self.proc: subprocess.Popen | None = None  # its process, the supervisor's child
+        self.oom_kills: int | None = None  # `_proc.oom_kills()` when the supervisor started it
+
+    @property
+    def running(self) -> bool:
+        return self.pid != 0
+
+
+def progress(table: list[Launched], ckpt) -> dict:
+    """What a checkpoint taken now holds of each launched learner's schedule (the
+    `checkpoint.take` progress hook), by learner number as text: samples, or "done".
+
+    A running learner's samples are those the server applied from its ring (the counters are
+    part of the same capture); a dead one waiting for its restart already counts what it
+    published in `start_at`.
+    """
+    out = {}
+    for l in table:
+        if l.done:
+            out[str(l.number)] = "done"
+            continue
+        # its entry's counters, or, once it gave the entry back, the record it kept then
+        # (`gadei.ring.applied_in`)
+        applied = ring.applied_in(ckpt.learners, l.pid) if l.running else 0
+        out[str(l.number)] = l.start_at + applied
+    return out
+
+
+def state_path(job: str) -> str:
+    """Where a job's supervisor keeps its settings and launched learners (for `gadei status`)."""
+    return os.path.join(runtime_dir(), job + _SUFFIX)
+
+
+def lock_path(job: str) -> str:
+    return os.path.join(runtime_dir(), f"{job}.supervisor.lock")
+
+
+def saved_jobs() -> dict[str, str]:
+    """The jobs whose supervisor's record is in the runtime folder: job name -> the record's path.
+
+    Raises:
+        PermissionError: the runtime folder is not the user's own and private (`env.runtime_dir`).
+    """
+    return {os.path.basename(path)[: -len(_SUFFIX)]: path
+            for path in glob.glob(os.path.join(glob.escape(runtime_dir()), "*" + _SUFFIX))}
+
+
+@contextmanager
+def registering(job: str):
+    """Held while a supervisor checks that the job has no live supervisor and registers itself
+    in the region header (an exclusive `flock` on `<job>.supervisor.lock` in the runtime
+    folder): two that attach to one job at the same moment cannot both register; the second
+    sees the first alive and refuses."""
+    fd = os.open(lock_path(job), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def save_state(job: str, settings: dict, table: list[Launched]) -> None:
+    """Write the supervisor's record atomically (a reader never sees half a file)."""
+    path = state_path(job)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as out:
+        json.dump({"job": job, "settings": settings, "learners": [asdict(l) for l in table]}, out)
+    os.replace(tmp, path)
+
+
+def load_state(job: str) -> tuple[dict, list[Launched]]:
+    """The record a job's supervisor saved; FileNotFoundError when it saved none."""
+    with open(state_path(job)) as handle:
+        data = json.load(handle)
+    return data["settings"], [Launched(**l) for l in data["learners"]]
+
+
+def remove_state(job: str) -> None:
+    """At the supervisor's end: its record and its registration lock (`registering`) go, so
+    that a runtime folder does not gather one of each per job ever run."""
+    for path in (state_path(job), lock_path(job)):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+def registered(region) -> tuple[int, float]:
+    """The supervisor a job's region names (pid, start time; pid 0: none registered)."""
+    h = region.header
+    return h.get("supervisor_pid"), h.get("supervisor_start")
+
+
+def alive(region) -> bool:
+    """Whether the job's supervisor (the one its region's header names) lives: the one answer to
+    "is this job's supervisor alive" (`gadei status`, a bridge waiting for a restarted server)."""
+    return _proc.alive(*registered(region))
+
+
+# ------------------------------------------------------------------ a client's supervisor
+
+
+class Supervised:
+    """A job file's supervisor as its client (`gadei run`, the daemon) holds it: started
+    (`start`), asked to stop (`stop`: SIGTERM, which it takes as a stop at any moment, even
+    while it starts), followed (`ended`) to the job's end, which its result.json records.
+
+    A supervisor that died without writing result.json took its job down with it (its server
+    and learners are tied to it); `ended` then starts a new one that goes on from the newest
+    checkpoint that records the learners' progress (at most `restarts` times within `window`
+    seconds, never after a stop was asked), or answers the end with the reason when none can.
+
+    Args:
+        job_file: the job as run (its prepared output folder's job.toml: `gadei.prepare.prepare`).
+        named: the job file it was started from (what it says to go on with it names).
+        out: the job's output folder.
+        by: the command that started the job (what the job says to go on with it names).
+        env: the supervisor's environment (None: this process's).
+        log: where its output goes (a path, appended to; None: this process's own).
+        private: the log is made 0600 whatever the umask (the job's [output] private).
+        pid, started: a supervisor an earlier client started (a restarted daemon's), followed
+            by its pid and start time instead of started anew.
+    """
+
+    def __init__(self, job_file: Path, out: Path, *, by: str, named: Path | None = None, env: dict | None = None,
+                 log: Path | None = None, private: bool = True, pid: int = 0, started: float = 0.0, restarts: int = 3,
+                 window: float = 300.0):
+        self.job_file, self.out, self.by, self.env, self.log, self.private = job_file, out, by, env, log, private
+        self.named = named
+        self.proc: subprocess.Popen | None = None
+        self.pid, self.started = pid, started
+        self.oom_kills = _proc.oom_kills()
+        self.restarts, self.window = restarts, window
+        self._deaths: list[float] = []
+        self.since: float | None = None  # when its first supervisor started: the run's start
+        self.stop_asked = False
+        self.said = ""  # how the last supervisor ended, when it died
+
+    def start(self, resume: bool = False, said: list[str] = ()) -> None:
+        """Start the supervisor (`resume`: it goes on from the newest checkpoint that records the
+        learners' progress); `said`: lines written to its log first (what was chosen for the job)."""
+        from .launch import spawn
+
+        self.oom_kills = _proc.oom_kills()
+        command = job_command(self.job_file, resume=resume, by=self.by, named=self.named, since=self.since)
+        self.since = self.since or time.time()
+        # in a session of its own (it outlives its client); a stop sent at once waits for its handler
+        if self.log is None:
+            self.proc = spawn(command, env=self.env, held=True)
+        else:
+            fd = os.open(self.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                         0o600 if self.private else 0o666)
+            with open(fd, "ab") as log_file:
+                log_file.write("".join(f"{line}\n" for line in said).encode())
+                log_file.flush()
+                self.proc = spawn(command, log=log_file, env=self.env, held=True)
+        self.pid = self.proc.pid
+        try:
+            self.started = _proc.start_time(self.pid)
+        except Exception:  # noqa: BLE001 - it ended at once: `ended` says how
+            self.started = 0.0
+        log.info("job folder %s: supervisor pid %d started%s", self.out, self.pid, " (resuming)" if resume else "")
+
+    def stop(self) -> None:
+        """Ask the job to stop (a stop it takes once: the checkpoint of the learners' progress,
+        then the server's stop); a supervisor held by SIGSTOP takes it once it goes on."""
+        self.stop_asked = True
+        if self.running():
+            try:
+                os.kill(self.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+    def running(self) -> bool:
+        if self.proc is not None:
+            return self.proc.poll() is None
+        return _proc.alive(self.pid, self.started)
+
+    def code(self) -> int | None:
+        """Its exit code where it was this process's child and ended, else None."""
+        return self.proc.poll() if self.proc is not None else None
+
+    def ended(self) -> dict | None:
+        """None while the job runs (a supervisor that died is replaced here, where it may be);
+        result.json once the job ended; {"outcome": None, "reason": ...} where its supervisor
+        died, no result.json says how the job ended, and no new one may go on with it."""
+        from . import checkpoint
+        from .outputs import read_result
+
+        if self.running():
+            return None
+        result = read_result(self.out)
+        if result is not None:
+            return result
+        code = self.code()
+        how = _proc.how_it_ended(code, self.oom_kills)
+        self.said = f"its supervisor (pid {self.pid}) {how}"
+        now = time.time()
+        self._deaths = [t for t in self._deaths if now - t < self.window]
+        found = checkpoint.latest(self.out / "checkpoints", with_progress=True)
+        if not self.stop_asked and found is not None and len(self._deaths) < self.restarts:
+            self._deaths.append(now)
+            log.warning("job folder %s: %s; a new one goes on from checkpoint %s (version %s)", self.out, self.said,
+                        found.path.name, f"{found.version:,}")
+            self.start(resume=True)
+            return None
+        if self.stop_asked:
+            why = "it was being stopped"
+        elif found is None:
+            why = "no checkpoint records the learners' progress yet"
+        else:
+            why = f"it died {len(self._deaths) + 1} times within {self.window:g} s"
+        return {"outcome": None, "reason": f"{self.said} and no new one goes on with the job ({why})",
+                "resumable": found is not None}

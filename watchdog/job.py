@@ -1,0 +1,158 @@
+"""A job file's supervisor: the one process that runs a `gadei run` (or daemon) job from its
+prepared output folder (`gadei.prepare.prepare`: job.toml, maps, node.json) to its outputs.
+
+It starts the job's server and learners as `Supervisor` does (the commands made from the job:
+`server_args`, `learner_args`), follows the evaluating learner's epoch records as they come
+(into the job's TensorBoard event files, `gadei.board`; a loss that is not finite stops the job),
+takes a stop asked of it (SIGTERM, SIGINT) as `Supervisor` says, and at the job's end waits for
+the last server's stop record (and a bridged node's bridge: `gadei.placement.wait_bridge`) and
+writes the job's outputs (`gadei.outputs.conclude`): the only writer of them. Its last line says
+the outcome as `gadei run` does; its exit code is `gadei run`'s.
+"""
+
+import logging
+import math
+import os
+import signal
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from gadei import checkpoint, data, device, jobfile, outputs, placement
+from gadei.board import Board
+from gadei.env import learners_openmp_env, pause_at
+from gadei.errors import GadeiError
+from gadei.launch import take_stops
+from gadei.supervisor import SERVER_DEAD, STOP_RECORD, SupervisorSettings
+
+from .supervisor import Supervisor
+
+log = logging.getLogger(__name__)
+
+LIVE_EVERY = 2.0  # seconds between the job's live figures in its event files
+FINAL = "logs/final.pt"  # the weights the last server ended with (`gadei serve --save`)
+
+
+def server_args(job: jobfile.Job, node: placement.NodeRecord | None, found=None) -> list[str]:
+    """The arguments of the job's `gadei serve` (its supervisor adds --no-watchdog and --stop-record):
+    the job as run, one ring more than learners on a bridged node (its bridge's), a node's rate,
+    the checkpoint it resumes from (`found`)."""
+    out, t = job.output, job.train
+    rings = t.learners + (1 if node is not None else 0)
+    args = ["serve", job.name, "--job-file", str(out / "job.toml"), "--learners", str(rings),
+            "--checkpoint-dir", str(out / "checkpoints"), "--save", str(out / FINAL), "--json"]
+    args += ["--lr", repr(node.lr)] if node is not None else []
+    args += ["--resume", str(found.path)] if found is not None else []
+    return args
+
+
+def learner_args(job: jobfile.Job, node: placement.NodeRecord | None) -> list[list[str]]:
+    """Each learner's arguments after `gadei learn JOB`: the job as run, its shard and entry, its
+    device; learner 0 evaluates, and chooses the model on the validation set where the job has one
+    and is not a bridged node's (the nodes' model is the one their bridges agree on)."""
+    out, t = job.output, job.train
+    shards = node.shards if node is not None else placement.Local().shards(t.learners)
+    devices = device.spread(tuple(t.devices.split(",")), t.learners)
+    chooses = node is None and data.has_validation(job)
+    evaluates = ["--eval"] + (["--validate", "--best", str(out / "checkpoints")] if chooses else [])
+    evaluates += ["--records", str(out / outputs.EPOCHS)]
+    return [["--job-file", str(out / "job.toml"), "--json", "--shard", shard, "--entry", str(i)]
+            + (evaluates if i == 0 else []) + (["--device", devices[i]] if devices[i] != "cpu" else [])
+            for i, shard in enumerate(shards)]
+
+
+class _Follow:
+    """What the supervisor does at each look at a running job file's job: the evaluating learner's
+    new epoch records into the event files, a loss that is not finite a stop (diverged), and
+    every LIVE_EVERY seconds the job's samples/s, updates/s, restarts and learners alive."""
+
+    def __init__(self, job: jobfile.Job, board: Board):
+        self.job, self.board = job, board
+        self.supervisor: Supervisor | None = None
+        self._before = None  # (monotonic seconds, version) of the last live figures
+        self._next = time.monotonic() + LIVE_EVERY
+        self._diverged = False
+
+    def __call__(self, region) -> None:
+        records = outputs.epoch_records(self.job.output)
+        self.board.epochs(records)
+        for record in records:
+            loss = record.get("loss")
+            if isinstance(loss, (int, float)) and not math.isfinite(loss) and not self._diverged:
+                self._diverged = True
+                self.supervisor.stop(f"the training loss is {loss} after epoch {record.get('epoch')}: training "
+                                     f"diverged (lr {self.job.train.lr:g})")
+                return
+        if time.monotonic() >= self._next:
+            self._next = time.monotonic() + LIVE_EVERY
+            self._live(region)
+
+    def _live(self, region) -> None:
+        from gadei.status import read
+
+        status = read(region)
+        now = (time.monotonic(), status.version)
+        before, self._before = self._before, now
+        if before is None or now[1] < before[1]:
+            return
+        updates = (now[1] - before[1]) / max(1e-9, now[0] - before[0])
+        self.board.live(status.version, {"samples_per_s": updates * self.job.train.batch, "updates_per_s": updates,
+                                         "restarts": status.restarts,
+                                         "learners_alive": sum(1 for l in status.learners if l.alive)})
+
+
+def run(job_file: str, *, resume: bool = False, by: str = outputs.RUN, named: str | None = None,
+        since: float | None = None) -> int:
+    """Supervise the prepared job whose job.toml is `job_file` to its end and write its outputs;
+    `gadei run`'s exit code for its outcome. `resume`: go on from the newest checkpoint that
+    records the learners' progress; `by`: the command that started the job, and `named`: the job
+    file it started it from (what the job's last line says to go on with it names); `since`: when
+    this run started (a supervisor that died started it; default: now)."""
+    since = since or time.time()
+    job = jobfile.load(job_file)
+    out = job.output
+    if job.private:
+        os.umask(0o077)  # its processes' files (checkpoints, logs) are private too (`prepare.output_modes`)
+    node = placement.read_node(out)
+    (out / FINAL).unlink(missing_ok=True)  # an earlier run's: this run's servers save their own
+    found = None
+    if resume:
+        found = checkpoint.latest(out / "checkpoints", with_progress=True)
+        if found is None:
+            raise GadeiError(f"--resume: no checkpoint in {out / 'checkpoints'} that verifies and records the "
+                             "learners' progress")
+    settings = SupervisorSettings(checkpoint_dir=str(out / "checkpoints"), every=job.checkpoint.interval,
+                                  keep=job.checkpoint.keep, restart=server_args(job, node, found), start=True,
+                                  learners=learner_args(job, node), log_dir=str(out / "logs"))
+    t = job.train
+    board = Board(out, job, warn=lambda line: log.warning("%s", line))
+    follow = _Follow(job, board)
+    supervisor = Supervisor(job.name, settings, progress=found.progress if found else None,
+                            stop_record=str(out / STOP_RECORD), env={**os.environ,
+                                                                     **learners_openmp_env(t.learners, t.learner_threads)},
+                            look=follow)
+    follow.supervisor = supervisor
+    take_stops(lambda sig, _frame: supervisor.ask_stop())  # its clients' Ctrl-C and cancel
+    try:
+        code = supervisor.run()
+    except GadeiError as err:
+        code, supervisor.reason = SERVER_DEAD, supervisor.reason or str(err)
+    for sig in (signal.SIGTERM, signal.SIGINT):  # the end is decided: a stop now changes nothing
+        signal.signal(sig, signal.SIG_IGN)
+    pause_at("concluding")  # a test's hold (GADEI_PAUSE_AT): the job's end decided, its outputs not yet written
+    bridge = placement.wait_bridge(out, node) if node is not None else None
+    stop = supervisor.server_ended()
+    saved = out / FINAL
+    final = bridge.model if bridge is not None else str(saved) if saved.exists() and stop is not None and \
+        stop.outcome == "stopped" else None
+    ending = outputs.Ending(code, supervisor.finished, supervisor.stopped, supervisor.reason or supervisor.note, final)
+    try:
+        board.epochs(outputs.epoch_records(out))  # those reported after the last look
+        result = outputs.conclude(job, ending, since=since,
+                                  bridge=bridge.summary if bridge is not None else None)
+    finally:
+        board.close()
+    log.info("job %r: %s", job.name, result["outcome"])
+    said = replace(job, path=Path(named)) if named else job
+    print(f"{by}: {outputs.summary(said, result, by)}", flush=True)
+    return outputs.exit_code(result)
