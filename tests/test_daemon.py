@@ -470,7 +470,7 @@ def test_job_records_are_where_the_docs_say(tmp_path, monkeypatch, xdg):
     name that folder, in those words (once they disagreed on it)."""
     from pathlib import Path
 
-    from gadei.daemon.jobs import Daemon, JobRecord
+    from gadei.daemon import Daemon, JobRecord
 
     monkeypatch.delenv("GADEI_STATE_DIR")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))

@@ -34,7 +34,8 @@ commands.
 
 from ..errors import NoDaemon
 from .client import Client, format_jobs, request, systemd_unit
-from .jobs import CANCELLED, DONE, FAILED, LIVE, QUEUED, RUNNING, Daemon, DaemonRunning, JobRecord, socket_path, state_dir
+from .jobs import CANCELLED, DONE, FAILED, LIVE, QUEUED, RUNNING, JobRecord, state_dir
+from .service import Daemon, DaemonRunning, socket_path
 from .listener import MAX_CONNECTIONS, MAX_REQUEST, REQUEST_TIMEOUT, BadRequest
 
 __all__ = ["CANCELLED", "DONE", "FAILED", "LIVE", "MAX_CONNECTIONS", "MAX_REQUEST", "NoDaemon", "QUEUED",

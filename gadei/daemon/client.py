@@ -17,7 +17,10 @@ from pathlib import Path
 from .. import _proc
 from ..errors import DaemonError, DaemonRefused, GadeiError, GadeiTimeout, JobTimeout, NoDaemon, NoSuchJob
 from ..protocol import Deadline, wait_for
-from .jobs import CANCELLED, LIVE, LOG_TAIL_BYTES, JobRecord, socket_path, state_dir
+from ..outputs import EPOCHS
+from .jobs import CANCELLED, LIVE, JobRecord, state_dir
+from .logs import Tail, log_files
+from .service import socket_path
 from .listener import MAX_LINES, BadRequest
 
 log = logging.getLogger(__name__)
@@ -217,7 +220,7 @@ class Client:
         while True:
             last = ended(record)  # looked before the file is read: what it wrote by then is read
             if record.started:
-                tail = tail or _Tail(Path(record.output, "logs", "learner-0.log"))
+                tail = tail or Tail(Path(record.output, EPOCHS))
                 for line in tail.read(final=last):
                     epoch = _epoch(line)
                     if epoch is not None and not (epoch.get("restarted") and epoch["epoch"] in seen):
@@ -252,13 +255,13 @@ class Client:
         if not record.started:  # it ended without running (cancelled while queued): the daemon says so
             yield from self.logs(record.name, lines)
             return
-        tails: dict[str, _Tail] = {}
+        tails: dict[str, Tail] = {}
         current, looked = None, False  # the log whose lines were given last; after the first look
         while True:
             last = ended(record)
-            for path in _log_files(record):
+            for path in log_files(record):
                 if path not in tails:  # the logs there at the first look: their last lines; later ones whole
-                    tails[path] = _Tail(Path(path), first=None if looked else lines)
+                    tails[path] = Tail(Path(path), first=None if looked else lines)
                 new = tails[path].read(final=last)
                 if new and path != current:
                     yield f"==> {path} <=="
@@ -401,64 +404,14 @@ def _plain(value):
     return value
 
 
-# ------------------------------------------------------------------ reading a job's files as they grow
-
-
-def _log_files(record: JobRecord) -> list[str]:
-    """A job's logs, in the order `gadei logs` prints them: its supervisor's, its server's, each learner's."""
-    folder = Path(record.output, "logs")
-    try:
-        learners = sorted(str(p) for p in folder.glob("learner-*.log"))
-    except OSError:
-        learners = []
-    return [p for p in (record.log, str(folder / "server.log")) if os.path.exists(p)] + learners
-
-
-class _Tail:
-    """The lines a file gains: each `read` gives the complete lines written since the last one
-    (the first: the file's last `first` lines, or all of it). A file that shrank was written
-    anew: it is read again from its start."""
-
-    def __init__(self, path: Path, first: int | None = None):
-        self.path, self.first = path, first
-        self.offset: int | None = None  # where the next read starts; None: not read yet
-        self.partial = b""  # a line not yet ended
-
-    def read(self, final: bool = False) -> list[str]:
-        """The new complete lines (`final`: and an unended last line: the writer is done)."""
-        try:
-            with open(self.path, "rb") as handle:
-                size = os.fstat(handle.fileno()).st_size
-                first = self.offset is None
-                if first:
-                    start = 0 if self.first is None else max(0, size - LOG_TAIL_BYTES)
-                elif size < self.offset:  # written anew
-                    start, self.partial = 0, b""
-                else:
-                    start = self.offset
-                handle.seek(start)
-                data = handle.read(max(0, min(size - start, LOG_TAIL_BYTES)))
-        except FileNotFoundError:
-            return []
-        self.offset = start + len(data)
-        lines = (self.partial + data).split(b"\n")
-        self.partial = lines.pop()
-        if final and self.partial and self.offset == size:
-            lines.append(self.partial)
-            self.partial = b""
-        if first and self.first is not None:
-            lines = lines[1 if start else 0:]  # a tail that starts mid-file starts mid-line
-            lines = lines[-self.first:] if self.first else []
-        return [line.decode(errors="replace") for line in lines]
-
-
 def _epoch(line: str) -> dict | None:
-    """An evaluating learner's epoch record (a JSON line of its log) as metrics.jsonl holds it."""
-    if not line.startswith('{"event": "epoch"'):
-        return None
+    """An evaluating learner's epoch record (a JSON line of its records, `gadei.outputs.EPOCHS`) as
+    metrics.jsonl holds it."""
     try:
         record = json.loads(line)
     except ValueError:
+        return None
+    if not isinstance(record, dict) or record.get("event") != "epoch":
         return None
     return {k: v for k, v in record.items() if k not in ("event", "job", "learner")}
 

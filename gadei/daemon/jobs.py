@@ -1,28 +1,21 @@
-"""The daemon's jobs: their records on disk, the queue, the runner that prepares each job and
-starts its supervisor (`gadei.supervisor.Supervised`, whose result.json it reads at the job's
-end), and the daemon's life (one per state folder, by a lock)."""
+"""The daemon's jobs: their records on disk, the queue, and the runner that prepares each job,
+starts its supervisor (`gadei.supervisor.Supervised`) and reads its result.json at the job's
+end (`Jobs`); `gadei.daemon.service` serves them on the socket."""
 
-import fcntl
 import json
 import logging
 import os
-import queue
-import resource
-import signal
-import socket
-import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from .. import jobfile, outputs
-from ..env import CORES, cores_said, environ, job_cores_env, runtime_dir, state_dir as state_folder
+from ..env import environ, job_cores_env, state_dir as state_folder
 from ..errors import GadeiError, NoSuchJob
 from ..outputs import SUBMIT
 from ..supervisor import Supervised
-from .listener import BACKLOG, MAX_CONNECTIONS, WORKERS, Loop, check_request
+from . import logs
 
 log = logging.getLogger(__name__)
 
@@ -37,10 +30,6 @@ def state_dir(create: bool = True) -> Path:
     if create:
         (path / "jobs").mkdir(parents=True, exist_ok=True, mode=0o700)
     return path
-
-
-def socket_path() -> str:
-    return os.path.join(runtime_dir(), "daemon.sock")
 
 
 @dataclass
@@ -88,14 +77,9 @@ def job_logs(record: JobRecord, lines: int) -> str:
     server's, each learner's), or why it has none: a job that never started
     (cancelled while queued, or one that could not start) says so."""
     parts = []
-    folder = Path(record.output, "logs")
-    try:
-        learners = sorted(folder.glob("learner-*.log"))
-    except OSError:
-        learners = []
-    for path in [record.log, str(folder / "server.log"), *learners]:
+    for path in logs.log_files(record):
         try:
-            text = _tail(path, lines)
+            text = logs.tail(path, lines)
         except (FileNotFoundError, NotADirectoryError):
             continue
         except OSError as err:
@@ -112,26 +96,16 @@ def job_logs(record: JobRecord, lines: int) -> str:
     return why + ("; the logs in its output folder are an earlier run's:\n" + "\n".join(parts) if parts else "")
 
 
-class Daemon:
-    """The queue, the runner and the request handler; `serve_forever()` until SIGTERM/SIGINT."""
+class Jobs:
+    """The daemon's jobs: their records (read from `folder`'s jobs/ at the start, saved on every
+    change), the queue and the runner (`run_queue`), up to `max_jobs` at once."""
 
-    def __init__(self, max_jobs: int = 1, poll: float = 0.5, metrics_port: int | None = None):
-        if max_jobs < 1:
-            raise GadeiError(f"--max-jobs {max_jobs}: must be at least 1")
-        if metrics_port is not None and not 0 <= metrics_port <= 65535:
-            raise GadeiError(f"--metrics-port {metrics_port}: must be a TCP port, 0 to 65535 (0: any free one)")
-        self.max_jobs, self.poll, self.metrics_port = max_jobs, poll, metrics_port
-        self.started = time.monotonic()
-        self.refused = 0  # requests answered with an error (`gadei.daemon.metrics`), counted by `note_refused`
-        self.folder = state_dir()
-        # One daemon per state folder, for its whole life: a second one (even beside a stopped
-        # first) is refused here, before it reads or writes a record.
-        self._locks = [_lock(self.folder / "daemon.lock", f"state folder {self.folder}")]
+    def __init__(self, folder: Path, max_jobs: int = 1, poll: float = 0.5):
+        self.folder, self.max_jobs, self.poll = folder, max_jobs, poll
         self.lock = threading.Lock()
-        self.records: dict[str, JobRecord] = {}
+        self.records: dict[str, JobRecord] = read_records(self.folder)
         self.supervised: dict[str, Supervised] = {}  # each running job's supervisor
         self._stop = threading.Event()
-        self.records.update(read_records(self.folder))
         with self.lock:
             for record in self.records.values():
                 if record.pid and not record.ended:  # running, or cancelled and still stopping
@@ -320,174 +294,11 @@ class Daemon:
             del self.supervised[name]
             self._conclude(record, result, supervised.code())
 
-    # ------------------------------------------------------------------ the socket
-
-    def serve_forever(self) -> None:
-        """Serve requests on the socket until SIGTERM, SIGINT or a `stop` request.
-
-        Raises:
-            DaemonRunning: another daemon holds this state folder's (or this socket's) lock.
-        """
-        path = socket_path()
-        exporter = None
-        try:
-            self._locks.append(_lock(Path(path + ".lock"), f"socket {path}"))
-            if self.metrics_port is not None:
-                from . import metrics
-
-                exporter = metrics.serve(self, self.metrics_port, (QUEUED, RUNNING, DONE, FAILED, CANCELLED), RUNNING)
-                print(f"gadei daemon: Prometheus metrics on http://{metrics.LOOPBACK}:{exporter.server_port}/metrics",
-                      file=sys.stderr, flush=True)
-            self._serve(path)
-        finally:
-            if exporter is not None:
-                exporter.shutdown()
-                exporter.server_close()
-            self.close()
-
-    def close(self) -> None:
-        """Let go of the locks (they also go when the process ends)."""
-        while self._locks:
-            os.close(self._locks.pop())
-
-    def _serve(self, path: str) -> None:
-        _raise_fd_limit(MAX_CONNECTIONS + 64)
-        try:
-            os.unlink(path)  # a dead daemon's socket: we hold the lock, so nobody else's
-        except FileNotFoundError:
-            pass
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old_umask = os.umask(0o177)  # the socket is created 0600
-        try:
-            listener.bind(path)
-        finally:
-            os.umask(old_umask)
-        os.chmod(path, 0o600)
-        listener.listen(BACKLOG)
-        listener.setblocking(False)
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._wake_r.setblocking(False)
-        self._wake_w.setblocking(False)
-        self._answers: queue.SimpleQueue = queue.SimpleQueue()
-        self._pool = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="gadei-daemon-request")
-        runner = threading.Thread(target=self.run_queue, name="gadei-daemon-runner", daemon=True)
-        runner.start()
-        previous = {sig: signal.signal(sig, lambda *_: self.stop()) for sig in (signal.SIGTERM, signal.SIGINT)}
-        share = job_cores_env(self.max_jobs)
-        log.info("gadei daemon (pid %d) listening on %s; %d jobs at once%s; job records in %s", os.getpid(), path,
-                 self.max_jobs, f", each counting on {share[CORES]} of {cores_said()}" if share else "",
-                 self.folder / "jobs")
-        print(f"gadei daemon: listening on {path}; stop it with `gadei daemon stop`", file=sys.stderr, flush=True)
-        try:
-            Loop(self, listener).run()
-        finally:
-            self._stop.set()
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            runner.join(5)
-            listener.close()
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
-            self._wake_r.close()
-            self._wake_w.close()
-            log.info("gadei daemon stopped; running jobs go on and the next daemon finds them")
-
-    def note_refused(self) -> None:
-        """One more request answered with an error (the listener's loop, its one thread that
-        replies, calls this; a scrape only reads the count)."""
-        self.refused += 1
-
-    def stop(self) -> None:
-        """Ask the loop to end (a signal handler, a `stop` request)."""
-        self._stop.set()
-        wake = getattr(self, "_wake_w", None)
-        if wake is not None:
-            try:
-                wake.send(b"x")
-            except OSError:
-                pass  # the loop has wake-ups to read already, or is gone
-
-    def answer(self, line: bytes) -> dict:
-        """The answer to one request line: {"ok": true, ...} or {"ok": false, "error": ..., "kind": ...}
-        (the class of the error, e.g. NoSuchJob, JobFileError); never raises."""
-        try:
-            req = check_request(line)
-            op = req["op"]
-            if op == "submit":
-                record = self.submit(req["jobfile"], resume=req.get("resume", False))
-                return {"ok": True, "job": asdict(record)}
-            if op == "status":
-                with self.lock:
-                    self._reap()
-                    if req.get("job") is not None:
-                        return {"ok": True, "jobs": [asdict(self._get(req["job"]))]}
-                    return {"ok": True, "jobs": [asdict(r) for r in sorted(self.records.values(),
-                                                                            key=lambda r: r.submitted)]}
-            if op == "cancel":
-                return {"ok": True, "job": asdict(self.cancel(req["job"]))}
-            if op == "logs":
-                return {"ok": True, "text": self.logs(req["job"], req.get("lines", 50))}
-            if op == "stop":
-                log.info("stop requested")
-                self.stop()
-                return {"ok": True, "pid": os.getpid()}
-            raise AssertionError(op)
-        except GadeiError as err:  # "kind": the error's class, which the client raises again (`client.Client`)
-            return {"ok": False, "error": str(err), "kind": type(err).__name__}
-        except Exception as err:  # a bug must cost one request its answer, never the daemon
-            log.exception("request %.200r failed", line)
-            return {"ok": False, "error": f"the daemon failed on this request: {type(err).__name__}: {err}"}
-
 
 def _reason(err: Exception) -> str:
     if isinstance(err, OSError) and err.strerror:
         return f"{err.filename}: {err.strerror}" if err.filename else err.strerror
     return str(err) or type(err).__name__
-
-
-LOG_TAIL_BYTES = 4 << 20  # the most of one log a `logs` answer carries
-
-
-def _tail(path, lines: int) -> str:
-    """The last `lines` lines of the file at `path`, from at most its last LOG_TAIL_BYTES."""
-    with open(path, "rb") as handle:
-        size = os.fstat(handle.fileno()).st_size
-        handle.seek(max(0, size - LOG_TAIL_BYTES))
-        data = handle.read(LOG_TAIL_BYTES)
-    return "\n".join(data.decode(errors="replace").splitlines()[-lines:])
-
-
-def _lock(path: Path, what: str) -> int:
-    """Hold an exclusive lock on `path` for this process's life (the descriptor); the holder's
-    pid is written in it. Raises DaemonRunning when another process holds it."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-        os.close(fd)
-        raise DaemonRunning(f"a gadei daemon (pid {holder}) already serves {what}; stop it with `gadei daemon "
-                            f"stop`, or give this one another GADEI_STATE_DIR and GADEI_RUNTIME_DIR") from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    return fd
-
-
-def _raise_fd_limit(wanted: int) -> None:
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != resource.RLIM_INFINITY and soft < wanted:
-        new = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
-        if new < wanted:
-            log.warning("at most %d open files (ulimit -n): fewer than %d connections may be open at once", new,
-                        MAX_CONNECTIONS)
-
-
-class DaemonRunning(GadeiError):
-    """Another daemon already serves this state folder or socket."""
 
 
 def _written_at(path: Path) -> float | None:

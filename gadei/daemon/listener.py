@@ -109,7 +109,7 @@ class Loop:
 
     WARN_EVERY = 60.0  # seconds between two warnings of one kind: a flood of bad clients must not flood the log
 
-    def __init__(self, daemon, listener: socket.socket):  # daemon: a gadei.daemon.jobs.Daemon
+    def __init__(self, daemon, listener: socket.socket):  # daemon: a gadei.daemon.service.Daemon
         self.daemon, self.listener = daemon, listener
         self.selector = selectors.DefaultSelector()
         self.conns: dict[int, _Conn] = {}  # fd -> connection, oldest first
