@@ -1,40 +1,30 @@
 """Where a job runs: on this machine alone (`Local`, the null placement), or as one node of a
 bridged job (`Bridged`: `mpiexec -n NODES gadei run job.toml` with a [bridge] section). The job
 layer (`gadei.prepare`, `gadei.run`, the supervisor) asks its placement the few things a node
-changes, and never which one it has: the job a node runs (`job`: name `<name>-r<rank>`, folder
+changes, and never which one it has: the job a node runs (name `<name>-r<rank>`, folder
 `<folder>/node-<rank>`), its learners' shards (learner i of node r trains shard r*L + i of
-NODES*L, so the nodes together see each sample once per epoch), its rate, the ring its bridge
-takes, whether learner 0 chooses the model on validation (a node's model is the one the bridges
-agree on instead), what `gadei run` says of it, and, for a bridged node, the bridge itself.
-
-A bridged node's `gadei run` (an MPI rank) prepares the node's job, agrees with the other
-ranks that every node could (`agree`), starts the job's supervisor, and runs the node's bridge
-in a thread once the job serves (`start`). When the bridge ends (every node finished, or it
-gave up), the rank saves the agreed model (logs/bridge-agreed.pt) and writes the bridge's record
-(`BRIDGE_END`, `BridgeEnd`): what the node's supervisor, which alone writes the job's outputs,
-waits for at the job's end, to hand that model back as model.pt and say what the bridge did in
-result.json. The placement is recorded in the output folder (node.json: `NodeRecord`), where
-the supervisor and a resumed run read it.
+NODES*L), its rate, the ring its bridge takes, whether learner 0 chooses the model on
+validation, what `gadei run` says of it, and the bridge itself: the rank runs it in a thread once
+the job serves, and leaves its record (`gadei.bridge.record`) for the node's supervisor. The
+placement is recorded in the output folder (node.json: `NodeRecord`).
 """
 
 import json
 import logging
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from . import _proc
+from .bridge import record
 from .errors import GadeiError
 
 log = logging.getLogger(__name__)
 
 NODE = "node.json"  # a bridged node's placement, in its output folder
-BRIDGE_END = "logs/bridge-end.json"  # the bridge's record, written by the rank when its bridge ended
-BRIDGE_MODEL = "logs/bridge-agreed.pt"  # the model the nodes agreed on, which the rank saves there
-QUIET = 30.0  # seconds beyond its timeout a bridge may make no exchange once its job ended, before it is given up
 
 
 @dataclass
@@ -45,17 +35,8 @@ class NodeRecord:
     nodes: int
     shards: list[str]
     lr: float
-    timeout: float  # the bridge's timeout: how long the supervisor waits for its record, beyond QUIET
+    timeout: float  # the bridge's timeout: how long the supervisor waits for its record (`gadei.bridge.record`)
     host: list = field(default_factory=list)  # the rank's process that runs the bridge: [pid, start time]
-
-
-@dataclass
-class BridgeEnd:
-    """What a node's bridge did (result.json's "bridge"), and the model the nodes agreed on (a path,
-    or None where it ended without one)."""
-
-    summary: dict
-    model: str | None = None
 
 
 def read_node(out: Path) -> NodeRecord | None:
@@ -71,35 +52,6 @@ def read_node(out: Path) -> NodeRecord | None:
         return None
     except (OSError, ValueError, TypeError) as err:
         raise GadeiError(f"{out / NODE}: not a bridged node's record ({err})") from None
-
-
-def read_bridge_end(out: Path) -> BridgeEnd | None:
-    try:
-        return BridgeEnd(**json.loads((out / BRIDGE_END).read_text()))
-    except (OSError, ValueError, TypeError):
-        return None
-
-
-def wait_bridge(out: Path, node: NodeRecord) -> BridgeEnd | None:
-    """At a bridged node's end (its server stopped), its supervisor waits here for the bridge's
-    record, while the rank that runs the bridge lives, for at most its timeout plus QUIET
-    seconds beyond the quiet the rank itself allows; None where none came."""
-    from .protocol import Deadline
-
-    deadline = Deadline(2 * (node.timeout + QUIET))
-    while not deadline.expired():
-        found = read_bridge_end(out)
-        if found is not None:
-            return found
-        if node.host and not _proc.alive(*node.host):
-            found = read_bridge_end(out)  # written just before it ended
-            if found is None:
-                log.error("node %d: the rank that ran its bridge (pid %d) is gone without its record", node.node,
-                          node.host[0])
-            return found
-        deadline.sleep(0.1)
-    log.error("node %d: no record of its bridge within %g s", node.node, deadline.seconds)
-    return None
 
 
 def of(job) -> "Local":
@@ -269,7 +221,7 @@ class Bridged(Local):
         """Once the bridge ended (or made no exchange for its timeout plus QUIET seconds after the
         job stopped serving): the agreed model saved, the bridge's record written, once."""
         bridge = self._bridge
-        if bridge is None or (job.output / BRIDGE_END).exists():
+        if bridge is None or (job.output / record.END).exists():
             return
         if not bridge.join(0):
             serving = bridge.serving()
@@ -277,33 +229,24 @@ class Bridged(Local):
                 self._ended_at = None
                 return
             self._ended_at = self._ended_at or time.monotonic()
-            quiet = self.options.timeout + QUIET
+            quiet = self.options.timeout + record.QUIET
             if time.monotonic() - max(self._ended_at, bridge.last_event) < quiet:
                 return
             log.error("node %d: the bridge made no exchange for %g s after the job ended; not waiting for it",
                       self.rank, quiet)
         self.clean = bridge.clean and bridge.report is not None
-        model = None
-        if bridge.bridge is not None and bridge.bridge.final is not None:
-            model = str(job.output / BRIDGE_MODEL)
-            bridge.bridge.save_final(model, private=job.private)
+        end = record.leave(job.output, bridge, self.rank, self.size, self.options.strategy, job.private)
+        self._events.close()
+        if end.model is not None:
             print(f"gadei run: node {self.rank}: every node finished; the model they agreed on is the job's",
                   flush=True)
         report = bridge.report
-        summary = {"node": self.rank, "nodes": self.size, "strategy": self.options.strategy}
         if report is not None:
-            summary.update({k: v for k, v in asdict(report).items() if k not in ("rank", "job", "strategy")})
             print(f"gadei run: node {self.rank}: bridge {report.strategy}: {report.exchanges:,} exchanges, "
                   f"{report.published:,} moves, {report.bytes_sent / (1 << 20):,.1f} MB sent; {report.reason}"
                   + (f"; lost ranks {report.lost}" if report.lost else ""), flush=True)
         else:
-            summary["reason"] = f"no bridge ran: {bridge.error}"
-            print(f"gadei run: node {self.rank}: no bridge ran: {bridge.error}", flush=True)
-        self._events.close()
-        path = job.output / BRIDGE_END
-        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-        tmp.write_text(json.dumps(asdict(BridgeEnd(summary, model))) + "\n")
-        os.replace(tmp, path)
+            print(f"gadei run: node {self.rank}: {end.summary['reason']}", flush=True)
 
     def end(self, code: int) -> int:
         """After the node's job ran, with exit status `code`: end MPI; the exit status."""

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from gadei import jobfile, outputs
+from gadei import curves, jobfile, outputs
 from gadei._proc import gadei_command
 from helpers import blobs_job, communicate, end_jobs, finish, missing, unique_name, wait_for
 
@@ -96,7 +96,7 @@ def _one_time_base(out, said: str, again, launched: float, before: float) -> dic
     # accuracy.png: the figure whose time axis is those seconds, its chosen line at `took`
     import matplotlib.pyplot as plt
 
-    fig = outputs.figure(metrics, result["job"], (result["epoch"], took))
+    fig = curves.figure(metrics, result["job"], (result["epoch"], took))
     by_time = fig.axes[1]
     assert by_time.get_xlabel() == "seconds since the job's start"
     drawn = [list(line.get_xdata()) for line in by_time.lines]
@@ -249,7 +249,7 @@ def test_accuracy_png_shows_samples_per_s_and_staleness_in_panels_of_their_own(t
     the accuracies' panels as before; records without them (an older run's) keep one row."""
     import matplotlib.pyplot as plt
 
-    fig = outputs.figure(_records(pace=True), "job")
+    fig = curves.figure(_records(pace=True), "job")
     accuracy, by_time, rate, stale = fig.axes
     assert [ax.get_ylabel() for ax in fig.axes] == ["accuracy (%)", "", "samples/s", "versions"]
     assert rate.get_xlabel() == stale.get_xlabel() == accuracy.get_xlabel() == "epoch"
@@ -259,7 +259,7 @@ def test_accuracy_png_shows_samples_per_s_and_staleness_in_panels_of_their_own(t
     assert accuracy.get_shared_y_axes().joined(accuracy, by_time)
     assert not rate.get_shared_y_axes().joined(rate, stale)
     plt.close(fig)
-    fig = outputs.figure(_records(pace=False), "job")
+    fig = curves.figure(_records(pace=False), "job")
     assert [ax.get_ylabel() for ax in fig.axes] == ["accuracy (%)", ""]
     plt.close(fig)
     # the file, accuracy.png: taller with the second row

@@ -5,7 +5,7 @@ It starts the job's server and learners as `Supervisor` does (the commands made 
 `server_args`, `learner_args`), follows the evaluating learner's epoch records as they come
 (into the job's TensorBoard event files, `gadei.board`; a loss that is not finite stops the job),
 takes a stop asked of it (SIGTERM, SIGINT) as `Supervisor` says, and at the job's end waits for
-the last server's stop record (and a bridged node's bridge: `gadei.placement.wait_bridge`) and
+the last server's stop record (and a bridged node's bridge: `gadei.bridge.record.wait`) and
 writes the job's outputs (`gadei.outputs.conclude`): the only writer of them. Its last line says
 the outcome as `gadei run` does; its exit code is `gadei run`'s.
 """
@@ -14,12 +14,14 @@ import logging
 import math
 import os
 import signal
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
 
-from gadei import checkpoint, data, device, jobfile, outputs, placement
+from gadei import checkpoint, curves, data, device, jobfile, outputs, placement
 from gadei.board import Board
+from gadei.bridge import record as bridge_record
 from gadei.env import learners_openmp_env, pause_at
 from gadei.errors import GadeiError
 from gadei.launch import take_stops
@@ -122,7 +124,7 @@ def run(job_file: str, *, resume: bool = False, by: str = outputs.RUN, named: st
             raise GadeiError(f"--resume: no checkpoint in {out / 'checkpoints'} that verifies and records the "
                              "learners' progress")
     settings = SupervisorSettings(checkpoint_dir=str(out / "checkpoints"), every=job.checkpoint.interval,
-                                  keep=job.checkpoint.keep, restart=server_args(job, node, found), start=True,
+                                  keep=job.checkpoint.keep, server=server_args(job, node, found),
                                   learners=learner_args(job, node), log_dir=str(out / "logs"))
     t = job.train
     board = Board(out, job, warn=lambda line: log.warning("%s", line))
@@ -133,6 +135,7 @@ def run(job_file: str, *, resume: bool = False, by: str = outputs.RUN, named: st
                             look=follow)
     follow.supervisor = supervisor
     take_stops(lambda sig, _frame: supervisor.ask_stop())  # its clients' Ctrl-C and cancel
+    threading.Thread(target=curves.load, name="gadei-load-plotting", daemon=True).start()  # the plot waits less
     try:
         code = supervisor.run()
     except GadeiError as err:
@@ -140,7 +143,7 @@ def run(job_file: str, *, resume: bool = False, by: str = outputs.RUN, named: st
     for sig in (signal.SIGTERM, signal.SIGINT):  # the end is decided: a stop now changes nothing
         signal.signal(sig, signal.SIG_IGN)
     pause_at("concluding")  # a test's hold (GADEI_PAUSE_AT): the job's end decided, its outputs not yet written
-    bridge = placement.wait_bridge(out, node) if node is not None else None
+    bridge = bridge_record.wait(out, node.timeout, node.host) if node is not None else None
     stop = supervisor.server_ended()
     saved = out / FINAL
     final = bridge.model if bridge is not None else str(saved) if saved.exists() and stop is not None and \

@@ -1,0 +1,95 @@
+"""A job's learning curves as a figure (`figure`): what `gadei.outputs` draws into accuracy.png."""
+
+
+def load() -> None:
+    """Import matplotlib on `figure`'s backend ahead of the plot: a job's supervisor does while
+    its job trains, so that the job's outputs do not wait for the import (about half a second on
+    2 cores) once it ends. An import that fails here fails again in the plot, which says so."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # no screen
+        import matplotlib.pyplot  # noqa: F401
+    except Exception:  # noqa: BLE001 - `plot` reports it
+        pass
+
+
+def figure(metrics: list[dict], title: str, chosen: tuple | None = None):
+    """accuracy.png's figure: validation and test accuracy against epochs and against seconds
+    since the job's start (metrics.jsonl's `seconds_since_start`, the time base of result.json's
+    `seconds_to_best`; where no record has it, the epochs' training seconds added up), the
+    chosen model marked: `chosen`, result.json's (epoch, seconds_to_best), else the last epoch
+    whose model was the best so far; and, where the records carry them, a second row against
+    epochs: the evaluating learner's samples/s, and the staleness of the job's applied
+    gradients (the epoch's mean, the largest so far)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no screen
+    import matplotlib.pyplot as plt
+
+    since_start = any("seconds_since_start" in m for m in metrics)
+    seconds, total = {}, 0.0
+    for m in metrics:
+        total += m.get("epoch_seconds", 0.0)
+        if not since_start:
+            seconds[m["epoch"]] = total
+        elif "seconds_since_start" in m:  # unknown for the records of a run whose time is unknown
+            seconds[m["epoch"]] = m["seconds_since_start"]
+    pace = any(key in m for m in metrics for key in ("samples_per_s", "staleness_mean", "staleness_max"))
+    fig, axes = plt.subplots(2 if pace else 1, 2, figsize=(10, 7 if pace else 4), squeeze=False)
+    by_epoch, by_time = axes[0]
+    by_time.sharey(by_epoch)
+    for key, label in (("validation_accuracy", "validation"), ("test_accuracy", "test")):
+        points = [(m["epoch"], 100 * m[key]) for m in metrics if key in m]
+        if not points:
+            continue
+        by_epoch.plot([e for e, _ in points], [a for _, a in points], marker="o", label=label)
+        timed = [(seconds[e], a) for e, a in points if e in seconds]
+        by_time.plot([t for t, _ in timed], [a for _, a in timed], marker="o", label=label)
+    if chosen is None:
+        best = [m for m in metrics if m.get("best")]
+        chosen = (best[-1]["epoch"], seconds.get(best[-1]["epoch"])) if best else None
+    elif not since_start:  # the time axis is the epochs' training seconds: the chosen epoch's
+        chosen = (chosen[0], seconds.get(chosen[0]))
+    if chosen is not None:
+        epoch, at = chosen
+        by_epoch.axvline(epoch, color="grey", linestyle="--", label=f"chosen: epoch {epoch:g}")
+        if at is not None:
+            by_time.axvline(at, color="grey", linestyle="--")
+    by_epoch.set_xlabel("epoch")
+    by_epoch.set_ylabel("accuracy (%)")
+    by_time.set_xlabel("seconds since the job's start" if since_start else "seconds of training")
+    if any("validation_accuracy" in m or "test_accuracy" in m for m in metrics):
+        by_epoch.legend(loc="lower right")
+    if pace:
+        _pace(axes[1], metrics)
+    from matplotlib.ticker import MaxNLocator
+
+    for ax in axes.flat:
+        ax.grid(True, alpha=0.3)
+        if ax.get_xlabel() == "epoch":
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # no epoch 2.5
+    fig.suptitle(f"gadei job {title}")
+    fig.tight_layout()
+    return fig
+
+
+def _pace(axes, metrics: list[dict]) -> None:
+    """accuracy.png's second row: samples/s, and staleness, against epochs."""
+    rate, stale = axes
+    points = [(m["epoch"], m["samples_per_s"]) for m in metrics if isinstance(m.get("samples_per_s"), (int, float))]
+    rate.plot([e for e, _ in points], [r for _, r in points], marker="o", color="tab:green")
+    rate.set_ylim(bottom=0)
+    rate.set_xlabel("epoch")
+    rate.set_ylabel("samples/s")
+    rate.set_title("learner 0's samples/s", fontsize=10)
+    for key, label, style in (("staleness_mean", "mean in the epoch", "o-"), ("staleness_max", "largest so far", "s--")):
+        points = [(m["epoch"], m[key]) for m in metrics if isinstance(m.get(key), (int, float))]
+        if points:
+            stale.plot([e for e, _ in points], [s for _, s in points], style, label=label)
+    stale.set_ylim(bottom=0)
+    stale.set_xlabel("epoch")
+    stale.set_ylabel("versions")
+    stale.set_title("staleness of the applied gradients", fontsize=10)
+    if stale.lines:
+        stale.legend(loc="upper left", fontsize=8)
