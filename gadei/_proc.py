@@ -159,7 +159,7 @@ def _oom_killed_since(oom_kills_at_start: int) -> str:
 def tie_to_parent() -> None:
     """Stop this process (SIGTERM: a server stops as on `gadei stop`) when the process that
     started it ends, even killed by SIGKILL, where that process asked for it by setting
-    TIED_TO to its pid (`launch.LocalJob`: a demo's or a bench's server and learners do not
+    TIED_TO to its pid (`local.LocalJob`'s server and learners, a job's supervisor's: they do not
     outlive it). Linux's parent-death signal; the variable is removed, so that what this
     process starts in turn is not tied. A parent already gone is seen at once."""
     parent = os.environ.pop(TIED_TO, "")

@@ -1,4 +1,4 @@
-"""Crash-safe checkpoint files of a job: where the watchdog puts what a restart needs.
+"""Crash-safe checkpoint files of a job: where the job's supervisor puts what a restart needs.
 
 A checkpoint is one file, `ckpt-<n>.pt` in the job's checkpoint folder (n counts up with
 every checkpoint written there), that plain PyTorch reads without running pickled code:
@@ -10,7 +10,7 @@ It holds the weights as a state dict (`model`), the version they are at and the 
 applied, the server's optimiser state (`optimizer`: the momentum buffer, Adagrad's sums or
 Adam's two moments where the job keeps them; EASGD's centre is the weights themselves),
 every learner's counters and the job's configuration (both JSON text), the progress of the
-learners a watchdog launched (`progress`: samples of each one's schedule that the weights
+learners a supervisor launched (`progress`: samples of each one's schedule that the weights
 hold, or "done"), and a SHA-256 `checksum` over all of it.
 
 Writing is crash safe: the file is written under a temporary name, flushed and fsync'ed,
@@ -19,7 +19,7 @@ leaves either no new checkpoint or a whole one. Only the last `keep` are kept. R
 verifies the checksum; `latest()` skips a checkpoint that fails it (with a warning) for the
 one before.
 
-torch is imported by the functions that need it, not with the module: the watchdog package
+torch is imported by the functions that need it, not with the module: the supervisor's package
 imports this one, and `gadei status`, `stop` and `clean` import that.
 """
 
@@ -57,8 +57,8 @@ _WRITES = itertools.count()  # tells apart two writes of one process
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointOptions:
-    """When a job's watchdog takes checkpoints and how many it keeps (a job file's [checkpoint];
-    `gadei serve --checkpoint-every --keep`; `gadei watchdog --every --keep`)."""
+    """When a job's supervisor takes checkpoints and how many it keeps (a job file's [checkpoint];
+    `gadei serve --checkpoint-every --keep`)."""
 
     interval: float = option(60.0, "seconds between two checkpoints", low=0, low_open=True, high=10**9)
     keep: int = option(3, "checkpoints kept", low=1, high=10**6)
@@ -82,7 +82,7 @@ class Checkpoint:
             version).
         config: the job's configuration (shape, mode, options), JSON-compatible.
         learners: each learner entry's counters, JSON-compatible.
-        progress: for each learner the watchdog launched (by its number, as text): the
+        progress: for each learner the supervisor launched (by its number, as text): the
             samples of its schedule whose gradients the weights hold, or "done".
         created: when it was taken (seconds since the epoch).
         path: the file it was read from or written to.
@@ -300,7 +300,7 @@ def save(folder: str | os.PathLike, checkpoint: Checkpoint, keep: int = 3) -> Pa
 
 def _claim(folder: Path, tmp: Path) -> Path:
     """Give the written `tmp` the next free `ckpt-<n>.pt` name and return it. A hard link
-    fails where the name exists, so two writers at once (the watchdog's periodic checkpoint,
+    fails where the name exists, so two writers at once (the supervisor's periodic checkpoint,
     `gadei run`'s at a stop, the server's own) each get a name of their own; a rename would
     let the later one replace the other's checkpoint unseen."""
     number = _next_number(folder)
@@ -408,7 +408,7 @@ def load(path: str | os.PathLike) -> Checkpoint:
 def latest(folder: str | os.PathLike, *, with_progress: bool = False) -> Checkpoint | None:
     """The newest checkpoint in `folder` that verifies; one that does not is skipped with a
     warning for the one before. `with_progress`: only one that says how far each launched
-    learner got (a watchdog's; the server's own stop checkpoint does not). None if there is none."""
+    learner got (a supervisor's; the server's own stop checkpoint does not). None if there is none."""
     for path in reversed(listing(folder)):
         try:
             found = load(path)

@@ -11,7 +11,7 @@ import torch
 
 from . import params, status
 from ._proc import how_it_ended
-from .launch import LocalJob
+from .local import LocalJob
 from .region import Region
 
 log = logging.getLogger(__name__)

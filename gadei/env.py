@@ -237,7 +237,7 @@ def pause_at(point: str) -> None:
 
 
 def restarts() -> list[float]:
-    """The times (time.time()) of the job's recent server restarts, as the watchdog that started
+    """The times (time.time()) of the job's recent server restarts, as the supervisor that started
     this process handed them down in GADEI_RESTARTS; [] when none."""
     raw = os.environ.get("GADEI_RESTARTS", "")
     try:

@@ -49,7 +49,7 @@ MODE_CODES = MappingProxyType({name: code for code, name in MODES.items()})
 
 # Run states of the job (header field run_state). FAILED: the server stopped the job on an
 # error it must not go on from (a corrupt region, a non-finite gradient with nonfinite =
-# 'stop'); a watchdog does not restart it, and no checkpoint is taken after it.
+# 'stop'); its supervisor does not restart it, and no checkpoint is taken after it.
 CREATED, SERVING, STOPPING, STOPPED, FAILED = 0, 1, 2, 3, 4
 RUN_STATES = MappingProxyType({CREATED: "created", SERVING: "serving", STOPPING: "stopping", STOPPED: "stopped",
                                FAILED: "failed"})
@@ -67,7 +67,7 @@ MAX_SAMPLES = 1 << 32  # samples one slot may say its gradient was computed from
 INIT_EMPTY, INIT_WRITING, INIT_READY = 0, 1, 2
 
 # Learner entry states (the entry's `state` field; ownership itself is the `lease` word).
-# DEAD: the watchdog found the owner gone without leaving; the next learner that claims
+# DEAD: the supervisor found the owner gone without leaving; the next learner that claims
 # the entry takes it over.
 FREE, CLAIMING, ACTIVE, LEAVING, DEAD = 0, 1, 2, 3, 4
 ENTRY_STATES = MappingProxyType({FREE: "free", CLAIMING: "claiming", ACTIVE: "active", LEAVING: "leaving",
@@ -180,7 +180,7 @@ HEADER, HEADER_BYTES = _record(
         ("hold", "u32"),
         ("held", "u32"),
         ("hold_epoch", "u64"),
-        ("restarts", "u32"),  # times a watchdog restarted this job's server (recent ones, in its window)
+        ("restarts", "u32"),  # times a supervisor restarted this job's server (recent ones, in its window)
         ("resumed_applied", "u64"),  # `applied` of the checkpoint this region was resumed from (0: none)
         _LINE_BREAK,
         # the training decision: the evaluating learner (the only writer) sets it once, when the
@@ -189,7 +189,7 @@ HEADER, HEADER_BYTES = _record(
         ("train_stop_version", "u64"),  # the weights' version when it was decided
         _LINE_BREAK,
         # why the server stopped the job as failed, in words (the server writes it once, before
-        # run_state FAILED; the watchdog's end record and `gadei status` show it)
+        # run_state FAILED; its supervisor's result.json and `gadei status` show it)
         ("fail_reason", "text"),
     ]
 )
@@ -198,7 +198,7 @@ ENTRY, ENTRY_BYTES = _record(
     [
         # owner learner writes
         ("lease", "u64"),  # owner pid << 32 | claims; changed only by compare-and-swap
-        ("state", "u32"),  # FREE, CLAIMING, ACTIVE, LEAVING or DEAD, for people and the watchdog
+        ("state", "u32"),  # FREE, CLAIMING, ACTIVE, LEAVING or DEAD, for people and the supervisor
         ("pid", "u32"),  # whose counters these are: set once a new owner reset them, kept at release
         ("start", "f64"),
         ("beat", "u64"),

@@ -280,7 +280,7 @@ class Learner:
         `layout.TRAIN_STOP_*`; `why`: the same in words for the log, by default
         `layout.TRAIN_STOPS`): set once (compare-and-swap from TRAIN_ON, so the first decision
         stands), with the version it was decided at. The learners end their schedules at their
-        next step, leave, and the job's watchdog stops the job as finished. Whether this call
+        next step, leave, and the job's supervisor stops the job as finished. Whether this call
         decided it."""
         if not self._train_stop.decide(reason, self.version):
             return False

@@ -246,7 +246,7 @@ def _compared(section) -> dict:
 
 def resume_point(job: jobfile.Job, *, nodes: int = 1):
     """The checkpoint a resumed run goes on from: the newest one of its output folder that says
-    how far each learner got (a watchdog's periodic or final-stage one; the server's own stop
+    how far each learner got (a supervisor's periodic one, or the one it takes at a stop; the server's own stop
     checkpoint does not, so up to one checkpoint interval is trained again). The folder's
     job.toml must be this job with at most other [train] epochs, patience, devices or threads
     and [checkpoint] settings: the learners' schedules (data, shards, mini-batch, seed) must be

@@ -2,7 +2,7 @@
 stop handshake, the doorbell, the version waits and the checkpoint hold; and `Deadline`, the
 one way gadei waits for something with a time limit.
 
-Every process of a job (server, learners, watchdog, `gadei stop`, a checkpointer, a bridge)
+Every process of a job (server, learners, supervisor, `gadei stop`, a checkpointer, a bridge)
 follows these rules on the same header words. This module is the only one that names those
 words (`run_state`, `fail_reason`, `doorbell`, `server_sleeping`, `version_waiters`, `seq`,
 `hold`, `held`, `hold_epoch`, `train_stop`); the others call it (`tests/test_owners.py` holds

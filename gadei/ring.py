@@ -24,7 +24,7 @@ learners can never own one ring.
 This module is the only one that reads or writes a ring's counters (head, tail, lease,
 space_waiting, claim_head, and the owner accounting pid, last_pid, last_applied;
 tests/test_owners.py holds it): `gadei status`, a checkpoint, the server's sync rounds and
-the watchdog ask it what they mean (`owner`, `since_claim`, `published`, `counters`,
+the supervisor ask it what they mean (`owner`, `since_claim`, `published`, `counters`,
 `drained`, `left_record`...).
 """
 
@@ -212,7 +212,7 @@ class Producer:
             _keep_record(self.region.entry(self.number), self.entry.get("applied_samples"))
         self.entry.set("state", FREE)
         # `pid` stays: it says whose gradients the entry's counters (applied_samples) count,
-        # and a watchdog's checkpoint may still match this learner by it until it exits.
+        # and a supervisor's checkpoint may still match this learner by it until it exits.
         self.entry.set("start", 0.0)
         self.entry.cas("lease", lease, _lease(0, lease))
 
@@ -221,7 +221,7 @@ def claim(region: Region, *, drain_timeout: float, server_alive, prefer: int | N
     """Claim a learner entry of `region` for this process and return the producer of its ring.
 
     Entry `prefer` is taken first when it is free or its owner died (a launched learner's
-    number, so that it is the same in its log, `gadei status` and the watchdog's list); then a
+    number, so that it is the same in its log, `gadei status` and the supervisor's list); then a
     free entry; when none is free, one whose owner died is reclaimed (its published gradients
     are left for the server to apply, then its slots are zeroed). A launched learner's
     `release` keeps what the server applied of it in entry `prefer` (`_keep_record`).
@@ -296,7 +296,7 @@ def _keep_record(record, applied: int) -> None:
     """Keep this process's `applied` (its ring drained: all the server applied of it) in
     `record`'s (last_pid, last_applied): the entry numbered like the launched learner it is.
 
-    One writer at a time: the watchdog starts a launched learner's next process only after it
+    One writer at a time: the supervisor starts a launched learner's next process only after it
     has counted the last one's end, so a record outlives any number of claims of the entry
     this process held (a copy kept in that entry by its next owner was overwritten by the
     one after; a count of claims would only have told so). A learner started by hand with the
@@ -309,7 +309,7 @@ def _keep_record(record, applied: int) -> None:
 
 
 # ------------------------------------------------------------------ what others read of the rings
-# (`gadei status`, a checkpoint, the watchdog's look at every learner and its accounting of
+# (`gadei status`, a checkpoint, the supervisor's look at every learner and its accounting of
 # the learners it launched: gadei_watchdog.learners). Only loads: safe on a read-only mapping.
 
 

@@ -4,44 +4,13 @@ a client of the job's supervisor.
 Everything that can be wrong with the job file and its data is found before anything starts
 (`gadei.prepare`), and the output folder made ready (the job as run, the maps). Then the job's
 supervisor runs it (`gadei.supervisor.Supervised`: a process of its own, which starts the server
-and the learners, checkpoints the job, restarts what crashes and alone writes the outputs);
-this command shows the job's progress and what the supervisor warns of, passes a Ctrl-C or a
-SIGTERM (`gadei cancel`) on to it as a stop, and says the outcome from result.json. Killed, it
-leaves the job to its supervisor, which finishes it and writes the outputs; a supervisor that
-dies takes its job down with it, and this command starts a new one that goes on from the
-newest checkpoint. The output folder gets:
-
-    job.toml        the job as run, with the defaults filled in (its processes read this one)
-    labels.json     label names, index = the model's output
-    vocab.json      the vocabulary (`gadei_workloads.text.Vocab.from_json` reads it); numeric
-                    workloads: features.json (feature count, training mean and std)
-    model.pt        the model chosen on the validation set (the best of learner 0's evaluations,
-                    see gadei.selection), a state dict plain `torch.load(weights_only=True)` reads
-    result.json     the job's outcome (done, stopped, failed, diverged, and why), which evaluation
-                    chose model.pt (epoch, version, validation accuracy and loss), its test accuracy
-                    (evaluated on the whole test set at the end), why training stopped (patience,
-                    cap, cancelled), its seconds (a resumed run's also with the runs it resumed,
-                    where they are known) and the chosen model's, since the job's start (one
-                    time base: `gadei.outputs`)
-    metrics.jsonl   one JSON line per epoch of learner 0: loss, train accuracy (its own mini-batches,
-                    with dropout, as it trained), validation loss and accuracy, test accuracy,
-                    samples/s, seconds (the epoch's, and since the job's start to its evaluation),
-                    and the staleness of the job's gradients (mean over the epoch, max so far)
-    accuracy.png    validation and test accuracy against epochs and against seconds since the
-                    job's start, the chosen model
-    checkpoints/    crash-safe checkpoints, the last `keep`; best.pt and best.json, the model
-                    selection (gadei.selection)
-    logs/           the supervisor's log, the server's (server.log, with its stop record
-                    server-stop.json) and each learner's
-    events.out.tfevents.*  TensorBoard's event files, written as the job runs (`gadei.board`;
-                    with TensorBoard installed)
-
-Across nodes: a job with a [bridge] section started as `mpiexec -n NODES gadei run job.toml`
-runs on each rank as that node's job (`gadei.placement.Bridged`): job `<name>-r<rank>`, output
-folder `<folder>/node-<rank>` (the files above, and node.json: the node, the node count and its
-learners' shards; logs/bridge.log: the bridge's JSON lines; result.json's "bridge": what it
-did), one ring more than learners for the bridge, which this process runs in a thread once
-its job serves, and learner i trains shard rank*L + i of NODES*L.
+and the learners, checkpoints the job, restarts what crashes and alone writes the outputs:
+model.pt, result.json, metrics.jsonl, accuracy.png, TensorBoard events; docs/jobs.md lists the
+folder's files); this command shows the job's progress and what the supervisor warns of, passes
+a Ctrl-C or a SIGTERM on to it as a stop, and says the outcome from result.json. Killed, it
+leaves the job to its supervisor; a supervisor that dies takes its job down with it, and this
+command starts a new one that goes on from the newest checkpoint. Under `mpiexec -n NODES` a job
+with a [bridge] section runs as one node per rank (`gadei.placement.Bridged`).
 """
 
 import logging

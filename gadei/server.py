@@ -20,7 +20,7 @@ each ring's head - tail when it takes a gradient (`ring.Consumer.take`), a slot'
 that the version and gradients applied are the ones it wrote, and at every heartbeat that
 the header's fields written once (identity, shape, options) and its own are unchanged and
 the run state and checkpoint hold are ones it knows. A violation stops the job
-(`RegionCorrupt`: run state 'failed', no checkpoint of it, a watchdog does not restart it).
+(`RegionCorrupt`: run state 'failed', no checkpoint of it, its supervisor does not restart it).
 A gradient with NaN or inf values is skipped and counted, or stops the job (`nonfinite`).
 
 Initial weights are deterministic: either the server is given a model (from a model
@@ -321,11 +321,11 @@ class Server:
 
     def _fail(self, err: Exception) -> None:
         """Stop the job on `err`: its reason recorded in the region (`RunState.fail`: the
-        watchdog's end record, result.json and `gadei status` show it), run state 'failed'
-        (final: no checkpoint is taken of the region and a watchdog does not restart the
+        supervisor's result.json and `gadei status` show it), run state 'failed'
+        (final: no checkpoint is taken of the region and its supervisor does not restart the
         server), every waiter woken."""
         reason = f"{err}; {_ADVICE[type(err)]}"
-        log.error("%s; the job stops as failed (a watchdog does not restart the server)", reason)
+        log.error("%s; the job stops as failed (its supervisor does not restart the server)", reason)
         self._state.fail(reason)
         self._consumer.wake_all()
         self._clock.wake_all()
@@ -633,7 +633,7 @@ class Server:
         if self._closed:
             return
         self._closed = True
-        self._state.finish()  # a failed job stays failed for its watchdog to see
+        self._state.finish()  # a failed job stays failed for its supervisor to see
         self._consumer.wake_all()
         self._clock.wake_all()
         drop_server_record(self.job, self._pid, self._started)

@@ -1,25 +1,18 @@
-"""A job's supervisor, seen from gadei: its settings (declared once) and the command line that
-starts it, what it leaves for others to read (its exit codes, its record in the runtime folder,
-how far each learner it launched got), whether it lives, and `Supervised`: a supervisor as its
-client holds it (`gadei run`, the daemon), started, asked to stop, followed to the job's end.
+"""A job's supervisor, seen from gadei: its settings (declared once) and the command lines that
+start it, what it leaves for others to read (its exit codes, its record in the runtime folder,
+how far each learner it launched got), whether it lives (`alive`), and `Supervised`: a
+supervisor as its client holds it (`gadei run`, the daemon), started, asked to stop, followed
+to the job's end.
 
 The supervisor itself is the package `gadei_watchdog` (the watchdog grown into the owner of a
-job), a process of its own that uses gadei; gadei starts it and never imports it. One
-supervisor per job: it starts the job's server and learners (its children, tied to it: they
-end when it does), checkpoints the job, restarts what dies, decides that the job ended and
-why, and alone writes the job's outputs. Its clients only start it, pass a stop on (SIGTERM)
-and read result.json. A supervisor that dies takes its job down with it (nothing of the job
-runs unwatched); `Supervised` then starts a new one that goes on from the newest checkpoint
-that records the learners' progress, up to `max_restarts` times within `window` seconds.
-
-Its record (`save_state`: its settings and the learners it launched, JSON written
-atomically in the runtime folder) is what `gadei status` shows of the launched learners; it
-goes when the supervisor ends. `registering`'s lock beside it makes a supervisor's look for a
-live one and its registration in the region's header one step.
+job), a process of its own that uses gadei; gadei starts it and never imports it. One per job:
+it starts the job's server and learners (its children, tied to it: they end when it does),
+checkpoints the job, restarts what dies, decides that the job ended and why, and alone writes
+the job's outputs; its clients start it, pass a stop on (SIGTERM) and read result.json. Its
+record (`save_state`: its settings and the learners it launched) is what `gadei status` shows.
 """
 
 import argparse
-import fcntl
 import glob
 import json
 import logging
@@ -27,7 +20,6 @@ import os
 import signal
 import subprocess
 import time
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -43,18 +35,18 @@ PROGRAM = "gadei_watchdog"  # the supervisor's package, run as `python -m gadei_
 LOG = "logs/supervisor.log"  # a job's supervisor's own log, in its output folder
 STOP_RECORD = "logs/server-stop.json"  # the last server's stop record (`gadei.server_record.StopRecord`)
 
-# Why a supervisor's watch ended (its exit code in `gadei watchdog`; 0: the job stopped). A
-# supervisor of a job file exits with the code `gadei run` reports instead (`gadei.outputs.exit_code`).
+# Why a supervisor's watch ended (its exit code under `gadei serve --checkpoint-dir`; 0: the job
+# stopped). A job file's supervisor exits with the code `gadei run` reports (`gadei.outputs.exit_code`).
 SERVER_DEAD = 3  # the server died or hung and was not (or could not be) restarted
 LEARNERS_FAILED = 4  # the job ended after the supervisor gave up on a launched learner
 JOB_FAILED = 5  # the server stopped the job as failed; nothing was restarted
 
-HELP = "supervise a running job: checkpoint it, restart what dies"
-DESCRIPTION = ("Attach to a running job (or, with --start, start its server with --restart's arguments), report dead "
-               "or hung learners and server, and take a checkpoint between two updates every --every seconds; launch "
-               "--learners and restart them when they die; restart a dead server (--restart). Ends when the job stops "
-               "(0; 4 when it gave up on a launched learner; 5 when the server failed the job) or its server is dead "
-               "for good (3).")
+DESCRIPTION = ("The supervisor of one job: start its server (--server's gadei arguments), report dead or hung learners "
+               "and server, take a checkpoint between two updates every --every seconds, launch --learners and restart "
+               "them when they die, restart a dead server; a SIGTERM or SIGINT is a stop it takes with a checkpoint of "
+               "the learners' progress. Ends when the job stops (0; 4 when it gave up on a launched learner; 5 when the "
+               "server failed the job) or its server is dead for good (3). `gadei serve --checkpoint-dir` becomes it; "
+               "`gadei run` and the daemon start it with --job-file.")
 
 _SUFFIX = ".supervisor.json"
 
@@ -76,8 +68,8 @@ def _argument_lists(value: list) -> list:
 
 @dataclass
 class SupervisorSettings:
-    """How a supervisor watches: what `gadei serve --checkpoint-dir` starts it with, what `gadei
-    watchdog` takes as flags, and what a job file's supervisor derives from the job."""
+    """How a supervisor runs its job: what `gadei serve --checkpoint-dir` starts it with, and what a
+    job file's supervisor derives from the job."""
 
     checkpoint_dir: str = option("", "where checkpoints go (and, by default, launched processes' logs)",
                                  metavar="DIR")
@@ -85,11 +77,9 @@ class SupervisorSettings:
     keep: int = same_as(CheckpointOptions, "keep")
     interval: float = option(0.5, "seconds between looks and beats", low=0, low_open=True, high=3600)
     max_missed: int = option(20, "beats a process may miss before it counts as hung", low=1, high=10**6)
-    restart: list[str] | None = option(None, "the gadei arguments that start the server: when it dies, start it "
-                                       "again with them plus --replace --resume (gadei serve passes this); none: "
-                                       "it is not restarted", allowed="a JSON list of strings", check=_strings)
-    start: bool = option(False, "start the server with --restart's arguments first, as this supervisor's child, "
-                         "instead of attaching to a running one (gadei serve --checkpoint-dir does)")
+    server: list[str] = option([], "the gadei arguments that start the job's server (`serve JOB ...`), as this "
+                               "supervisor's child; when it dies, it is started again with them plus --replace "
+                               "--resume (gadei serve passes this)", allowed="a JSON list of strings", check=_strings)
     max_restarts: int = option(3, "restarts of the server, and of each launched learner, within the window before "
                                "giving up", low=1, high=10**6)
     window: float = option(300.0, "seconds over which restarts are counted", low=0, low_open=True, high=10**9)
@@ -107,8 +97,8 @@ class SupervisorSettings:
             options.check_all(self)
         except ValueError as err:
             raise ValueError(f"supervisor {err}") from None
-        if self.start and not self.restart:
-            raise ValueError("supervisor start: give the server's arguments (restart) to start it with")
+        if not self.server:
+            raise ValueError("supervisor server: give the arguments that start the job's server")
 
 
 def _progress(text: str) -> dict:
@@ -123,7 +113,7 @@ def _progress(text: str) -> dict:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The supervisor's arguments: JOB and a flag for each setting, --progress; or --job-file."""
-    parser.add_argument("job", nargs="?", help="the running job to supervise (not with --job-file)")
+    parser.add_argument("job", nargs="?", help="the job to supervise (not with --job-file)")
     options.add_arguments(parser, SupervisorSettings)
     parser.add_argument("--progress", metavar="JSON", type=_progress, default={}, help="how far each launched "
                         "learner got, from the checkpoint the server resumed from: they start there")
@@ -141,8 +131,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def command(job: str, settings: SupervisorSettings, progress: dict | None = None) -> list[str]:
-    """The command line of the supervisor of the running `job` with `settings` (its launched
-    learners starting from `progress`, a checkpoint's)."""
+    """The command line of the supervisor of `job` with `settings` (its launched learners starting
+    from `progress`, a checkpoint's)."""
     return python_command(PROGRAM, job, *options.to_argv(settings),
                           *([f"--progress={json.dumps(progress)}"] if progress else []))
 
@@ -222,10 +212,6 @@ def state_path(job: str) -> str:
     return os.path.join(runtime_dir(), job + _SUFFIX)
 
 
-def lock_path(job: str) -> str:
-    return os.path.join(runtime_dir(), f"{job}.supervisor.lock")
-
-
 def saved_jobs() -> dict[str, str]:
     """The jobs whose supervisor's record is in the runtime folder: job name -> the record's path.
 
@@ -234,20 +220,6 @@ def saved_jobs() -> dict[str, str]:
     """
     return {os.path.basename(path)[: -len(_SUFFIX)]: path
             for path in glob.glob(os.path.join(glob.escape(runtime_dir()), "*" + _SUFFIX))}
-
-
-@contextmanager
-def registering(job: str):
-    """Held while a supervisor checks that the job has no live supervisor and registers itself
-    in the region header (an exclusive `flock` on `<job>.supervisor.lock` in the runtime
-    folder): two that attach to one job at the same moment cannot both register; the second
-    sees the first alive and refuses."""
-    fd = os.open(lock_path(job), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
 
 
 def save_state(job: str, settings: dict, table: list[Launched]) -> None:
@@ -267,13 +239,12 @@ def load_state(job: str) -> tuple[dict, list[Launched]]:
 
 
 def remove_state(job: str) -> None:
-    """At the supervisor's end: its record and its registration lock (`registering`) go, so
-    that a runtime folder does not gather one of each per job ever run."""
-    for path in (state_path(job), lock_path(job)):
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
+    """At the supervisor's end: its record goes, so that a runtime folder does not gather one per
+    job ever run."""
+    try:
+        os.unlink(state_path(job))
+    except FileNotFoundError:
+        pass
 
 
 def registered(region) -> tuple[int, float]:

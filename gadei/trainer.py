@@ -1,5 +1,5 @@
 """The learner program: train a built-in workload as one learner of a job (what `gadei learn`
-runs, and so what the watchdog launches for `gadei run`): its shard of each epoch, seeded data
+runs, and so what a job's supervisor launches): its shard of each epoch, seeded data
 order and dropout, a restarted learner going on where its gradients end (`--start-at`), the
 epoch records its log carries, and, for the evaluating learner, validation-driven training
 (`_Chooser`: evaluate, keep the best model, end every learner's training on patience)."""

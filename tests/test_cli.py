@@ -234,7 +234,7 @@ def test_a_local_job_removes_its_temporary_log_folder_unless_something_went_wron
     error leaves the job's `with` block or the caller names it to the user (keep_logs)."""
     import tempfile
 
-    from gadei.launch import LocalJob
+    from gadei.local import LocalJob
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     for case in ("clean", "kept", "error"):

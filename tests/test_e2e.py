@@ -21,7 +21,7 @@ import time
 
 from helpers import data_dir, missing
 from gadei import params
-from gadei.launch import LocalJob
+from gadei.local import LocalJob
 from gadei.region import Region
 
 EPOCHS = 2

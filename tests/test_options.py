@@ -174,8 +174,8 @@ def test_every_supervisor_setting_survives_the_command_line_that_hands_it_to_the
     from gadei.supervisor import SupervisorSettings
 
     changed = SupervisorSettings(checkpoint_dir="/tmp/check points", every=0.1 + 0.2, keep=7, interval=1 / 3,
-                                 max_missed=5, restart=["serve", "job", "--lr", "0.05", "--learner=--epochs 2"],
-                                 start=True, max_restarts=9, window=12.5,
+                                 max_missed=5, server=["serve", "job", "--lr", "0.05", "--learner=--epochs 2"],
+                                 max_restarts=9, window=12.5,
                                  learners=[["--shard", "0/2", "--x", 'it\'s "quoted"'], []], backoff=0.0,
                                  log_dir="-logs")
     unchanged = [f.name for f in dataclasses.fields(SupervisorSettings)
@@ -185,7 +185,7 @@ def test_every_supervisor_setting_survives_the_command_line_that_hands_it_to_the
         {f.name for f in options.declared(SupervisorSettings)}
     parser = argparse.ArgumentParser()
     supervisor.add_arguments(parser)
-    for settings in (changed, SupervisorSettings()):
+    for settings in (changed, SupervisorSettings(server=["serve", "job"])):
         argv = supervisor.command("job", settings, {"0": 5, "1": "done"})
         program = _proc.python_command("gadei_watchdog", "job")
         assert argv[:len(program)] == program

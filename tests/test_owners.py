@@ -73,8 +73,8 @@ LIVENESS_CALLS = {"create_time", "pid_exists", "is_running", "STATUS_ZOMBIE"}
 # A process's state passes as a typed record (a server's stop record, result.json, a learner's
 # epoch records), never as lines read back from its log: only the modules that show logs to
 # people (`gadei logs`, `gadei run`'s supervisor's warnings) open a log to read it.
-LOG_SHOWERS = {"gadei/daemon/jobs.py", "gadei/daemon/client.py", "gadei/run.py",
-               "gadei/launch.py"}  # its `LocalJob` shows a child's log in the error that it failed
+LOG_SHOWERS = {"gadei/daemon/logs.py", "gadei/run.py",
+               "gadei/local.py"}  # its `LocalJob` shows a child's log in the error that it failed
 READS = {"read_text", "read_bytes", "open", "readlines"}
 FILE_WRITES = {"write_text", "write_bytes", "savefig", "touch", "dump", "save", "replace", "rename", "copy",
                "copyfile", "copy2", "move"}  # calls that write a file named in their receiver or arguments

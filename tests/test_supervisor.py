@@ -1,8 +1,8 @@
-"""The supervisor with real processes: attached to a running job (`gadei watchdog JOB`) it
-checkpoints it every few seconds (whole updates only), reports dead and hung learners, refuses a
-second supervisor and ends with the job; starting the job's server itself (`gadei serve
---checkpoint-dir`), it restarts a killed server from its last checkpoint, gives up after too many
-restarts, and restarts, gives up on or checkpoints for the learners it launched."""
+"""The supervisor with real processes, as `gadei serve --checkpoint-dir` starts it (the command
+becomes it, and it starts the job's server as its child): it checkpoints a training job every
+few seconds (whole updates only), reports dead and hung learners, stops the job when asked
+(SIGTERM) with a checkpoint, restarts a killed server from its last checkpoint, gives up after
+too many restarts, and restarts, gives up on or checkpoints for the learners it launched."""
 
 import json
 import os
@@ -22,83 +22,71 @@ N = 200_000
 
 
 def _whole(ckpt) -> bool:
-    expected = 1.0 - 0.125 * ckpt.version
+    expected = -0.125 * ckpt.version  # the first pusher uploaded zeros; each push adds 1 to the gradient
     return all(bool((t == expected).all()) for t in ckpt.model.values())
 
 
-def _job(procs, job, learners=2, *extra):
-    server = procs.worker("serve", job, "--n", N, "--lr", 0.125, "--learners", learners, *extra)
-    read_line(server, 60)
+def _job(procs, job, folder, learners=2):
+    """`gadei serve --params N --checkpoint-dir` (its supervisor, same pid) and `learners` pushers
+    that push a gradient of ones at every step; once they push."""
+    supervised = procs.gadei("serve", job, "--params", N, "--lr", 0.125, "--learners", learners, "--checkpoint-dir",
+                             folder, "--checkpoint-every", 0.3, "--watch-interval", 0.1, "--max-missed", 10)
+    wait_for(lambda: _served(job), 60, "the server")
+    with Region.attach(job, readonly=True) as region:
+        wait_for(lambda: region.header.get("supervisor_pid") == supervised.pid, 60, "the supervisor to register")
     pushers = [procs.worker("push", job, "--n", N, "--steps", 10**9) for _ in range(learners)]
     for pusher in pushers:
         read_line(pusher, 60)
         read_line(pusher, 60)
-    return server, pushers
+    return supervised, pushers
 
 
-def _supervisor(procs, job, folder):
-    dog = procs.gadei("watchdog", job, "--checkpoint-dir", folder, "--every", 0.3, "--interval", 0.1,
-                      "--max-missed", 10)
-    with Region.attach(job, readonly=True) as region:
-        wait_for(lambda: region.header.get("supervisor_pid") == dog.pid, 60, "the supervisor to register")
-    return dog
+def test_the_supervisor_checkpoints_a_training_job_and_stops_it_when_asked(job, procs, tmp_path):
+    try:
+        supervised, _ = _job(procs, job, tmp_path)
+        wait_for(lambda: len(checkpoint.listing(tmp_path)) >= 4, 60, "four checkpoints")
+        supervised.send_signal(signal.SIGTERM)  # a stop it takes: a checkpoint, then the server's
+        _, err = communicate(supervised, 60)
+        assert supervised.returncode == 0, err
+        assert "stopping the job, as asked" in err, err
+        saved = [checkpoint.load(path) for path in checkpoint.listing(tmp_path)]
+        assert len(saved) == 3  # --keep 3: the server's own at its stop among them
+        assert all(_whole(c) for c in saved) and [c.version for c in saved] == sorted(c.version for c in saved)
+        assert saved[-1].config["n_params"] == N and len(saved[-1].learners) == 2
+        assert inspect(job) is None
+    finally:
+        end_jobs(job)
 
 
-def test_the_supervisor_checkpoints_a_training_job_and_ends_with_it(job, procs, tmp_path):
-    server, _ = _job(procs, job)
-    dog = _supervisor(procs, job, tmp_path)
-    wait_for(lambda: len(checkpoint.listing(tmp_path)) >= 3, 60, "three checkpoints")
-    second = procs.gadei("watchdog", job, "--checkpoint-dir", tmp_path)
-    _, err = communicate(second, 60)
-    assert second.returncode != 0 and f"already has a live supervisor (pid {dog.pid})" in err
-    server.send_signal(signal.SIGTERM)
-    read_line(server, 60)
-    communicate(dog, 60)
-    assert dog.returncode == 0
-    saved = [checkpoint.load(path) for path in checkpoint.listing(tmp_path)]
-    assert len(saved) == 3  # --keep 3
-    assert all(_whole(c) for c in saved) and [c.version for c in saved] == sorted(c.version for c in saved)
-    assert saved[-1].config["n_params"] == N and len(saved[-1].learners) == 2
-
-
-def test_the_supervisor_reports_dead_and_hung_learners_and_a_dead_server(job, procs, tmp_path):
-    server, (killed, stopped) = _job(procs, job, 2)
-    dog = _supervisor(procs, job, tmp_path)
-    killed.send_signal(signal.SIGKILL)
-    stopped.send_signal(signal.SIGSTOP)
-    wait_for(lambda: sum(1 for line in dog.err_lines if "learner" in line and "pid" in line) >= 2, 60,
-             "the supervisor to report both learners")
-    lines = [line for line in dog.err_lines if " learner " in line]
-    assert any(f"(pid {killed.pid}) is gone" in line for line in lines), lines
-    assert any(f"(pid {stopped.pid}) has not beaten" in line for line in lines), lines
-    wait_for(lambda: checkpoint.latest(tmp_path) is not None, 60, "a checkpoint")
-    stopped.send_signal(signal.SIGCONT)
-    server.send_signal(signal.SIGKILL)
-    server.wait()
-    _, err = communicate(dog, 60)
-    assert dog.returncode == 3 and f"gadei serve {job} --replace --resume {tmp_path}" in err
-    assert inspect(job).state == "leftover"
-
-    last = checkpoint.latest(tmp_path)
-    assert _whole(last)
-    resumed = procs.worker("serve", job, "--n", N, "--lr", 0.125, "--learners", 2, "--replace", "--resume", tmp_path)
-    read_line(resumed, 60)
-    with Region.attach(job, readonly=True) as region:
-        assert region.header.get("version") == last.version
-        assert np.all(region.weights == 1.0 - 0.125 * last.version)
-    resumed.send_signal(signal.SIGTERM)
-    read_line(resumed, 60)
-
-
-def _served_by_another(job, pid):
-    found = inspect(job)
-    return found is not None and found.state == "running" and found.server_pid != pid and found.server_pid
+def test_the_supervisor_reports_dead_and_hung_learners(job, procs, tmp_path):
+    try:
+        supervised, (killed, stopped) = _job(procs, job, tmp_path)
+        killed.send_signal(signal.SIGKILL)
+        stopped.send_signal(signal.SIGSTOP)
+        wait_for(lambda: sum(1 for line in supervised.err_lines if "learner" in line and "pid" in line) >= 2, 60,
+                 "the supervisor to report both learners")
+        lines = [line for line in supervised.err_lines if " learner " in line]
+        assert any(f"(pid {killed.pid}) is gone" in line for line in lines), lines
+        assert any(f"(pid {stopped.pid}) has not beaten" in line for line in lines), lines
+        stopped.send_signal(signal.SIGCONT)
+        wait_for(lambda: any(f"(pid {stopped.pid}) beats again" in line for line in supervised.err_lines), 60,
+                 "the supervisor to see the learner beat again")
+        finish(procs.gadei("stop", job))
+        communicate(supervised, 60)
+        assert supervised.returncode == 0
+    finally:
+        end_jobs(job)
 
 
 def _served(job) -> int:
     """The pid of the server that serves `job` now (0: none)."""
     found = inspect(job)
     return found.server_pid if found is not None and found.state == "running" else 0
+
+
+def _served_by_another(job, pid):
+    found = inspect(job)
+    return found is not None and found.state == "running" and found.server_pid != pid and found.server_pid
 
 
 def test_gadei_serve_restarts_a_killed_server_from_its_last_checkpoint(job, procs, tmp_path):
@@ -211,8 +199,8 @@ def test_launched_learners_that_all_die_within_moments_are_seen_dying_at_once(jo
 
 
 @pytest.mark.parametrize("flag, value, expected", [
-    ("--restart", '{"serve": 1}', "is a JSON object; allowed: a JSON list of strings"),
-    ("--restart", '["serve", 1]', "holds 1, not a string; allowed: a JSON list of strings"),
+    ("--server", '{"serve": 1}', "is a JSON object; allowed: a JSON list of strings"),
+    ("--server", '["serve", 1]', "holds 1, not a string; allowed: a JSON list of strings"),
     ("--learners", '[["--epochs", 1]]', 'holds ["--epochs", 1], not a list of strings; allowed: a JSON list of lists'),
     ("--learners", "--epochs 1", "is not a JSON list; allowed: a JSON list of lists of strings"),
     ("--progress", "[0]", "is not a checkpoint's progress; allowed: a JSON object"),

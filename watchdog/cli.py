@@ -1,7 +1,7 @@
 """The supervisor's command, `python -m gadei_watchdog` (how gadei starts a job's supervisor, and
-what `gadei watchdog` and `gadei serve --checkpoint-dir` become): its arguments, made from
-`SupervisorSettings`' declarations (`gadei.supervisor`), and what it runs: a job file's
-supervisor (`--job-file`), or the supervisor of a running job (JOB)."""
+what `gadei serve --checkpoint-dir` becomes): its arguments, made from `SupervisorSettings`'
+declarations (`gadei.supervisor`), and what it runs: a job file's supervisor (`--job-file`), or
+the supervisor of a job whose server's arguments it is given (JOB --server ...)."""
 
 import argparse
 import sys
@@ -23,7 +23,7 @@ def command(args) -> int:
             raise GadeiError("gadei watchdog: give JOB or --job-file, not both")
         return job.run(args.job_file, resume=args.resume, by=args.by, named=args.named, since=args.since)
     if not args.job:
-        raise GadeiError("gadei watchdog: give JOB (a running job) or --job-file")
+        raise GadeiError("gadei watchdog: give JOB (and the arguments of its server) or --job-file")
     if not args.checkpoint_dir:
         raise GadeiError("gadei watchdog: give --checkpoint-dir")
     settings = options.from_args(SupervisorSettings, args)
@@ -34,8 +34,8 @@ def command(args) -> int:
     from gadei.launch import take_stops
 
     progress = args.progress
-    if settings.start and settings.learners and not progress:
-        settings.restart, progress = _resume_point(settings.restart)
+    if settings.learners and not progress:
+        settings.server, progress = _resume_point(settings.server)
     supervisor = Supervisor(args.job, settings, progress=progress)
     take_stops(lambda sig, _frame: supervisor.ask_stop())
     code = supervisor.run()

@@ -1,43 +1,18 @@
-"""The supervisor of one job: it starts (or attaches to) the job's server, launches the
-learners, keeps checkpoints of the job, restarts what dies, and decides that the job ended
-and why (`Supervisor.run`'s code, `finished`, `stopped`, `reason`).
+"""The supervisor of one job: it starts the job's server (its child), launches the learners, keeps checkpoints of the job, restarts what dies, and decides that the job ended
+and why (`Supervisor.run`'s code, `finished`, `stopped`, `reason`); docs/fault-tolerance.md
+says each duty in full.
 
-It registers its pid, start time and heartbeat in the region header (refusing to run beside
-another live supervisor: the look and the registration are one step under
-`gadei.supervisor.registering`'s lock), and every `interval` seconds (sooner when a launched
-learner exits, and every 0.05 s while the job stops, so that its end is seen at once):
-- beats;
-- judges the server and each learner by pid plus process start time (pid reuse cannot fool
-  it) and by heartbeat: a process is dead when it is gone, or hung after `interval *
-  max_missed` seconds without a beat. It reports each once; the entry of a learner that
-  died without leaving is marked dead (its published gradients are still applied, its
-  half-written slot is never published, and the next learner that claims the ring takes it);
-- starts, watches and restarts the learners it launched (`learners.py`): a learner that
-  dies is started again where the gradients it published end, after a back-off that doubles
-  (`backoff` seconds, at most 30) up to `max_restarts` within `window`, then given up and
-  reported. When all of them died at once, a checkpoint is taken first and they go on from
-  it. When all are done, it stops the job (`finished`);
-- every `every` seconds takes a checkpoint between two updates (`gadei.checkpoint.capture`),
-  with each launched learner's progress, and writes it crash safely, keeping the last `keep`;
-- takes a stop asked of it (`ask_stop`: its SIGTERM or SIGINT, from `gadei run`'s Ctrl-C or the
-  daemon's cancel) at its next look, and only there, whatever the timing: where every launched
-  learner had finished, the job is done as it would have been (`note` says the stop came after
-  training ended); else it takes a checkpoint that records each learner's progress and stops
-  the job (`stopped`), which `--resume` goes on from. A stop that comes once it decided the
-  job's end changes nothing.
-
-The server and the learners it starts are its children, tied to it (`gadei._proc.TIED_TO`):
-should it die, they end too, and the job's newest checkpoint is where a new supervisor goes on.
-
-A dead or hung server (`restart`: the arguments of `gadei serve`): it kills it if it still
-runs, kills the learners it launched, starts the server again with `--replace --no-watchdog
---resume` from the newest valid checkpoint (that records the learners' progress, where it
-launched any), re-attaches, and starts the learners again from that checkpoint's progress.
-After `max_restarts` server restarts within `window` seconds it gives up (SERVER_DEAD).
-
-A job its server stopped as failed (run state 'failed': a corrupt region, a non-finite
-gradient with nonfinite = 'stop') is final: no checkpoint of it, no restart; the launched
-learners are stopped (JOB_FAILED); the newest checkpoint is one from before the failure.
+Every `interval` seconds (sooner when a launched learner exits or the job stops) it beats in
+the region's header (where it registered: `gadei status` shows it), judges the server and
+each learner by pid and start time and by heartbeat (dead, or hung after `interval *
+max_missed` s), restarts a dead learner where its applied gradients end (`learners.py`: back-off,
+given up after `max_restarts` within `window`), a dead server from the newest checkpoint that
+records the learners' progress (`server`: its arguments), takes a checkpoint every `every`
+seconds, and stops the job once every launched learner finished. A stop asked of it
+(`ask_stop`) is taken at its next look and only there: every launched learner finished, the
+job is done; else a checkpoint of the learners' progress, then the stop. A server that failed
+the job (run state 'failed') is final. The server and the learners it starts are its children,
+tied to it (`gadei._proc.TIED_TO`): should it die, they end too.
 """
 
 import logging
@@ -55,8 +30,8 @@ from gadei.layout import ACTIVE, DEAD, FAILED, SERVING, STOPPED, STOPPING
 from gadei.protocol import Deadline, RunState
 from gadei.region import Region, inspect
 from gadei.server_record import read_stop_record
-from gadei.supervisor import (JOB_FAILED, LEARNERS_FAILED, SERVER_DEAD, Launched, SupervisorSettings, registering,
-                              remove_state, save_state)
+from gadei.supervisor import JOB_FAILED, LEARNERS_FAILED, SERVER_DEAD, Launched, SupervisorSettings, remove_state, \
+    save_state
 
 from .learners import Learners
 
@@ -92,8 +67,8 @@ class Supervisor:
         self.learners.resume(progress or {})
         self._look = look
         self._restarts = restarts()
-        self._server: subprocess.Popen | None = None  # the server, when it is this supervisor's child
-        self._server_oom_kills = _proc.oom_kills()  # when it started (or attached), or the server it started did
+        self._server: subprocess.Popen | None = None  # the server, its child
+        self._server_oom_kills = _proc.oom_kills()  # when the server it started last started
         self._reported: set[tuple[int, int]] = set()  # (learner entry, pid) reported dead or hung
         self._stopped_it = False  # this supervisor's own stop (every launched learner done) is the job's
         self.checkpoints = 0
@@ -116,7 +91,7 @@ class Supervisor:
         """Supervise until the job stops (0, or LEARNERS_FAILED) or its server is dead for good
         (SERVER_DEAD), or failed (JOB_FAILED)."""
         try:
-            if self.settings.start and not self._start_server():
+            if not self._start_server():
                 return 0 if self.stopped else SERVER_DEAD  # stopped as it started: nothing went wrong
             try:
                 self.region = Region.attach(self.job)
@@ -134,14 +109,11 @@ class Supervisor:
         return read_stop_record(self.stop_record)
 
     def _register(self) -> None:
+        """In the region of the server it started: its pid, start time and heartbeat."""
         h = self.region.header
-        with registering(self.job):  # the look and the registration are one step for every supervisor of the job
-            pid, started = h.get("supervisor_pid"), h.get("supervisor_start")
-            if pid and pid != os.getpid() and _proc.alive(pid, started):
-                raise GadeiError(f"job {self.job!r} already has a live supervisor (pid {pid})")
-            h.set("supervisor_start", _proc.start_time())  # before the pid: a reader never pairs ours with another's
-            h.set("supervisor_beat", time.monotonic_ns())
-            h.set("supervisor_pid", os.getpid())
+        h.set("supervisor_start", _proc.start_time())  # before the pid: a reader never pairs ours with another's
+        h.set("supervisor_beat", time.monotonic_ns())
+        h.set("supervisor_pid", os.getpid())
         log.info("job %r: supervisor watching; checkpoints every %g s to %s%s", self.job, self.settings.every,
                  self.settings.checkpoint_dir,
                  f"; {len(self.learners.table)} learners launched" if self.learners.table else "")
@@ -174,7 +146,7 @@ class Supervisor:
                     if run_state.get() == FAILED:  # it failed the job, then exited, since the look above
                         return self._failed()
                     log.error("job %r: the server %s", self.job, problem)
-                    if self.settings.restart and not self.stopped and self._restart_server():
+                    if not self.stopped and self._restart_server():
                         next_checkpoint.restart()
                         stopping = False  # the learners go on from the checkpoint: stop when they are done again
                         continue
@@ -243,8 +215,7 @@ class Supervisor:
         log.info("job %r stopped; the supervisor ends after %d checkpoints", self.job, self.checkpoints)
         self.finished = self.region.header.get("finished") == 1
         self.learners.reap(timeout=30.0, region=self.region)
-        if self._server is not None:  # it writes its last checkpoint, then exits
-            self.server_code = wait_or_kill(self._server, 60.0, f"job {self.job!r}: the server")
+        self.server_code = wait_or_kill(self._server, 60.0, f"job {self.job!r}: the server")  # its last checkpoint
         if self.learners.failed:
             log.error("job %r ended without learners %s (given up)", self.job, self.learners.failed)
             self.reason = (f"the supervisor gave up on launched learners {self.learners.failed}: they died "
@@ -261,8 +232,7 @@ class Supervisor:
                   "from before the failure", self.job, self.reason, self.settings.checkpoint_dir,
                   f"{self.region.header.get('checkpointed_version'):,}")
         self.learners.kill_all()
-        if self._server is not None:
-            wait_or_kill(self._server, 60.0, f"job {self.job!r}: the server")
+        wait_or_kill(self._server, 60.0, f"job {self.job!r}: the server")
         return JOB_FAILED
 
     def _stop_job(self) -> None:
@@ -307,7 +277,7 @@ class Supervisor:
             self.stopped = True
             log.info("job %r: stopped before its server started", self.job)
             return False
-        command = _proc.gadei_command(*self.settings.restart, "--no-watchdog", "--stop-record", self.stop_record)
+        command = _proc.gadei_command(*self.settings.server, "--no-watchdog", "--stop-record", self.stop_record)
         return self._serve(command, "starting the server")
 
     def _serve(self, command: list[str], doing: str) -> bool:
@@ -359,9 +329,7 @@ class Supervisor:
     def _server_problem(self) -> str | None:
         h = self.region.header
         if not _proc.alive(h.get("server_pid"), h.get("server_start")):
-            pid, own = h.get("server_pid"), self._server
-            code = own.poll() if own is not None and own.pid == pid else None  # only a child's code can be read
-            return f"pid {pid} {_proc.how_it_ended(code, self._server_oom_kills)}"
+            return f"pid {self._server.pid} {_proc.how_it_ended(self._server.poll(), self._server_oom_kills)}"
         silent = (time.monotonic_ns() - h.get("server_beat")) / 1e9
         if silent > self.settings.interval * self.settings.max_missed and RunState(self.region).get() in (SERVING, STOPPING):
             return f"pid {h.get('server_pid')} has not beaten for {silent:.1f} s (hung)"
@@ -383,13 +351,12 @@ class Supervisor:
             deadline = Deadline(10)
             while _proc.alive(pid, started) and not deadline.expired():
                 time.sleep(0.05)
-        if self._server is not None:
-            self._server.wait()  # reap the one it started before
+        self._server.wait()  # reap the one it started before
         self.learners.kill_all()
         folder = self.settings.checkpoint_dir
         # the learners go on from the progress a checkpoint records: the newest that records it
         found = checkpoint.latest(folder, with_progress=bool(self.learners.table))
-        args = [*self.settings.restart, "--replace"] + (["--resume", str(found.path)] if found else [])
+        args = [*self.settings.server, "--replace"] + (["--resume", str(found.path)] if found else [])
         self._restarts = [*recent, now]
         command = _proc.gadei_command(*args, "--no-watchdog", "--stop-record", self.stop_record)
         doing = "restarting the server " + (f"from checkpoint version {found.version:,}" if found else

@@ -16,7 +16,7 @@ GAP = 0.005  # seconds of the idle pause between pushes (the server dozes, then 
 
 
 def bench_latency(args) -> dict:
-    from ..launch import LocalJob
+    from ..local import LocalJob
     from ..learner import Learner
 
     results = []

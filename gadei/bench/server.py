@@ -61,7 +61,7 @@ def bench_server(args) -> dict:
 
 
 def _paced_run(size_mb: float, team: int, updates: int) -> dict:
-    from ..launch import LocalJob
+    from ..local import LocalJob
     from ..learner import Learner
     from .latency import _Flat, _sleep
 

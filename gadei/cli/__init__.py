@@ -11,7 +11,7 @@ from .. import __version__, console
 from .._proc import tie_to_parent
 from ..errors import GadeiError
 from .common import job_file_defaults
-from . import bench, bridge, clean, daemon, demo, learn, run, serve, status, stop, watchdog
+from . import bench, bridge, clean, daemon, demo, learn, run, serve, status, stop
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -22,7 +22,6 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_parser(sub)
     daemon.add_parser(sub)
     learn.add_parser(sub)
-    watchdog.add_parser(sub)
     status.add_parser(sub)
     stop.add_parser(sub)
     clean.add_parser(sub)
@@ -49,5 +48,5 @@ def main(argv=None) -> int:
         args = parser.verbs[args.command].parse_intermixed_args(argv[1:], namespace=args)
     elif extra:  # the verb's own parser answers, with its usage
         parser.verbs[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
-    args.argv = argv  # how this command was started (the watchdog restarts a server with it)
+    args.argv = argv  # how this command was started (a supervisor starts its server with it)
     return console.run(args.func, args)

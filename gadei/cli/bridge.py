@@ -22,7 +22,7 @@ def add_parser(sub) -> None:
                        "-n NODES gadei bridge JOB ...`, one rank per node. Each rank attaches to its node's job like a "
                        "learner (serve it with one learner entry to spare, async, consistent or elastic mode, float32 "
                        "dense gradients) and exchanges the weights with the other nodes; the local server applies the "
-                       "move once, as sent, outside its update rule. A node whose job finished (its watchdog stopped it "
+                       "move once, as sent, outside its update rule. A node whose job finished (its supervisor stopped it "
                        "after every launched learner finished) takes part with its final weights until every node "
                        "finished (gossip: joins a final average), and that is the job's model (--save). If a "
                        "peer does not answer within "

@@ -14,7 +14,7 @@ def add_parser(sub) -> None:
                        description="Attach to a served job and train a built-in workload on one shard of "
                        "its data, pushing every gradient and pulling new weights. A loss that turns NaN or infinite "
                        "does not stop it (its --json epoch records say loss NaN or Infinity): stopping on it is "
-                       "`gadei run`'s alone, which stops the whole job (the watchdog restarts a learner that exits "
+                       "`gadei run`'s alone, which stops the whole job (the supervisor restarts a learner that exits "
                        "with an error). "
                        "To stop such a job, serve it with `--nonfinite stop`: the server fails the job on the first "
                        "non-finite gradient with the reason, and every learner exits 2 with it.")
@@ -34,7 +34,7 @@ def add_parser(sub) -> None:
                    help="how gradients reach the ring: publish (default), thread, weights (elastic, the default there)")
     p.add_argument("--entry", type=int, default=None, metavar="N",
                    help="take learner entry N (its ring and its number) when it is free or its owner died, else the "
-                        "first free: how gadei run, the watchdog and gadei demo give launched learner N the number N "
+                        "first free: how a job's supervisor and gadei demo give launched learner N the number N "
                         "in its log and in gadei status")
     p.add_argument("--eval", action="store_true", help="evaluate on the test set after every epoch")
     p.add_argument("--validate", action="store_true",
@@ -51,7 +51,7 @@ def add_parser(sub) -> None:
                    "the cores less one for the server, shared by the job's learners)")
     p.add_argument("--start-at", type=int, default=0, metavar="SAMPLES",
                    help="skip this many samples of the schedule (epochs x shard): a restarted learner goes on "
-                   "where its gradients in the weights end (the watchdog sets it)")
+                   "where its gradients in the weights end (the supervisor sets it)")
     p.add_argument("--json", action="store_true", help="JSON lines instead of text")
     p.add_argument("--records", metavar="FILE", help="append each epoch's and evaluation's record to FILE as a "
                    "JSON line too (how the job's supervisor follows its evaluating learner)")

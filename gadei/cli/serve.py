@@ -157,7 +157,7 @@ def _supervised(args) -> int:
             restart.append(arg)
     settings = SupervisorSettings(checkpoint_dir=args.checkpoint_dir, every=args.checkpoint_every, keep=args.keep,
                                   interval=args.watch_interval, max_missed=args.max_missed,
-                                  max_restarts=args.max_restarts, restart=restart, start=True,
+                                  max_restarts=args.max_restarts, server=restart,
                                   learners=[_learner_args(text) for text in args.learner], log_dir=args.log_dir)
     try:
         settings.check()

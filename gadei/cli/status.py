@@ -67,7 +67,7 @@ def cmd_status(args) -> int:
 def add_parser(sub) -> None:
     p = sub.add_parser("status", help="the daemon's jobs, and each running job's learners, rates and staleness",
                        description="The daemon's jobs (while no daemon runs, the job records it left on disk, as it "
-                       "last recorded them), then each running job's server, watchdog, learners, rates and "
+                       "last recorded them), then each running job's server, supervisor, learners, rates and "
                        "staleness, read from its region without writing to it.")
     p.add_argument("job", nargs="?", help="the job (default: every job on this machine)")
     p.add_argument("--interval", type=at_least(0, float, above=True), default=0.5, help="seconds between the two samples of a rate")
