@@ -1,0 +1,74 @@
+"""The n-gram workload (gadei_workloads.ngram): its tokens, its model, and a job file of it run
+by `gadei run` with the server's defaults, its table travelling as rows, and `gadei predict` on
+what it handed back."""
+
+import json
+
+import torch
+
+import gadei_workloads
+from gadei_workloads import text
+from gadei_workloads.ngram import build_ngram, dimension_for, ngrams
+from helpers import communicate, trec_job, unique_name
+
+
+def test_a_sentences_ngrams_are_its_distinct_words_and_bigrams_with_its_ends_marked():
+    assert ngrams(["how", "far", "?"]) == ["how", "far", "?", "<s> how", "how far", "far ?", "? </s>"]
+    assert ngrams(["no", "no", "no"]) == ["no", "<s> no", "no no", "no </s>"]  # each once: present or not
+    assert ngrams([]) == ["<s> </s>"]
+    assert [dimension_for(n) for n in (2, 6, 16, 17, 77, 150)] == [16, 16, 16, 32, 128, 256]
+
+
+def test_the_model_is_seeded_and_leaves_padding_and_unknown_ngrams_out():
+    a, b = build_ngram(50, 3, seed=2), build_ngram(50, 3, seed=2)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    assert not torch.equal(a.embedding.weight, build_ngram(50, 3, seed=3).embedding.weight)
+    assert a.embedding.sparse  # the table's gradient is the rows a mini-batch touched
+    with torch.no_grad():
+        a.out.weight.normal_()  # fastText starts the output layer at zero: make the rows show
+    x = torch.tensor([[5, 6, 7]])
+    for same in ([[5, 6, 7, 0, 0]], [[5, 1, 6, 7, 1]]):  # padding, an n-gram training never had
+        assert torch.allclose(a(x), a(torch.tensor(same)), atol=1e-6)
+    a(torch.tensor([[5, 1, 6]])).sum().backward()
+    assert set(a.embedding.weight.grad.coalesce().indices()[0].tolist()) == {5, 6}
+
+
+def test_the_ngram_workload_indexes_bigrams_and_learns_generated_data():
+    workload = gadei_workloads.get("ngram")
+    train, test = workload.load_data("generated:1")
+    assert "<s>" not in train.vocab.decode(range(len(train.vocab)))  # markers only inside bigrams
+    assert any(" " in token for token in train.vocab.decode(range(len(train.vocab))))
+    words, _ = text.generate_topics(seed=1)
+    assert len(train.vocab) > 3 * len(words.vocab)  # a row per bigram of the training set
+    model = workload.build_model(train, 0)
+    optimizer = torch.optim.Adagrad(model.parameters(), lr=workload.lr)
+    for x, y in text.batches(train, 4, epoch=0, seed=0):
+        optimizer.zero_grad()
+        workload.loss(model, x, y).backward()
+        optimizer.step()
+    assert workload.evaluate(model, test) > 0.7  # one epoch (chance: 0.17)
+
+
+def test_a_job_file_of_the_ngram_workload_trains_with_its_defaults_and_predicts(tmp_path, procs):
+    """`workload = "ngram"` and nothing tuned: the workload's learning rate is chosen, the table
+    travels through the rings as rows (the server says so), one epoch of TREC with 2 learners
+    hands back a model above 85%, and `gadei predict` reads the output folder."""
+    name = unique_name("ngram")
+    body = trec_job(name, train={"learners": 2, "epochs": 1}).replace('"textcnn"', '"ngram"')
+    path = tmp_path / "job.toml"
+    path.write_text(body)
+    run = procs.gadei("run", path)
+    out, err = communicate(run, 300)
+    assert run.returncode == 0, out + err
+    assert "ngram on 4,906 training / 546 validation / 500 test samples" in out, out
+    assert "chose lr = 0.2 (default of the ngram workload" in out, out
+    folder = tmp_path / "out"
+    assert "1 row-sparse table" in (folder / "logs" / "serve.log").read_text()
+    tokens = json.loads((folder / "vocab.json").read_text())["tokens"]
+    assert "<s> how" in tokens and "how" in tokens
+    state = torch.load(folder / "model.pt", weights_only=True)
+    assert state["embedding.weight"].shape == (len(tokens), 16)
+    assert json.loads((folder / "result.json").read_text())["test_accuracy"] > 0.85
+    predicted = procs.gadei("predict", folder, "How far is it from Denver to Aspen ?")
+    out, err = communicate(predicted, 60)
+    assert predicted.returncode == 0 and out.splitlines()[0].split()[-1] == "NUM", out + err
