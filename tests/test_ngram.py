@@ -119,3 +119,31 @@ def test_a_job_file_of_the_ngram_workload_with_nothing_tuned_reaches_its_accurac
           + ", ".join(f"{r['test_accuracy']:.2%} at epoch {r['epoch']} in {r['wall_seconds']:.0f} s" for r in results)
           + ")")
     assert accuracy >= FLOORS[name], results
+
+
+@pytest.mark.long  # two TREC runs and a stop between them: most of a minute
+def test_a_stopped_ngram_job_goes_on_with_resume_and_predicts(tmp_path, procs):
+    """The workload's own defaults (its lr) are the job as run: `gadei run --resume` of the same
+    file is not refused as a change, goes on from the stop's checkpoint to the end, and the
+    folder it finishes predicts."""
+    import signal
+
+    from helpers import job_version, wait_for
+
+    name = unique_name("ngram-resume")
+    path = tmp_path / "job.toml"
+    path.write_text(trec_job(name, train={"learners": 2, "epochs": 3}, checkpoint={"interval": 600})
+                    .replace('"textcnn"', '"ngram"'))
+    run = procs.gadei("run", path, "--quiet")
+    wait_for(lambda: job_version(name) >= 500, 120, "the job to make 500 updates")
+    run.send_signal(signal.SIGTERM)
+    out, err = communicate(run, 120)
+    assert run.returncode == 130 and "--resume" in out, out + err
+    resumed = procs.gadei("run", path, "--resume", "--quiet")
+    out, err = communicate(resumed, 600)
+    assert resumed.returncode == 0 and "resuming from" in out and "done in" in out, out + err
+    result = json.loads((tmp_path / "out" / "result.json").read_text())
+    assert result["finished"] and result["test_accuracy"] > 0.85, result
+    predicted = procs.gadei("predict", tmp_path / "out", "Who wrote Hamlet ?")
+    out, err = communicate(predicted, 60)
+    assert predicted.returncode == 0 and out.splitlines()[0].split()[-1] == "HUM", out + err
