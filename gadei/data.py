@@ -78,7 +78,8 @@ def load_job(job: jobfile.Job, reports: list | None = None):
     d = job.data
     from gadei_workloads import get
 
-    if get(job.workload).kind == "numeric":
+    workload = get(job.workload)
+    if workload.kind == "numeric":
         return _load_arrays(job, reports)
     where = job.path.name if job.path else "job"
     options = dict(text_column=d.text_column, label_column=d.label_column, header=d.header, encoding=d.encoding,
@@ -103,7 +104,7 @@ def load_job(job: jobfile.Job, reports: list | None = None):
         validation_source = ", ".join(map(str, d.validation or ()))
     try:
         return encode_splits(train, validation, test, name=source, validation_source=validation_source,
-                             test_source=test_source)
+                             test_source=test_source, tokens=workload.tokens, max_size=workload.max_vocab)
     except ValueError as err:
         key = "validation" if str(err).startswith(validation_source) else "test"
         raise jobfile.JobFileError(f"{where}: [data] {key}: {err}") from None

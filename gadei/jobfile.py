@@ -187,6 +187,14 @@ class Job:
             why = (": elastic learners take their own sgd steps)" if train.mode == "elastic" else
                    ": per-weight steps, fast on sparse text features)")
             chosen.append(f"optimizer = {optimizer} (default{why}")
+        if "lr" not in train.given and train.optimizer != "adam":
+            from gadei_workloads import get
+
+            lr = get(self.workload).lr
+            if lr is not None and lr != train.lr:
+                train = replace(train, lr=lr, given=train.given | {"lr"})
+                chosen.append(f"lr = {lr:g} (default of the {self.workload} workload: a step of {train.optimizer} "
+                              "moves a few dozen rows of its table, each by about the learning rate)")
         if train.epochs is None:
             epochs = default_epochs(samples, train.batch)
             train = replace(train, epochs=epochs)

@@ -68,7 +68,7 @@ def predict(run_dir: str, texts: list[str], top: int = 3) -> list[list[tuple[str
             words = tokenize(text)
             if not words:  # the model would answer from padding alone, as if it had read something
                 raise GadeiError(f"{text!r}: no words to predict from; give a text")
-            ids = vocab.encode(words)
+            ids = vocab.encode(workload.tokens(words) if workload.tokens else words)  # the n-grams it was trained on
             return torch.tensor([ids + [0] * max(0, getattr(model, "min_len", 1) - len(ids))])  # the widest filter
         try:
             values = np.array([float(v) for v in text.replace(",", " ").split()], dtype=np.float64)

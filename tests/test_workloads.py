@@ -241,7 +241,7 @@ def test_model_output_shape_and_short_input_error():
 
 
 def test_registry_and_training_learns_generated_data():
-    with pytest.raises(ValueError, match="known: lstm, mlp, textcnn"):
+    with pytest.raises(ValueError, match="known: lstm, mlp, ngram, textcnn"):
         gadei_workloads.get("resnet")
     model, acc = _train_on_generated("textcnn", epochs=1, lr=0.1)
     assert model.training  # evaluate restores the mode

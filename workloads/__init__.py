@@ -13,14 +13,15 @@ from typing import Callable
 import torch
 from torch import nn
 
-from . import numeric, text
+from . import ngram, numeric, text
 from .lstm import LSTMClassifier, build_lstm
+from .ngram import NgramClassifier, build_ngram
 from .numeric import build_mlp
 from .text import TextDataset
 from .textcnn import TextCNN, build_textcnn
 
-__all__ = ["WORKLOADS", "Workload", "LSTMClassifier", "TextCNN", "TextDataset", "build_lstm", "build_mlp",
-           "build_textcnn", "get", "numeric", "text"]
+__all__ = ["WORKLOADS", "Workload", "LSTMClassifier", "NgramClassifier", "TextCNN", "TextDataset", "build_lstm",
+           "build_mlp", "build_ngram", "build_textcnn", "get", "ngram", "numeric", "text"]
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,12 @@ class Workload:
         kind: ``"text"`` (sentences: the text formats) or ``"numeric"`` (feature vectors:
             npz or numeric csv).
         batches: ``(dataset, batch, epoch=, seed=, shard=, shards=) -> (x, y)`` mini-batches.
+        tokens: What the vocabulary indexes of a sentence's words (a text workload; None: the
+            words): the readers of a job file's data and ``gadei predict`` apply it before
+            encoding (the n-gram workload's :func:`.ngram.ngrams`).
+        max_vocab: The most ids of the vocabulary built from a job's training set.
+        lr: The job file's default learning rate for this workload (None: the job file's own,
+            0.01): what a step of the default update (Adagrad) should move the model by.
     """
 
     name: str
@@ -51,6 +58,9 @@ class Workload:
     build_from_maps: Callable[[int, int, int], nn.Module]
     kind: str = "text"
     batches: Callable = text.batches
+    tokens: Callable[[list[str]], list[str]] | None = None
+    max_vocab: int = 20000
+    lr: float | None = None
 
     def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The mini-batch's loss (the model in its current mode)."""
@@ -105,6 +115,18 @@ WORKLOADS: dict[str, Workload] = {
         criterion=nn.functional.cross_entropy,
         evaluate=text.accuracy,
         build_from_maps=lambda vocab_size, n_labels, seed: build_lstm(vocab_size, n_labels, seed=seed),
+    ),
+    "ngram": Workload(
+        name="ngram",
+        description="fastText-style linear classifier over word uni- and bigrams (the mean of their rows)",
+        default_data="generated",
+        load_data=lambda spec: text.load(spec, tokens=ngram.ngrams, max_size=ngram.MAX_VOCAB),
+        criterion=nn.functional.cross_entropy,
+        evaluate=text.accuracy,
+        build_from_maps=lambda vocab_size, n_labels, seed: build_ngram(vocab_size, n_labels, seed=seed),
+        tokens=ngram.ngrams,
+        max_vocab=ngram.MAX_VOCAB,
+        lr=ngram.LR,
     ),
     "mlp": Workload(
         name="mlp",

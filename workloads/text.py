@@ -14,7 +14,7 @@ import re
 import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -40,6 +40,10 @@ UNK = "<unk>"
 
 # Contractions split off as their own token ("don't" -> "do n't"), the other tokens are
 # runs of letters/digits and the punctuation Kim 2014 keeps; everything else separates.
+Tokens = Callable[[list[str]], list[str]]
+"""What a vocabulary indexes of a sentence's words: the words (None), or a workload's tokens of
+them (the n-gram workload's uni- and bigrams, :func:`.ngram.ngrams`)."""
+
 _TOKEN_RE = re.compile(r"[a-z0-9]+(?=n't)|n't|'(?:s|ve|re|d|ll|m)\b|[a-z0-9]+|[(),!?]")
 
 
@@ -199,8 +203,12 @@ def _encode_split(
     test_source: str,
     max_size: int,
     min_count: int,
+    tokens: Tokens | None = None,
 ) -> tuple[TextDataset, TextDataset]:
-    """Builds vocab and label map from ``train`` and encodes both splits with them."""
+    """Builds vocab and label map from ``train`` and encodes both splits with them (each row's
+    words made into ``tokens(words)`` first, where given)."""
+    if tokens is not None:
+        train, test = ([(tokens(words), label) for words, label in rows] for rows in (train, test))
     vocab = Vocab.build((toks for toks, _ in train), max_size=max_size, min_count=min_count)
     label_names = sorted({label for _, label in train})
     label_ids = {label: i for i, label in enumerate(label_names)}
@@ -231,13 +239,17 @@ def encode_split(
     test_source: str,
     max_size: int = 20000,
     min_count: int = 1,
+    tokens: Tokens | None = None,
 ) -> tuple[TextDataset, TextDataset]:
-    """(train, test) datasets from (tokens, label) rows: vocabulary and label map from train.
+    """(train, test) datasets from (words, label) rows: vocabulary and label map from train;
+    ``tokens`` makes a row's words into what the vocabulary indexes (a workload's
+    :attr:`Workload.tokens`, such as the n-gram workload's uni- and bigrams; None: the words).
 
     Raises:
         ValueError: a test label does not occur in train (naming ``test_source``).
     """
-    return _encode_split(train, test, name=name, test_source=test_source, max_size=max_size, min_count=min_count)
+    return _encode_split(train, test, name=name, test_source=test_source, max_size=max_size, min_count=min_count,
+                         tokens=tokens)
 
 
 def encode_splits(
@@ -250,18 +262,22 @@ def encode_splits(
     test_source: str,
     max_size: int = 20000,
     min_count: int = 1,
+    tokens: Tokens | None = None,
 ) -> tuple[TextDataset, TextDataset, TextDataset]:
-    """(train, validation, test) datasets from (tokens, label) rows: vocabulary and label map
-    from train only; validation None when there are no validation rows (None).
+    """(train, validation, test) datasets from (words, label) rows: vocabulary and label map
+    from train only; validation None when there are no validation rows (None); ``tokens`` as
+    for :func:`encode_split`.
 
     Raises:
         ValueError: a validation or test label does not occur in train (the message starts
             with ``validation_source`` or ``test_source``).
     """
     train_set, test_set = _encode_split(train, test, name=name, test_source=test_source, max_size=max_size,
-                                        min_count=min_count)
+                                        min_count=min_count, tokens=tokens)
     if validation is None:
         return train_set, None, test_set
+    if tokens is not None:
+        validation = [(tokens(words), label) for words, label in validation]
     label_ids = {label: i for i, label in enumerate(train_set.label_names)}
     for _, label in validation:
         if label not in label_ids:
@@ -332,7 +348,7 @@ def _read_trec_file(path: Path, encoding: str, fine: bool) -> list[tuple[list[st
 
 
 def load_trec(
-    folder: str | Path, fine: bool = False, *, max_size: int = 20000, min_count: int = 1
+    folder: str | Path, fine: bool = False, *, max_size: int = 20000, min_count: int = 1, tokens: Tokens | None = None
 ) -> tuple[TextDataset, TextDataset]:
     """Loads the TREC question-classification set (5,452 train / 500 test).
 
@@ -341,6 +357,8 @@ def load_trec(
         fine: Use the 50 fine labels (named ``COARSE:fine``) instead of the 6 coarse ones.
         max_size: Vocabulary size limit, see :meth:`Vocab.build`.
         min_count: Vocabulary frequency cut-off, see :meth:`Vocab.build`.
+        tokens: What the vocabulary indexes of a sentence's words (None: the words), see
+            :func:`encode_split`.
 
     Returns:
         ``(train, test)`` sharing one vocabulary and label map, built from train.
@@ -357,7 +375,7 @@ def load_trec(
     test = _read_trec_file(test_path, "latin-1", fine)
     name = f"trec{'-fine' if fine else ''}:{folder}"
     return _encode_split(
-        train, test, name=name, test_source=str(test_path), max_size=max_size, min_count=min_count
+        train, test, name=name, test_source=str(test_path), max_size=max_size, min_count=min_count, tokens=tokens
     )
 
 
@@ -372,7 +390,7 @@ def _read_labelled_lines(path: Path, encoding: str) -> list[tuple[list[str], str
 
 
 def load_sst2(
-    folder: str | Path, *, max_size: int = 20000, min_count: int = 1
+    folder: str | Path, *, max_size: int = 20000, min_count: int = 1, tokens: Tokens | None = None
 ) -> tuple[TextDataset, TextDataset]:
     """Loads SST-2 (binary sentence sentiment, 6,920 train / 1,821 test; the dev split is unused).
 
@@ -385,11 +403,13 @@ def load_sst2(
     train = _read_labelled_lines(train_path, "utf-8")
     test = _read_labelled_lines(test_path, "utf-8")
     return _encode_split(
-        train, test, name=f"sst2:{folder}", test_source=str(test_path), max_size=max_size, min_count=min_count
+        train, test, name=f"sst2:{folder}", test_source=str(test_path), max_size=max_size, min_count=min_count,
+        tokens=tokens,
     )
 
 
-def load_banking77(folder: str | Path, *, max_size: int = 20000, min_count: int = 1) -> tuple[TextDataset, TextDataset]:
+def load_banking77(folder: str | Path, *, max_size: int = 20000, min_count: int = 1,
+                   tokens: Tokens | None = None) -> tuple[TextDataset, TextDataset]:
     """Loads banking77 (77 intents, about 10,000 train / 3,080 test sentences).
 
     ``folder`` holds ``train.csv`` and ``test.csv`` (UTF-8 CSV with a header, columns ``text``
@@ -406,7 +426,8 @@ def load_banking77(folder: str | Path, *, max_size: int = 20000, min_count: int 
     train_path, test_path = folder / "train.csv", folder / "test.csv"
     train, test = read(train_path), read(test_path)
     return _encode_split(
-        train, test, name=f"banking77:{folder}", test_source=str(test_path), max_size=max_size, min_count=min_count
+        train, test, name=f"banking77:{folder}", test_source=str(test_path), max_size=max_size, min_count=min_count,
+        tokens=tokens,
     )
 
 
@@ -446,6 +467,7 @@ def generate_topics(
     min_len: int = 5,
     max_len: int = 30,
     label_noise: float = 0.03,
+    tokens: Tokens | None = None,
 ) -> tuple[TextDataset, TextDataset]:
     """Generates a topic-classification data set of made-up words; no files needed.
 
@@ -475,6 +497,8 @@ def generate_topics(
         min_len: Shortest sentence, in tokens.
         max_len: Longest sentence, in tokens.
         label_noise: Fraction of labels replaced by a random wrong label.
+        tokens: What the vocabulary indexes of a sentence's words (None: the words), see
+            :func:`encode_split`; every token of the training set gets an id.
 
     Returns:
         ``(train, test)`` sharing one vocabulary and label map, built from train.
@@ -518,19 +542,21 @@ def generate_topics(
     zipf_topic = 1.0 / np.arange(1, topics.shape[1] + 1) ** 0.8
     in_topic = rng.choice(topics.shape[1], size=total, p=zipf_topic / zipf_topic.sum())
     topical = topics[np.maximum(source, 0), in_topic]
-    tokens = np.where(source >= 0, topical, background)
+    drawn = np.where(source >= 0, topical, background)
 
     noisy = rng.random(n) < label_noise
     labels = np.where(noisy, (labels + rng.integers(1, n_labels, size=n)) % n_labels, labels)
 
     bounds = np.concatenate([[0], np.cumsum(lengths)])
     rows = [
-        ([words[t] for t in tokens[bounds[i] : bounds[i + 1]]], label_names[labels[i]])
+        ([words[t] for t in drawn[bounds[i] : bounds[i + 1]]], label_names[labels[i]])
         for i in range(n)
     ]
     return _encode_split(
         rows[:n_train], rows[n_train:], name=f"generated:{seed}",
-        test_source=f"generated:{seed}", max_size=vocab_words + 2, min_count=1,
+        test_source=f"generated:{seed}",
+        max_size=vocab_words + 2 if tokens is None else n_train * (2 * max_len + 1) + 2,  # every token of train
+        min_count=1, tokens=tokens,
     )
 
 
@@ -554,13 +580,16 @@ def _check_generate_args(**kw: float) -> None:
             raise ValueError(f"generate_topics: {name}={kw[name]!r} is out of range")
 
 
-def load(spec: str) -> tuple[TextDataset, TextDataset]:
+def load(spec: str, *, tokens: Tokens | None = None, max_size: int = 20000) -> tuple[TextDataset, TextDataset]:
     """Loads a data set named by a spec string.
 
     Args:
         spec: One of ``"generated"``, ``"generated:SEED"``, ``"trec:FOLDER"`` (6 coarse
             labels), ``"trec-fine:FOLDER"`` (50 fine labels), ``"sst2:FOLDER"`` or ``"banking77:FOLDER"``
             (``gadei.data`` adds ``"job:JOBFILE"``, the ``[data]`` of a job file).
+        tokens: What the vocabulary indexes of a sentence's words (None: the words), see
+            :func:`encode_split`.
+        max_size: The most ids of the vocabulary of a file's data set, see :meth:`Vocab.build`.
 
     Returns:
         ``(train, test)``.
@@ -571,18 +600,18 @@ def load(spec: str) -> tuple[TextDataset, TextDataset]:
     kind, colon, arg = spec.partition(":")
     if kind == "generated":
         if not colon:
-            return generate_topics()
+            return generate_topics(tokens=tokens)
         try:
             seed = int(arg)
         except ValueError:
             raise ValueError(f"data spec {spec!r}: seed {arg!r} is not an integer") from None
-        return generate_topics(seed=seed)
+        return generate_topics(seed=seed, tokens=tokens)
     if kind in ("trec", "trec-fine") and arg:
-        return load_trec(arg, fine=kind == "trec-fine")
+        return load_trec(arg, fine=kind == "trec-fine", tokens=tokens, max_size=max_size)
     if kind == "sst2" and arg:
-        return load_sst2(arg)
+        return load_sst2(arg, tokens=tokens, max_size=max_size)
     if kind == "banking77" and arg:
-        return load_banking77(arg)
+        return load_banking77(arg, tokens=tokens, max_size=max_size)
     raise ValueError(
         f"data spec {spec!r} is not understood; use 'generated', 'generated:SEED', "
         "'trec:FOLDER', 'trec-fine:FOLDER', 'sst2:FOLDER' or 'banking77:FOLDER'"

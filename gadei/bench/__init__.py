@@ -18,7 +18,7 @@ bridge   the MPI bridge's exchange (time, GB/s, bytes on the wire) against one b
          MPI_Allreduce of the whole model, unbucketed, in buckets sized from the measured
          latency and per-byte cost, and each with float16 on the wire; models of --sizes MB,
          --ranks ranks started with mpiexec on this machine.
-peers    the text CNN trained by gadei (1, 2, 4 learners) against a plain PyTorch loop, Hogwild
+peers    the text CNN (--workload ngram: the n-gram workload) trained by gadei (1, 2, 4 learners) against a plain PyTorch loop, Hogwild
          (2, 4 processes), DDP over gloo (2, 4; also with lr x N) and PyTorch's RPC parameter
          server (1 + 2, 1 + 4) at mini-batch 1, 2, 4 and 32: samples/s, test accuracy, CPU
          seconds per sample, and gadei's ratio to each (gadei.bench.peers); drawn to --plot.
@@ -27,9 +27,11 @@ scaling  samples/s against learners (1 to 4) of gadei and Hogwild at the same ba
          plain process; plotted to --plot (gadei.bench.scaling).
 quality  what a job file with nothing tuned hands back on each shared data set (TREC, SST-2,
          Subj, CR, banking77): the chosen model's test accuracy (median and range over
-         --repeats seeds), the epoch chosen on validation and the wall time, with 1 and 2
-         learners, beside a plain PyTorch loop (Adam, mini-batch 32, the same validation
-         stopping) (gadei.bench.quality); --sets picks some; drawn to --plot.
+         --repeats seeds), the epoch chosen on validation and the wall time, of the text CNN
+         with 1 and 2 learners beside a plain PyTorch loop (Adam, mini-batch 32, the same
+         validation stopping), and of the n-gram workload with 2 learners beside scikit-learn's
+         LinearSVC and LogisticRegression on the same n-grams (gadei.bench.quality,
+         gadei.bench.reference); --sets picks sets, --runs runs; drawn to --plot.
 server   the `gadei serve` process's CPU seconds per 1,000 applied updates with a kernel team
          of 1, 2, 4 and 8 threads, one learner pushing at a fixed pace, against the kernel's
          own work: what idle or spinning threads cost (gadei.bench.server).

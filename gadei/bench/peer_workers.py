@@ -33,11 +33,11 @@ import torch
 from .timing import process_threads
 
 
-def _setup(threads: int = 1):
+def _setup(threads: int = 1, workload: str = "textcnn"):
     torch.set_num_threads(threads)
     from gadei_workloads import get
 
-    return get("textcnn")
+    return get(workload)
 
 
 def os_threads() -> int:
@@ -52,8 +52,8 @@ def _me(role: str, threads: int | None = None) -> dict:
 
 
 def model_for(workload, train, seed: int, filters: int | None = None):
-    """The run's text CNN (the same initial weights in every process for a seed), with
-    `filters` filters per convolution width (None: the workload's, 100)."""
+    """The run's model, the workload's (the same initial weights in every process for a seed);
+    for the text CNN, with `filters` filters per convolution width (None: the workload's, 100)."""
     if filters is None:
         return workload.build_model(train, seed)
     from gadei_workloads.textcnn import build_textcnn
@@ -71,8 +71,7 @@ def _loop(workload, model, train, rank: int, world: int, batch: int, epochs: int
           limit: int, step, before=None, lockstep: bool = False) -> tuple[float, float, int, float, int]:
     """Train over this rank's shard: `before()` ahead of each backward, `step(samples)` after it.
     Returns (start, end, samples, CPU seconds of this process, its OS threads at the end)."""
-    from gadei_workloads.text import batches
-
+    batches = workload.batches
     steps = steps_in_lockstep(len(train), world, batch) if lockstep else None
     if limit:
         steps = min(steps or limit, max(1, limit // (world * batch)))
@@ -112,9 +111,10 @@ def numpy_state(model) -> dict:
 
 
 def local_worker(kind, rank, world, batch, epochs, seed, lr, data, limit, shared, barrier, queue, threads=1,
-                 filters=None):
-    """plain (world 1) or hogwild (`shared` is the shared model), with `threads` PyTorch threads."""
-    workload = _setup(threads)
+                 filters=None, workload="textcnn"):
+    """plain (world 1) or hogwild (`shared` is the shared model), with `threads` PyTorch threads;
+    the workload's model (its sparse embedding gradients applied sparsely by SGD)."""
+    workload = _setup(threads, workload)
     train, _ = workload.load_data(data)
     model = shared if shared is not None else model_for(workload, train, seed, filters)
     model.train()
@@ -127,11 +127,12 @@ def local_worker(kind, rank, world, batch, epochs, seed, lr, data, limit, shared
                "state": numpy_state(model) if kind == "plain" else None})
 
 
-def gadei_learner(rank, world, batch, epochs, seed, lr, data, limit, job, barrier, queue, threads=1, filters=None):
+def gadei_learner(rank, world, batch, epochs, seed, lr, data, limit, job, barrier, queue, threads=1, filters=None,
+                  workload="textcnn"):
     """A gadei learner with `threads` PyTorch threads."""
     from ..learner import Learner
 
-    workload = _setup(threads)
+    workload = _setup(threads, workload)
     train, _ = workload.load_data(data)
     model = model_for(workload, train, seed, filters)
     model.train()
@@ -144,13 +145,13 @@ def gadei_learner(rank, world, batch, epochs, seed, lr, data, limit, job, barrie
                "torch_threads": torch.get_num_threads(), **_me("learner", running), "state": None})
 
 
-def gadei_server(job, data, seed, world, lr, options, filters, queue, failed):
+def gadei_server(job, data, seed, world, lr, options, filters, workload, queue, failed):
     """The server, through the Python API, until `stop_job`; reports the CPU seconds of `serve`
     and its OS threads when `serve` returns (its kernel's OpenMP team outlives the call)."""
     from ..server import Server
 
     try:
-        workload = _setup()
+        workload = _setup(workload=workload)
         train, _ = workload.load_data(data)
         server = Server(job, model=model_for(workload, train, seed, filters), learners=world, lr=lr, **options)
     except Exception as err:

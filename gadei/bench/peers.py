@@ -44,7 +44,7 @@ def free_port() -> int:
 
 def run_peer(kind: str, world: int, batch: int, *, epochs: int, seed: int, lr: float, data: str, limit: int = 0,
              options: dict | None = None, timeout: float = 3600.0, threads: int = 1,
-             filters: int | None = None) -> dict:
+             filters: int | None = None, workload: str = "textcnn") -> dict:
     """One timed training run of `kind` with `world` learners (processes, trainers).
 
     Returns samples/s, seconds, samples, test accuracy (of the trained model, whose size is
@@ -57,6 +57,8 @@ def run_peer(kind: str, world: int, batch: int, *, epochs: int, seed: int, lr: f
     options. `threads`: the PyTorch threads of the plain process, of each Hogwild process and
     of each gadei learner (the others keep one). `filters`: the text CNN's filters per
     convolution width, for the plain loop, Hogwild and gadei (None: the workload's, 100).
+    `workload`: what is trained (the text CNN; "ngram": the n-gram workload, by the plain loop,
+    Hogwild and gadei only).
     """
     from gadei_workloads import get
 
@@ -64,8 +66,11 @@ def run_peer(kind: str, world: int, batch: int, *, epochs: int, seed: int, lr: f
 
     if filters is not None and kind not in ("plain", "hogwild", "gadei"):
         raise ValueError(f"{kind}: only the plain loop, Hogwild and gadei take a model size (filters)")
+    if workload != "textcnn" and kind not in ("plain", "hogwild", "gadei"):
+        raise ValueError(f"{kind}: only the plain loop, Hogwild and gadei train the {workload} workload")
+    name = workload
     ctx = _context()
-    workload = get("textcnn")
+    workload = get(name)
     train, test = workload.load_data(data)
     queue = ctx.Queue()
     lr_used = lr * world if kind == "ddp-lr" else lr
@@ -80,15 +85,15 @@ def run_peer(kind: str, world: int, batch: int, *, epochs: int, seed: int, lr: f
             barrier = ctx.Barrier(world)
             procs = [ctx.Process(target=w.local_worker,
                                  args=(kind, r, world, batch, epochs, seed, lr, data, limit, shared, barrier, queue),
-                                 kwargs={"threads": threads, "filters": filters})
+                                 kwargs={"threads": threads, "filters": filters, "workload": name})
                      for r in range(world)]
         elif kind == "gadei":
             job = f"bench-peers-{os.getpid()}-{time.monotonic_ns() % 10**9}"
-            server = _start_server(job, (data, seed, world, lr, options or {}, filters), queue)
+            server = _start_server(job, (data, seed, world, lr, options or {}, filters, name), queue)
             barrier = ctx.Barrier(world)
             procs = [ctx.Process(target=w.gadei_learner,
                                  args=(r, world, batch, epochs, seed, lr, data, limit, job, barrier, queue),
-                                 kwargs={"threads": threads, "filters": filters})
+                                 kwargs={"threads": threads, "filters": filters, "workload": name})
                      for r in range(world)]
         elif kind in ("ddp", "ddp-lr"):
             port = free_port()
@@ -223,7 +228,29 @@ def scaling_methods(quick: bool) -> list[tuple[str, int]]:
     return [("plain", 1)] + [(kind, n) for kind in ("gadei", "hogwild") for n in learners]
 
 
-def methods(quick: bool) -> list[tuple[str, int]]:
+def workload_of(args) -> str:
+    """The workload the command's peers train (--workload; the text CNN without it)."""
+    return getattr(args, "workload", None) or "textcnn"
+
+
+def lr_for(workload: str) -> float:
+    """The learning rate every method of a peers run trains `workload` with (plain SGD for all):
+    the text CNN's 0.01, or the workload's own default (the n-gram workload's 0.2)."""
+    from gadei_workloads import get
+
+    return 0.01 if workload == "textcnn" else get(workload).lr or 0.01
+
+
+def model_name(workload: str) -> str:
+    """The workload's model, for the tables' titles."""
+    return {"textcnn": "text CNN", "ngram": "n-gram model (sparse EmbeddingBag)"}.get(workload, workload)
+
+
+def methods(quick: bool, workload: str = "textcnn") -> list[tuple[str, int]]:
+    """The runs of `gadei bench peers`; for another workload than the text CNN, the plain loop,
+    gadei and Hogwild only (DDP and the RPC server are the text CNN's)."""
+    if workload != "textcnn":
+        return [m for m in methods(quick) if m[0] in ("plain", "gadei", "hogwild")]
     if quick:
         return [("plain", 1), ("gadei", 1), ("gadei", 2), ("hogwild", 2), ("ddp", 2), ("rpc", 2)]
     return [("plain", 1), ("gadei", 1), ("gadei", 2), ("gadei", 4), ("hogwild", 2), ("hogwild", 4), ("ddp", 2),
@@ -238,7 +265,7 @@ def shared_runs(args, data: str, lr: float, limit: int) -> dict:
     made once, all interleaved together; by (method, learners, batch)."""
     wanted = []
     if "peers" in args.what:
-        wanted += methods(args.quick)
+        wanted += methods(args.quick, workload_of(args))
     if "scaling" in args.what:
         wanted += [m for m in scaling_methods(args.quick) if m not in wanted]
     keys = [(kind, world, batch) for kind, world in wanted for batch in _batches(args)]
@@ -271,7 +298,7 @@ def _peer_run(args, data: str, lr: float, limit: int):
     def run(key: tuple[str, int, int], repeat: int) -> dict:
         kind, world, batch = key
         result = _run_surviving_crashes(kind, world, batch, epochs=args.epochs, seed=repeat, lr=lr, data=data,
-                                        limit=limit)
+                                        limit=limit, workload=workload_of(args))
         log.info("repeat %d batch %d %s %d: %.0f samples/s, accuracy %.3f, %.2f CPU ms/sample", repeat, batch, kind,
                  world, result["samples_per_s"], result["test_accuracy"], 1e3 * result["cpu_s_per_sample"])
         return result
@@ -330,8 +357,9 @@ def print_threads(names, raw: dict, batch: int) -> None:
 def bench_peers(args) -> dict:
     data = _default_data(args)
     batches = _batches(args)
-    lr = 0.01
-    runs = methods(args.quick)
+    workload = workload_of(args)
+    lr = lr_for(workload)
+    runs = methods(args.quick, workload)
     limit = QUICK_LIMIT if args.quick else 0
     raw = shared_runs(args, data, lr, limit)
     records = []
@@ -346,7 +374,7 @@ def bench_peers(args) -> dict:
         if "gadei-1" in med and "plain-1" in med:
             ratios["gadei-1/plain-1"] = med["gadei-1"]["samples_per_s"] / med["plain-1"]["samples_per_s"]
         records.append({"batch": batch, "methods": med, "ratios": ratios})
-        print(f"\npeers: text CNN on {data}, batch {batch}, {args.epochs} epoch(s){' (quick: ' + str(limit) + ' samples)' if limit else ''}, "
+        print(f"\npeers: {model_name(workload)} on {data}, batch {batch}, {args.epochs} epoch(s){' (quick: ' + str(limit) + ' samples)' if limit else ''}, "
               f"lr {lr}, seeds 0..{args.repeats - 1}; medians of {args.repeats} interleaved runs")
         rows = []
         for kind, world in runs:
@@ -363,10 +391,10 @@ def bench_peers(args) -> dict:
         where = placement_of([r for m in med.values() for r in m["runs"]])
         if where:
             print(where)
-    out = {"data": data, "epochs": args.epochs, "lr": lr, "limit": limit, "rows": records}
+    out = {"workload": workload, "data": data, "epochs": args.epochs, "lr": lr, "limit": limit, "rows": records}
     path = plot_path(args, "peers")
     if path:
-        title = (f"text CNN on {data.split(':')[0]}, {args.epochs} epoch(s), lr {lr}, median of {args.repeats}: "
+        title = (f"{model_name(workload)} on {data.split(':')[0]}, {args.epochs} epoch(s), lr {lr}, median of {args.repeats}: "
                  "samples/s, test accuracy at each bar")
         out["plot"] = save(figure(records, runs), path, title)
     return out

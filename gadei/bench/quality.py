@@ -12,6 +12,12 @@ learner's model, seed by seed) and the wall time, beside a plain single-process 
 loop (Adam, lr 0.001, mini-batch 32) on the same training, validation and test split with
 the same validation-based stopping: the strong baseline a user could write in a few lines.
 
+Beside the text CNN, the n-gram workload (`ngram-2`: a job file that names `workload =
+"ngram"` and sets the same keys, 2 learners) and scikit-learn's `LinearSVC` and
+`LogisticRegression` with their default settings on the same n-grams of the same split
+(`sklearn-svc`, `sklearn-lr`; `gadei.bench.reference`, scikit-learn being the bench's extra:
+`pip install 'gadei[bench]'`). `--runs` picks some of the runs.
+
 `--train KEY=VALUE,...` adds a candidate: gadei with 2 learners and those [train] keys set
 (`--train optimizer=adam,lr=0.001`), on the same sets and seeds, interleaved with the rest,
 so that a change of the defaults is chosen by measurement (issue 20).
@@ -50,6 +56,8 @@ SETS = {
 QUICK_SAMPLES = 600  # --quick: TREC's first training questions
 QUICK_EPOCHS = 1
 BASELINE = {"optimizer": "adam", "lr": 1e-3, "batch": 32}
+RUNS = ("gadei-1", "gadei-2", "pytorch", "ngram-2", "sklearn-svc", "sklearn-lr")  # the text CNN's first three
+LEARNERS = {"gadei-1": 1, "gadei-2": 2, "ngram-2": 2}
 
 
 def data_dir() -> Path:
@@ -57,15 +65,15 @@ def data_dir() -> Path:
 
 
 def job_file(folder: Path, name: str, data: dict, *, learners: int, seed: int, epochs: int | None = None,
-             train: dict | None = None) -> Path:
-    """A job file for data set `name` that sets only its data, learners and seed (and, for a
-    smoke run, the epoch cap; for a candidate, its `train` keys, TOML values); its output
-    folder is `folder`/runs/<job>."""
+             train: dict | None = None, workload: str = "textcnn") -> Path:
+    """A job file of `workload` for data set `name` that sets only its data, learners and seed
+    (and, for a smoke run, the epoch cap; for a candidate, its `train` keys, TOML values); its
+    output folder is `folder`/runs/<job>."""
     def value(v):
         return json.dumps(v) if not isinstance(v, bool) else ("true" if v else "false")
 
     job = f"q-{name}-{learners}l-s{seed}-{time.monotonic_ns() % 1_000_000}"
-    lines = ["[job]", f'name = "{job}"', 'workload = "textcnn"', "", "[data]"]
+    lines = ["[job]", f'name = "{job}"', f'workload = "{workload}"', "", "[data]"]
     lines += [f"{key} = {value(v)}" for key, v in data.items()]
     lines += ["", "[train]", f"learners = {learners}", f"seed = {seed}"] + ([f"epochs = {epochs}"] if epochs else [])
     lines += [f"{key} = {setting}" for key, setting in (train or {}).items()]  # TOML values already
@@ -190,9 +198,40 @@ def candidates(specs: list[str]) -> dict[str, dict]:
     return found
 
 
+def chosen_runs(text: str | None) -> tuple[str, ...]:
+    """--runs as the runs it names, in RUNS' order ("sklearn" is both references); all of RUNS
+    without it.
+
+    Raises:
+        ValueError: a name that is not a run.
+    """
+    if not text:
+        return RUNS
+    names = {n.strip() for n in text.split(",") if n.strip()}
+    if "sklearn" in names:
+        names = (names - {"sklearn"}) | {"sklearn-svc", "sklearn-lr"}
+    unknown = sorted(names - set(RUNS))
+    if unknown or not names:
+        raise ValueError(f"--runs {text!r}: unknown run(s) {', '.join(unknown) or '(none given)'}; choose from "
+                         f"{', '.join(RUNS)} or sklearn (both references)")
+    return tuple(r for r in RUNS if r in names)
+
+
+def _run(config: str, path: Path, epochs: int | None) -> dict:
+    """One run of `config` on the job file `path`."""
+    if config == "pytorch":
+        return run_pytorch(path, epochs=epochs)
+    if config.startswith("sklearn-"):
+        from .reference import run_sklearn
+
+        return run_sklearn(path, config.partition("-")[2])
+    return run_gadei(path)
+
+
 def bench_quality(args) -> dict:
-    """Every chosen set x (gadei 1 learner, gadei 2 learners, PyTorch) x seed, interleaved
-    (the machine's noise falls on all alike); the table, and every run's figures."""
+    """Every chosen set x run (the text CNN with 1 and 2 learners, its PyTorch loop, the n-gram
+    workload with 2 learners, scikit-learn's references; `--runs`) x seed, interleaved (the
+    machine's noise falls on all alike); the table, and every run's figures."""
     base = data_dir()
     names = (args.sets.split(",") if getattr(args, "sets", None) else list(SETS)) if not args.quick else ["trec"]
     unknown = [n for n in names if n not in SETS]
@@ -201,7 +240,11 @@ def bench_quality(args) -> dict:
     seeds = [0] if args.quick else list(range(args.repeats))
     epochs = QUICK_EPOCHS if args.quick else None
     trained = candidates(getattr(args, "train", None) or [])
-    configs = ("gadei-1", "gadei-2", "pytorch", *trained)
+    configs = (*chosen_runs(getattr(args, "runs", None)), *trained)
+    if any(c.startswith("sklearn-") for c in configs):
+        from .reference import check_installed
+
+        check_installed()  # said now, not after the first runs
     runs: dict = {name: {c: [] for c in configs} for name in names}
     with tempfile.TemporaryDirectory(prefix="gadei-quality-") as tmp:
         folder = Path(tmp)
@@ -218,10 +261,10 @@ def bench_quality(args) -> dict:
             data = _data(name, base, folder, quick=args.quick)
             for seed in seeds:
                 for config in configs:
-                    learners = 1 if config == "gadei-1" else 2
-                    path = job_file(folder, name, data, learners=learners, seed=seed, epochs=epochs,
-                                    train=trained.get(config))
-                    result = run_pytorch(path, epochs=epochs) if config == "pytorch" else run_gadei(path)
+                    workload = "ngram" if config.startswith(("ngram", "sklearn")) else "textcnn"
+                    path = job_file(folder, name, data, learners=LEARNERS.get(config, 2), seed=seed, epochs=epochs,
+                                    train=trained.get(config), workload=workload)
+                    result = _run(config, path, epochs)
                     result["seed"] = seed
                     runs[name][config].append(result)
                     log.info("quality %s %s seed %d: test accuracy %.4f, epoch %s, %.0f s", name, config, seed,
@@ -233,12 +276,30 @@ def bench_quality(args) -> dict:
     for name, by in summary.items():
         for config, s in by.items():
             to_best = "-" if s["seconds_to_best"] is None else f"{s['seconds_to_best']:.0f}"
-            rows.append([name, config, f"{s['median']:.1%} ({s['min']:.1%}-{s['max']:.1%})", s["epochs"],
-                         to_best, f"{s['wall_seconds']:.0f}"])
+            epochs_ = s["epochs"] if not config.startswith("sklearn") else "-"
+            rows.append([name, config, f"{s['median']:.1%} ({s['min']:.1%}-{s['max']:.1%})", epochs_,
+                         to_best, f"{s['wall_seconds']:.1f}" if s["wall_seconds"] < 10 else f"{s['wall_seconds']:.0f}"])
     print("\nquality: test accuracy of the model handed back, median (range) over seeds " + ",".join(map(str, seeds))
           + "; the epoch chosen on validation; median seconds from the start to the chosen model's evaluation"
           + " (to best) and to the end (wall)")
     print(table(["set", "run", "test accuracy", "epoch chosen", "to best s", "wall s"], rows))
+    out = {"seeds": seeds, "quick": args.quick, "baseline": BASELINE, "candidates": trained, "summary": summary,
+           "runs": runs}
+    if "gadei-1" in configs and "gadei-2" in configs:
+        out.update(_one_against_two(summary, runs))
+    if "ngram-2" in configs:
+        out["ngram"] = _ngram_against_the_others(summary)
+    path = plot_path(args, "quality")
+    if path:
+        title = (f"gadei bench quality: a job file with nothing tuned, seeds {','.join(map(str, seeds))}"
+                 + (" (quick: a cut of TREC, 1 epoch)" if args.quick else ""))
+        out["plot"] = save(figure(summary), path, title)
+    return out
+
+
+def _one_against_two(summary: dict, runs: dict) -> dict:
+    """The text CNN's 2 learners against 1: the time to the chosen model, and to 1 learner's
+    chosen validation accuracy; printed, and their JSON."""
     speedup = {name: _ratio(by["gadei-2"]["seconds_to_best"], by["gadei-1"]["seconds_to_best"])
                for name, by in summary.items()}
     print("2 learners' time to the chosen model against 1 learner's (issue 20's target: at most 0.65x): "
@@ -249,14 +310,24 @@ def bench_quality(args) -> dict:
     print("2 learners' time to 1 learner's chosen validation accuracy (same seed) against 1 learner's, median: "
           + ", ".join(f"{name} {'-' if level[name] is None else f'{level[name]:.2f}x'} (reached on "
                       f"{sum(r is not None for r in ratios)} of {len(ratios)} seeds)" for name, ratios in same.items()))
-    out = {"seeds": seeds, "quick": args.quick, "baseline": BASELINE, "candidates": trained, "summary": summary,
-           "to_best_2_over_1": speedup, "to_level_2_over_1": level, "runs": runs}
-    path = plot_path(args, "quality")
-    if path:
-        title = (f"gadei bench quality: a job file with nothing tuned, seeds {','.join(map(str, seeds))}"
-                 + (" (quick: a cut of TREC, 1 epoch)" if args.quick else ""))
-        out["plot"] = save(figure(summary), path, title)
-    return out
+    return {"to_best_2_over_1": speedup, "to_level_2_over_1": level}
+
+
+def _ngram_against_the_others(summary: dict) -> dict:
+    """Per set, the n-gram workload's median test accuracy against scikit-learn's best (points)
+    and its median wall time against the text CNN's with 2 learners; printed, and their JSON."""
+    found = {}
+    for name, by in summary.items():
+        mine = by["ngram-2"]
+        references = [by[r]["median"] for r in ("sklearn-svc", "sklearn-lr") if r in by]
+        found[name] = {"over_sklearn_points": 100 * (mine["median"] - max(references)) if references else None,
+                       "wall_over_textcnn": _ratio(mine["wall_seconds"], by.get("gadei-2", {}).get("wall_seconds"))}
+    print("the n-gram workload (2 learners) against scikit-learn's best reference, test accuracy in points (issue 47: "
+          "at least -0.5), and its wall time against the text CNN's with 2 learners (issue 47: at most 0.2x): "
+          + ", ".join(f"{name} " + ("-" if f["over_sklearn_points"] is None else f"{f['over_sklearn_points']:+.1f}")
+                      + " / " + ("-" if f["wall_over_textcnn"] is None else f"{f['wall_over_textcnn']:.2f}x")
+                      for name, f in found.items()))
+    return found
 
 
 def figure(summary: dict):

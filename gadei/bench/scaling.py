@@ -12,7 +12,8 @@ interleaved together.
 import logging
 
 from .figure import plot_path, pyplot, save
-from .peers import LABELS, QUICK_LIMIT, _batches, placement_of, print_threads, scaling_methods, shared_runs, summarise
+from .peers import (LABELS, QUICK_LIMIT, _batches, lr_for, model_name, placement_of, print_threads, scaling_methods,
+                    shared_runs, summarise, workload_of)
 from .timing import table
 from .train import _default_data
 
@@ -21,7 +22,8 @@ log = logging.getLogger(__name__)
 
 def bench_scaling(args) -> dict:
     data = _default_data(args)
-    lr = 0.01
+    workload = workload_of(args)
+    lr = lr_for(workload)
     limit = QUICK_LIMIT if args.quick else 0
     raw = shared_runs(args, data, lr, limit)
     learners = sorted({n for kind, n in scaling_methods(args.quick) if kind == "gadei"})
@@ -43,7 +45,7 @@ def bench_scaling(args) -> dict:
                          f"{share:.0%} ({cores:.2f} cores)"))
         curves.append(point)
     beat = smallest_batches(curves, learners)
-    print(f"\nscaling: text CNN on {data}, {args.epochs} epoch(s){f' (quick: {limit} samples)' if limit else ''}, lr {lr}; "
+    print(f"\nscaling: {model_name(workload)} on {data}, {args.epochs} epoch(s){f' (quick: {limit} samples)' if limit else ''}, lr {lr}; "
           f"samples/s against learners, medians of {args.repeats} interleaved runs")
     print(table(("batch", "learners", "gadei", "Hogwild", "gadei / Hogwild", "plain 1 process",
                  "gadei server's CPU share"), rows))
@@ -56,10 +58,11 @@ def bench_scaling(args) -> dict:
     print("\nthe smallest mini-batch (of those measured) at which N learners beat one plain process:")
     print(table(("learners", "gadei", "Hogwild"),
                 [(n, beat["gadei"][str(n)] or "none", beat["hogwild"][str(n)] or "none") for n in learners]))
-    out = {"data": data, "epochs": args.epochs, "lr": lr, "limit": limit, "curves": curves, "smallest_batch": beat}
+    out = {"workload": workload, "data": data, "epochs": args.epochs, "lr": lr, "limit": limit, "curves": curves,
+           "smallest_batch": beat}
     path = plot_path(args, "scaling")
     if path:
-        title = f"text CNN on {data.split(':')[0]}, {args.epochs} epoch(s), lr {lr}, median of {args.repeats}"
+        title = f"{model_name(workload)} on {data.split(':')[0]}, {args.epochs} epoch(s), lr {lr}, median of {args.repeats}"
         out["plot"] = save(figure(curves, learners), path, title)
     return out
 

@@ -28,6 +28,13 @@ def add_parser(sub) -> None:
                    help="accuracy, modes: epochs per run (default 4)")
     p.add_argument("--sets", help="quality: shared data sets, comma-separated (default trec,sst2,subj,cr,banking77; "
                    "--quick: a cut of trec)")
+    p.add_argument("--runs", metavar="RUN,...",
+                   help="quality: the runs, comma-separated, of gadei-1, gadei-2, pytorch (the text CNN with 1 and 2 "
+                   "learners, its PyTorch loop), ngram-2 (the n-gram workload, 2 learners), sklearn-svc, sklearn-lr "
+                   "(scikit-learn on the same n-grams: pip install 'gadei[bench]'), sklearn (both); default: all")
+    p.add_argument("--workload", choices=("textcnn", "ngram"), default="textcnn",
+                   help="peers, scaling: the model trained (default textcnn; ngram: the n-gram workload, by the plain "
+                   "loop, gadei and Hogwild, at its lr 0.2)")
     p.add_argument("--train", action="append", default=[], metavar="KEY=VALUE,...",
                    help="quality: a candidate setting of job-file [train] keys (e.g. optimizer=adam,lr=0.001), run "
                    "with 2 learners beside the defaults; repeat it for more candidates")

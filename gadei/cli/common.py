@@ -28,7 +28,7 @@ def factory_model(spec: str):
 
 
 def add_workload(p, required: bool) -> None:
-    p.add_argument("--workload", required=required, help="built-in workload (textcnn, lstm, mlp)")
+    p.add_argument("--workload", required=required, help="built-in workload (textcnn, ngram, lstm, mlp)")
     p.add_argument("--data", help="data set: 'generated', 'generated:SEED', 'trec:FOLDER', 'sst2:FOLDER', or "
                    "'trec' / 'sst2' (under GADEI_DATA_DIR); default: the workload's generated set")
     p.add_argument("--seed", type=int, default=0, help="seed of the model's initial weights and the data order")

@@ -197,7 +197,7 @@ def add_parser(sub) -> None:
     p.add_argument("job")
     add_job_file(p)
     init = p.add_mutually_exclusive_group()
-    init.add_argument("--workload", help="build the initial model of this built-in workload (textcnn, lstm, mlp)")
+    init.add_argument("--workload", help="build the initial model of this built-in workload (textcnn, ngram, lstm, mlp)")
     init.add_argument("--model", help="MODULE:CALLABLE returning the initial torch.nn.Module")
     init.add_argument("--params", type=int, help="only the parameter count; the first learner uploads weights")
     p.add_argument("--data", help="data set the workload's model is sized for (see `gadei learn --help`)")

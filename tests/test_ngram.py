@@ -1,0 +1,154 @@
+"""The n-gram workload (gadei_workloads.ngram): its tokens, its model, and a job file of it run
+by `gadei run` with the server's defaults, its table travelling as rows, and `gadei predict` on
+what it handed back."""
+
+import json
+import statistics
+
+import pytest
+import torch
+
+import gadei_workloads
+from gadei_workloads import text
+from gadei_workloads.ngram import build_ngram, dimension_for, ngrams
+from helpers import communicate, data_dir, missing, trec_job, unique_name
+
+
+def test_a_sentences_ngrams_are_its_distinct_words_and_bigrams_with_its_ends_marked():
+    assert ngrams(["how", "far", "?"]) == ["how", "far", "?", "<s> how", "how far", "far ?", "? </s>"]
+    assert ngrams(["no", "no", "no"]) == ["no", "<s> no", "no no", "no </s>"]  # each once: present or not
+    assert ngrams([]) == ["<s> </s>"]
+    assert [dimension_for(n) for n in (2, 6, 16, 17, 77, 150)] == [16, 16, 16, 32, 128, 256]
+
+
+def test_the_model_is_seeded_and_leaves_padding_and_unknown_ngrams_out():
+    a, b = build_ngram(50, 3, seed=2), build_ngram(50, 3, seed=2)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    assert not torch.equal(a.embedding.weight, build_ngram(50, 3, seed=3).embedding.weight)
+    assert a.embedding.sparse  # the table's gradient is the rows a mini-batch touched
+    with torch.no_grad():
+        a.out.weight.normal_()  # fastText starts the output layer at zero: make the rows show
+    x = torch.tensor([[5, 6, 7]])
+    for same in ([[5, 6, 7, 0, 0]], [[5, 1, 6, 7, 1]]):  # padding, an n-gram training never had
+        assert torch.allclose(a(x), a(torch.tensor(same)), atol=1e-6)
+    a(torch.tensor([[5, 1, 6]])).sum().backward()
+    assert set(a.embedding.weight.grad.coalesce().indices()[0].tolist()) == {5, 6}
+
+
+def test_the_ngram_workload_indexes_bigrams_and_learns_generated_data():
+    workload = gadei_workloads.get("ngram")
+    train, test = workload.load_data("generated:1")
+    assert "<s>" not in train.vocab.decode(range(len(train.vocab)))  # markers only inside bigrams
+    assert any(" " in token for token in train.vocab.decode(range(len(train.vocab))))
+    words, _ = text.generate_topics(seed=1)
+    assert len(train.vocab) > 3 * len(words.vocab)  # a row per bigram of the training set
+    model = workload.build_model(train, 0)
+    optimizer = torch.optim.Adagrad(model.parameters(), lr=workload.lr)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny steps: a second thread only contends (10x as long on a busy machine)
+    try:
+        for x, y in text.batches(train, 16, epoch=0, seed=0):
+            optimizer.zero_grad()
+            workload.loss(model, x, y).backward()
+            optimizer.step()
+    finally:
+        torch.set_num_threads(threads)
+    assert workload.evaluate(model, test) > 0.7  # one epoch (chance: 0.17)
+
+
+def test_a_job_file_of_the_ngram_workload_trains_with_its_defaults_and_predicts(tmp_path, procs):
+    """`workload = "ngram"` and nothing tuned: the workload's learning rate is chosen, the table
+    travels through the rings as rows (the server says so), one epoch of TREC with 2 learners
+    hands back a model above 85%, and `gadei predict` reads the output folder."""
+    name = unique_name("ngram")
+    body = trec_job(name, train={"learners": 2, "epochs": 1}).replace('"textcnn"', '"ngram"')
+    path = tmp_path / "job.toml"
+    path.write_text(body)
+    run = procs.gadei("run", path)
+    out, err = communicate(run, 300)
+    assert run.returncode == 0, out + err
+    assert "ngram on 4,906 training / 546 validation / 500 test samples" in out, out
+    assert "chose lr = 0.2 (default of the ngram workload" in out, out
+    folder = tmp_path / "out"
+    assert "1 row-sparse table" in (folder / "logs" / "serve.log").read_text()
+    tokens = json.loads((folder / "vocab.json").read_text())["tokens"]
+    assert "<s> how" in tokens and "how" in tokens
+    state = torch.load(folder / "model.pt", weights_only=True)
+    assert state["embedding.weight"].shape == (len(tokens), 16)
+    assert json.loads((folder / "result.json").read_text())["test_accuracy"] > 0.85
+    predicted = procs.gadei("predict", folder, "How far is it from Denver to Aspen ?")
+    out, err = communicate(predicted, 60)
+    assert predicted.returncode == 0 and out.splitlines()[0].split()[-1] == "NUM", out + err
+
+
+def test_the_cost_estimate_puts_the_ngram_model_before_the_text_cnn():
+    """What phase 2's `workload = "auto"` will order its candidates by: each workload's
+    parameters as built, and an epoch's arithmetic, which is far less for the n-gram model."""
+    from gadei_workloads.cost import cheapest_first, estimate
+
+    found = {}
+    for name in ("textcnn", "ngram", "lstm"):
+        workload = gadei_workloads.get(name)
+        train, _ = workload.load_data("generated:1")
+        found[name] = estimate(name, train)
+        assert found[name].parameters == sum(p.numel() for p in workload.build_model(train, 0).parameters())
+    assert [e.workload for e in cheapest_first(list(found.values()))][0] == "ngram"
+    assert found["textcnn"].epoch_flops > 100 * found["ngram"].epoch_flops
+    assert found["ngram"].sparse_rows > 1.5 * found["textcnn"].sparse_rows  # its words (each once) and bigrams
+
+
+# The medians of 3 seeds that a job file naming the n-gram workload, with nothing tuned and 2
+# learners, hands back (what `gadei bench quality --runs ngram-2 --repeats 3` runs), each a floor
+# a point or so under what it measured (docs/benchmarks.md, "quality: the n-gram workload"): a
+# floor, not issue 47's target, which one seed's move of a point on CR's 377 test reviews can
+# cross. TREC and CR (about 30 s a run) in the long tier; the three larger sets as soak runs.
+FLOORS = {"trec": 0.895, "cr": 0.79, "sst2": 0.81, "subj": 0.92, "banking77": 0.895}
+
+
+@pytest.mark.parametrize("name", [
+    pytest.param("trec", marks=pytest.mark.long),
+    pytest.param("cr", marks=pytest.mark.long),
+    pytest.param("sst2", marks=pytest.mark.soak),
+    pytest.param("subj", marks=pytest.mark.soak),
+    pytest.param("banking77", marks=pytest.mark.soak),
+])
+def test_a_job_file_of_the_ngram_workload_with_nothing_tuned_reaches_its_accuracy(name, tmp_path):
+    from gadei.bench.quality import _data, job_file, run_gadei
+
+    if not (data_dir() / name).is_dir():
+        missing(f"{name} is not at {data_dir() / name} (set GADEI_DATA_DIR)")
+    data = _data(name, data_dir(), tmp_path, quick=False)
+    results = [run_gadei(job_file(tmp_path, name, data, learners=2, seed=seed, workload="ngram")) for seed in range(3)]
+    accuracy = statistics.median(r["test_accuracy"] for r in results)
+    print(f"{name}: ngram, 2 learners, median {accuracy:.2%} ("
+          + ", ".join(f"{r['test_accuracy']:.2%} at epoch {r['epoch']} in {r['wall_seconds']:.0f} s" for r in results)
+          + ")")
+    assert accuracy >= FLOORS[name], results
+
+
+@pytest.mark.long  # two TREC runs and a stop between them: most of a minute
+def test_a_stopped_ngram_job_goes_on_with_resume_and_predicts(tmp_path, procs):
+    """The workload's own defaults (its lr) are the job as run: `gadei run --resume` of the same
+    file is not refused as a change, goes on from the stop's checkpoint to the end, and the
+    folder it finishes predicts."""
+    import signal
+
+    from helpers import job_version, wait_for
+
+    name = unique_name("ngram-resume")
+    path = tmp_path / "job.toml"
+    path.write_text(trec_job(name, train={"learners": 2, "epochs": 3}, checkpoint={"interval": 600})
+                    .replace('"textcnn"', '"ngram"'))
+    run = procs.gadei("run", path, "--quiet")
+    wait_for(lambda: job_version(name) >= 500, 120, "the job to make 500 updates")
+    run.send_signal(signal.SIGTERM)
+    out, err = communicate(run, 120)
+    assert run.returncode == 130 and "--resume" in out, out + err
+    resumed = procs.gadei("run", path, "--resume", "--quiet")
+    out, err = communicate(resumed, 600)
+    assert resumed.returncode == 0 and "resuming from" in out and "done in" in out, out + err
+    result = json.loads((tmp_path / "out" / "result.json").read_text())
+    assert result["finished"] and result["test_accuracy"] > 0.85, result
+    predicted = procs.gadei("predict", tmp_path / "out", "Who wrote Hamlet ?")
+    out, err = communicate(predicted, 60)
+    assert predicted.returncode == 0 and out.splitlines()[0].split()[-1] == "HUM", out + err
