@@ -177,7 +177,7 @@ def small_csv(folder: Path) -> Path:
 
 def job_processes(*names: str) -> list[psutil.Process]:
     """Live processes (not zombies, not this one) whose command line names one of the jobs
-    `names`: a job's `gadei run`, server, watchdog and learners each carry its name (or its
+    `names`: a job's `gadei run`, server, supervisor and learners each carry its name (or its
     folder's) in their arguments, whoever their parent is."""
     found = []
     for proc in psutil.process_iter(["pid", "cmdline", "status"]):
@@ -222,7 +222,7 @@ def end_jobs(*names: str, timeout: float = 10, keep_regions: bool = False) -> No
     test leaves behind, whatever it did."""
     from gadei.region import inspect, remove
 
-    deadline = protocol.Deadline(6 * timeout)  # again while any is left: a watchdog killed after its
+    deadline = protocol.Deadline(6 * timeout)  # again while any is left: a supervisor killed after its
     while (left := job_processes(*names)) and not deadline.expired():  # server may have started another
         for proc in left:
             try:

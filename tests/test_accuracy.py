@@ -2,7 +2,7 @@
 
 Each case is the job a user with only a labelled file would write (`[job]`, `[data]`,
 `[train] learners`; every hyper-parameter is the default `gadei run` chooses), run with
-`gadei run` as a real job (server, watchdog, launched learners) with two learners and
+`gadei run` as a real job (server, supervisor, launched learners) with two learners and
 with one, for the same default epochs. The accuracy is that of the final model on the
 whole test set (`result.json`). Two learners must reach the target and lose at most one
 point to one learner (async Hogwild updates from stale weights must not cost accuracy).

@@ -231,7 +231,7 @@ def test_every_strategy_brings_the_nodes_to_their_mean_through_the_ring(job, pro
 
 
 def _finish_job(job: str) -> None:
-    """Stop `job` the way its watchdog does once every launched learner finished."""
+    """Stop `job` the way its supervisor does once every launched learner finished."""
     from gadei import _native
     from gadei.layout import STOPPING
 

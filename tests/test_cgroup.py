@@ -78,7 +78,7 @@ def test_a_region_larger_than_the_cgroups_memory_is_refused_before_it_is_made(pr
 
     job = unique_name("roomless")
     with cgroup(memory=300 * MB) as inside:
-        serve = procs.spawn(inside(gadei_command("serve", job, "--params", 20_000_000, "--no-watchdog")))
+        serve = procs.spawn(inside(gadei_command("serve", job, "--params", 20_000_000, "--no-supervisor")))
         out, err = communicate(serve, 120)
     assert serve.returncode == 2, out + err
     assert err.startswith(f"gadei: error: job {job!r}: the region needs ") and err.count("\n") == 1, err
@@ -87,13 +87,13 @@ def test_a_region_larger_than_the_cgroups_memory_is_refused_before_it_is_made(pr
 
     # A refused replacement loses nothing: the region a killed server left stays, as it was
     # (it was removed before the size was checked), for a restart that fits or for `gadei clean`.
-    small = procs.gadei("serve", job, "--params", 1000, "--no-watchdog")
+    small = procs.gadei("serve", job, "--params", 1000, "--no-supervisor")
     try:
         wait_for(lambda: getattr(inspect(job), "state", None) == "running", 60, "the small server to serve")
         small.kill()
         small.wait()
         with cgroup(memory=300 * MB) as inside:
-            serve = procs.spawn(inside(gadei_command("serve", job, "--params", 20_000_000, "--no-watchdog",
+            serve = procs.spawn(inside(gadei_command("serve", job, "--params", 20_000_000, "--no-supervisor",
                                                      "--replace")))
             out, err = communicate(serve, 120)
         assert serve.returncode == 2 and "the region needs " in err, out + err

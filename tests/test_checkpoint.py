@@ -155,7 +155,7 @@ def test_a_writer_killed_mid_write_leaves_whole_checkpoints_only(tmp_path, procs
 
 
 def test_writers_at_once_each_keep_their_checkpoints(tmp_path, procs):
-    """The watchdog's periodic checkpoint, gadei run's at a stop and the server's own may be
+    """The supervisor's periodic checkpoint, gadei run's at a stop and the server's own may be
     written at once: each gets a name of its own, none replaces another's."""
     writers = [procs.start("-c", _WRITER, tmp_path, "many") for _ in range(3)]
     for writer in writers:

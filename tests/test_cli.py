@@ -105,7 +105,7 @@ def test_serve_a_model_factory_and_save_the_final_weights(job, procs, tmp_path):
 def test_launched_learners_are_checked_before_anything_starts(job, procs, tmp_path):
     cases = [
         (["--learner", "--epochs 1"], "give --checkpoint-dir"),
-        (["--checkpoint-dir", tmp_path, "--no-watchdog", "--learner", "--epochs 1"], "give --checkpoint-dir"),
+        (["--checkpoint-dir", tmp_path, "--no-supervisor", "--learner", "--epochs 1"], "give --checkpoint-dir"),
         (["--checkpoint-dir", tmp_path, "--learner", "--epochs one"], "not arguments of `gadei learn`"),
         (["--checkpoint-dir", tmp_path, "--learner", "--epochs 1 --start-at 5"], "--start-at is the supervisor's"),
         (["--checkpoint-dir", tmp_path, "--learner", "--epochs 'unclosed"], "No closing quotation"),

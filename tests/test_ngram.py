@@ -70,7 +70,7 @@ def test_a_job_file_of_the_ngram_workload_trains_with_its_defaults_and_predicts(
     assert "ngram on 4,906 training / 546 validation / 500 test samples" in out, out
     assert "chose lr = 0.2 (default of the ngram workload" in out, out
     folder = tmp_path / "out"
-    assert "1 row-sparse table" in (folder / "logs" / "serve.log").read_text()
+    assert "1 row-sparse table" in (folder / "logs" / "server.log").read_text()
     tokens = json.loads((folder / "vocab.json").read_text())["tokens"]
     assert "<s> how" in tokens and "how" in tokens
     state = torch.load(folder / "model.pt", weights_only=True)

@@ -148,7 +148,7 @@ region.unlink()
 def test_a_region_its_server_is_still_creating_is_starting_kept_and_waited_for(job, procs):
     """Between Region.create and publish (a server reading a large checkpoint on a loaded
     machine: seconds) the job is 'starting': nothing takes it for a leftover, and nothing
-    that waits for a 'running' server attaches to half a region (a watchdog restarting a
+    that waits for a 'running' server attaches to half a region (a supervisor restarting a
     server once did, and gave up on the job)."""
     creator = procs.start("-c", _CREATOR, job)
     read_line(creator, 60)

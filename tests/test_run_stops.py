@@ -32,7 +32,7 @@ def _when(point: str, run, out, name) -> bool:
         return _catches_sigterm(run.pid)
     if point == "after the server":  # its server was started (server.log is opened just before)
         return (out / "logs" / "server.log").exists()
-    # the watchdog launched the learners (each one's log is opened as it starts), none trained yet
+    # the supervisor launched the learners (each one's log is opened as it starts), none trained yet
     return (out / "logs" / "learner-1.log").exists()
 
 
@@ -44,7 +44,7 @@ def test_a_stop_while_gadei_run_starts_its_job_is_a_clean_stop(tmp_path, procs, 
     """Once, a SIGTERM that reached the server before it set its handler killed it (-15) and the
     run said "job failed: the server exited -15 without a watchdog"; one that reached `gadei run`
     before its own handler ended it with no result.json; learners still attaching held the stop
-    for 30 s, until the watchdog killed them."""
+    for 30 s, until the watchdog (now the supervisor) killed them."""
     name = unique_name("early")
     path = blobs_job(tmp_path, name, train={"learners": 2, "epochs": 50})
     out = tmp_path / "out"

@@ -1,7 +1,7 @@
 """Every process gadei starts runs the installed gadei, whatever the working directory.
 
 `python -m gadei` puts the working directory first on sys.path, so from a repository root
-after a non-editable `pip install .` every server, learner and watchdog imported the source
+after a non-editable `pip install .` every server, learner and supervisor imported the source
 tree's `gadei/` (which has no compiled `_native`) and died. One function builds every such
 command line (`gadei._proc.python_command`, with `-P`); these tests hold the code to it and
 run a whole job from a folder that holds decoy packages of every name gadei imports.

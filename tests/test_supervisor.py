@@ -212,7 +212,7 @@ def test_the_supervisors_json_flags_are_checked_even_under_python_dash_o(job, pr
     command = _proc.python_command("gadei_watchdog", job, "--checkpoint-dir", tmp_path, f"{flag}={value}")
     dog = procs.spawn([command[0], "-O", *command[1:]])
     _, err = communicate(dog, 60)
-    assert dog.returncode == 2 and f"gadei watchdog: error: argument {flag}: " in err and expected in err, err
+    assert dog.returncode == 2 and f"gadei supervisor: error: argument {flag}: " in err and expected in err, err
 
 
 def test_a_child_that_does_not_exit_in_time_is_killed_and_reaped(procs):

@@ -285,10 +285,10 @@ def test_a_server_signalled_the_moment_its_region_appears_stops_cleanly(job, pro
     _nothing_left(procs, job)
 
 
-# ------------------------------------------------------------------ the watchdog
+# ------------------------------------------------------------------ the supervisor
 
 
-def test_the_watchdog_does_not_restart_from_a_corrupt_region_and_keeps_the_last_checkpoint(job, procs, tmp_path):
+def test_the_supervisor_does_not_restart_from_a_corrupt_region_and_keeps_the_last_checkpoint(job, procs, tmp_path):
     folder = tmp_path / "ckpt"
     server = _serve(procs, job, "--checkpoint-dir", str(folder), "--checkpoint-every", "0.2", "--watch-interval",
                     "0.1")

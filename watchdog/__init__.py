@@ -2,13 +2,12 @@
 of a job): a process of its own that uses gadei, and that gadei starts but never imports
 (`gadei.supervisor` is what gadei knows of it).
 
-- `supervisor`: `Supervisor`, one job's server and learners started or attached to, watched,
+- `supervisor`: `Supervisor`, one job's server and learners started, watched,
   checkpointed and restarted, and the job's end decided;
 - `learners`: the learners it launched, its children;
 - `job`: a job file's supervisor (what `gadei run` and the daemon start): the commands made from
   the job, its epoch records followed, and its outputs written at its end;
-- `cli`: `python -m gadei_watchdog`, which `gadei watchdog` (and `gadei serve --checkpoint-dir`)
-  becomes.
+- `cli`: `python -m gadei_watchdog`, which `gadei serve --checkpoint-dir` becomes.
 """
 
 from .supervisor import Supervisor

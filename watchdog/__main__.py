@@ -1,4 +1,4 @@
-"""`python -m gadei_watchdog JOB --checkpoint-dir DIR ...`: the same as `gadei watchdog JOB ...`."""
+"""`python -m gadei_watchdog JOB --checkpoint-dir DIR ...` or `--job-file FILE`: a job's supervisor."""
 
 import sys
 

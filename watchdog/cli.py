@@ -20,12 +20,12 @@ def command(args) -> int:
     """Run the supervisor the arguments describe, to its end (its exit code)."""
     if args.job_file:
         if args.job:
-            raise GadeiError("gadei watchdog: give JOB or --job-file, not both")
+            raise GadeiError("gadei supervisor: give JOB or --job-file, not both")
         return job.run(args.job_file, resume=args.resume, by=args.by, named=args.named, since=args.since)
     if not args.job:
-        raise GadeiError("gadei watchdog: give JOB (and the arguments of its server) or --job-file")
+        raise GadeiError("gadei supervisor: give JOB (and the arguments of its server) or --job-file")
     if not args.checkpoint_dir:
-        raise GadeiError("gadei watchdog: give --checkpoint-dir")
+        raise GadeiError("gadei supervisor: give --checkpoint-dir")
     settings = options.from_args(SupervisorSettings, args)
     try:
         settings.check()
@@ -43,7 +43,7 @@ def command(args) -> int:
     if code == SERVER_DEAD and record is not None and record.outcome == REFUSED:  # as the server alone would say
         raise GadeiError(record.reason)
     if code == 0 and supervisor.server_code:  # it stopped the job, and failed at its stop (its last checkpoint)
-        print(f"gadei watchdog: error: the server {how_it_ended(supervisor.server_code)} at its stop (see its log)",
+        print(f"gadei supervisor: error: the server {how_it_ended(supervisor.server_code)} at its stop (see its log)",
               file=sys.stderr, flush=True)
         return 1
     return code
@@ -73,7 +73,7 @@ def _resume_point(args: list[str]) -> tuple[list[str], dict]:
 
 
 def main(argv=None) -> int:
-    """`python -m gadei_watchdog ...`: the same as `gadei watchdog ...`."""
-    parser = argparse.ArgumentParser(prog="gadei watchdog", description=DESCRIPTION)
+    """`python -m gadei_watchdog ...`: a job's supervisor (what `gadei serve --checkpoint-dir` runs)."""
+    parser = argparse.ArgumentParser(prog="gadei supervisor", description=DESCRIPTION)
     add_arguments(parser)
-    return console.run(command, parser.parse_args(argv), prog="gadei watchdog")
+    return console.run(command, parser.parse_args(argv), prog="gadei supervisor")

@@ -36,7 +36,7 @@ FINAL = "logs/final.pt"  # the weights the last server ended with (`gadei serve 
 
 
 def server_args(job: jobfile.Job, node: placement.NodeRecord | None, found=None) -> list[str]:
-    """The arguments of the job's `gadei serve` (its supervisor adds --no-watchdog and --stop-record):
+    """The arguments of the job's `gadei serve` (its supervisor adds --no-supervisor and --stop-record):
     the job as run, one ring more than learners on a bridged node (its bridge's), a node's rate,
     the checkpoint it resumes from (`found`)."""
     out, t = job.output, job.train

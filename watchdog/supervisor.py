@@ -277,7 +277,7 @@ class Supervisor:
             self.stopped = True
             log.info("job %r: stopped before its server started", self.job)
             return False
-        command = _proc.gadei_command(*self.settings.server, "--no-watchdog", "--stop-record", self.stop_record)
+        command = _proc.gadei_command(*self.settings.server, "--no-supervisor", "--stop-record", self.stop_record)
         return self._serve(command, "starting the server")
 
     def _serve(self, command: list[str], doing: str) -> bool:
@@ -358,7 +358,7 @@ class Supervisor:
         found = checkpoint.latest(folder, with_progress=bool(self.learners.table))
         args = [*self.settings.server, "--replace"] + (["--resume", str(found.path)] if found else [])
         self._restarts = [*recent, now]
-        command = _proc.gadei_command(*args, "--no-watchdog", "--stop-record", self.stop_record)
+        command = _proc.gadei_command(*args, "--no-supervisor", "--stop-record", self.stop_record)
         doing = "restarting the server " + (f"from checkpoint version {found.version:,}" if found else
                                            "from its initial weights (no checkpoint yet)")
         log.warning("job %r: %s", self.job, doing)

@@ -24,7 +24,7 @@ from .common import add_job_file, factory_model, workload_model
 log = logging.getLogger("gadei.cli")
 
 def cmd_serve(args) -> int:
-    if args.checkpoint_dir and not args.no_watchdog:
+    if args.checkpoint_dir and not args.no_supervisor:
         return _supervised(args)
     # SIGTERM/SIGINT stop the server cleanly from the start, before the imports and the model
     # (torch: seconds): one that comes before the server exists is taken once it does (it then
@@ -70,7 +70,7 @@ def _server(args):
         raise GadeiError("gadei serve: give the initial weights with --workload, --model or --params")
     if args.learner:
         raise GadeiError("--learner: launched learners are run by the job's supervisor; give --checkpoint-dir "
-                         "(and no --no-watchdog)")
+                         "(and no --no-supervisor)")
     model = None
     if args.workload:
         model = workload_model(args)[-1]
@@ -142,7 +142,7 @@ def _serve(args, server, asked: list[int], record: StopRecord) -> int:
 def _supervised(args) -> int:
     """`gadei serve ... --checkpoint-dir DIR`: the job under a supervisor. This process becomes
     the job's supervisor (`python -m gadei_watchdog`, same pid), which starts the server with these
-    arguments (and --no-watchdog) as its child, launches the --learner learners, checkpoints the
+    arguments (and --no-supervisor) as its child, launches the --learner learners, checkpoints the
     job and restarts what dies; the settings are checked here first."""
     from .. import supervisor
     from ..launch import become
@@ -222,7 +222,7 @@ def add_parser(sub) -> None:
                    "seconds and restarts a crashed server from the newest; the server writes one more at its stop")
     p.add_argument("--checkpoint-every", type=float, default=CheckpointOptions.interval,
                    help="seconds between checkpoints (default %(default)g)")
-    p.add_argument("--no-watchdog", action="store_true", help="with --checkpoint-dir: no supervisor, only the "
+    p.add_argument("--no-supervisor", action="store_true", help="with --checkpoint-dir: no supervisor, only the "
                    "server's checkpoint at its stop (how a supervisor starts the server)")
     p.add_argument("--keep", type=int, default=CheckpointOptions.keep,
                    help="checkpoints kept in --checkpoint-dir (default %(default)d)")
