@@ -144,7 +144,8 @@ def how_it_ended(code: int | None, oom_kills_at_start: int | None = None) -> str
     said = _oom_killed_since(oom_kills_at_start)
     if said:
         return f"was killed by {name}, most likely by {said}"
-    return f"was killed by {name}, sent by a process (not the out-of-memory killer, which killed nothing since it started)"
+    return (f"was killed by {name}, sent by a process (not the out-of-memory killer, which killed nothing since it "
+            "started)")
 
 
 def _oom_killed_since(oom_kills_at_start: int) -> str:

@@ -397,7 +397,8 @@ def load(path: str | os.PathLike) -> Checkpoint:
         checkpoint = Checkpoint(job=data["job"], version=int(data["version"]), applied=int(data["applied"]),
                                 model=dict(data["model"]), optimizer=dict(data["optimizer"]),
                                 config=json.loads(data["config"]), learners=json.loads(data["learners"]),
-                                progress=json.loads(data.get("progress", "{}")), created=float(data["created"]), path=path)
+                                progress=json.loads(data.get("progress", "{}")), created=float(data["created"]),
+                                path=path)
     except (KeyError, TypeError, ValueError) as err:
         raise CheckpointError(f"checkpoint {path} lacks or garbles field {err}") from err
     if checkpoint.checksum() != data.get("checksum"):

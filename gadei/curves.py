@@ -83,7 +83,8 @@ def _pace(axes, metrics: list[dict]) -> None:
     rate.set_xlabel("epoch")
     rate.set_ylabel("samples/s")
     rate.set_title("learner 0's samples/s", fontsize=10)
-    for key, label, style in (("staleness_mean", "mean in the epoch", "o-"), ("staleness_max", "largest so far", "s--")):
+    for key, label, style in (("staleness_mean", "mean in the epoch", "o-"),
+                              ("staleness_max", "largest so far", "s--")):
         points = [(m["epoch"], m[key]) for m in metrics if isinstance(m.get(key), (int, float))]
         if points:
             stale.plot([e for e, _ in points], [s for _, s in points], style, label=label)

@@ -102,7 +102,8 @@ def choose(devices: tuple[str, ...]) -> tuple[tuple[str, ...], str | None]:
         return devices, None
     count = cuda_count()
     if count == 0:
-        return ("cpu",), "devices = cpu (auto: no CUDA GPU is visible on this machine, so the learners train on the CPU)"
+        return ("cpu",), ("devices = cpu (auto: no CUDA GPU is visible on this machine, so the learners train on "
+                          "the CPU)")
     chosen = tuple(f"cuda:{i}" for i in range(count))
     return chosen, f"devices = {','.join(chosen)} (auto: every visible CUDA GPU)"
 

@@ -23,7 +23,7 @@ written by `restarts_env` and read by `restarts`.
 One variable of OpenMP's own is set by `quiet_openmp`, in a server's process only and for as
 long as its OpenMP runtime takes to load: OMP_WAIT_POLICY=PASSIVE, unless it or GOMP_SPINCOUNT
 is set already. Learners and every other process keep OpenMP's defaults.
-"""
+"""  # noqa: E501 (a markdown table: one row a line)
 
 import contextlib
 import ctypes
@@ -243,7 +243,8 @@ def restarts() -> list[float]:
     try:
         return [float(t) for t in raw.split(",") if t.strip()]
     except ValueError:
-        raise ValueError(f"environment variable GADEI_RESTARTS={raw!r} is not a comma-separated list of times") from None
+        raise ValueError(f"environment variable GADEI_RESTARTS={raw!r} is not a comma-separated list of "
+                         "times") from None
 
 
 def restarts_env(times: list[float]) -> dict[str, str]:
@@ -278,5 +279,6 @@ def runtime_dir() -> str:
     info = os.stat(folder)
     if info.st_uid != os.getuid() or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         raise PermissionError(f"gadei runtime folder {folder} belongs to uid {info.st_uid} or others may write "
-                              f"to it (mode {stat.S_IMODE(info.st_mode):o}); set GADEI_RUNTIME_DIR to a folder of yours")
+                              f"to it (mode {stat.S_IMODE(info.st_mode):o}); set GADEI_RUNTIME_DIR to a folder of "
+                              "yours")
     return folder

@@ -31,7 +31,8 @@ validated `Job` before anything starts.
     epochs = 20                   # the cap; default: about 120,000 updates, 3 to 40 epochs
     patience = 3                  # stop when the validation accuracy did not improve for this many evaluations
     seed = 0
-    devices = "cpu"               # "cpu", "auto" (every visible GPU, else the CPU) or "cuda:0,cuda:1": learners round-robin
+    devices = "cpu"               # "cpu", "auto" (every visible GPU, else the CPU) or "cuda:0,cuda:1":
+                                  # learners round-robin
     threads = "auto"              # each learner's PyTorch intra-op threads; auto: the cores less one for the
                                   # server, shared by the learners (one each where that is all there is)
 
@@ -223,8 +224,8 @@ class Job:
         except GadeiError:
             where = self.path.name if self.path else "job"
             raise JobFileError(f"{where}: [job] name = {self.name!r}: node {node} of {nodes} runs it as {name!r}, "
-                               f"which is longer than a job name may be; allowed: up to {63 - (len(name) - len(self.name))} "
-                               "characters") from None
+                               "which is longer than a job name may be; allowed: up to "
+                               f"{63 - (len(name) - len(self.name))} characters") from None
         transport = self.transport
         if transport.row_sparse is None:  # the bridge moves every row: a bridged node's gradients stay dense
             transport = replace(transport, row_sparse=False)
@@ -259,7 +260,8 @@ def toml_text(sections: dict[str, dict]) -> str:
     text = "".join(f"[{section}]\n" + "".join(f"{key} = {_toml_value(value)}\n" for key, value in table.items()
                                                if value is not None) + "\n"
                    for section, table in sections.items())
-    written = {section: {k: _plain(v) for k, v in table.items() if v is not None} for section, table in sections.items()}
+    written = {section: {k: _plain(v) for k, v in table.items() if v is not None}
+               for section, table in sections.items()}
     if tomllib.loads(text) != written:
         raise ValueError(f"cannot be written as TOML: {text!r:.300}")
     return text

@@ -74,8 +74,8 @@ ENTRY_STATES = MappingProxyType({FREE: "free", CLAIMING: "claiming", ACTIVE: "ac
                                  DEAD: "dead"})
 
 _SPARSE_ENTRY = 32  # offset u64, rows u64, width u32, max_rows u32, reserved u64
-_SIZES = {"u32": 4, "u64": 8, "f64": 8, "name": NAME_BYTES, "hist": 8 * HIST_BUCKETS, "sparse": _SPARSE_ENTRY * MAX_SPARSE,
-          "text": REASON_BYTES}
+_SIZES = {"u32": 4, "u64": 8, "f64": 8, "name": NAME_BYTES, "hist": 8 * HIST_BUCKETS,
+          "sparse": _SPARSE_ENTRY * MAX_SPARSE, "text": REASON_BYTES}
 FIELD_BYTES = MappingProxyType(_SIZES)  # bytes of a field of each kind
 _LINE_BREAK = ("", "")
 
@@ -310,7 +310,8 @@ class Shape:
         end = 0
         for table in self.sparse:
             if table.offset < end or table.rows < 1 or table.width < 1 or table.offset + table.size > self.n_params:
-                raise ValueError(f"row-sparse table {table} overlaps another or lies outside the {self.n_params} weights")
+                raise ValueError(f"row-sparse table {table} overlaps another or lies outside the {self.n_params} "
+                                 "weights")
             if not 1 <= table.max_rows <= table.rows:
                 raise ValueError(f"row-sparse table {table}: max_rows must be 1..{table.rows}")
             end = table.offset + table.size

@@ -382,7 +382,8 @@ def _transports(job: str, mode: str, pull: str | None, push: str | None,
     mode (or the device) cannot honour."""
     if device.type != "cpu" and mode not in _ALLOWED_GPU:
         raise RegionMismatch(f"job {job!r} runs in {mode} mode, which GPU learners do not support yet (elastic "
-                             f"learners keep a local model and push weights); train this learner on the CPU, not {device}")
+                             "learners keep a local model and push weights); train this learner on the CPU, not "
+                             f"{device}")
     pulls, pushes = (_ALLOWED_GPU if device.type != "cpu" else _ALLOWED)[mode]
     pull, push = pull or pulls[0], push or pushes[0]
     if device.type == "cpu" and mode in _ALLOWED_GPU:  # accepted, not listed (tests)
@@ -392,7 +393,9 @@ def _transports(job: str, mode: str, pull: str | None, push: str | None,
     if device.type != "cpu":
         why = f"a model on {device} is reached through device staging buffers"
     if pull not in pulls:
-        raise RegionMismatch(f"job {job!r} runs in {mode} mode: pull must be one of {list(pulls)}, not {pull!r} ({why})")
+        raise RegionMismatch(f"job {job!r} runs in {mode} mode: pull must be one of {list(pulls)}, "
+                             f"not {pull!r} ({why})")
     if push not in pushes:
-        raise RegionMismatch(f"job {job!r} runs in {mode} mode: push must be one of {list(pushes)}, not {push!r} ({why})")
+        raise RegionMismatch(f"job {job!r} runs in {mode} mode: push must be one of {list(pushes)}, "
+                             f"not {push!r} ({why})")
     return pull, push

@@ -13,7 +13,7 @@ zero, because the next backward pass of the learner accumulates into it.
 | consistent | the same, inside a seqlock, so a pull never copies a half-applied update | whole updates only (pull='copy') |
 | sync | SSGD: one gradient from every live learner, averaged, applied once | a new version per round |
 | elastic | EASGD: the region holds the centre c; a learner's weights w move it, c += alpha (w - c) | their own local model |
-"""
+"""  # noqa: E501 (a markdown table: one row a line)
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -300,7 +300,8 @@ class ElasticAveraging(UpdateRule):
         super().__init__(region, options, threads)
         shape = region.shape
         if shape.grad_dtype != "float32" or shape.sparse:
-            raise ValueError("elastic mode pushes whole float32 weights: use grad_dtype float32 and no row-sparse tables")
+            raise ValueError("elastic mode pushes whole float32 weights: use grad_dtype float32 and no row-sparse "
+                             "tables")
         self.n = shape.n_params
         self._slot_format = Float32Dense(self.n, self.threads)  # a slot holds a learner's float32 weights
 

@@ -73,7 +73,8 @@ def predict(run_dir: str, texts: list[str], top: int = 3) -> list[list[tuple[str
         try:
             values = np.array([float(v) for v in text.replace(",", " ").split()], dtype=np.float64)
         except ValueError:
-            raise GadeiError(f"{text!r}: give the {stats['features']} features as numbers separated by commas") from None
+            raise GadeiError(f"{text!r}: give the {stats['features']} features as numbers separated by "
+                             "commas") from None
         if values.size != stats["features"]:
             raise GadeiError(f"{text!r}: {values.size} features, the model takes {stats['features']}")
         return torch.from_numpy(((values - np.array(stats["mean"])) / np.array(stats["std"])).astype(np.float32))[None]

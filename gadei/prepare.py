@@ -280,8 +280,9 @@ def resume_point(job: jobfile.Job, *, nodes: int = 1):
     except FileNotFoundError:
         before_nodes = 1
     if before_nodes != nodes:
-        raise GadeiError(f"--resume: the run in {out} ran on {before_nodes} node(s), this one on {nodes}: the learners' "
-                         "shards would differ; go on with as many MPI ranks, or run it with another [output] folder")
+        raise GadeiError(f"--resume: the run in {out} ran on {before_nodes} node(s), this one on {nodes}: the "
+                         "learners' shards would differ; go on with as many MPI ranks, or run it with another "
+                         "[output] folder")
     found = checkpoint.latest(out / "checkpoints", with_progress=True)
     if found is None:
         done = finished(out)

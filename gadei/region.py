@@ -390,8 +390,8 @@ class Region:
         # region it replaces gives its pages back (its server ran in this cgroup: a restart's).
         room = memory_available()
         if room is not None and lay.total > room + (leftover.size if leftover else 0):
-            raise RegionError(f"job {job!r}: the region needs {lay.total / 1e6:,.1f} MB, where this process's cgroup (a "
-                              f"container's memory limit) has {room / 1e6:,.1f} MB available: fewer parameters or "
+            raise RegionError(f"job {job!r}: the region needs {lay.total / 1e6:,.1f} MB, where this process's cgroup "
+                              f"(a container's memory limit) has {room / 1e6:,.1f} MB available: fewer parameters or "
                               "learners, or a larger limit")
         if leftover:  # removed only now, and created at once: a restart's region is missing for as short as can be
             log.warning("job %r: replacing the region left behind by server pid %d", job, leftover.server_pid)
@@ -415,7 +415,8 @@ class Region:
             raise RegionError(
                 f"job {job!r}: cannot reserve {lay.total / 1e6:,.1f} MB for the region in {SHM_DIR} "
                 f"({err.strerror}; {free.f_bavail * free.f_frsize / 1e6:,.1f} MB free there): free space in "
-                f"{SHM_DIR} (`gadei clean` removes leftovers) or make it larger (a container's: `docker run --shm-size`)"
+                f"{SHM_DIR} (`gadei clean` removes leftovers) or make it larger "
+                "(a container's: `docker run --shm-size`)"
             ) from None
         stat = os.fstat(shm.fd)
         opened = _Opened(shm, stat.st_size, stat.st_uid, stat.st_ino)
@@ -563,7 +564,8 @@ def _trust(job: str, opened: _Opened, readonly: bool) -> Region:
     if h["magic"] == 0:
         raise _NotPublished()
     if h["magic"] != MAGIC:
-        raise ForeignRegion(f"job {job!r}: {name} is not a gadei region (magic {h['magic']:#018x}, expected {MAGIC:#018x})")
+        raise ForeignRegion(f"job {job!r}: {name} is not a gadei region "
+                            f"(magic {h['magic']:#018x}, expected {MAGIC:#018x})")
     if h["layout_version"] != LAYOUT_VERSION:
         raise ForeignRegion(
             f"job {job!r}: {name} has layout version {h['layout_version']}, this gadei reads version {LAYOUT_VERSION}"
@@ -615,13 +617,15 @@ def inspect(job: str) -> Found | None:
         if opened.uid != os.geteuid():
             return Found(job, "other-user", problem=f"it belongs to {_user(opened.uid)}", size=opened.size)
         if opened.size < HEADER_BYTES:
-            return Found(job, "foreign", problem=f"it is {opened.size} bytes, too small for a gadei region", size=opened.size)
+            return Found(job, "foreign", problem=f"it is {opened.size} bytes, too small for a gadei region",
+                         size=opened.size)
         h = _read_header(opened)
         magic, version = h["magic"], h["layout_version"]
         if magic not in (0, MAGIC):
             return Found(job, "foreign", problem=f"it is not a gadei region (magic {magic:#018x})", size=opened.size)
         if magic == MAGIC and version != LAYOUT_VERSION:
-            return Found(job, "foreign", problem=f"it has layout version {version}, not {LAYOUT_VERSION}", size=opened.size)
+            return Found(job, "foreign", problem=f"it has layout version {version}, not {LAYOUT_VERSION}",
+                         size=opened.size)
         if not _proc.alive(h["server_pid"], h["server_start"]):
             state = "leftover"
         else:

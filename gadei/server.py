@@ -155,7 +155,8 @@ class Server:
         self.rule_options = rule_options
         self.rule_options.check(mode, learners)
         check_all(transport)
-        grad_dtype, row_sparse, max_rows, slots = transport.grad_dtype, transport.row_sparse, transport.max_rows, transport.slots
+        grad_dtype, row_sparse, max_rows, slots = (transport.grad_dtype, transport.row_sparse, transport.max_rows,
+                                                   transport.slots)
         env = settings()
         self.threads = env.threads if threads is None else max(1, int(threads))
         self.spin_ns = int(1000 * (env.spin_us if spin_us is None else spin_us))
@@ -219,8 +220,9 @@ class Server:
         self._skipped_word = h.word("nonfinite_skipped")
         self._next_audit = 0
         self._closed = False
-        described = f"{grad_dtype} gradients" + (f", {len(sparse)} row-sparse table{'s' * (len(sparse) != 1)}" if sparse else "") + \
-            (" (chosen: the model's embedding gradients are sparse)" if auto and sparse else "")
+        described = (f"{grad_dtype} gradients"
+                     + (f", {len(sparse)} row-sparse table{'s' * (len(sparse) != 1)}" if sparse else "")
+                     + (" (chosen: the model's embedding gradients are sparse)" if auto and sparse else ""))
         log.info(
             "job %r: serving %s parameters (%s) in %s mode, %s, %d learner rings of %d slots, lr %g, "
             "kernel teams of up to %d thread%s (one per 262,144 elements of an update; OpenMP wait policy: %s)", job,

@@ -229,7 +229,8 @@ def format_table(status: JobStatus, rate: Rates | None) -> str:
     transport = status.grad_dtype + (f" + {tables} row-sparse table{'s' * (tables != 1)}" if tables else "")
     lines = [
         f"job {status.job}: {status.run_state}; server {server}; mode {status.mode}, lr {status.lr:g}"
-        + "".join(_option(k, v) for k, v in options.items()) + f"; kernel teams of up to {status.threads} thread{'s' * (status.threads != 1)}",
+        + "".join(_option(k, v) for k, v in options.items())
+        + f"; kernel teams of up to {status.threads} thread{'s' * (status.threads != 1)}",
         f"  weights: {status.n_params:,} parameters ({status.n_params * 4 / 1e6:.1f} MB), {transport} gradients, "
         f"version {status.version:,}, {status.applied:,} gradients applied"
         + (f", {status.nonfinite_skipped:,} non-finite gradients skipped" if status.nonfinite_skipped else "")

@@ -41,12 +41,12 @@ SERVER_DEAD = 3  # the server died or hung and was not (or could not be) restart
 LEARNERS_FAILED = 4  # the job ended after the supervisor gave up on a launched learner
 JOB_FAILED = 5  # the server stopped the job as failed; nothing was restarted
 
-DESCRIPTION = ("The supervisor of one job: start its server (--server's gadei arguments), report dead or hung learners "
-               "and server, take a checkpoint between two updates every --every seconds, launch --learners and restart "
-               "them when they die, restart a dead server; a SIGTERM or SIGINT is a stop it takes with a checkpoint of "
-               "the learners' progress. Ends when the job stops (0; 4 when it gave up on a launched learner; 5 when the "
-               "server failed the job) or its server is dead for good (3). `gadei serve --checkpoint-dir` becomes it; "
-               "`gadei run` and the daemon start it with --job-file.")
+DESCRIPTION = ("The supervisor of one job: start its server (--server's gadei arguments), report dead or hung "
+               "learners and server, take a checkpoint between two updates every --every seconds, launch --learners "
+               "and restart them when they die, restart a dead server; a SIGTERM or SIGINT is a stop it takes with a "
+               "checkpoint of the learners' progress. Ends when the job stops (0; 4 when it gave up on a launched "
+               "learner; 5 when the server failed the job) or its server is dead for good (3). `gadei serve "
+               "--checkpoint-dir` becomes it; `gadei run` and the daemon start it with --job-file.")
 
 _SUFFIX = ".supervisor.json"
 

@@ -83,7 +83,8 @@ def run(args) -> int:
                         chooser.end_training(learner)
             record = {
                 "event": "epoch", "job": args.job, "learner": learner.learner_id, "epoch": epoch + 1,
-                "loss": loss_sum.item() / max(1, steps), "train_accuracy": correct.item() / max(1, seen), "steps": steps,
+                "loss": loss_sum.item() / max(1, steps), "train_accuracy": correct.item() / max(1, seen),
+                "steps": steps,
                 "samples_per_s": steps and (samples / (time.monotonic() - started)),
                 "epoch_seconds": time.monotonic() - epoch_start, "version": learner.version,
                 **staleness.since_last(), "nonfinite_skipped": learner.region.header.get("nonfinite_skipped"),

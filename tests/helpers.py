@@ -169,7 +169,8 @@ def small_csv(folder: Path) -> Path:
     """A small text data set, `folder`/train.csv: 40 sentences about cats and dogs (columns text
     and category, the labels alternating): a job file on it (format "csv", label_column
     "category") parses and loads in well under a second. The `small` fixture writes it."""
-    rows = [f'"sentence number {i}, about {"dogs" if i % 2 else "cats"}",{"dog" if i % 2 else "cat"}' for i in range(40)]
+    rows = [f'"sentence number {i}, about {"dogs" if i % 2 else "cats"}",{"dog" if i % 2 else "cat"}'
+            for i in range(40)]
     path = folder / "train.csv"
     path.write_text("text,category\n" + "\n".join(rows) + "\n")
     return path
@@ -235,7 +236,8 @@ def end_jobs(*names: str, timeout: float = 10, keep_regions: bool = False) -> No
             remove(name)
 
 
-EXEC = "import os, sys; os.execv(sys.argv[1], sys.argv[1:])"  # `procs.start("-c", EXEC, *argv)`: the child becomes argv[0]
+# `procs.start("-c", EXEC, *argv)`: the child becomes argv[0]
+EXEC = "import os, sys; os.execv(sys.argv[1], sys.argv[1:])"
 
 
 def mpiexec_run(procs, mpi_env: dict, path, nodes: int = 2) -> subprocess.Popen:

@@ -112,7 +112,8 @@ def test_plot_goes_beside_out_by_default_and_gets_each_benchmarks_name_when_seve
 
     args = Namespace(what=["kernel", "gpu"], out="/r/gadei-bench.json", plot=None)
     assert plot_path(args, "gpu") == "/r/gadei-bench-gpu.png"
-    assert plot_path(Namespace(what=["scaling"], out="gadei-bench.json", plot=None), "scaling") == "gadei-bench-scaling.png"
+    assert (plot_path(Namespace(what=["scaling"], out="gadei-bench.json", plot=None), "scaling")
+            == "gadei-bench-scaling.png")
     args.plot = "/p/gpu.png"  # one benchmark of the command draws: the path as given
     assert plot_path(args, "gpu") == "/p/gpu.png"
     args.what = ["peers", "scaling"]
@@ -149,8 +150,9 @@ def test_each_benchmarks_figure_has_a_panel_per_figure_of_its_tables():
     step = {"model": "vgg", "batch": 2, "plain_step_ms": 2.0, "gadei_step_ms": 2.1}
     copy = {"model": "vgg", "batch": 2, "push_bytes_per_s": 1e9, "pull_bytes_per_s": 1e9,
             "device_to_host_bytes_per_s": 2e9, "host_to_device_bytes_per_s": 2e9}
-    share = {"plain_samples_per_s": 900.0, "batch": 4, "rows": [{"learners": 1, "samples_per_s": 800.0, "gpu_busy": 0.5},
-                                                                 {"learners": 2, "samples_per_s": 1500.0, "gpu_busy": 0.9}]}
+    share = {"plain_samples_per_s": 900.0, "batch": 4,
+             "rows": [{"learners": 1, "samples_per_s": 800.0, "gpu_busy": 0.5},
+                      {"learners": 2, "samples_per_s": 1500.0, "gpu_busy": 0.9}]}
     fig = gpu.figure({"step": {"rows": [step]}, "share": share, "copy": {"rows": [copy]}})
     assert len(fig.axes) == 4  # the GPU's busy fraction on a second axis of the share panel
     assert _titles(fig)[:3] == ["step time (lower is better)", "sharing the GPU (text CNN, batch 4)",

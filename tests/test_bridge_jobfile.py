@@ -177,7 +177,8 @@ def test_when_one_node_cannot_start_none_does(small, procs, mpi_env):
         out, err = communicate(run, 300)
         assert "node-1 holds a previous run" in err, out + err
         assert "node 0: another node could not prepare its job (see its error); nothing started" in err, out + err
-        assert "serving job" not in out + err and not (small / "runs" / name / "node-0" / "logs" / "server.log").exists()
+        assert ("serving job" not in out + err
+                and not (small / "runs" / name / "node-0" / "logs" / "server.log").exists())
         assert job_processes(f"{name}-r0", f"{name}-r1") == []
     finally:
         end_jobs(f"{name}-r0", f"{name}-r1")

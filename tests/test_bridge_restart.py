@@ -111,8 +111,8 @@ def test_a_bridged_nodes_bridge_follows_its_server_restart(tmp_path, procs, mpi_
         assert results[0]["test_accuracy"] == results[1]["test_accuracy"] > 0.9, results
         assert all(inspect(job) is None for job in jobs)
         assert job_processes(*jobs) == []
-        print(f"\n{strategy}: bridged node 1's server killed: its bridge attached to the restarted server {seconds:.1f} s after "
-              f"the kill; both nodes done, bridge 'every node finished'", flush=True)
+        print(f"\n{strategy}: bridged node 1's server killed: its bridge attached to the restarted server "
+              f"{seconds:.1f} s after the kill; both nodes done, bridge 'every node finished'", flush=True)
     finally:
         end_jobs(*jobs)
 

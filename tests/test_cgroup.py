@@ -53,8 +53,9 @@ def test_a_bench_sizes_its_runs_by_the_cgroups_memory_limit_not_the_machines(pro
     assert 1024 * MB < need < psutil.virtual_memory().available, need  # the machine has it, the cgroup does not
     out = tmp_path / "bench.json"
     with cgroup(memory=1024 * MB) as inside:
-        bench = procs.spawn(inside(gadei_command("bench", "threads", "--quick", "--repeats", "1", "--filters", "100,20000",
-                                                  "--out", out)), env={"GADEI_DATA_DIR": str(data_dir())})
+        bench = procs.spawn(inside(gadei_command("bench", "threads", "--quick", "--repeats", "1",
+                                                  "--filters", "100,20000", "--out", out)),
+                            env={"GADEI_DATA_DIR": str(data_dir())})
         stdout, err = communicate(bench, 180)
         probe = procs.spawn(inside([sys.executable, "-c", "import json; from gadei import cgroup; "
                                     "print(json.dumps([cgroup.memory_limit(), cgroup.memory_available()]))"]))

@@ -176,7 +176,8 @@ def test_out_of_space_is_a_clear_error_and_keeps_the_earlier_checkpoint(tmp_path
 def test_a_folder_that_cannot_be_written_is_a_clear_error(tmp_path):
     blocker = tmp_path / "not-a-folder"
     blocker.write_text("a file where the checkpoint folder should be")
-    with pytest.raises(CheckpointError, match=r"job 'ckpt-test': cannot write checkpoint .*not-a-folder/sub/ckpt-000001.pt: Not a directory"):
+    with pytest.raises(CheckpointError, match=r"job 'ckpt-test': cannot write checkpoint "
+                                              r".*not-a-folder/sub/ckpt-000001.pt: Not a directory"):
         checkpoint.save(blocker / "sub", _checkpoint())
     assert blocker.read_text().startswith("a file")
 

@@ -223,7 +223,8 @@ def test_bench_latency_reports_the_idle_pause_against_both_baselines(procs, tmp_
     wake = latency["wake_up"]
     assert [(w["size_mb"], w["push"]) for w in wake] == [(s, p) for s in (1, 16) for p in ("publish", "thread")]
     for w in wake:
-        row = next(r for r in latency["rows"] if (r["size_mb"], r["push"], r["gap_ms"]) == (w["size_mb"], w["push"], 5.0))
+        row = next(r for r in latency["rows"]
+                   if (r["size_mb"], r["push"], r["gap_ms"]) == (w["size_mb"], w["push"], 5.0))
         assert w["ratio_to_paused"] == row["median_us"] / row["copy_plus_update_after_pause_us"] > 0
         assert w["pause_us"] == row["copy_plus_update_after_pause_us"] - row["copy_plus_update_us"]
 
@@ -297,7 +298,8 @@ def test_bench_kernel_reports_sgd_adagrad_and_adam_against_torch(procs, tmp_path
     assert "gadei/torch" in out and "torch fused" in out and "kernel: Adam" in out
     kernel = json.loads(out_file.read_text())["kernel"]
     threads = sorted({1, os.cpu_count()})
-    for rows, methods in ((kernel["rows"], {"gadei", "plain_c", "torch_add_"}), (kernel["adagrad"], {"gadei", "torch_fused"}),
+    for rows, methods in ((kernel["rows"], {"gadei", "plain_c", "torch_add_"}),
+                          (kernel["adagrad"], {"gadei", "torch_fused"}),
                           (kernel["adam"], {"gadei", "torch_fused"})):
         assert [(r["size_mb"], r["threads"]) for r in rows] == [(s, t) for s in (1, 16, 64) for t in threads]
         assert all(set(r["gb_per_s"]) == methods and min(r["gb_per_s"].values()) > 0 for r in rows)
@@ -319,7 +321,8 @@ def test_bench_quality_quick_reports_gadei_and_pytorch_on_trec(procs, tmp_path):
     out_file = tmp_path / "quality.json"
     out, _ = finish(procs.gadei("bench", "quality", "--quick", "--out", out_file, "--train", "optimizer=adam,lr=0.001",
                                 env={**os.environ, "GADEI_DATA_DIR": str(data_dir())}), 900)
-    assert "epoch chosen" in out and "to best s" in out and "pytorch" in out and "gadei-2 optimizer=adam,lr=0.001" in out
+    assert ("epoch chosen" in out and "to best s" in out and "pytorch" in out
+            and "gadei-2 optimizer=adam,lr=0.001" in out)
     quality = json.loads(out_file.read_text())["quality"]
     candidate = "gadei-2 optimizer=adam,lr=0.001"
     assert set(quality["summary"]) == {"trec"}

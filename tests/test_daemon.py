@@ -138,7 +138,8 @@ def test_a_job_cancelled_while_running_goes_on_with_submit_resume_to_every_learn
     assert 0 < last.resumed_applied <= first.version, (first, last)
     again = procs.gadei("submit", path, env=daemon_env)  # a finished run is not offered --resume
     _, err = communicate(again, 60)
-    assert again.returncode == 2 and f"the run in {out} finished (outcome done on " in err and "--resume" not in err, err
+    assert (again.returncode == 2 and f"the run in {out} finished (outcome done on " in err
+            and "--resume" not in err), err
     finish(procs.gadei("daemon", "stop", env=daemon_env))
     communicate(daemon, 60)
 
@@ -550,7 +551,8 @@ def _status_and_logs_without_the_daemon(tmp_path, procs, daemon_env, prefix, ran
 
     out, err = finish(procs.gadei("logs", ran, "--lines", 5, env=daemon_env))
     logs = tmp_path / f"out-{ran}" / "logs"
-    assert all(f"==> {logs / name} <==" in out for name in ("supervisor.log", "server.log")), out  # as docs/jobs.md says
+    # as docs/jobs.md says
+    assert all(f"==> {logs / name} <==" in out for name in ("supervisor.log", "server.log")), out
     assert not_running in err, err
     out, err = finish(procs.gadei("logs", never, env=daemon_env))
     assert out.strip() == cancelled and not_running in err, out + err

@@ -145,7 +145,8 @@ REFUSED = [
      r"data:3: a quoted field starts on this line and runs to the end of the file; is a quote unbalanced\?"),
     ("csv quote over many lines", C + 'a,"opens\n' + "x,y\n" * MAX_QUOTED_LINES + 'z,closes"\nb,two\n', "csv", {},
      rf"data:2: a quoted field runs over {MAX_QUOTED_LINES + 2} lines \(to line {MAX_QUOTED_LINES + 3}\)"),
-    ("csv text after a closing quote", C + 'a,"one"two\n', "csv", {}, r"data:2: a quoted field goes on after its closing quote; quote the whole field and double a quote inside it"),
+    ("csv text after a closing quote", C + 'a,"one"two\n', "csv", {},
+     r"data:2: a quoted field goes on after its closing quote; quote the whole field and double a quote inside it"),
     ("missing column, header looks like data", "pos\tthis film was great fun\nneg\tdull\n", "tsv", {},
      r"\[data\] text_column = 'text' is not a column of its header \(columns: 'pos', 'this film was great fun'\); "
      r"the first row looks like data, not a header: if the file has none, set \[data\] header = false"),
@@ -173,7 +174,8 @@ REFUSED = [
     ("jsonl text key is the label key", '{"text": "one", "label": "a"}\n', "jsonl", {"text_column": "label"},
      r"both name key 'label': the label would be the text"),
     ("utf-16 is not utf-8", "label\ttext\na\tone\n".encode("utf-16"), "tsv", {},
-     r"data' is UTF-16 text \(it starts with a UTF-16 byte-order mark\), not utf-8: set \[data\] encoding = \"utf-16\"$"),
+     r"data' is UTF-16 text \(it starts with a UTF-16 byte-order mark\), not utf-8: "
+     r"set \[data\] encoding = \"utf-16\"$"),
     ("utf-16 is not latin-1 either", "label\ttext\na\tone\n".encode("utf-16"), "tsv", {"encoding": "latin-1"},
      r"is UTF-16 text \(it starts with a UTF-16 byte-order mark\), not latin-1"),
     ("utf-32 is not utf-8", "label\ttext\na\tone\n".encode("utf-32"), "tsv", {},

@@ -69,7 +69,8 @@ def test_the_default_mini_batch_follows_the_data_set_size(samples, batch):
     (("[train]\nlearners = 0\n", None), "[train] learners = 0 is out of range; allowed: 1 to 64"),
     (("[train]\nlr = -0.1\n", None), "[train] lr = -0.1 is out of range; allowed: a number above 0"),
     (("[train]\nepochs = 1.5\n", None), "[train] epochs = 1.5 is a number; allowed: an integer"),
-    (("[train]\nmode = \"hogwild\"\n", None), "[train] mode = 'hogwild' is not one of the choices; allowed: async, consistent"),
+    (("[train]\nmode = \"hogwild\"\n", None),
+     "[train] mode = 'hogwild' is not one of the choices; allowed: async, consistent"),
     (("[train]\noptimizer = \"rmsprop\"\n", None),
      "[train] optimizer = 'rmsprop' is not one of the choices; allowed: sgd, adagrad, adam"),
     (("[train]\nnonfinite = \"drop\"\n", None),
@@ -134,7 +135,8 @@ def test_a_validation_file_is_read_and_a_label_it_alone_has_is_named(small):
     assert len(validation) == 10 and len(train) == 26  # 30% of each label (18) of the 36 left after the test share
     _csv(small, ["a bird sings,bird"], name="dev.csv")
     job = jobfile.load(_job(small, small_job() + 'validation = "dev.csv"\n'))
-    with pytest.raises(JobFileError, match=r"\[data\] validation: .*dev.csv: label 'bird' does not occur in the training set"):
+    with pytest.raises(JobFileError,
+                       match=r"\[data\] validation: .*dev.csv: label 'bird' does not occur in the training set"):
         data.load_job(job)
     with pytest.raises(JobFileError, match=r"\[train\] patience"):
         jobfile.load(_job(small, small_job() + "[train]\npatience = 0\n"))
@@ -150,7 +152,8 @@ def test_validation_holdout_0_holds_nothing_out_and_a_bridged_node_holds_nothing
     again = jobfile.load(_job(small, job.to_toml()))  # the job as run (job.toml) reads back
     assert again.data.validation_holdout == 0.0
     for bad in ("0.5", "-0.1"):
-        with pytest.raises(JobFileError, match=r"validation_holdout = .* allowed: 0 \(no validation set\) or more than 0"):
+        with pytest.raises(JobFileError,
+                           match=r"validation_holdout = .* allowed: 0 \(no validation set\) or more than 0"):
             jobfile.load(_job(small, small_job() + f"validation_holdout = {bad}\n"))
     node = jobfile.load(_job(small, small_job())).for_node(1, 2)
     train, validation, test = data.load_job(node)
@@ -163,14 +166,16 @@ def test_validation_holdout_0_holds_nothing_out_and_a_bridged_node_holds_nothing
 
 @pytest.mark.parametrize("rows, header, message", [
     ([], "text,category", "no samples"),
-    (["hello,cat"], "text,label", "[data] label_column = 'category' is not a column of its header (columns: 'text', 'label')"),
+    (["hello,cat"], "text,label",
+     "[data] label_column = 'category' is not a column of its header (columns: 'text', 'label')"),
     ([f"sentence {i},cat" for i in range(5)], "text,category", "only the label 'cat'; a classifier needs at least two"),
     # the columns' names swapped: each text a label, nothing held out (it trained a model of 6 classes, 1 a sample)
     ([f"sentence {i},{'cat' if i % 2 else 'dog'}" for i in range(6)], "category,text",
      "[data] train: 6 labels for 6 samples (6 of them seen once, e.g. 'sentence 0'): a classifier learns labels that "
      "recur, and nothing can be held out to validate or test one seen once; does [data] label_column = 'category' "
      "hold the classes, not values or texts?"),
-    (["hello,"], "text,category", "no samples (train.csv: 2 lines, 0 samples; left out: 1 row with a blank label (line 2))"),
+    (["hello,"], "text,category",
+     "no samples (train.csv: 2 lines, 0 samples; left out: 1 row with a blank label (line 2))"),
 ])
 def test_bad_data_is_refused_before_anything_starts(small, rows, header, message):
     _csv(small, rows, header=header)
@@ -222,7 +227,8 @@ def test_utf16_files_are_named_as_such_and_read_when_the_job_says_so(small):
 def test_a_file_that_does_not_decode_names_its_byte_and_the_fallback_reads_it(small):
     (small / "train.csv").write_bytes(b"text,category\ncaf\xe9 au lait,drink\ntea,drink\nbread,food\nrice,food\n")
     job = jobfile.load(_job(small, small_job()))
-    with pytest.raises(JobFileError, match=r"is not utf-8 \(line 2, byte 17: invalid continuation byte\); set \[data\] encoding"):
+    with pytest.raises(JobFileError,
+                       match=r"is not utf-8 \(line 2, byte 17: invalid continuation byte\); set \[data\] encoding"):
         data.load_job(job)
     job = jobfile.load(_job(small, small_job() + 'fallback_encoding = "latin-1"\n'))
     train, validation, test = data.load_job(job)
@@ -302,7 +308,8 @@ def test_gadei_run_trains_a_job_file_and_leaves_its_outputs(tmp_path, procs):
         assert (folder / name_).exists(), name_
     metrics = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
     assert [m["epoch"] for m in metrics] == [1, 2] and metrics[-1]["test_accuracy"] > 0.8
-    for k in (0, 1):  # one numbering: launched learner k is learner k in its log (and its records), whoever attached first
+    # one numbering: launched learner k is learner k in its log (and its records), whoever attached first
+    for k in (0, 1):
         log = (folder / "logs" / f"learner-{k}.log").read_text()
         assert f"learner {k} attached" in log and f'"learner": {1 - k}' not in log, log[-2000:]
     state = torch.load(folder / "model.pt", weights_only=True)
@@ -552,8 +559,8 @@ def test_threads_given_in_the_job_file_are_kept_whatever_the_cores(small, monkey
 
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
-    assert _threads_line(filled.train) == ("2 x 3 PyTorch threads ([train] threads; with the server more than the 2 cores; "
-                                           "their idle threads sleep (OMP_WAIT_POLICY=PASSIVE))")
+    assert _threads_line(filled.train) == ("2 x 3 PyTorch threads ([train] threads; with the server more than the 2 "
+                                           "cores; their idle threads sleep (OMP_WAIT_POLICY=PASSIVE))")
     auto = jobfile.load(_job(small, small_job() + '[train]\nlearners = 2\nthreads = "auto"\n')).train
     assert auto.threads is None and _threads_line(auto) == ("2 x 1 PyTorch thread (auto: 2 cores: one for the server, "
                                                             "and one thread a learner at least)")

@@ -47,7 +47,8 @@ def _toml(value) -> str:
     if isinstance(value, str):
         return json.dumps(value)
     if isinstance(value, float):
-        return "nan" if math.isnan(value) else "inf" if value == math.inf else "-inf" if value == -math.inf else repr(value)
+        return ("nan" if math.isnan(value) else "inf" if value == math.inf else "-inf" if value == -math.inf
+                else repr(value))
     if isinstance(value, int):
         return str(value)
     if isinstance(value, list):
@@ -159,7 +160,8 @@ def _mutate(rng: random.Random, body: dict, root: Path) -> tuple[str, str]:
         return "a job file over 1 MiB", _text(body) + "# " + "p" * (1 << 20) + "\n"
     if kind == "data":
         path = rng.choice(_odd_paths(root))
-        _section(body, "data")[rng.choice(["train", "test"])] = path if rng.random() < 0.8 else [path, str(root / "good.csv")]
+        _section(body, "data")[rng.choice(["train", "test"])] = (path if rng.random() < 0.8
+                                                                  else [path, str(root / "good.csv")])
         if rng.random() < 0.3:
             _section(body, "data")["format"] = rng.choice(["per-label", "tsv", "jsonl", "trec", "npz"])
         return f"data file {path[:80]!r}", _text(body)

@@ -116,8 +116,8 @@ def test_momentum_kernel_matches_reference(n, threads, dtype):
     g = to_wire(g32, dtype)
     w_ref, v_ref = w.copy(), v.copy()
     async_reference(w_ref, [from_wire(g, dtype)], RuleOptions(lr=0.1, momentum=0.9), v_ref)
-    _native.momentum(w.ctypes.data, v.ctypes.data, g.ctypes.data, dtype=DTYPE_CODES[dtype], n=n, lr=0.1, mu=0.9, clear=1,
-                     threads=threads)
+    _native.momentum(w.ctypes.data, v.ctypes.data, g.ctypes.data, dtype=DTYPE_CODES[dtype], n=n, lr=0.1, mu=0.9,
+                     clear=1, threads=threads)
     np.testing.assert_array_equal(w, w_ref)
     np.testing.assert_array_equal(v, v_ref)
     assert not bits(g).any()
@@ -414,13 +414,14 @@ def test_portable_kernels_without_avx2_match_reference():
         "        _native.sgd(w.ctypes.data, g.ctypes.data, dtype=DTYPE_CODES[dtype], n=n, lr=0.3, clear=1, threads=2)\n"
         "        assert (bits(w) == bits(wr)).all() and not bits(g).any(), (dtype, n)\n"
         "        g = gradient_with_nonfinite(n, dtype, n)\n"
-        "        assert _native.nonfinite(g.ctypes.data, dtype=DTYPE_CODES[dtype], n=n, threads=2) == nonfinite_reference(g), "
-        "(dtype, n)\n"
+        "        assert _native.nonfinite(g.ctypes.data, dtype=DTYPE_CODES[dtype], n=n, threads=2) "
+        "== nonfinite_reference(g), (dtype, n)\n"
         "        w, g32 = weights_and_gradient(n, n); g = to_wire(g32, dtype); wr = w.copy()\n"
         "        m = np.full(n, 0.01, np.float32); v = np.full(n, 1e-4, np.float32); mr = m.copy(); vr = v.copy()\n"
         "        with np.errstate(invalid='ignore'): adam_reference(wr, mr, vr, from_wire(g, dtype), 0.01, 3)\n"
         "        adam(w, m, v, g, 0.01, 3, 2, dtype)\n"
-        "        assert (bits(w) == bits(wr)).all() and (bits(m) == bits(mr)).all() and (bits(v) == bits(vr)).all(), (dtype, n)\n"
+        "        assert (bits(w) == bits(wr)).all() and (bits(m) == bits(mr)).all() "
+        "and (bits(v) == bits(vr)).all(), (dtype, n)\n"
     )
     proc = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent)], capture_output=True, text=True,
                           env={**os.environ, "GADEI_NO_AVX2": "1"}, timeout=120)

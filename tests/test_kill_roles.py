@@ -30,7 +30,8 @@ from helpers import (blobs_job, communicate, dead, end_jobs, finish, job_process
 
 STOP_WITHIN = 120  # seconds from a kill to a clear stop, at most (the job itself takes about 15 s)
 # how a process these tests SIGKILL is said to have ended (`gadei._proc.how_it_ended`)
-KILLED = "was killed by SIGKILL (signal 9), sent by a process (not the out-of-memory killer, which killed nothing since it started)"
+KILLED = ("was killed by SIGKILL (signal 9), sent by a process (not the out-of-memory killer, which killed nothing "
+          "since it started)")
 
 
 @pytest.fixture

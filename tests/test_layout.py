@@ -24,7 +24,8 @@ from gadei.layout import (
         Shape(2_807_511),
         Shape(1_000_003, capacity=3, slots=4, state_arrays=1),
         Shape(1_000_003, capacity=3, slots=4, state_arrays=2),
-        Shape(1_000_003, grad_dtype="bfloat16", sparse=(SparseTable(0, 1000, 128, 300), SparseTable(500_000, 10, 7, 10))),
+        Shape(1_000_003, grad_dtype="bfloat16",
+              sparse=(SparseTable(0, 1000, 128, 300), SparseTable(500_000, 10, 7, 10))),
     ],
 )
 def test_sections_are_page_aligned_disjoint_and_sized(shape):

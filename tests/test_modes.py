@@ -92,8 +92,8 @@ def test_every_mode_and_transport_trains_stops_and_counts(job, procs, mode, opti
                           *options)
     # both attached before either pushes: one learner alone would finish before the other came,
     # and nothing would be stale (each learner's gradients are on the weights of its last one)
-    learners = _learners(procs, job, *(("--model", "table", "--n", N, "--value", v, "--steps", STEPS, "--wait-learners", 2,
-                                        *transports) for v in (1, 2)))
+    learners = _learners(procs, job, *(("--model", "table", "--n", N, "--value", v, "--steps", STEPS,
+                                        "--wait-learners", 2, *transports) for v in (1, 2)))
     read_line(server, 60)  # ready
     results = [read_line(l, 120) for l in learners]
     for learner in learners:
@@ -500,7 +500,8 @@ def test_options_a_mode_cannot_use_are_refused(job):
         ("elastic", {"grad_dtype": "float16"}, "elastic mode pushes whole float32 weights"),
         ("async", {"stale_bound": 2}, "stale_bound 2 is below the 8 learner rings"),
         ("async", {"momentum": 1.5}, "momentum = 1.5 is out of range; allowed: a number from 0, below 1"),
-        ("async", {"optimizer": "rmsprop"}, "optimizer = 'rmsprop' is not one of the choices; allowed: sgd, adagrad, adam"),
+        ("async", {"optimizer": "rmsprop"},
+         "optimizer = 'rmsprop' is not one of the choices; allowed: sgd, adagrad, adam"),
         ("async", {"optimizer": "adam", "momentum": 0.9}, "momentum applies to the sgd optimizer, not adam"),
         ("elastic", {"optimizer": "adam"}, "adam optimizer applies to async, consistent and sync"),
         ("async", {"adam_beta1": 0.5}, "adam_beta1 applies to the adam optimizer only; give optimizer = 'adam'"),
@@ -562,5 +563,6 @@ def test_row_sparse_is_chosen_where_the_embedding_gradients_are_sparse(job):
         for x, _ in batches(train, 2, epoch=0, seed=0):
             touched[x.flatten()] = True
         touched[0] = False  # the padding row: its gradient is zero
-        moved = (server.state_dict()["embedding.weight"] != build_textcnn(rows, train.n_labels).embedding.weight).any(dim=1)
+        moved = (server.state_dict()["embedding.weight"]
+                 != build_textcnn(rows, train.n_labels).embedding.weight).any(dim=1)
         assert torch.equal(moved, touched)

@@ -34,7 +34,8 @@ DECLARATIONS = [(RuleOptions, "train", "serve"), (TransportOptions, "transport",
 def _said_why(cls) -> set[str]:
     """The options `cls`'s docstring names in its "What only one of them has, and why" paragraph."""
     doc = cls.__doc__ or ""
-    paragraph = doc[doc.index("What only one of them has"):].split("\n\n")[0] if "What only one of them has" in doc else ""
+    paragraph = (doc[doc.index("What only one of them has"):].split("\n\n")[0]
+                 if "What only one of them has" in doc else "")
     return {f.name for f in options.declared(cls) if re.search(rf"\b{f.name}\b", paragraph)}
 
 
@@ -78,7 +79,8 @@ def test_the_lr_default_is_declared_once():
 # (the job-file section and the verb of an option, a value both refuse)
 REFUSED = [("train", "serve", "lr", 11.0), ("train", "serve", "lr", 0), ("train", "serve", "momentum", 1.0),
            ("train", "serve", "optimizer", "rmsprop"), ("train", "serve", "stale_bound", -1),
-           ("train", "serve", "tau", 0), ("transport", "serve", "slots", 0), ("transport", "serve", "grad_dtype", "int8"),
+           ("train", "serve", "tau", 0), ("transport", "serve", "slots", 0),
+           ("transport", "serve", "grad_dtype", "int8"),
            ("bridge", "bridge", "strategy", "averge"), ("bridge", "bridge", "interval", 0),
            ("bridge", "bridge", "every", -1), ("bridge", "bridge", "alpha", 1.5), ("bridge", "bridge", "bucket_mb", -1),
            ("bridge", "bridge", "bucket_mb", "big"), ("bridge", "bridge", "timeout", 0)]

@@ -265,7 +265,8 @@ def test_accuracy_png_shows_samples_per_s_and_staleness_in_panels_of_their_own(t
     # the file, accuracy.png: taller with the second row
     outputs.plot(_records(pace=True), tmp_path / "accuracy.png", "job")
     outputs.plot(_records(pace=False), tmp_path / "old.png", "job")
-    assert _png_shape(tmp_path / "accuracy.png")[:2] == (700, 1000) and _png_shape(tmp_path / "old.png")[:2] == (400, 1000)
+    assert (_png_shape(tmp_path / "accuracy.png")[:2] == (700, 1000)
+            and _png_shape(tmp_path / "old.png")[:2] == (400, 1000))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["accuracy.png", "old.png"]  # no temporary file left
 
 

@@ -474,7 +474,8 @@ def test_the_scans_find_what_they_look_for():
         "def f(region, i):\n    e = region.entry(i)\n    return e.get('head') - e.get('tail'), e.get('pid')\n")),
               ("gadei/checkpoint.py", ast.parse(
                   "NAMES = ('samples', 'last_applied')\nentries = [region.entry(i) for i in range(4)]\n"
-                  "def f(region):\n    return [[e.get(n) for n in NAMES] for e in entries], region.entry(0).get('pid')\n")),
+                  "def f(region):\n"
+                  "    return [[e.get(n) for n in NAMES] for e in entries], region.entry(0).get('pid')\n")),
               ("gadei/server.py", ast.parse(
                   "def f(self, region, k):\n    self._entries = [region.entry(i) for i in range(4)]\n"
                   "    return [entry.get(k) for i, entry in enumerate(self._entries)]\n")),
@@ -487,7 +488,8 @@ def test_the_scans_find_what_they_look_for():
               ("gadei/c.py", ast.parse("_native.store64(payload + area.count, 0)\n")),
               ("gadei/d.py", ast.parse("writer.set_rows(0, 1, 3)\nn = items.count(3) + 1\n"))]
     assert row_count_writers(counts) == {"gadei/a.py", "gadei/b.py", "gadei/c.py"}
-    reader = [("gadei/server.py", ast.parse("def f(region):\n    h = region.slot_header(0, 0)\n    return h.get('kind')\n"))]
+    reader = [("gadei/server.py",
+               ast.parse("def f(region):\n    h = region.slot_header(0, 0)\n    return h.get('kind')\n"))]
     assert slot_header_uses(reader) == ({"gadei/server.py"}, set())
     assert protocol_field_uses(broken) == {"gadei/stray.py": {"run_state"}}
     assert shared_class_names(broken) == {"Record": ["gadei/stray.py", "gadei/other.py"]}
@@ -501,7 +503,8 @@ def test_the_scans_find_what_they_look_for():
                ("gadei/b.py", ast.parse("def f(out):\n    (out / 'result.json').write_text('{}')\n")),
                ("gadei/c.py", ast.parse("def f(out):\n    path = out / 'model.pt'\n"
                                         "    with open(path, 'w') as f:\n        f.write('{}')\n")),
-               ("gadei/d.py", ast.parse("def f(out):\n    os.open(out / 'result.json', os.O_WRONLY | os.O_CREAT, 0o600)\n")),
+               ("gadei/d.py", ast.parse("def f(out):\n"
+                                        "    os.open(out / 'result.json', os.O_WRONLY | os.O_CREAT, 0o600)\n")),
                ("gadei/e.py", ast.parse("def f(out):\n    fig.savefig(out / 'accuracy.png')\n")),
                ("gadei/outputs.py", ast.parse("def f(out):\n    (out / 'metrics.jsonl').write_text('')\n")),
                ("gadei/readers.py", ast.parse(  # reads them, and writes another file
@@ -516,7 +519,8 @@ def test_the_scans_find_what_they_look_for():
                                                                                     "gadei/daemon/jobs.py"}
     assert liveness_checkers([("gadei/ring.py", ast.parse("def f(p):\n    return psutil.Process(p).status() != "
                                                           "psutil.STATUS_ZOMBIE\n")),
-                              ("gadei/a.py", ast.parse("def f(p, t):\n    return psutil.Process(p).create_time() == t\n")),
+                              ("gadei/a.py", ast.parse("def f(p, t):\n"
+                                                       "    return psutil.Process(p).create_time() == t\n")),
                               ("gadei/b.py", ast.parse("os.kill(pid, 0)\n")),
                               ("gadei/c.py", ast.parse("_proc.alive(pid, started)\nos.kill(pid, signal.SIGTERM)\n")),
                               ("gadei/bench/d.py", ast.parse("psutil.pid_exists(3)\n"))]) == {

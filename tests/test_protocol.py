@@ -134,7 +134,8 @@ def test_a_failed_jobs_reason_is_read_by_every_attacher_and_bounded_and_printabl
     assert view.reason() == "" and isinstance(view.not_serving("j"), JobStopped)  # serving: no reason, no failure
     protocol.RunState(server.region).fail("learner ring 1: head - tail = -5; résumé " + "x" * 1000)
     said = view.reason()
-    assert said.startswith("learner ring 1: head - tail = -5; résumé x") and len(said.encode()) == FIELD_BYTES["text"] - 1
+    assert (said.startswith("learner ring 1: head - tail = -5; résumé x")
+            and len(said.encode()) == FIELD_BYTES["text"] - 1)
     err = view.not_serving("j")
     assert isinstance(err, JobFailed) and str(err).startswith("job 'j' failed: learner ring 1: head - tail = -5")
     # what another process wrote is untrusted: bad UTF-8 and escape sequences never reach a terminal

@@ -57,7 +57,8 @@ def _tiered(checks):
     """The checks' names as test parameters: a deep check (minutes, GBs) and LONG_CHECKS are in
     the long tier."""
     checks = list(checks)
-    return tiered([c.name for c in checks], default=[c.name for c in checks if not c.deep and c.name not in LONG_CHECKS])
+    return tiered([c.name for c in checks],
+                  default=[c.name for c in checks if not c.deep and c.name not in LONG_CHECKS])
 
 
 @pytest.mark.parametrize("name", _tiered(c for c in check.CHECKS if c.expect is None))
@@ -246,7 +247,8 @@ def test_the_supervisor_carries_a_stop_over_a_restart():
     source = (ROOT / "watchdog" / "supervisor.py").read_text()
     assert "self._stopped_it = RunState(self.region).request_stop()" in source
     assert "stopping = False" in source and "carried" in source
-    assert 'entry.get("applied_samples") if entry.get("pid") == pid else 0' in inspect.getsource(ring.dead_owner_applied)
+    assert ('entry.get("applied_samples") if entry.get("pid") == pid else 0'
+            in inspect.getsource(ring.dead_owner_applied))
 
 
 def test_each_process_of_the_model_names_the_code_it_models():

@@ -113,4 +113,5 @@ def test_a_sigkill_says_whether_the_out_of_memory_killer_sent_it(procs):
                            "killed 1 process on this machine since it started: the machine or its cgroup ran out "
                            "of memory"), said
     assert _proc.how_it_ended(None, started).startswith("is gone, most likely killed by the kernel's out-of-memory "
-                                                        "killer, which killed 1 process on this machine since it started")
+                                                        "killer, which killed 1 process on this machine since it "
+                                                        "started")

@@ -85,7 +85,8 @@ def test_a_stop_mid_training_ends_stopped_and_resume_goes_on_to_every_learners_e
     run = procs.gadei("run", path, "--quiet")
     supervisor = _supervisor(run)
     wait_for(lambda: job_version(job) >= 300 and len(_learners(supervisor)) == 2, 120, "the job to make 300 updates")
-    held = [supervisor, *_learners(supervisor)]  # the learners too: most of their schedule is left when the stop is taken
+    # the learners too: most of their schedule is left when the stop is taken
+    held = [supervisor, *_learners(supervisor)]
     for proc in held:
         proc.send_signal(signal.SIGSTOP)
     try:

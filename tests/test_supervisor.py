@@ -111,10 +111,12 @@ def test_gadei_serve_restarts_a_killed_server_from_its_last_checkpoint(job, proc
         last = checkpoint.latest(tmp_path)
         with Region.attach(job, readonly=True) as region:
             version = region.header.get("version")
-            assert version == last.version and np.all(region.weights == -0.125 * version)  # the first learner uploaded 0
+            # the first learner uploaded 0
+            assert version == last.version and np.all(region.weights == -0.125 * version)
             assert region.header.get("resumed_applied") == last.applied
             # the same supervisor goes on watching the new region
-            wait_for(lambda: region.header.get("supervisor_pid") == supervised.pid, 60, "the supervisor to register again")
+            wait_for(lambda: region.header.get("supervisor_pid") == supervised.pid, 60,
+                     "the supervisor to register again")
         assert any("restarting the server" in line for line in supervised.err_lines)
         out, _ = finish(procs.gadei("status", job, "--json", "--interval", "0.1"))
         status = json.loads(out.splitlines()[-1])

@@ -104,7 +104,8 @@ def test_a_dense_gradient_arrives_as_its_slot_type_converts_it_and_is_applied_on
         push = push_cls(region, producer, parameters, spec, lambda: None, server.rule_options)
         try:
             push.bind()
-            grads = [VALUES.repeat(math.ceil(p.numel() / len(VALUES)))[: p.numel()].reshape(p.shape) for p in parameters]
+            grads = [VALUES.repeat(math.ceil(p.numel() / len(VALUES)))[: p.numel()].reshape(p.shape)
+                     for p in parameters]
             for p, g in zip(parameters, grads):
                 if p.grad is None:  # float16/bfloat16, or the thread push: backward's own tensor
                     p.grad = g.clone()

@@ -16,8 +16,9 @@ server must add repeated rows), K times; with --slow it writes dense gradients i
 with a busy pause between them (so that a SIGKILL lands mid-write), with --delay it sleeps
 that long per step, with --jitter it sleeps a random 0 to --max-jitter seconds (half of the
 times) in its train loop and at each injection point of the device transports' train, push
-and pull threads (`gadei.device.set_injector`), --device puts the model there, and with --vary step k's gradient is V * (1 + k % 3) (so a
-gradient overwritten by the next one is seen in the sums). It prints JSON lines: {"attaching"}, {"attached"}, then {"learner",
+and pull threads (`gadei.device.set_injector`), --device puts the model there, and with
+--vary step k's gradient is V * (1 + k % 3) (so a gradient overwritten by the next one is
+seen in the sums). It prints JSON lines: {"attaching"}, {"attached"}, then {"learner",
 "pushed", "dropped", "version", "weight0"}. The server prints {"ready"} and, when stopped,
 its counters; with --dump it saves the final weights (NumPy .npy). `two-waiters` claims a
 ring and, T times, fills it and blocks two threads on it (see `two_waiters`).

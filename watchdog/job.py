@@ -130,9 +130,8 @@ def run(job_file: str, *, resume: bool = False, by: str = outputs.RUN, named: st
     board = Board(out, job, warn=lambda line: log.warning("%s", line))
     follow = _Follow(job, board)
     supervisor = Supervisor(job.name, settings, progress=found.progress if found else None,
-                            stop_record=str(out / STOP_RECORD), env={**os.environ,
-                                                                     **learners_openmp_env(t.learners, t.learner_threads)},
-                            look=follow)
+                            stop_record=str(out / STOP_RECORD),
+                            env={**os.environ, **learners_openmp_env(t.learners, t.learner_threads)}, look=follow)
     follow.supervisor = supervisor
     take_stops(lambda sig, _frame: supervisor.ask_stop())  # its clients' Ctrl-C and cancel
     threading.Thread(target=curves.load, name="gadei-load-plotting", daemon=True).start()  # the plot waits less

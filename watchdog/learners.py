@@ -40,7 +40,8 @@ class Learners:
     @property
     def finished(self) -> bool:
         """Every launched learner is done or given up (and there is at least one)."""
-        return bool(self.table) and all(l.done or l.failed for l in self.table) and not any(l.running for l in self.table)
+        return (bool(self.table) and all(l.done or l.failed for l in self.table)
+                and not any(l.running for l in self.table))
 
     @property
     def failed(self) -> list[int]:
@@ -179,8 +180,8 @@ class Learners:
         delay = min(BACKOFF_CAP, self.backoff * 2 ** len(recent))
         l.restarts = [*recent, now]
         l.due = now + delay
-        log.warning("job %r: launched learner %d %s after %s samples of its schedule; starting it again in %g s", self.job,
-                    l.number, how, f"{l.start_at:,}", delay)
+        log.warning("job %r: launched learner %d %s after %s samples of its schedule; starting it again in %g s",
+                    self.job, l.number, how, f"{l.start_at:,}", delay)
 
     def resume(self, progress: dict) -> None:
         """After a server restart: each learner goes on from a checkpoint's `progress` (none: 0)."""

@@ -1,6 +1,7 @@
-"""The supervisor of one job: it starts the job's server (its child), launches the learners, keeps checkpoints of the job, restarts what dies, and decides that the job ended
-and why (`Supervisor.run`'s code, `finished`, `stopped`, `reason`); docs/fault-tolerance.md
-says each duty in full.
+"""The supervisor of one job: it starts the job's server (its child), launches the learners,
+keeps checkpoints of the job, restarts what dies, and decides that the job ended and why
+(`Supervisor.run`'s code, `finished`, `stopped`, `reason`); docs/fault-tolerance.md says each
+duty in full.
 
 Every `interval` seconds (sooner when a launched learner exits or the job stops) it beats in
 the region's header (where it registered: `gadei status` shows it), judges the server and
@@ -331,7 +332,8 @@ class Supervisor:
         if not _proc.alive(h.get("server_pid"), h.get("server_start")):
             return f"pid {self._server.pid} {_proc.how_it_ended(self._server.poll(), self._server_oom_kills)}"
         silent = (time.monotonic_ns() - h.get("server_beat")) / 1e9
-        if silent > self.settings.interval * self.settings.max_missed and RunState(self.region).get() in (SERVING, STOPPING):
+        if (silent > self.settings.interval * self.settings.max_missed
+                and RunState(self.region).get() in (SERVING, STOPPING)):
             return f"pid {h.get('server_pid')} has not beaten for {silent:.1f} s (hung)"
         return None
 

@@ -28,7 +28,7 @@ UTF-16 without a byte-order mark), an empty file as empty.
 What is left out, and why, is counted in a `FileReport` per file (`gadei run` prints it):
 blank lines, rows whose text is empty, rows whose label is blank, a header row repeated
 inside the file. Everything else that does not read as the format says is refused.
-"""
+"""  # noqa: E501 (a markdown table: one row a line)
 
 from __future__ import annotations
 
@@ -67,7 +67,8 @@ _LINE_BREAK_BYTES = re.compile(b"(\r\n|\r|\n)")
 _BYTE_ORDER_MARKS = ((codecs.BOM_UTF32_LE, "utf-32"), (codecs.BOM_UTF32_BE, "utf-32"), (codecs.BOM_UTF8, "utf-8"),
                      (codecs.BOM_UTF16_LE, "utf-16"), (codecs.BOM_UTF16_BE, "utf-16"))
 _PLURAL = {"blank line": "blank lines", "row with empty text": "rows with empty text",
-           "row with a blank label": "rows with a blank label", "row without text or label": "rows without text or label",
+           "row with a blank label": "rows with a blank label",
+           "row without text or label": "rows without text or label",
            "repeated header row": "repeated header rows"}
 
 
@@ -363,7 +364,8 @@ def table_rows(path: Path, text: str, fmt: str, report: FileReport) -> Iterator[
             raise DataError(f"{path}:{start}: a field is longer than {MAX_FIELD_CHARS:,} characters") from None
         if "expected after" in str(err):  # `"how many" cats,NUM`: text after a closing quote
             raise DataError(f"{path}:{start}: a quoted field goes on after its closing quote; quote the whole field "
-                            'and double a quote inside it (`"how ""many"" cats",NUM`), or leave the quotes out') from None
+                            'and double a quote inside it (`"how ""many"" cats",NUM`), or leave the quotes '
+                            "out") from None
         raise DataError(f"{path}:{start}: not CSV: {err}") from None
     report.lines = len(split_lines(text))
 
@@ -456,7 +458,8 @@ def _looks_like_data(names: list[str]) -> bool:
     return any(datalike(n) for n in names)
 
 
-def _jsonl(path: Path, text: str, text_column: Column, label_column: Column, report: FileReport) -> list[tuple[str, str]]:
+def _jsonl(path: Path, text: str, text_column: Column, label_column: Column,
+           report: FileReport) -> list[tuple[str, str]]:
     for kind, key in (("text_column", text_column), ("label_column", label_column)):
         if not isinstance(key, str):
             raise DataError(f"[data] {kind} = {key!r}: jsonl names keys, not column numbers")

@@ -2,8 +2,9 @@
 
 Data: an NPZ file with arrays `x` (samples x features, numbers) and `y` (one label per
 sample, numbers or strings), or a CSV file whose `label_column` (a header name, or a number
-from 1 with or without a header) is the label and every other column a numeric feature. Features are standardised with the training
-set's mean and standard deviation (kept with the dataset, and in a run's `features.json`).
+from 1 with or without a header) is the label and every other column a numeric feature.
+Features are standardised with the training set's mean and standard deviation (kept with the
+dataset, and in a run's `features.json`).
 The mini-batch order follows the text workloads' contract (see :func:`batches`).
 """
 

@@ -18,10 +18,11 @@ bridge   the MPI bridge's exchange (time, GB/s, bytes on the wire) against one b
          MPI_Allreduce of the whole model, unbucketed, in buckets sized from the measured
          latency and per-byte cost, and each with float16 on the wire; models of --sizes MB,
          --ranks ranks started with mpiexec on this machine.
-peers    the text CNN (--workload ngram: the n-gram workload) trained by gadei (1, 2, 4 learners) against a plain PyTorch loop, Hogwild
-         (2, 4 processes), DDP over gloo (2, 4; also with lr x N) and PyTorch's RPC parameter
-         server (1 + 2, 1 + 4) at mini-batch 1, 2, 4 and 32: samples/s, test accuracy, CPU
-         seconds per sample, and gadei's ratio to each (gadei.bench.peers); drawn to --plot.
+peers    the text CNN (--workload ngram: the n-gram workload) trained by gadei (1, 2, 4 learners)
+         against a plain PyTorch loop, Hogwild (2, 4 processes), DDP over gloo (2, 4; also with
+         lr x N) and PyTorch's RPC parameter server (1 + 2, 1 + 4) at mini-batch 1, 2, 4 and 32:
+         samples/s, test accuracy, CPU seconds per sample, and gadei's ratio to each
+         (gadei.bench.peers); drawn to --plot.
 scaling  samples/s against learners (1 to 4) of gadei and Hogwild at the same batches, the
          gadei server's share of the CPU, and the smallest batch at which N learners beat one
          plain process; plotted to --plot (gadei.bench.scaling).

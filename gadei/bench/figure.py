@@ -35,7 +35,8 @@ def pyplot():
 
 
 def save(fig, path: str, title: str) -> str:
-    """Title `fig`, lay it out (unless it was made with a layout), write it to `path` as a PNG (its folder made) and close it."""
+    """Title `fig`, lay it out (unless it was made with a layout), write it to `path` as a PNG
+    (its folder made) and close it."""
     fig.suptitle(title, fontsize=8 if fig.get_figwidth() > 5 else 6)
     if fig.get_layout_engine() is None:  # a figure laid out as it was made keeps its layout
         fig.tight_layout()

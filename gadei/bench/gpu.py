@@ -418,8 +418,8 @@ def bench_share(args, device: torch.device, mps: Mps | None = None) -> dict:
         with mps:
             rows += [{**_share_row(learners, device, steps, warmup, args.repeats, plain), "mps": True}
                      for learners in counts]
-    print(f"\ngpu share: text CNN, mini-batch {SHARE_BATCH}, learners on {device} (plain loop: {plain:,.0f} samples/s); "
-          f"median of {args.repeats}")
+    print(f"\ngpu share: text CNN, mini-batch {SHARE_BATCH}, learners on {device} "
+          f"(plain loop: {plain:,.0f} samples/s); median of {args.repeats}")
     print(table(("learners", "MPS", "samples/s", "x plain", "x 1 learner", "ring full ms", "GPU busy", "busy from"),
                  [(r["learners"], "yes" if r.get("mps") else "no", f"{r['samples_per_s']:,.0f}", f"{r['vs_plain']:.2f}",
                    f"{r['samples_per_s'] / rows[0]['samples_per_s']:.2f}", f"{r['space_wait_ms']:.3f}",
@@ -497,8 +497,9 @@ def bench_copy(step: dict, device: torch.device, repeats: int) -> dict:
           f"device; 'moved' is bytes over the whole run")
     print(table(("model", "batch", "push MB", "push", "D2H pinned", "push/D2H", "pull", "H2D pinned", "pull/H2D",
                   "moved"),
-                 [(r["model"], r["batch"], f"{r['push_bytes_per_copy'] / 1e6:.2f}", f"{r['push_bytes_per_s'] / 1e9:.2f}",
-                   f"{r['device_to_host_bytes_per_s'] / 1e9:.2f}", f"{r['push_vs_d2h']:.2f}",
+                 [(r["model"], r["batch"], f"{r['push_bytes_per_copy'] / 1e6:.2f}",
+                   f"{r['push_bytes_per_s'] / 1e9:.2f}", f"{r['device_to_host_bytes_per_s'] / 1e9:.2f}",
+                   f"{r['push_vs_d2h']:.2f}",
                    f"{r['pull_bytes_per_s'] / 1e9:.2f}", f"{r['host_to_device_bytes_per_s'] / 1e9:.2f}",
                    f"{r['pull_vs_h2d']:.2f}", f"{r['moved_bytes_per_s'] / 1e9:.2f}") for r in rows]))
     return {"rows": rows}

@@ -99,7 +99,8 @@ def _bench_adagrad(w: np.ndarray, g: np.ndarray, size: int, thread_counts, args)
         torch.set_num_threads(threads)
         seconds = interleaved(methods, rounds=10 * args.repeats, min_seconds=0.002 if args.quick else 0.01)
         gbs = {name: 5 * n * 4 / sec / 1e9 for name, sec in seconds.items()}
-        records.append({"size_mb": size, "threads": threads, "gb_per_s": gbs, "vs_torch": gbs["gadei"] / gbs["torch_fused"]})
+        records.append({"size_mb": size, "threads": threads, "gb_per_s": gbs,
+                        "vs_torch": gbs["gadei"] / gbs["torch_fused"]})
     return records
 
 
@@ -129,7 +130,8 @@ def _bench_adam(w: np.ndarray, g: np.ndarray, size: int, thread_counts, args) ->
         torch.set_num_threads(threads)
         seconds = interleaved(methods, rounds=10 * args.repeats, min_seconds=0.002 if args.quick else 0.01)
         gbs = {name: 7 * n * 4 / sec / 1e9 for name, sec in seconds.items()}
-        records.append({"size_mb": size, "threads": threads, "gb_per_s": gbs, "vs_torch": gbs["gadei"] / gbs["torch_fused"]})
+        records.append({"size_mb": size, "threads": threads, "gb_per_s": gbs,
+                        "vs_torch": gbs["gadei"] / gbs["torch_fused"]})
     return records
 
 

@@ -51,7 +51,8 @@ def bench_latency(args) -> dict:
         src = np.ones(n, dtype=np.float32)
         w, g = np.zeros(n, dtype=np.float32), np.zeros(n, dtype=np.float32)
         dense = Float32Dense(n, settings().threads)  # the server's kernels; a copy takes one thread
-        copy_s = median([time_it(lambda: dense.copy(g.ctypes.data, src.ctypes.data), 0.05) for _ in range(args.repeats)])
+        copy_s = median([time_it(lambda: dense.copy(g.ctypes.data, src.ctypes.data), 0.05)
+                         for _ in range(args.repeats)])
         update_s = median([time_it(lambda: dense.sgd(w.ctypes.data, g.ctypes.data, 0.01), 0.05)
                            for _ in range(args.repeats)])
         paused_us = _after_pause(lambda: (dense.copy(g.ctypes.data, src.ctypes.data),
@@ -87,7 +88,8 @@ def wake_up(results: list[dict]) -> list[dict]:
     out = []
     for r in results:
         if r["gap_ms"]:
-            busy = next(b for b in results if b["size_mb"] == r["size_mb"] and b["push"] == r["push"] and not b["gap_ms"])
+            busy = next(b for b in results
+                        if b["size_mb"] == r["size_mb"] and b["push"] == r["push"] and not b["gap_ms"])
             out.append({"size_mb": r["size_mb"], "push": r["push"], "gap_ms": r["gap_ms"], "ratio": r["ratio"],
                         "wake_us": r["median_us"] - busy["median_us"], "ratio_to_paused": r["ratio_to_paused"],
                         "pause_us": r["copy_plus_update_after_pause_us"] - r["copy_plus_update_us"]})

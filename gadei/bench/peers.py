@@ -101,7 +101,8 @@ def run_peer(kind: str, world: int, batch: int, *, epochs: int, seed: int, lr: f
                                                             queue)) for r in range(world)]
         elif kind == "rpc":
             port = free_port()
-            procs = [ctx.Process(target=w.rpc_worker, args=(r, world, batch, epochs, seed, lr, data, limit, port, queue))
+            procs = [ctx.Process(target=w.rpc_worker,
+                                 args=(r, world, batch, epochs, seed, lr, data, limit, port, queue))
                      for r in range(world + 1)]
             expected = world + 2  # the trainers', the server's CPU and the final model
         else:
@@ -135,7 +136,8 @@ def run_peer(kind: str, world: int, batch: int, *, epochs: int, seed: int, lr: f
     processes = [{"role": r["role"], "rank": None if r["rank"] == -1 else r["rank"], "pid": r["pid"], "cpu_s": r["cpu"],
                   "threads": r["threads"]} for r in reports]
     return {"method": kind, "learners": world, "batch": batch, "lr": lr_used, "samples": samples,
-            "seconds": end - start, "samples_per_s": samples / (end - start), "test_accuracy": workload.evaluate(model, test),
+            "seconds": end - start, "samples_per_s": samples / (end - start),
+            "test_accuracy": workload.evaluate(model, test),
             "parameters": sum(p.numel() for p in model.parameters()),
             "cpu_s": cpu, "server_cpu_s": server_cpu, "cpu_s_per_sample": cpu / samples,
             "torch_threads": sorted({r["torch_threads"] for r in trained}), "processes": processes}
@@ -374,7 +376,8 @@ def bench_peers(args) -> dict:
         if "gadei-1" in med and "plain-1" in med:
             ratios["gadei-1/plain-1"] = med["gadei-1"]["samples_per_s"] / med["plain-1"]["samples_per_s"]
         records.append({"batch": batch, "methods": med, "ratios": ratios})
-        print(f"\npeers: {model_name(workload)} on {data}, batch {batch}, {args.epochs} epoch(s){' (quick: ' + str(limit) + ' samples)' if limit else ''}, "
+        print(f"\npeers: {model_name(workload)} on {data}, batch {batch}, {args.epochs} epoch(s)"
+              f"{' (quick: ' + str(limit) + ' samples)' if limit else ''}, "
               f"lr {lr}, seeds 0..{args.repeats - 1}; medians of {args.repeats} interleaved runs")
         rows = []
         for kind, world in runs:
@@ -384,8 +387,8 @@ def bench_peers(args) -> dict:
             if kind == "plain" and "gadei-1" in med:
                 ratio = f"{med['gadei-1']['samples_per_s'] / m['samples_per_s']:.2f}x (gadei 1)"
             crashed = f" ({m['crashes']} crashed, run again)" if m["crashes"] else ""
-            rows.append((f"{LABELS[kind]} {_who(kind, world)}{crashed}", f"{m['samples_per_s']:.0f}", f"{m['test_accuracy']:.1%}",
-                         f"{1e3 * m['cpu_s_per_sample']:.2f}", ratio))
+            rows.append((f"{LABELS[kind]} {_who(kind, world)}{crashed}", f"{m['samples_per_s']:.0f}",
+                         f"{m['test_accuracy']:.1%}", f"{1e3 * m['cpu_s_per_sample']:.2f}", ratio))
         print(table(("method", "samples/s", "test accuracy", "CPU ms/sample", "gadei N / this"), rows))
         print_threads(runs, raw, batch)
         where = placement_of([r for m in med.values() for r in m["runs"]])
@@ -394,8 +397,8 @@ def bench_peers(args) -> dict:
     out = {"workload": workload, "data": data, "epochs": args.epochs, "lr": lr, "limit": limit, "rows": records}
     path = plot_path(args, "peers")
     if path:
-        title = (f"{model_name(workload)} on {data.split(':')[0]}, {args.epochs} epoch(s), lr {lr}, median of {args.repeats}: "
-                 "samples/s, test accuracy at each bar")
+        title = (f"{model_name(workload)} on {data.split(':')[0]}, {args.epochs} epoch(s), lr {lr}, "
+                 f"median of {args.repeats}: samples/s, test accuracy at each bar")
         out["plot"] = save(figure(records, runs), path, title)
     return out
 

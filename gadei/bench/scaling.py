@@ -35,17 +35,19 @@ def bench_scaling(args) -> dict:
             g, h = summarise(raw[("gadei", n, batch)]), summarise(raw[("hogwild", n, batch)])
             share = g["server_cpu_s"] / g["cpu_s"] if g["cpu_s"] else float("nan")
             cores = g["server_cpu_s"] / g["seconds"] if g["seconds"] else float("nan")
-            point["gadei"].append({"learners": n, "samples_per_s": g["samples_per_s"], "test_accuracy": g["test_accuracy"],
-                                   "server_cpu_share": share, "server_cores": cores, "cpu_s_per_sample": g["cpu_s_per_sample"],
-                                   "runs": g["runs"]})
-            point["hogwild"].append({"learners": n, "samples_per_s": h["samples_per_s"], "test_accuracy": h["test_accuracy"],
-                                     "cpu_s_per_sample": h["cpu_s_per_sample"], "runs": h["runs"]})
+            point["gadei"].append({"learners": n, "samples_per_s": g["samples_per_s"],
+                                   "test_accuracy": g["test_accuracy"], "server_cpu_share": share,
+                                   "server_cores": cores, "cpu_s_per_sample": g["cpu_s_per_sample"], "runs": g["runs"]})
+            point["hogwild"].append({"learners": n, "samples_per_s": h["samples_per_s"],
+                                     "test_accuracy": h["test_accuracy"], "cpu_s_per_sample": h["cpu_s_per_sample"],
+                                     "runs": h["runs"]})
             rows.append((batch, n, f"{g['samples_per_s']:.0f}", f"{h['samples_per_s']:.0f}",
                          f"{g['samples_per_s'] / h['samples_per_s']:.2f}x", f"{plain['samples_per_s']:.0f}",
                          f"{share:.0%} ({cores:.2f} cores)"))
         curves.append(point)
     beat = smallest_batches(curves, learners)
-    print(f"\nscaling: {model_name(workload)} on {data}, {args.epochs} epoch(s){f' (quick: {limit} samples)' if limit else ''}, lr {lr}; "
+    print(f"\nscaling: {model_name(workload)} on {data}, {args.epochs} epoch(s)"
+          f"{f' (quick: {limit} samples)' if limit else ''}, lr {lr}; "
           f"samples/s against learners, medians of {args.repeats} interleaved runs")
     print(table(("batch", "learners", "gadei", "Hogwild", "gadei / Hogwild", "plain 1 process",
                  "gadei server's CPU share"), rows))
@@ -62,7 +64,8 @@ def bench_scaling(args) -> dict:
            "smallest_batch": beat}
     path = plot_path(args, "scaling")
     if path:
-        title = f"{model_name(workload)} on {data.split(':')[0]}, {args.epochs} epoch(s), lr {lr}, median of {args.repeats}"
+        title = (f"{model_name(workload)} on {data.split(':')[0]}, {args.epochs} epoch(s), lr {lr}, "
+                 f"median of {args.repeats}")
         out["plot"] = save(figure(curves, learners), path, title)
     return out
 
@@ -84,7 +87,8 @@ def figure(curves: list[dict], learners):
     fig, axes = pyplot().subplots(1, len(curves), figsize=(3.2 * len(curves) + 0.8, 3.6), squeeze=False)
     for ax, c in zip(axes[0], curves):
         ax.plot(learners, [p["samples_per_s"] for p in c["gadei"]], "o-", label=LABELS["gadei"], color="tab:blue")
-        ax.plot(learners, [p["samples_per_s"] for p in c["hogwild"]], "s--", label=LABELS["hogwild"], color="tab:orange")
+        ax.plot(learners, [p["samples_per_s"] for p in c["hogwild"]], "s--", label=LABELS["hogwild"],
+                color="tab:orange")
         ax.axhline(c["plain"], color="grey", linestyle=":", label="plain PyTorch, 1 process")
         ax.set_title(f"batch {c['batch']}")
         ax.set_xlabel("learners / processes")

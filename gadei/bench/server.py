@@ -50,8 +50,8 @@ def bench_server(args) -> dict:
                             "os_threads": max(r["os_threads"] for r in mine), "runs": mine})
     print(f"\nserver alone: CPU seconds of the `gadei serve` process per 1,000 applied updates, one learner pushing a "
           f"dense float32 gradient every {PACE * 1e3:g} ms, {updates} updates a run, median of {repeats} run(s) in "
-          f"shuffled order; the kernel's work is the CPU the same updates take one thread of this process; {os.cpu_count()} "
-          "cores")
+          f"shuffled order; the kernel's work is the CPU the same updates take one thread of this process; "
+          f"{os.cpu_count()} cores")
     print(table(("gradient", "kernel threads", "server CPU s / 1,000", "kernel's work", "above the work",
                  "server cores", "OS threads"),
                 [(f"{r['size_mb']:g} MB", r["threads"], f"{r['cpu_s_per_1000']:.3f}", f"{r['kernel_s_per_1000']:.3f}",

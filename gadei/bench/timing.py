@@ -80,7 +80,8 @@ def placement(trips: list[float | None], taken: str = "before and after each run
     if not trips:
         return None
     low, high = min(trips), max(trips)
-    line = f"a cache line's round trip between the first two CPUs, {taken}: {low:.0f}-{high:.0f} ns (median {median(trips):.0f})"
+    line = (f"a cache line's round trip between the first two CPUs, {taken}: {low:.0f}-{high:.0f} ns "
+            f"(median {median(trips):.0f})")
     if high > 2 * low:
         line += ("; it changed more than 2x: the host moved the CPUs during the runs, so they ran under different "
                  "placements (each run's is in the JSON: cross_cpu_ns)")
@@ -142,7 +143,8 @@ def start_server(job: str, target, args: tuple, timeout: float = 120.0):
         except (RegionNotFound, GadeiTimeout):
             pass
         if not proc.is_alive():
-            reason = failed.get(timeout=1) if not failed.empty() else f"it {_proc.how_it_ended(proc.exitcode, oom_kills)}"
+            reason = (failed.get(timeout=1) if not failed.empty()
+                      else f"it {_proc.how_it_ended(proc.exitcode, oom_kills)}")
             raise RuntimeError(f"bench job {job!r}: the server did not start: {reason}")
         if deadline.expired():
             proc.kill()

@@ -257,13 +257,15 @@ def bench_transport(args) -> dict:
         dense = med["float32"]
         out["speed"].append({"batch": batch, "methods": med, "runs": runs,
                              "fewer_bytes": {n: dense["bytes_per_step"] / m["bytes_per_step"] for n, m in med.items()}})
-        rows.append((batch,) + tuple(f"{m['bytes_per_step'] / MB:.2f} MB ({dense['bytes_per_step'] / m['bytes_per_step']:.1f}x"
-                                     f" fewer), {m['samples_per_s']:.0f}/s ({m['samples_per_s'] / dense['samples_per_s']:.2f}x)"
+        rows.append((batch,) + tuple(f"{m['bytes_per_step'] / MB:.2f} MB "
+                                     f"({dense['bytes_per_step'] / m['bytes_per_step']:.1f}x fewer), "
+                                     f"{m['samples_per_s']:.0f}/s ({m['samples_per_s'] / dense['samples_per_s']:.2f}x)"
                                      for m in med.values()))
     from gadei_workloads.textcnn import EMBED_DIM
 
-    print(f"\ntransport: text CNN, vocabulary {_VOCAB:,} x {EMBED_DIM}, one learner + server on {data}, {args.epochs} epoch(s), "
-          f"lr 0.01; bytes per step (fewer than float32) and samples/s (ratio to float32), median of {args.repeats} runs")
+    print(f"\ntransport: text CNN, vocabulary {_VOCAB:,} x {EMBED_DIM}, one learner + server on {data}, "
+          f"{args.epochs} epoch(s), lr 0.01; bytes per step (fewer than float32) and samples/s (ratio to float32), "
+          f"median of {args.repeats} runs")
     print(table(("batch", *TRANSPORTS), rows))
     return out
 

@@ -88,7 +88,7 @@ from .wire import Link, Wire, fit_link, measure_link
 
 __all__ = [
     "DEFAULT_INTERVAL", "MPIEXEC_OPTIONS", "PEER_LOST", "STRATEGIES", "STRATEGY_NAMES", "Average", "Background",
-    "BridgeError", "BridgeRank", "Elastic", "Gossip", "Link", "LinkDown", "LocalNode", "BridgeOptions", "PeerLost", "Report",
-    "Strategy", "Wire", "child_environment", "finalize", "find_mpiexec", "fit_link", "job_name", "launched_ranks",
-    "local_mpiexec", "main", "measure_link", "mpi", "wait_all",
+    "BridgeError", "BridgeRank", "Elastic", "Gossip", "Link", "LinkDown", "LocalNode", "BridgeOptions", "PeerLost",
+    "Report", "Strategy", "Wire", "child_environment", "finalize", "find_mpiexec", "fit_link", "job_name",
+    "launched_ranks", "local_mpiexec", "main", "measure_link", "mpi", "wait_all",
 ]

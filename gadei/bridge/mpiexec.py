@@ -19,7 +19,8 @@ from .options import BridgeOptions
 log = logging.getLogger(__name__)
 
 
-MPIEXEC_OPTIONS = ("--enable-recovery", "--runtime-options", "error-nonzero-status=false", "--mca", "mpi_ft_enable", "1")
+MPIEXEC_OPTIONS = ("--enable-recovery", "--runtime-options", "error-nonzero-status=false",
+                   "--mca", "mpi_ft_enable", "1")
 
 
 _SIZE_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")

@@ -69,8 +69,8 @@ class LocalNode:
         elif shape.sparse:
             why = "row-sparse tables: the move changes every row"
         if why:
-            raise BridgeError(f"job {self.job!r} cannot be bridged: {why}; serve it in async, consistent or elastic mode "
-                              "with float32 dense gradients (`gadei serve --no-row-sparse`: a model with sparse "
+            raise BridgeError(f"job {self.job!r} cannot be bridged: {why}; serve it in async, consistent or elastic "
+                              "mode with float32 dense gradients (`gadei serve --no-row-sparse`: a model with sparse "
                               "embedding gradients gets row-sparse tables by default)")
 
     @property
@@ -167,7 +167,8 @@ class LocalNode:
         self.published += 1
         if not self.producer.drain(self.timeout, self._drainable):
             self._on_slice()
-            raise GadeiTimeout(f"job {self.job!r}: the server did not apply the bridge's update within {self.timeout:g} s")
+            raise GadeiTimeout(f"job {self.job!r}: the server did not apply the bridge's update "
+                               f"within {self.timeout:g} s")
 
     def _drainable(self) -> bool:
         self.beat()

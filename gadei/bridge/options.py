@@ -120,9 +120,10 @@ class BridgeOptions:
         if conflict is not None:
             raise BridgeError(f"bridge options: {conflict}")
         if nodes < 2:
-            raise BridgeError(f"the bridge runs on {nodes} rank: start one rank per node, `mpiexec -n NODES gadei bridge`")
+            raise BridgeError(f"the bridge runs on {nodes} rank: start one rank per node, "
+                              "`mpiexec -n NODES gadei bridge`")
         if nodes > MAX_RANKS:
             raise BridgeError(f"the bridge runs on {nodes} ranks: at most {MAX_RANKS}")
         if self.strategy == "elastic" and self.alpha is not None and self.alpha * nodes > 1:
-            log.warning("elastic alpha %g x %d nodes > 1: the centre overshoots the nodes (EASGD needs alpha * nodes <= 1)",
-                        self.alpha, nodes)
+            log.warning("elastic alpha %g x %d nodes > 1: the centre overshoots the nodes "
+                        "(EASGD needs alpha * nodes <= 1)", self.alpha, nodes)

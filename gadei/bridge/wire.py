@@ -124,8 +124,8 @@ class Wire:
 
     def _check16(self, x: np.ndarray) -> None:
         if self.float16 and x.size and float(np.abs(x).max()) > _FLOAT16_MAX:
-            raise BridgeError(f"a value of {float(np.abs(x).max()):.4g} does not fit float16 (largest {_FLOAT16_MAX:g}); "
-                              "exchange without --float16")
+            raise BridgeError(f"a value of {float(np.abs(x).max()):.4g} does not fit float16 "
+                              f"(largest {_FLOAT16_MAX:g}); exchange without --float16")
 
     @link_errors
     def allreduce_sum(self, x: np.ndarray, out: np.ndarray, what: str = "allreduce") -> np.ndarray:

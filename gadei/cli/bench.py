@@ -16,14 +16,16 @@ def cmd_bench(args) -> int:
 def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="measure gadei against its alternatives, side by side")
     p.add_argument("what", nargs="*", default=["kernel", "latency", "train"],
-                   help="kernel, latency, train, transport, accuracy, modes, bridge, gpu, peers, scaling, quality, server, threads, jobs (default: the first three)")
-    p.add_argument("--repeats", type=at_least(1), default=5, help="repeated runs (for accuracy and modes: seeds 0..N-1); medians are reported, "
-                   "for accuracies the mean and range (default 5)")
+                   help="kernel, latency, train, transport, accuracy, modes, bridge, gpu, peers, scaling, quality, "
+                   "server, threads, jobs (default: the first three)")
+    p.add_argument("--repeats", type=at_least(1), default=5, help="repeated runs (for accuracy and modes: seeds "
+                   "0..N-1); medians are reported, for accuracies the mean and range (default 5)")
     p.add_argument("--quick", action="store_true", help="fewer sizes and steps (a smoke run)")
     p.add_argument("--out", default="gadei-bench.json", help="where to save the figures as JSON")
-    p.add_argument("--data", default=None, help="train, transport, modes, peers, scaling, threads: data set (default: trec under GADEI_DATA_DIR or "
-                   "../shared/data, else generated)")
-    p.add_argument("--epochs", type=at_least(1), default=1, help="train, transport, peers, scaling, threads: epochs per run (default 1)")
+    p.add_argument("--data", default=None, help="train, transport, modes, peers, scaling, threads: data set "
+                   "(default: trec under GADEI_DATA_DIR or ../shared/data, else generated)")
+    p.add_argument("--epochs", type=at_least(1), default=1,
+                   help="train, transport, peers, scaling, threads: epochs per run (default 1)")
     p.add_argument("--accuracy-epochs", type=at_least(1), default=4,
                    help="accuracy, modes: epochs per run (default 4)")
     p.add_argument("--sets", help="quality: shared data sets, comma-separated (default trec,sst2,subj,cr,banking77; "
@@ -53,5 +55,6 @@ def add_parser(sub) -> None:
                    "refused)")
     p.add_argument("--plot", default=None, metavar="PNG",
                    help="peers, scaling, quality, gpu: where to draw the figure beside the tables (default "
-                   "gadei-bench-<name>.png beside --out; with several of them, PNG's name gets -<name>; none: no figure)")
+                   "gadei-bench-<name>.png beside --out; with several of them, PNG's name gets -<name>; none: no "
+                   "figure)")
     p.set_defaults(func=cmd_bench)

@@ -39,9 +39,10 @@ JOB_FILE = "--job-file"
 
 def job_file_defaults(argv: list[str]) -> dict | None:
     """The defaults a `--job-file FILE` of `gadei serve` or `gadei learn` gives (the verb's
-    parser takes them as its defaults, so a flag given as well wins), or None without one. This is how `gadei run` hands a job to the processes it starts: the job
-    as run (its output folder's job.toml), not its options re-encoded as flags; a flag given
-    as well wins over the file (a bridged node's --lr)."""
+    parser takes them as its defaults, so a flag given as well wins), or None without one.
+    This is how `gadei run` hands a job to the processes it starts: the job as run (its
+    output folder's job.toml), not its options re-encoded as flags; a flag given as well wins
+    over the file (a bridged node's --lr)."""
     from .. import jobfile, options
     from ..modes import RuleOptions
     from ..transport.options import TransportOptions

@@ -96,16 +96,17 @@ def add_parser(sub) -> None:
     p = sub.add_parser("daemon", help="run queued job files for this user (training as a service)",
                        description="Accept job files from `gadei submit` on a Unix socket in this user's runtime "
                        "folder (mode 0600; another user's request is refused by its peer uid), queue them and run up "
-                       "to --max-jobs at once, each under its own supervisor (as `gadei run` runs one). Job records are kept on disk: a restarted daemon "
-                       "knows every job's state and output, and finds jobs that ran on without it. One daemon per "
-                       "state folder (a lock). See docs/daemon.md.")
+                       "to --max-jobs at once, each under its own supervisor (as `gadei run` runs one). Job records "
+                       "are kept on disk: a restarted daemon knows every job's state and output, and finds jobs that "
+                       "ran on without it. One daemon per state folder (a lock). See docs/daemon.md.")
     p.add_argument("action", nargs="?", choices=("run", "stop", "systemd-unit"), default="run",
                    help="run: serve in the foreground until `gadei daemon stop`, SIGTERM or Ctrl-C (default); "
                    "stop: stop the running daemon and wait until it has; systemd-unit: print a systemd user unit "
                    "that runs it")
     p.add_argument("--max-jobs", type=at_least(1), default=1, help="jobs run at once (default 1); each counts on its "
                    "share of the cores (GADEI_CORES: the cores / --max-jobs) for its learners' threads and its server")
-    p.add_argument("--timeout", type=at_least(0, float, above=True), default=30.0, help="stop: seconds to wait for it (default 30)")
+    p.add_argument("--timeout", type=at_least(0, float, above=True), default=30.0,
+                   help="stop: seconds to wait for it (default 30)")
     p.add_argument("--metrics-port", type=int, metavar="PORT",
                    help="run: serve the daemon's figures (jobs per state; per running job its version, updates/s, "
                    "samples/s, restarts, learners alive; uptime, requests refused) in the Prometheus text format on "
@@ -124,10 +125,11 @@ def add_parser(sub) -> None:
     p.set_defaults(func=cmd_cancel)
 
     p = sub.add_parser("logs", help="the last lines of a daemon job's logs",
-                       description="The last lines of a daemon job's logs (logs/supervisor.log, server.log and each learner's "
-                       "in its output folder); while no daemon runs, found by the job record it left on disk. A job "
-                       "that never started (cancelled while queued) has none, and this says so. --follow: then the "
-                       "lines they gain, as they are written, until the job has ended (a queued job is waited for).")
+                       description="The last lines of a daemon job's logs (logs/supervisor.log, server.log and each "
+                       "learner's in its output folder); while no daemon runs, found by the job record it left on "
+                       "disk. A job that never started (cancelled while queued) has none, and this says so. --follow: "
+                       "then the lines they gain, as they are written, until the job has ended (a queued job is waited "
+                       "for).")
     p.add_argument("job", help="the job's name, as `gadei submit` printed it and `gadei status` lists it")
     p.add_argument("--lines", type=at_least(1), default=50, help="lines per log (default 50)")
     p.add_argument("--follow", "-f", action="store_true", help="then the lines the logs gain, until the job ends")

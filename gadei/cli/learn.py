@@ -22,7 +22,8 @@ def add_parser(sub) -> None:
     add_job_file(p)
     add_workload(p, required=False)
     p.set_defaults(workload="textcnn")
-    p.add_argument("--epochs", type=train_value("epochs"), default=1, help="passes over this learner's shard (default 1)")
+    p.add_argument("--epochs", type=train_value("epochs"), default=1,
+                   help="passes over this learner's shard (default 1)")
     p.add_argument("--batch", type=train_value("batch"), default=2, help="mini-batch size (default 2)")
     p.add_argument("--shard", default="0/1", help="INDEX/COUNT: this learner's share of the data (default 0/1)")
     p.add_argument("--device", default="cpu", help="where this learner trains: cpu (default), cuda or cuda:N "

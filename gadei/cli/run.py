@@ -83,8 +83,8 @@ def add_parser(sub) -> None:
                        "starts), fill in the defaults, run the job under its supervisor, which restarts what crashes, "
                        "print progress (a Ctrl-C stops the job with a checkpoint to go on from), and leave the model "
                        "chosen on validation, result.json, the label and "
-                       "vocabulary maps, metrics.jsonl, accuracy.png, TensorBoard event files (with TensorBoard installed), "
-                       "checkpoints and logs in its output folder "
+                       "vocabulary maps, metrics.jsonl, accuracy.png, TensorBoard event files (with TensorBoard "
+                       "installed), checkpoints and logs in its output folder "
                        "(docs/jobs.md). A job "
                        "file with a [bridge] section run as `mpiexec -n NODES gadei run JOB.toml` runs one node per "
                        "rank: rank R runs job NAME-rR in FOLDER/node-R with one ring more for the bridge, which it "
@@ -97,8 +97,8 @@ def add_parser(sub) -> None:
                    "starting and 'check passed'; start nothing, write nothing (exit 0, or 2 with the reason)")
     p.add_argument("--resume", action="store_true", help="go on with the run in the job's output folder (one that "
                    "was cancelled, failed, or ended early) from its newest checkpoint that records the learners' "
-                   "progress; only [train] epochs, patience, devices and threads and the [checkpoint] settings may differ "
-                   "from that run's job.toml")
+                   "progress; only [train] epochs, patience, devices and threads and the [checkpoint] settings may "
+                   "differ from that run's job.toml")
     p.set_defaults(func=cmd_run, log_default="WARNING")  # its own lines say what the library logs
 
     p = sub.add_parser("predict", help="the top labels of a finished run's model for one text or several",

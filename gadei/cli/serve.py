@@ -197,7 +197,8 @@ def add_parser(sub) -> None:
     p.add_argument("job")
     add_job_file(p)
     init = p.add_mutually_exclusive_group()
-    init.add_argument("--workload", help="build the initial model of this built-in workload (textcnn, ngram, lstm, mlp)")
+    init.add_argument("--workload",
+                      help="build the initial model of this built-in workload (textcnn, ngram, lstm, mlp)")
     init.add_argument("--model", help="MODULE:CALLABLE returning the initial torch.nn.Module")
     init.add_argument("--params", type=int, help="only the parameter count; the first learner uploads weights")
     p.add_argument("--data", help="data set the workload's model is sized for (see `gadei learn --help`)")
@@ -206,7 +207,8 @@ def add_parser(sub) -> None:
                    help="update rule: async (Hogwild ASGD, default), consistent (ASGD, pulls never see half an "
                    "update), sync (SSGD rounds), elastic (EASGD)")
     options.add_arguments(p.add_argument_group("update rule (gadei.modes.RuleOptions)"), RuleOptions)
-    options.add_arguments(p.add_argument_group("transport (gadei.transport.options.TransportOptions)"), TransportOptions)
+    options.add_arguments(p.add_argument_group("transport (gadei.transport.options.TransportOptions)"),
+                          TransportOptions)
     p.add_argument("--learners", type=int, default=8, help="most learners attached at once (default 8)")
     p.add_argument("--threads", type=int, help="the most OpenMP threads of the update kernel: one per 262,144 "
                    "elements of an update (default GADEI_THREADS)")
@@ -227,15 +229,15 @@ def add_parser(sub) -> None:
     p.add_argument("--keep", type=int, default=CheckpointOptions.keep,
                    help="checkpoints kept in --checkpoint-dir (default %(default)d)")
     p.add_argument("--resume", metavar="DIR|FILE", help="go on from the newest valid checkpoint in DIR, or from "
-                   "the checkpoint FILE (weights, version, momentum or Adagrad sums; launched learners from its progress); the "
-                   "model must match")
+                   "the checkpoint FILE (weights, version, momentum or Adagrad sums; launched learners from its "
+                   "progress); the model must match")
     p.add_argument("--watch-interval", type=float, default=SupervisorSettings.interval,
                    help="the supervisor's seconds between looks and beats (default %(default)g)")
     p.add_argument("--max-missed", type=int, default=SupervisorSettings.max_missed, help="beats a process may miss "
                    "before the supervisor counts it as hung (default %(default)d)")
     p.add_argument("--max-restarts", type=int, default=SupervisorSettings.max_restarts, help="restarts of the server, "
-                   f"and of each launched learner, within {SupervisorSettings.window:g} s before the supervisor gives up "
-                   "(default %(default)d)")
+                   f"and of each launched learner, within {SupervisorSettings.window:g} s before the supervisor "
+                   "gives up (default %(default)d)")
     p.add_argument("--log-dir", help="where the server (restarted ones too) and the launched learners write their "
                    "logs under a supervisor (default: --checkpoint-dir)")
     p.add_argument("--learner", action="append", default=[], metavar="ARGS",

@@ -59,7 +59,8 @@ def cmd_status(args) -> int:
             if args.json:
                 emit({**after.to_json(), "rates": rate.__dict__, "state": found.state})
             else:
-                print(status.format_table(after, rate) + ("" if found.state == "running" else "  (LEFTOVER: server gone)"))
+                print(status.format_table(after, rate)
+                      + ("" if found.state == "running" else "  (LEFTOVER: server gone)"))
         if not args.watch:
             return 0
 
@@ -70,7 +71,8 @@ def add_parser(sub) -> None:
                        "last recorded them), then each running job's server, supervisor, learners, rates and "
                        "staleness, read from its region without writing to it.")
     p.add_argument("job", nargs="?", help="the job (default: every job on this machine)")
-    p.add_argument("--interval", type=at_least(0, float, above=True), default=0.5, help="seconds between the two samples of a rate")
+    p.add_argument("--interval", type=at_least(0, float, above=True), default=0.5,
+                   help="seconds between the two samples of a rate")
     p.add_argument("--watch", action="store_true", help="repeat until interrupted")
     p.add_argument("--json", action="store_true", help="JSON lines instead of a table")
     p.set_defaults(func=cmd_status)

@@ -19,5 +19,6 @@ def cmd_stop(args) -> int:
 def add_parser(sub) -> None:
     p = sub.add_parser("stop", help="stop a job cleanly: apply what was pushed, unlink the region")
     p.add_argument("job")
-    p.add_argument("--timeout", type=at_least(0, float, above=True), default=30.0, help="seconds to wait for the server (default 30)")
+    p.add_argument("--timeout", type=at_least(0, float, above=True), default=30.0,
+                   help="seconds to wait for the server (default 30)")
     p.set_defaults(func=cmd_stop)

@@ -126,8 +126,8 @@ class Jobs:
         except GadeiError:  # not prepared yet, or gone: its log is private until the job says otherwise
             private = True
         supervised = Supervised(Path(record.output) / "job.toml", Path(record.output), by=SUBMIT,
-                                named=Path(record.jobfile), env={**os.environ, **job_cores_env(self.max_jobs)}, log=Path(record.log),
-                                private=private, **kw)
+                                named=Path(record.jobfile), env={**os.environ, **job_cores_env(self.max_jobs)},
+                                log=Path(record.log), private=private, **kw)
         supervised.stop_asked = record.state == CANCELLED  # a cancelled job's supervisor is not replaced
         return supervised
 

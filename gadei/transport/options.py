@@ -26,8 +26,9 @@ class TransportOptions:
     """
 
     grad_dtype: str = option("float32", "gradients in the rings as float32, float16 or bfloat16", choices=GRAD_DTYPES)
-    row_sparse: bool | None = option(None, "embedding tables travel as the rows a mini-batch touched (needs the model); "
-                                     "auto: where the model's embedding gradients are sparse (nn.Embedding(sparse=True), "
-                                     "as the text CNN's), except in elastic mode", auto=True)
+    row_sparse: bool | None = option(None, "embedding tables travel as the rows a mini-batch touched (needs the "
+                                     "model); auto: where the model's embedding gradients are sparse "
+                                     "(nn.Embedding(sparse=True), as the text CNN's), except in elastic mode",
+                                     auto=True)
     max_rows: int = option(8192, "row_sparse: most distinct rows of a table in one gradient", low=1, high=1 << 24)
     slots: int = option(2, "gradient slots per learner ring", low=1, high=64)

@@ -134,7 +134,8 @@ class SlotFormat:
         for table, count in zip(self.tables, rows):
             if count > table.max_rows:
                 raise RegionCorrupt(f"job {self.job!r}: learner ring {learner}: slot {slot}'s row count of a "
-                                    f"row-sparse table is {count:,}, allowed 0..{table.max_rows:,}: the slot is corrupt")
+                                    f"row-sparse table is {count:,}, allowed 0..{table.max_rows:,}: the slot is "
+                                    "corrupt")
         # Only an update moves the version, and a taken gradient is applied by the next one.
         return Gradient(learner, payload, computed_on, samples, max(0, version - computed_on), kind == MOVE, rows)
 
