@@ -96,7 +96,7 @@ def _read_json(path: Path):
 
 
 def _first_lines(text: str, limit: int = 300) -> str:
-    joined = " ".join(l.strip() for l in text.splitlines()[:3] if l.strip())
+    joined = " ".join(line.strip() for line in text.splitlines()[:3] if line.strip())
     return joined if len(joined) <= limit else joined[: limit - 3] + "..."
 
 

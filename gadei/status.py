@@ -177,10 +177,10 @@ def _launched(job: str) -> list[dict]:
     except (OSError, ValueError, KeyError, TypeError, ImportError):
         return []
     out = []
-    for l in table:
-        state = "given up" if l.failed else "done" if l.done else "running" if l.pid else "waiting"
-        out.append({"number": l.number, "pid": l.pid, "state": state, "restarts": len(l.restarts),
-                    "start_at": l.start_at})
+    for learner in table:
+        state = "given up" if learner.failed else "done" if learner.done else "running" if learner.pid else "waiting"
+        out.append({"number": learner.number, "pid": learner.pid, "state": state, "restarts": len(learner.restarts),
+                    "start_at": learner.start_at})
     return out
 
 
@@ -198,13 +198,13 @@ class Rates:
 def rates(before: JobStatus, after: JobStatus) -> Rates:
     """Rates of the counters between two snapshots (learners present in both)."""
     dt = max(1e-9, after.taken_at - before.taken_at)
-    old = {l.learner: l for l in before.learners if l.pid}
+    old = {learner.learner: learner for learner in before.learners if learner.pid}
     pushes, samples = {}, {}
-    for l in after.learners:
-        prev = old.get(l.learner)
-        if prev is not None and prev.pid == l.pid:
-            pushes[l.learner] = (l.pushes - prev.pushes) / dt
-            samples[l.learner] = (l.samples - prev.samples) / dt
+    for learner in after.learners:
+        prev = old.get(learner.learner)
+        if prev is not None and prev.pid == learner.pid:
+            pushes[learner.learner] = (learner.pushes - prev.pushes) / dt
+            samples[learner.learner] = (learner.samples - prev.samples) / dt
     updates = (after.applied - before.applied) / dt
     return Rates(dt, updates, (after.applied_bytes - before.applied_bytes) / dt, pushes, samples)
 
@@ -249,28 +249,28 @@ def format_table(status: JobStatus, rate: Rates | None) -> str:
                         f"{status.restarts} server restarts")
     if status.launched:
         lines.append("  launched by the supervisor: " + "; ".join(
-            f"{l['number']} {l['state']}" + (f" (pid {l['pid']})" if l["pid"] else "")
-            + (f", {l['restarts']} restarts" if l["restarts"] else "") for l in status.launched))
+            f"{learner['number']} {learner['state']}" + (f" (pid {learner['pid']})" if learner["pid"] else "")
+            + (f", {learner['restarts']} restarts" if learner["restarts"] else "") for learner in status.launched))
     if status.learners:
         header = ("learner", "pid", "state", "device", "pushes", "pushes/s", "samples/s", "applied", "in ring",
                   "stale mean/p50/max", "dropped", "pulled v", "retries", "beat")
         rows = [header]
-        for l in status.learners:
+        for learner in status.learners:
             rows.append((
-                str(l.learner),
-                str(l.pid) + ("" if l.alive else " (dead)"),
-                l.state,
-                l.device,
-                f"{l.pushes:,}",
-                f"{rate.pushes.get(l.learner, 0.0):,.1f}" if rate else "-",
-                f"{rate.samples.get(l.learner, 0.0):,.1f}" if rate else "-",
-                f"{l.applied:,}",
-                str(l.in_ring),
-                f"{l.stale_mean:.1f}/{l.stale_p50}/{l.stale_max}",
-                f"{l.dropped:,}",
-                f"{l.pulled_version:,}",
-                f"{l.pull_retries:,}",
-                "-" if l.beat_age is None else f"{l.beat_age:.1f}s",
+                str(learner.learner),
+                str(learner.pid) + ("" if learner.alive else " (dead)"),
+                learner.state,
+                learner.device,
+                f"{learner.pushes:,}",
+                f"{rate.pushes.get(learner.learner, 0.0):,.1f}" if rate else "-",
+                f"{rate.samples.get(learner.learner, 0.0):,.1f}" if rate else "-",
+                f"{learner.applied:,}",
+                str(learner.in_ring),
+                f"{learner.stale_mean:.1f}/{learner.stale_p50}/{learner.stale_max}",
+                f"{learner.dropped:,}",
+                f"{learner.pulled_version:,}",
+                f"{learner.pull_retries:,}",
+                "-" if learner.beat_age is None else f"{learner.beat_age:.1f}s",
             ))
         widths = [max(len(row[c]) for row in rows) for c in range(len(header))]
         for row in rows:

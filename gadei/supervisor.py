@@ -196,14 +196,14 @@ def progress(table: list[Launched], ckpt) -> dict:
     published in `start_at`.
     """
     out = {}
-    for l in table:
-        if l.done:
-            out[str(l.number)] = "done"
+    for learner in table:
+        if learner.done:
+            out[str(learner.number)] = "done"
             continue
         # its entry's counters, or, once it gave the entry back, the record it kept then
         # (`gadei.ring.applied_in`)
-        applied = ring.applied_in(ckpt.learners, l.pid) if l.running else 0
-        out[str(l.number)] = l.start_at + applied
+        applied = ring.applied_in(ckpt.learners, learner.pid) if learner.running else 0
+        out[str(learner.number)] = learner.start_at + applied
     return out
 
 
@@ -227,7 +227,7 @@ def save_state(job: str, settings: dict, table: list[Launched]) -> None:
     path = state_path(job)
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as out:
-        json.dump({"job": job, "settings": settings, "learners": [asdict(l) for l in table]}, out)
+        json.dump({"job": job, "settings": settings, "learners": [asdict(learner) for learner in table]}, out)
     os.replace(tmp, path)
 
 
@@ -235,7 +235,7 @@ def load_state(job: str) -> tuple[dict, list[Launched]]:
     """The record a job's supervisor saved; FileNotFoundError when it saved none."""
     with open(state_path(job)) as handle:
         data = json.load(handle)
-    return data["settings"], [Launched(**l) for l in data["learners"]]
+    return data["settings"], [Launched(**learner) for learner in data["learners"]]
 
 
 def remove_state(job: str) -> None:

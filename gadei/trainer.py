@@ -226,8 +226,8 @@ class _Staleness:
     def _counts(self) -> dict[tuple[int, int], tuple[float, int, int]]:
         from . import status
 
-        return {(l.learner, l.pid): (l.stale_mean * l.applied, l.applied, l.stale_max)
-                for l in status.read(self.region).learners}
+        return {(entry.learner, entry.pid): (entry.stale_mean * entry.applied, entry.applied, entry.stale_max)
+                for entry in status.read(self.region).learners}
 
     def since_last(self) -> dict:
         """`staleness_mean` of the gradients applied since the last call (all learners) and

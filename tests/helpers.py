@@ -431,7 +431,7 @@ def push_known_gradients(job, procs, tmp_path, *, values=VALUES, pull="copy", pu
         for learner in learners:
             read_line(learner, 60)  # attaching
             read_line(learner, 60)  # attached
-        done = [read_line(l, deadline) for l in learners]
+        done = [read_line(learner, deadline) for learner in learners]
     except pytest.fail.Exception:
         if server.poll() is None:
             raise

@@ -21,7 +21,8 @@ def test_serve_learn_status_stop(job, procs):
     server = procs.gadei("serve", job, "--workload", "textcnn", "--data", "generated", "--learners", "2", "--json")
     wait_for(lambda: inspect(job) is not None and inspect(job).state == "running", 60, "the server's region")
     learner = procs.gadei("learn", job, "--data", "generated", "--epochs", "50", "--json")
-    wait_for(lambda: any(l["pushes"] > 20 for l in _status(procs, job)["learners"]), 60, "pushes to show in status")
+    wait_for(lambda: any(entry["pushes"] > 20 for entry in _status(procs, job)["learners"]), 60,
+             "pushes to show in status")
 
     status = _status(procs, job)
     assert status["run_state"] == "serving" and status["server_alive"]

@@ -443,7 +443,7 @@ def test_daemon_stop_and_the_systemd_unit(tmp_path, procs, daemon_env):
     analyze = shutil.which("systemd-analyze")
     if analyze:
         check = subprocess.run([analyze, "verify", str(unit)], capture_output=True, text=True, timeout=60)
-        problems = [l for l in (check.stdout + check.stderr).splitlines() if str(unit) in l]
+        problems = [line for line in (check.stdout + check.stderr).splitlines() if str(unit) in line]
         assert check.returncode == 0 and not problems, check.stdout + check.stderr
     path = _sock(daemon_env)
     for how in ("SIGTERM", "gadei daemon stop"):

@@ -73,7 +73,7 @@ def test_stopping_the_job_mid_push_ends_every_learner_and_applies_what_was_publi
     server.send_signal(signal.SIGTERM)
     report = read_line(server, 60)
     finish(server)
-    done = [read_line(l, 30) for l in learners]  # each with-block ended quietly on JobStopped
+    done = [read_line(learner, 30) for learner in learners]  # each with-block ended quietly on JobStopped
     for learner in learners:
         finish(learner, 30)
     assert report["heads"] == report["tails"]  # everything published was applied

@@ -263,15 +263,17 @@ def test_a_headerless_file_takes_columns_by_number_and_writes_them_back(tmp_path
 
 def test_every_data_format_reads_the_same_samples(tmp_path):
     samples = [("the cat sat", "cat"), ("a dog ran, far", "dog"), ("cats purr\tsoftly", "cat"), ("dogs bark", "dog")]
-    (tmp_path / "a.csv").write_text("label,text\n" + "".join(f'{l},"{t}"\n' for t, l in samples))
-    (tmp_path / "a.tsv").write_text("text\tlabel\n" + "".join(f"{t.replace(chr(9), ' ')}\t{l}\n" for t, l in samples))
-    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": t, "label": l}) + "\n" for t, l in samples))
-    (tmp_path / "a.txt").write_text("".join(f"{l} {t}\n" for t, l in samples))
-    (tmp_path / "a.trec").write_text("".join(f"{l}:x {t}\n" for t, l in samples))
+    (tmp_path / "a.csv").write_text("label,text\n" + "".join(f'{label},"{text}"\n' for text, label in samples))
+    (tmp_path / "a.tsv").write_text("text\tlabel\n" + "".join(f"{text.replace(chr(9), ' ')}\t{label}\n"
+                                                              for text, label in samples))
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": text, "label": label}) + "\n"
+                                              for text, label in samples))
+    (tmp_path / "a.txt").write_text("".join(f"{label} {text}\n" for text, label in samples))
+    (tmp_path / "a.trec").write_text("".join(f"{label}:x {text}\n" for text, label in samples))
     folder = tmp_path / "per-label"
     folder.mkdir()
-    for label in ("cat", "dog"):
-        (folder / f"{label}.txt").write_text("".join(f"{t}\n" for t, l in samples if l == label))
+    for name in ("cat", "dog"):
+        (folder / f"{name}.txt").write_text("".join(f"{text}\n" for text, label in samples if label == name))
     jobs = [_format_job(tmp_path, "csv", "a.csv"), _format_job(tmp_path, "tsv", "a.tsv"),
             _format_job(tmp_path, "jsonl", "a.jsonl"), _format_job(tmp_path, "label-text", "a.txt"),
             _format_job(tmp_path, "trec", "a.trec"), _format_job(tmp_path, "per-label", "per-label"),

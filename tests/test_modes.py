@@ -95,7 +95,7 @@ def test_every_mode_and_transport_trains_stops_and_counts(job, procs, mode, opti
     learners = _learners(procs, job, *(("--model", "table", "--n", N, "--value", v, "--steps", STEPS,
                                         "--wait-learners", 2, *transports) for v in (1, 2)))
     read_line(server, 60)  # ready
-    results = [read_line(l, 120) for l in learners]
+    results = [read_line(learner, 120) for learner in learners]
     for learner in learners:
         finish(learner)
     report = _stop(server)

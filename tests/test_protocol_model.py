@@ -219,7 +219,7 @@ def test_a_launched_learner_keeps_its_record_when_it_releases_its_entry():
     # (ring.applied_in, the record first)
     launched = (ROOT / "watchdog" / "learners.py").read_text()
     died = launched[launched.index("    def _died("):launched.index("    def resume(")]
-    assert "ring.left_record(region, l.pid)" in died
+    assert "ring.left_record(region, learner.pid)" in died
     left = inspect.getsource(ring.left_record)
     for name, answer in (("last_pid", "last_applied"), ("pid", "applied_samples")):
         first = left.index(f'.get("{name}") == pid')
@@ -227,7 +227,7 @@ def test_a_launched_learner_keeps_its_record_when_it_releases_its_entry():
         assert left.index(f'.get("{name}") == pid', read) > read, f"left_record: {answer} is not re-checked"
     assert left.index('.get("last_pid") == pid') < left.index('entry.get("pid") == pid')
     record = (ROOT / "gadei" / "supervisor.py").read_text()  # progress: the supervisor's, also at a stop
-    assert "ring.applied_in(ckpt.learners, l.pid)" in record[record.index("def progress("):]
+    assert "ring.applied_in(ckpt.learners, learner.pid)" in record[record.index("def progress("):]
     applied_in = inspect.getsource(ring.applied_in)
     assert applied_in.index('c.get("last_pid") == pid') < applied_in.index('c["pid"] == pid')
 

@@ -73,7 +73,7 @@ def _stops_with(server, *phrases):
     assert "Traceback" not in err, err[-3000:]
     for phrase in phrases:
         assert phrase in err, f"{phrase!r} not in the server's error:\n{err[-3000:]}"
-    print(f"clear stop in {took:.2f} s: {[l for l in err.splitlines() if 'error' in l][-1:]}")
+    print(f"clear stop in {took:.2f} s: {[line for line in err.splitlines() if 'error' in line][-1:]}")
     return took, err
 
 

@@ -100,7 +100,7 @@ class _Follow:
         updates = (now[1] - before[1]) / max(1e-9, now[0] - before[0])
         self.board.live(status.version, {"samples_per_s": updates * self.job.train.batch, "updates_per_s": updates,
                                          "restarts": status.restarts,
-                                         "learners_alive": sum(1 for l in status.learners if l.alive)})
+                                         "learners_alive": sum(1 for learner in status.learners if learner.alive)})
 
 
 def run(job_file: str, *, resume: bool = False, by: str = outputs.RUN, named: str | None = None,

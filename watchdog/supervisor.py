@@ -251,7 +251,8 @@ class Supervisor:
         died, changed = self.learners.look(self.region)
         now = time.monotonic()
         self._deaths = [(t, n) for t, n in self._deaths if now - t < AT_ONCE] + [(now, n) for n in died]
-        if died and len({n for _, n in self._deaths}) > 1 and not any(l.running for l in self.learners.table):
+        if (died and len({n for _, n in self._deaths}) > 1
+                and not any(learner.running for learner in self.learners.table)):
             log.warning("job %r: all launched learners died; checkpointing the server's weights before they go on",
                         self.job)
             self.checkpoint()

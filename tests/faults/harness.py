@@ -347,7 +347,7 @@ def kill_learner(job: Job, rng: random.Random) -> Fault:
             launched = json.loads(shown.stdout.splitlines()[-1])["launched"]
         except (IndexError, ValueError, KeyError):
             return [f"gadei status --json printed no launched learners: {shown.stdout[-500:]} {shown.stderr[-500:]}"]
-        restarted = [l for l in launched if l["restarts"] == 1 and l["state"] == "running"]
+        restarted = [learner for learner in launched if learner["restarts"] == 1 and learner["state"] == "running"]
         return [] if len(restarted) == 1 else [f"gadei status does not show the restart: {launched}"]
     return Fault(time.monotonic(), _all_learners_back(job, {victim}, before),
                  after_recovery=status_shows_it,
