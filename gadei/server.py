@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 from .env import quiet_openmp
 
+# ruff: noqa: E402 (the imports below come after quiet_openmp(), on purpose)
 quiet_openmp()  # before torch loads OpenMP: the kernel's idle threads sleep (a server of the Python API too)
 
 import numpy as np

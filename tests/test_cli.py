@@ -272,7 +272,10 @@ def test_a_killed_gadei_demo_leaves_no_process_and_no_region(procs, tmp_path):
     import psutil
 
     demo = procs.gadei("demo", "--epochs", "50", cwd=tmp_path)
-    children = lambda: [c for c in psutil.Process(demo.pid).children() if "gadei" in " ".join(c.cmdline())]
+
+    def children():
+        return [c for c in psutil.Process(demo.pid).children() if "gadei" in " ".join(c.cmdline())]
+
     wait_for(lambda: len(children()) == 3 or demo.poll() is not None, 120, "the demo's server and two learners")
     started = children()
     name = next(c.cmdline()[c.cmdline().index("serve") + 1] for c in started if "serve" in c.cmdline())
