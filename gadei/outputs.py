@@ -54,6 +54,7 @@ class Ending:
             training ended").
         final: the weights the job ended with (the server's checkpoint at its stop, or a
             bridged node's agreed model), handed back where no model was chosen on validation.
+        first_applied: when (time.time()) the job's first gradient was applied; 0: unknown.
     """
 
     code: int = 0
@@ -61,6 +62,7 @@ class Ending:
     stopped: bool = False
     reason: str = ""
     final: str | None = None
+    first_applied: float = 0.0
 
 
 def forget(out: Path, resume: bool = False) -> None:
@@ -162,6 +164,9 @@ def conclude(job: jobfile.Job, ending: Ending, *, since: float | None, bridge: d
         result.update(evaluate(job))
     seconds = round(time.time() - since, 1) if since else None
     result["seconds"] = seconds
+    first = ending.first_applied
+    if since and isinstance(first, (int, float)) and first >= since:
+        result["seconds_to_first_update"] = round(first - since, 3)
     if runs is not None:
         runs[-1]["seconds"] = seconds
         result["runs"] = runs

@@ -88,6 +88,7 @@ class ServeReport:
     seconds: float
     version: int
     learners_left: int
+    first_applied: float | None = None  # when (time.time()) it applied its first gradient; None: none
 
 
 def with_options(rule_options: RuleOptions, transport: TransportOptions, options: dict):
@@ -215,6 +216,7 @@ class Server:
             raise
         self._clock = Version(self.region)
         self._hold = ServerHold(self.region)
+        self.first_applied: float | None = None  # when it applied its first gradient (time.time())
         self._applied_word = h.word("applied")
         self._bytes_word = h.word("applied_bytes")
         self._beat_word = h.word("server_beat")
@@ -316,7 +318,7 @@ class Server:
         applied = self._applied_word.load() - first
         seconds = time.monotonic() - started
         log.info("job %r: stopped after %s gradients in %.1f s", self.job, f"{applied:,}", seconds)
-        return ServeReport(applied, seconds, h.get("version"), left)
+        return ServeReport(applied, seconds, h.get("version"), left, self.first_applied)
 
     def failure(self) -> str:
         """Why this server stopped the job as failed ("" unless it did)."""
@@ -565,6 +567,8 @@ class Server:
             self._applied_word.add(1)
             self._applied += 1
             self._consumer.release(grad.learner)
+        if self.first_applied is None:
+            self.first_applied = time.time()
         self._clock.wake_if_waited()
 
     def _refuse(self, grad: Gradient, bad: int) -> None:

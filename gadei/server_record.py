@@ -37,6 +37,7 @@ class StopRecord:
         published: gradients the learners published; discarded: those it discarded (stale
             beyond the bound, not finite); nonfinite_skipped: of those, the non-finite ones.
         checkpoint: the checkpoint it wrote at its stop (its final weights), if any.
+        first_applied: when (time.time()) it applied its first gradient; 0: none.
         pid, time: who wrote it, and when (time.time()).
     """
 
@@ -52,6 +53,7 @@ class StopRecord:
     discarded: int = 0
     nonfinite_skipped: int = 0
     checkpoint: str | None = None
+    first_applied: float = 0.0
     pid: int = 0
     time: float = 0.0
 

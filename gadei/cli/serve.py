@@ -130,6 +130,7 @@ def _serve(args, server, asked: list[int], record: StopRecord) -> int:
 
         h, entries = server.region.header, [server.region.entry(i) for i in range(server.region.shape.capacity)]
         record.applied, record.seconds, record.version = report.applied, report.seconds, report.version
+        record.first_applied = report.first_applied or 0.0
         record.applied_total, record.resumed_applied = h.get("applied"), h.get("resumed_applied")
         record.published = published(server.region)
         record.discarded = sum(e.get("discarded") for e in entries)
