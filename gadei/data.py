@@ -44,10 +44,32 @@ def workload_model(name: str, spec: str | None, seed: int):
     return workload, train, validation, test, workload.build_model(train, seed)
 
 
+_kept: dict[tuple[str, str], tuple] = {}  # (workload, spec) -> its sets, read by `keep`
+
+
+def keep(spec: str, workload: str) -> None:
+    """Read `spec`'s sets for the built-in workload `workload` now and keep them: `load` answers
+    with them in this process and in the processes forked from it (a job's supervisor reads its
+    job's data once, and the server and learners it forks find it read: `gadei.zygote`)."""
+    from gadei_workloads import get
+
+    _kept[(workload, _key(spec))] = load(get(workload), spec)
+
+
+def _key(spec: str) -> str:
+    spec = resolve(spec)
+    kind, _, path = spec.partition(":")
+    return f"job:{os.path.realpath(path)}" if kind == "job" and path else spec
+
+
 def load(workload, spec: str):
     """(train, validation, test) of `spec` for `workload` (a `gadei_workloads.Workload`):
     a job file's validation set (its [data] validation, or the share of train it holds out);
-    None for the other specs, which name a training and a test set only."""
+    None for the other specs, which name a training and a test set only. Those `keep` read are
+    not read again."""
+    kept = _kept.get((workload.name, _key(spec)))
+    if kept is not None:
+        return kept
     spec = resolve(spec)
     kind, _, path = spec.partition(":")
     if kind == "job":

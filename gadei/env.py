@@ -223,7 +223,7 @@ def _openmp_loaded() -> bool:
         return False
 
 
-PAUSE_POINTS = ("concluding",)  # where GADEI_PAUSE_AT may hold a job's supervisor
+PAUSE_POINTS = ("starting", "concluding")  # where GADEI_PAUSE_AT may hold a job's supervisor
 
 
 def pause_at(point: str) -> None:

@@ -11,7 +11,7 @@ import sys
 import time
 from contextlib import contextmanager
 
-from . import _native, _proc
+from . import _native, _proc, zygote
 from .errors import ForeignRegion, GadeiError, GadeiTimeout, RegionNotFound
 from .protocol import Deadline, RunState
 from .region import Region, inspect
@@ -62,12 +62,12 @@ def stop_job(job: str, timeout: float = 30.0) -> None:
         time.sleep(_POLL)
 
 
-STOPS = (signal.SIGINT, signal.SIGTERM)  # the signals that stop a gadei process in order (SIGTERM's handler
-# is set last: a process that catches SIGTERM has its SIGINT handler too)
+STOPS = zygote.STOPS  # the signals that stop a gadei process in order (SIGTERM's handler is set last: a
+# process that catches SIGTERM has its SIGINT handler too)
 
 
 def spawn(command: list[str], *, log=None, session: bool = True, env: dict | None = None,
-          held: bool = False, keep_stdout: bool = False) -> subprocess.Popen:
+          held: bool = False, keep_stdout: bool = False, passive: bool = True) -> subprocess.Popen:
     """Start one of a job's processes: `command` (a `gadei._proc` command line), stdin from
     /dev/null, stdout and stderr appended to `log` (a path, or a file open for writing; None:
     this process's own; `keep_stdout`: stdout stays this process's, stderr alone goes to `log`),
@@ -76,7 +76,13 @@ def spawn(command: list[str], *, log=None, session: bool = True, env: dict | Non
     with SIGTERM and SIGINT blocked (a signal mask is inherited through exec), so a stop sent to
     it at once waits until it takes them (`take_stops`, once its handler is set) instead of
     killing it while it starts (a job's supervisor and its server).
+
+    Started warm (forked, `gadei.zygote.fork`: no interpreter to start, nothing to import) where
+    this process can (`zygote.can_fork`): it is warm and runs one thread, and `passive` says the
+    child may run with passive OpenMP threads; else a new interpreter runs it.
     """
+    if zygote.can_fork(passive):
+        return zygote.fork(command, log=log, session=session, env=env, held=held, keep_stdout=keep_stdout)
     if held:
         before = signal.pthread_sigmask(signal.SIG_BLOCK, STOPS)  # this thread's, for the fork
         try:
@@ -91,6 +97,11 @@ def spawn(command: list[str], *, log=None, session: bool = True, env: dict | Non
                                 start_new_session=session, env=env)
     with open(log, "ab") as out:
         return spawn(command, log=out, session=session, env=env, keep_stdout=keep_stdout)
+
+
+def started_as(proc) -> str:
+    """How `spawn` started `proc`, in words: "forked warm", or "a new interpreter"."""
+    return "forked warm" if isinstance(proc, zygote.Child) else "a new interpreter"
 
 
 def take_stops(handler) -> dict:

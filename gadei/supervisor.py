@@ -282,12 +282,15 @@ class Supervised:
         private: the log is made 0600 whatever the umask (the job's [output] private).
         pid, started: a supervisor an earlier client started (a restarted daemon's), followed
             by its pid and start time instead of started anew.
+        zygote: a `gadei.zygote.Zygote` to fork the supervisor from (the daemon's: it starts
+            warm), where it is alive; else a new interpreter runs it.
     """
 
     def __init__(self, job_file: Path, out: Path, *, by: str, named: Path | None = None, env: dict | None = None,
                  log: Path | None = None, private: bool = True, pid: int = 0, started: float = 0.0, restarts: int = 3,
-                 window: float = 300.0):
+                 window: float = 300.0, zygote=None):
         self.job_file, self.out, self.by, self.env, self.log, self.private = job_file, out, by, env, log, private
+        self.zygote = zygote
         self.named = named
         self.proc: subprocess.Popen | None = None
         self.pid, self.started = pid, started
@@ -307,6 +310,7 @@ class Supervised:
         command = job_command(self.job_file, resume=resume, by=self.by, named=self.named, since=self.since)
         self.since = self.since or time.time()
         # in a session of its own (it outlives its client); a stop sent at once waits for its handler
+        self.proc, self.pid = None, 0
         if self.log is None:
             self.proc = spawn(command, env=self.env, held=True)
         else:
@@ -315,13 +319,28 @@ class Supervised:
             with open(fd, "ab") as log_file:
                 log_file.write("".join(f"{line}\n" for line in said).encode())
                 log_file.flush()
-                self.proc = spawn(command, log=log_file, env=self.env, held=True)
-        self.pid = self.proc.pid
+                self.pid = self._fork(command, log_file)
+                if not self.pid:
+                    self.proc = spawn(command, log=log_file, env=self.env, held=True)
+        self.pid = self.proc.pid if self.proc is not None else self.pid
         try:
             self.started = _proc.start_time(self.pid)
         except Exception:  # noqa: BLE001 - it ended at once: `ended` says how
             self.started = 0.0
-        log.info("job folder %s: supervisor pid %d started%s", self.out, self.pid, " (resuming)" if resume else "")
+        log.info("job folder %s: supervisor pid %d started (%s)%s", self.out, self.pid,
+                 "a new interpreter" if self.proc is not None else "forked warm by the zygote",
+                 ", resuming" if resume else "")
+
+    def _fork(self, command: list[str], log_file) -> int:
+        """The pid of the supervisor its zygote forked; 0 where it has none alive, or it could not."""
+        if self.zygote is None or not self.zygote.alive():
+            return 0
+        try:
+            return self.zygote.start(command, log_fd=log_file.fileno(), env=dict(os.environ if self.env is None
+                                                                                 else self.env))
+        except OSError as err:
+            log.warning("job folder %s: %s; its supervisor starts a new interpreter", self.out, err)
+            return 0
 
     def stop(self) -> None:
         """Ask the job to stop (a stop it takes once: the checkpoint of the learners' progress,
@@ -338,9 +357,12 @@ class Supervised:
             return self.proc.poll() is None
         return _proc.alive(self.pid, self.started)
 
-    def code(self) -> int | None:
-        """Its exit code where it was this process's child and ended, else None."""
-        return self.proc.poll() if self.proc is not None else None
+    def code(self, wait: float = 0.0) -> int | None:
+        """Its exit code where it was this process's child (or its zygote's, which tells it within
+        `wait` seconds of its end) and ended, else None."""
+        if self.proc is not None:
+            return self.proc.poll()
+        return self.zygote.code(self.pid, wait) if self.zygote is not None else None
 
     def ended(self) -> dict | None:
         """None while the job runs (a supervisor that died is replaced here, where it may be);
@@ -354,7 +376,7 @@ class Supervised:
         result = read_result(self.out)
         if result is not None:
             return result
-        code = self.code()
+        code = self.code(wait=2.0)
         how = _proc.how_it_ended(code, self.oom_kills)
         self.said = f"its supervisor (pid {self.pid}) {how}"
         now = time.time()

@@ -188,6 +188,12 @@ def job_processes(*names: str) -> list[psutil.Process]:
     return found
 
 
+def command_words(proc: psutil.Process) -> list[str]:
+    """The words of `proc`'s command line: its arguments, or its title split at spaces (a job
+    process forked warm shows its command as one title, `gadei.zygote`)."""
+    return " ".join(proc.cmdline()).split()
+
+
 def dead(pid: int) -> bool:
     """The process `pid` is gone or a zombie (killed, its parent not yet told)."""
     try:

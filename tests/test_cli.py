@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from helpers import HERE, blobs_job, communicate, end_jobs, finish, read_line, unique_name, wait_for
+from helpers import HERE, blobs_job, command_words, communicate, end_jobs, finish, read_line, unique_name, wait_for
 from gadei import GadeiError
 from gadei.region import inspect
 
@@ -278,7 +278,7 @@ def test_a_killed_gadei_demo_leaves_no_process_and_no_region(procs, tmp_path):
 
     wait_for(lambda: len(children()) == 3 or demo.poll() is not None, 120, "the demo's server and two learners")
     started = children()
-    name = next(c.cmdline()[c.cmdline().index("serve") + 1] for c in started if "serve" in c.cmdline())
+    name = next(command_words(c)[command_words(c).index("serve") + 1] for c in started if "serve" in command_words(c))
     wait_for(lambda: inspect(name) is not None or demo.poll() is not None, 120, "the demo's region")
     assert demo.poll() is None, communicate(demo, 10)
     demo.kill()

@@ -348,14 +348,16 @@ def test_gadei_run_says_the_learners_threads_and_its_learners_run_them(small, pr
     assert "threads = 3\n" in (small / "out" / "job.toml").read_text()
     logs = small / "out" / "logs"
     over = 2 * 3 + 1 > len(os.sched_getaffinity(0))
-    server = "OMP_WAIT_POLICY=PASSIVE" if over else "passive (gadei's"  # the job's, or the server's own
-    assert f"OpenMP wait policy: {server}" in (logs / "server.log").read_text()
+    # passive: the job's (a process started anew), or gadei's own (forked warm from the supervisor, `gadei.zygote`)
+    passive = ("OpenMP wait policy: OMP_WAIT_POLICY=PASSIVE", "OpenMP wait policy: passive (gadei's")
+    assert any(p in (logs / "server.log").read_text() for p in passive)
     assert ("their idle threads sleep (OMP_WAIT_POLICY=PASSIVE)" in out) is over, out
-    policy = "OMP_WAIT_POLICY=PASSIVE" if over else "OpenMP's default"
     for i in range(2):
         log = (logs / f"learner-{i}.log").read_text()
-        # torch.get_num_threads() in the learner, once it attached
-        assert f"3 PyTorch threads, OpenMP wait policy: {policy}, pull" in log, log
+        # torch.get_num_threads() in the learner, once it attached; OpenMP's default: started anew, not forked
+        said = [f"3 PyTorch threads, {p}" for p in passive] if over else \
+            ["3 PyTorch threads, OpenMP wait policy: OpenMP's default, pull"]
+        assert any(line in log for line in said), log
 
 
 @pytest.mark.long  # two TREC runs: most of a minute

@@ -50,17 +50,19 @@ def _roles(name: str) -> dict:
         with Region.attach(name, readonly=True) as region:
             h = region.header
             return {"server": h.get("server_pid"), "supervisor": h.get("supervisor_pid"), "version": h.get("version"),
-                    "learners": learner_pids(region)}
+                    "checkpointed": h.get("checkpointed_version"), "learners": learner_pids(region)}
     except Exception:
         return {}
 
 
 def _when_training(name: str) -> dict:
-    """The roles, once the job has made 600 updates with both learners and its supervisor attached."""
+    """The roles, once the job has made 600 updates with both learners and its supervisor attached,
+    and its supervisor took a checkpoint (a restart goes on from it; a job started warm makes 600
+    updates within its first second)."""
     def ready():
         roles = _roles(name)
         return roles if roles.get("version", 0) >= 600 and roles["supervisor"] and len(roles["learners"]) == 2 \
-            else None
+            and roles["checkpointed"] else None
 
     return wait_for(ready, 180, "the job to train with its supervisor and two learners", interval=0.05)
 

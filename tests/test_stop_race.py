@@ -26,7 +26,7 @@ import pytest
 from gadei import checkpoint
 from gadei.protocol import Deadline
 from gadei.server_record import read_stop_record
-from helpers import blobs_job, communicate, end_jobs, job_version, unique_name, wait_for
+from helpers import blobs_job, command_words, communicate, end_jobs, job_version, unique_name, wait_for
 
 STOP_WITHIN = 120  # seconds from the stop to gadei run's end, at most
 
@@ -46,7 +46,7 @@ def _supervisor(run) -> psutil.Process:
 
 
 def _learners(supervisor: psutil.Process) -> list[psutil.Process]:
-    return [c for c in supervisor.children() if "learn" in c.cmdline()]
+    return [c for c in supervisor.children() if "learn" in command_words(c)]
 
 
 def _stopped_state(proc: psutil.Process) -> bool:

@@ -10,6 +10,10 @@ of a job): a process of its own that uses gadei, and that gadei starts but never
 - `cli`: `python -m gadei_watchdog`, which `gadei serve --checkpoint-dir` becomes.
 """
 
-from .supervisor import Supervisor
+from gadei.env import quiet_openmp
+
+quiet_openmp()  # before gadei's kernels load OpenMP: the supervisor forks the job's server (`gadei.zygote`)
+
+from .supervisor import Supervisor  # noqa: E402
 
 __all__ = ["Supervisor"]

@@ -19,7 +19,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from gadei import checkpoint, curves, data, device, jobfile, outputs, placement
+from gadei import checkpoint, curves, data, device, jobfile, outputs, placement, zygote
 from gadei.board import Board
 from gadei.bridge import record as bridge_record
 from gadei.env import learners_openmp_env, pause_at
@@ -68,12 +68,23 @@ class _Follow:
     new epoch records into the event files, a loss that is not finite a stop (diverged), and
     every LIVE_EVERY seconds the job's samples/s, updates/s, restarts and learners alive."""
 
-    def __init__(self, job: jobfile.Job, board: Board):
-        self.job, self.board = job, board
+    def __init__(self, job: jobfile.Job):
+        self.job = job
+        self._board: Board | None = None
         self.supervisor: Supervisor | None = None
         self._before = None  # (monotonic seconds, version) of the last live figures
         self._next = time.monotonic() + LIVE_EVERY
         self._diverged = False
+
+    @property
+    def board(self) -> Board:
+        """The job's event files, opened at the first look: after the supervisor started the job's
+        processes (their writer runs a thread, and a process that runs two may not fork them:
+        `gadei.zygote.can_fork`), as the plot's import is started."""
+        if self._board is None:
+            self._board = Board(self.job.output, self.job, warn=lambda line: log.warning("%s", line))
+            threading.Thread(target=curves.load, name="gadei-load-plotting", daemon=True).start()  # the plot waits less
+        return self._board
 
     def __call__(self, region) -> None:
         records = outputs.epoch_records(self.job.output)
@@ -127,14 +138,17 @@ def run(job_file: str, *, resume: bool = False, by: str = outputs.RUN, named: st
                                   keep=job.checkpoint.keep, server=server_args(job, node, found),
                                   learners=learner_args(job, node), log_dir=str(out / "logs"))
     t = job.train
-    board = Board(out, job, warn=lambda line: log.warning("%s", line))
-    follow = _Follow(job, board)
+    openmp = learners_openmp_env(t.learners, t.learner_threads)
+    follow = _Follow(job)
     supervisor = Supervisor(job.name, settings, progress=found.progress if found else None,
-                            stop_record=str(out / STOP_RECORD),
-                            env={**os.environ, **learners_openmp_env(t.learners, t.learner_threads)}, look=follow)
+                            stop_record=str(out / STOP_RECORD), env={**os.environ, **openmp}, look=follow,
+                            passive_learners=t.learner_threads <= 1 or bool(openmp))
     follow.supervisor = supervisor
+    pause_at("starting")  # a test's hold: nothing of the job started, a stop sent now waits (blocked) for the handler
     take_stops(lambda sig, _frame: supervisor.ask_stop())  # its clients' Ctrl-C and cancel
-    threading.Thread(target=curves.load, name="gadei-load-plotting", daemon=True).start()  # the plot waits less
+    # its server and learners start warm, forked from this process (`gadei.zygote`), the job's data read once here
+    zygote.warm(late=False)
+    data.keep(f"job:{out / 'job.toml'}", job.workload)
     try:
         code = supervisor.run()
     except GadeiError as err:
@@ -147,7 +161,9 @@ def run(job_file: str, *, resume: bool = False, by: str = outputs.RUN, named: st
     saved = out / FINAL
     final = bridge.model if bridge is not None else str(saved) if saved.exists() and stop is not None and \
         stop.outcome == "stopped" else None
-    ending = outputs.Ending(code, supervisor.finished, supervisor.stopped, supervisor.reason or supervisor.note, final)
+    ending = outputs.Ending(code, supervisor.finished, supervisor.stopped, supervisor.reason or supervisor.note, final,
+                            supervisor.first_applied or (stop.first_applied if stop is not None else 0.0))
+    board = follow.board
     try:
         board.epochs(outputs.epoch_records(out))  # those reported after the last look
         result = outputs.conclude(job, ending, since=since,

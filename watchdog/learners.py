@@ -17,7 +17,7 @@ import time
 import psutil
 
 from gadei import _proc, ring
-from gadei.launch import spawn, wait_or_kill
+from gadei.launch import started_as, spawn, wait_or_kill
 from gadei.layout import ACTIVE, DEAD
 from gadei.protocol import Deadline
 from gadei.supervisor import Launched, progress
@@ -31,9 +31,10 @@ class Learners:
     """Starts, watches and restarts a job's launched learners (the watchdog calls `look()`)."""
 
     def __init__(self, job: str, table: list[Launched], log_dir: str, env: dict, *, max_restarts: int,
-                 window: float, backoff: float):
+                 window: float, backoff: float, passive: bool = True):
         self.job, self.table, self.log_dir, self.env = job, table, log_dir, env
         self.max_restarts, self.window, self.backoff = max_restarts, window, backoff
+        self.passive = passive  # they may run with passive OpenMP threads (started warm where they may)
 
     # ------------------------------------------------------------------ state
 
@@ -59,14 +60,14 @@ class Learners:
         command = _proc.gadei_command("learn", self.job, *_numbered(learner), "--start-at", learner.start_at)
         learner.oom_kills = _proc.oom_kills()
         learner.proc = spawn(command, log=os.path.join(self.log_dir, f"learner-{learner.number}.log"), session=False,
-                             env=self.env)
+                             env=self.env, passive=self.passive)
         learner.pid, learner.entry, learner.seen, learner.due = learner.proc.pid, -1, 0, 0.0
         try:
             learner.started = _proc.start_time(learner.pid)
         except psutil.NoSuchProcess:
             learner.started = 0.0
-        log.info("job %r: started launched learner %d (pid %d) at sample %s of its schedule", self.job, learner.number,
-                 learner.pid, f"{learner.start_at:,}")
+        log.info("job %r: started launched learner %d (pid %d, %s) at sample %s of its schedule", self.job,
+                 learner.number, learner.pid, started_as(learner.proc), f"{learner.start_at:,}")
 
     def start_all(self) -> None:
         for learner in self.table:

@@ -26,7 +26,7 @@ from dataclasses import asdict
 from gadei import _proc, checkpoint, ring
 from gadei.env import restarts, restarts_env
 from gadei.errors import GadeiError, RegionNotFound
-from gadei.launch import spawn, wait_or_kill
+from gadei.launch import started_as, spawn, wait_or_kill
 from gadei.layout import ACTIVE, DEAD, FAILED, SERVING, STOPPED, STOPPING
 from gadei.protocol import Deadline, RunState
 from gadei.region import Region, inspect
@@ -53,10 +53,12 @@ class Supervisor:
         env: the environment of the processes it starts (None: its own).
         look: called at every look while the job serves, with the region (a job file's
             supervisor follows the epoch records there); it may call `stop`.
+        passive_learners: the launched learners may run with passive OpenMP threads (those
+            of one thread, or more than the cores hold), so that they may be started warm.
     """
 
     def __init__(self, job: str, settings: SupervisorSettings, *, progress: dict | None = None,
-                 stop_record: str | None = None, env: dict | None = None, look=None):
+                 stop_record: str | None = None, env: dict | None = None, look=None, passive_learners: bool = True):
         settings.check()
         self.job, self.settings = job, settings
         self.log_dir = settings.log_dir or settings.checkpoint_dir
@@ -64,7 +66,7 @@ class Supervisor:
         self.env = {**(os.environ if env is None else env), _proc.TIED_TO: str(os.getpid())}  # they end with it
         table = [Launched(i, list(a)) for i, a in enumerate(settings.learners)]
         self.learners = Learners(job, table, self.log_dir, self.env, max_restarts=settings.max_restarts,
-                                 window=settings.window, backoff=settings.backoff)
+                                 window=settings.window, backoff=settings.backoff, passive=passive_learners)
         self.learners.resume(progress or {})
         self._look = look
         self._restarts = restarts()
@@ -81,6 +83,7 @@ class Supervisor:
         self.server_code: int | None = None  # the exit code of the server it started, at the job's end
         self.reason = ""  # why the job ended, when it did not end well
         self.note = ""  # what else the job's end should say ("the stop came after training ended")
+        self.first_applied = 0.0  # when a server it started applied the job's first gradient (a restart's record)
 
     def ask_stop(self) -> None:
         """A stop asked of the job (a signal handler calls this): taken at the next look."""
@@ -93,6 +96,7 @@ class Supervisor:
         (SERVER_DEAD), or failed (JOB_FAILED)."""
         try:
             if not self._start_server():
+                self.learners.kill_all()
                 return 0 if self.stopped else SERVER_DEAD  # stopped as it started: nothing went wrong
             try:
                 self.region = Region.attach(self.job)
@@ -165,6 +169,8 @@ class Supervisor:
                     if self._look is not None and not stopping:
                         self._look(self.region)
                 if not stopping and state == SERVING:
+                    if self.stop_asked and not self.learners.finished:
+                        self._supervise()  # a look now: the stop may have come after the last look, as they finished
                     if self.learners.finished:  # a stop asked now comes after training ended: nothing to stop
                         stopping = True
                         if self.stop_asked:
@@ -280,21 +286,28 @@ class Supervisor:
             log.info("job %r: stopped before its server started", self.job)
             return False
         command = _proc.gadei_command(*self.settings.server, "--no-supervisor", "--stop-record", self.stop_record)
-        return self._serve(command, "starting the server")
+        return self._serve(command, "starting the server", learners=True)
 
-    def _serve(self, command: list[str], doing: str) -> bool:
+    def _serve(self, command: list[str], doing: str, learners: bool = False) -> bool:
         """Run `command` (a server) as this supervisor's child and wait until it serves (True), or
-        it ended (False: `reason` says why)."""
+        it ended (False: `reason` says why). `learners`: the launched learners start beside it, not
+        after it (they wait for its region), so that neither waits for the other to start."""
         os.makedirs(self.log_dir, exist_ok=True)
         server_log = os.path.join(self.log_dir, "server.log")
+        before = self.server_ended()  # the last server's (a restart's): this one writes its own
+        if before is not None:
+            self.first_applied = self.first_applied or before.first_applied
         try:
-            os.unlink(self.stop_record)  # the last server's: this one writes its own
+            os.unlink(self.stop_record)
         except FileNotFoundError:
             pass
         self._server_oom_kills = oom_kills = _proc.oom_kills()
         env = {**self.env, **restarts_env(self._restarts)}
         proc = self._server = spawn(command, log=server_log, env=env, held=True)
-        log.info("job %r: %s (pid %d); its output goes to %s", self.job, doing, proc.pid, server_log)
+        log.info("job %r: %s (pid %d, %s); its output goes to %s", self.job, doing, proc.pid, started_as(proc),
+                 server_log)
+        if learners:
+            self.learners.start_all()
         deadline = Deadline(SERVE_WITHIN)
         passed_on = False
         while True:
