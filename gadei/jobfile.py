@@ -4,6 +4,7 @@ validated `Job` before anything starts.
     [job]
     name = "trec"                 # the job's name (its region is gadei-<name>)
     workload = "textcnn"          # built-in workload
+    priority = 0                  # the daemon starts a waiting job of a higher priority first (default 0)
 
     [data]
     train = "trec/TREC.train"     # a file; per-label: a list of files, or a folder
@@ -171,6 +172,7 @@ class Job:
     private: bool = True  # [output] private: the output folder 0700 and its files 0600, whatever the umask
     bridge: BridgeOptions | None = None  # None: the job runs on one node
     path: Path | None = None
+    priority: int = 0  # [job] priority: the daemon starts a waiting job of a higher one first
 
     def with_defaults(self, samples: int) -> tuple["Job", list[str]]:
         """The job with the size-dependent defaults chosen for `samples` training samples,
@@ -237,7 +239,7 @@ class Job:
     def to_toml(self) -> str:
         """The job as TOML, every field written (the job as run)."""
         sections = {
-            "job": {"name": self.name, "workload": self.workload},
+            "job": {"name": self.name, "workload": self.workload, "priority": self.priority},
             "data": asdict(self.data),
             "train": _table(self.train),  # threads None (not yet chosen: `with_defaults`) is written "auto"
             "checkpoint": asdict(self.checkpoint),
@@ -341,7 +343,7 @@ def default_epochs(samples: int, batch: int) -> int:
 # with `gadei.options.option` take their keys, and their checks, from those declarations.
 DECLARED = {"train": Train, "checkpoint": CheckpointOptions, "transport": TransportOptions, "bridge": BridgeOptions}
 _SCHEMA = {
-    "job": {"name": ("name", True), "workload": ("workload", True)},
+    "job": {"name": ("name", True), "workload": ("workload", True), "priority": ("priority", False)},
     "data": {"train": ("paths", True), "test": ("paths", False), "format": ("format", True),
              "header": ("bool", False), "text_column": ("column", False), "label_column": ("column", False),
              "encoding": ("encoding", False),
@@ -385,6 +387,7 @@ def load(path: str | os.PathLike, *, data_files: bool = True) -> Job:
 
 
 MAX_JOB_FILE = 1 << 20  # bytes: a job file names its data, it does not hold it
+MAX_PRIORITY = 1_000_000  # [job] priority, either way
 
 
 def _read_job_file(path: Path) -> bytes:
@@ -452,7 +455,7 @@ def parse(raw: dict, path: Path, *, data_files: bool = True) -> Job:
     output = values["output"].get("folder")
     output = (_absolute(output, path.parent, f"{where}: [output] folder = {output!r}", follow=False) if output else
               path.parent / "runs" / job["name"])
-    return Job(name=job["name"], workload=job["workload"], data=Data(**data),
+    return Job(name=job["name"], workload=job["workload"], priority=job.get("priority", 0), data=Data(**data),
                train=Train(**values["train"], given=frozenset(k for k, v in values["train"].items() if v is not None)),
                checkpoint=CheckpointOptions(**values["checkpoint"]), transport=TransportOptions(**values["transport"]),
                output=output,
@@ -539,6 +542,13 @@ def _value(where: str, section: str, key: str, kind: str, value, base: Path):
         choices = {"format": FORMATS}.get(kind)
         if choices and value not in choices:
             raise JobFileError(f"{field_}: not a {kind}{_close(value, choices)}; allowed: {', '.join(choices)}")
+        return value
+    if kind == "priority":
+        if isinstance(value, bool) or not isinstance(value, int):
+            refuse("an integer (higher starts first)")
+        if not -MAX_PRIORITY <= value <= MAX_PRIORITY:
+            raise JobFileError(f"{field_} is out of range; allowed: an integer from -{MAX_PRIORITY:,} to "
+                               f"{MAX_PRIORITY:,} (higher starts first)")
         return value
     if kind == "column":
         if isinstance(value, str) and value.strip():

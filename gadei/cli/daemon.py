@@ -92,19 +92,29 @@ def daemon_jobs(job: str | None) -> tuple[list[dict], str]:
     return [asdict(r) for r in records if job is None or r.name == job], source
 
 
+def _max_jobs(text: str) -> int | None:
+    """--max-jobs: "auto" (None) or a count of at least 1."""
+    return None if text == "auto" else at_least(1)(text)
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser("daemon", help="run queued job files for this user (training as a service)",
                        description="Accept job files from `gadei submit` on a Unix socket in this user's runtime "
-                       "folder (mode 0600; another user's request is refused by its peer uid), queue them and run up "
-                       "to --max-jobs at once, each under its own supervisor (as `gadei run` runs one). Job records "
-                       "are kept on disk: a restarted daemon knows every job's state and output, and finds jobs that "
-                       "ran on without it. One daemon per state folder (a lock). See docs/daemon.md.")
+                       "folder (mode 0600; another user's request is refused by its peer uid), queue them and run "
+                       "each when what it needs is free (or up to --max-jobs N at once), under its own supervisor (as "
+                       "`gadei run` runs one), started warm from a process that has imported what a job needs. Job "
+                       "records are kept on disk: a restarted daemon knows every job's state and output, and finds "
+                       "jobs that ran on without it. One daemon per state folder (a lock). See docs/daemon.md.")
     p.add_argument("action", nargs="?", choices=("run", "stop", "systemd-unit"), default="run",
                    help="run: serve in the foreground until `gadei daemon stop`, SIGTERM or Ctrl-C (default); "
                    "stop: stop the running daemon and wait until it has; systemd-unit: print a systemd user unit "
                    "that runs it")
-    p.add_argument("--max-jobs", type=at_least(1), default=1, help="jobs run at once (default 1); each counts on its "
-                   "share of the cores (GADEI_CORES: the cores / --max-jobs) for its learners' threads and its server")
+    p.add_argument("--max-jobs", type=_max_jobs, default=None, metavar="auto|N",
+                   help="auto (default): a waiting job starts when the cores (its learners' threads and one for its "
+                   "server), memory and /dev/shm it needs are free, by [job] priority then submit order, a later job "
+                   "that fits before an earlier one that does not; `gadei status` says what a waiting job waits for, "
+                   "and a job that could never fit is refused at submit. N: up to N jobs at once, each counting on "
+                   "its share of the cores (GADEI_CORES: the cores / N) for its learners' threads and its server")
     p.add_argument("--timeout", type=at_least(0, float, above=True), default=30.0,
                    help="stop: seconds to wait for it (default 30)")
     p.add_argument("--metrics-port", type=int, metavar="PORT",

@@ -10,12 +10,13 @@ import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-from .. import jobfile, outputs
-from ..env import environ, job_cores_env, state_dir as state_folder
+from .. import _proc, jobfile, outputs
+from ..env import CORES, environ, state_dir as state_folder, usable_cores
 from ..errors import GadeiError, NoSuchJob
 from ..outputs import SUBMIT
 from ..supervisor import Supervised
-from . import logs
+from ..zygote import Zygote
+from . import logs, resources
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +47,12 @@ class JobRecord:
     pid: int = 0  # the job's supervisor while it runs
     pid_start: float = 0.0
     returncode: int | None = None
-    message: str = ""
+    message: str = ""  # how it ended; while it waits, what for
     resume: bool = False  # go on with the run its output folder holds (`gadei submit --resume`)
+    priority: int = 0  # its [job] priority: a waiting job of a higher one starts first
+    sizes: dict | None = None  # what it asks for (`resources.Sizes`), read at submit
+    cores: int = 0  # the cores it was given to choose its threads by (GADEI_CORES), once it started
+    need: dict | None = None  # what it was given (`resources.Need`) while it runs
 
     @property
     def log(self) -> str:
@@ -98,14 +103,18 @@ def job_logs(record: JobRecord, lines: int) -> str:
 
 class Jobs:
     """The daemon's jobs: their records (read from `folder`'s jobs/ at the start, saved on every
-    change), the queue and the runner (`run_queue`), up to `max_jobs` at once."""
+    change), the queue and the runner (`run_queue`): each waiting job, by priority then by
+    submit time, starts when what it needs is free (`resources`; max_jobs None), or while fewer
+    than `max_jobs` run."""
 
-    def __init__(self, folder: Path, max_jobs: int = 1, poll: float = 0.5):
+    def __init__(self, folder: Path, max_jobs: int | None = None, poll: float = 0.5):
         self.folder, self.max_jobs, self.poll = folder, max_jobs, poll
         self.lock = threading.Lock()
         self.records: dict[str, JobRecord] = read_records(self.folder)
         self.supervised: dict[str, Supervised] = {}  # each running job's supervisor
         self._stop = threading.Event()
+        self._kick = threading.Event()  # a look is due now: a job was submitted, or a supervisor ended
+        self.zygote: Zygote | None = None  # where the runner starts supervisors warm (`gadei.zygote`)
         with self.lock:
             for record in self.records.values():
                 if record.pid and not record.ended:  # running, or cancelled and still stopping
@@ -125,11 +134,15 @@ class Jobs:
             private = jobfile.load(Path(record.output) / "job.toml").private
         except GadeiError:  # not prepared yet, or gone: its log is private until the job says otherwise
             private = True
-        supervised = Supervised(Path(record.output) / "job.toml", Path(record.output), by=SUBMIT,
-                                named=Path(record.jobfile), env={**os.environ, **job_cores_env(self.max_jobs)},
+        supervised = Supervised(Path(record.output) / "job.toml", Path(record.output), by=SUBMIT, zygote=self.zygote,
+                                named=Path(record.jobfile), env={**os.environ, **self._cores_env(record)},
                                 log=Path(record.log), private=private, **kw)
         supervised.stop_asked = record.state == CANCELLED  # a cancelled job's supervisor is not replaced
         return supervised
+
+    def _cores_env(self, record: JobRecord) -> dict[str, str]:
+        """GADEI_CORES for the job: the cores it was given, where fewer than the usable ones."""
+        return {CORES: str(record.cores)} if 0 < record.cores < usable_cores() else {}
 
     def _conclude(self, record: JobRecord, result: dict, code: int | None) -> None:
         """The job ended: its state from its result.json (`gadei.outputs`), or, where its supervisor
@@ -164,6 +177,7 @@ class Jobs:
                 at: float | None = None) -> None:
         """Record the job's end: `state`, its run's exit `code`, `message`, and when (`at`; None: now)."""
         record.state, record.returncode, record.ended, record.pid = state, code, at or time.time(), 0
+        record.need = None  # what it was given is free again
         record.message = message
         self._save(record)
         log.info("job %s %s%s", record.name, state, f": {message}" if message else "")
@@ -187,13 +201,22 @@ class Jobs:
                                  "cancelling")
         # what `gadei run` would refuse (a squatted region name, the data, the output folder, the
         # resume point) is the submitter's to hear now, not the log's
-        check(job, resume, by=SUBMIT)
+        prepared = check(job, resume, by=SUBMIT)
+        from gadei_workloads.cost import estimate  # torch, which reading the data imported
+
+        sizes = resources.sizes(prepared.job, estimate(job.workload, prepared.train).parameters, job.train.threads or 0)
+        if self.max_jobs is None:
+            cores = usable_cores()
+            never = resources.never(sizes.need(cores, cores))
+            if never:
+                raise GadeiError(f"job {job.name!r} could never start on this machine: {never}")
         record = JobRecord(name=job.name, jobfile=str(job.path), output=str(job.output), submitted=time.time(),
-                        resume=resume)
+                           resume=resume, priority=job.priority, sizes=asdict(sizes))
         with self.lock:
             self.records[job.name] = record
             self._save(record)
         log.info("job %s queued (%s)", job.name, job.path)
+        self._kick.set()
         return record
 
     def cancel(self, name: str) -> JobRecord:
@@ -231,23 +254,63 @@ class Jobs:
 
     def run_queue(self) -> None:
         """Start queued jobs while fewer than max_jobs run; notice the ones that ended."""
-        while not self._stop.is_set():
-            try:
-                self._run_once()
-            except Exception:  # e.g. a record that cannot be saved (disk full): log it, the loop goes on
-                log.exception("the runner failed; trying again in %g s", self.poll)
-            self._stop.wait(self.poll)
+        try:
+            while not self._stop.is_set():
+                try:
+                    self._warm()
+                    self._run_once()
+                except Exception:  # e.g. a record that cannot be saved (disk full): log it, the loop goes on
+                    log.exception("the runner failed; trying again in %g s", self.poll)
+                self._kick.wait(self.poll)
+                self._kick.clear()
+        finally:
+            if self.zygote is not None:
+                self.zygote.close()
+
+    def _warm(self) -> None:
+        """A zygote to start supervisors from: started with the runner, and again if it died."""
+        if self.zygote is not None and self.zygote.alive():
+            return
+        if self.zygote is not None:
+            log.warning("the zygote (pid %d) %s; starting another", self.zygote.proc.pid,
+                        _proc.how_it_ended(self.zygote.proc.returncode))
+            self.zygote.close()
+        self.zygote = Zygote(on_exit=self._kick.set)
+
+    def stop_runner(self) -> None:
+        """End `run_queue` (at its next look)."""
+        self._stop.set()
+        self._kick.set()
 
     def _run_once(self) -> None:
-        """One look: reap the jobs that ended, start queued ones; a job that cannot start is
-        failed with the reason and the next one is started instead."""
+        """One look: reap the jobs that ended, start the waiting ones that fit (by priority, then
+        by submit time: one that does not fit does not hold back a later one that does), and say
+        of the others what they wait for; a job that cannot start is failed with the reason and
+        the next one is started instead."""
         with self.lock:
             self._reap()
-            running = sum(r.name in self.supervised for r in self.records.values())
-            queued = sorted((r for r in self.records.values() if r.state == QUEUED), key=lambda r: r.submitted)
-            for record in queued[: max(0, self.max_jobs - running)]:
+            running = [r for r in self.records.values() if r.name in self.supervised]
+            queued = sorted((r for r in self.records.values() if r.state == QUEUED),
+                            key=lambda r: (-r.priority, r.submitted))
+            cores = usable_cores()
+            given = [resources.Need(**r.need) for r in running if r.need]
+            for record in queued:
+                if self.max_jobs is not None:  # a count: each job its equal share of the cores
+                    if len(running) >= self.max_jobs:
+                        break
+                    share, need = cores // self.max_jobs, None
+                else:
+                    sizes = resources.Sizes(**record.sizes) if record.sizes else resources.Sizes(1, 1, 0, 0)
+                    share = resources.share(cores, sizes.learners, len(running) + len(queued))
+                    need = sizes.need(cores, share)
+                    short = need.short(resources.free(given))
+                    if short:
+                        self._waits(record, short)
+                        continue
                 try:
-                    self._start(record)
+                    self._start(record, share, need)
+                    running.append(record)
+                    given += [need] if need else []
                 except Exception as err:  # this job cannot start; the queue goes on with the next
                     reason = _reason(err)
                     log.warning("job %s could not start: %s", record.name, reason)
@@ -257,16 +320,26 @@ class Jobs:
                         log.error("job %s: cannot save its record (%s); forgetting it", record.name, save_err)
                         self.records.pop(record.name, None)
 
-    def _start(self, record: JobRecord) -> None:
+    def _waits(self, record: JobRecord, short: str) -> None:
+        """The queued job waits: what for, on its record (`gadei status`), when that changed."""
+        message = f"waiting: {short}"
+        if record.message != message:
+            record.message = message
+            self._save(record)
+            log.info("job %s %s", record.name, message)
+
+    def _start(self, record: JobRecord, cores: int, need: "resources.Need | None") -> None:
         """Prepare the job (the checks of its submit again: its data or folder may have changed
-        since) and start its supervisor, in a session of its own, writing its log in the output
-        folder; a cancel that comes at once is a stop it takes."""
+        since) with `cores` to choose its threads by, and start its supervisor, in a session of
+        its own, writing its log in the output folder; a cancel that comes at once is a stop it
+        takes. `need`: what it is given while it runs."""
         from ..placement import Local
         from ..prepare import describe, prepare
 
         if os.path.lexists(record.output) and not os.path.isdir(record.output):
             raise GadeiError(f"output folder {record.output} is not a folder")
-        with environ(job_cores_env(self.max_jobs)):  # the defaults it chooses count on its share of the cores
+        record.cores = cores
+        with environ(self._cores_env(record)):  # the defaults it chooses count on its share of the cores
             prepared = prepare(jobfile.load(record.jobfile), record.resume, by=SUBMIT)
             said = describe(prepared, Local())
         supervised = self._supervised(record)
@@ -274,6 +347,7 @@ class Jobs:
         self.supervised[record.name] = supervised
         record.state, record.pid, record.pid_start, record.started = RUNNING, supervised.pid, supervised.started, \
             time.time()
+        record.need, record.message = asdict(need) if need else None, ""
         self._save(record)
         log.info("job %s started (supervisor pid %d)", record.name, supervised.pid)
 
@@ -292,7 +366,7 @@ class Jobs:
                     self._save(record)
                 continue
             del self.supervised[name]
-            self._conclude(record, result, supervised.code())
+            self._conclude(record, result, supervised.code(wait=1.0))
 
 
 def _reason(err: Exception) -> str:

@@ -31,8 +31,8 @@ def socket_path() -> str:
 class Daemon(Jobs):
     """The queue, the runner and the request handler; `serve_forever()` until SIGTERM/SIGINT."""
 
-    def __init__(self, max_jobs: int = 1, poll: float = 0.5, metrics_port: int | None = None):
-        if max_jobs < 1:
+    def __init__(self, max_jobs: int | None = None, poll: float = 0.5, metrics_port: int | None = None):
+        if max_jobs is not None and max_jobs < 1:
             raise GadeiError(f"--max-jobs {max_jobs}: must be at least 1")
         if metrics_port is not None and not 0 <= metrics_port <= 65535:
             raise GadeiError(f"--metrics-port {metrics_port}: must be a TCP port, 0 to 65535 (0: any free one)")
@@ -96,15 +96,19 @@ class Daemon(Jobs):
         runner = threading.Thread(target=self.run_queue, name="gadei-daemon-runner", daemon=True)
         runner.start()
         previous = {sig: signal.signal(sig, lambda *_: self.stop()) for sig in (signal.SIGTERM, signal.SIGINT)}
-        share = job_cores_env(self.max_jobs)
-        log.info("gadei daemon (pid %d) listening on %s; %d jobs at once%s; job records in %s", os.getpid(), path,
-                 self.max_jobs, f", each counting on {share[CORES]} of {cores_said()}" if share else "",
+        if self.max_jobs is None:
+            placed = f"jobs placed by the cores ({cores_said()}), memory and /dev/shm they need"
+        else:
+            share = job_cores_env(self.max_jobs)
+            placed = f"{self.max_jobs} jobs at once" + (f", each counting on {share[CORES]} of {cores_said()}"
+                                                       if share else "")
+        log.info("gadei daemon (pid %d) listening on %s; %s; job records in %s", os.getpid(), path, placed,
                  self.folder / "jobs")
         print(f"gadei daemon: listening on {path}; stop it with `gadei daemon stop`", file=sys.stderr, flush=True)
         try:
             Loop(self, listener).run()
         finally:
-            self._stop.set()
+            self.stop_runner()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
             self._pool.shutdown(wait=False, cancel_futures=True)
@@ -125,7 +129,7 @@ class Daemon(Jobs):
 
     def stop(self) -> None:
         """Ask the loop to end (a signal handler, a `stop` request)."""
-        self._stop.set()
+        self.stop_runner()
         wake = getattr(self, "_wake_w", None)
         if wake is not None:
             try:
