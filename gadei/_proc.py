@@ -2,11 +2,15 @@
 checks (a pid plus its start time, so pid reuse cannot fool us), and how one ended, in words."""
 
 import ctypes
+import logging
 import os
 import signal
+import subprocess
 import sys
 
 import psutil
+
+log = logging.getLogger(__name__)
 
 TIED_TO = "GADEI_TIED_TO"  # a pid: this process stops (SIGTERM) when that process, its parent, ends (`tie_to_parent`)
 _PR_SET_PDEATHSIG = 1  # prctl(2)
@@ -18,6 +22,17 @@ def python_command(module: str, *args) -> list[str]:
     where a source tree (a repository root after `pip install .`, whose `gadei/` has no
     compiled `_native`) would be imported instead. Every process gadei starts is built here."""
     return [sys.executable, "-P", "-m", module, *map(str, args)]
+
+
+def module_of(command: list[str]) -> tuple[str, list[str]]:
+    """(MODULE, ARGS) of `python -P -m MODULE ARGS` (`gadei._proc.python_command`'s form).
+
+    Raises:
+        ValueError: `command` is not of that form.
+    """
+    if len(command) < 4 or command[1:3] != ["-P", "-m"]:
+        raise ValueError(f"not a `python -P -m MODULE` command line: {command[:4]}")
+    return command[3], [str(a) for a in command[4:]]
 
 
 def gadei_subcommand(argv: list[str] | None = None) -> str | None:
@@ -170,3 +185,15 @@ def tie_to_parent() -> None:
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
     if os.getppid() != int(parent):  # it ended before the signal was asked for
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+def wait_or_kill(proc: subprocess.Popen, timeout: float, what: str) -> int:
+    """Wait up to `timeout` seconds for the child `proc` to exit; then SIGKILL it and reap it.
+    Its exit code (-9 when it was killed). `what` names it in the warning (`job 'x': the server`).
+    """
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        log.warning("%s (pid %d) did not exit within %g s; killing it (SIGKILL)", what, proc.pid, timeout)
+        proc.kill()
+        return proc.wait()

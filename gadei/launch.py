@@ -1,7 +1,7 @@
 """Running a job's processes on this machine: the one place gadei starts one (`spawn`;
 `run_command` for one it waits for; `become` for a command that turns into another), stops a
-job (`stop_job`) and ends a child that does not exit in time (`wait_or_kill`), or itself when a
-call that takes no time limit overstays (`exit_after`)."""
+job (`stop_job`), or ends itself when a call that takes no time limit overstays (`exit_after`).
+Ending a child that does not exit in time is `gadei._proc.wait_or_kill`."""
 
 import logging
 import os
@@ -133,18 +133,6 @@ def run_command(command: list[str], timeout: float, env: dict[str, str] | None =
     """
     done = subprocess.run(command, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout, env=env)
     return done.returncode, done.stderr
-
-
-def wait_or_kill(proc: subprocess.Popen, timeout: float, what: str) -> int:
-    """Wait up to `timeout` seconds for the child `proc` to exit; then SIGKILL it and reap it.
-    Its exit code (-9 when it was killed). `what` names it in the warning (`job 'x': the server`).
-    """
-    try:
-        return proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        log.warning("%s (pid %d) did not exit within %g s; killing it (SIGKILL)", what, proc.pid, timeout)
-        proc.kill()
-        return proc.wait()
 
 
 def _stop_by_pid(job: str, problem: str, timeout: float) -> bool:

@@ -137,23 +137,12 @@ class Child:
         self.send_signal(signal.SIGKILL)
 
 
-def module_of(command: list[str]) -> tuple[str, list[str]]:
-    """(MODULE, ARGS) of `python -P -m MODULE ARGS` (`gadei._proc.python_command`'s form).
-
-    Raises:
-        ValueError: `command` is not of that form.
-    """
-    if len(command) < 4 or command[1:3] != ["-P", "-m"]:
-        raise ValueError(f"not a `python -P -m MODULE` command line: {command[:4]}")
-    return command[3], [str(a) for a in command[4:]]
-
-
 def fork(command: list[str], *, log=None, session: bool = True, env: dict | None = None, held: bool = False,
          keep_stdout: bool = False, close: tuple[int, ...] = ()) -> Child:
     """Run `command` in a child forked from this process (which `can_fork`), with what
     `gadei.launch.spawn` gives a started one (the same arguments); `close`: descriptors of this
     process the child must not hold (a zygote's socket)."""
-    module, args = module_of(command)
+    module, args = _proc.module_of(command)
     sys.stdout.flush()
     sys.stderr.flush()
     opened = None
@@ -320,9 +309,7 @@ class Zygote:
         except OSError:
             pass
         self.sock.close()
-        from .launch import wait_or_kill
-
-        wait_or_kill(self.proc, timeout, f"the zygote (pid {self.proc.pid})")
+        _proc.wait_or_kill(self.proc, timeout, f"the zygote (pid {self.proc.pid})")
 
 
 def serve(fd: int) -> int:

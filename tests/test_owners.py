@@ -112,9 +112,10 @@ def protocol_field_uses(sources) -> dict[str, set[str]]:
 
 
 # Starting a process, and "wait for a child, else kill it", are written once: gadei/launch.py's
-# `spawn` (`run_command`, `become`) and `wait_or_kill`; `spawn` forks warm through gadei/zygote.py,
+# `spawn` (`run_command`, `become`) and gadei/_proc.py's `wait_or_kill`; `spawn` forks warm through gadei/zygote.py,
 # which alone forks (and starts the daemon's zygote process, which forks for it).
 PROCESS_OWNER = "gadei/launch.py"
+WAIT_OR_KILL_OWNER = "gadei/_proc.py"
 FORK_OWNER = "gadei/zygote.py"
 
 
@@ -453,8 +454,8 @@ def test_only_the_process_owner_starts_a_process():
     assert spawners(_sources()) == {PROCESS_OWNER, FORK_OWNER}
 
 
-def test_only_the_process_owner_kills_a_child_that_did_not_exit_in_time():
-    assert kills_after_a_wait(_sources()) == {PROCESS_OWNER}
+def test_only_the_process_module_kills_a_child_that_did_not_exit_in_time():
+    assert kills_after_a_wait(_sources()) == {WAIT_OR_KILL_OWNER}
 
 
 def test_the_scans_find_what_they_look_for():

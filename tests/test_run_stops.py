@@ -92,7 +92,8 @@ def test_a_gadei_run_started_held_takes_a_stop_sent_at_once(tmp_path, how):
     set a handler, waits until it takes it. Not held, the signal killed it then: -15, or -2 with
     nothing on stderr (Python's SIGINT before its own handler is set)."""
     from gadei._proc import gadei_command
-    from gadei.launch import spawn, wait_or_kill
+    from gadei._proc import wait_or_kill
+    from gadei.launch import spawn
 
     path = blobs_job(tmp_path, unique_name("held"), train={"learners": 2, "epochs": 50})
     log = tmp_path / "run.log"

@@ -218,9 +218,9 @@ def test_the_supervisors_json_flags_are_checked_even_under_python_dash_o(job, pr
 
 
 def test_a_child_that_does_not_exit_in_time_is_killed_and_reaped(procs):
-    """`launch.wait_or_kill`, the one "wait, else kill" (a supervisor's server and its launched
+    """`_proc.wait_or_kill`, the one "wait, else kill" (a supervisor's server and its launched
     learners at the job's end)."""
-    from gadei.launch import wait_or_kill
+    from gadei._proc import wait_or_kill
 
     done = procs.spawn(["true"])
     assert wait_or_kill(done, 30, "a child that exits") == 0

@@ -17,7 +17,8 @@ import time
 import psutil
 
 from gadei import _proc, ring
-from gadei.launch import started_as, spawn, wait_or_kill
+from gadei._proc import wait_or_kill
+from gadei.launch import started_as, spawn
 from gadei.layout import ACTIVE, DEAD
 from gadei.protocol import Deadline
 from gadei.supervisor import Launched, progress

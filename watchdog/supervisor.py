@@ -26,7 +26,8 @@ from dataclasses import asdict
 from gadei import _proc, checkpoint, ring
 from gadei.env import restarts, restarts_env
 from gadei.errors import GadeiError, RegionNotFound
-from gadei.launch import started_as, spawn, wait_or_kill
+from gadei._proc import wait_or_kill
+from gadei.launch import started_as, spawn
 from gadei.layout import ACTIVE, DEAD, FAILED, SERVING, STOPPED, STOPPING
 from gadei.protocol import Deadline, RunState
 from gadei.region import Region, inspect
