@@ -84,7 +84,7 @@ def test_a_job_cancelled_while_running_goes_on_with_submit_resume_to_every_learn
     path = tmp_path / "job.toml"  # no validation set: trained to the cap, whose steps are known
     path.write_text(job_text({"job": {"name": name, "workload": "mlp"},
                               "data": {"train": "blobs.npz", "format": "npz", "holdout": 0.2, "validation_holdout": 0},
-                              "train": {"learners": 2, "epochs": 20}, "checkpoint": {"interval": 600},
+                              "train": {"learners": 2, "epochs": 60}, "checkpoint": {"interval": 600},
                               "output": {"folder": "out"}}))
     out = tmp_path / "out"
     daemon = start_daemon(procs, daemon_env)
@@ -104,7 +104,8 @@ def test_a_job_cancelled_while_running_goes_on_with_submit_resume_to_every_learn
         early = procs.gadei("submit", path, env=daemon_env)
         _, err = communicate(early, 60)
         assert early.returncode == 2 and "is being cancelled: its supervisor is still stopping it" in err, err
-        assert inspect(name).state == "running"  # the job's server serves on meanwhile
+        found = inspect(name)  # the job's server serves on meanwhile
+        assert found is not None and found.state == "running", (found, _jobs(procs, daemon_env)[name])
     finally:
         for pid in reversed(held):  # the learners first: they train on when the supervisor takes the stop
             os.kill(pid, signal.SIGCONT)
@@ -132,8 +133,8 @@ def test_a_job_cancelled_while_running_goes_on_with_submit_resume_to_every_learn
     result = json.loads((out / "result.json").read_text())
     assert result["outcome"] == "done" and result["finished"], result
     last = read_stop_record(out / "logs" / "server-stop.json")
-    # every mini-batch of 20 epochs of each learner's shard is in the weights once, as in an uncancelled run
-    steps = 20 * sum(-(-len(range(i, 721, 2)) // 2) for i in range(2))
+    # every mini-batch of 60 epochs of each learner's shard is in the weights once, as in an uncancelled run
+    steps = 60 * sum(-(-len(range(i, 721, 2)) // 2) for i in range(2))
     assert last.version == steps and last.resumed_applied + last.applied == steps, (first, last)
     assert 0 < last.resumed_applied <= first.version, (first, last)
     again = procs.gadei("submit", path, env=daemon_env)  # a finished run is not offered --resume
