@@ -16,7 +16,9 @@ import importlib
 from ._proc import gadei_subcommand
 from .env import quiet_openmp
 
-if gadei_subcommand() == "serve":  # before the command-line tools load OpenMP: the kernel's idle threads sleep
+# before the command-line tools load OpenMP: the kernel's idle threads sleep (a server's, and those of the
+# processes `gadei run` forks from itself: `gadei.zygote`)
+if gadei_subcommand() in ("serve", "run"):
     quiet_openmp()
 
 from .errors import (

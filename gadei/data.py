@@ -47,13 +47,16 @@ def workload_model(name: str, spec: str | None, seed: int):
 _kept: dict[tuple[str, str], tuple] = {}  # (workload, spec) -> its sets, read by `keep`
 
 
-def keep(spec: str, workload: str) -> None:
-    """Read `spec`'s sets for the built-in workload `workload` now and keep them: `load` answers
-    with them in this process and in the processes forked from it (a job's supervisor reads its
-    job's data once, and the server and learners it forks find it read: `gadei.zygote`)."""
+def keep(spec: str, workload: str, sets: tuple | None = None) -> None:
+    """Keep `spec`'s sets for the built-in workload `workload` (`sets`, or read now where this
+    process has none kept): `load` answers with them in this process and in the processes forked
+    from it (a job's data is read once: by `gadei run` as it checks the job, or its supervisor,
+    and the processes forked from them find it read: `gadei.zygote`)."""
     from gadei_workloads import get
 
-    _kept[(workload, _key(spec))] = load(get(workload), spec)
+    key = (workload, _key(spec))
+    if sets is not None or key not in _kept:
+        _kept[key] = sets if sets is not None else load(get(workload), spec)
 
 
 def _key(spec: str) -> str:

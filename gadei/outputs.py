@@ -335,8 +335,9 @@ def evaluate(job: jobfile.Job) -> dict:
     import torch
     from gadei_workloads import get
 
-    train, _, test = data.load_job(job)
     workload = get(job.workload)
+    # the sets its supervisor read (`data.keep`)
+    train, _, test = data.load(workload, f"job:{job.path}") if job.path else data.load_job(job)
     model = workload.build_model(train, job.train.seed)
     model.load_state_dict(torch.load(job.output / "model.pt", weights_only=True))
     return {"test_accuracy": workload.evaluate(model, test), "test_samples": len(test)}

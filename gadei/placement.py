@@ -77,6 +77,7 @@ class Local:
     label = ""  # what starts each progress line
     extra_rings = 0
     chooses = True  # learner 0 chooses the model on validation
+    forks = True  # `gadei run` may fork the job's supervisor from itself (`gadei.zygote`): no MPI runtime in it
 
     def job(self, job):
         return job
@@ -117,6 +118,7 @@ class Bridged(Local):
     serves."""
 
     chooses = False
+    forks = False  # an MPI process does not fork
 
     def __init__(self, comm, options):
         self.comm, self.options = comm, options

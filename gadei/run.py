@@ -74,6 +74,12 @@ class JobRun:
             self.asked = []
             take_stops(lambda sig, _frame: self.asked.append(sig))
         supervised = self.supervised
+        if place.forks:  # the supervisor forked from this process: nothing imported twice, the data read once
+            from . import data, zygote
+
+            zygote.warm(late=False)
+            data.keep(f"job:{job.output / 'job.toml'}", job.workload,
+                      (self.prepared.train, self.prepared.validation, self.prepared.test))
         supervised.start(resume=self.prepared.found is not None)
         place.start(job, ended=lambda: not supervised.running())
         progress = _Progress(self) if not self.quiet else None
@@ -86,7 +92,7 @@ class JobRun:
             warnings.show()
             if progress is not None:
                 progress.look()
-            time.sleep(0.25)
+            supervised.wait(0.25)
         for sig in (signal.SIGTERM, signal.SIGINT):  # the job ended: a stop now has nothing to stop
             signal.signal(sig, signal.SIG_IGN)
         if progress is not None:

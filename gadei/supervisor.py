@@ -304,7 +304,7 @@ class Supervised:
     def start(self, resume: bool = False, said: list[str] = ()) -> None:
         """Start the supervisor (`resume`: it goes on from the newest checkpoint that records the
         learners' progress); `said`: lines written to its log first (what was chosen for the job)."""
-        from .launch import spawn
+        from .launch import spawn, started_as
 
         self.oom_kills = _proc.oom_kills()
         command = job_command(self.job_file, resume=resume, by=self.by, named=self.named, since=self.since)
@@ -328,7 +328,7 @@ class Supervised:
         except Exception:  # noqa: BLE001 - it ended at once: `ended` says how
             self.started = 0.0
         log.info("job folder %s: supervisor pid %d started (%s)%s", self.out, self.pid,
-                 "a new interpreter" if self.proc is not None else "forked warm by the zygote",
+                 started_as(self.proc) if self.proc is not None else "forked warm by the zygote",
                  ", resuming" if resume else "")
 
     def _fork(self, command: list[str], log_file) -> int:
@@ -356,6 +356,16 @@ class Supervised:
         if self.proc is not None:
             return self.proc.poll() is None
         return _proc.alive(self.pid, self.started)
+
+    def wait(self, seconds: float) -> None:
+        """Wait up to `seconds`, less where the supervisor (this process's child) ends first."""
+        if self.proc is None:
+            time.sleep(seconds)
+            return
+        try:
+            self.proc.wait(seconds)
+        except subprocess.TimeoutExpired:
+            pass
 
     def code(self, wait: float = 0.0) -> int | None:
         """Its exit code where it was this process's child (or its zygote's, which tells it within

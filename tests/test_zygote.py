@@ -4,6 +4,7 @@ zygote. Each forked process is its parent's child, shows its own command line, e
 exit code its command gives; a zygote killed is replaced, and the jobs it started go on."""
 
 import json
+import os
 import signal
 import textwrap
 
@@ -32,14 +33,16 @@ def _started(log: str) -> dict[str, str]:
     return how
 
 
-def test_a_run_forks_its_server_and_learners_warm_and_says_when_its_first_gradient_came(small, procs):
-    """`gadei run`'s supervisor starts the server and the learners side by side, forked from
-    itself (no interpreter started, nothing imported again), and result.json says how long the
-    job took to its first applied gradient."""
+def test_a_run_forks_its_supervisor_server_and_learners_warm_and_says_when_its_first_gradient_came(small, procs):
+    """`gadei run` forks the job's supervisor from itself once it read the job's data, and the
+    supervisor the server and the learners, side by side (no interpreter started, nothing
+    imported or read again); result.json says how long the job took to its first applied
+    gradient."""
     name = unique_name("warm")
     path = _small_job(small, name)
-    out, err = finish(procs.gadei("run", path), 300)
+    out, err = finish(procs.gadei("run", path, env={**os.environ, "GADEI_LOG": "INFO"}), 300)
     assert f"job {name} done" in out, err[-3000:]
+    assert "started (forked warm)" in next(line for line in err.splitlines() if "supervisor pid" in line), err
     how = _started((small / f"out-{name}" / "logs" / "supervisor.log").read_text())
     assert set(how) == {"server", "learner 0", "learner 1"} and all("forked warm" in h for h in how.values()), how
     result = json.loads((small / f"out-{name}" / "result.json").read_text())
