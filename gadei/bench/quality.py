@@ -130,46 +130,12 @@ def to_level(one: dict, two: dict) -> float | None:
 def run_pytorch(path: Path, *, patience: int | None = None, epochs: int | None = None) -> dict:
     """The baseline on the job file's own split: one process, Adam lr 0.001, mini-batch 32,
     the validation accuracy evaluated after every epoch, the best kept, stopped after the
-    job's patience (the defaults') evaluations without improvement or at the job's epoch cap."""
-    import torch
-    from gadei_workloads import get
+    job's patience (the defaults') evaluations without improvement or at the job's epoch cap
+    (`gadei.bench.plain_job`)."""
+    from .plain_job import train
 
-    from .. import data, jobfile
-
-    started = time.monotonic()
-    job = jobfile.load(path)
-    train, validation, test = data.load_job(job)
-    job, _ = job.with_defaults(len(train))
-    patience = job.train.patience if patience is None else patience
-    cap = epochs or job.train.epochs
-    workload = get(job.workload)
-    seed = job.train.seed
-    torch.set_num_threads(1)  # as one learner
-    torch.manual_seed(seed)
-    model = workload.build_model(train, seed)
-    for module in model.modules():  # torch's Adam takes dense gradients only
-        if isinstance(module, torch.nn.Embedding):
-            module.sparse = False
-    step = torch.optim.Adam(model.parameters(), lr=BASELINE["lr"])
-    best, best_state, since, epoch = None, None, 0, 0
-    for epoch in range(1, cap + 1):
-        model.train()
-        for x, y in workload.batches(train, BASELINE["batch"], epoch=epoch - 1, seed=seed):
-            step.zero_grad()
-            workload.loss(model, x, y).backward()
-            step.step()
-        accuracy = workload.evaluate(model, validation)
-        if best is None or accuracy > best[1]:
-            best, since = (epoch, accuracy, time.monotonic() - started), 0
-            best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        else:
-            since += 1
-            if since >= patience:
-                break
-    model.load_state_dict(best_state)
-    return {"test_accuracy": workload.evaluate(model, test), "epoch": best[0], "validation_accuracy": best[1],
-            "epochs_run": epoch, "stopped": "patience" if since >= patience else "cap",
-            "seconds_to_best": round(best[2], 1), "wall_seconds": round(time.monotonic() - started, 1)}
+    return train(path, optimizer=BASELINE["optimizer"], lr=BASELINE["lr"], batch=BASELINE["batch"], epochs=epochs,
+                 patience=patience)
 
 
 def candidates(specs: list[str]) -> dict[str, dict]:
