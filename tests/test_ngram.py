@@ -113,11 +113,11 @@ FLOORS = {"trec": 0.895, "cr": 0.79, "sst2": 0.81, "subj": 0.92, "banking77": 0.
     pytest.param("banking77", marks=pytest.mark.soak),
 ])
 def test_a_job_file_of_the_ngram_workload_with_nothing_tuned_reaches_its_accuracy(name, tmp_path):
-    from gadei.bench.quality import _data, job_file, run_gadei
+    from gadei.bench.quality import job_file, run_gadei, set_data
 
     if not (data_dir() / name).is_dir():
         missing(f"{name} is not at {data_dir() / name} (set GADEI_DATA_DIR)")
-    data = _data(name, data_dir(), tmp_path, quick=False)
+    data = set_data(name, tmp_path, base=data_dir())
     results = [run_gadei(job_file(tmp_path, name, data, learners=2, seed=seed, workload="ngram")) for seed in range(3)]
     accuracy = statistics.median(r["test_accuracy"] for r in results)
     print(f"{name}: ngram, 2 learners, median {accuracy:.2%} ("

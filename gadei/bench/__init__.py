@@ -44,6 +44,11 @@ threads  one gadei learner + server against the plain PyTorch loop at 1, 2 and 4
 jobs     N identical jobs (text CNN on TREC, 2 learners) side by side under one `gadei daemon
          --max-jobs N`, N = 1, 2, 4: the total samples/s against one job alone, the CPU
          seconds per sample and the threads of every process (gadei.bench.jobs).
+service  a queue of small jobs (the text CNN on TREC's first 1,000 questions, 3 epochs), 8 and
+         32 of them submitted at once, through gadei's daemon, Ray Jobs and a loop of a plain
+         PyTorch script one and two at a time: wall, jobs per minute, submit to done, submit
+         to the first gradient, test accuracy, and gadei's jobs per minute against each
+         (gadei.bench.service).
 gpu      GPU learners (gadei.bench.gpu): per-step time of one GPU learner + server against a
          plain PyTorch GPU loop, samples/s and GPU busy fraction with 1-8 learners on one GPU,
          the transports' copy bandwidth against pinned copies; needs CUDA (--device); drawn to --plot.
@@ -55,6 +60,7 @@ draw their figures as PNGs (`--plot`, default gadei-bench-<name>.png beside --ou
 gadei.bench.figure), each JSON part saying where (its "plot").
 """
 
+import argparse
 import json
 import os
 import platform
@@ -74,6 +80,7 @@ from .latency import bench_latency
 from .peers import bench_peers
 from .scaling import bench_scaling
 from .server import bench_server
+from .service import bench_service
 from .threads import bench_threads
 from .quality import bench_quality
 from .train import bench_accuracy, bench_modes, bench_train, bench_transport
@@ -81,7 +88,8 @@ from .train import bench_accuracy, bench_modes, bench_train, bench_transport
 BENCHES = {"kernel": bench_kernel, "latency": bench_latency, "train": bench_train, "transport": bench_transport,
            "accuracy": bench_accuracy, "modes": bench_modes, "bridge": bench_bridge, "gpu": bench_gpu,
            "peers": bench_peers, "scaling": bench_scaling, "quality": bench_quality, "server": bench_server,
-           "threads": bench_threads, "jobs": bench_jobs}
+           "threads": bench_threads, "jobs": bench_jobs, "service": bench_service}
+OWN_EPOCHS = ("service",)  # benches that choose their own default for --epochs; every other's is 1
 
 
 def run_bench(args) -> int:
@@ -104,7 +112,10 @@ def run_bench(args) -> int:
                        "torch": torch.__version__, "openmp": built, "kernel_threads_default": settings().threads},
            "repeats": args.repeats, "quick": args.quick, "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
     for what in args.what:
-        out[what] = BENCHES[what](args)
+        mine = argparse.Namespace(**vars(args))
+        if mine.epochs is None and what not in OWN_EPOCHS:
+            mine.epochs = 1
+        out[what] = BENCHES[what](mine)
     Path(args.out).write_text(json.dumps(out, indent=2, default=float))
     print(f"\nsaved to {args.out}")
     return 0

@@ -23,17 +23,14 @@ import json
 import logging
 import os
 import random
-import subprocess
 import tempfile
 import threading
-import time
 from pathlib import Path
 
 import psutil
 
-from .._proc import gadei_command, how_it_ended
-from ..protocol import Deadline, wait_for
-from .quality import SETS, data_dir, job_file
+from .daemon import BenchDaemon
+from .quality import job_file, set_data
 from .timing import median, process_cpu_s, process_threads, table
 
 log = logging.getLogger(__name__)
@@ -50,7 +47,7 @@ def bench_jobs(args) -> dict:
     repeats = max(1, args.repeats)
     with tempfile.TemporaryDirectory(prefix="gadei-bench-jobs-") as tmp:
         folder = Path(tmp)
-        data = _data(folder, quick=args.quick)
+        data = set_data("trec", folder, first=QUICK_SAMPLES if args.quick else None, what="gadei bench jobs")
         epochs = 1 if args.quick else EPOCHS
         samples = _samples_per_job(folder, data, epochs)
         runs = []
@@ -92,20 +89,6 @@ def bench_jobs(args) -> dict:
             "records": records}
 
 
-def _data(folder: Path, *, quick: bool) -> dict:
-    """The job files' [data]: TREC from the shared data (absolute paths); --quick, a cut of its training file."""
-    base = data_dir()
-    data = {key: str(base / v) if key in ("train", "test") else v for key, v in SETS["trec"].items()}
-    if not Path(data["train"]).is_file():
-        raise FileNotFoundError(f"gadei bench jobs: {data['train']} is not there (the shared data sets are looked "
-                                "for in GADEI_DATA_DIR, else ../shared/data)")
-    if quick:
-        cut = folder / "TREC.train.quick"
-        cut.write_bytes(b"\n".join(Path(data["train"]).read_bytes().split(b"\n")[:QUICK_SAMPLES]) + b"\n")
-        data["train"] = str(cut)
-    return data
-
-
 def _samples_per_job(folder: Path, data: dict, epochs: int) -> int:
     """The samples one job trains on: its training split (what is left after the test and
     validation hold-outs) times the epochs."""
@@ -120,83 +103,22 @@ def _samples_per_job(folder: Path, data: dict, epochs: int) -> int:
 
 def _side_by_side(folder: Path, data: dict, n: int, *, seed: int, epochs: int, samples: int) -> dict:
     """One daemon with --max-jobs `n` and `n` jobs submitted to it at once; their wall time, samples/s, CPU."""
-    from ..daemon import Client
-    from ..errors import DaemonRefused
-
-    run_dir, state = folder / "run", folder / "state"
-    run_dir.mkdir(parents=True, mode=0o700)
-    env = {**os.environ, "GADEI_RUNTIME_DIR": str(run_dir), "GADEI_STATE_DIR": str(state)}
-    sock = str(run_dir / "daemon.sock")
-    with open(folder / "daemon.log", "wb") as daemon_log:
-        daemon = subprocess.Popen(gadei_command("daemon", "--max-jobs", str(n)), env=env, stdin=subprocess.DEVNULL,
-                                  stdout=subprocess.DEVNULL, stderr=daemon_log)
-    live: list[str] = []  # jobs submitted and not yet seen to end
-    try:
-        wait_for(lambda: os.path.exists(sock) or daemon.poll() is not None, 60,
-                 "gadei bench jobs: the daemon's socket")
-        if daemon.poll() is not None:
-            raise RuntimeError(f"gadei bench jobs: the daemon {how_it_ended(daemon.returncode)}: "
-                               f"{(folder / 'daemon.log').read_text()[-2000:]}")
+    with BenchDaemon(folder, "--max-jobs", str(n), what="gadei bench jobs") as daemon:
         with _Readings(str(folder), daemon.pid) as readings:
-            for i in range(n):
-                path = job_file(folder, f"trec-{i}", data, learners=LEARNERS, seed=seed, epochs=epochs)
-                try:
-                    live.append(Client(sock).submit(path).name)
-                except DaemonRefused as err:
-                    raise RuntimeError(f"gadei bench jobs: the daemon refused {path}: {err}") from None
-            jobs = _wait_ended(sock, live, TIMEOUT)
-            live.clear()
-        failed = [j for j in jobs if j["state"] != "done"]
-        if failed:
-            bad = failed[0]
-            raise RuntimeError(f"gadei bench jobs: job {bad['name']} {bad['state']}: {bad['message']}")
-        start, end = min(j["started"] for j in jobs), max(j["ended"] for j in jobs)
-        processes = readings.processes()
-        cpu = sum(p["cpu_s"] for p in processes)
-        return {"jobs": n, "samples": n * samples, "seconds": end - start, "samples_per_s": n * samples / (end - start),
-                "job_seconds": [json.loads((Path(j["output"]) / "result.json").read_text())["seconds"] for j in jobs],
-                "started_ended": [(j["started"], j["ended"]) for j in jobs],
-                "cpu_s": cpu, "cpu_s_per_sample": cpu / (n * samples), "processes": processes}
-    finally:
-        _stop(sock, daemon, live)
-
-
-def _wait_ended(sock: str, names: list[str], timeout: float) -> list[dict]:
-    """The daemon's records of jobs `names` once none is queued or running."""
-    from dataclasses import asdict
-
-    from ..daemon import Client
-
-    deadline = Deadline(timeout)
-    while True:
-        jobs = [asdict(j) for j in Client(sock).jobs() if j.name in names]
-        if all(j["state"] not in ("queued", "running") for j in jobs):
-            return jobs
-        if deadline.expired():
-            raise TimeoutError(f"gadei bench jobs: {sum(j['state'] in ('queued', 'running') for j in jobs)} of "
-                               f"{len(names)} jobs still queued or running after {timeout:g} s")
-        time.sleep(0.2)
-
-
-def _stop(sock: str, daemon: subprocess.Popen, live: list[str]) -> None:
-    """Stop the daemon, and the jobs `live` that may still run (the bench failed): a daemon's
-    jobs outlive it."""
-    from ..daemon import Client
-    from ..launch import stop_job
-
-    if daemon.poll() is None:
-        try:
-            Client(sock).stop_daemon(timeout=30)
-            daemon.wait(30)
-        except Exception as err:  # it does not answer: it is killed
-            log.warning("gadei bench jobs: the daemon did not stop (%s); killing it", err)
-            daemon.kill()
-            daemon.wait()
-    for name in live:
-        try:
-            stop_job(name, timeout=30)
-        except Exception as err:  # it had not started, or had ended: nothing to stop
-            log.info("gadei bench jobs: job %s: %s", name, err)
+            names = [daemon.submit(job_file(folder, f"trec-{i}", data, learners=LEARNERS, seed=seed, epochs=epochs))
+                     for i in range(n)]
+            jobs = daemon.wait_ended(names, TIMEOUT)
+    failed = [j for j in jobs if j["state"] != "done"]
+    if failed:
+        bad = failed[0]
+        raise RuntimeError(f"gadei bench jobs: job {bad['name']} {bad['state']}: {bad['message']}")
+    start, end = min(j["started"] for j in jobs), max(j["ended"] for j in jobs)
+    processes = readings.processes()
+    cpu = sum(p["cpu_s"] for p in processes)
+    return {"jobs": n, "samples": n * samples, "seconds": end - start, "samples_per_s": n * samples / (end - start),
+            "job_seconds": [json.loads((Path(j["output"]) / "result.json").read_text())["seconds"] for j in jobs],
+            "started_ended": [(j["started"], j["ended"]) for j in jobs],
+            "cpu_s": cpu, "cpu_s_per_sample": cpu / (n * samples), "processes": processes}
 
 
 class _Readings:

@@ -64,18 +64,19 @@ def data_dir() -> Path:
     return Path(settings().data_dir or Path.cwd().parent / "shared" / "data")
 
 
-def job_file(folder: Path, name: str, data: dict, *, learners: int, seed: int, epochs: int | None = None,
+def job_file(folder: Path, name: str, data: dict, *, learners: int | None, seed: int, epochs: int | None = None,
              train: dict | None = None, workload: str = "textcnn") -> Path:
-    """A job file of `workload` for data set `name` that sets only its data, learners and seed
-    (and, for a smoke run, the epoch cap; for a candidate, its `train` keys, TOML values); its
-    output folder is `folder`/runs/<job>."""
+    """A job file of `workload` for data set `name` that sets only its data, learners (None:
+    the default's) and seed (and, for a smoke run, the epoch cap; for a candidate, its `train`
+    keys, TOML values); its output folder is `folder`/runs/<job>."""
     def value(v):
         return json.dumps(v) if not isinstance(v, bool) else ("true" if v else "false")
 
-    job = f"q-{name}-{learners}l-s{seed}-{time.monotonic_ns() % 1_000_000}"
+    job = f"q-{name}-{learners or 'd'}l-s{seed}-{time.monotonic_ns() % 1_000_000}"
     lines = ["[job]", f'name = "{job}"', f'workload = "{workload}"', "", "[data]"]
     lines += [f"{key} = {value(v)}" for key, v in data.items()]
-    lines += ["", "[train]", f"learners = {learners}", f"seed = {seed}"] + ([f"epochs = {epochs}"] if epochs else [])
+    lines += ["", "[train]", *([f"learners = {learners}"] if learners else []), f"seed = {seed}"]
+    lines += [f"epochs = {epochs}"] if epochs else []
     lines += [f"{key} = {setting}" for key, setting in (train or {}).items()]  # TOML values already
     lines += ["", "[output]", f'folder = "{folder / "runs" / job}"', ""]
     path = folder / f"{job}.toml"
@@ -129,46 +130,12 @@ def to_level(one: dict, two: dict) -> float | None:
 def run_pytorch(path: Path, *, patience: int | None = None, epochs: int | None = None) -> dict:
     """The baseline on the job file's own split: one process, Adam lr 0.001, mini-batch 32,
     the validation accuracy evaluated after every epoch, the best kept, stopped after the
-    job's patience (the defaults') evaluations without improvement or at the job's epoch cap."""
-    import torch
-    from gadei_workloads import get
+    job's patience (the defaults') evaluations without improvement or at the job's epoch cap
+    (`gadei.bench.plain_job`)."""
+    from .plain_job import train
 
-    from .. import data, jobfile
-
-    started = time.monotonic()
-    job = jobfile.load(path)
-    train, validation, test = data.load_job(job)
-    job, _ = job.with_defaults(len(train))
-    patience = job.train.patience if patience is None else patience
-    cap = epochs or job.train.epochs
-    workload = get(job.workload)
-    seed = job.train.seed
-    torch.set_num_threads(1)  # as one learner
-    torch.manual_seed(seed)
-    model = workload.build_model(train, seed)
-    for module in model.modules():  # torch's Adam takes dense gradients only
-        if isinstance(module, torch.nn.Embedding):
-            module.sparse = False
-    step = torch.optim.Adam(model.parameters(), lr=BASELINE["lr"])
-    best, best_state, since, epoch = None, None, 0, 0
-    for epoch in range(1, cap + 1):
-        model.train()
-        for x, y in workload.batches(train, BASELINE["batch"], epoch=epoch - 1, seed=seed):
-            step.zero_grad()
-            workload.loss(model, x, y).backward()
-            step.step()
-        accuracy = workload.evaluate(model, validation)
-        if best is None or accuracy > best[1]:
-            best, since = (epoch, accuracy, time.monotonic() - started), 0
-            best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        else:
-            since += 1
-            if since >= patience:
-                break
-    model.load_state_dict(best_state)
-    return {"test_accuracy": workload.evaluate(model, test), "epoch": best[0], "validation_accuracy": best[1],
-            "epochs_run": epoch, "stopped": "patience" if since >= patience else "cap",
-            "seconds_to_best": round(best[2], 1), "wall_seconds": round(time.monotonic() - started, 1)}
+    return train(path, optimizer=BASELINE["optimizer"], lr=BASELINE["lr"], batch=BASELINE["batch"], epochs=epochs,
+                 patience=patience)
 
 
 def candidates(specs: list[str]) -> dict[str, dict]:
@@ -232,7 +199,6 @@ def bench_quality(args) -> dict:
     """Every chosen set x run (the text CNN with 1 and 2 learners, its PyTorch loop, the n-gram
     workload with 2 learners, scikit-learn's references; `--runs`) x seed, interleaved (the
     machine's noise falls on all alike); the table, and every run's figures."""
-    base = data_dir()
     names = (args.sets.split(",") if getattr(args, "sets", None) else list(SETS)) if not args.quick else ["trec"]
     unknown = [n for n in names if n not in SETS]
     if unknown:
@@ -251,14 +217,14 @@ def bench_quality(args) -> dict:
         if trained:  # a candidate a job file refuses is said now, not after the first runs
             from .. import jobfile
 
-            data = _data(names[0], base, folder, quick=args.quick)
+            data = set_data(names[0], folder, first=QUICK_SAMPLES if args.quick else None, what="gadei bench quality")
             for label, train in trained.items():
                 try:
                     jobfile.load(job_file(folder, names[0], data, learners=2, seed=0, train=train))
                 except jobfile.JobFileError as err:
                     raise ValueError(f"--train: {label[len('gadei-2 '):]}: {err}") from None
         for name in names:
-            data = _data(name, base, folder, quick=args.quick)
+            data = set_data(name, folder, first=QUICK_SAMPLES if args.quick else None, what="gadei bench quality")
             for seed in seeds:
                 for config in configs:
                     workload = "ngram" if config.startswith(("ngram", "sklearn")) else "textcnn"
@@ -377,8 +343,16 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
-def _data(name: str, base: Path, folder: Path, *, quick: bool) -> dict:
-    """The job file's [data] of set `name`, absolute paths; --quick: a cut of TREC's training file."""
+def set_data(name: str, folder: Path, *, first: int | None = None, base: Path | None = None,
+             what: str = "gadei bench") -> dict:
+    """The job file's [data] of shared set `name`, absolute paths under `base` (default
+    `data_dir()`); `first`: its training file cut to its first `first` lines (TREC's
+    questions, a line each), written to `folder`.
+
+    Raises:
+        FileNotFoundError: a file of the set is not there (`what`, the bench, says it).
+    """
+    base = data_dir() if base is None else base
     data = dict(SETS[name])
     for key in ("train", "validation", "test"):
         if key in data:
@@ -386,11 +360,11 @@ def _data(name: str, base: Path, folder: Path, *, quick: bool) -> dict:
     missing = [p for key in ("train", "validation", "test") for p in
                (data.get(key) if isinstance(data.get(key), list) else [data.get(key)]) if p and not Path(p).exists()]
     if missing:
-        raise FileNotFoundError(f"gadei bench quality: {missing[0]} is not there (the shared data sets are looked for "
-                                f"in GADEI_DATA_DIR, else ../shared/data)")
-    if quick:
-        lines = Path(data["train"]).read_bytes().split(b"\n")[:QUICK_SAMPLES]
-        cut = folder / "TREC.train.quick"
+        raise FileNotFoundError(f"{what}: {missing[0]} is not there (the shared data sets are looked for in "
+                                f"GADEI_DATA_DIR, else ../shared/data)")
+    if first:
+        lines = Path(data["train"]).read_bytes().split(b"\n")[:first]
+        cut = folder / f"{Path(data['train']).name}.first-{first}"
         cut.write_bytes(b"\n".join(lines) + b"\n")
         data["train"] = str(cut)
     return data

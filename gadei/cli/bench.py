@@ -17,15 +17,15 @@ def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="measure gadei against its alternatives, side by side")
     p.add_argument("what", nargs="*", default=["kernel", "latency", "train"],
                    help="kernel, latency, train, transport, accuracy, modes, bridge, gpu, peers, scaling, quality, "
-                   "server, threads, jobs (default: the first three)")
+                   "server, threads, jobs, service (default: the first three)")
     p.add_argument("--repeats", type=at_least(1), default=5, help="repeated runs (for accuracy and modes: seeds "
                    "0..N-1); medians are reported, for accuracies the mean and range (default 5)")
     p.add_argument("--quick", action="store_true", help="fewer sizes and steps (a smoke run)")
     p.add_argument("--out", default="gadei-bench.json", help="where to save the figures as JSON")
     p.add_argument("--data", default=None, help="train, transport, modes, peers, scaling, threads: data set "
                    "(default: trec under GADEI_DATA_DIR or ../shared/data, else generated)")
-    p.add_argument("--epochs", type=at_least(1), default=1,
-                   help="train, transport, peers, scaling, threads: epochs per run (default 1)")
+    p.add_argument("--epochs", type=at_least(1), default=None, help="train, transport, peers, scaling, threads: "
+                   "epochs per run (default 1); service: each job's (default 3; --quick 1)")
     p.add_argument("--accuracy-epochs", type=at_least(1), default=4,
                    help="accuracy, modes: epochs per run (default 4)")
     p.add_argument("--sets", help="quality: shared data sets, comma-separated (default trec,sst2,subj,cr,banking77; "
@@ -53,6 +53,17 @@ def add_parser(sub) -> None:
                    help="threads: the text CNN's filters per convolution width, comma-separated (default 100,400: "
                    "the workload's model and one 4 times as large; one whose runs cannot fit the memory is "
                    "refused)")
+    p.add_argument("--jobs", type=int_list(1, "job counts"), metavar="N,...",
+                   help="service: the queues' lengths, comma-separated (default 8,32; --quick 2)")
+    p.add_argument("--systems", metavar="SYSTEM,...",
+                   help="service: the systems the queue goes through, comma-separated, of gadei (a daemon of the "
+                   "bench's own), ray (Ray Jobs on a local head of its own: pip install 'gadei[bench]'), loop-1 and "
+                   "loop-2 (a loop of the plain PyTorch script, one and two at a time); default: all")
+    p.add_argument("--max-jobs", metavar="N", default=None,
+                   help="service: passed to the bench's gadei daemon (default: none, the daemon's own default)")
+    p.add_argument("--questions", type=at_least(10), default=None, metavar="N",
+                   help="service: each job trains on TREC's first N training questions, a tenth held out for "
+                   "validation, and is tested on TREC's 500 test questions (default 1000)")
     p.add_argument("--plot", default=None, metavar="PNG",
                    help="peers, scaling, quality, gpu: where to draw the figure beside the tables (default "
                    "gadei-bench-<name>.png beside --out; with several of them, PNG's name gets -<name>; none: no "
