@@ -1,8 +1,8 @@
 """A job that picks its model (`workload = "auto"`, also where a job file names none): the job
 file's checks, the choice among the candidates' results, and real jobs: `gadei run` trains the
 candidates cheapest first and hands back the one with the best validation accuracy, saying which
-and each one's figures in its lines, result.json and `gadei status`; `gadei predict` reads
-what it handed back; a stopped one goes on with `--resume`."""
+and each one's figures in its lines, result.json and `gadei status`; `gadei predict` and
+`gadei.Client` (through the daemon) read what it handed back; a stopped one goes on with `--resume`."""
 
 import json
 import signal
@@ -11,12 +11,13 @@ import textwrap
 import pytest
 import torch
 
+import gadei
 import gadei_workloads
 from gadei import jobfile, outputs
 from gadei.errors import GadeiError
 from gadei.jobfile import JobFileError
 from gadei.predict import predict
-from helpers import communicate, finish, small_job, trec_job, unique_name, wait_for
+from helpers import communicate, finish, job_text, small_job, start_daemon, trec_job, unique_name, wait_for
 
 
 def _auto(body: str, workload: str | None = None) -> str:
@@ -169,6 +170,39 @@ def test_a_job_file_that_names_no_workload_trains_the_candidates_and_hands_back_
         said, err = finish(asked, 60)
         assert said.splitlines()[0].split()[-1] == "NUM", said + err
     assert predict(str(folder), ["Who wrote Hamlet ?"]) == predict(str(chosen), ["Who wrote Hamlet ?"])
+
+
+def test_an_auto_job_through_the_daemon_and_the_client(small, procs, daemon_env, monkeypatch):
+    """A job dict that names no workload, submitted to the daemon: its progress followed by the
+    client is each candidate's epochs in turn, its result and model are the chosen one's, the
+    client predicts with it, `gadei status` names the choice and `gadei logs` each candidate's logs."""
+    for key, value in daemon_env.items():
+        monkeypatch.setenv(key, value)
+    name = unique_name("auto-d")
+    daemon = start_daemon(procs, daemon_env)
+    client = gadei.Client(poll=0.1)
+    job = {"job": {"name": name}, "data": {"train": "train.csv", "format": "csv", "label_column": "category"},
+           "train": {"learners": 1, "epochs": 2}}
+    record = client.submit(job, base=small)
+    progress = list(client.follow(record, timeout=300))
+    done = client.wait(name, timeout=0)
+    assert done.state == "done", done
+    assert [(p["workload"], p["epoch"]) for p in progress] == [("ngram", 1), ("ngram", 2), ("textcnn", 1),
+                                                                ("textcnn", 2)]
+    result = client.result(name)
+    assert result["workload"] in ("ngram", "textcnn") and [c["workload"] for c in result["candidates"]] == [
+        "ngram", "textcnn"]
+    assert client.model_path(name) == small / "runs" / name / "model.pt"
+    answers = client.predict(name, ["sentence number 7, about dogs"], top=1)
+    assert answers == predict(str(small / "runs" / name / "candidates" / result["workload"]),
+                              ["sentence number 7, about dogs"], top=1)
+    table, _ = finish(procs.gadei("status", env=daemon_env))
+    assert f"chose {result['workload']}, the best validation accuracy of 2 candidates (ngram " in table, table
+    logs = list(client.logs(name, lines=2))
+    for workload in ("ngram", "textcnn"):
+        assert f"==> {small / 'runs' / name / 'candidates' / workload / 'logs' / 'server.log'} <==" in logs, logs
+    finish(procs.gadei("daemon", "stop", env=daemon_env))
+    communicate(daemon, 30)
 
 
 @pytest.mark.long  # two TREC runs and a stop between them: about two minutes
