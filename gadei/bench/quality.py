@@ -16,7 +16,10 @@ Beside the text CNN, the n-gram workload (`ngram-2`: a job file that names `work
 "ngram"` and sets the same keys, 2 learners) and scikit-learn's `LinearSVC` and
 `LogisticRegression` with their default settings on the same n-grams of the same split
 (`sklearn-svc`, `sklearn-lr`; `gadei.bench.reference`, scikit-learn being the bench's extra:
-`pip install 'gadei[bench]'`). `--runs` picks some of the runs.
+`pip install 'gadei[bench]'`). And a job file that names no workload (`auto-2`: `workload =
+"auto"`, 2 learners), which trains both and hands back the better on validation: its wall time
+against the text CNN's alone with 2 learners, on the same seeds side by side, is issue 47's
+"at most 1.3x". `--runs` picks some of the runs.
 
 `--train KEY=VALUE,...` adds a candidate: gadei with 2 learners and those [train] keys set
 (`--train optimizer=adam,lr=0.001`), on the same sets and seeds, interleaved with the rest,
@@ -56,8 +59,9 @@ SETS = {
 QUICK_SAMPLES = 600  # --quick: TREC's first training questions
 QUICK_EPOCHS = 1
 BASELINE = {"optimizer": "adam", "lr": 1e-3, "batch": 32}
-RUNS = ("gadei-1", "gadei-2", "pytorch", "ngram-2", "sklearn-svc", "sklearn-lr")  # the text CNN's first three
-LEARNERS = {"gadei-1": 1, "gadei-2": 2, "ngram-2": 2}
+RUNS = ("gadei-1", "gadei-2", "pytorch", "ngram-2", "auto-2", "sklearn-svc", "sklearn-lr")  # the text CNN's first 3
+LEARNERS = {"gadei-1": 1, "gadei-2": 2, "ngram-2": 2, "auto-2": 2}
+WORKLOADS = {"ngram-2": "ngram", "sklearn-svc": "ngram", "sklearn-lr": "ngram", "auto-2": "auto"}  # else textcnn
 
 
 def data_dir() -> Path:
@@ -91,13 +95,16 @@ def run_gadei(path: Path) -> dict:
     wall = time.monotonic() - started
     from .. import jobfile
 
+    from ..outputs import model_folder
+
     out = jobfile.load(path).output
     if done.returncode != 0 or not (out / "result.json").exists():
         raise RuntimeError(f"gadei run {path} {how_it_ended(done.returncode)}: {done.stdout[-2000:]}")
     result = json.loads((out / "result.json").read_text())
     result["wall_seconds"] = round(wall, 1)
     result["evaluations"] = _evaluations(out)
-    ran = jobfile.load(out / "job.toml", data_files=False).train  # the job as run: the defaults filled in
+    # the job as run, the defaults filled in (a job that picks its model: the chosen candidate's)
+    ran = jobfile.load(model_folder(out) / "job.toml", data_files=False).train
     result.update(optimizer=ran.optimizer, lr=ran.lr, batch=ran.batch)
     return result
 
@@ -109,7 +116,7 @@ def _evaluations(out: Path) -> list[dict]:
     from .. import outputs, selection
 
     runs = (outputs.read_result(out) or {}).get("runs")
-    history = (selection.read_state(out / "checkpoints") or {}).get("history", [])
+    history = (selection.read_state(outputs.model_folder(out) / "checkpoints") or {}).get("history", [])
     timed = [(h, outputs.job_seconds(h.get("at"), runs)) for h in history]
     return [{"epoch": h["epoch"], "validation_accuracy": h["validation_accuracy"], "seconds": seconds}
             for h, seconds in timed if seconds is not None]
@@ -261,7 +268,7 @@ def bench_quality(args) -> dict:
             data = _data(name, base, folder, quick=args.quick)
             for seed in seeds:
                 for config in configs:
-                    workload = "ngram" if config.startswith(("ngram", "sklearn")) else "textcnn"
+                    workload = WORKLOADS.get(config, "textcnn")
                     path = job_file(folder, name, data, learners=LEARNERS.get(config, 2), seed=seed, epochs=epochs,
                                     train=trained.get(config), workload=workload)
                     result = _run(config, path, epochs)
@@ -289,6 +296,8 @@ def bench_quality(args) -> dict:
         out.update(_one_against_two(summary, runs))
     if "ngram-2" in configs:
         out["ngram"] = _ngram_against_the_others(summary)
+    if "auto-2" in configs and "gadei-2" in configs:
+        out["auto"] = _auto_against_the_text_cnn(summary, runs)
     path = plot_path(args, "quality")
     if path:
         title = (f"gadei bench quality: a job file with nothing tuned, seeds {','.join(map(str, seeds))}"
@@ -326,6 +335,23 @@ def _ngram_against_the_others(summary: dict) -> dict:
           "at least -0.5), and its wall time against the text CNN's with 2 learners (issue 47: at most 0.2x): "
           + ", ".join(f"{name} " + ("-" if f["over_sklearn_points"] is None else f"{f['over_sklearn_points']:+.1f}")
                       + " / " + ("-" if f["wall_over_textcnn"] is None else f"{f['wall_over_textcnn']:.2f}x")
+                      for name, f in found.items()))
+    return found
+
+
+def _auto_against_the_text_cnn(summary: dict, runs: dict) -> dict:
+    """Per set, the job that picks its model (2 learners) against the text CNN alone with 2
+    learners, run side by side on the same seeds: the median of its wall times over the CNN's
+    median (issue 47: at most 1.3x), and how often it chose each candidate; printed, and their JSON."""
+    found = {}
+    for name, by in summary.items():
+        chose = [r.get("workload") for r in runs[name]["auto-2"]]
+        found[name] = {"wall_over_textcnn": _ratio(by["auto-2"]["wall_seconds"], by["gadei-2"]["wall_seconds"]),
+                       "chose": {w: chose.count(w) for w in sorted(set(chose), key=str)}}
+    print("a job that picks its model (auto, 2 learners): its median wall time against the text CNN's alone with 2 "
+          "learners (issue 47: at most 1.3x), and the candidates it chose: "
+          + ", ".join(f"{name} " + ("-" if f["wall_over_textcnn"] is None else f"{f['wall_over_textcnn']:.2f}x")
+                      + " (" + ", ".join(f"{w} {n}" for w, n in f["chose"].items()) + ")"
                       for name, f in found.items()))
     return found
 
