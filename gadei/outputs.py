@@ -220,7 +220,8 @@ class GoOn:
     """Where `--resume` of a stopped run goes on (`going_on`).
 
     Attributes:
-        folder: the run folder whose training goes on: the job's, or the candidate's it was training.
+        folder: the run folder whose training goes on: the job's, or the candidate's it was training
+            (the job's too where every candidate ended for good: only the choice is left to make).
         found: the checkpoint it goes on from (a `gadei.checkpoint.Checkpoint`); None: a candidate
             that starts afresh after those before it ended for good.
         kept: the candidates that ended for good, whose results are kept.
@@ -231,17 +232,20 @@ class GoOn:
     kept: list[str]
 
     def __str__(self) -> str:
-        at = f"checkpoint {self.found.path.name} (version {self.found.version:,})" if self.found else "its start"
-        if not self.kept and self.folder.parent.name != CANDIDATES:
-            return at
-        return f"candidate {self.folder.name}'s {at}" + (f", keeping {', '.join(self.kept)}" if self.kept else "")
+        at = f"checkpoint {self.found.path.name} (version {self.found.version:,})" if self.found else ""
+        kept = f", keeping {', '.join(self.kept)}" if self.kept else ""
+        if self.folder.parent.name == CANDIDATES:
+            return f"candidate {self.folder.name}" + (f"'s {at}" if at else " from its start") + kept
+        return f"the choice{kept}" if not at else at
 
 
 def going_on(out: Path) -> GoOn | None:
     """Where `--resume` of the run in `out` goes on: its newest checkpoint that records the
     learners' progress; for a job that picks its model, the first candidate that has not ended for
     good, from its newest such checkpoint, or from its start where a candidate before it ended
-    for good. None where there is nothing to go on with (the run finished, or never got that far)."""
+    for good (where all did and the job's own result.json is missing, its supervisor died making
+    the choice: that is left). None where there is nothing to go on with (the run finished, or
+    never got that far)."""
     from . import checkpoint
 
     found = candidates(out)
@@ -253,7 +257,8 @@ def going_on(out: Path) -> GoOn | None:
         if not c.final:
             at = checkpoint.latest(c.folder / "checkpoints", with_progress=True)
             return GoOn(c.folder, at, kept) if at is not None or kept else None
-    return None
+    # every candidate ended for good: the choice is left where its supervisor died before writing it
+    return GoOn(out, None, kept) if found and read_result(out) is None else None
 
 
 def trained(out: Path) -> bool:

@@ -110,6 +110,27 @@ def test_the_choice_is_the_best_validation_accuracy_of_the_candidates_that_hande
     assert outputs.model_folder(tmp_path / "candidates" / "b") == tmp_path / "candidates" / "b"
 
 
+def test_a_resumed_job_goes_on_with_the_first_candidate_that_had_not_ended_for_good(tmp_path):
+    """Without a checkpoint of it, from its start, where one before it ended for good; with every
+    one ended and no result.json of the job's own (its supervisor died making the choice), the
+    choice; with nothing ended and no checkpoint, or the job's result written, nothing."""
+    (tmp_path / "candidates").mkdir()
+    (tmp_path / outputs.ORDER).write_text(json.dumps({"order": ["a", "b"]}))
+    _candidate(tmp_path, "a", None, model=False)
+    _candidate(tmp_path, "b", None, model=False)
+    assert outputs.going_on(tmp_path) is None  # nothing to go on with: the same command starts it again
+    (tmp_path / "candidates" / "a" / "result.json").write_text(json.dumps({"outcome": "done"}))
+    where = outputs.going_on(tmp_path)
+    assert (where.folder, where.found, where.kept) == (tmp_path / "candidates" / "b", None, ["a"])
+    assert str(where) == "candidate b from its start, keeping a"
+    (tmp_path / "candidates" / "b" / "result.json").write_text(json.dumps({"outcome": "failed"}))
+    assert outputs.going_on(tmp_path).folder == tmp_path / "candidates" / "b"  # a failed one is trained again
+    (tmp_path / "candidates" / "b" / "result.json").write_text(json.dumps({"outcome": "diverged"}))
+    assert str(outputs.going_on(tmp_path)) == "the choice, keeping a, b"
+    (tmp_path / "result.json").write_text(json.dumps({"outcome": "done", "workload": "a"}))
+    assert outputs.going_on(tmp_path) is None
+
+
 def _status(name: str) -> dict | None:
     """The job's `gadei status --json` line (None while it has no region)."""
     from helpers import Procs
