@@ -2,9 +2,11 @@
 file's checks, the choice among the candidates' results, and real jobs: `gadei run` trains the
 candidates cheapest first and hands back the one with the best validation accuracy, saying which
 and each one's figures in its lines, result.json and `gadei status`; `gadei predict` and
-`gadei.Client` (through the daemon) read what it handed back; a stopped one goes on with `--resume`."""
+`gadei.Client` (through the daemon) read what it handed back; a stopped one goes on with `--resume`,
+and one whose supervisor is killed under a new one, with the candidate it was training."""
 
 import json
+import os
 import signal
 import textwrap
 
@@ -262,3 +264,43 @@ def test_a_stopped_auto_job_goes_on_with_the_candidate_it_was_training(tmp_path,
     assert result["workload"] == max(result["candidates"], key=lambda c: c["validation_accuracy"])["workload"]
     answers = predict(str(folder), ["Who wrote Hamlet ?"], top=1)
     assert answers[0][0][0] == "HUM", answers
+
+
+@pytest.mark.long  # a TREC job of two candidates and a new supervisor: about two minutes
+def test_a_killed_supervisor_of_an_auto_job_is_replaced_by_one_that_goes_on_with_its_candidate(tmp_path, procs):
+    """SIGKILL of the job's supervisor while the second candidate trains: `gadei run` starts a new
+    one that keeps the first candidate's result and goes on with the second from its newest
+    checkpoint, in the same run: the second's seconds count from its own start, not the job's."""
+    from gadei.region import Region
+    from gadei.supervisor import registered
+    from helpers import end_jobs, job_version
+
+    name = unique_name("auto-kill")
+    path = tmp_path / "job.toml"
+    path.write_text(_auto(trec_job(name, train={"learners": 2, "epochs": 2}, checkpoint={"interval": 5})))
+    folder = tmp_path / "out"
+    first, second = folder / "candidates" / "ngram", folder / "candidates" / "textcnn"
+    try:
+        run = procs.gadei("run", path, "--quiet")
+        wait_for(lambda: (first / "result.json").is_file() and job_version(name) >= 600 and
+                 any((second / "checkpoints").glob("ckpt-*.pt")) or run.poll() is not None, 300,
+                 "the text CNN, the second candidate, to make 600 updates and a checkpoint")
+        kept = (first / "result.json").read_text()
+        with Region.attach(name, readonly=True) as region:
+            pid = registered(region)[0]
+        os.kill(pid, signal.SIGKILL)
+        out, err = communicate(run, 600)
+        assert run.returncode == 0, out + err
+        assert f"its supervisor (pid {pid}) was killed by SIGKILL" in err, err
+        assert "a new one goes on from candidate textcnn's checkpoint ckpt-" in err and ", keeping ngram" in err, err
+        assert (first / "result.json").read_text() == kept
+        result = json.loads((folder / "result.json").read_text())
+        ngram, textcnn = ({c["workload"]: c for c in result["candidates"]}[w] for w in ("ngram", "textcnn"))
+        assert result["outcome"] == "done" and textcnn["outcome"] == "done", result
+        assert len(result["runs"]) == 1 and len(json.loads((second / "result.json").read_text())["runs"]) == 1
+        # from its own start (the first candidate's end), across both supervisors: the job's less the first's
+        assert result["seconds"] - ngram["seconds"] - 5.0 <= textcnn["seconds"] <= result["seconds"] - ngram["seconds"] \
+            + 1.0, result
+        assert result["written_by"] != pid
+    finally:
+        end_jobs(name)
