@@ -3,7 +3,8 @@ validated `Job` before anything starts.
 
     [job]
     name = "trec"                 # the job's name (its region is gadei-<name>)
-    workload = "textcnn"          # built-in workload
+    workload = "auto"             # a built-in workload, or "auto" (the default): train the candidates
+                                  # (gadei_workloads.CANDIDATES) and hand back the best on validation
     priority = 0                  # the daemon starts a waiting job of a higher priority first (default 0)
 
     [data]
@@ -82,6 +83,7 @@ MAX_LEARNERS = 64
 MAX_THREADS = 1024  # [train] threads: PyTorch intra-op threads of one learner
 MAX_PATH = 4096  # characters of a path (Linux's PATH_MAX)
 MAX_TEXT = 1024  # characters of any other string of a job file
+AUTO = "auto"  # [job] workload: the job picks its model among the candidates (docs/jobs.md, "workload = auto")
 
 
 class JobFileError(GadeiError, ValueError):
@@ -190,7 +192,7 @@ class Job:
             why = (": elastic learners take their own sgd steps)" if train.mode == "elastic" else
                    ": per-weight steps, fast on sparse text features)")
             chosen.append(f"optimizer = {optimizer} (default{why}")
-        if "lr" not in train.given and train.optimizer != "adam":
+        if "lr" not in train.given and train.optimizer != "adam" and self.workload != AUTO:  # each candidate's own
             from gadei_workloads import get
 
             lr = get(self.workload).lr
@@ -343,7 +345,7 @@ def default_epochs(samples: int, batch: int) -> int:
 # with `gadei.options.option` take their keys, and their checks, from those declarations.
 DECLARED = {"train": Train, "checkpoint": CheckpointOptions, "transport": TransportOptions, "bridge": BridgeOptions}
 _SCHEMA = {
-    "job": {"name": ("name", True), "workload": ("workload", True), "priority": ("priority", False)},
+    "job": {"name": ("name", True), "workload": ("workload", False), "priority": ("priority", False)},
     "data": {"train": ("paths", True), "test": ("paths", False), "format": ("format", True),
              "header": ("bool", False), "text_column": ("column", False), "label_column": ("column", False),
              "encoding": ("encoding", False),
@@ -432,10 +434,12 @@ def parse(raw: dict, path: Path, *, data_files: bool = True) -> Job:
                 continue
             values[section][key] = _value(where, section, key, kind, given[key], path.parent)
     job = values["job"]
+    job.setdefault("workload", AUTO)
     data = dict(values["data"])
     from gadei_workloads import get
 
-    numeric = get(job["workload"]).kind == "numeric"
+    _check_auto(where, job["workload"], data, raw)
+    numeric = job["workload"] != AUTO and get(job["workload"]).kind == "numeric"
     allowed = NUMERIC_FORMATS if numeric else tuple(f for f in FORMATS if f != "npz")
     if data["format"] not in allowed:
         raise JobFileError(f"{where}: [data] format = {data['format']!r}: workload {job['workload']!r} reads "
@@ -460,6 +464,28 @@ def parse(raw: dict, path: Path, *, data_files: bool = True) -> Job:
                checkpoint=CheckpointOptions(**values["checkpoint"]), transport=TransportOptions(**values["transport"]),
                output=output,
                private=values["output"].get("private", True), bridge=bridge, path=path)
+
+
+def _check_auto(where: str, workload: str, data: dict, raw: dict) -> None:
+    """A job that picks its model (workload "auto", also where it names none) trains text
+    candidates and chooses on a validation set: numeric features, no validation set and a bridged
+    job (whose nodes agree on their model rather than choose one) are refused, naming a workload."""
+    if workload != AUTO:
+        return
+    from gadei_workloads import CANDIDATES
+
+    said = (f"[job] workload = {AUTO!r}" if "workload" in raw.get("job", {}) else
+            f"[job] workload is not given, so it is {AUTO!r}")
+    picks = f"{said} (the job trains {' and '.join(CANDIDATES)} and hands back the better on validation)"
+    if data["format"] == "npz":
+        raise JobFileError(f"{where}: {picks}, but format 'npz' holds numeric features; for those set "
+                           "workload = \"mlp\"")
+    if data.get("validation_holdout") == 0.0 and not data.get("validation"):
+        raise JobFileError(f"{where}: {picks}, but [data] validation_holdout = 0 leaves no validation set to "
+                           "choose on; give [data] validation or a share to hold out, or name a workload")
+    if "bridge" in raw:
+        raise JobFileError(f"{where}: {picks}, but a [bridge] job's model is the one its nodes agree on, not one "
+                           "chosen on validation; name a workload")
 
 
 def _check_bridge(where: str, raw: dict, given: dict, train: dict) -> BridgeOptions | None:
@@ -536,9 +562,9 @@ def _value(where: str, section: str, key: str, kind: str, value, base: Path):
         if kind == "workload":
             from gadei_workloads import WORKLOADS
 
-            if value not in WORKLOADS:
-                raise JobFileError(f"{field_}: unknown workload{_close(value, WORKLOADS)}; allowed: "
-                                   f"{', '.join(sorted(WORKLOADS))}")
+            if value not in WORKLOADS and value != AUTO:
+                raise JobFileError(f"{field_}: unknown workload{_close(value, [*WORKLOADS, AUTO])}; allowed: "
+                                   f"{AUTO!r} (the job picks its model), {', '.join(sorted(WORKLOADS))}")
         choices = {"format": FORMATS}.get(kind)
         if choices and value not in choices:
             raise JobFileError(f"{field_}: not a {kind}{_close(value, choices)}; allowed: {', '.join(choices)}")

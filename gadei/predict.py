@@ -1,6 +1,8 @@
 """`gadei predict`: the top labels of a finished run's model, from its output folder alone
 (job.toml, the maps and model.pt; its training data may be gone). A model file that is not
-a plain state dict is refused with one line, never unpickled beyond weights."""
+a plain state dict is refused with one line, never unpickled beyond weights. A job that picked
+its model (`workload = "auto"`) predicts with the chosen candidate's (its run folder, which
+result.json names: `gadei.outputs.model_folder`); each candidate's folder predicts as a run's."""
 
 import json
 import pickle
@@ -8,7 +10,7 @@ import re
 import warnings
 from pathlib import Path
 
-from . import jobfile
+from . import jobfile, outputs
 from .errors import GadeiError
 
 
@@ -41,6 +43,9 @@ def predict(run_dir: str, texts: list[str], top: int = 3) -> list[list[tuple[str
         raise GadeiError(f"{run_dir} is not a `gadei run` output folder: it holds no job.toml")
     try:
         job = jobfile.load(folder / "job.toml", data_files=False)  # the folder alone: its data may be gone
+        if job.workload == jobfile.AUTO:  # the chosen candidate's run: its workload, vocabulary and model
+            folder = outputs.model_folder(folder)
+            job = jobfile.load(folder / "job.toml", data_files=False)
         labels = _read_json(folder / "labels.json")
         state = _load_model(folder / "model.pt")
         workload = get(job.workload)

@@ -4,6 +4,11 @@ the defaults filled in, the point a resumed run goes on from (`resume_point`), a
 folder's job.toml, maps and placement (`prepare`), which the job's supervisor runs from; what
 `gadei run` says of the job before it starts (`describe`).
 
+A job that picks its model (`workload = "auto"`) is made ready with its candidates: each one's
+job (the candidate's workload, its defaults) and data (its vocabulary), ordered cheapest first by
+`gadei_workloads.cost`, and written to its own run folder (`outputs.candidate_folder`) with the
+order (`outputs.ORDER`); a resumed one keeps the candidates that ended for good as they are.
+
 `place` everywhere here: where the job runs (`gadei.placement`: on this machine alone, or as one
 node of a bridged job).
 """
@@ -34,6 +39,9 @@ class Prepared:
     found: object = None
     validation: object = None  # the set the model is chosen on ([data] validation or held out of train)
     by: str = RUN  # the command that started the job (RUN or SUBMIT): what the run says to go on with it names it
+    candidates: list["Prepared"] | None = None  # a job that picks its model: each candidate's, cheapest first
+    going_on: object = None  # a resumed run: where it goes on (`outputs.GoOn`; `found` is its checkpoint)
+    estimates: list | None = None  # the candidates' `gadei_workloads.cost.Estimate`s, in their order
 
 
 def check_job(path: str, *, resume: bool = False, by: str = RUN) -> list[str]:
@@ -58,24 +66,46 @@ def check(job: jobfile.Job, resume: bool, place=None, *, by: str = RUN) -> Prepa
     job = place.job(job)
     check_name_free(job.name)  # another user's (or a foreign) object in the region's place: say whose, now
     read: list = []
-    train, validation, test = data.load_job(job, read)
+    picked, estimates = (_candidates(job, read, by) if job.workload == jobfile.AUTO else (None, None))
+    if picked is None:
+        train, validation, test = data.load_job(job, read)
+    else:
+        train, validation, test = picked[0].train, picked[0].validation, picked[0].test
     job, chosen = job.with_defaults(len(train))
     out = job.output
     check_output(job)
-    found = None
+    where = None
     if resume:
-        found = resume_point(job, nodes=place.size)
-    elif (out / "checkpoints").is_dir() and any((out / "checkpoints").iterdir()):
+        where = resume_point(job, nodes=place.size)
+    elif outputs.trained(out):
         done = finished(out)
         if done:
             raise GadeiError(f"output folder {out} holds a previous run: {done}; {AFRESH}")
         raise GadeiError(f"output folder {out} holds a previous run (checkpoints/); go on with it with "
                          f"{go_on(job, by)}, or set another [output] folder, or remove that one")
-    return Prepared(job, train, test, chosen, read, found, validation, by)
+    return Prepared(job, train, test, chosen, read, where.found if where else None, validation, by, picked, where,
+                    estimates)
+
+
+def _candidates(job: jobfile.Job, read: list, by: str) -> tuple[list[Prepared], list]:
+    """A job that picks its model: each candidate's job (its workload, its own output folder, the
+    defaults for it) and data, ordered cheapest first (`gadei_workloads.cost`); and the estimates."""
+    from gadei_workloads import CANDIDATES
+    from gadei_workloads.cost import cheapest_first, estimate
+
+    prepared = {}
+    for workload in CANDIDATES:
+        candidate = dataclasses.replace(job, workload=workload,
+                                        output=outputs.candidate_folder(job.output, workload))
+        train, validation, test = data.load_job(candidate, read if not prepared else None)  # files said once
+        candidate, chosen = candidate.with_defaults(len(train))
+        prepared[workload] = Prepared(candidate, train, test, chosen, [], None, validation, by)
+    estimates = cheapest_first([estimate(w, p.train) for w, p in prepared.items()])
+    return [prepared[e.workload] for e in estimates], estimates
 
 
 # What `gadei run` writes in its output folder, by kind: an earlier run's of another kind stops it.
-_OUTPUT_FOLDERS = ("logs", "checkpoints")
+_OUTPUT_FOLDERS = ("logs", "checkpoints", outputs.CANDIDATES)
 _OUTPUT_FILES = ("job.toml", "labels.json", "vocab.json", "features.json", "node.json", "model.pt", "result.json",
                  "metrics.jsonl", "accuracy.png")
 
@@ -151,6 +181,8 @@ def prepare(job: jobfile.Job, resume: bool, place=None, by: str = RUN) -> Prepar
         output_modes(job, mask)
         os.umask(0o077 if job.private else mask)
         _write(prepared, place, resume)
+        if prepared.candidates is not None:
+            _write_candidates(prepared, mask)
     finally:
         os.umask(mask)
     return prepared
@@ -162,6 +194,8 @@ def _write(prepared: Prepared, place, resume: bool) -> None:
     (out / "logs").mkdir(parents=True, exist_ok=True)
     (out / "job.toml").write_text(job.to_toml())
     (out / "labels.json").write_text(json.dumps(train.label_names, ensure_ascii=False))
+    if prepared.candidates is not None:
+        return  # each candidate's vocabulary is its own (`_write_candidates`)
     if train.vocab is not None:
         (out / "vocab.json").write_text(json.dumps(train.vocab.to_json(), ensure_ascii=False))
     else:  # numeric features: predict standardises with the training set's statistics
@@ -170,6 +204,31 @@ def _write(prepared: Prepared, place, resume: bool) -> None:
     node = place.record(job)
     if node is not None:
         (out / NODE).write_text(json.dumps(dataclasses.asdict(node)) + "\n")
+
+
+def _write_candidates(prepared: Prepared, mask: int) -> None:
+    """Each candidate's run folder made ready, as `_write` makes a job's, and their order
+    (`outputs.ORDER`). A resumed run keeps those that ended for good as they are, goes on with the
+    others that reached a checkpoint that records the learners' progress, and starts the rest
+    afresh (`outputs.afresh`)."""
+    from . import checkpoint
+
+    out = prepared.job.output
+    before = {c.workload: c for c in (outputs.candidates(out) or [])} if prepared.going_on is not None else {}
+    for candidate in prepared.candidates:
+        job = candidate.job
+        kept = before.get(job.workload)
+        if kept is not None and kept.final:
+            continue
+        goes_on = kept is not None and checkpoint.latest(job.output / "checkpoints", with_progress=True) is not None
+        output_modes(job, mask)
+        if not goes_on:
+            outputs.afresh(job.output)
+        _write(candidate, Local(), goes_on)
+    order = {"order": [c.job.workload for c in prepared.candidates],
+             "by": "an epoch's arithmetic, then parameters (gadei_workloads.cost.cheapest_first)",
+             "estimates": [dataclasses.asdict(e) for e in prepared.estimates]}
+    (out / outputs.ORDER).write_text(json.dumps(order, indent=1) + "\n")
 
 
 def output_modes(job: jobfile.Job, mask: int) -> None:
@@ -206,23 +265,48 @@ def describe(prepared: Prepared, place) -> list[str]:
     file's read line, the chosen defaults, the node, the output folder, the resume point."""
     job, train, test, found = prepared.job, prepared.train, prepared.test, prepared.found
     t = job.train
-    lines = [f"{prepared.by}: job {job.name}: {job.workload} on {len(train):,} training / "
+    picked = prepared.candidates
+    lines = [f"{prepared.by}: job {job.name}: "
+             + (f"{job.workload} (picks its model among {', '.join(c.job.workload for c in picked)})" if picked else
+                job.workload)
+             + f" on {len(train):,} training / "
              + (f"{len(prepared.validation):,} validation / " if prepared.validation is not None else "")
              + f"{len(test):,} test samples, "
-             f"{train.n_labels} labels, " + (f"vocabulary {len(train.vocab):,}" if train.vocab is not None else
-                                             f"{train.features} features")
-             + f"; {t.learners} learners, {t.mode}, {t.optimizer}, mini-batch {t.batch}, lr {t.lr:g}, "
+             f"{train.n_labels} labels" + ("" if picked else f", vocabulary {len(train.vocab):,}"
+                                           if train.vocab is not None else f", {train.features} features")
+             + f"; {t.learners} learners, {t.mode}, {t.optimizer}, mini-batch {t.batch}, "
+             + ("" if picked else f"lr {t.lr:g}, ")
              + (f"at most {t.epochs} epochs (patience {t.patience})" if prepared.validation is not None else
                 f"{t.epochs} epoch{'s' if t.epochs != 1 else ''} (no validation set)") + f", seed {t.seed}"]
     lines += [f"  read {report}" for report in prepared.read]
     lines += [f"  chose {line}" for line in prepared.chosen]
+    if picked:
+        lines += _candidate_lines(prepared)
     lines.append(f"  learners: {_threads_line(t)}")
     lines += place.describe(job)
-    lines.append(f"  output: {job.output}")
+    lines.append(f"  output: {job.output}" + (f" (each candidate's run in {outputs.CANDIDATES}/<workload>)"
+                                              if picked else ""))
+    if prepared.going_on is not None and (found is None or prepared.going_on.kept):
+        lines.append(f"  resuming with {prepared.going_on}")
     if found is not None:
         lines.append(f"  resuming from {found.path.name} (version {found.version:,}, progress "
                      + ", ".join(f"learner {k}: {v if v == 'done' else f'{v:,} samples'}" for k, v in
                                  sorted(found.progress.items())) + ")")
+    return lines
+
+
+def _candidate_lines(prepared: Prepared) -> list[str]:
+    """A job that picks its model: its candidates in the order they train, with what each costs
+    (`gadei_workloads.cost`) and what was chosen for each alone (its lr)."""
+    costs = []
+    for i, (candidate, cost) in enumerate(zip(prepared.candidates, prepared.estimates), 1):
+        costs.append(f"{i}. {cost.workload} (vocabulary {len(candidate.train.vocab):,}, {cost.parameters:,} "
+                     f"parameters, {cost.epoch_flops / 1e9:,.2g} GFLOP an epoch, lr {candidate.job.train.lr:g})")
+    lines = ["  candidates, cheapest first by an epoch's arithmetic: " + ", ".join(costs)
+             + "; each trains to its own patience, and the one with the best validation accuracy is handed back"]
+    for candidate in prepared.candidates:
+        lines += [f"  {candidate.job.workload}: chose {line}" for line in candidate.chosen
+                  if line not in prepared.chosen]
     return lines
 
 
@@ -244,17 +328,17 @@ def _compared(section) -> dict:
     return {f.name: getattr(section, f.name) for f in dataclasses.fields(section) if f.compare}
 
 
-def resume_point(job: jobfile.Job, *, nodes: int = 1):
-    """The checkpoint a resumed run goes on from: the newest one of its output folder that says
-    how far each learner got (a supervisor's periodic one, or the one it takes at a stop; the server's own stop
-    checkpoint does not, so up to one checkpoint interval is trained again). The folder's
+def resume_point(job: jobfile.Job, *, nodes: int = 1) -> outputs.GoOn:
+    """Where a resumed run goes on (`outputs.going_on`): the newest checkpoint of its output folder
+    that says how far each learner got (a supervisor's periodic one, or the one it takes at a stop;
+    the server's own stop checkpoint does not, so up to one checkpoint interval is trained again);
+    a job that picks its model goes on with the candidate it was training, from such a checkpoint
+    of it, or from its start where a candidate before it ended for good. The folder's
     job.toml must be this job with at most other [train] epochs, patience, devices or threads
     and [checkpoint] settings: the learners' schedules (data, shards, mini-batch, seed) must be
     the ones the progress counts in, and the update rule, the rings' format and the bridge the
     ones the checkpoint's state was made by; a bridged node's folder (node.json) must come from a
     run of as many `nodes`, whose shards these are."""
-    from . import checkpoint
-
     out = job.output
     as_run = out / "job.toml"
     if not as_run.is_file():
@@ -283,13 +367,13 @@ def resume_point(job: jobfile.Job, *, nodes: int = 1):
         raise GadeiError(f"--resume: the run in {out} ran on {before_nodes} node(s), this one on {nodes}: the "
                          "learners' shards would differ; go on with as many MPI ranks, or run it with another "
                          "[output] folder")
-    found = checkpoint.latest(out / "checkpoints", with_progress=True)
-    if found is None:
+    where = outputs.going_on(out)
+    if where is None:
         done = finished(out)
         if done:
             raise GadeiError(f"--resume: {done}: there is nothing to go on with; {AFRESH}")
-        raise GadeiError(f"--resume: no checkpoint in {out / 'checkpoints'} that verifies and records the learners' "
-                         "progress")
-    return found
+        folder = out / (outputs.CANDIDATES if job.workload == jobfile.AUTO else "checkpoints")
+        raise GadeiError(f"--resume: no checkpoint in {folder} that verifies and records the learners' progress")
+    return where
 
 

@@ -78,26 +78,32 @@ class JobRun:
             from . import data, zygote
 
             zygote.warm(late=False)
-            data.keep(f"job:{job.output / 'job.toml'}", job.workload,
-                      (self.prepared.train, self.prepared.validation, self.prepared.test))
-        supervised.start(resume=self.prepared.found is not None)
+            for each in self.prepared.candidates or [self.prepared]:  # a job that picks its model: each candidate's
+                data.keep(f"job:{each.job.output / 'job.toml'}", each.job.workload,
+                          (each.train, each.validation, each.test))
+        supervised.start(resume=self.prepared.going_on is not None)
         place.start(job, ended=lambda: not supervised.running())
         progress = _Progress(self) if not self.quiet else None
         warnings = _Warnings(job.output / LOG)
+        picking = _Candidates(job) if self.prepared.candidates is not None else None
         while (result := supervised.ended()) is None:
             if self.asked and not supervised.stop_asked:  # a stop (SIGTERM, SIGINT), recorded by its handler
                 print(f"\ngadei run: stopping the job {job.name}", flush=True)
                 supervised.stop()
             place.poll(job)
             warnings.show()
+            if picking is not None:
+                picking.show(progress)
             if progress is not None:
-                progress.look()
+                progress.look(picking.training if picking is not None else None)
             supervised.wait(0.25)
         for sig in (signal.SIGTERM, signal.SIGINT):  # the job ended: a stop now has nothing to stop
             signal.signal(sig, signal.SIG_IGN)
         if progress is not None:
             progress.end()
         warnings.show()
+        if picking is not None:
+            picking.show(None)
         if result.get("outcome") is None:  # its supervisor died, and no new one could go on with the job
             again = outputs.again(job, self.prepared.by) if result.get("resumable") else "see its logs"
             print(f"gadei run: job {job.name}: {result['reason']}; {again}", file=sys.stderr, flush=True)
@@ -106,6 +112,36 @@ class JobRun:
         print(line, file=sys.stderr if result["outcome"] in (outputs.FAILED, outputs.DIVERGED) else sys.stdout,
               flush=True)
         return exit_code(result)
+
+
+class _Candidates:
+    """A job that picks its model: a line as each candidate ends (its result.json), saying its
+    outcome, the validation accuracy of its model and its seconds; and which one trains now."""
+
+    def __init__(self, job: jobfile.Job):
+        self.out = job.output
+        found = outputs.candidates(self.out) or []
+        self.said = {c.workload for c in found if c.result is not None}  # a resumed run's kept ones: said before
+        self.training: outputs.Candidate | None = None
+        self.count = len(found)
+
+    def show(self, progress: "_Progress | None") -> None:
+        """Say the candidates that ended since the last look (after the progress line, where it is
+        rewritten in place)."""
+        found = outputs.candidates(self.out) or []
+        for i, c in enumerate(found, 1):
+            if c.result is not None and c.workload not in self.said:
+                self.said.add(c.workload)
+                r = c.result
+                model = (f", validation accuracy {r['validation_accuracy']:.2%} (epoch {r['epoch']:g})"
+                         if "validation_accuracy" in r else "")
+                seconds = r.get("seconds_in_all", r.get("seconds"))
+                took = f" in {seconds:.0f} s" if isinstance(seconds, (int, float)) else ""
+                if progress is not None:
+                    progress.end()
+                print(f"  candidate {i} of {self.count}, {c.workload}: {r.get('outcome')}{took}{model}"
+                      + ("" if r.get("outcome") == outputs.DONE else f" ({r.get('reason')})"), flush=True)
+        self.training = next((c for c in found if c.result is None), None)
 
 
 class _Warnings:
@@ -153,7 +189,8 @@ class _Progress:
         self.width = 0
         self.next = time.monotonic() + LINE_EVERY
 
-    def look(self) -> None:
+    def look(self, candidate: outputs.Candidate | None = None) -> None:
+        """A line, where one is due; `candidate`: the one a job that picks its model trains now."""
         from .region import Region
         from .status import read
 
@@ -174,8 +211,9 @@ class _Progress:
         samples_per_s = updates_per_s * t.batch
         done = min(self.total, version * t.batch)
         left = (self.total - done) / samples_per_s if samples_per_s > 0 else float("nan")
-        epoch = outputs.last_epoch(self.job.output)
-        line = (f"  {self.label}epoch {done / self.train_size:.2f}/{t.epochs}"
+        epoch = outputs.last_epoch(candidate.folder if candidate is not None else self.job.output)
+        line = (f"  {self.label}" + (f"{candidate.workload}: " if candidate is not None else "")
+                + f"epoch {done / self.train_size:.2f}/{t.epochs}"
                 + (f"; after epoch {epoch['epoch']}: loss {epoch['loss']:.3f}" if "loss" in epoch else "")
                 + (f", test accuracy {epoch['test_accuracy']:.1%}" if "test_accuracy" in epoch else "")
                 + f", {samples_per_s:,.0f} samples/s, {updates_per_s:,.0f} updates/s, version {version:,}"
@@ -190,6 +228,7 @@ class _Progress:
     def end(self) -> None:
         if self.overwrite and self.width:
             print(flush=True)
+            self.width = 0
 
 
 def patience_may_stop(train: jobfile.Train, samples: float) -> bool:

@@ -378,8 +378,7 @@ class Supervised:
         """None while the job runs (a supervisor that died is replaced here, where it may be);
         result.json once the job ended; {"outcome": None, "reason": ...} where its supervisor
         died, no result.json says how the job ended, and no new one may go on with it."""
-        from . import checkpoint
-        from .outputs import read_result
+        from .outputs import going_on, read_result
 
         if self.running():
             return None
@@ -391,11 +390,10 @@ class Supervised:
         self.said = f"its supervisor (pid {self.pid}) {how}"
         now = time.time()
         self._deaths = [t for t in self._deaths if now - t < self.window]
-        found = checkpoint.latest(self.out / "checkpoints", with_progress=True)
+        found = going_on(self.out)  # its newest checkpoint that records the learners' progress (or its candidate's)
         if not self.stop_asked and found is not None and len(self._deaths) < self.restarts:
             self._deaths.append(now)
-            log.warning("job folder %s: %s; a new one goes on from checkpoint %s (version %s)", self.out, self.said,
-                        found.path.name, f"{found.version:,}")
+            log.warning("job folder %s: %s; a new one goes on from %s", self.out, self.said, found)
             self.start(resume=True)
             return None
         if self.stop_asked:

@@ -37,6 +37,7 @@ import sys
 import threading
 import time
 import traceback
+from contextlib import contextmanager
 
 from . import _proc
 from .env import openmp_spins, quiet_openmp
@@ -89,6 +90,23 @@ def can_fork(passive: bool = True) -> bool:
     again around a fork by itself, and OpenMP's and torch's start only with their first parallel
     region, which a warm process never runs."""
     return _warm and passive and not openmp_spins() and hasattr(os, "fork") and threading.active_count() == 1
+
+
+@contextmanager
+def one_thread():
+    """torch on this thread alone for the block: a warm process that computes (a job's supervisor
+    evaluating a model it handed back) and forks after (the next candidate of a job that picks its
+    model) must not start an OpenMP team, which the children it forks would inherit broken (GNU
+    OpenMP's workers are not forked with it: a child's first parallel region waits for them for
+    ever; one did, a server pre-faulting its region)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 # ------------------------------------------------------------------ a forked child

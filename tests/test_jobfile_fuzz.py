@@ -227,15 +227,19 @@ def _one_case(path: Path, what: str) -> str:
 
 
 def _builds(job: jobfile.Job, what: str) -> None:
-    """The accepted job's data load and its model builds (the learner's first steps)."""
-    from gadei_workloads import get
+    """The accepted job's data load and its model builds (the learner's first steps; a job that
+    picks its model: each candidate's, as its learners take it)."""
+    from dataclasses import replace
 
-    train = data.load_job(job)[0]
-    size = len(train.vocab) if train.vocab is not None else train.features
-    try:
-        get(job.workload).build_from_maps(size, train.n_labels, job.train.seed)
-    except Exception as err:  # noqa: BLE001 - the finding
-        pytest.fail(f"{what}: accepted, but its model does not build: {err!r}")
+    from gadei_workloads import CANDIDATES, get
+
+    for workload in CANDIDATES if job.workload == jobfile.AUTO else (job.workload,):
+        train = data.load_job(replace(job, workload=workload))[0]
+        size = len(train.vocab) if train.vocab is not None else train.features
+        try:
+            get(workload).build_from_maps(size, train.n_labels, job.train.seed)
+        except Exception as err:  # noqa: BLE001 - the finding
+            pytest.fail(f"{what}: accepted, but its model does not build: {err!r}")
 
 
 def _write_as_a_run_would(job: jobfile.Job, what: str) -> None:

@@ -7,13 +7,14 @@ It starts the job's server and learners as `Supervisor` does (the commands made 
 takes a stop asked of it (SIGTERM, SIGINT) as `Supervisor` says, and at the job's end waits for
 the last server's stop record (and a bridged node's bridge: `gadei.bridge.record.wait`) and
 writes the job's outputs (`gadei.outputs.conclude`): the only writer of them. Its last line says
-the outcome as `gadei run` does; its exit code is `gadei run`'s.
+the outcome as `gadei run` does; its exit code is `gadei run`'s. A job that picks its model
+(`workload = "auto"`) is its candidates' runs, one after another (`choice.Choice`, which hands
+each back here to be supervised and concluded as a job of its own), then the choice's outputs.
 """
 
 import logging
 import math
 import os
-import signal
 import threading
 import time
 from dataclasses import replace
@@ -27,6 +28,7 @@ from gadei.errors import GadeiError
 from gadei.launch import take_stops
 from gadei.supervisor import SERVER_DEAD, STOP_RECORD, SupervisorSettings
 
+from .choice import Choice
 from .supervisor import Supervisor
 
 log = logging.getLogger(__name__)
@@ -114,26 +116,66 @@ class _Follow:
                                          "learners_alive": sum(1 for learner in status.learners if learner.alive)})
 
 
+class _Stops:
+    """A stop asked of the job (SIGTERM, SIGINT: its clients pass one on), taken by the supervisor
+    of the run going on (`Supervisor.ask_stop`); one asked between the candidates of a job that
+    picks its model is kept, and the next one does not start. Once the job's end is decided, a stop
+    changes nothing."""
+
+    def __init__(self):
+        self.asked = False
+        self.supervisor: Supervisor | None = None
+
+    def take(self, _sig, _frame) -> None:
+        self.asked = True
+        if self.supervisor is not None:
+            self.supervisor.ask_stop()
+
+
 def run(job_file: str, *, resume: bool = False, by: str = outputs.RUN, named: str | None = None,
         since: float | None = None) -> int:
     """Supervise the prepared job whose job.toml is `job_file` to its end and write its outputs;
     `gadei run`'s exit code for its outcome. `resume`: go on from the newest checkpoint that
-    records the learners' progress; `by`: the command that started the job, and `named`: the job
-    file it started it from (what the job's last line says to go on with it names); `since`: when
-    this run started (a supervisor that died started it; default: now)."""
+    records the learners' progress (a job that picks its model: with the candidate it was
+    training); `by`: the command that started the job, and `named`: the job file it started it
+    from (what the job's last line says to go on with it names); `since`: when this run started
+    (a supervisor that died started it; default: now)."""
     since = since or time.time()
     job = jobfile.load(job_file)
-    out = job.output
     if job.private:
         os.umask(0o077)  # its processes' files (checkpoints, logs) are private too (`prepare.output_modes`)
+    pause_at("starting")  # a test's hold: nothing of the job started, a stop sent now waits (blocked) for the handler
+    stops = _Stops()
+    take_stops(stops.take)  # its clients' Ctrl-C and cancel
+    zygote.warm(late=False)  # what its server and learners import, imported once here
+    if job.workload == jobfile.AUTO:
+        choice = Choice(job, lambda candidate, found, started: _supervised(candidate, found, stops, started,
+                                                                           hold=False))
+        ending = choice.run(resume=resume, since=since, stopped=lambda: stops.asked)
+        pause_at("concluding")  # a test's hold, as below: once, when the job's end is decided
+        result = outputs.conclude(job, ending, since=since)
+    else:
+        found = None
+        if resume:
+            found = checkpoint.latest(job.output / "checkpoints", with_progress=True)
+            if found is None:
+                raise GadeiError(f"--resume: no checkpoint in {job.output / 'checkpoints'} that verifies and records "
+                                 "the learners' progress")
+        result = _supervised(job, found, stops, since)
+    log.info("job %r: %s", job.name, result["outcome"])
+    said = replace(job, path=Path(named)) if named else job
+    print(f"{by}: {outputs.summary(said, result, by)}", flush=True)
+    return outputs.exit_code(result)
+
+
+def _supervised(job: jobfile.Job, found, stops: _Stops, since: float, hold: bool = True) -> dict:
+    """Supervise the job (a job file's, or a candidate's of one that picks its model) in its output
+    folder to its end, from checkpoint `found` (None: from its start), and write its outputs;
+    result.json's content. `since`: when this run of it started, its time base; `hold`: the
+    test's hold at the job's end (GADEI_PAUSE_AT=concluding) is here (not a candidate's)."""
+    out = job.output
     node = placement.read_node(out)
     (out / FINAL).unlink(missing_ok=True)  # an earlier run's: this run's servers save their own
-    found = None
-    if resume:
-        found = checkpoint.latest(out / "checkpoints", with_progress=True)
-        if found is None:
-            raise GadeiError(f"--resume: no checkpoint in {out / 'checkpoints'} that verifies and records the "
-                             "learners' progress")
     settings = SupervisorSettings(checkpoint_dir=str(out / "checkpoints"), every=job.checkpoint.interval,
                                   keep=job.checkpoint.keep, server=server_args(job, node, found),
                                   learners=learner_args(job, node), log_dir=str(out / "logs"))
@@ -144,18 +186,18 @@ def run(job_file: str, *, resume: bool = False, by: str = outputs.RUN, named: st
                             stop_record=str(out / STOP_RECORD), env={**os.environ, **openmp}, look=follow,
                             passive_learners=t.learner_threads <= 1 or bool(openmp))
     follow.supervisor = supervisor
-    pause_at("starting")  # a test's hold: nothing of the job started, a stop sent now waits (blocked) for the handler
-    take_stops(lambda sig, _frame: supervisor.ask_stop())  # its clients' Ctrl-C and cancel
+    stops.supervisor = supervisor
+    if stops.asked:  # before this supervisor was made: it stops the job before its server starts
+        supervisor.ask_stop()
     # its server and learners start warm, forked from this process (`gadei.zygote`), the job's data read once here
-    zygote.warm(late=False)
     data.keep(f"job:{out / 'job.toml'}", job.workload)
     try:
         code = supervisor.run()
     except GadeiError as err:
         code, supervisor.reason = SERVER_DEAD, supervisor.reason or str(err)
-    for sig in (signal.SIGTERM, signal.SIGINT):  # the end is decided: a stop now changes nothing
-        signal.signal(sig, signal.SIG_IGN)
-    pause_at("concluding")  # a test's hold (GADEI_PAUSE_AT): the job's end decided, its outputs not yet written
+    stops.supervisor = None  # its end is decided: a stop now changes nothing of it
+    if hold:
+        pause_at("concluding")  # a test's hold (GADEI_PAUSE_AT): the job's end decided, its outputs not yet written
     bridge = bridge_record.wait(out, node.timeout, node.host) if node is not None else None
     stop = supervisor.server_ended()
     saved = out / FINAL
@@ -166,11 +208,6 @@ def run(job_file: str, *, resume: bool = False, by: str = outputs.RUN, named: st
     board = follow.board
     try:
         board.epochs(outputs.epoch_records(out))  # those reported after the last look
-        result = outputs.conclude(job, ending, since=since,
-                                  bridge=bridge.summary if bridge is not None else None)
+        return outputs.conclude(job, ending, since=since, bridge=bridge.summary if bridge is not None else None)
     finally:
         board.close()
-    log.info("job %r: %s", job.name, result["outcome"])
-    said = replace(job, path=Path(named)) if named else job
-    print(f"{by}: {outputs.summary(said, result, by)}", flush=True)
-    return outputs.exit_code(result)

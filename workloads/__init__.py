@@ -20,8 +20,8 @@ from .numeric import build_mlp
 from .text import TextDataset
 from .textcnn import TextCNN, build_textcnn
 
-__all__ = ["WORKLOADS", "Workload", "LSTMClassifier", "NgramClassifier", "TextCNN", "TextDataset", "build_lstm",
-           "build_mlp", "build_ngram", "build_textcnn", "get", "ngram", "numeric", "text"]
+__all__ = ["CANDIDATES", "WORKLOADS", "Workload", "LSTMClassifier", "NgramClassifier", "TextCNN", "TextDataset",
+           "build_lstm", "build_mlp", "build_ngram", "build_textcnn", "get", "ngram", "numeric", "text"]
 
 
 @dataclass(frozen=True)
@@ -142,6 +142,12 @@ WORKLOADS: dict[str, Workload] = {
 }
 
 
+CANDIDATES = ("ngram", "textcnn")
+"""The workloads a job picks its model among when its job file names none (``workload =
+"auto"``): each is trained, cheapest first (:func:`.cost.cheapest_first`), and the one with the
+best validation accuracy is handed back."""
+
+
 def get(name: str) -> Workload:
     """Returns the workload registered under ``name``.
 
@@ -151,6 +157,8 @@ def get(name: str) -> Workload:
     try:
         return WORKLOADS[name]
     except KeyError:
+        auto = (f" ('auto' is a job file's: the job trains {', '.join(CANDIDATES)} and keeps the better; here name "
+                "one)" if name == "auto" else "")
         raise ValueError(
-            f"workload {name!r} is unknown; known: {', '.join(sorted(WORKLOADS))}"
+            f"workload {name!r} is unknown{auto}; known: {', '.join(sorted(WORKLOADS))}"
         ) from None

@@ -16,7 +16,10 @@ Beside the text CNN, the n-gram workload (`ngram-2`: a job file that names `work
 "ngram"` and sets the same keys, 2 learners) and scikit-learn's `LinearSVC` and
 `LogisticRegression` with their default settings on the same n-grams of the same split
 (`sklearn-svc`, `sklearn-lr`; `gadei.bench.reference`, scikit-learn being the bench's extra:
-`pip install 'gadei[bench]'`). `--runs` picks some of the runs.
+`pip install 'gadei[bench]'`). And a job file that names no workload (`auto-2`: `workload =
+"auto"`, 2 learners), which trains both and hands back the better on validation: its wall time
+against the text CNN's alone with 2 learners, on the same seeds side by side, is issue 47's
+"at most 1.3x". `--runs` picks some of the runs.
 
 `--train KEY=VALUE,...` adds a candidate: gadei with 2 learners and those [train] keys set
 (`--train optimizer=adam,lr=0.001`), on the same sets and seeds, interleaved with the rest,
@@ -56,8 +59,9 @@ SETS = {
 QUICK_SAMPLES = 600  # --quick: TREC's first training questions
 QUICK_EPOCHS = 1
 BASELINE = {"optimizer": "adam", "lr": 1e-3, "batch": 32}
-RUNS = ("gadei-1", "gadei-2", "pytorch", "ngram-2", "sklearn-svc", "sklearn-lr")  # the text CNN's first three
-LEARNERS = {"gadei-1": 1, "gadei-2": 2, "ngram-2": 2}
+RUNS = ("gadei-1", "gadei-2", "pytorch", "ngram-2", "auto-2", "sklearn-svc", "sklearn-lr")  # the text CNN's first 3
+LEARNERS = {"gadei-1": 1, "gadei-2": 2, "ngram-2": 2, "auto-2": 2}
+WORKLOADS = {"ngram-2": "ngram", "sklearn-svc": "ngram", "sklearn-lr": "ngram", "auto-2": "auto"}  # else textcnn
 
 
 def data_dir() -> Path:
@@ -92,13 +96,16 @@ def run_gadei(path: Path) -> dict:
     wall = time.monotonic() - started
     from .. import jobfile
 
+    from ..outputs import model_folder
+
     out = jobfile.load(path).output
     if done.returncode != 0 or not (out / "result.json").exists():
         raise RuntimeError(f"gadei run {path} {how_it_ended(done.returncode)}: {done.stdout[-2000:]}")
     result = json.loads((out / "result.json").read_text())
     result["wall_seconds"] = round(wall, 1)
     result["evaluations"] = _evaluations(out)
-    ran = jobfile.load(out / "job.toml", data_files=False).train  # the job as run: the defaults filled in
+    # the job as run, the defaults filled in (a job that picks its model: the chosen candidate's)
+    ran = jobfile.load(model_folder(out) / "job.toml", data_files=False).train
     result.update(optimizer=ran.optimizer, lr=ran.lr, batch=ran.batch)
     return result
 
@@ -110,7 +117,7 @@ def _evaluations(out: Path) -> list[dict]:
     from .. import outputs, selection
 
     runs = (outputs.read_result(out) or {}).get("runs")
-    history = (selection.read_state(out / "checkpoints") or {}).get("history", [])
+    history = (selection.read_state(outputs.model_folder(out) / "checkpoints") or {}).get("history", [])
     timed = [(h, outputs.job_seconds(h.get("at"), runs)) for h in history]
     return [{"epoch": h["epoch"], "validation_accuracy": h["validation_accuracy"], "seconds": seconds}
             for h, seconds in timed if seconds is not None]
@@ -227,7 +234,7 @@ def bench_quality(args) -> dict:
             data = set_data(name, folder, first=QUICK_SAMPLES if args.quick else None, what="gadei bench quality")
             for seed in seeds:
                 for config in configs:
-                    workload = "ngram" if config.startswith(("ngram", "sklearn")) else "textcnn"
+                    workload = WORKLOADS.get(config, "textcnn")
                     path = job_file(folder, name, data, learners=LEARNERS.get(config, 2), seed=seed, epochs=epochs,
                                     train=trained.get(config), workload=workload)
                     result = _run(config, path, epochs)
@@ -255,6 +262,8 @@ def bench_quality(args) -> dict:
         out.update(_one_against_two(summary, runs))
     if "ngram-2" in configs:
         out["ngram"] = _ngram_against_the_others(summary)
+    if "auto-2" in configs and "gadei-2" in configs:
+        out["auto"] = _auto_against_the_text_cnn(summary, runs)
     path = plot_path(args, "quality")
     if path:
         title = (f"gadei bench quality: a job file with nothing tuned, seeds {','.join(map(str, seeds))}"
@@ -292,6 +301,31 @@ def _ngram_against_the_others(summary: dict) -> dict:
           "at least -0.5), and its wall time against the text CNN's with 2 learners (issue 47: at most 0.2x): "
           + ", ".join(f"{name} " + ("-" if f["over_sklearn_points"] is None else f"{f['over_sklearn_points']:+.1f}")
                       + " / " + ("-" if f["wall_over_textcnn"] is None else f"{f['wall_over_textcnn']:.2f}x")
+                      for name, f in found.items()))
+    return found
+
+
+def _auto_against_the_text_cnn(summary: dict, runs: dict) -> dict:
+    """Per set, the job that picks its model (2 learners) against the text CNN alone with 2
+    learners, run side by side on the same seeds: the median of its wall times over the CNN's
+    median (issue 47: at most 1.3x), and how often it chose each candidate; printed, and their JSON."""
+    found = {}
+    for name, by in summary.items():
+        chose = [r.get("workload") for r in runs[name]["auto-2"]]
+        # the same run less what its other candidates took: the text CNN's part of it, start and end included
+        own = [_ratio(r["wall_seconds"], r["wall_seconds"] - sum(c.get("seconds", 0) for c in r.get("candidates", [])
+                                                                  if c["workload"] != "textcnn"))
+               for r in runs[name]["auto-2"]]
+        found[name] = {"wall_over_textcnn": _ratio(by["auto-2"]["wall_seconds"], by["gadei-2"]["wall_seconds"]),
+                       "wall_over_its_textcnn": statistics.median(own) if None not in own else None,
+                       "chose": {w: chose.count(w) for w in sorted(set(chose), key=str)}}
+    print("a job that picks its model (auto, 2 learners): its median wall time against the text CNN's alone with 2 "
+          "learners (issue 47: at most 1.3x); in brackets, the median of each auto run's wall time against the same "
+          "run less its other candidates' seconds (what they add to training the text CNN, without the seeds' "
+          "spread in how long the CNN trains), and the candidates it chose: "
+          + ", ".join(f"{name} " + ("-" if f["wall_over_textcnn"] is None else f"{f['wall_over_textcnn']:.2f}x")
+                      + " (" + ("-" if f["wall_over_its_textcnn"] is None else f"{f['wall_over_its_textcnn']:.2f}x")
+                      + "; chose " + ", ".join(f"{w} {n}" for w, n in f["chose"].items()) + ")"
                       for name, f in found.items()))
     return found
 

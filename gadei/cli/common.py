@@ -56,6 +56,10 @@ def job_file_defaults(argv: list[str]) -> dict | None:
     if path is None or not argv or argv[0] not in ("serve", "learn"):
         return None
     job = jobfile.load(path)
+    if job.workload == jobfile.AUTO:
+        raise GadeiError(f"{JOB_FILE} {path}: workload {jobfile.AUTO!r} is a job that picks its model among several: "
+                         "`gadei run` (or the daemon) trains each candidate from its own folder, "
+                         f"{job.output / 'candidates' / 'WORKLOAD' / 'job.toml'}; give one of those")
     t = job.train
     values = dict(workload=job.workload, data=f"job:{job.path}", seed=t.seed)
     if argv[0] == "serve":

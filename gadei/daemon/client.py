@@ -17,7 +17,7 @@ from pathlib import Path
 from .. import _proc
 from ..errors import DaemonError, DaemonRefused, GadeiError, GadeiTimeout, JobTimeout, NoDaemon, NoSuchJob
 from ..protocol import Deadline, wait_for
-from ..outputs import EPOCHS
+from ..outputs import EPOCHS, candidates
 from .jobs import CANCELLED, LIVE, JobRecord, state_dir
 from .logs import Tail, log_files
 from .service import socket_path
@@ -210,22 +210,26 @@ class Client:
         metrics.jsonl line: epoch, loss, validation_accuracy, test_accuracy, samples_per_s,
         staleness_mean, ...), from its first epoch, until the job has ended (then every epoch
         it wrote has been given); metrics.jsonl adds seconds_since_start to each once the job's
-        outputs are written. A job that is queued is waited for.
+        outputs are written. A job that is queued is waited for. A job that picks its model gives
+        its candidates' epochs in the order they train, each record with its "workload".
 
         Raises:
             JobTimeout: the job had not ended `timeout` seconds after the call (None: no limit).
         """
         deadline = Deadline(timeout) if timeout is not None else None
-        record, tail, seen = self.job(job), None, set()
+        record, tails, seen = self.job(job), None, set()
         while True:
             last = ended(record)  # looked before the file is read: what it wrote by then is read
             if record.started:
-                tail = tail or Tail(Path(record.output, EPOCHS))
-                for line in tail.read(final=last):
-                    epoch = _epoch(line)
-                    if epoch is not None and not (epoch.get("restarted") and epoch["epoch"] in seen):
-                        seen.add(epoch["epoch"])  # a restarted learner's catch-up record of an epoch given: not again
-                        yield epoch
+                out = Path(record.output)
+                tails = tails or [(c.workload, Tail(c.folder / EPOCHS)) for c in candidates(out) or []] or \
+                    [(None, Tail(out / EPOCHS))]
+                for workload, tail in tails:
+                    for line in tail.read(final=last):
+                        epoch = _epoch(line)
+                        if epoch is not None and not (epoch.get("restarted") and (workload, epoch["epoch"]) in seen):
+                            seen.add((workload, epoch["epoch"]))  # a restarted learner's catch-up record: not again
+                            yield {"workload": workload, **epoch} if workload else epoch
             if last:
                 return
             self._pause(deadline, record)

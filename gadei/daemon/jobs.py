@@ -204,7 +204,10 @@ class Jobs:
         prepared = check(job, resume, by=SUBMIT)
         from gadei_workloads.cost import estimate  # torch, which reading the data imported
 
-        sizes = resources.sizes(prepared.job, estimate(job.workload, prepared.train).parameters, job.train.threads or 0)
+        # a job that picks its model trains its candidates one after another: it needs what the largest needs
+        sizes = max((resources.sizes(each.job, estimate(each.job.workload, each.train).parameters,
+                                     job.train.threads or 0) for each in prepared.candidates or [prepared]),
+                    key=lambda s: (s.region + s.processes, s.learners))
         if self.max_jobs is None:
             cores = usable_cores()
             never = resources.never(sizes.need(cores, cores))

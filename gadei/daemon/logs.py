@@ -19,13 +19,19 @@ def tail(path, lines: int) -> str:
 
 def log_files(record) -> list[str]:
     """A daemon job's logs (`record`: its `gadei.daemon.jobs.JobRecord`) that are there, in the
-    order `gadei logs` prints them: its supervisor's, its server's, each learner's."""
-    folder = Path(record.output, "logs")
-    try:
-        learners = sorted(str(p) for p in folder.glob("learner-*.log"))
-    except OSError:
-        learners = []
-    return [p for p in (record.log, str(folder / "server.log")) if os.path.exists(p)] + learners
+    order `gadei logs` prints them: its supervisor's, its server's, each learner's (a job that
+    picks its model: each candidate's server's and learners', in the order they train)."""
+    from ..outputs import candidates
+
+    out = Path(record.output)
+    found = []
+    for folder in [out / "logs", *(c.folder / "logs" for c in candidates(out) or [])]:
+        try:
+            learners = sorted(str(p) for p in folder.glob("learner-*.log"))
+        except OSError:
+            learners = []
+        found += [p for p in (str(folder / "server.log"),) if os.path.exists(p)] + learners
+    return [p for p in (record.log,) if os.path.exists(p)] + found
 
 
 class Tail:
