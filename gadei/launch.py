@@ -38,7 +38,7 @@ def stop_job(job: str, timeout: float = 30.0) -> None:
     if found is None or found.state in ("foreign", "leftover"):  # the header does not name a live server
         problem = "it has no region" if found is None else f"its region is not readable ({found.state}" + \
             (f": {found.problem})" if found.problem else f", naming dead server pid {found.server_pid})")
-        if _stop_by_pid(job, problem, timeout):
+        if stop_by_pid(job, problem, timeout):
             return
         if found is None:
             raise RegionNotFound(f"job {job!r} has no region: nothing to stop")
@@ -48,7 +48,7 @@ def stop_job(job: str, timeout: float = 30.0) -> None:
     try:
         region = Region.attach(job, wait=timeout)  # a starting server is stopped once it serves
     except ForeignRegion as err:  # its identity reads, the rest of its header does not
-        if _stop_by_pid(job, f"its region is not readable: {err}", timeout):
+        if stop_by_pid(job, f"its region is not readable: {err}", timeout):
             return
         raise
     with region:
@@ -135,9 +135,10 @@ def run_command(command: list[str], timeout: float, env: dict[str, str] | None =
     return done.returncode, done.stderr
 
 
-def _stop_by_pid(job: str, problem: str, timeout: float) -> bool:
-    """Stop `job`'s server by signal when its region cannot tell it to; False when no live
-    server of this user is known (`server_record.live_server`)."""
+def stop_by_pid(job: str, problem: str, timeout: float) -> bool:
+    """Stop `job`'s server by signal (SIGTERM, SIGKILL past `timeout`) where its region cannot
+    tell it to, or it does not take what the region tells it (`problem` says why, in the
+    warning); False when no live server of this user is known (`server_record.live_server`)."""
     server = live_server(job)
     if server is None:
         return False

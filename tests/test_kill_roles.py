@@ -113,6 +113,31 @@ def test_gadei_run_reports_the_real_outcome_when_a_role_of_its_job_is_killed(sma
     _say(f"{role} under gadei run", "gadei run exit 0, result.json outcome done", seconds)
 
 
+def test_a_new_supervisor_waits_for_the_server_of_the_one_that_died_to_stop(small, procs):
+    """The supervisor killed while its server is held (SIGSTOP, as on a loaded machine): the
+    server, tied to it, has its SIGTERM pending and still serves the job's region when `gadei
+    run` starts a new supervisor, forked in milliseconds. The new one waits for that server to
+    stop rather than start a server of its own beside it (which once found the region taken and
+    failed the job: "the server exited with code 2"), and the job goes on to its end."""
+    path, name, out = small
+    run = procs.gadei("run", path, env={**os.environ, "GADEI_LOG": "INFO"})
+    roles = _when_training(name)
+    os.kill(roles["server"], signal.SIGSTOP)
+    try:
+        os.kill(roles["supervisor"], signal.SIGKILL)
+        wait_for(lambda: "is still stopping; waiting for it" in (out / "logs" / "supervisor.log").read_text(), 60,
+                 "the new supervisor to wait for the server of the one that died")
+        assert _roles(name)["server"] == roles["server"]  # the region is still the held server's
+    finally:
+        os.kill(roles["server"], signal.SIGCONT)
+    stdout, stderr = communicate(run, STOP_WITHIN)
+    assert run.returncode == 0 and "done in" in stdout, stdout + stderr
+    assert f"its supervisor (pid {roles['supervisor']}) {KILLED}; a new one goes on from checkpoint" in stderr, stderr
+    assert dead(roles["server"])
+    assert (_outputs_written(out)["outcome"]) == "done"
+    wait_for(lambda: _gone(name), 30, "every process of the job to end")
+
+
 @pytest.mark.long  # four kills and the supervisor's back-off (1 + 2 + 4 s)
 def test_a_learner_given_up_ends_gadei_run_with_the_reason(tmp_path, procs):
     """A launched learner that keeps dying is given up after --max-restarts (3) restarts; with

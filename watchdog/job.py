@@ -25,7 +25,10 @@ from gadei.board import Board
 from gadei.bridge import record as bridge_record
 from gadei.env import learners_openmp_env, pause_at
 from gadei.errors import GadeiError
-from gadei.launch import take_stops
+from gadei.launch import stop_by_pid, take_stops
+from gadei.protocol import Deadline
+from gadei.region import inspect, remove
+from gadei.server_record import live_server
 from gadei.supervisor import SERVER_DEAD, STOP_RECORD, SupervisorSettings
 
 from .choice import Choice
@@ -34,6 +37,7 @@ from .supervisor import Supervisor
 log = logging.getLogger(__name__)
 
 LIVE_EVERY = 2.0  # seconds between the job's live figures in its event files
+OUTGOING = 60.0  # seconds a server of a supervisor that died is given to stop before this one stops it
 FINAL = "logs/final.pt"  # the weights the last server ended with (`gadei serve --save`)
 
 
@@ -148,6 +152,8 @@ def run(job_file: str, *, resume: bool = False, by: str = outputs.RUN, named: st
     stops = _Stops()
     take_stops(stops.take)  # its clients' Ctrl-C and cancel
     zygote.warm(late=False)  # what its server and learners import, imported once here
+    if resume:
+        _outgoing_gone(job.name)
     if job.workload == jobfile.AUTO:
         choice = Choice(job, lambda candidate, found, started: _supervised(candidate, found, stops, started,
                                                                            hold=False))
@@ -166,6 +172,26 @@ def run(job_file: str, *, resume: bool = False, by: str = outputs.RUN, named: st
     said = replace(job, path=Path(named)) if named else job
     print(f"{by}: {outputs.summary(said, result, by)}", flush=True)
     return outputs.exit_code(result)
+
+
+def _outgoing_gone(job: str) -> None:
+    """Wait for the server of a supervisor that died to end before this one starts its own (the
+    job's region is that server's until it ends): tied to its supervisor, it stops on the
+    supervisor's death (SIGTERM: a checkpoint, then its exit), which may take a while on a busy
+    machine, or never where it is held; past `OUTGOING` seconds it is stopped by signal, and the
+    region it leaves removed."""
+    server = live_server(job)
+    if server is None:
+        return
+    log.info("job %r: the server of the supervisor before this one (pid %d) is still stopping; waiting for it",
+             job, server[0])
+    deadline = Deadline(OUTGOING)
+    while live_server(job) is not None and not deadline.expired():
+        time.sleep(0.05)
+    stop_by_pid(job, f"the server of the supervisor before this one did not stop within {OUTGOING:g} s", 30.0)
+    found = inspect(job)
+    if found is not None and found.state == "leftover":  # it was killed: its region is in the new server's way
+        remove(job)
 
 
 def _supervised(job: jobfile.Job, found, stops: _Stops, since: float, hold: bool = True) -> dict:
