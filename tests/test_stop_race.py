@@ -53,6 +53,18 @@ def _stopped_state(proc: psutil.Process) -> bool:
     return proc.status() == psutil.STATUS_STOPPED
 
 
+def _ended_done(run, out) -> tuple[str, str]:
+    """`gadei run`'s output once it ended: exit 0, the job done and finished, its model, metrics
+    and plot handed back."""
+    stdout, stderr = communicate(run, STOP_WITHIN)
+    assert run.returncode == 0 and "done in" in stdout, stdout + stderr
+    result = json.loads((out / "result.json").read_text())
+    assert (result["outcome"], result["finished"]) == ("done", True), result
+    for name in ("model.pt", "metrics.jsonl", "accuracy.png"):
+        assert (out / name).exists(), name
+    return stdout, stderr
+
+
 def _said(run, words: str, timeout: float) -> None:
     """Until `gadei run` printed a line holding `words` (the lines before it are read too)."""
     deadline = Deadline(timeout)
@@ -129,12 +141,9 @@ def test_a_stop_after_the_learners_finished_ends_the_job_done(tmp_path, procs, j
         wait_for(lambda: _passed_on(supervisor), 60, "gadei run to pass the stop on")
     finally:
         supervisor.send_signal(signal.SIGCONT)
-    stdout, stderr = communicate(run, STOP_WITHIN)
-    assert run.returncode == 0 and "done in" in stdout, stdout + stderr
-    result = json.loads((out / "result.json").read_text())
-    assert (result["outcome"], result["finished"]) == ("done", True), result
-    assert "the stop came after training ended" in result["reason"], result
-    assert (out / "model.pt").exists() and "remove that folder" not in stdout + stderr
+    stdout, stderr = _ended_done(run, out)
+    assert "the stop came after training ended" in json.loads((out / "result.json").read_text())["reason"]
+    assert "remove that folder" not in stdout + stderr
 
 
 @pytest.mark.parametrize("how", ["SIGTERM", "SIGINT"])
@@ -154,9 +163,4 @@ def test_a_stop_while_the_outputs_are_written_changes_nothing(tmp_path, procs, j
         _said(run, "stopping the job", 60)  # passed on to the held supervisor, which has decided the end
     finally:
         supervisor.send_signal(signal.SIGCONT)
-    stdout, stderr = communicate(run, STOP_WITHIN)
-    assert run.returncode == 0 and "done in" in stdout, stdout + stderr
-    result = json.loads((out / "result.json").read_text())
-    assert (result["outcome"], result["finished"]) == ("done", True), result
-    for name in ("model.pt", "metrics.jsonl", "accuracy.png"):
-        assert (out / name).exists(), name
+    _ended_done(run, out)
