@@ -108,8 +108,11 @@ def test_the_daemon_forks_supervisors_from_its_zygote_and_replaces_a_killed_one(
     next job is forked from a new zygote."""
     daemon = start_daemon(procs, daemon_env)
     first, second = unique_name("zfirst"), unique_name("zsecond")
-    finish(procs.gadei("submit", _small_job(small, first, epochs=4), env=daemon_env))
-    wait_for(lambda: daemon_jobs(procs, daemon_env)[first]["state"] == "running", 120, "the first job to start")
+    # long enough that it still runs when a `gadei jobs` started under load answers (a few seconds)
+    finish(procs.gadei("submit", _small_job(small, first, epochs=300, patience=300), env=daemon_env))
+    state = wait_for(lambda: (s := daemon_jobs(procs, daemon_env)[first]["state"]) != "queued" and s, 120,
+                     "the first job to start")
+    assert state == "running", state
     zygotes = [p for p in psutil.Process(daemon.pid).children() if "gadei.zygote" in " ".join(p.cmdline())]
     assert len(zygotes) == 1
     zygotes[0].send_signal(signal.SIGKILL)
