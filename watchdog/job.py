@@ -178,19 +178,20 @@ def _outgoing_gone(job: str) -> None:
     """Wait for the server of a supervisor that died to end before this one starts its own (the
     job's region is that server's until it ends): tied to its supervisor, it stops on the
     supervisor's death (SIGTERM: a checkpoint, then its exit), which may take a while on a busy
-    machine, or never where it is held; past `OUTGOING` seconds it is stopped by signal, and the
-    region it leaves removed."""
+    machine, or never where it is held; past `OUTGOING` seconds it is stopped by signal. A region
+    it left (it was killed, or died) is removed."""
     server = live_server(job)
-    if server is None:
-        return
-    log.info("job %r: the server of the supervisor before this one (pid %d) is still stopping; waiting for it",
-             job, server[0])
-    deadline = Deadline(OUTGOING)
-    while live_server(job) is not None and not deadline.expired():
-        time.sleep(0.05)
-    stop_by_pid(job, f"the server of the supervisor before this one did not stop within {OUTGOING:g} s", 30.0)
+    if server is not None:
+        log.info("job %r: the server of the supervisor before this one (pid %d) is still stopping; waiting for it",
+                 job, server[0])
+        deadline = Deadline(OUTGOING)
+        while live_server(job) is not None and not deadline.expired():
+            time.sleep(0.05)
+        stop_by_pid(job, f"the server of the supervisor before this one did not stop within {OUTGOING:g} s", 30.0)
     found = inspect(job)
-    if found is not None and found.state == "leftover":  # it was killed: its region is in the new server's way
+    if found is not None and found.state == "leftover":  # it died without removing it: in the new server's way
+        log.info("job %r: removing the region the server before this one left (pid %d, not running)", job,
+                 found.server_pid)
         remove(job)
 
 
@@ -227,8 +228,10 @@ def _supervised(job: jobfile.Job, found, stops: _Stops, since: float, hold: bool
     bridge = bridge_record.wait(out, node.timeout, node.host) if node is not None else None
     stop = supervisor.server_ended()
     saved = out / FINAL
-    final = bridge.model if bridge is not None else str(saved) if saved.exists() and stop is not None and \
-        stop.outcome == "stopped" else None
+    # a bridged node's model is the one the nodes agreed on; one whose bridge left the exchanges (it
+    # trained on alone) agreed on none and hands back its server's, as a node of its own
+    final = bridge.model if bridge is not None and bridge.model else str(saved) if saved.exists() and \
+        stop is not None and stop.outcome == "stopped" else None
     ending = outputs.Ending(code, supervisor.finished, supervisor.stopped, supervisor.reason or supervisor.note, final,
                             supervisor.first_applied or (stop.first_applied if stop is not None else 0.0))
     board = follow.board
