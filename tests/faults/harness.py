@@ -425,6 +425,9 @@ def kill_supervisor(job: Job, rng: random.Random) -> Fault:
     from its newest checkpoint when it is resumed (`gadei serve ... --resume DIR`, as `gadei run`
     and the daemon start a new supervisor)."""
     job.at_progress(rng.uniform(0.2, 0.5))
+    # the scenario is a kill after a checkpoint: a job started warm reaches a fifth of its schedule
+    # before its first one (without one, nothing records where its learners were)
+    wait_until(lambda: _newest(job) is not None, 120, "a checkpoint that records the learners' progress")
     _kill(job.serve.pid)
     at, wall = time.monotonic(), time.time()
     _ended_with_its_supervisor(job)
