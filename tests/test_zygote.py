@@ -127,20 +127,3 @@ def test_the_daemon_forks_supervisors_from_its_zygote_and_replaces_a_killed_one(
     _, err = communicate(daemon, 60)
     assert "the zygote (pid" in err and "starting another" in err, err[-3000:]
     assert "forked warm by the zygote" in err, err[-3000:]
-
-
-def test_a_daemon_imports_what_a_submit_needs_before_the_first_submit(procs, daemon_env):
-    """A submit checks the job (it reads its data: torch and the workloads, seconds of CPU to
-    import): the daemon imports them as it starts, beside its socket, so that the first job
-    submitted to a fresh daemon does not wait for them."""
-    daemon = start_daemon(procs, daemon_env)
-
-    def imported():
-        try:
-            return any("libtorch" in os.path.basename(m.path) for m in psutil.Process(daemon.pid).memory_maps())
-        except psutil.Error:
-            return False
-
-    wait_for(imported, 120, "the daemon to import torch with nothing submitted")
-    daemon.terminate()
-    communicate(daemon, 60)

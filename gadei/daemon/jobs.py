@@ -271,14 +271,9 @@ class Jobs:
                 self.zygote.close()
 
     def _warm(self) -> None:
-        """A zygote to start supervisors from: started with the runner, and again if it died. With
-        the first, what a submit imports in the daemon (the job's checks read its data: torch and
-        the workloads, seconds of CPU) is imported beside the socket, so that the first job submitted
-        does not wait for it."""
+        """A zygote to start supervisors from: started with the runner, and again if it died."""
         if self.zygote is not None and self.zygote.alive():
             return
-        if self.zygote is None:
-            threading.Thread(target=_import_submit, name="gadei-daemon-imports", daemon=True).start()
         if self.zygote is not None:
             log.warning("the zygote (pid %d) %s; starting another", self.zygote.proc.pid,
                         _proc.how_it_ended(self.zygote.proc.returncode))
@@ -389,18 +384,3 @@ def _written_at(path: Path) -> float | None:
         return min(time.time(), path.stat().st_mtime)
     except OSError:
         return None
-
-
-SUBMIT_IMPORTS = ("gadei.prepare", "gadei_workloads", "gadei_workloads.cost", "gadei_workloads.text",
-                  "gadei_workloads.ngram")
-
-
-def _import_submit() -> None:
-    """Import SUBMIT_IMPORTS (one that fails fails again where a submit needs it, and says so there)."""
-    import importlib
-
-    for name in SUBMIT_IMPORTS:
-        try:
-            importlib.import_module(name)
-        except Exception:  # noqa: BLE001 - said by the submit that needs it
-            log.debug("importing %s ahead of the first submit failed", name, exc_info=True)
