@@ -594,6 +594,16 @@ def exit_code(result: dict | None) -> int:
     return EXIT_CODES.get((result or {}).get("outcome"), 1)
 
 
+def first_update_at(result: dict) -> float | None:
+    """When (time.time()) the job whose result.json is `result` had its first gradient applied,
+    in its last run: that run's start and `seconds_to_first_update` after it. None where
+    result.json does not say (no update recorded, or a malformed record)."""
+    runs, seconds = result.get("runs"), result.get("seconds_to_first_update")
+    last = runs[-1] if isinstance(runs, list) and runs and isinstance(runs[-1], dict) else {}
+    started = last.get("started")
+    return started + seconds if isinstance(started, (int, float)) and isinstance(seconds, (int, float)) else None
+
+
 def evaluate(job: jobfile.Job) -> dict:
     """model.pt's test accuracy, evaluated on the whole test set (the test set chooses nothing)."""
     import torch

@@ -51,7 +51,7 @@ def test_gadeis_first_gradient_is_its_runs_start_and_its_seconds_to_the_first_up
     """A gadei job's first gradient: its run's start (result.json's last run, a resumed job's
     own) and the seconds its server took to apply the first one after it; without them, not
     known (None), never a guess."""
-    from gadei.bench.service import first_gradient
+    from gadei.outputs import first_update_at as first_gradient
 
     assert first_gradient({}) is None
     assert first_gradient({"runs": [{"started": 1000.0, "seconds": 3.0}]}) is None  # no first update recorded

@@ -64,19 +64,10 @@ class Choice:
                      f", validation accuracy {result['validation_accuracy']:.2%} (epoch {result['epoch']:g})"
                      if "validation_accuracy" in result and "epoch" in result else f": {result.get('reason')}")
             c.result = result
-            first = first or _first_applied(result)
+            first = first or outputs.first_update_at(result) or 0.0
             if result.get("outcome") == outputs.STOPPED:
                 return outputs.Ending(0, finished=False, stopped=True, first_applied=first)
         return outputs.Ending(0, finished=True, first_applied=first)
-
-
-def _first_applied(result: dict) -> float:
-    """When (time.time()) the candidate whose result.json is `result` had its first gradient
-    applied in its last run; 0.0 where it does not say."""
-    runs, seconds = result.get("runs"), result.get("seconds_to_first_update")
-    last = runs[-1] if isinstance(runs, list) and runs and isinstance(runs[-1], dict) else {}
-    started = last.get("started")
-    return started + seconds if isinstance(started, (int, float)) and isinstance(seconds, (int, float)) else 0.0
 
 
 def _started(found: list[outputs.Candidate], since: float) -> float:

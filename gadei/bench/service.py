@@ -30,7 +30,7 @@ per minute against each peer's. The moments, each as the system itself has them:
   plain script's own process (its start time from the kernel; under Ray, the driver's).
 - first gradient: the plain script's first backward's end, which it reports; gadei's first
   gradient applied, which its server records: result.json's run start and
-  `seconds_to_first_update` (`first_gradient`).
+  `seconds_to_first_update` (`gadei.outputs.first_update_at`).
 - done: when the system saw the job end: the daemon's record (`ended`: its runner learns of a
   supervisor's end from the zygote at once), Ray's (`end_time`), the loop's (the process's exit).
 
@@ -53,6 +53,7 @@ import tomllib
 from pathlib import Path
 
 from ..env import usable_cores
+from ..outputs import first_update_at
 from . import plain_job
 from .daemon import BenchDaemon
 from .quality import job_file, set_data
@@ -176,20 +177,9 @@ def run_gadei(paths: list[Path], folder: Path, *, timeout: float, max_jobs: str 
         output = Path(record["output"])
         result = json.loads((output / "result.json").read_text())
         jobs.append({"job": record["name"], "submitted": submitted[record["name"]], "started": record["started"],
-                     "first_gradient": first_gradient(result), "ended": record["ended"],
+                     "first_gradient": first_update_at(result), "ended": record["ended"],
                      "test_accuracy": result["test_accuracy"], "output": str(output)})
     return jobs
-
-
-def first_gradient(result: dict) -> float | None:
-    """When the job whose result.json is `result` had its first gradient applied: its run's
-    start (its supervisor's, `runs`) and `seconds_to_first_update` after it (its server's
-    record of its first applied gradient). None where result.json lacks them."""
-    runs, seconds = result.get("runs"), result.get("seconds_to_first_update")
-    if not isinstance(runs, list) or not runs or not isinstance(seconds, (int, float)):
-        return None
-    started = runs[-1].get("started") if isinstance(runs[-1], dict) else None
-    return started + seconds if isinstance(started, (int, float)) else None
 
 
 def run_ray(paths: list[Path], folder: Path, *, timeout: float, max_jobs: str | None = None) -> list[dict]:
