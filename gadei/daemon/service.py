@@ -75,6 +75,13 @@ class Daemon(Jobs):
 
     def _serve(self, path: str) -> None:
         _raise_fd_limit(MAX_CONNECTIONS + 64)
+        # The runner first (it starts the zygote, which imports what a job's processes need), and
+        # beside it what a submit needs here (its checks read the job's data: torch and the
+        # workloads, seconds of CPU), before the socket: a daemon that listens takes its first job
+        # as fast as its next ones, and a client that sees the socket sees a ready daemon.
+        runner = threading.Thread(target=self.run_queue, name="gadei-daemon-runner", daemon=True)
+        runner.start()
+        _import_submit()
         try:
             os.unlink(path)  # a dead daemon's socket: we hold the lock, so nobody else's
         except FileNotFoundError:
@@ -93,8 +100,6 @@ class Daemon(Jobs):
         self._wake_w.setblocking(False)
         self._answers: queue.SimpleQueue = queue.SimpleQueue()
         self._pool = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="gadei-daemon-request")
-        runner = threading.Thread(target=self.run_queue, name="gadei-daemon-runner", daemon=True)
-        runner.start()
         previous = {sig: signal.signal(sig, lambda *_: self.stop()) for sig in (signal.SIGTERM, signal.SIGINT)}
         if self.max_jobs is None:
             placed = f"jobs placed by the cores ({cores_said()}), memory and /dev/shm they need"
@@ -167,6 +172,23 @@ class Daemon(Jobs):
         except Exception as err:  # a bug must cost one request its answer, never the daemon
             log.exception("request %.200r failed", line)
             return {"ok": False, "error": f"the daemon failed on this request: {type(err).__name__}: {err}"}
+
+
+SUBMIT_IMPORTS = ("gadei.prepare", "gadei_workloads", "gadei_workloads.cost", "gadei_workloads.text",
+                  "gadei_workloads.ngram")
+
+
+def _import_submit() -> None:
+    """Import SUBMIT_IMPORTS (one that fails fails again where a submit needs it, and says so there)."""
+    import importlib
+
+    started = time.monotonic()
+    for name in SUBMIT_IMPORTS:
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - said by the submit that needs it
+            log.debug("importing %s ahead of the first submit failed", name, exc_info=True)
+    log.info("imported what a submit needs in %.1f s", time.monotonic() - started)
 
 
 def _lock(path: Path, what: str) -> int:
