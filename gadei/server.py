@@ -242,8 +242,13 @@ class Server:
             self.region.write_spec(spec)
         if spec is not None:
             weights = checkpoint.flat_weights(spec)
-        else:
+        elif "weights" in checkpoint.model:  # a job served with n_params only, checkpointed so
             weights = checkpoint.model["weights"].numpy()
+        else:
+            raise RegionMismatch(f"job {self.job!r}: checkpoint {checkpoint.path} holds a model's parameters "
+                                 f"({', '.join(list(checkpoint.model)[:5])}{', ...' * (len(checkpoint.model) > 5)}) "
+                                 "and no list of their shapes; serve it with the model it was taken of "
+                                 "(--workload or --model), not --params")
         if weights.size != self.region.shape.n_params:
             raise RegionMismatch(f"job {self.job!r}: checkpoint {checkpoint.path} holds {weights.size:,} parameters, "
                                  f"the job has {self.region.shape.n_params:,}")

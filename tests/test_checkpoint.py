@@ -300,3 +300,25 @@ def test_serve_resume_without_a_valid_checkpoint_is_a_clear_error(job, procs, tm
     out, err = communicate(procs.gadei("serve", job, "--params", 10, "--resume", tmp_path), 60)
     assert f"--resume {tmp_path}: no checkpoint there that reads and verifies" in err
     assert "skipping a bad checkpoint" in err
+
+
+def test_launched_learners_never_resume_from_a_checkpoint_without_their_progress(job, procs, tmp_path):
+    """A stopped server's own checkpoint holds the weights, not how far each learner got:
+    learners launched from their start would apply again what those weights hold. The
+    supervisor refuses it, and a folder of such checkpoints only, with the reason and the way
+    on; it starts nothing (no region is left)."""
+    saved = checkpoint.save(tmp_path, _checkpoint())  # no progress: as `gadei serve` leaves at its stop
+    for given in (tmp_path, saved):
+        out, err = communicate(procs.gadei("serve", job, "--params", 10, "--checkpoint-dir", tmp_path, "--resume",
+                                           given, "--learner", "--epochs 1"), 60)
+        assert f"--resume {given}: " in err and "would train again what its weights hold" in err, err
+        assert "Traceback" not in err and inspect(job) is None
+
+
+def test_serve_params_resumed_from_a_checkpoint_of_a_named_model_is_a_clear_error(job, procs, tmp_path):
+    """--params gives the weights no names: a checkpoint of a model's named parameters, without
+    their shapes, cannot be laid out in it. Refused with the reason, no traceback, no region."""
+    checkpoint.save(tmp_path, _checkpoint())
+    out, err = communicate(procs.gadei("serve", job, "--params", 10, "--resume", tmp_path), 60)
+    assert "holds a model's parameters (0.weight, 1.weight, 1.bias)" in err and "not --params" in err, err
+    assert "Traceback" not in err and inspect(job) is None

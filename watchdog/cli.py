@@ -53,7 +53,13 @@ def _resume_point(args: list[str]) -> tuple[list[str], dict]:
     """The server's arguments with its --resume (the last one counts, as for argparse) made the
     checkpoint its launched learners go on from: a folder is the newest checkpoint there that
     records their progress (a newer one without it, a stopped server's own, holds updates the
-    learners would train again); and that progress. Without --resume: as given, and {}."""
+    learners would train again); and that progress. Without --resume: as given, and {}.
+
+    Raises:
+        GadeiError: the checkpoint, or every one in the folder, records no progress of the
+            learners (a stopped server's own): learners launched from their start would apply
+            again what its weights hold. The server alone (`gadei serve --resume`, no
+            --learner) may go on from it."""
     import os
 
     from gadei import checkpoint
@@ -67,8 +73,13 @@ def _resume_point(args: list[str]) -> tuple[list[str], dict]:
     if given is None:
         return args, {}
     found = checkpoint.load(given) if os.path.isfile(given) else checkpoint.latest(given, with_progress=True)
-    if found is None:
-        return args, {}
+    if found is None and checkpoint.latest(given) is None:
+        return args, {}  # nothing there: the server says so
+    if found is None or not found.progress:
+        raise GadeiError(f"--resume {given}: {'no checkpoint there records' if found is None else 'it does not record'}"
+                         " how far the launched learners got (a stopped server's own checkpoint does not), so they "
+                         "would train again what its weights hold; resume from a checkpoint the supervisor took, or "
+                         "the server alone (`gadei serve --resume` without --learner)")
     return [*args[:at[0]], "--resume", str(found.path), *args[at[1]:]], found.progress
 
 
