@@ -253,7 +253,8 @@ class Zygote:
     request. Its children are its own: it reaps them and tells `code` their exit codes.
 
     Requests and answers are JSON messages on a Unix socket pair (SOCK_SEQPACKET: one message
-    each); a reader thread takes the answers and the exits as they come."""
+    each); a reader thread takes the answers, the exits and its word that it is warm (`ready`)
+    as they come."""
 
     def __init__(self, timeout: float = 120.0, on_exit=None):
         self.timeout, self.on_exit = timeout, on_exit
@@ -261,6 +262,7 @@ class Zygote:
         self._answers: list[dict] = []
         self._codes: dict[int, int] = {}
         self._changed = threading.Condition()
+        self._ready = False  # it said it is warm
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         command = _proc.python_command("gadei.zygote", theirs.fileno())
         self.proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, pass_fds=(theirs.fileno(),),
@@ -282,7 +284,9 @@ class Zygote:
                     self._changed.notify_all()
                     return
                 message = json.loads(data)
-                if "exited" in message:
+                if "ready" in message:
+                    self._ready = True
+                elif "exited" in message:
                     self._codes[message["exited"]] = message["code"]
                     if self.on_exit is not None:
                         self.on_exit()
@@ -292,6 +296,13 @@ class Zygote:
 
     def alive(self) -> bool:
         return self.proc.poll() is None
+
+    def ready(self, wait: float = 0.0) -> bool:
+        """Whether it is warm (it imported what a job's processes need: a fork costs milliseconds),
+        waiting up to `wait` seconds for it; False where it ended first."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._ready or not self.alive(), wait)
+            return self._ready
 
     def start(self, command: list[str], *, log_fd: int, env: dict) -> int:
         """Fork `command` (a supervisor's command line) in the zygote, its stdout and stderr
@@ -339,6 +350,10 @@ def serve(fd: int) -> int:
     signal.signal(signal.SIGCHLD, lambda *_: None)
     signal.set_wakeup_fd(waker_w)
     warm()
+    try:
+        sock.send(json.dumps({"ready": True}).encode())
+    except OSError:  # its owner is gone already
+        return 0
     selector = selectors.DefaultSelector()
     selector.register(sock, selectors.EVENT_READ)
     selector.register(waker_r, selectors.EVENT_READ)

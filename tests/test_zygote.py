@@ -105,10 +105,15 @@ def test_a_forked_child_is_its_command_with_its_own_log_title_and_exit_code(tmp_
 def test_the_daemon_forks_supervisors_from_its_zygote_and_replaces_a_killed_one(small, procs, daemon_env):
     """Each daemon job's supervisor is forked by the daemon's zygote; a zygote killed (SIGKILL)
     does not take the running job with it (its supervisor is in a session of its own), and the
-    next job is forked from a new zygote. A daemon that listens has imported what a submit
-    needs (its checks read the job's data): the first job submitted does not wait for it."""
+    next job is forked from a new zygote. A daemon that listens is warm, and its zygote too
+    (each imported what it needs: torch, the workloads, the job layer): the first job submitted
+    waits for neither."""
     daemon = start_daemon(procs, daemon_env)
-    assert any("libtorch" in os.path.basename(m.path) for m in psutil.Process(daemon.pid).memory_maps())
+    (zygote,) = [p for p in psutil.Process(daemon.pid).children() if "gadei.zygote" in " ".join(p.cmdline())]
+    for warm in (daemon.pid, zygote.pid):
+        maps = {os.path.basename(m.path) for m in psutil.Process(warm).memory_maps()}
+        assert any("libtorch" in m for m in maps), (warm, sorted(maps))
+    assert any("/matplotlib/" in m.path for m in zygote.memory_maps()), "the daemon listens before its zygote is warm"
     first, second = unique_name("zfirst"), unique_name("zsecond")
     # long enough that it still runs when a `gadei jobs` started under load answers (a few seconds)
     finish(procs.gadei("submit", _small_job(small, first, epochs=300, patience=300), env=daemon_env))

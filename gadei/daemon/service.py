@@ -24,6 +24,9 @@ from .listener import BACKLOG, MAX_CONNECTIONS, WORKERS, Loop, check_request
 log = logging.getLogger(__name__)
 
 
+ZYGOTE_READY = 60.0  # seconds the daemon waits for its zygote to be warm before it listens
+
+
 def socket_path() -> str:
     return os.path.join(runtime_dir(), "daemon.sock")
 
@@ -75,13 +78,17 @@ class Daemon(Jobs):
 
     def _serve(self, path: str) -> None:
         _raise_fd_limit(MAX_CONNECTIONS + 64)
-        # The runner first (it starts the zygote, which imports what a job's processes need), and
-        # beside it what a submit needs here (its checks read the job's data: torch and the
-        # workloads, seconds of CPU), before the socket: a daemon that listens takes its first job
-        # as fast as its next ones, and a client that sees the socket sees a ready daemon.
+        # Warm before the socket: the zygote imports what a job's processes need, and beside it this
+        # process what a submit needs (its checks read the job's data: torch and the workloads),
+        # seconds of CPU each; a daemon that listens takes its first job as fast as its next ones,
+        # and a client that sees the socket sees a ready daemon.
+        self._warm()
         runner = threading.Thread(target=self.run_queue, name="gadei-daemon-runner", daemon=True)
         runner.start()
         _import_submit()
+        if not self.zygote.ready(ZYGOTE_READY):
+            log.warning("the zygote (pid %d) is not warm after %g s; listening without it", self.zygote.proc.pid,
+                        ZYGOTE_READY)
         try:
             os.unlink(path)  # a dead daemon's socket: we hold the lock, so nobody else's
         except FileNotFoundError:
