@@ -84,6 +84,25 @@ def _passed_on(supervisor: psutil.Process) -> bool:
     return bool(int(pending.split()[1], 16) >> (signal.SIGTERM - 1) & 1)
 
 
+def _signals(*pids: int) -> str:
+    """Each process's state and signal masks (/proc/PID/status), and where each of its threads
+    waits in the kernel (wchan)."""
+    said = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/status") as status:
+                lines = [line.strip() for line in status
+                         if line.split(":")[0] in ("Name", "State", "SigPnd", "ShdPnd", "SigBlk", "SigIgn", "SigCgt")]
+            waits = []
+            for tid in sorted(os.listdir(f"/proc/{pid}/task")):
+                with open(f"/proc/{pid}/task/{tid}/wchan") as wchan, open(f"/proc/{pid}/task/{tid}/comm") as comm:
+                    waits.append(f"{tid} {comm.read().strip()}: {wchan.read().strip()}")
+            said.append(f"pid {pid}: {'; '.join(lines)}; threads: {', '.join(waits)}")
+        except OSError as err:
+            said.append(f"pid {pid}: {err}")
+    return "\n".join(said)
+
+
 @pytest.fixture
 def job(tmp_path):
     name = unique_name("race")
@@ -103,7 +122,11 @@ def test_a_stop_mid_training_ends_stopped_and_resume_goes_on_to_every_learners_e
         proc.send_signal(signal.SIGSTOP)
     try:
         run.send_signal(signal.SIGTERM)  # gadei run passes it on; the held supervisor takes it once it runs
-        wait_for(lambda: _passed_on(supervisor), 60, "gadei run to pass the stop on")
+        try:
+            wait_for(lambda: _passed_on(supervisor), 60, "gadei run to pass the stop on")
+        except BaseException:  # once in 10 runs under --busy 2 (2026-11-29): what each process was doing
+            pytest.fail(f"gadei run did not pass the stop on within 60 s:\n{_signals(run.pid, supervisor.pid)}\n"
+                        f"gadei run's stderr: {''.join(run.err_lines)[-3000:]}")
     finally:
         for proc in reversed(held):
             proc.send_signal(signal.SIGCONT)
