@@ -84,25 +84,6 @@ def _passed_on(supervisor: psutil.Process) -> bool:
     return bool(int(pending.split()[1], 16) >> (signal.SIGTERM - 1) & 1)
 
 
-def _signals(*pids: int) -> str:
-    """Each process's state and signal masks (/proc/PID/status), and where each of its threads
-    waits in the kernel (wchan)."""
-    said = []
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/status") as status:
-                lines = [line.strip() for line in status
-                         if line.split(":")[0] in ("Name", "State", "SigPnd", "ShdPnd", "SigBlk", "SigIgn", "SigCgt")]
-            waits = []
-            for tid in sorted(os.listdir(f"/proc/{pid}/task")):
-                with open(f"/proc/{pid}/task/{tid}/wchan") as wchan, open(f"/proc/{pid}/task/{tid}/comm") as comm:
-                    waits.append(f"{tid} {comm.read().strip()}: {wchan.read().strip()}")
-            said.append(f"pid {pid}: {'; '.join(lines)}; threads: {', '.join(waits)}")
-        except OSError as err:
-            said.append(f"pid {pid}: {err}")
-    return "\n".join(said)
-
-
 @pytest.fixture
 def job(tmp_path):
     name = unique_name("race")
@@ -121,12 +102,12 @@ def test_a_stop_mid_training_ends_stopped_and_resume_goes_on_to_every_learners_e
     for proc in held:
         proc.send_signal(signal.SIGSTOP)
     try:
+        # stopped, not only sent a SIGSTOP: a process that has not run since (a loaded machine)
+        # takes a SIGTERM that comes now first (the lower signal number), and then stops, the
+        # stop handled and never pending (it failed so once in 10 runs under --busy 2)
+        wait_for(lambda: all(_stopped_state(proc) for proc in held), 60, "the supervisor and learners to stop")
         run.send_signal(signal.SIGTERM)  # gadei run passes it on; the held supervisor takes it once it runs
-        try:
-            wait_for(lambda: _passed_on(supervisor), 60, "gadei run to pass the stop on")
-        except BaseException:  # once in 10 runs under --busy 2 (2026-11-29): what each process was doing
-            pytest.fail(f"gadei run did not pass the stop on within 60 s:\n{_signals(run.pid, supervisor.pid)}\n"
-                        f"gadei run's stderr: {''.join(run.err_lines)[-3000:]}")
+        wait_for(lambda: _passed_on(supervisor), 60, "gadei run to pass the stop on")
     finally:
         for proc in reversed(held):
             proc.send_signal(signal.SIGCONT)
@@ -162,8 +143,8 @@ def test_a_stop_after_the_learners_finished_ends_the_job_done(tmp_path, procs, j
     learners = _learners(supervisor)
     supervisor.send_signal(signal.SIGSTOP)  # it has not seen the learners finish: their ends are its to see
     try:
-        wait_for(lambda: all(p.status() == psutil.STATUS_ZOMBIE for p in learners), STOP_WITHIN,
-                 "both learners to finish their schedules")
+        wait_for(lambda: _stopped_state(supervisor) and all(p.status() == psutil.STATUS_ZOMBIE for p in learners),
+                 STOP_WITHIN, "both learners to finish their schedules")  # and the supervisor stopped: see (a)
         run.send_signal(signal.SIGTERM)
         wait_for(lambda: _passed_on(supervisor), 60, "gadei run to pass the stop on")
     finally:
