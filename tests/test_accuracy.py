@@ -9,9 +9,14 @@ point to one learner (async Hogwild updates from stale weights must not cost acc
 
 Hogwild runs are not deterministic: on SST-2, same-seed runs with two learners ended
 between 77.6% and 79.2%. So each side is the median over SEEDS (the job's seed: initial
-weights, data order, dropout), and the comparison is of those medians. TREC runs in the
-long tier (`--long`) with two seeds (four to eight minutes on a 2-core machine); SST-2 and
-banking77 run with `--soak`, three seeds each (about ten and twenty minutes).
+weights, data order, dropout), and the comparison is of those medians.
+
+Each model family is a case: the n-gram workload on TREC runs in the long tier (`--long`),
+three seeds a side (about a minute on a 2-core machine: its runs take seconds, and its
+row-sparse updates are the Hogwild case where two learners' steps meet on the same rows).
+The text CNN's cases run with `--soak`: TREC with two seeds (five to eight minutes, more than
+CI's long tier can afford beside the fault scenarios), SST-2 and banking77 with three (about
+ten and twenty minutes).
 """
 
 import statistics
@@ -22,7 +27,8 @@ import pytest
 
 from helpers import communicate, data_dir, missing, unique_name
 
-SEEDS = {"trec": (0, 1), "sst2": (0, 1, 2), "banking77": (0, 1, 2)}
+SEEDS = {("trec", "textcnn"): (0, 1), ("trec", "ngram"): (0, 1, 2), ("sst2", "textcnn"): (0, 1, 2),
+         ("banking77", "textcnn"): (0, 1, 2)}
 CASES = {
     "trec": (0.85, """
         [data]
@@ -47,11 +53,15 @@ CASES = {
 }
 
 
-def _run(procs, folder, case: str, learners: int, seed: int) -> dict:
+# The n-gram workload's floor on TREC: test_ngram.py's, a point or so under its 3-seed median
+TARGETS = {("trec", "ngram"): 0.895}
+
+
+def _run(procs, folder, case: str, workload: str, learners: int, seed: int) -> dict:
     name = unique_name(f"acc-{case}-{learners}-{seed}")
     path = folder / f"{case}-{learners}-{seed}.toml"
     folder.mkdir(parents=True, exist_ok=True)
-    path.write_text(f'[job]\nname = "{name}"\nworkload = "textcnn"\n'
+    path.write_text(f'[job]\nname = "{name}"\nworkload = "{workload}"\n'
                     + "\n".join(line.strip() for line in CASES[case][1].format(d=data_dir()).splitlines())
                     + f'\n[train]\nlearners = {learners}\nseed = {seed}\n[output]\nfolder = "out-{learners}-{seed}"\n')
     run = procs.gadei("run", path, "--quiet")
@@ -63,18 +73,21 @@ def _run(procs, folder, case: str, learners: int, seed: int) -> dict:
     return result
 
 
-@pytest.mark.parametrize("case", [
-    pytest.param("trec", marks=pytest.mark.long),
-    pytest.param("sst2", marks=pytest.mark.soak),
-    pytest.param("banking77", marks=pytest.mark.soak),
+@pytest.mark.parametrize("case, workload", [
+    pytest.param("trec", "ngram", marks=pytest.mark.long),
+    pytest.param("trec", "textcnn", marks=pytest.mark.soak),
+    pytest.param("sst2", "textcnn", marks=pytest.mark.soak),
+    pytest.param("banking77", "textcnn", marks=pytest.mark.soak),
 ])
-def test_a_job_with_default_settings_reaches_its_accuracy_with_two_learners_as_with_one(case, tmp_path, procs):
-    target, _ = CASES[case]
+def test_a_job_with_default_settings_reaches_its_accuracy_with_two_learners_as_with_one(case, workload, tmp_path,
+                                                                                          procs):
+    target = TARGETS.get((case, workload), CASES[case][0])
     if not (data_dir() / case).is_dir():
         missing(f"{case} is not at {data_dir() / case} (set GADEI_DATA_DIR)")
-    runs = {n: [_run(procs, tmp_path / case, case, learners=n, seed=seed) for seed in SEEDS[case]] for n in (2, 1)}
+    seeds = SEEDS[case, workload]
+    runs = {n: [_run(procs, tmp_path / case, case, workload, learners=n, seed=seed) for seed in seeds] for n in (2, 1)}
     median = {n: statistics.median(r["test_accuracy"] for r in rs) for n, rs in runs.items()}
-    report = f"{case}, {runs[2][0]['epochs']} epochs, seeds {SEEDS[case]}: " + "; ".join(
+    report = f"{case}, {workload}, {runs[2][0]['epochs']} epochs, seeds {seeds}: " + "; ".join(
         f"{'two learners' if n == 2 else 'one learner'} median {median[n]:.2%} ("
         + ", ".join(f"{r['test_accuracy']:.2%} in {r['seconds']:.0f} s" for r in rs) + ")" for n, rs in runs.items())
     print(report)
