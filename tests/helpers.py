@@ -364,6 +364,14 @@ def finish(proc: subprocess.Popen, timeout: float = 60) -> tuple[str, str]:
     return out, err
 
 
+def png_shape(path: Path) -> tuple:
+    """A PNG's (height, width, channels), read back by matplotlib (after checking it is a PNG)."""
+    import matplotlib.image
+
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", path
+    return matplotlib.image.imread(path).shape
+
+
 def json_lines(text: str) -> list[dict]:
     return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
 

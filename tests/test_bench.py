@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from helpers import communicate, data_dir, missing
+from helpers import communicate, data_dir, missing, png_shape
 
 
 @pytest.mark.parametrize("kind, roles", [("gadei", ["server", "learner", "learner"]),
@@ -97,14 +97,6 @@ def test_a_filter_count_fits_up_to_the_memory_available():
 
 # The pictures the benchmarks draw beside their tables (`--plot`, gadei.bench.figure).
 
-def _png(path) -> tuple:
-    """A PNG's (height, width, channels), read back by matplotlib."""
-    import matplotlib.image
-
-    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", path
-    return matplotlib.image.imread(path).shape
-
-
 def test_plot_goes_beside_out_by_default_and_gets_each_benchmarks_name_when_several_draw():
     from argparse import Namespace
 
@@ -133,7 +125,8 @@ def _titles(fig) -> list[str]:
 def test_each_benchmarks_figure_has_a_panel_per_figure_of_its_tables():
     """The figures drawn from a benchmark's JSON (of the shape its --quick run saves): peers one
     panel per mini-batch with a bar per method, quality its accuracies and times, gpu its three
-    figures (the real commands draw them in the long tests below)."""
+    figures (the real commands draw them in the long tests: gpu's below, peers' and quality's in
+    test_cli.py's --quick runs)."""
     from gadei.bench import gpu, peers, quality
 
     runs = [("plain", 1), ("gadei", 2), ("rpc", 2)]
@@ -175,7 +168,7 @@ def test_bench_gpu_on_the_cpu_draws_its_figure_beside_out(procs, tmp_path):
     saved = _bench(procs, tmp_path, "gpu", "--device", "cpu", timeout=600)
     path = tmp_path / "gadei-bench-gpu.png"
     assert saved["gpu"]["plot"] == str(path)
-    assert _png(path)[:2] == (380, 1300)  # three panels side by side
+    assert png_shape(path)[:2] == (380, 1300)  # three panels side by side
     # each push is set against a pinned copy of its own bytes: the text CNN's table travels as
     # its touched rows, so a push is smaller than the model, and a pull is the whole model
     steps = {r["model"]: r for r in saved["gpu"]["step"]["rows"]}
@@ -185,27 +178,3 @@ def test_bench_gpu_on_the_cpu_draws_its_figure_beside_out(procs, tmp_path):
     assert copies["vgg"]["push_bytes_per_copy"] == steps["vgg"]["params"] * 4  # dense, float32
     assert all(r["push_vs_d2h"] > 0 and r["pull_vs_h2d"] > 0 for r in copies.values())
     assert all(r["train_wait_ms"] >= 0 and r["space_wait_ms"] >= 0 for r in steps.values())
-
-
-@pytest.mark.long  # a bench's --quick run: minutes of training
-def test_bench_peers_draws_its_figure_to_plot(procs, tmp_path):
-    """`gadei bench peers --quick --plot P` draws one panel (batch 4), a bar per method, to P."""
-    if not (data_dir() / "trec" / "TREC.train").is_file():
-        missing("TREC is not in the shared data")
-    path = tmp_path / "figures" / "peers.png"
-    saved = _bench(procs, tmp_path, "peers", "--plot", str(path))
-    assert saved["peers"]["plot"] == str(path)
-    height, width, _ = _png(path)
-    assert (height, width) == (352, 560)  # 6 methods, 1 batch
-
-
-@pytest.mark.long  # a bench's --quick run: minutes of training
-def test_bench_quality_draws_its_figure_beside_out(procs, tmp_path):
-    """`gadei bench quality --quick` draws the accuracies and times of TREC's runs to
-    gadei-bench-quality.png beside --out."""
-    if not (data_dir() / "trec" / "TREC.train").is_file():
-        missing("TREC is not in the shared data")
-    saved = _bench(procs, tmp_path, "quality")
-    path = tmp_path / "gadei-bench-quality.png"
-    assert saved["quality"]["plot"] == str(path)
-    assert _png(path)[:2] == (420, 800)

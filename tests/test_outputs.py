@@ -10,7 +10,7 @@ import pytest
 
 from gadei import curves, jobfile, outputs
 from gadei._proc import gadei_command
-from helpers import blobs_job, communicate, end_jobs, finish, missing, unique_name, wait_for
+from helpers import blobs_job, communicate, end_jobs, finish, missing, png_shape, unique_name, wait_for
 
 
 def test_the_chosen_models_time_is_one_figure_in_every_place_a_user_reads_it(tmp_path, procs):
@@ -74,7 +74,7 @@ def test_a_resumed_run_says_its_seconds_with_the_runs_it_resumed(tmp_path, procs
         assert all(both[at] == took for at, took in first.items() if at in both), (first, both)
         assert set(both) - set(first), both
         # a real run's records carry samples/s and staleness: accuracy.png has their row too
-        assert _png_shape(out / "accuracy.png")[:2] == (700, 1000)
+        assert png_shape(out / "accuracy.png")[:2] == (700, 1000)
     finally:
         end_jobs(name)
 
@@ -208,13 +208,6 @@ def test_a_resumed_runs_chosen_model_counts_the_seconds_of_the_runs_it_resumed(t
     assert [outputs.job_seconds(at, runs) for at in (1000.0, 2012.0, 3005.0, 980.0)] == [10.0, 62.0, 85.0, None]
 
 
-def _png_shape(path) -> tuple:
-    import matplotlib.image
-
-    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", path
-    return matplotlib.image.imread(path).shape
-
-
 def _records(pace: bool) -> list[dict]:
     keys = ("samples_per_s", "staleness_mean", "staleness_max")
     return [{"epoch": e, "validation_accuracy": 0.5 + 0.05 * e, "test_accuracy": 0.5 + 0.04 * e, "epoch_seconds": 2.0,
@@ -265,8 +258,8 @@ def test_accuracy_png_shows_samples_per_s_and_staleness_in_panels_of_their_own(t
     # the file, accuracy.png: taller with the second row
     outputs.plot(_records(pace=True), tmp_path / "accuracy.png", "job")
     outputs.plot(_records(pace=False), tmp_path / "old.png", "job")
-    assert (_png_shape(tmp_path / "accuracy.png")[:2] == (700, 1000)
-            and _png_shape(tmp_path / "old.png")[:2] == (400, 1000))
+    assert (png_shape(tmp_path / "accuracy.png")[:2] == (700, 1000)
+            and png_shape(tmp_path / "old.png")[:2] == (400, 1000))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["accuracy.png", "old.png"]  # no temporary file left
 
 
