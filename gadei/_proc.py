@@ -103,20 +103,6 @@ def alive(pid: int, started: float) -> bool:
         return True  # it exists and is not ours to inspect: never declare it dead
 
 
-def alive_since(pid: int, when: float) -> bool:
-    """True when `pid` runs and started no later than `when` (seconds since the epoch): the
-    process that wrote something at `when`, not a later one that reused its pid."""
-    if pid <= 0:
-        return False
-    try:
-        proc = psutil.Process(pid)
-        return proc.status() != psutil.STATUS_ZOMBIE and proc.create_time() <= when + 0.05
-    except psutil.NoSuchProcess:
-        return False
-    except psutil.AccessDenied:
-        return True
-
-
 def oom_kills() -> int | None:
     """How many processes the kernel's out-of-memory killer has killed on this machine since it
     booted (`oom_kill` in /proc/vmstat, Linux 4.13 and later; it counts the kills of a cgroup's

@@ -1,7 +1,7 @@
-"""Running a job's processes on this machine: the one place gadei starts one (`spawn`;
-`run_command` for one it waits for; `become` for a command that turns into another), stops a
-job (`stop_job`), or ends itself when a call that takes no time limit overstays (`exit_after`).
-Ending a child that does not exit in time is `gadei._proc.wait_or_kill`."""
+"""Running a job's processes on this machine: the one place gadei starts one (`spawn`; `become`
+for a command that turns into another), stops a job (`stop_job`), or ends itself when a call
+that takes no time limit overstays (`exit_after`). Ending a child that does not exit in time is
+`gadei._proc.wait_or_kill`."""
 
 import logging
 import os
@@ -122,17 +122,6 @@ def become(command: list[str]) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os.execv(command[0], command)
-
-
-def run_command(command: list[str], timeout: float, env: dict[str, str] | None = None) -> tuple[int, str]:
-    """Run `command` (a `gadei._proc` command line) to its end, stdin from /dev/null, in the
-    environment `env` (this process's by default): its exit code and its stderr.
-
-    Raises:
-        subprocess.TimeoutExpired: it ran for longer than `timeout` seconds (it is killed).
-    """
-    done = subprocess.run(command, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout, env=env)
-    return done.returncode, done.stderr
 
 
 def stop_by_pid(job: str, problem: str, timeout: float) -> bool:

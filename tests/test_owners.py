@@ -65,7 +65,7 @@ OUTPUT_NAMES: set[str] = set()  # gadei.outputs' names of those paths
 OUTPUT_WRITERS = {"write_metrics", "hand_back", "plot", "_replace", "_replace_with"}
 
 # "Is this process running" (a pid, and its start time): gadei/_proc.py answers it (`alive`,
-# `running`, `alive_since`), for every process gadei watches; nobody else asks psutil or the
+# `running`), for every process gadei watches; nobody else asks psutil or the
 # kernel whether a pid lives.
 LIVENESS = "gadei/_proc.py"
 LIVENESS_CALLS = {"create_time", "pid_exists", "is_running", "STATUS_ZOMBIE"}
@@ -112,7 +112,7 @@ def protocol_field_uses(sources) -> dict[str, set[str]]:
 
 
 # Starting a process, and "wait for a child, else kill it", are written once: gadei/launch.py's
-# `spawn` (`run_command`, `become`) and gadei/_proc.py's `wait_or_kill`; `spawn` forks warm through gadei/zygote.py,
+# `spawn` (and `become`) and gadei/_proc.py's `wait_or_kill`; `spawn` forks warm through gadei/zygote.py,
 # which alone forks (and starts the daemon's zygote process, which forks for it).
 PROCESS_OWNER = "gadei/launch.py"
 WAIT_OR_KILL_OWNER = "gadei/_proc.py"
