@@ -75,7 +75,6 @@ class Local:
 
     rank, size = 0, 1
     label = ""  # what starts each progress line
-    extra_rings = 0
     chooses = True  # learner 0 chooses the model on validation
     forks = True  # `gadei run` may fork the job's supervisor from itself (`gadei.zygote`): no MPI runtime in it
 
@@ -124,7 +123,6 @@ class Bridged(Local):
         self.comm, self.options = comm, options
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.label = f"node {self.rank}: "
-        self.extra_rings = 1  # the bridge's own ring
         self.clean = False  # MPI may be finalised: no request in flight, no peer lost
         self._bridge = None
         self._events = None
