@@ -65,8 +65,8 @@ OUTPUT_NAMES: set[str] = set()  # gadei.outputs' names of those paths
 OUTPUT_WRITERS = {"write_metrics", "hand_back", "plot", "_replace", "_replace_with"}
 
 # "Is this process running" (a pid, and its start time): gadei/_proc.py answers it (`alive`,
-# `running`), for every process gadei watches; nobody else asks psutil or the
-# kernel whether a pid lives.
+# `running`), for every process gadei watches; nobody else asks psutil or the kernel whether a
+# pid lives.
 LIVENESS = "gadei/_proc.py"
 LIVENESS_CALLS = {"create_time", "pid_exists", "is_running", "STATUS_ZOMBIE"}
 
