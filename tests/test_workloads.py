@@ -219,6 +219,26 @@ def test_batches_reject_bad_shard():
 # --- model and registry ------------------------------------------------------------
 
 
+def test_accuracy_labels_each_sentence_as_alone():
+    """A sentence's label in an evaluation does not depend on the sentences batched with it:
+    the text CNN's padded positions pass through its convolutions, so padding a short sentence
+    to a batch's longest can change its label. The accuracy of a set is the share that the
+    model labels right one sentence at a time, as `gadei predict` does."""
+    workload = gadei_workloads.get("textcnn")
+    train, test = text.generate_topics(seed=3, n_train=300, n_test=400, min_len=1, max_len=60)
+    model = workload.build_model(train, 0)
+    with torch.no_grad():
+        for conv in model.convs:  # a padded position's activation is its bias: make it count
+            conv.bias.uniform_(0.0, 0.5)
+    model.eval()
+    alone = 0
+    with torch.no_grad():
+        for ids, label in zip(test.ids, test.labels):
+            x = torch.tensor([ids + [0] * max(0, model.min_len - len(ids))])
+            alone += int(model(x).argmax(dim=1).item() == label)
+    assert workload.evaluate(model, test) == alone / len(test)
+
+
 def test_model_is_deterministic_by_seed_and_leaves_global_rng_alone():
     torch.manual_seed(123)
     state = torch.get_rng_state()

@@ -673,16 +673,33 @@ def batches(
 def accuracy(model: nn.Module, dataset: TextDataset, batch_size: int = 256) -> float:
     """Fraction of ``dataset`` the model labels correctly (eval mode, no gradients).
 
+    Sentences are batched with others of their own length, so that each is padded only to the
+    model's ``min_len`` (its widest filter), as ``gadei predict`` pads one sentence: a padded
+    position still passes through the convolutions (its bias, after ReLU, can be the maximum),
+    so padding a sentence to a batch's longest would make its label depend on its batch. It is
+    also the least work: no position computed for padding alone.
+
     The model's training mode is restored afterwards.
     """
     was_training = model.training
     model.eval()
     correct = 0
     device = next(model.parameters()).device
+    shortest = getattr(model, "min_len", 1)
+    by_length: dict[int, list[int]] = {}
+    for i, ids in enumerate(dataset.ids):
+        by_length.setdefault(max(shortest, len(ids)), []).append(i)
     try:
         with torch.no_grad():
-            for x, y in batches(dataset, batch_size, epoch=0, seed=0):
-                correct += int((model(x.to(device)).argmax(dim=1).cpu() == y).sum())
+            for length, indices in by_length.items():
+                for start in range(0, len(indices), batch_size):
+                    part = indices[start : start + batch_size]
+                    x = torch.zeros(len(part), length, dtype=torch.long)
+                    for r, i in enumerate(part):
+                        if dataset.ids[i]:
+                            x[r, : len(dataset.ids[i])] = torch.tensor(dataset.ids[i], dtype=torch.long)
+                    y = torch.tensor([int(dataset.labels[i]) for i in part], dtype=torch.long)
+                    correct += int((model(x.to(device)).argmax(dim=1).cpu() == y).sum())
     finally:
         model.train(was_training)
     return correct / len(dataset) if len(dataset) else float("nan")
