@@ -310,7 +310,7 @@ def conclude(job: jobfile.Job, ending: Ending, *, since: float | None, bridge: d
         plot(metrics, out / "accuracy.png", job.name,
              (result["epoch"], result.get("seconds_to_best")) if "epoch" in result else None)
     if (out / "model.pt").exists():
-        result.update(evaluate(job))
+        result.update(evaluate(job, metrics, result))
     if bridge is not None:
         result["bridge"] = bridge
     return _finish(job, result, since, runs, earlier, ending.first_applied)
@@ -604,14 +604,22 @@ def first_update_at(result: dict) -> float | None:
     return started + seconds if isinstance(started, (int, float)) and isinstance(seconds, (int, float)) else None
 
 
-def evaluate(job: jobfile.Job) -> dict:
-    """model.pt's test accuracy, evaluated on the whole test set (the test set chooses nothing)."""
+def evaluate(job: jobfile.Job, metrics: list[dict] = (), handed: dict | None = None) -> dict:
+    """model.pt's test accuracy, on the whole test set (the test set chooses nothing). Where
+    model.pt is an epoch's evaluated model (`handed`: its epoch and version, `hand_back`'s) and
+    that epoch's record in `metrics` has the test accuracy the evaluating learner measured on
+    the same weights, that figure; else model.pt evaluated here."""
     import torch
     from gadei_workloads import get
 
     workload = get(job.workload)
     # the sets its supervisor read (`data.keep`)
     train, _, test = data.load(workload, f"job:{job.path}") if job.path else data.load_job(job)
+    handed = handed or {}
+    for record in metrics:
+        if "epoch" in handed and (record.get("epoch"), record.get("version")) == (handed["epoch"], handed.get("version")) \
+                and isinstance(record.get("test_accuracy"), float):
+            return {"test_accuracy": record["test_accuracy"], "test_samples": len(test)}
     with zygote.one_thread():  # its supervisor may fork after (the next candidate of a job that picks its model)
         model = workload.build_model(train, job.train.seed)
         model.load_state_dict(torch.load(job.output / "model.pt", weights_only=True))

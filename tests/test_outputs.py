@@ -167,6 +167,35 @@ def test_conclude_writes_the_outputs_of_the_end_its_supervisor_saw(tmp_path):
     assert all(torch.equal(handed[k], v) for k, v in weights.items()) and "test_accuracy" in result
 
 
+def test_the_test_accuracy_of_the_chosen_model_is_the_one_its_learner_measured(tmp_path):
+    """result.json's test accuracy of a model chosen at an epoch's end is the figure the
+    evaluating learner reported for that epoch, measured on the same weights (its epoch and
+    version match): the job's end does not evaluate it again. Where no record matches (another
+    version), model.pt is evaluated."""
+    import torch
+
+    from gadei import data, selection
+    from gadei_workloads import get
+
+    job = jobfile.load(blobs_job(tmp_path, unique_name("tacc"), train={"learners": 1, "epochs": 2}))
+    out = job.output
+    (out / "logs").mkdir(parents=True)
+    workload = get(job.workload)
+    train, _, test = data.load_job(job)
+    weights = workload.build_model(train, 0).state_dict()
+    kept = selection.Selection.open(out / "checkpoints", patience=3)
+    kept.offer(selection.Evaluation(2, 20, 0.7, 0.9, at=time.time()), weights)
+    record = {"event": "epoch", "job": job.name, "learner": 0, "epoch": 2, "version": 20, "test_accuracy": 0.123}
+    (out / outputs.EPOCHS).write_text(json.dumps(record) + "\n")
+    done = outputs.Ending(0, True)
+    result = outputs.conclude(job, done, since=time.time())
+    assert (result["epoch"], result["test_accuracy"], result["test_samples"]) == (2, 0.123, len(test)), result
+    (out / outputs.EPOCHS).write_text(json.dumps({**record, "version": 21}) + "\n")
+    model = workload.build_model(train, 0)
+    model.load_state_dict(torch.load(out / "model.pt", weights_only=True))
+    assert outputs.conclude(job, done, since=time.time())["test_accuracy"] == workload.evaluate(model, test) != 0.123
+
+
 def test_a_resumed_runs_chosen_model_counts_the_seconds_of_the_runs_it_resumed(tmp_path):
     """result.json's seconds_to_best is in the job's time base, that of its seconds_in_all and
     of metrics.jsonl's seconds_since_start: a resumed run counts the seconds of the runs
