@@ -615,9 +615,9 @@ def evaluate(job: jobfile.Job, metrics: list[dict] = (), handed: dict | None = N
     workload = get(job.workload)
     # the sets its supervisor read (`data.keep`)
     train, _, test = data.load(workload, f"job:{job.path}") if job.path else data.load_job(job)
-    handed = handed or {}
+    chosen = (handed or {}).get("epoch"), (handed or {}).get("version")
     for record in metrics:
-        if "epoch" in handed and (record.get("epoch"), record.get("version")) == (handed["epoch"], handed.get("version")) \
+        if chosen[0] is not None and (record.get("epoch"), record.get("version")) == chosen \
                 and isinstance(record.get("test_accuracy"), float):
             return {"test_accuracy": record["test_accuracy"], "test_samples": len(test)}
     with zygote.one_thread():  # its supervisor may fork after (the next candidate of a job that picks its model)
