@@ -219,6 +219,29 @@ def test_batches_reject_bad_shard():
 # --- model and registry ------------------------------------------------------------
 
 
+def test_textcnn_small_batches_compute_what_its_convolutions_compute():
+    """A small CPU batch goes through the text CNN as matrix products over its windows (faster
+    at a mini-batch of a few sentences): the logits and every gradient are the convolutions'
+    (`nn.Conv1d` over the same weights), to float rounding."""
+    from gadei_workloads.textcnn import SMALL_INPUT
+
+    model = build_textcnn(60, 4, seed=2, dropout=0.0)
+    for x in (torch.randint(0, 60, (2, 9)), torch.randint(0, 60, (1, 5))):
+        assert x.numel() <= SMALL_INPUT
+        y = torch.tensor([1, 3][: len(x)])
+        model.zero_grad(set_to_none=True)
+        logits = model(x)
+        torch.nn.functional.cross_entropy(logits, y).backward()
+        got = {n: p.grad.to_dense() for n, p in model.named_parameters()}
+        model.zero_grad(set_to_none=True)
+        h = model.embedding(x).transpose(1, 2)
+        expected = model.out(torch.cat([torch.relu(conv(h)).amax(dim=2) for conv in model.convs], dim=1))
+        torch.nn.functional.cross_entropy(expected, y).backward()
+        assert torch.allclose(logits, expected, atol=1e-6)
+        for name, p in model.named_parameters():
+            assert torch.allclose(got[name], p.grad.to_dense(), atol=1e-6), name
+
+
 def test_accuracy_labels_each_sentence_as_alone():
     """A sentence's label in an evaluation does not depend on the sentences batched with it:
     the text CNN's padded positions pass through its convolutions, so padding a short sentence
