@@ -1,7 +1,6 @@
 """`python -m gadei` runs the `gadei` command (how launch.py starts servers and learners)."""
 
-import sys
-
 from .cli import main
+from .console import leave
 
-sys.exit(main())
+leave(main())

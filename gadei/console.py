@@ -2,12 +2,14 @@
 refusal shown as one line (`gadei: error: ...`, exit 2) instead of a traceback, and a closed
 pipe on stdout a quiet stop."""
 
+import atexit
 import gc
 import json
 import logging
 import os
 import signal
 import sys
+import threading
 
 from .env import settings
 from .errors import GadeiError
@@ -47,3 +49,19 @@ def run(func, args, prog: str = "gadei") -> int:
         # What is left is not collected object by object at exit: an interpreter that imported
         # torch spends 0.4 s of its exit there. Exit handlers (logging's flush) still run.
         gc.freeze()
+
+
+def leave(code: int):
+    """End this process, a command's, with exit code `code` (its `main`'s): its exit handlers
+    run (logging's flush) and its streams are flushed, then it ends without tearing down its
+    modules one by one (a tenth of a second in an interpreter that imported torch, on every
+    command). Where a thread of its own still runs, it exits as an interpreter does, which waits
+    for it. For a program's entry point only: never returns."""
+    if any(t is not threading.main_thread() and not t.daemon for t in threading.enumerate()):
+        sys.exit(code)
+    try:
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(code)

@@ -1,7 +1,7 @@
 """`python -m gadei_watchdog JOB --checkpoint-dir DIR ...` or `--job-file FILE`: a job's supervisor."""
 
-import sys
+from gadei.console import leave
 
 from .cli import main
 
-sys.exit(main())
+leave(main())

@@ -32,6 +32,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def command() -> None:
+    """The `gadei` program (its console script): `main` on this process's arguments, then the
+    process ends with its code (`console.leave`)."""
+    console.leave(main())
+
+
 def main(argv=None) -> int:
     tie_to_parent()  # first: a process of a demo's or a bench's job ends with it
     argv = sys.argv[1:] if argv is None else list(argv)
