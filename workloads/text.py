@@ -659,28 +659,26 @@ def batches(
     if epoch < 0 or seed < 0:
         raise ValueError(f"batches: epoch ({epoch}) and seed ({seed}) must be >= 0")
     order = np.random.default_rng([seed, epoch]).permutation(len(dataset))[shard::shards]
-    labels = dataset.labels
     for start in range(0, len(order), batch_size):
-        idx = order[start : start + batch_size]
-        rows = [dataset.ids[i] for i in idx]
-        x = torch.zeros(len(rows), max(min_len, max(map(len, rows))), dtype=torch.long)
-        for r, ids in enumerate(rows):
-            if ids:
-                x[r, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-        yield x, torch.tensor([int(labels[i]) for i in idx], dtype=torch.long)
+        yield _padded(dataset, order[start : start + batch_size], min_len)
+
+
+def _padded(dataset: TextDataset, idx, min_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Samples ``idx`` of ``dataset``: ids padded with 0 to the longest (at least ``min_len``), labels."""
+    rows = [dataset.ids[i] for i in idx]
+    x = torch.zeros(len(rows), max(min_len, max(map(len, rows))), dtype=torch.long)
+    for r, ids in enumerate(rows):
+        if ids:
+            x[r, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+    return x, torch.tensor([int(dataset.labels[i]) for i in idx], dtype=torch.long)
 
 
 def accuracy(model: nn.Module, dataset: TextDataset, batch_size: int = 256) -> float:
-    """Fraction of ``dataset`` the model labels correctly (eval mode, no gradients).
-
-    Sentences are batched with others of their own length, so that each is padded only to the
-    model's ``min_len`` (its widest filter), as ``gadei predict`` pads one sentence: a padded
-    position still passes through the convolutions (its bias, after ReLU, can be the maximum),
-    so padding a sentence to a batch's longest would make its label depend on its batch. It is
-    also the least work: no position computed for padding alone.
-
-    The model's training mode is restored afterwards.
-    """
+    """Fraction of ``dataset`` the model labels correctly (eval mode, no gradients; the model's
+    training mode restored after). Sentences are batched with others of their length, each
+    padded only to the model's ``min_len`` as ``gadei predict`` pads one: a padded position goes
+    through the convolutions (its bias, after ReLU, can be the maximum), so padding a sentence
+    to its batch's longest would make its label depend on its batch (and cost work)."""
     was_training = model.training
     model.eval()
     correct = 0
@@ -691,14 +689,9 @@ def accuracy(model: nn.Module, dataset: TextDataset, batch_size: int = 256) -> f
         by_length.setdefault(max(shortest, len(ids)), []).append(i)
     try:
         with torch.no_grad():
-            for length, indices in by_length.items():
+            for indices in by_length.values():
                 for start in range(0, len(indices), batch_size):
-                    part = indices[start : start + batch_size]
-                    x = torch.zeros(len(part), length, dtype=torch.long)
-                    for r, i in enumerate(part):
-                        if dataset.ids[i]:
-                            x[r, : len(dataset.ids[i])] = torch.tensor(dataset.ids[i], dtype=torch.long)
-                    y = torch.tensor([int(dataset.labels[i]) for i in part], dtype=torch.long)
+                    x, y = _padded(dataset, indices[start : start + batch_size], shortest)
                     correct += int((model(x.to(device)).argmax(dim=1).cpu() == y).sum())
     finally:
         model.train(was_training)
