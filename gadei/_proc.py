@@ -76,10 +76,24 @@ def running(pid: int) -> bool:
     if pid <= 0:
         return False
     try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        return not _exited(psutil.Process(pid))
     except psutil.NoSuchProcess:
         return False
     except psutil.AccessDenied:
+        return True
+
+
+def _exited(proc: psutil.Process) -> bool:
+    """The process has ended (a zombie: exited, not yet reaped). Its main thread alone a zombie
+    is not enough: a process that exits (`os._exit`, a fatal signal) ends its main thread
+    first, whose state is the one /proc and psutil show, while its other threads still end
+    (on a busy machine, for milliseconds): until they have, it is not over, and its parent
+    cannot reap it yet."""
+    if proc.status() != psutil.STATUS_ZOMBIE:
+        return False
+    try:
+        return len(os.listdir(f"/proc/{proc.pid}/task")) <= 1
+    except OSError:  # reaped meanwhile
         return True
 
 
@@ -94,7 +108,7 @@ def alive(pid: int, started: float) -> bool:
         return False
     try:
         proc = psutil.Process(pid)
-        if proc.status() == psutil.STATUS_ZOMBIE:
+        if _exited(proc):
             return False
         return abs(proc.create_time() - started) < 0.05
     except psutil.NoSuchProcess:

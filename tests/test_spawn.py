@@ -115,3 +115,33 @@ def test_a_sigkill_says_whether_the_out_of_memory_killer_sent_it(procs):
     assert _proc.how_it_ended(None, started).startswith("is gone, most likely killed by the kernel's out-of-memory "
                                                         "killer, which killed 1 process on this machine since it "
                                                         "started")
+
+
+def test_a_process_whose_main_thread_ended_runs_until_its_other_threads_have(procs):
+    """A process that exits ends its main thread first, and /proc shows that thread's state (a
+    zombie) while its other threads still end: `gadei daemon stop` once said the daemon
+    stopped while its parent could not reap it yet. Here the main thread leaves and a second
+    thread runs on: the process runs (for `running` and `alive`) until that thread ends."""
+    code = ("import ctypes, os, sys, threading, time\n"
+            "go = os.read(0, 1)\n"  # the test sees the main thread end, then lets the other one end
+            "threading.Thread(target=lambda: (os.read(0, 1), os._exit(0))).start()\n"
+            "ctypes.CDLL(None).pthread_exit(None)\n")
+    import subprocess
+
+    import psutil
+
+    from helpers import wait_for
+
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE)
+    proc.readers = []
+    procs.children.append(proc)  # reaped by the fixture whatever happens
+    started = _proc.start_time(proc.pid)
+    proc.stdin.write(b"x")
+    proc.stdin.flush()
+    wait_for(lambda: psutil.Process(proc.pid).status() == psutil.STATUS_ZOMBIE, 30, "the main thread to end")
+    assert proc.poll() is None and _proc.running(proc.pid) and _proc.alive(proc.pid, started)
+    proc.stdin.write(b"x")
+    proc.stdin.flush()
+    assert proc.wait(30) == 0
+    proc.stdin.close()
+    assert not _proc.running(proc.pid) and not _proc.alive(proc.pid, started)
