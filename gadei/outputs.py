@@ -615,11 +615,10 @@ def evaluate(job: jobfile.Job, metrics: list[dict] = (), handed: dict | None = N
     workload = get(job.workload)
     # the sets its supervisor read (`data.keep`)
     train, _, test = data.load(workload, f"job:{job.path}") if job.path else data.load_job(job)
-    chosen = (handed or {}).get("epoch"), (handed or {}).get("version")
-    for record in metrics:
-        if chosen[0] is not None and (record.get("epoch"), record.get("version")) == chosen \
-                and isinstance(record.get("test_accuracy"), float):
-            return {"test_accuracy": record["test_accuracy"], "test_samples": len(test)}
+    epoch, version = (handed or {}).get("epoch"), (handed or {}).get("version")
+    measured = [r.get("test_accuracy") for r in metrics if (r.get("epoch"), r.get("version")) == (epoch, version)]
+    if epoch is not None and measured and isinstance(measured[-1], float):
+        return {"test_accuracy": measured[-1], "test_samples": len(test)}
     with zygote.one_thread():  # its supervisor may fork after (the next candidate of a job that picks its model)
         model = workload.build_model(train, job.train.seed)
         model.load_state_dict(torch.load(job.output / "model.pt", weights_only=True))

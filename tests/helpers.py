@@ -290,10 +290,11 @@ class Procs:
         """`python ARGS...` with this Python."""
         return self.spawn([sys.executable, *map(str, args)], env)
 
-    def spawn(self, argv: list[str], env: dict | None = None, cwd=None) -> subprocess.Popen:
+    def spawn(self, argv: list[str], env: dict | None = None, cwd=None, stdin=None) -> subprocess.Popen:
         proc = subprocess.Popen(
             argv,
             cwd=cwd,
+            stdin=stdin,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -326,7 +327,7 @@ class Procs:
             proc.wait()
             for reader in proc.readers:
                 reader.join(10)
-            for stream in (proc.stdout, proc.stderr):
+            for stream in (proc.stdin, proc.stdout, proc.stderr):
                 if stream is not None:
                     stream.close()
 

@@ -11,10 +11,12 @@ import ast
 import json
 import os
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
-from helpers import cgroup, communicate, missing, unique_name
+import psutil
+from helpers import cgroup, communicate, missing, unique_name, wait_for
 
 from gadei import _proc
 
@@ -122,26 +124,17 @@ def test_a_process_whose_main_thread_ended_runs_until_its_other_threads_have(pro
     zombie) while its other threads still end: `gadei daemon stop` once said the daemon
     stopped while its parent could not reap it yet. Here the main thread leaves and a second
     thread runs on: the process runs (for `running` and `alive`) until that thread ends."""
-    code = ("import ctypes, os, sys, threading, time\n"
-            "go = os.read(0, 1)\n"  # the test sees the main thread end, then lets the other one end
+    code = ("import ctypes, os, threading\n"
+            "os.read(0, 1)\n"  # each byte from the test: the main thread ends, then the other one
             "threading.Thread(target=lambda: (os.read(0, 1), os._exit(0))).start()\n"
             "ctypes.CDLL(None).pthread_exit(None)\n")
-    import subprocess
-
-    import psutil
-
-    from helpers import wait_for
-
-    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE)
-    proc.readers = []
-    procs.children.append(proc)  # reaped by the fixture whatever happens
+    proc = procs.spawn([sys.executable, "-c", code], stdin=subprocess.PIPE)
     started = _proc.start_time(proc.pid)
-    proc.stdin.write(b"x")
+    proc.stdin.write("x")
     proc.stdin.flush()
     wait_for(lambda: psutil.Process(proc.pid).status() == psutil.STATUS_ZOMBIE, 30, "the main thread to end")
     assert proc.poll() is None and _proc.running(proc.pid) and _proc.alive(proc.pid, started)
-    proc.stdin.write(b"x")
+    proc.stdin.write("x")
     proc.stdin.flush()
     assert proc.wait(30) == 0
-    proc.stdin.close()
     assert not _proc.running(proc.pid) and not _proc.alive(proc.pid, started)
