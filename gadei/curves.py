@@ -36,7 +36,7 @@ def figure(metrics: list[dict], title: str, chosen: tuple | None = None):
         elif "seconds_since_start" in m:  # unknown for the records of a run whose time is unknown
             seconds[m["epoch"]] = m["seconds_since_start"]
     pace = any(key in m for m in metrics for key in ("samples_per_s", "staleness_mean", "staleness_max"))
-    fig, axes = plt.subplots(2 if pace else 1, 2, figsize=(10, 7 if pace else 4), squeeze=False)
+    fig, axes = plt.subplots(2 if pace else 1, 2, figsize=(10, 7 if pace else 4), squeeze=False, dpi=100)
     by_epoch, by_time = axes[0]
     by_time.sharey(by_epoch)
     for key, label in (("validation_accuracy", "validation"), ("test_accuracy", "test")):

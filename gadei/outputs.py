@@ -680,11 +680,20 @@ def write_metrics(out: Path, runs: list[dict] | None = None) -> list[dict]:
 
 
 def plot(metrics: list[dict], path: Path, title: str, chosen: tuple | None = None) -> None:
-    """accuracy.png (`gadei.curves.figure`), written whole or not at all."""
+    """accuracy.png (`gadei.curves.figure`), written whole or not at all: the figure drawn once,
+    its pixels saved by Pillow (matplotlib's own dependency) at a low zlib level, RGB. The job
+    waits for it (its outputs are written before it ends): that halves what savefig took (0.15
+    against 0.07 s), which drew the figure again and compressed its alpha too, for a file 3%
+    larger."""
+    import numpy
+    from PIL import Image
+
     from .curves import figure
 
     fig = figure(metrics, title, chosen)
     import matplotlib.pyplot as plt  # on the backend `figure` chose
 
-    _replace_with(path, lambda tmp: fig.savefig(tmp, dpi=100, format="png"))
+    fig.canvas.draw()
+    pixels = Image.fromarray(numpy.asarray(fig.canvas.buffer_rgba())[..., :3])
     plt.close(fig)
+    _replace_with(path, lambda tmp: pixels.save(tmp, format="png", compress_level=1))
