@@ -7,6 +7,7 @@ epoch records its log carries, and, for the evaluating learner, validation-drive
 import json
 import logging
 import os
+import threading
 import time
 
 from .console import emit
@@ -47,7 +48,8 @@ def run(args) -> int:
         staleness = _Staleness(learner.region)
         if chooser is not None and chooser.selection.stopped:  # decided before a restart: say it again
             chooser.end_training(learner)
-        elif first_epoch > 0 and skip == 0 and (args.eval or chooser is not None):
+        elif first_epoch > 0 and (skip == 0 and args.eval or chooser is not None
+                                  and not chooser.selection.evaluated(first_epoch)):
             _catch_up(args, learner, chooser, workload, model, test, first_epoch)
         for epoch in range(first_epoch, args.epochs):
             if learner.training_ended:
@@ -74,13 +76,10 @@ def run(args) -> int:
                 if chooser is not None and chooser.due(position, per_epoch):  # a large data set: within the epoch too
                     learner.refresh()
                     at = round(epoch + position / per_epoch, 3)
-                    weights = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
-                    found = chooser.evaluate(weights, at, learner.version)
-                    model.train()
-                    _report_evaluation(args, {"event": "evaluation", "job": args.job, "learner": learner.learner_id,
-                                              "epoch": at, "version": learner.version, **found})
-                    if chooser.selection.stopped:
-                        chooser.end_training(learner)
+                    chooser.later(learner, _snapshot(model), at, {"event": "evaluation", "job": args.job,
+                                                                  "learner": learner.learner_id, "epoch": at,
+                                                                  "version": learner.version},
+                                  lambda record: _report_evaluation(args, record))
             record = {
                 "event": "epoch", "job": args.job, "learner": learner.learner_id, "epoch": epoch + 1,
                 "loss": loss_sum.item() / max(1, steps), "train_accuracy": correct.item() / max(1, seen),
@@ -89,39 +88,48 @@ def run(args) -> int:
                 "epoch_seconds": time.monotonic() - epoch_start, "version": learner.version,
                 **staleness.since_last(), "nonfinite_skipped": learner.region.header.get("nonfinite_skipped"),
             }
-            if learner.training_ended and chooser is None:
-                break  # a part of an epoch: nothing to report
-            if args.eval or chooser is not None:
+            if chooser is not None:
+                chooser.wait()  # the evaluation before this epoch's: its decision may have ended training
+            if learner.training_ended and (chooser is None or chooser.selection.stopped):
+                break  # trained after the decision: nothing to evaluate or report
+            if chooser is not None:  # evaluated on a copy of the weights while this learner trains on
                 learner.refresh()
-                weights = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
-            if chooser is not None:
-                record.update(chooser.evaluate(weights, epoch + 1, learner.version))
-                if chooser.selection.stopped:
-                    chooser.end_training(learner)
-            if args.eval:
-                # the chooser's model holds `weights` already; the test set only reports, never chooses
-                record["test_accuracy"] = workload.evaluate(chooser.eval_model if chooser else model, test)
-                record.setdefault("evaluated_at", time.time())  # without a validation set: the test set's
-            model.train()
-            _report(args, record)
-            if chooser is not None:
+                record["version"] = learner.version  # the evaluated weights' (the job's end reuses its test accuracy)
+                chooser.later(learner, _snapshot(model), epoch + 1, record, lambda record: _report(args, record),
+                              test if args.eval else None)
                 chooser.new_epoch()
+            else:
+                if args.eval:  # without a validation set: the test set's accuracy, reported only
+                    learner.refresh()
+                    record["version"] = learner.version
+                    record["test_accuracy"] = workload.evaluate(model, test)
+                    record["evaluated_at"] = time.time()
+                    model.train()
+                _report(args, record)
             if learner.training_ended:
                 break
+        if chooser is not None:
+            chooser.wait()  # the last epoch's evaluation, before this learner leaves
     return 0
 
 
+def _snapshot(model) -> dict:
+    """A copy of `model`'s weights on the CPU: an evaluation's, which the shared weights must not move under."""
+    return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+
+
 def _catch_up(args, learner, chooser, workload, model, test, epoch: int) -> None:
-    """A restarted evaluating learner whose schedule goes on at the start of an epoch: its last
-    run may have been killed between epoch `epoch`'s last step and that epoch's record (the
-    evaluations take a while). Evaluate now, as at that epoch's end, so that neither the job's
-    metrics nor the model selection miss the epoch. The record says "restarted": the metrics
+    """A restarted evaluating learner whose schedule goes on after epoch `epoch`: its last run
+    may have been killed between that epoch's last step and its record (the evaluations take a
+    while, and run while the learner trains on: a restart within the next epoch can find it
+    unmade too). Evaluate now, as at that epoch's end, so that neither the job's metrics nor the
+    model selection miss the epoch. The record says "restarted": the metrics
     keep the epoch's own record where the last run wrote it (`gadei.outputs.write_metrics`),
     and the selection counts an epoch once."""
     learner.refresh()
     record = {"event": "epoch", "job": args.job, "learner": learner.learner_id, "epoch": epoch,
               "version": learner.version, "restarted": True}
-    weights = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+    weights = _snapshot(model)
     if chooser is not None and not chooser.selection.evaluated(epoch):
         record.update(chooser.evaluate(weights, epoch, learner.version))
         if chooser.selection.stopped:
@@ -143,12 +151,54 @@ EVALUATE_SAMPLES = 100_000
 class _Chooser:
     """The evaluating learner's part in validation-driven training: evaluate a copy of the
     weights on the validation set, offer it to the job's `gadei.selection.Selection` (kept in
-    --best), which keeps the best and says when patience ran out."""
+    --best), which keeps the best and says when patience ran out.
+
+    An evaluation runs on a thread of its own while the learner trains on (`later`), one at a
+    time: the next waits for it (`wait`), so a decision comes at most one evaluation late. On a
+    small job the evaluations were the evaluating learner's extra time, which the other learners
+    finished ahead of it by (0.2-0.5 s of the 2-core machine's small job, docs/benchmarks.md);
+    torch runs the two threads' operators side by side."""
 
     def __init__(self, workload, validation, eval_model, selection, every: int = 0):
         self.workload, self.validation, self.eval_model, self.selection = workload, validation, eval_model, selection
         self.every = every  # samples of this learner's shard between evaluations within an epoch (0: none)
         self._mark = 0
+        self._running: threading.Thread | None = None
+        self._failed: BaseException | None = None
+
+    def later(self, learner, weights: dict, at, record: dict, report, test=None) -> None:
+        """Evaluate `weights` (`learner`'s at `at`: an epoch, or a point within one) on the
+        validation set once the evaluation before has ended, while the learner trains on: offered
+        to the selection (patience running out ends every learner's training), then the test set's
+        accuracy where `test` is given (it reports, never chooses); then `report(record)`, the
+        record with the evaluation's fields. Nothing where the evaluation before ended training."""
+        self.wait()
+        if self.selection.stopped:
+            return
+        version = learner.version
+
+        def evaluate():
+            try:
+                record.update(self.evaluate(weights, at, version))
+                if self.selection.stopped:
+                    self.end_training(learner)
+                if test is not None:  # the chooser's model holds `weights` already
+                    record["test_accuracy"] = self.workload.evaluate(self.eval_model, test)
+                report(record)
+            except BaseException as err:  # noqa: BLE001 - raised on the learner's thread by `wait`
+                self._failed = err
+
+        self._running = threading.Thread(target=evaluate, name="gadei-evaluation", daemon=True)
+        self._running.start()
+
+    def wait(self) -> None:
+        """Until the evaluation `later` started has ended; what it raised, raised here."""
+        if self._running is not None:
+            self._running.join()
+            self._running = None
+        if self._failed is not None:
+            failed, self._failed = self._failed, None
+            raise failed
 
     def end_training(self, learner) -> None:
         """Patience ran out: end every learner's training, saying why."""

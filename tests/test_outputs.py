@@ -89,6 +89,9 @@ def _one_time_base(out, said: str, again, launched: float, before: float) -> dic
     evaluation's wall clock."""
     result = json.loads((out / "result.json").read_text())
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    # the chosen epoch's record is of the weights model.pt holds: its test accuracy is result.json's
+    assert [(m["version"], m["test_accuracy"]) for m in metrics if m["epoch"] == result["epoch"]] == \
+        [(result["version"], result["test_accuracy"])], (metrics, result)
     took = result["seconds_to_best"]
     assert [m["seconds_since_start"] for m in metrics if m["epoch"] == result["epoch"]] == [took], (result, metrics)
     assert f"(validation accuracy {result['validation_accuracy']:.2%}, reached after {took:.0f} s)" in said, said

@@ -157,6 +157,41 @@ def test_the_log_says_in_words_why_patience_ended_training(procs, tmp_path):
     ended = [line for line in log.splitlines() if "ended the job's training" in line]
     assert len(ended) == 1 and ended[0].endswith(": " + words), ended
     assert result["reason"] == words, result
+    # the evaluation that decided ran while learner 0 trained on: nothing it trained after the
+    # decision was evaluated, offered to the selection or reported
+    history = json.loads((tmp_path / "out" / "checkpoints" / selection.BEST_STATE).read_text())["history"]
+    metrics = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["epoch"] for m in metrics] == [h["epoch"] for h in history] == list(range(1, len(history) + 1)), \
+        (metrics, history)
+
+
+def test_an_evaluation_that_fails_on_its_thread_fails_the_learner(tmp_path):
+    """The evaluating learner evaluates on a thread of its own while it trains on; what that
+    evaluation raises (here: best.pt cannot be written, a folder is in its place) is raised on
+    the learner's own thread when it next waits for an evaluation, as it was when it evaluated
+    in line, so the learner fails (and its supervisor restarts it) rather than train on unchosen."""
+    from gadei import jobfile
+    from gadei.data import load_job
+    from gadei.trainer import _Chooser
+    from gadei_workloads import get
+
+    job = jobfile.load(blobs_job(tmp_path, unique_name("failing")))
+    workload = get(job.workload)
+    train, validation, _ = load_job(job)
+    model = workload.build_model(train, 0)
+    model.eval()
+    (tmp_path / "best" / selection.BEST_MODEL).mkdir(parents=True)
+    chooser = _Chooser(workload, validation, model, selection.Selection.open(tmp_path / "best", 3))
+    reported = []
+
+    class Attached:  # what `later` reads of the learner: its version
+        version = 7
+
+    chooser.later(Attached(), model.state_dict(), 1, {"epoch": 1}, reported.append)
+    with pytest.raises(GadeiError, match="cannot write .*best.pt: Is a directory"):
+        chooser.wait()
+    assert reported == []
+    chooser.wait()  # raised once
 
 
 @pytest.mark.long  # TREC until patience stops it: most of a minute
