@@ -691,9 +691,6 @@ def plot(metrics: list[dict], path: Path, title: str, chosen: tuple | None = Non
     from .curves import figure
 
     fig = figure(metrics, title, chosen)
-    import matplotlib.pyplot as plt  # on the backend `figure` chose
-
     fig.canvas.draw()
     pixels = Image.fromarray(numpy.asarray(fig.canvas.buffer_rgba())[..., :3])
-    plt.close(fig)
     _replace_with(path, lambda tmp: pixels.save(tmp, format="png", compress_level=1))

@@ -50,7 +50,8 @@ log = logging.getLogger(__name__)
 PRELOAD = ("torch", "numpy", "gadei.server", "gadei.learner", "gadei.trainer", "gadei.checkpoint", "gadei.outputs",
            "gadei.board", "gadei.cli", "gadei_workloads", "gadei_workloads.text", "gadei_workloads.ngram",
            "gadei_watchdog.cli", "gadei_watchdog.job")
-LATE = ("matplotlib.pyplot", "torch.utils.tensorboard")  # a job needs them at its end, and only where installed
+# a job needs them at its end, and only where installed (the plot's figure and canvas; the event files)
+LATE = ("matplotlib.figure", "matplotlib.backends.backend_agg", "torch.utils.tensorboard")
 STOPS = (signal.SIGINT, signal.SIGTERM)  # as `gadei.launch.STOPS` (which imports this module)
 _RESET = (signal.SIGTERM, signal.SIGCHLD, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGALRM)
 
@@ -72,8 +73,7 @@ def warm(late: bool = True) -> None:
 
 
 def import_late() -> None:
-    """LATE's modules, those installed (matplotlib on the Agg backend: it draws to files)."""
-    os.environ.setdefault("MPLBACKEND", "Agg")
+    """LATE's modules, those installed."""
     for name in LATE:
         try:
             importlib.import_module(name)
