@@ -185,6 +185,23 @@ def test_no_daemon_is_a_clear_error(procs, daemon_env, tmp_path):
     assert submit.returncode == 2 and "no gadei daemon listens" in err and "gadei daemon" in err
 
 
+def test_a_runtime_folder_too_deep_for_the_socket_is_a_clear_error(tmp_path, procs, daemon_env):
+    """A Unix socket's path holds at most 107 bytes: a GADEI_RUNTIME_DIR deeper than that leaves
+    (a TMPDIR under pytest's folders did) is refused by the daemon and its clients in one line
+    that says which path and what to set, not with bind's traceback."""
+    deep = tmp_path / ("d" * 120)
+    deep.mkdir(mode=0o700)
+    env = {**daemon_env, "GADEI_RUNTIME_DIR": str(deep)}
+    for argv in (("daemon",), ("status",)):
+        proc = procs.gadei(*argv, env=env)
+        _, err = communicate(proc, 60)
+        assert proc.returncode == 2, (argv, err)
+        assert err.strip() == (f"gadei: error: the daemon's socket {deep / 'daemon.sock'} is "
+                               f"{len(str(deep / 'daemon.sock'))} bytes long, more than the 107 a Unix socket's "
+                               "path may have; set GADEI_RUNTIME_DIR to a shorter folder"), (argv, err)
+    assert list(deep.iterdir()) == []  # nothing bound, nothing locked
+
+
 def test_another_users_request_is_refused_by_its_uid(tmp_path, procs, daemon_env):
     if os.getuid() != 0:
         pytest.skip("needs root to run a client as another uid")

@@ -27,8 +27,20 @@ log = logging.getLogger(__name__)
 ZYGOTE_READY = 60.0  # seconds the daemon waits for its zygote to be warm before it listens
 
 
+SOCKET_PATH_MAX = 107  # bytes of a Unix socket's path (Linux's sun_path holds 108, its NUL included)
+
+
 def socket_path() -> str:
-    return os.path.join(runtime_dir(), "daemon.sock")
+    """The daemon's socket: `daemon.sock` in this user's runtime folder.
+
+    Raises:
+        GadeiError: the path is too long for a Unix socket (a deep GADEI_RUNTIME_DIR).
+    """
+    path = os.path.join(runtime_dir(), "daemon.sock")
+    if len(os.fsencode(path)) > SOCKET_PATH_MAX:
+        raise GadeiError(f"the daemon's socket {path} is {len(os.fsencode(path))} bytes long, more than the "
+                         f"{SOCKET_PATH_MAX} a Unix socket's path may have; set GADEI_RUNTIME_DIR to a shorter folder")
+    return path
 
 
 class Daemon(Jobs):
