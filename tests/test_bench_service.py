@@ -3,19 +3,23 @@ Jobs and a loop of the plain PyTorch script. Its figures from the jobs' moments 
 first gradient, done), gadei's first gradient read from a job's outputs, a system it does not
 know refused before anything starts; and its smallest runs, end to end, through gadei's daemon
 and the loop, and through Ray Jobs where Ray is installed (the bench's extra, which CI does
-not install)."""
+not install); a bench stopped by SIGTERM stops what it started."""
 
 import glob
 import importlib.util
 import json
 import os
+import shutil
+import signal
 import tempfile
+import time
+from pathlib import Path
 
 import numpy as np
 import psutil
 import pytest
 
-from helpers import communicate, data_dir, finish, missing
+from helpers import communicate, data_dir, finish, missing, wait_for
 
 
 def _job(submitted, started, first, ended, accuracy=0.8):
@@ -144,3 +148,56 @@ def test_bench_service_runs_a_queue_through_ray_jobs_and_two_at_a_time(procs, tm
     assert set(glob.glob(rays)) <= before
     left = [p for p in psutil.process_iter(["cmdline"]) if any("gadei-ray-" in a for a in p.info["cmdline"] or [])]
     assert not left, f"Ray processes of the bench outlived it: {[p.info['cmdline'][:3] for p in left]}"
+
+
+@pytest.mark.long  # a bench started until its jobs train, then stopped: 10-30 s on 2 busy cores
+@pytest.mark.parametrize("system", ["gadei", "loop-2"])
+def test_a_bench_stopped_by_sigterm_stops_what_it_started(procs, tmp_path, request, system):
+    """`gadei bench service` sent SIGTERM while its queue's jobs train (through its own daemon,
+    or two plain scripts at a time) ends as a Ctrl-C ends it, unwinding: exit 143 (128 + 15),
+    no process of it left (the daemon and its jobs, the scripts), its temporary folder removed.
+    The signal's default action once left all of them behind; and the loop's running scripts
+    are killed, not waited for (jobs of 50 epochs, a minute each: the bench ends well before)."""
+    if not (data_dir() / "trec" / "TREC.train").is_file():
+        missing("TREC is not in the shared data")
+    temp = Path(tempfile.mkdtemp(prefix="gb-"))  # the bench's TMPDIR: short, for its daemon's socket path
+    request.addfinalizer(lambda: shutil.rmtree(temp, ignore_errors=True))
+    epochs = "50" if system == "loop-2" else "3"
+    bench = procs.gadei("bench", "service", "--systems", system, "--jobs", "4", "--epochs", epochs, "--questions",
+                        "900", "--repeats", "1", "--out", tmp_path / "service.json",
+                        env={**os.environ, "GADEI_DATA_DIR": str(data_dir()), "TMPDIR": str(temp),
+                             "GADEI_STATE_DIR": str(tmp_path / "users-state")})
+
+    def mine():
+        return [p for p in psutil.process_iter(["cmdline"])
+                if p.pid != bench.pid and any(str(temp) in a for a in p.info["cmdline"] or [])]
+
+    def training():  # two of its processes past their start (the scripts: their imports and data, 3 s of CPU)
+        try:
+            return len([p for p in mine() if system == "gadei" or sum(p.cpu_times()[:2]) > 3.0]) >= 2
+        except psutil.NoSuchProcess:
+            return False
+
+    wait_for(lambda: training() or bench.poll() is not None, 120, "the queue's jobs to train")
+    assert bench.poll() is None, communicate(bench, 10)
+    started = {*psutil.Process(bench.pid).children(recursive=True), *mine()}  # the daemon, its zygote, the jobs
+    stopped = time.monotonic()
+    bench.send_signal(signal.SIGTERM)
+    out, err = communicate(bench, 120)
+    assert bench.returncode == 128 + signal.SIGTERM, (bench.returncode, err[-3000:])
+    if system == "loop-2":
+        assert time.monotonic() - stopped < 10, "the bench waited for its running scripts"
+
+    def left():
+        alive = []
+        for p in started:
+            try:
+                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(p)
+            except psutil.NoSuchProcess:
+                pass
+        return alive
+
+    wait_for(lambda: not left(), 30, "the processes the bench started to end")
+    assert not list(temp.glob("gadei-*")), list(temp.iterdir())  # its folders (torch may leave a cache of its own)
+    assert not (tmp_path / "service.json").exists()  # a stopped bench saves no figures

@@ -10,6 +10,7 @@ Ray is the bench's extra, not gadei's: `pip install 'gadei[bench]'`.
 
 import logging
 import shutil
+import signal
 import socket
 import tempfile
 import time
@@ -62,14 +63,18 @@ class RayHead:
         from ray.job_submission import JobSubmissionClient
 
         self.folder = Path(tempfile.mkdtemp(prefix="gadei-ray-"))
-        context = ray.init(address="local", num_cpus=self.cpus, include_dashboard=True, dashboard_port=_free_port(),
-                           _temp_dir=str(self.folder), logging_level=logging.WARNING, log_to_driver=False,
-                           configure_logging=False)
-        try:
+        taken = signal.getsignal(signal.SIGTERM)  # `gadei bench`'s, which ray.init replaces with its own
+        try:  # a stop (SIGTERM: `gadei bench` unwinds) while the head starts shuts down what it started so far
+            context = ray.init(address="local", num_cpus=self.cpus, include_dashboard=True,
+                               dashboard_port=_free_port(), _temp_dir=str(self.folder), logging_level=logging.WARNING,
+                               log_to_driver=False, configure_logging=False)
             self.client = JobSubmissionClient(f"http://{context.dashboard_url}")
         except BaseException:
             self._shutdown()
             raise
+        finally:
+            if callable(taken):
+                signal.signal(signal.SIGTERM, taken)
         return self
 
     def __exit__(self, *exc) -> None:

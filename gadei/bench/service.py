@@ -206,10 +206,12 @@ def run_ray(paths: list[Path], folder: Path, *, timeout: float, max_jobs: str | 
 
 def run_loop(paths: list[Path], at_once: int, *, timeout: float) -> list[dict]:
     """The queue through the plain script, `at_once` processes at a time, each taking the next
-    job file as one ends (`xargs -P`)."""
+    job file as one ends (`xargs -P`). Stopped (Ctrl-C, SIGTERM), no job starts and the running
+    ones are killed."""
     queue = list(enumerate(paths))
     jobs: list[dict | None] = [None] * len(paths)
     errors: list[str] = []
+    running: set[subprocess.Popen] = set()
     lock = threading.Lock()
     submitted = time.time()
     deadline = time.monotonic() + timeout
@@ -220,17 +222,24 @@ def run_loop(paths: list[Path], at_once: int, *, timeout: float) -> list[dict]:
                 if not queue or errors:
                     return
                 i, path = queue.pop(0)
+                proc = subprocess.Popen(plain_job.command(path), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, text=True)
+                running.add(proc)
             try:
-                done = subprocess.run(plain_job.command(path), stdin=subprocess.DEVNULL, capture_output=True,
-                                      text=True, timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:  # subprocess.run killed and reaped it
+                stdout, stderr = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate()
                 errors.append(f"{path.name}: not done within the run's {timeout:g} s")
                 return
+            finally:
+                with lock:
+                    running.discard(proc)
             ended = time.time()
-            if done.returncode != 0:
-                errors.append(f"{path.name}: the plain script exited with {done.returncode}: {done.stderr[-2000:]}")
+            if proc.returncode != 0:
+                errors.append(f"{path.name}: the plain script exited with {proc.returncode}: {stderr[-2000:]}")
                 return
-            report = _report(done.stdout, path.name)
+            report = _report(stdout, path.name)
             jobs[i] = {"job": path.stem, "submitted": submitted, "started": report["started"],
                        "first_gradient": report["first_gradient_at"], "ended": ended,
                        "test_accuracy": report["test_accuracy"], "plain": _plain_settings(report)}
@@ -238,8 +247,17 @@ def run_loop(paths: list[Path], at_once: int, *, timeout: float) -> list[dict]:
     threads = [threading.Thread(target=worker, name=f"bench-loop-{k}") for k in range(at_once)]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join()
+    try:
+        for t in threads:
+            t.join()
+    except BaseException:  # stopped: no job starts, the running ones are killed (their threads reap them)
+        with lock:
+            queue.clear()
+            for proc in running:
+                proc.kill()
+        for t in threads:
+            t.join()
+        raise
     if errors:
         raise RuntimeError(f"{WHAT}: loop of {at_once}: {errors[0]}")
     return jobs

@@ -1,6 +1,7 @@
 """`gadei bench`: gadei measured side by side with its alternatives."""
 
 import logging
+import signal
 
 from .common import at_least, int_list
 
@@ -10,7 +11,17 @@ log = logging.getLogger("gadei.cli")
 def cmd_bench(args) -> int:
     from ..bench import run_bench
 
+    signal.signal(signal.SIGTERM, _stopped)
+    signal.signal(signal.SIGHUP, _stopped)
     return run_bench(args)
+
+
+def _stopped(sig, _frame):
+    """A bench stopped by SIGTERM or SIGHUP ends as a Ctrl-C ends it, unwinding: what it started
+    is stopped on the way out (a Ray head shut down, its temporary folders removed, a daemon of
+    its own stopped), where the signal's default action left them behind; the exit code says the
+    signal (128 + its number), as the shell's would."""
+    raise SystemExit(128 + sig)
 
 
 def add_parser(sub) -> None:
