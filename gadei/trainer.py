@@ -123,9 +123,9 @@ def _catch_up(args, learner, chooser, workload, model, test, epoch: int) -> None
     may have been killed between that epoch's last step and its record (the evaluations take a
     while, and run while the learner trains on: a restart within the next epoch can find it
     unmade too). Evaluate now, as at that epoch's end, so that neither the job's metrics nor the
-    model selection miss the epoch. The record says "restarted": the metrics
-    keep the epoch's own record where the last run wrote it (`gadei.outputs.write_metrics`),
-    and the selection counts an epoch once."""
+    model selection miss the epoch. The record says "restarted": the metrics keep the epoch's
+    own record where the last run wrote it (`gadei.outputs.write_metrics`), and the selection
+    counts an epoch once."""
     learner.refresh()
     record = {"event": "epoch", "job": args.job, "learner": learner.learner_id, "epoch": epoch,
               "version": learner.version, "restarted": True}
@@ -156,7 +156,7 @@ class _Chooser:
     An evaluation runs on a thread of its own while the learner trains on (`later`), one at a
     time: the next waits for it (`wait`), so a decision comes at most one evaluation late. On a
     small job the evaluations were the evaluating learner's extra time, which the other learners
-    finished ahead of it by (0.2-0.5 s of the 2-core machine's small job, docs/benchmarks.md);
+    finished ahead of it by (0.2-0.7 s of the 2-core machine's small job, docs/benchmarks.md);
     torch runs the two threads' operators side by side."""
 
     def __init__(self, workload, validation, eval_model, selection, every: int = 0):
