@@ -52,6 +52,7 @@ import time
 import tomllib
 from pathlib import Path
 
+from .._proc import wait_or_kill
 from ..env import usable_cores
 from ..outputs import first_update_at
 from . import plain_job
@@ -218,28 +219,28 @@ def run_loop(paths: list[Path], at_once: int, *, timeout: float) -> list[dict]:
 
     def worker():
         while True:
-            with lock:
-                if not queue or errors:
-                    return
-                i, path = queue.pop(0)
-                proc = subprocess.Popen(plain_job.command(path), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                        stderr=subprocess.PIPE, text=True)
-                running.add(proc)
-            try:
-                stdout, stderr = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.communicate()
-                errors.append(f"{path.name}: not done within the run's {timeout:g} s")
-                return
-            finally:
+            with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
                 with lock:
-                    running.discard(proc)
-            ended = time.time()
-            if proc.returncode != 0:
-                errors.append(f"{path.name}: the plain script exited with {proc.returncode}: {stderr[-2000:]}")
-                return
-            report = _report(stdout, path.name)
+                    if not queue or errors:
+                        return
+                    i, path = queue.pop(0)
+                    proc = subprocess.Popen(plain_job.command(path), stdin=subprocess.DEVNULL, stdout=out, stderr=err)
+                    running.add(proc)
+                try:
+                    code = wait_or_kill(proc, max(1.0, deadline - time.monotonic()), f"{WHAT}: {path.name}")
+                finally:
+                    with lock:
+                        running.discard(proc)
+                ended = time.time()
+                if time.monotonic() >= deadline:  # killed by `wait_or_kill`
+                    errors.append(f"{path.name}: not done within the run's {timeout:g} s")
+                    return
+                out.seek(0)
+                err.seek(0)
+                if code != 0:
+                    errors.append(f"{path.name}: the plain script exited with {code}: {err.read()[-2000:]}")
+                    return
+                report = _report(out.read(), path.name)
             jobs[i] = {"job": path.stem, "submitted": submitted, "started": report["started"],
                        "first_gradient": report["first_gradient_at"], "ended": ended,
                        "test_accuracy": report["test_accuracy"], "plain": _plain_settings(report)}
