@@ -682,9 +682,8 @@ def write_metrics(out: Path, runs: list[dict] | None = None) -> list[dict]:
 def plot(metrics: list[dict], path: Path, title: str, chosen: tuple | None = None) -> None:
     """accuracy.png (`gadei.curves.figure`), written whole or not at all: the figure drawn once,
     its pixels saved by Pillow (matplotlib's own dependency) at a low zlib level, RGB. The job
-    waits for it (its outputs are written before it ends): that halves what savefig took (0.15
-    against 0.07 s), which drew the figure again and compressed its alpha too, for a file 3%
-    larger."""
+    waits for it (its outputs are written before it ends): 0.10 s (0.08 to draw, 0.02 to save)
+    where savefig took 0.15 s, compressing the alpha channel too, for a file 3% larger."""
     import numpy
     from PIL import Image
 
