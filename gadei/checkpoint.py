@@ -20,7 +20,8 @@ verifies the checksum; `latest()` skips a checkpoint that fails it (with a warni
 one before.
 
 torch is imported by the functions that need it, not with the module: the supervisor's package
-imports this one, and `gadei status`, `stop` and `clean` import that.
+imports this one, and `gadei status`, `stop` and `clean` import that. A supervisor started cold
+imports it on a thread as the job starts (`import_torch_now`), not at its first checkpoint.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ import json
 import logging
 import os
 import re
+import sys
+import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -142,6 +145,16 @@ class Checkpoint:
                                       f"shape {tuple(shape)}")
             parts.append(tensor.detach().reshape(-1).to(torch.float32).numpy())
         return np.concatenate(parts) if parts else np.zeros(0, np.float32)
+
+
+def import_torch_now() -> None:
+    """Import torch on a thread of its own, where this process has not yet (a supervisor started
+    cold, by `gadei serve --checkpoint-dir`). `capture` needs it, and its first import takes
+    seconds: 2 s on a busy 2-core machine, which put a job's first checkpoint at twice its
+    interval (a server killed in between restarted from the initial weights). A warm process
+    has it already, and starts no thread (one that forks must run one thread alone)."""
+    if "torch" not in sys.modules:
+        threading.Thread(target=__import__, args=("torch",), name="gadei import torch", daemon=True).start()
 
 
 def take(region, folder: str | os.PathLike, keep: int = 3, *, still: bool = False, progress=None) -> Checkpoint:

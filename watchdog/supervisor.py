@@ -95,6 +95,7 @@ class Supervisor:
     def run(self) -> int:
         """Supervise until the job stops (0, or LEARNERS_FAILED) or its server is dead for good
         (SERVER_DEAD), or failed (JOB_FAILED)."""
+        checkpoint.import_torch_now()  # beside the job's start, so that its first checkpoint comes `every` s in
         try:
             if not self._start_server():
                 self.learners.kill_all()
