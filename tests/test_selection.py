@@ -102,6 +102,36 @@ def test_a_restarted_learners_catch_up_fills_only_an_epoch_its_last_run_did_not_
     assert selection.Selection.open(tmp_path / "sel", patience=3).evaluated(1)
 
 
+@pytest.mark.parametrize("into", [0, 40], ids=["at-the-epochs-end", "within-the-next-epoch"])
+def test_a_restarted_evaluating_learner_evaluates_the_epoch_its_last_run_did_not(procs, tmp_path, into):
+    """Learner 0 killed after epoch 1's last step, before its evaluation of epoch 1 was made (the
+    evaluation runs on a thread while it trains on, so a restart `into` samples into epoch 2 can
+    find it unmade too): the restarted learner (`--start-at`, as its supervisor starts it)
+    evaluates epoch 1 first, in a record that says "restarted", and the selection holds it."""
+    from gadei.data import load_job
+    from gadei import jobfile
+
+    name = unique_name("catch-up")
+    path = blobs_job(tmp_path, name, train={"learners": 1, "epochs": 2, "batch": 8, "lr": 0.05})
+    train, _, _ = load_job(jobfile.load(path))
+    records, best = tmp_path / "epochs.jsonl", tmp_path / "best"
+    server = procs.gadei("serve", name, "--job-file", path, "--learners", "1")
+    try:
+        learner = procs.gadei("learn", name, "--job-file", path, "--json", "--entry", "0", "--eval", "--validate",
+                              "--best", best, "--records", records, "--start-at", len(train) + into)
+        finish(learner, 120)
+        finish(procs.gadei("stop", name), 60)
+        finish(server, 60)
+    finally:
+        end_jobs(name)
+    lines = [json.loads(line) for line in records.read_text().splitlines()]
+    epochs = [line for line in lines if line["event"] == "epoch"]
+    assert [(e["epoch"], e.get("restarted", False)) for e in epochs] == [(1, True), (2, False)], lines
+    assert all("validation_accuracy" in e and "test_accuracy" in e for e in epochs), epochs
+    history = json.loads((best / selection.BEST_STATE).read_text())["history"]
+    assert [h["epoch"] for h in history] == [1, 2], history
+
+
 def test_large_data_sets_are_evaluated_within_an_epoch_too():
     """Above EVALUATE_SAMPLES training samples the evaluating learner evaluates every
     EVALUATE_SAMPLES of the job's samples (its shard's share), besides each epoch's end."""
