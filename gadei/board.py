@@ -64,8 +64,12 @@ def hyperparameters(job) -> dict:
     return {k: v for k, v in values.items() if isinstance(v, (int, float, str, bool))}
 
 
+_missing_said = False  # a job that picks its model opens a Board per candidate, in one process: said once
+
+
 class Board:
-    """The event files of one run in `out`. Without TensorBoard installed, every call does nothing."""
+    """The event files of one run in `out`. Without TensorBoard installed, every call does nothing
+    (and `warn` says so, once a process)."""
 
     def __init__(self, out: Path, job, warn=print):
         self._writer = None
@@ -74,7 +78,10 @@ class Board:
             from torch.utils.tensorboard import SummaryWriter
             from torch.utils.tensorboard.summary import hparams
         except ImportError:
-            warn(f"gadei: no TensorBoard event files for this job: TensorBoard is not installed ({INSTALL})")
+            global _missing_said
+            if not _missing_said:
+                _missing_said = True
+                warn(f"no TensorBoard event files for this job: TensorBoard is not installed ({INSTALL})")
             return
         self._writer = SummaryWriter(str(out), flush_secs=5)
         metrics = {tag: 0.0 for tag in ("eval/test_accuracy", "eval/validation_accuracy", "train/loss")}

@@ -11,7 +11,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.hparams import plugin_data_pb2
 
-from helpers import blobs_job, communicate, unique_name, wait_for
+from helpers import blobs_job, communicate, small_csv, small_job, unique_name, wait_for
 from gadei import board
 
 
@@ -66,14 +66,23 @@ def test_a_run_writes_event_files_tensorboard_reads_with_its_metrics_and_setting
     assert hparams["mode"].string_value == "async" and hparams["workload"].string_value == "mlp"
 
 
-def test_without_tensorboard_a_run_says_once_what_to_install_and_trains_as_before(tmp_path, procs):
+@pytest.mark.parametrize("picks", [False, True], ids=["mlp", "auto"])
+def test_without_tensorboard_a_run_says_once_what_to_install_and_trains_as_before(tmp_path, procs, picks):
+    """Once a job: also where it picks its model (each candidate a run of its own, in its
+    supervisor), and in words without a second "gadei:" after `gadei run`'s own."""
     missing = tmp_path / "no-tensorboard" / "tensorboard"  # shadows the installed package: its import fails
     missing.mkdir(parents=True)
     (missing / "__init__.py").write_text('raise ImportError("tensorboard is not installed (a test)")\n')
-    path = blobs_job(tmp_path, unique_name("noboard"), train={"learners": 1, "epochs": 2})
+    if picks:
+        small_csv(tmp_path)
+        path = tmp_path / "job.toml"
+        path.write_text(small_job(unique_name("noboard")).replace('workload = "textcnn"', 'workload = "auto"')
+                        + '\n[train]\nlearners = 1\nepochs = 2\n\n[output]\nfolder = "out"\n')
+    else:
+        path = blobs_job(tmp_path, unique_name("noboard"), train={"learners": 1, "epochs": 2})
     env = {"PYTHONPATH": os.pathsep.join(filter(None, (str(missing.parent), os.environ.get("PYTHONPATH"))))}
     run = procs.gadei("run", path, "--quiet", env=env)
     out, err = communicate(run, 300)
     assert run.returncode == 0, out + err
-    assert err.count(board.INSTALL) == 1, err
+    assert err.count(board.INSTALL) == 1 and "gadei run: gadei:" not in err, err
     assert (tmp_path / "out" / "result.json").exists() and not list((tmp_path / "out").glob("events.out.tfevents.*"))
