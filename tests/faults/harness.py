@@ -11,7 +11,7 @@ of a learner; a checkpoint folder that is full or read-only; a /dev/shm too smal
 region) and `run_scenario` then checks what the system promises:
 
 - the job finishes (every launched learner done, the server stopped cleanly);
-- test accuracy near fault-free runs with the same seed and epochs (see `run_scenario`);
+- test accuracy not below fault-free runs with the same seed and epochs (see `run_scenario`);
 - the exactly-once ledger of the last server: applied since its resume = published -
   discarded (a half-written slot of a killed learner is never published), and the final
   version counts each mini-batch of the schedule once (every gradient in the weights once);
@@ -607,11 +607,11 @@ class Outcome:
     accuracy: float | None = None
     reference: float | None = None
     seconds: float = 0.0
-    accuracy_off: bool = False  # the test accuracy was outside the tolerance (one of `problems`)
+    accuracy_off: bool = False  # the test accuracy was below the tolerance (one of `problems`)
 
     @property
     def only_accuracy_off(self) -> bool:
-        """Every other check held; only the accuracy was outside the tolerance (noise or damage)."""
+        """Every other check held; only the accuracy was below the tolerance (noise or damage)."""
         return self.accuracy_off and len(self.problems) == 1
 
 
@@ -643,7 +643,7 @@ def run_scenario(scenario: Scenario, settings: Settings, workdir: Path, *, toler
                  references: int = 3, rng: random.Random | None = None) -> Outcome:
     """Run one job with one fault injected and check every promise; never raises for a failed check.
 
-    `tolerance`: accuracy points this run may be from the median of `references` fault-free
+    `tolerance`: accuracy points this run may be below the median of `references` fault-free
     runs (a guard against damage; `run.py` also compares the median of all faulted runs).
     Medians: a fault-free run now and then ends several points low (82.6% against 86-88%)."""
     rng = rng or random.Random(settings.seed)
@@ -746,10 +746,12 @@ def _check(job: Job, fault: Fault, outcome: Outcome, reference: float | None, to
             problems.append(f"lost progress: resumed from a checkpoint taken {fault.wall - fault.resume.created:.1f} s "
                             f"before the fault (limit {limit:g} s)")
     outcome.accuracy = job.accuracy()
-    if reference is not None and abs(outcome.accuracy - reference) > tolerance:
+    # damage lowers it; a run above the references' median is their noise (CI's three references once
+    # gave 85.4-88.2%, and two kill-server runs 89.2% and 89.0%, which a two-sided bound failed)
+    if reference is not None and outcome.accuracy < reference - tolerance:
         outcome.accuracy_off = True
         problems.append(f"test accuracy {outcome.accuracy:.1f}% vs {reference:.1f}% fault-free (more than "
-                        f"{tolerance:g} points)")
+                        f"{tolerance:g} points below)")
 
 
 # ------------------------------------------------------------------ the table

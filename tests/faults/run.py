@@ -5,14 +5,13 @@
 Run it from the repository root with gadei and its test extras installed (`pip install -e
 '.[test]'`) and the shared data sets at GADEI_DATA_DIR (default ../shared/data). Every job
 trains with job seed --job-seed; injection points and victims are drawn at random from --seed. A run passes
-when every check of harness.py holds and its test accuracy is within --run-tolerance (3)
-points of the median of --references (5) fault-free runs; and the median accuracy of all
-faulted runs must be within --tolerance (1) point of it. (Same-seed Hogwild runs of this
-job end several points apart, now and then 4 points low, so one run against one run would
-test noise.) It
-prints one line per run, then the table: scenario x runs x passed x median recovery time
-(from the fault until the job is whole again) x mean accuracy x its difference from the
-fault-free median. Exits 1 on any failure.
+when every check of harness.py holds and its test accuracy is at most --run-tolerance (3)
+points below the median of --references (5) fault-free runs; and the median accuracy of all
+faulted runs must be at most --tolerance (1) point below it (damage lowers it). (Same-seed
+Hogwild runs of this job end several points apart, now and then 4 points low, so one run
+against one run would test noise.) It prints one line per run, then the table: scenario x
+runs x passed x median recovery time (from the fault until the job is whole again) x mean
+accuracy x its difference from the fault-free median. Exits 1 on any failure.
 """
 
 import argparse
@@ -39,8 +38,8 @@ def main(argv=None) -> int:
     parser.add_argument("--epochs", type=int, default=4, help="epochs of every job (default 4)")
     parser.add_argument("--learners", type=int, default=3, help="launched learners per job (default 3)")
     parser.add_argument("--tolerance", type=float, default=1.0, help="accuracy points the median of all faulted "
-                        "runs may be from the fault-free median (default 1)")
-    parser.add_argument("--run-tolerance", type=float, default=3.0, help="accuracy points one run may be from the "
+                        "runs may be below the fault-free median (default 1)")
+    parser.add_argument("--run-tolerance", type=float, default=3.0, help="accuracy points one run may be below the "
                         "fault-free median (default 3)")
     parser.add_argument("--references", type=int, default=5, help="fault-free runs averaged (default 5)")
     parser.add_argument("--job-seed", type=int, default=0, help="seed of every job's model and data order (default 0)")
@@ -87,11 +86,11 @@ def main(argv=None) -> int:
     pooled_ok = True
     if faulted:
         diff = statistics.median(faulted) - statistics.median(refs)
-        pooled_ok = abs(diff) <= args.tolerance
+        pooled_ok = diff >= -args.tolerance
         print(f"\nfault-free runs: {', '.join(f'{a:.1f}' for a in refs)}% (median {statistics.median(refs):.2f}%); "
               f"all {len(faulted)} faulted runs: median {statistics.median(faulted):.2f}%, mean "
               f"{statistics.mean(faulted):.2f}% ({diff:+.2f} points, "
-              f"{'within' if pooled_ok else 'NOT within'} {args.tolerance:g})")
+              f"{'not' if pooled_ok else 'MORE than'} {args.tolerance:g} below)")
     if args.json:
         Path(args.json).write_text(json.dumps({"outcomes": [asdict(o) for o in outcomes], "references": refs},
                                               indent=1))
