@@ -205,7 +205,7 @@ class Job:
             train = replace(train, epochs=epochs)
             chosen.append(f"epochs = {epochs} (default: about {UPDATES:,} updates of mini-batch "
                           f"{train.batch} over {samples:,} samples, 3 to {MAX_EPOCHS} epochs; the cap: "
-                          f"training stops when {train.patience} evaluations on the validation set did not improve)")
+                          f"training stops when {train.patience} evaluations did not raise the validation accuracy)")
         if train.threads is None:  # the job as run says the threads its learners take (job.toml, `gadei learn`)
             train = replace(train, threads=train.learner_threads)
         devices, line = device.choose(device.parse_devices(train.devices))

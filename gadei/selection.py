@@ -12,7 +12,10 @@ same count of evaluations without improvement:
                 accuracy and loss), the evaluations made, those since the best, and why
                 training stopped once it did ("patience")
 
-When `patience` evaluations in a row did not improve on the best, training stops: the
+When `patience` evaluations in a row did not raise the best validation accuracy, training
+stops (as Keras's EarlyStopping on it: a tie that lowers the loss is kept as the best model,
+and counts; counted as an improvement, an easy set's falling loss kept a job whose validation
+accuracy was 100% from its third epoch training to its cap, 40 epochs): the
 learner says so in the region (`gadei.learner.Learner.end_training`), every learner ends its
 schedule there, and the job ends as finished; `gadei run` hands back best.pt as model.pt.
 The test set is never looked at here.
@@ -62,7 +65,8 @@ class Selection:
         patience: evaluations without improvement after which training stops (0: never).
         best: the best evaluation so far (None before the first).
         evaluations: evaluations made.
-        since_best: evaluations since the best one (0 right after an improvement).
+        since_best: evaluations since the best validation accuracy was reached (0 right after it
+            rose; a tie kept for its lower loss counts one).
         stopped: why training stopped ("patience"), None while it goes on.
     """
 
@@ -109,18 +113,19 @@ class Selection:
     def offer(self, evaluation: Evaluation, weights: dict[str, torch.Tensor]) -> bool:
         """Count one evaluation of `weights` (a state dict, copied by the caller: it must not
         change while it is written); keep it when it is the best so far. Whether it was; when
-        it was not for `patience` evaluations in a row, `stopped` becomes "patience"."""
+        `patience` evaluations in a row did not raise the best validation accuracy, `stopped`
+        becomes "patience"."""
         self.evaluations += 1
         self.history.append(asdict(evaluation))
         improved = evaluation.better_than(self.best)
+        rose = self.best is None or evaluation.validation_accuracy > self.best.validation_accuracy
         if improved:
             self._write(self.folder / BEST_MODEL, lambda handle: torch.save(
                 {"model": weights, "evaluation": json.dumps(asdict(evaluation))}, handle))
-            self.best, self.since_best = evaluation, 0
-        else:
-            self.since_best += 1
-            if self.patience and self.since_best >= self.patience:
-                self.stopped = "patience"
+            self.best = evaluation
+        self.since_best = 0 if rose else self.since_best + 1
+        if self.patience and self.since_best >= self.patience:
+            self.stopped = "patience"
         self._write(self.folder / BEST_STATE, lambda handle: handle.write(json.dumps(self.state()).encode()))
         return improved
 

@@ -38,6 +38,20 @@ def test_the_best_evaluation_is_kept_and_patience_ends_training(tmp_path):
     assert selection.read_state(tmp_path)["best"]["epoch"] == 2
 
 
+def test_a_tie_with_a_lower_loss_is_kept_and_counts_toward_patience(tmp_path):
+    """Patience counts evaluations that did not raise the best validation accuracy (its words
+    say so): a tie that lowers the loss becomes the best model, and counts one. Counted as an
+    improvement, an easy set's ever lower loss kept its job training to the epoch cap."""
+    chosen = selection.Selection.open(tmp_path, patience=2)
+    E = selection.Evaluation
+    assert chosen.offer(E(1, 10, 1.0, 0.30), _weights(1.0))
+    assert chosen.offer(E(2, 20, 1.0, 0.20), _weights(2.0)) and chosen.since_best == 1
+    assert chosen.stopped is None
+    assert chosen.offer(E(3, 30, 1.0, 0.10), _weights(3.0))
+    assert chosen.stopped == "patience" and chosen.best.epoch == 3
+    assert torch.equal(selection.best_weights(tmp_path)["weight"], torch.full((3,), 3.0))
+
+
 def test_a_best_model_newer_than_the_state_file_is_believed(tmp_path):
     """A crash between writing best.pt and best.json: the weights' own record wins."""
     chosen = selection.Selection.open(tmp_path, patience=3)
@@ -253,7 +267,9 @@ def test_gadei_run_stops_on_patience_and_hands_back_the_best_model(procs, tmp_pa
     # the ETA counts to the epoch cap, and says that patience may end the run sooner
     etas = [line for line in out.splitlines() if "ETA" in line]
     assert etas and all("at the epoch cap (patience may stop it sooner)" in line for line in etas), out
-    assert metrics[-1]["epoch"] == best["epoch"] + 1  # patience 1: one evaluation without improvement
+    # patience 1: one evaluation that did not raise the validation accuracy (a tie kept for its loss counts)
+    reached = min(m["epoch"] for m in metrics if m["validation_accuracy"] == best["validation_accuracy"])
+    assert metrics[-1]["epoch"] == reached + 1, seen
     # model.pt is the best model's weights, not the last ones
     saved = torch.load(tmp_path / "out" / "model.pt", weights_only=True)
     kept = selection.best_weights(tmp_path / "out" / "checkpoints")
