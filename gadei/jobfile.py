@@ -136,8 +136,8 @@ class Train(RuleOptions):
     epochs: int | None = option(None, "the most passes over the training data (training stops earlier when the "
                                 "validation accuracy stopped improving: patience)", low=1, high=10**9,
                                 shown="about 120,000 updates, 3 to 40")
-    patience: int = option(3, "evaluations on the validation set without improvement before training stops",
-                           low=1, high=10**6)
+    patience: int = option(3, "evaluations in a row that did not raise the validation accuracy before training "
+                           "stops", low=1, high=10**6)
     seed: int = option(0, "seed of the initial weights, the data order and a held-out split", low=0, high=2**32 - 1)
     devices: str = option("cpu", 'where learners train, round-robin: "cpu", "auto" (every visible GPU, else the CPU) '
                           'or devices such as "cuda:0,cuda:1"', check=_devices,

@@ -37,7 +37,8 @@ def _blobs_job(folder, name: str, strategy: str, timeout: float) -> os.PathLike:
     """A small bridged job (`helpers.blobs_job`): one learner per node, an exchange every 0.2 s;
     40 epochs (about 15 s here, 30 s on a loaded machine), so node 0 still trains when node
     1's restarted server serves (which can take 6 s under load)."""
-    return blobs_job(folder, name, train={"learners": 1, "epochs": 40, "lr": 0.05}, checkpoint={"interval": 1},
+    return blobs_job(folder, name, train={"learners": 1, "epochs": 40, "patience": 40, "lr": 0.05},
+                     checkpoint={"interval": 1},
                      bridge={"strategy": strategy, "every": 0.2, "bucket_mb": 0, "timeout": timeout})
 
 

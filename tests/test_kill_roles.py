@@ -143,7 +143,7 @@ def test_a_learner_given_up_ends_gadei_run_with_the_reason(tmp_path, procs):
     """A launched learner that keeps dying is given up after --max-restarts (3) restarts; with
     no learner left the job ends, and the reason reaches gadei run's last line and result.json."""
     name = unique_name("given-up")
-    path = blobs_job(tmp_path, name, train={"learners": 1, "epochs": 500, "lr": 0.05})
+    path = blobs_job(tmp_path, name, train={"learners": 1, "epochs": 500, "patience": 500, "lr": 0.05})
     try:
         run = procs.gadei("run", path)
         killed = set()
@@ -257,7 +257,8 @@ def test_a_supervisor_killed_before_any_checkpoint_ends_gadei_run_with_the_reaso
     """With no checkpoint that records the learners' progress, a new supervisor has nothing to go
     on from: gadei run says how its supervisor ended and why none goes on, and exits 1."""
     name = unique_name("no-ckpt")
-    path = blobs_job(tmp_path, name, train={"learners": 2, "epochs": 50, "lr": 0.05}, checkpoint={"interval": 600})
+    path = blobs_job(tmp_path, name, train={"learners": 2, "epochs": 50, "patience": 50, "lr": 0.05},
+                     checkpoint={"interval": 600})
     try:
         run = procs.gadei("run", path)
         roles = _when_training(name, checkpointed=False)  # none comes: every 600 s
@@ -332,7 +333,8 @@ def test_the_daemon_reports_the_real_outcome_when_a_role_of_its_job_is_killed(sm
 def test_the_daemon_reports_a_failed_job_when_its_supervisor_dies_with_nothing_to_go_on_from(tmp_path, procs,
                                                                                               daemon_env):
     name = unique_name("no-ckpt")
-    path = blobs_job(tmp_path, name, train={"learners": 2, "epochs": 50, "lr": 0.05}, checkpoint={"interval": 600})
+    path = blobs_job(tmp_path, name, train={"learners": 2, "epochs": 50, "patience": 50, "lr": 0.05},
+                     checkpoint={"interval": 600})
     daemon = start_daemon(procs, daemon_env)
     try:
         finish(procs.gadei("submit", path, env=daemon_env))

@@ -46,7 +46,7 @@ def test_a_stop_while_gadei_run_starts_its_job_is_a_clean_stop(tmp_path, procs, 
     before its own handler ended it with no result.json; learners still attaching held the stop
     for 30 s, until the watchdog (now the supervisor) killed them."""
     name = unique_name("early")
-    path = blobs_job(tmp_path, name, train={"learners": 2, "epochs": 50})
+    path = blobs_job(tmp_path, name, train={"learners": 2, "epochs": 50, "patience": 50})
     out = tmp_path / "out"
     before = signal.signal(signal.SIGINT, signal.default_int_handler)  # not ignored in the child, whoever started us
     try:
@@ -95,7 +95,7 @@ def test_a_gadei_run_started_held_takes_a_stop_sent_at_once(tmp_path, how):
     from gadei._proc import wait_or_kill
     from gadei.launch import spawn
 
-    path = blobs_job(tmp_path, unique_name("held"), train={"learners": 2, "epochs": 50})
+    path = blobs_job(tmp_path, unique_name("held"), train={"learners": 2, "epochs": 50, "patience": 50})
     log = tmp_path / "run.log"
     before = signal.signal(signal.SIGINT, signal.default_int_handler)  # not ignored in the child, whoever started us
     try:
@@ -141,7 +141,7 @@ def test_a_stop_that_comes_while_exec_runs_is_a_stop_with_exit_130(tmp_path, pro
     (tmp_path / "hook").mkdir()
     (tmp_path / "hook" / "sitecustomize.py").write_text(_STOP_IN_EXEC)
     name = unique_name("exec-stop")
-    path = blobs_job(tmp_path, name, train={"learners": 2, "epochs": 50})
+    path = blobs_job(tmp_path, name, train={"learners": 2, "epochs": 50, "patience": 50})
     out = tmp_path / "out"
     paths = [str(tmp_path / "hook"), *filter(None, [os.environ.get("PYTHONPATH")])]
     env = {"PYTHONPATH": os.pathsep.join(paths), "STOP_IN_EXEC_PARENT": str(os.getpid()),

@@ -322,7 +322,7 @@ def test_gadei_run_says_which_field_of_a_corrupt_region_stopped_the_job(tmp_path
     """The server's reason, not "see logs/serve.log": in gadei run's last line and result.json's
     reason."""
     name = unique_name("tamper-run")
-    path = blobs_job(tmp_path, name, train={"learners": 1, "epochs": 50, "lr": 0.05})
+    path = blobs_job(tmp_path, name, train={"learners": 1, "epochs": 50, "patience": 50, "lr": 0.05})
     try:
         run = procs.gadei("run", path)
         wait_for(lambda: (f := inspect(name)) is not None and f.state == "running" and job_version(name) >= 50, 120,
