@@ -81,10 +81,10 @@ class JobRun:
             for each in self.prepared.candidates or [self.prepared]:  # a job that picks its model: each candidate's
                 data.keep(f"job:{each.job.output / 'job.toml'}", each.job.workload,
                           (each.train, each.validation, each.test))
+        warnings = _Warnings(job.output / LOG)  # before its supervisor starts: what it says from its first line
         supervised.start(resume=self.prepared.going_on is not None)
         place.start(job, ended=lambda: not supervised.running())
         progress = _Progress(self) if not self.quiet else None
-        warnings = _Warnings(job.output / LOG)
         picking = _Candidates(job) if self.prepared.candidates is not None else None
         while (result := supervised.ended()) is None:
             if self.asked and not supervised.stop_asked:  # a stop (SIGTERM, SIGINT), recorded by its handler
@@ -146,10 +146,15 @@ class _Candidates:
 
 class _Warnings:
     """What the job's supervisor warns of (its log's WARNING and ERROR records: a server restarted,
-    a learner given up), shown on stderr as it comes."""
+    a learner given up), shown on stderr as it comes: from the log's end when this run starts (a
+    resumed run's supervisor appends to the log of the runs before, whose warnings were said)."""
 
     def __init__(self, path: Path):
-        self.path, self.offset = path, 0
+        try:
+            offset = path.stat().st_size
+        except FileNotFoundError:
+            offset = 0
+        self.path, self.offset = path, offset
 
     def show(self) -> None:
         try:

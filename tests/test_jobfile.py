@@ -388,10 +388,14 @@ def test_a_stopped_run_goes_on_with_resume_and_trains_each_mini_batch_once(tmp_p
     assert refused.returncode == 2 and "[train] lr" in err and \
         "only [train] epochs, patience, devices and threads and the [checkpoint] settings may change" in err, err
 
+    # the supervisor's log goes on across runs: what the runs before warned of, their own gadei run said
+    with open(folder / "logs" / "supervisor.log", "a") as log_file:
+        log_file.write("2026-11-29 00:00:00,000 gadei_watchdog.supervisor WARNING an earlier run's warning\n")
     longer = _job(tmp_path, body(epochs=2, lr=0.05))  # more epochs may be asked for
     resumed = procs.gadei("run", longer, "--resume", "--quiet")
     out, err = communicate(resumed, 600)
     assert resumed.returncode == 0 and "resuming from" in out and "done in" in out, out + err
+    assert "an earlier run's warning" not in err, err
     last = read_stop_record(folder / "logs" / "server-stop.json")
     # every mini-batch of two epochs of each learner's shard is in the weights once: what the
     # first run applied before the progress checkpoint is not trained again, nothing is skipped
