@@ -38,7 +38,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import board, data, jobfile, zygote
+from . import board, data, files, jobfile, zygote
 from .errors import GadeiError
 
 EARLIER = "logs/earlier-runs.json"  # a resumed run's record of the runs it goes on from (start, seconds)
@@ -89,7 +89,7 @@ def forget(out: Path, resume: bool = False) -> None:
         pass
     if resume:
         (out / "logs").mkdir(parents=True, exist_ok=True)
-        _replace(out / EARLIER, json.dumps({"runs": earlier}) + "\n")
+        files.replace(out / EARLIER, json.dumps({"runs": earlier}) + "\n")
     if not resume:  # a resumed run's TensorBoard curves go on from those of the runs before it
         board.forget(out)
     for name in _RUN_FILES + (() if resume else (EPOCHS,)):  # a resumed run's epochs go on from the ones before
@@ -332,7 +332,7 @@ def _finish(job: jobfile.Job, result: dict, since: float | None, runs: list[dict
             result["seconds_in_all"] = round(sum(run["seconds"] for run in runs), 1)
     result.update({"learners": job.train.learners, "epochs": job.train.epochs, "patience": job.train.patience,
                    "written_by": os.getpid()})
-    _replace(out / "result.json", json.dumps(result, indent=1) + "\n")
+    files.replace(out / "result.json", json.dumps(result, indent=1) + "\n")
     return result
 
 
@@ -354,7 +354,7 @@ def _choice(job: jobfile.Job, ending: Ending, runs: list[dict] | None) -> dict:
             took = job_seconds(record.get("evaluated_at"), runs)
             record.pop("seconds_since_start", None)  # the candidate's own time base: the job's instead
             metrics.append({**record, **({"seconds_since_start": took} if took is not None else {})})
-    _replace(out / "metrics.jsonl", "".join(json.dumps(record) + "\n" for record in metrics))
+    files.replace(out / "metrics.jsonl", "".join(json.dumps(record) + "\n" for record in metrics))
     kind, reason = _choice_outcome(found, best, ending)
     result = {"job": job.name, "outcome": kind, "finished": kind == DONE, "reason": reason,
               "workload": best.workload if best else None,
@@ -626,17 +626,6 @@ def evaluate(job: jobfile.Job, metrics: list[dict] = (), handed: dict | None = N
     return {"test_accuracy": accuracy, "test_samples": len(test)}
 
 
-def _replace(path: Path, text: str) -> None:
-    _replace_with(path, lambda tmp: tmp.write_text(text))
-
-
-def _replace_with(path: Path, write) -> None:
-    """Write `path` whole or not at all: `write(tmp)` beside it, then a rename."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    write(tmp)
-    os.replace(tmp, path)
-
-
 def epoch_records(out: Path) -> list[dict]:
     """The evaluating learner's epoch records (learner 0 appends them to `EPOCHS`, a JSON line each)."""
     try:
@@ -675,7 +664,7 @@ def write_metrics(out: Path, runs: list[dict] | None = None) -> list[dict]:
         took = job_seconds(record.get("evaluated_at"), runs)
         if took is not None:
             record["seconds_since_start"] = took
-    _replace(out / "metrics.jsonl", "".join(json.dumps(record) + "\n" for record in metrics))
+    files.replace(out / "metrics.jsonl", "".join(json.dumps(record) + "\n" for record in metrics))
     return metrics
 
 
@@ -692,4 +681,4 @@ def plot(metrics: list[dict], path: Path, title: str, chosen: tuple | None = Non
     fig = figure(metrics, title, chosen)
     fig.canvas.draw()
     pixels = Image.fromarray(numpy.asarray(fig.canvas.buffer_rgba())[..., :3])
-    _replace_with(path, lambda tmp: pixels.save(tmp, format="png", compress_level=1))
+    files.replace(path, lambda out: pixels.save(out, format="png", compress_level=1))

@@ -6,13 +6,12 @@ names the first parameter that differs. Buffers (e.g. batch-norm statistics) are
 shared: each learner keeps its own.
 """
 
-import contextlib
 import math
-import os
 
 import numpy as np
 import torch
 
+from . import files
 from .errors import RegionMismatch
 from .layout import SparseTable
 
@@ -112,23 +111,7 @@ def save(state: dict[str, torch.Tensor], path: str, private: bool = True) -> Non
     temporary file renamed over `path`). `private`: mode 0600 whatever the umask, as `gadei
     run` writes its model.pt (`gadei serve --save`, `gadei bridge --save`); False: the umask
     decides, as for a job file's `[output] private = false`."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(tmp)  # a leftover would keep its mode: the file is made here, with the mode asked for
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600 if private else 0o666)
-    try:
-        if private:
-            os.fchmod(fd, 0o600)  # a umask such as 0277 takes bits from 0600 too
-        with os.fdopen(fd, "wb") as out:
-            fd = -1
-            torch.save(state, out)
-        os.replace(tmp, path)
-    except BaseException:
-        if fd >= 0:
-            os.close(fd)
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    files.replace(path, lambda out: torch.save(state, out), private=private)
 
 
 def state_dict(spec: Spec, flat: np.ndarray) -> dict[str, torch.Tensor]:

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from . import files
 from .errors import GadeiError
 
 BEST_MODEL = "best.pt"
@@ -139,25 +140,11 @@ class Selection:
                 "history": self.history}
 
     def _write(self, path: Path, write) -> None:
-        """Crash safe: a temporary file, flushed and fsync'ed, renamed over `path`."""
+        """Crash safe: written whole, synced, and renamed over `path` (`gadei.files.replace`)."""
         self.folder.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
         try:
-            with open(tmp, "wb") as handle:
-                write(handle)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(tmp, path)
-            fd = os.open(self.folder, os.O_RDONLY | os.O_DIRECTORY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            files.replace(path, write, durable=True)
         except OSError as err:
-            try:
-                tmp.unlink()
-            except OSError:
-                pass
             raise GadeiError(f"cannot write {path}: {err.strerror or err}") from None
 
 

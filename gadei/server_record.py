@@ -11,7 +11,7 @@ import struct
 import time
 from dataclasses import asdict, dataclass, fields
 
-from . import _proc
+from . import _proc, files
 from .layout import HEADER
 from .region import SHM_DIR, check_job_name, shm_name
 
@@ -61,11 +61,7 @@ class StopRecord:
 def write_stop_record(path: str, record: StopRecord) -> None:
     """Write `record` at `path` whole or not at all, stamped with this process and the time."""
     record.pid, record.time = os.getpid(), time.time()
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as out:
-        json.dump(asdict(record), out)
-        out.write("\n")
-    os.replace(tmp, path)
+    files.replace(path, json.dumps(asdict(record)) + "\n")
 
 
 def read_stop_record(path) -> StopRecord | None:
@@ -88,11 +84,7 @@ def save_server_record(job: str, pid: int, started: float) -> None:
     folder, so that `gadei stop` finds it when the region's header cannot be read. A folder
     that cannot be written costs only that (a warning)."""
     try:
-        path = _record_path(job)
-        tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "w") as out:
-            json.dump({"job": job, "pid": pid, "start": started}, out)
-        os.replace(tmp, path)
+        files.replace(_record_path(job), json.dumps({"job": job, "pid": pid, "start": started}))
     except OSError as err:  # PermissionError included: a runtime folder of another user
         log.warning("job %r: cannot record the server outside its region (gadei stop then needs a readable "
                     "region): %s", job, err)

@@ -23,7 +23,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from . import _proc, options, ring
+from . import _proc, files, options, ring
 from ._proc import python_command
 from .checkpoint import CheckpointOptions
 from .env import runtime_dir
@@ -224,11 +224,8 @@ def saved_jobs() -> dict[str, str]:
 
 def save_state(job: str, settings: dict, table: list[Launched]) -> None:
     """Write the supervisor's record atomically (a reader never sees half a file)."""
-    path = state_path(job)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as out:
-        json.dump({"job": job, "settings": settings, "learners": [asdict(learner) for learner in table]}, out)
-    os.replace(tmp, path)
+    files.replace(state_path(job), json.dumps({"job": job, "settings": settings,
+                                               "learners": [asdict(learner) for learner in table]}))
 
 
 def load_state(job: str) -> tuple[dict, list[Launched]]:

@@ -62,13 +62,18 @@ OUTPUTS = "gadei/outputs.py"
 CONCLUDER = "watchdog/job.py"
 OUTPUT_FILES = ("result.json", "metrics.jsonl", "accuracy.png", "model.pt")
 OUTPUT_NAMES: set[str] = set()  # gadei.outputs' names of those paths
-OUTPUT_WRITERS = {"write_metrics", "hand_back", "plot", "_replace", "_replace_with"}
+OUTPUT_WRITERS = {"write_metrics", "hand_back", "plot"}
 
 # "Is this process running" (a pid, and its start time): gadei/_proc.py answers it (`alive`,
 # `running`), for every process gadei watches; nobody else asks psutil or the kernel whether a
 # pid lives.
 LIVENESS = "gadei/_proc.py"
 LIVENESS_CALLS = {"create_time", "pid_exists", "is_running", "STATUS_ZOMBIE"}
+
+# A file written whole or not at all (beside its place, then renamed there): gadei/files.py
+# does it for every writer (`replace`); a checkpoint takes its name by a hard link instead, and
+# renames only where the file system has none (gadei/checkpoint.py).
+RENAMERS = {"gadei/files.py", "gadei/checkpoint.py"}
 
 # A process's state passes as a typed record (a server's stop record, result.json, a learner's
 # epoch records), never as lines read back from its log: only the modules that show logs to
@@ -388,6 +393,18 @@ def _file_write(node) -> bool:
     return False
 
 
+def renamers(sources) -> set[str]:
+    """Modules that rename a file over another (`os.replace`, `os.rename`, a path's `rename`)."""
+    found = set()
+    for name, tree in sources:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and (
+                    node.func.attr == "rename" or node.func.attr == "replace" and
+                    isinstance(node.func.value, ast.Name) and node.func.value.id == "os"):
+                found.add(name)
+    return found
+
+
 def shared_class_names(sources) -> dict[str, list[str]]:
     """Public class names defined in more than one module."""
     where = defaultdict(list)
@@ -458,6 +475,10 @@ def test_only_the_process_module_kills_a_child_that_did_not_exit_in_time():
     assert kills_after_a_wait(_sources()) == {WAIT_OR_KILL_OWNER}
 
 
+def test_only_the_files_module_writes_a_file_whole_by_renaming_it():
+    assert renamers(_sources()) == RENAMERS
+
+
 def test_the_scans_find_what_they_look_for():
     """Each scan catches a module breaking its rule (so that the tests above can fail)."""
     broken = [("gadei/stray.py", ast.parse(
@@ -497,6 +518,9 @@ def test_the_scans_find_what_they_look_for():
     assert protocol_field_uses(broken) == {"gadei/stray.py": {"run_state"}}
     assert shared_class_names(broken) == {"Record": ["gadei/stray.py", "gadei/other.py"]}
     assert kills_after_a_wait(broken) == {"gadei/waits.py"}
+    renamed = [("gadei/a.py", ast.parse("os.replace(tmp, path)\n")), ("gadei/b.py", ast.parse("tmp.rename(path)\n")),
+               ("gadei/c.py", ast.parse("name = text.replace('a', 'b')\n"))]
+    assert renamers(renamed) == {"gadei/a.py", "gadei/b.py"}
     started = [("gadei/a.py", ast.parse("subprocess.Popen(['x'])")), ("gadei/b.py", ast.parse("os.execv('x', ['x'])")),
                ("gadei/bench/c.py", ast.parse("subprocess.run(['x'])")), ("gadei/d.py", ast.parse("p.run()"))]
     assert spawners(started) == {"gadei/a.py", "gadei/b.py"}

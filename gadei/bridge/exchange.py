@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
+from .. import files
 from ..errors import GadeiError, GadeiTimeout, JobStopped, ServerGone
 from ..launch import exit_after
 from ..protocol import Deadline
@@ -368,10 +369,8 @@ def write_trace(folder: str, rank: int, n: int, sent: np.ndarray, target: np.nda
     it got, the local version they were copied at, and what its strategy adds (`Strategy.trace`)."""
     where = os.path.join(folder, f"rank-{rank}")
     os.makedirs(where, exist_ok=True)
-    path = os.path.join(where, f"{n:06d}.npz")
-    with open(path + ".part", "wb") as f:
-        np.savez(f, sent=sent, target=target, version=version, final=strategy.final, **strategy.trace())
-    os.replace(path + ".part", path)
+    files.replace(os.path.join(where, f"{n:06d}.npz"), lambda f: np.savez(
+        f, sent=sent, target=target, version=version, final=strategy.final, **strategy.trace()))
 
 
 def _role(strategy: Strategy) -> str:

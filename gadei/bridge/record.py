@@ -5,11 +5,10 @@ written by the rank that ran the bridge (`leave`) and waited for by the node's s
 
 import json
 import logging
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .. import _proc
+from .. import _proc, files
 from ..protocol import Deadline
 
 log = logging.getLogger(__name__)
@@ -42,10 +41,7 @@ def leave(out: Path, background, rank: int, size: int, strategy: str, private: b
     else:
         summary["reason"] = f"no bridge ran: {background.error}"
     end = BridgeEnd(summary, model)
-    path = out / END
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(asdict(end)) + "\n")
-    os.replace(tmp, path)
+    files.replace(out / END, json.dumps(asdict(end)) + "\n")
     return end
 
 

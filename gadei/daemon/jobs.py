@@ -10,7 +10,7 @@ import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-from .. import _proc, jobfile, outputs
+from .. import _proc, files, jobfile, outputs
 from ..env import CORES, environ, state_dir as state_folder, usable_cores
 from ..errors import GadeiError, NoSuchJob
 from ..outputs import SUBMIT
@@ -124,10 +124,7 @@ class Jobs:
     # ------------------------------------------------------------------ records
 
     def _save(self, record: JobRecord) -> None:
-        path = self.folder / "jobs" / f"{record.name}.json"
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(asdict(record), indent=1))
-        os.replace(tmp, path)
+        files.replace(self.folder / "jobs" / f"{record.name}.json", json.dumps(asdict(record), indent=1))
 
     def _supervised(self, record: JobRecord, **kw) -> Supervised:
         try:

@@ -1,0 +1,51 @@
+"""Files written whole or not at all (`replace`): into a temporary file beside the path, then
+renamed over it, so that a reader (another process, or the next run after a crash) finds the file
+before or the file after, never half of one. The one place gadei does that; a checkpoint, named
+by a hard link so that two writers never replace each other's, is `gadei.checkpoint`'s."""
+
+import contextlib
+import os
+from pathlib import Path
+
+
+def replace(path, content, *, private: bool = False, durable: bool = False) -> None:
+    """Write `path` whole or not at all. `content`: text (UTF-8), bytes, or a function that
+    writes into the file it is given (open for binary writing). `private`: mode 0600 whatever
+    the umask (else 0666 less the umask). `durable`: the file and then its folder are synced, so
+    that the new file outlives a crash of the machine too.
+
+    The temporary file is .NAME.tmpPID beside `path`: hidden, and one per writing process.
+
+    Raises:
+        OSError: it could not be written (the file at `path` is then as it was).
+    """
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)  # a leftover of a killed writer with this pid would keep its mode
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600 if private else 0o666)
+    try:
+        if private:
+            os.fchmod(fd, 0o600)  # a umask such as 0277 takes bits from 0600 too
+        with os.fdopen(fd, "wb") as out:
+            fd = -1
+            if callable(content):
+                content(out)
+            else:
+                out.write(content.encode() if isinstance(content, str) else content)
+            if durable:
+                out.flush()
+                os.fsync(out.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if fd >= 0:
+            os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    if durable:
+        folder = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(folder)
+        finally:
+            os.close(folder)
