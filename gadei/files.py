@@ -4,8 +4,11 @@ before or the file after, never half of one. The one place gadei does that; a ch
 by a hard link so that two writers never replace each other's, is `gadei.checkpoint`'s."""
 
 import contextlib
+import itertools
 import os
 from pathlib import Path
+
+_WRITES = itertools.count()  # each write's own temporary file, whichever thread of this process writes
 
 
 def replace(path, content, *, private: bool = False, durable: bool = False) -> None:
@@ -14,15 +17,15 @@ def replace(path, content, *, private: bool = False, durable: bool = False) -> N
     the umask (else 0666 less the umask). `durable`: the file and then its folder are synced, so
     that the new file outlives a crash of the machine too.
 
-    The temporary file is .NAME.tmpPID beside `path`: hidden, and one per writing process.
+    The temporary file is .NAME.tmpPID.N beside `path`: hidden, and one per write.
 
     Raises:
         OSError: it could not be written (the file at `path` is then as it was).
     """
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}.{next(_WRITES)}")
     with contextlib.suppress(FileNotFoundError):
-        os.unlink(tmp)  # a leftover of a killed writer with this pid would keep its mode
+        os.unlink(tmp)  # a killed writer's leftover (a pid is reused) would keep its mode
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600 if private else 0o666)
     try:
         if private:

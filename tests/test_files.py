@@ -1,0 +1,46 @@
+"""A file written whole or not at all (`gadei.files.replace`), which every record, result and
+model of gadei is written through."""
+
+import os
+import stat
+
+import pytest
+
+from gadei import files
+
+
+def test_a_write_that_fails_midway_leaves_the_file_as_it_was_and_nothing_beside_it(tmp_path):
+    path = tmp_path / "result.json"
+    files.replace(path, '{"outcome": "done"}\n')
+
+    def half(out):
+        out.write(b'{"outcome": "fa')
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError, match="No space"):
+        files.replace(path, half)
+    assert path.read_text() == '{"outcome": "done"}\n'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["result.json"]
+
+
+@pytest.mark.parametrize("private, mode", [(True, 0o600), (False, 0o644)])
+def test_a_private_file_is_0600_whatever_the_umask(tmp_path, private, mode):
+    old = os.umask(0o022)
+    try:
+        files.replace(tmp_path / "model.pt", b"weights", private=private)
+        files.replace(tmp_path / "model.pt", lambda out: out.write(b"newer"), private=private, durable=True)
+    finally:
+        os.umask(old)
+    assert (tmp_path / "model.pt").read_bytes() == b"newer"
+    assert stat.S_IMODE((tmp_path / "model.pt").stat().st_mode) == mode
+
+
+def test_a_link_in_the_temporary_files_place_is_not_followed(tmp_path):
+    """A link planted where a write's temporary file goes is removed, not written through."""
+    victim = tmp_path / "victim"
+    victim.write_text("keep")
+    nxt = next(files._WRITES) + 1  # the next write's number
+    os.symlink(victim, tmp_path / f".job.json.tmp{os.getpid()}.{nxt}")
+    files.replace(tmp_path / "job.json", "{}")
+    assert victim.read_text() == "keep"
+    assert (tmp_path / "job.json").read_text() == "{}"
