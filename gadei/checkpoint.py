@@ -13,9 +13,10 @@ every learner's counters and the job's configuration (both JSON text), the progr
 learners a supervisor launched (`progress`: samples of each one's schedule that the weights
 hold, or "done"), and a SHA-256 `checksum` over all of it.
 
-Writing is crash safe: the file is written under a temporary name, flushed and fsync'ed,
-renamed over its final name (atomic), and the folder is fsync'ed, so a crash at any instant
-leaves either no new checkpoint or a whole one. Only the last `keep` are kept. Reading
+Writing is crash safe: the file is written under a temporary name (`gadei.files.temporary`),
+flushed and fsync'ed, given its final name by a hard link (atomic, and a name another writer took
+is never replaced), and the folder is fsync'ed, so a crash at any instant leaves either no new
+checkpoint or a whole one; the next writer removes what a killed one left. Only the last `keep` are kept. Reading
 verifies the checksum; `latest()` skips a checkpoint that fails it (with a warning) for the
 one before.
 
@@ -29,7 +30,6 @@ from __future__ import annotations
 import dataclasses
 import errno
 import hashlib
-import itertools
 import json
 import logging
 import os
@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from . import _proc
+from . import files
 from .errors import GadeiError
 from .options import option
 
@@ -54,8 +54,6 @@ log = logging.getLogger(__name__)
 FORMAT = "gadei-checkpoint"
 FORMAT_VERSION = 1
 _NAME = re.compile(r"^ckpt-(\d{6,})\.pt$")
-_TMP = re.compile(r"^\.ckpt(?:-\d+\.pt|\.\d+)\.tmp(\d+)$")  # a writer's file (its pid last) until it is named
-_WRITES = itertools.count()  # tells apart two writes of one process
 
 
 @dataclasses.dataclass(frozen=True)
@@ -281,18 +279,18 @@ def save(folder: str | os.PathLike, checkpoint: Checkpoint, keep: int = 3) -> Pa
         raise ValueError(f"keep must be at least 1, not {keep!r}")
     folder = Path(folder)
     path = folder / f"ckpt-{_next_number(folder):06d}.pt"  # its name unless another writer takes it first (_claim)
-    tmp = folder / f".ckpt.{next(_WRITES)}.tmp{os.getpid()}"
+    tmp = files.temporary(folder / "ckpt.pt")  # a writer's file until it takes its name (`_claim`)
     writer = None
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        _remove_orphans(folder)
+        files.remove_orphans(folder)
         with open(tmp, "wb") as handle:
             writer = _Writer(handle)
             torch.save(checkpoint.to_dict(), writer)
             handle.flush()
             os.fsync(handle.fileno())
         path = _claim(folder, tmp)
-        _fsync_dir(folder)
+        files.sync_folder(folder)
     except (OSError, RuntimeError) as err:  # torch.save turns a failed write into a RuntimeError
         try:
             tmp.unlink()
@@ -354,25 +352,6 @@ class _Writer:
 
     def flush(self) -> None:
         self.handle.flush()
-
-
-def _remove_orphans(folder: Path) -> None:
-    """Remove temporary files of writers that died mid-write (their pid is gone)."""
-    for name in os.listdir(folder):
-        found = _TMP.match(name)
-        if found and not _proc.running(int(found.group(1))):
-            try:
-                (folder / name).unlink()
-            except OSError:
-                pass
-
-
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def listing(folder: str | os.PathLike) -> list[Path]:

@@ -1,14 +1,48 @@
 """Files written whole or not at all (`replace`): into a temporary file beside the path, then
 renamed over it, so that a reader (another process, or the next run after a crash) finds the file
-before or the file after, never half of one. The one place gadei does that; a checkpoint, named
-by a hard link so that two writers never replace each other's, is `gadei.checkpoint`'s."""
+before or the file after, never half of one. The one place gadei does that, and names a write's
+temporary file (`temporary`: a checkpoint's too, which then takes its name by a hard link so that
+two writers never replace each other's: `gadei.checkpoint`); what a writer killed mid-write left
+is removed by the next one to write there (`remove_orphans`)."""
 
 import contextlib
 import itertools
 import os
+import re
 from pathlib import Path
 
+from . import _proc
+
 _WRITES = itertools.count()  # each write's own temporary file, whichever thread of this process writes
+_TEMPORARY = re.compile(r"^\.(.+)\.tmp(\d+)(?:\.\d+)?$")  # .NAME.tmpPID.N (.NAME.tmpPID: earlier versions')
+
+
+def temporary(path: Path) -> Path:
+    """Where a write of `path` goes first: .NAME.tmpPID.N beside it, hidden, one per write."""
+    return path.with_name(f".{path.name}.tmp{os.getpid()}.{next(_WRITES)}")
+
+
+def remove_orphans(folder, names=None) -> None:
+    """Remove the temporary files in `folder` whose writer died mid-write (its pid runs no
+    more); of the files `names` only, where given."""
+    try:
+        found = os.listdir(folder)
+    except FileNotFoundError:
+        return
+    for name in found:
+        orphan = _TEMPORARY.match(name)
+        if orphan and (names is None or orphan.group(1) in names) and not _proc.running(int(orphan.group(2))):
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(folder, name))
+
+
+def sync_folder(folder) -> None:
+    """Make the names in `folder` (a rename, a link) outlive a crash of the machine."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def replace(path, content, *, private: bool = False, durable: bool = False) -> None:
@@ -17,13 +51,13 @@ def replace(path, content, *, private: bool = False, durable: bool = False) -> N
     the umask (else 0666 less the umask). `durable`: the file and then its folder are synced, so
     that the new file outlives a crash of the machine too.
 
-    The temporary file is .NAME.tmpPID.N beside `path`: hidden, and one per write.
+    The temporary file is `temporary(path)`.
 
     Raises:
         OSError: it could not be written (the file at `path` is then as it was).
     """
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}.{next(_WRITES)}")
+    tmp = temporary(path)
     with contextlib.suppress(FileNotFoundError):
         os.unlink(tmp)  # a killed writer's leftover (a pid is reused) would keep its mode
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600 if private else 0o666)
@@ -47,8 +81,4 @@ def replace(path, content, *, private: bool = False, durable: bool = False) -> N
             os.unlink(tmp)
         raise
     if durable:
-        folder = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(folder)
-        finally:
-            os.close(folder)
+        sync_folder(path.parent)

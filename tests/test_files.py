@@ -3,6 +3,8 @@ model of gadei is written through."""
 
 import os
 import stat
+import subprocess
+import sys
 
 import pytest
 
@@ -44,3 +46,19 @@ def test_a_link_in_the_temporary_files_place_is_not_followed(tmp_path):
     files.replace(tmp_path / "job.json", "{}")
     assert victim.read_text() == "keep"
     assert (tmp_path / "job.json").read_text() == "{}"
+
+
+def test_the_next_writer_removes_what_a_killed_writer_left(tmp_path):
+    """A temporary file whose writer's pid runs no more is removed; one of a live writer, one of
+    another file than those named, and a user's own hidden file are kept."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    names = {"dead": f".result.json.tmp{dead.pid}.3", "old naming": f".model.pt.tmp{dead.pid}",
+             "live": f".result.json.tmp{os.getpid()}.9", "other file": f".notes.txt.tmp{dead.pid}.1",
+             "user's": ".result.json.swp"}
+    for name in names.values():
+        (tmp_path / name).write_text("half")
+    files.remove_orphans(tmp_path, ("result.json", "model.pt"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [names["live"], names["other file"], names["user's"]])
+    files.remove_orphans(tmp_path / "absent")  # a folder not made yet: nothing to remove
