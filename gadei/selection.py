@@ -67,7 +67,9 @@ class Selection:
         best: the best evaluation so far (None before the first).
         evaluations: evaluations made.
         since_best: evaluations since the best validation accuracy was reached (0 right after it
-            rose; a tie kept for its lower loss counts one).
+            rose; a tie kept for its lower loss counts one; those of training the job undid by
+            going back to an older checkpoint do not).
+        history: the evaluations counted, in order (`offer`).
         stopped: why training stopped ("patience"), None while it goes on.
     """
 
@@ -89,6 +91,7 @@ class Selection:
             GadeiError: best.json is there but is not a selection's state.
         """
         folder = Path(folder)
+        files.remove_orphans(folder, (BEST_MODEL, BEST_STATE))  # what a learner killed mid-write left
         selection = cls(folder, patience)
         state_path = folder / BEST_STATE
         try:
@@ -115,7 +118,19 @@ class Selection:
         """Count one evaluation of `weights` (a state dict, copied by the caller: it must not
         change while it is written); keep it when it is the best so far. Whether it was; when
         `patience` evaluations in a row did not raise the best validation accuracy, `stopped`
-        becomes "patience"."""
+        becomes "patience".
+
+        An evaluation at an epoch no later than one already counted comes from a job that went
+        back to an older checkpoint (its supervisor, or a resumed run, restarted it): the
+        evaluations from that epoch on were of training it undid and does again, so they leave
+        the history and the count (where the best came from them, the count starts again from
+        here; the best model stays, a model evaluated like any other). Each epoch of the training
+        the job hands back counts once, so a job whose patience is as long as its epochs trains
+        them all, however often it went back."""
+        undone = [h for h in self.history if h.get("epoch", 0) >= evaluation.epoch]
+        if undone:
+            self.history = [h for h in self.history if h.get("epoch", 0) < evaluation.epoch]
+            self.since_best = max(0, self.since_best - len(undone))
         self.evaluations += 1
         self.history.append(asdict(evaluation))
         improved = evaluation.better_than(self.best)

@@ -52,6 +52,34 @@ def test_a_tie_with_a_lower_loss_is_kept_and_counts_toward_patience(tmp_path):
     assert torch.equal(selection.best_weights(tmp_path)["weight"], torch.full((3,), 3.0))
 
 
+def test_evaluations_of_training_the_job_undid_leave_the_patience_count(tmp_path):
+    """A job that goes back to an older checkpoint (a restarted supervisor, a resumed run) trains
+    some epochs again: their first evaluations no longer count toward patience, so a job whose
+    patience is as long as its epochs trains them all. Counted twice, a job of 60 epochs and
+    patience 60 that went back two epochs stopped at epoch 59 (the CI dry run of ecea28f)."""
+    E = selection.Evaluation
+    chosen = selection.Selection.open(tmp_path, patience=3)
+    assert chosen.offer(E(1, 10, 1.0, 0.3), _weights(1.0))
+    for epoch in (2, 3):
+        chosen.offer(E(epoch, epoch * 10, 1.0, 0.3), _weights(epoch))
+    assert chosen.since_best == 2
+    # the job went back into epoch 2: its evaluations of epochs 2 and 3 are undone
+    again = selection.Selection.open(tmp_path, patience=3)
+    again.offer(E(2, 21, 1.0, 0.3), _weights(2.1))
+    assert again.stopped is None and again.since_best == 1
+    assert [h["epoch"] for h in again.history] == [1, 2] and again.history[1]["version"] == 21
+    again.offer(E(3, 31, 1.0, 0.3), _weights(3.1))
+    assert again.stopped is None
+    again.offer(E(4, 41, 1.0, 0.3), _weights(4.1))
+    assert again.stopped == "patience" and again.evaluations == 6
+    # the best came from undone training: it stays the model, and the count starts again
+    fresh = selection.Selection.open(tmp_path / "b", patience=2)
+    fresh.offer(E(1, 10, 0.5, 0.9), _weights(1.0))
+    fresh.offer(E(2, 20, 0.9, 0.5), _weights(2.0))
+    fresh.offer(E(2, 21, 0.8, 0.6), _weights(2.1))
+    assert fresh.best.version == 20 and fresh.since_best == 1 and fresh.stopped is None
+
+
 def test_a_best_model_newer_than_the_state_file_is_believed(tmp_path):
     """A crash between writing best.pt and best.json: the weights' own record wins."""
     chosen = selection.Selection.open(tmp_path, patience=3)
