@@ -14,11 +14,11 @@ learners a supervisor launched (`progress`: samples of each one's schedule that 
 hold, or "done"), and a SHA-256 `checksum` over all of it.
 
 Writing is crash safe: the file is written under a temporary name (`gadei.files.temporary`),
-flushed and fsync'ed, given its final name by a hard link (atomic, and a name another writer took
-is never replaced), and the folder is fsync'ed, so a crash at any instant leaves either no new
-checkpoint or a whole one; the next writer removes what a killed one left. Only the last `keep` are kept. Reading
-verifies the checksum; `latest()` skips a checkpoint that fails it (with a warning) for the
-one before.
+flushed and fsync'ed, given its final name by a hard link (atomic, and a name another writer
+took is never replaced), and the folder is fsync'ed, so a crash at any instant leaves either no
+new checkpoint or a whole one; the next writer removes what a killed one left. Only the last
+`keep` are kept. Reading verifies the checksum; `latest()` skips a checkpoint that fails it
+(with a warning) for the one before.
 
 torch is imported by the functions that need it, not with the module: the supervisor's package
 imports this one, and `gadei status`, `stop` and `clean` import that. A supervisor started cold

@@ -79,10 +79,10 @@ class Ending:
 def forget(out: Path, resume: bool = False) -> None:
     """Before a run (or a resumed one) starts: the outputs of the run before are not this one's
     (nor what a writer of them killed mid-write left), nor its TensorBoard event files unless
-    this run resumes it. A resumed run keeps the runs it
-    goes on from (`EARLIER`: their starts and seconds, from their result.json's "runs"), the
-    job's time base; where the run before it left no result.json (its supervisor was killed),
-    they are unknown, and so is the job's time base for this run."""
+    this run resumes it. A resumed run keeps the runs it goes on from (`EARLIER`: their starts
+    and seconds, from their result.json's "runs"), the job's time base; where the run before it
+    left no result.json (its supervisor was killed), they are unknown, and so is the job's time
+    base for this run."""
     earlier = _valid_runs((read_result(out) or {}).get("runs")) if resume else None
     try:
         (out / EARLIER).unlink()
