@@ -127,10 +127,9 @@ class Selection:
         here; the best model stays, a model evaluated like any other). Each epoch of the training
         the job hands back counts once, so a job whose patience is as long as its epochs trains
         them all, however often it went back."""
-        undone = [h for h in self.history if h.get("epoch", 0) >= evaluation.epoch]
-        if undone:
-            self.history = [h for h in self.history if h.get("epoch", 0) < evaluation.epoch]
-            self.since_best = max(0, self.since_best - len(undone))
+        kept = [h for h in self.history if h.get("epoch", 0) < evaluation.epoch]
+        self.since_best = max(0, self.since_best - (len(self.history) - len(kept)))
+        self.history = kept
         self.evaluations += 1
         self.history.append(asdict(evaluation))
         improved = evaluation.better_than(self.best)

@@ -1,6 +1,7 @@
 """A file written whole or not at all (`gadei.files.replace`), which every record, result and
 model of gadei is written through."""
 
+import itertools
 import os
 import stat
 import subprocess
@@ -37,12 +38,12 @@ def test_a_private_file_is_0600_whatever_the_umask(tmp_path, private, mode):
     assert stat.S_IMODE((tmp_path / "model.pt").stat().st_mode) == mode
 
 
-def test_a_link_in_the_temporary_files_place_is_not_followed(tmp_path):
+def test_a_link_in_the_temporary_files_place_is_not_followed(tmp_path, monkeypatch):
     """A link planted where a write's temporary file goes is removed, not written through."""
     victim = tmp_path / "victim"
     victim.write_text("keep")
-    nxt = next(files._WRITES) + 1  # the next write's number
-    os.symlink(victim, tmp_path / f".job.json.tmp{os.getpid()}.{nxt}")
+    monkeypatch.setattr(files, "_WRITES", itertools.count(7))  # the next write is this process's 7th
+    os.symlink(victim, tmp_path / f".job.json.tmp{os.getpid()}.7")
     files.replace(tmp_path / "job.json", "{}")
     assert victim.read_text() == "keep"
     assert (tmp_path / "job.json").read_text() == "{}"
