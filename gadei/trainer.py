@@ -65,8 +65,7 @@ def run(args) -> int:
                 if learner.training_ended:  # the evaluating learner decided for the job: end the schedule
                     break
                 x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-                loss, right = workload.loss_and_correct(model, x, y)
-                workload.backward(model, loss, learner.constraint_lr)
+                loss, right = workload.gradient(model, x, y, learner.constraint_lr)
                 learner.step(samples=len(y))
                 loss_sum += loss.detach()
                 steps += 1

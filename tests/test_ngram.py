@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import gadei_workloads
-from gadei_workloads import text
+from gadei_workloads import ngram, text
 from gadei_workloads.ngram import build_ngram, dimension_for, ngrams
 from helpers import communicate, data_dir, missing, trec_job, unique_name
 
@@ -35,6 +35,55 @@ def test_the_model_is_seeded_and_leaves_padding_and_unknown_ngrams_out():
     assert set(a.embedding.weight.grad.coalesce().indices()[0].tolist()) == {5, 6}
 
 
+def test_the_closed_form_gradient_is_autograds_and_adds_to_the_gradients_there():
+    """A learner's step takes the n-gram classifier's gradient in closed form
+    (`Workload.gradient`): it must be what backward gives, for padding, unknown n-grams, an
+    n-gram twice in a sentence, a sentence with none known, and added to a dense .grad that is
+    there (a ring slot's view), as backward adds."""
+    workload = gadei_workloads.get("ngram")
+    model = build_ngram(40, 5, seed=1)
+    with torch.no_grad():
+        model.out.weight.normal_()  # fastText starts it at zero: the rows' gradient would be zero
+        model.out.bias.normal_()
+    x = torch.tensor([[5, 6, 7, 0, 0], [5, 1, 9, 9, 3], [1, 1, 0, 0, 0], [12, 13, 14, 15, 39]])
+    y = torch.tensor([0, 4, 2, 1])
+    reference = build_ngram(40, 5, seed=1)
+    reference.load_state_dict(model.state_dict())
+    logits = reference(x)
+    expected = torch.nn.functional.cross_entropy(logits, y)
+    expected.backward()
+    for step in (model._accumulate_on_device, lambda x, y: workload.gradient(model, x, y, None)):  # a GPU's, the CPU's
+        for p in model.parameters():
+            p.grad = None
+        loss, right = step(x, y)
+        assert torch.allclose(loss, expected, atol=1e-6) and right.item() == (logits.argmax(1) == y).sum().item()
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            assert p.grad.is_sparse == q.grad.is_sparse, name
+            assert torch.allclose(p.grad.to_dense(), q.grad.to_dense(), atol=1e-6), name
+    for p in model.parameters():
+        p.grad = None
+    workload.gradient(model, torch.tensor([[1, 0], [0, 0]]), torch.tensor([1, 2]), None)  # no n-gram known at all
+    assert model.embedding.weight.grad._nnz() == 0 and model.out.bias.grad.abs().sum() > 0
+    # a second step adds to what is there, a dense .grad in place (a ring slot's view stays one)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        p.grad = q.grad.to_dense().clone()
+    slots = [p.grad for p in model.parameters()]
+    workload.gradient(model, x, y, None)
+    for p, q, slot in zip(model.parameters(), reference.parameters(), slots):
+        assert p.grad is slot and torch.allclose(p.grad, 2 * q.grad.to_dense(), atol=1e-6)
+    # a batch of many rows (torch's kernel sums them, not numpy), n-grams in several sentences
+    big = torch.randint(0, 40, (48, 30), generator=torch.Generator().manual_seed(0))
+    labels = torch.arange(48) % 5
+    assert big.numel() * model.embedding.embedding_dim > ngram._GATHER
+    for m in (model, reference):
+        for p in m.parameters():
+            p.grad = None
+    torch.nn.functional.cross_entropy(reference(big), labels).backward()
+    workload.gradient(model, big, labels, None)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert torch.allclose(p.grad.to_dense(), q.grad.to_dense(), atol=1e-6), name
+
+
 def test_the_ngram_workload_indexes_bigrams_and_learns_generated_data():
     workload = gadei_workloads.get("ngram")
     train, test = workload.load_data("generated:1")
@@ -49,7 +98,7 @@ def test_the_ngram_workload_indexes_bigrams_and_learns_generated_data():
     try:
         for x, y in text.batches(train, 16, epoch=0, seed=0):
             optimizer.zero_grad()
-            workload.loss(model, x, y).backward()
+            workload.gradient(model, x, y, None)  # as a learner takes it (the closed form)
             optimizer.step()
     finally:
         torch.set_num_threads(threads)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 from typing import Sequence
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -32,6 +33,7 @@ LR = 0.2
 """The workload's default learning rate (of Adagrad, the server's default update): a sentence
 is the mean of a few dozen rows, each of which moves by about the learning rate in its first
 steps; at 0.01 (the text CNN's) a row took tens of epochs to move as far."""
+_GATHER = 16_384  # floats: a batch's rows up to which numpy gathers them faster than torch's embedding_bag
 START, END = "<s>", "</s>"  # no word is either: the tokenizer keeps letters, digits and ( ) , ! ? only
 
 
@@ -95,6 +97,90 @@ class NgramClassifier(nn.Module):
         """Logits ``[B, n_labels]`` of a batch ``[B, L]`` of n-gram ids padded with 0 (a
         sentence with no known n-gram gets the output layer's bias alone)."""
         return self.out(self.embedding(x.masked_fill(x == 1, 0)))
+
+    @torch.no_grad()
+    def accumulate_grads(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What ``cross_entropy(self(x), y).backward()`` does, in closed form, as fastText
+        computes it: the gradient added to each parameter's ``.grad`` (the table's as the rows
+        the batch touched, sparse where ``.grad`` is None or sparse). Autograd's bookkeeping
+        costs more than the arithmetic of a model this small, and so does each of torch's
+        operators on arrays this small: on the CPU the arithmetic is numpy's (on the same
+        memory), but for the products, which stay torch's (its threads, `torch.set_num_threads`;
+        numpy's BLAS would start threads of its own on a larger mini-batch).
+
+        Returns:
+            The batch's mean loss and how many of its sentences the model got right (0-d).
+        """
+        if x.device.type != "cpu":
+            return self._accumulate_on_device(x, y)
+        # the parameters from the modules' own tables (`self.embedding.weight` costs a few us a step)
+        table = self._modules["embedding"]._parameters["weight"]
+        out_weight, out_bias = self._modules["out"]._parameters["weight"], self._modules["out"]._parameters["bias"]
+        ids, labels = x.numpy(), y.numpy()
+        known = ids > 1  # neither padding (0) nor the unknown n-gram (1): what the mean takes
+        per_sentence = known.sum(axis=1)
+        counts = np.maximum(per_sentence, 1).astype(np.float32)[:, None]
+        touched = ids[known]  # row-major: each sentence's n-grams in turn
+        if ids.size * table.shape[1] <= _GATHER:  # a few rows: numpy's gather and sum cost least
+            mean = torch.from_numpy((table.numpy()[ids] * known[..., None]).sum(axis=1) / counts)
+        else:  # many: torch's kernel of the forward pass, a fixed cost of some tens of us, then little a row
+            mean = nn.functional.embedding_bag(torch.from_numpy(np.where(known, ids, 0)), table, mode="mean",
+                                               padding_idx=0)
+        logits = torch.addmm(out_bias, mean, out_weight.t()).numpy()
+        log_p = logits - logits.max(axis=1, keepdims=True)
+        log_p -= np.log(np.exp(log_p).sum(axis=1, keepdims=True))
+        batch = np.arange(len(labels))
+        d_logits = np.exp(log_p)
+        d_logits[batch, labels] -= 1.0
+        d_logits /= len(labels)
+        loss = -log_p[batch, labels].sum(dtype=np.float32) / np.float32(len(labels))
+        d_logits_t = torch.from_numpy(d_logits)
+        d_mean = torch.mm(d_logits_t, out_weight).numpy() / counts
+        _add(out_weight, torch.mm(d_logits_t.t(), mean))
+        _add(out_bias, torch.from_numpy(d_logits.sum(axis=0)))
+        # the table's rows: each n-gram's, or, where an n-gram is in two sentences, both its rows (summed
+        # where the gradient is used: `torch.Tensor.coalesce`); in order of the n-grams, as a coalesced gradient's
+        order = np.argsort(touched)
+        touched = touched[order]
+        distinct = bool(np.all(touched[1:] != touched[:-1]))
+        rows = np.repeat(d_mean, per_sentence, axis=0)[order]
+        _add(table, torch.sparse_coo_tensor(torch.from_numpy(touched[None]), torch.from_numpy(rows), table.shape,
+                                            check_invariants=False, is_coalesced=distinct))
+        return torch.from_numpy(np.asarray(loss)), torch.from_numpy(np.asarray((log_p.argmax(axis=1) == labels).sum()))
+
+    def _accumulate_on_device(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`accumulate_grads` on a GPU: the same arithmetic in torch's operators (no host copies)."""
+        table, out = self.embedding.weight, self.out
+        known = x > 1
+        counts = known.sum(dim=1, keepdim=True).clamp(min=1)
+        mean = (table[x] * known[..., None]).sum(dim=1) / counts
+        logits = torch.addmm(out.bias, mean, out.weight.t())
+        log_p = torch.log_softmax(logits, dim=1)
+        batch = torch.arange(len(y), device=y.device)
+        loss = -log_p[batch, y].mean()
+        d_logits = log_p.exp()
+        d_logits[batch, y] -= 1.0
+        d_logits /= len(y)
+        d_mean = (d_logits @ out.weight) / counts
+        _add(out.weight, d_logits.t() @ mean)
+        _add(out.bias, d_logits.sum(dim=0))
+        rows = d_mean[:, None, :].expand(*x.shape, d_mean.shape[1])[known]
+        _add(table, torch.sparse_coo_tensor(x[known][None], rows, table.shape, check_invariants=False))
+        return loss, (logits.argmax(dim=1) == y).sum()
+
+
+def _add(param: torch.Tensor, grad: torch.Tensor) -> None:
+    """Accumulate `grad` into `param.grad`, as backward does (a dense `.grad`, such as a view of
+    a gadei ring slot, is added to in place; a sparse one is set where there is none)."""
+    if param.grad is None:
+        param.grad = grad
+    elif param.grad.is_sparse:
+        param.grad = param.grad + grad
+    elif grad.is_sparse:
+        grad = grad.coalesce()
+        param.grad.index_add_(0, grad.indices()[0], grad.values())
+    else:
+        param.grad.add_(grad)
 
 
 def build_ngram(vocab_size: int, n_labels: int, seed: int = 0, **kw) -> NgramClassifier:

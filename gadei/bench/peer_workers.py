@@ -82,7 +82,7 @@ def _loop(workload, model, train, rank: int, world: int, batch: int, epochs: int
                 break
             if before is not None:
                 before()
-            workload.backward(model, workload.loss(model, x, y), lr)
+            workload.gradient(model, x, y, lr)
             step(len(y))
             samples += len(y)
     return start, time.time(), samples, time.process_time() - cpu, os_threads()

@@ -76,7 +76,7 @@ def train(path: Path, *, optimizer: str | None = None, lr: float | None = None, 
         model.train()
         for x, y in workload.batches(train_set, batch, epoch=epoch - 1, seed=seed):
             step.zero_grad()
-            workload.backward(model, workload.loss(model, x, y), constraint_lr)
+            workload.gradient(model, x, y, constraint_lr)
             if first_gradient_at is None:
                 first_gradient_at = time.time()
             step.step()

@@ -57,7 +57,7 @@ def _train_worker(kind, rank, world, batch, epochs, seed, lr, data, vocab, job, 
         for x, y in batches(train, batch, epoch=epoch, seed=seed, shard=rank, shards=world):
             if learner is None:
                 optimizer.zero_grad(set_to_none=True)
-            workload.backward(model, workload.loss(model, x, y), lr)
+            workload.gradient(model, x, y, lr)
             if learner is None:
                 optimizer.step()
             else:
