@@ -14,6 +14,8 @@ rpc      1 parameter server + N trainers over `torch.distributed.rpc` (PyTorch's
 gadei    N learners (`gadei.Learner`, the default transports) and a server (`gadei.Server`
          with its defaults) in their own processes.
 
+Every method takes the workload's gradient (`Workload.gradient`: the n-gram model's in closed
+form, the others' by autograd; DDP's always by autograd, whose hooks carry its allreduce).
 Every process uses one PyTorch thread (plain and gadei's learners: `threads`, for `gadei bench
 threads`); every worker reports its wall-clock start and end, samples, its PyTorch threads,
 and the CPU seconds of its process (all threads) over its training loop, so that the runner
