@@ -77,12 +77,12 @@ class Workload:
     def gradient(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor,
                  lr: float | None) -> tuple[torch.Tensor, torch.Tensor]:
         """One training step's gradient: :meth:`loss_and_correct`, then :meth:`backward`; or,
-        for a model that computes its cross-entropy gradient in closed form
+        on the CPU, for a model that computes its cross-entropy gradient in closed form
         (``accumulate_grads``: the n-gram classifier), that, with the same result in ``.grad``
         at a fraction of autograd's cost. The loss and the count right, as
         :meth:`loss_and_correct` gives them."""
         closed = getattr(model, "accumulate_grads", None)
-        if closed is not None and self.criterion is nn.functional.cross_entropy:
+        if closed is not None and x.device.type == "cpu" and self.criterion is nn.functional.cross_entropy:
             return closed(x, y)
         loss, right = self.loss_and_correct(model, x, y)
         self.backward(model, loss, lr)

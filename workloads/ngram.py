@@ -108,11 +108,12 @@ class NgramClassifier(nn.Module):
         memory), but for the products, which stay torch's (its threads, `torch.set_num_threads`;
         numpy's BLAS would start threads of its own on a larger mini-batch).
 
+        On the CPU only (`x`, `y` and the model there): on a GPU autograd's kernels are the
+        ones to use (`Workload.gradient` takes them there).
+
         Returns:
             The batch's mean loss and how many of its sentences the model got right (0-d).
         """
-        if x.device.type != "cpu":
-            return self._accumulate_on_device(x, y)
         # the parameters from the modules' own tables (`self.embedding.weight` costs a few us a step)
         table = self._modules["embedding"]._parameters["weight"]
         out_weight, out_bias = self._modules["out"]._parameters["weight"], self._modules["out"]._parameters["bias"]
@@ -120,7 +121,6 @@ class NgramClassifier(nn.Module):
         known = ids > 1  # neither padding (0) nor the unknown n-gram (1): what the mean takes
         per_sentence = known.sum(axis=1)
         counts = np.maximum(per_sentence, 1).astype(np.float32)[:, None]
-        touched = ids[known]  # row-major: each sentence's n-grams in turn
         if ids.size * table.shape[1] <= _GATHER:  # a few rows: numpy's gather and sum cost least
             mean = torch.from_numpy((table.numpy()[ids] * known[..., None]).sum(axis=1) / counts)
         else:  # many: torch's kernel of the forward pass, a fixed cost of some tens of us, then little a row
@@ -140,6 +140,7 @@ class NgramClassifier(nn.Module):
         _add(out_bias, torch.from_numpy(d_logits.sum(axis=0)))
         # the table's rows: each n-gram's, or, where an n-gram is in two sentences, both its rows (summed
         # where the gradient is used: `torch.Tensor.coalesce`); in order of the n-grams, as a coalesced gradient's
+        touched = ids[known]  # row-major: each sentence's n-grams in turn, as np.repeat lays out their rows
         order = np.argsort(touched)
         touched = touched[order]
         distinct = bool(np.all(touched[1:] != touched[:-1]))
@@ -147,26 +148,6 @@ class NgramClassifier(nn.Module):
         _add(table, torch.sparse_coo_tensor(torch.from_numpy(touched[None]), torch.from_numpy(rows), table.shape,
                                             check_invariants=False, is_coalesced=distinct))
         return torch.from_numpy(np.asarray(loss)), torch.from_numpy(np.asarray((log_p.argmax(axis=1) == labels).sum()))
-
-    def _accumulate_on_device(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`accumulate_grads` on a GPU: the same arithmetic in torch's operators (no host copies)."""
-        table, out = self.embedding.weight, self.out
-        known = x > 1
-        counts = known.sum(dim=1, keepdim=True).clamp(min=1)
-        mean = (table[x] * known[..., None]).sum(dim=1) / counts
-        logits = torch.addmm(out.bias, mean, out.weight.t())
-        log_p = torch.log_softmax(logits, dim=1)
-        batch = torch.arange(len(y), device=y.device)
-        loss = -log_p[batch, y].mean()
-        d_logits = log_p.exp()
-        d_logits[batch, y] -= 1.0
-        d_logits /= len(y)
-        d_mean = (d_logits @ out.weight) / counts
-        _add(out.weight, d_logits.t() @ mean)
-        _add(out.bias, d_logits.sum(dim=0))
-        rows = d_mean[:, None, :].expand(*x.shape, d_mean.shape[1])[known]
-        _add(table, torch.sparse_coo_tensor(x[known][None], rows, table.shape, check_invariants=False))
-        return loss, (logits.argmax(dim=1) == y).sum()
 
 
 def _add(param: torch.Tensor, grad: torch.Tensor) -> None:
