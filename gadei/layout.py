@@ -26,6 +26,7 @@ Counters are 64-bit and monotonic; a ring's `head - tail` is the number of publi
 unconsumed slots and slot k lives at index k % slots.
 """
 
+import dataclasses
 from dataclasses import dataclass
 from types import MappingProxyType
 
@@ -377,6 +378,23 @@ class Layout:
     def payload(self, learner: int, slot: int) -> int:
         """Offset of the payload of slot index `slot` of learner `learner`'s ring."""
         return self.rings + learner * self.ring_bytes + self.slot_headers_bytes + slot * self.payload_stride
+
+
+RING_SLOTS = 8  # slots a ring gets where the job leaves them to the server ("auto") and they fit RING_BYTES
+RING_BYTES = 16 << 20
+
+
+def ring_slots(shape: Shape, slots: int | None) -> Shape:
+    """`shape` with `slots` per ring; None (a job's "auto", the default): RING_SLOTS where a ring of
+    them holds at most RING_BYTES of payload, as many as fit for larger gradients (at least 2), and
+    2 in sync mode (a round takes one gradient of each learner: more slots would only let a
+    learner run further ahead of the weights). Room for several gradients a ring is what lets a
+    server with no core of its own nap between looks instead of being rung awake by each
+    (`gadei.spin.nap_ns`)."""
+    if slots is None:
+        stride = layout(dataclasses.replace(shape, slots=1)).payload_stride
+        slots = 2 if shape.mode == "sync" else max(2, min(RING_SLOTS, RING_BYTES // stride))
+    return dataclasses.replace(shape, slots=slots)
 
 
 def layout(shape: Shape) -> Layout:

@@ -506,6 +506,10 @@ class Consumer:
         """Whether some process owns entry `learner` (alive or not: no liveness check)."""
         return _lease_owner(self._entries[learner].get("lease")) != 0
 
+    def attached(self) -> int:
+        """Entries some process owns (a cheap count, no liveness checks)."""
+        return sum(1 for i in range(self.capacity) if self.owned(i))
+
     def learner_threads(self) -> int:
         """Cores the attached learners say they keep busy (a cheap sum, no liveness checks)."""
         return sum(entry.get("threads") for i, entry in enumerate(self._entries) if self.owned(i))

@@ -10,10 +10,12 @@ or its updates take a quarter of the gap, and otherwise sleeps on the region's d
 an idle server costs no CPU. It spins or dozes only while the machine has a core for it (the
 threads the attached learners keep busy, plus the server, fit the cores) and no other server
 on the machine does the same (`spin.SpinToken`): on a machine the learners fill, a spinning
-server would take their CPU. Its kernel's OpenMP threads sleep between updates too
-(`env.quiet_openmp`). In async, consistent and elastic modes it never waits for a learner: one
-that dies or stops simply stops publishing; a sync round waits for a gradient of every live
-learner, and leaves out one that has not beaten for `drop_after` seconds.
+server would take their CPU; there it naps instead (a look at the rings every few hundred
+microseconds) while gradients come faster than that, rather than being rung awake by each.
+Its kernel's OpenMP threads sleep between updates too (`env.quiet_openmp`). In async,
+consistent and elastic modes it never waits for a learner: one that dies or stops simply stops
+publishing; a sync round waits for a gradient of every live learner, and leaves out one that
+has not beaten for `drop_after` seconds.
 
 The region is untrusted input: every process of the user can write it. The server checks
 each ring's head - tail when it takes a gradient (`ring.Consumer.take`), a slot's counters,
@@ -57,6 +59,7 @@ from .layout import (
     SERVING,
     STOPPING,
     Shape,
+    ring_slots,
 )
 from .modes import RULES, RuleOptions, make_rule, state_names
 from .options import check_all, declared, to_header
@@ -66,7 +69,7 @@ from .region import Region
 from .server_record import drop_server_record, save_server_record
 from .protocol import WAIT_SLICE, Deadline, RunState, ServerHold, Version
 from .ring import Consumer, owner_alive
-from .spin import DOZE_NS, DOZE_SLICE_NS, SPIN_PAYS_NS, SpinToken, doze_pays, runnable, short_timer_slack
+from .spin import DOZE_NS, DOZE_SLICE_NS, SPIN_PAYS_NS, SpinToken, doze_pays, nap_ns, runnable, short_timer_slack
 
 log = logging.getLogger(__name__)
 
@@ -183,8 +186,8 @@ class Server:
         elif row_sparse:
             raise ValueError(f"job {job!r}: row_sparse needs the model (serve it with --workload or --model), "
                              "not only --params")
-        shape = Shape(n_params=int(n_params), grad_dtype=grad_dtype, capacity=learners, slots=slots, mode=mode,
-                      state_arrays=len(state_names(rule_options)), sparse=sparse)
+        shape = ring_slots(Shape(n_params=int(n_params), grad_dtype=grad_dtype, capacity=learners, mode=mode,
+                                 state_arrays=len(state_names(rule_options)), sparse=sparse), slots)
         self.region = Region.create(job, shape, replace=replace)
         self.job = job
         self.mode = mode
@@ -227,9 +230,10 @@ class Server:
                      + (f", {len(sparse)} row-sparse table{'s' * (len(sparse) != 1)}" if sparse else "")
                      + (" (chosen: the model's embedding gradients are sparse)" if auto and sparse else ""))
         log.info(
-            "job %r: serving %s parameters (%s) in %s mode, %s, %d learner rings of %d slots, lr %g, "
+            "job %r: serving %s parameters (%s) in %s mode, %s, %d learner rings of %s slots, lr %g, "
             "kernel teams of up to %d thread%s (one per 262,144 elements of an update; OpenMP wait policy: %s)", job,
-            f"{shape.n_params:,}", _mb(shape.n_params * 4), mode, described, shape.capacity, slots, rule_options.lr,
+            f"{shape.n_params:,}", _mb(shape.n_params * 4), mode, described, shape.capacity,
+            f"{shape.slots}{' (auto)' if slots is None else ''}", rule_options.lr,
             self.threads, "s" * (self.threads != 1), openmp_policy(),
         )
 
@@ -401,12 +405,15 @@ class Server:
         nothing a learner waits on). It spins and dozes only while it has a core of its own
         (the attached learners' threads and the server fit the cores, and the machine's
         runnable threads, /proc/loadavg, do not exceed them) and holds the machine's one
-        `SpinToken` (jobs side by side: one server at a time spins or dozes, the others sleep);
-        else it sleeps at once and leaves the cores to the learners.
+        `SpinToken` (jobs side by side: one server at a time spins or dozes, the others sleep).
+        With no core of its own it naps where a nap pays (`spin.nap_ns`: gradients come faster
+        than the nap, and the rings hold what comes in two): it looks at the rings once a nap,
+        so that it wakes once for several gradients instead of being rung awake, on a learner's
+        core, for each; else it sleeps on the doorbell and leaves the cores to the learners.
         """
         serving, held = self._state.serving, self._hold.requested
         consumer = self._consumer
-        next_beat, spin_ns, own_core, last = 0, 0, False, 0
+        next_beat, spin_ns, own_core, last, rings = 0, 0, False, 0, 1
         gap = DOZE_NS  # the gap between two gradients, averaged (ns): long until measured
         work = 0  # an update's time, averaged (ns)
         flowing = False  # the last look found a gradient: spin for the next one before sleeping
@@ -420,8 +427,12 @@ class Server:
                 if learner < 0:
                     self._beat()
                     idle = time.monotonic_ns() - last
+                    nap = 0 if own_core else nap_ns(gap, rings, consumer.slots)
                     if own_core and idle < DOZE_NS and doze_pays(gap, work) and token.take():
                         learner = consumer.poll(min(DOZE_NS - idle, _BEAT_NS), DOZE_SLICE_NS)
+                    elif nap and idle < DOZE_NS:
+                        token.give()
+                        learner = consumer.poll(min(DOZE_NS - idle, _BEAT_NS), nap)
                     else:
                         token.give()
                         learner = consumer.sleep(WAIT_SLICE)
@@ -439,6 +450,7 @@ class Server:
                     self._beat(now)
                     next_beat = now + _BEAT_NS
                     own_core = consumer.learner_threads() + 1 <= self._cores and runnable() <= self._cores
+                    rings = consumer.attached()
                     spin_ns = self.spin_ns if own_core else 0
         finally:
             token.close()

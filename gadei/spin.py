@@ -1,5 +1,6 @@
 """How a server may wait for the next gradient without taking a core from others: whether
-spinning or dozing pays (`SPIN_PAYS_NS`, `doze_pays`), how busy the machine is
+spinning or dozing pays (`SPIN_PAYS_NS`, `doze_pays`), how long a server with no core of its
+own naps (`nap_ns`), how busy the machine is
 (`runnable`), the machine's one permit to spin or doze (`SpinToken`), and sleeps that end
 on time (`short_timer_slack`). `gadei.server`'s apply loop (`Server._serve_each`) decides
 with them."""
@@ -31,6 +32,28 @@ def doze_pays(gap_ns: int, work_ns: int) -> bool:
     """Whether dozing through the next gap pays, with gradients `gap_ns` apart and `work_ns`
     of work each (both averaged)."""
     return gap_ns < DOZE_PAYS_NS or work_ns >= DOZE_PAYS_WORK * gap_ns
+
+
+# A server with no core of its own (the learners fill the cores) sleeps on the doorbell, and
+# each push that finds it asleep rings it: a wake-up, and the server put on a learner's core,
+# for every gradient. Where gradients come faster than a nap, it naps instead: looks at the
+# rings every nap (up to NAP_NS) and applies what came, the learners ringing nothing. A nap
+# is long enough to save wake-ups (NAP_MIN_NS) and short enough that no learner fills its
+# ring meanwhile: half the time its free slots take to fill at the rate its gradients come.
+# A napping server wakes less often than one rung for each gradient, so servers side by side
+# nap without the SpinToken.
+# 2 learners of the n-gram workload at batch 1 on 2 cores: see docs/benchmarks.md.
+NAP_NS = 500_000
+NAP_MIN_NS = 200_000
+
+
+def nap_ns(gap_ns: int, rings: int, slots: int) -> int:
+    """How long a server with no core of its own naps between looks at the rings, with gradients
+    `gap_ns` apart (averaged over all rings), `rings` learners attached and `slots` per ring; 0
+    where a nap does not pay (gradients farther apart than the nap, or rings too small to hold
+    what comes in two naps: sleep on the doorbell)."""
+    nap = min(NAP_NS, (slots - 1) * gap_ns * max(1, rings) // 2)
+    return nap if nap >= NAP_MIN_NS and gap_ns < nap else 0
 
 
 def runnable() -> int:

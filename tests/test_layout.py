@@ -1,5 +1,7 @@
 """The region layout: a pure function, sections aligned and disjoint, writers on separate lines."""
 
+import dataclasses
+
 import pytest
 
 from gadei.layout import (
@@ -9,10 +11,13 @@ from gadei.layout import (
     HEADER_BYTES,
     LINE,
     PAGE,
+    RING_BYTES,
+    RING_SLOTS,
     SLOT_HEADER_BYTES,
     Shape,
     SparseTable,
     layout,
+    ring_slots,
 )
 
 
@@ -87,3 +92,16 @@ def test_head_and_tail_are_on_different_cache_lines():
 def test_bad_shapes_are_refused_with_the_field_named(kwargs, message):
     with pytest.raises(ValueError, match=message):
         Shape(**kwargs)
+
+
+def test_rings_get_8_slots_by_default_fewer_for_large_gradients_and_2_in_sync_mode():
+    """A job that leaves its slots to the server ("auto") gets rings with room for several
+    gradients (so that a server with no core of its own may nap between looks), within 16 MiB
+    a ring; sync rounds take one gradient a learner, and keep 2."""
+    small = Shape(n_params=10_000)
+    assert ring_slots(small, None).slots == RING_SLOTS == 8
+    assert ring_slots(small, 3).slots == 3  # the job's own
+    assert ring_slots(Shape(n_params=10_000, mode="sync"), None).slots == 2
+    large = ring_slots(Shape(n_params=1_000_000), None)  # 4 MB a gradient: 4 fit in 16 MiB
+    assert large.slots == RING_BYTES // layout(dataclasses.replace(large, slots=1)).payload_stride == 4
+    assert ring_slots(Shape(n_params=100_000_000), None).slots == 2  # 400 MB a gradient: the least a ring has

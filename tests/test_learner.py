@@ -1,5 +1,6 @@
 """The learner API: stopping, a dead server, full rings that block without spinning, capacity, .grad fallbacks."""
 
+import os
 import signal
 import time
 
@@ -120,6 +121,27 @@ def test_idle_server_and_blocked_learner_use_no_cpu_and_a_dead_server_ends_the_w
     assert learner.returncode != 0
     assert "ServerGone" in err and "is gone" in err
     assert time.monotonic() - started < 5
+
+
+def test_a_server_with_no_core_of_its_own_naps_instead_of_being_rung_for_each_gradient(job, procs):
+    """Two learners that keep their cores busy (a gradient every 0.1 ms of work) and a server
+    that counts one core for itself and them (GADEI_CORES=1: a machine the learners fill): the
+    server naps between looks at its rings (`gadei.spin.nap_ns`, rings of 8 slots) and takes
+    the gradients that came meanwhile, so the learners seldom find it asleep and ring it.
+    Here it was rung 33-38 times for the 6,000 gradients; asleep on the doorbell instead (the nap
+    taken out), 5,486 times."""
+    server = procs.worker("serve", job, "--n", 1000, "--learners", 2, "--slots", 8,
+                          env={**os.environ, "GADEI_CORES": "1"})
+    read_line(server, 60)
+    learners = [procs.worker("push", job, "--n", 1000, "--steps", 3000, "--busy", 0.0001, "--wait-learners", 2)
+                for _ in range(2)]
+    for learner in learners:
+        communicate(learner, 120)
+        assert learner.returncode == 0
+    server.send_signal(signal.SIGTERM)
+    report = read_line(server, 60)
+    assert report["applied"] == 6000
+    assert report["doorbell"] < 600, f"the learners rang the server {report['doorbell']:,} times for 6,000 gradients"
 
 
 def _server_cpu_shares(job, procs, env=None) -> tuple[float, float]:

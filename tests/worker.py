@@ -130,6 +130,7 @@ def serve(args) -> int:
             "dropped": [e.get("dropped") for e in entries],
             "discarded": [e.get("discarded") for e in entries],
             "applied_bytes": region.header.get("applied_bytes"),
+            "doorbell": region.header.get("doorbell"),
             "wmin": float(weights.min()), "wmax": float(weights.max()),
             "bias0": _bias0(server),
         }), flush=True)
@@ -190,6 +191,8 @@ def push(args) -> int:
             value = args.value * (1 + step % 3) if args.vary else args.value
             if args.delay:
                 time.sleep(args.delay)
+            if args.busy:
+                _busy(args.busy)  # a gradient's computation: the learner keeps its core busy
             if jitter is not None:
                 jitter("train")
             for p in params:
@@ -351,6 +354,7 @@ def main(argv=None) -> int:
     p.add_argument("--push", default=None)
     p.add_argument("--slow", action="store_true")
     p.add_argument("--delay", type=float, default=0.0)
+    p.add_argument("--busy", type=float, default=0.0)  # seconds of busy work before each step
     p.add_argument("--wait-learners", type=int, default=0)
     p.add_argument("--device", default=None)
     p.add_argument("--jitter", type=int, default=None)

@@ -66,12 +66,12 @@ class Sizes:
 def sizes(job, parameters: int, threads: int) -> Sizes:
     """A job's sizes (`job`: a `gadei.jobfile.Job` with its defaults chosen, `parameters`: its
     model's, `threads`: its learners' as its file gives them, 0 for auto)."""
-    from ..layout import Shape, layout
+    from ..layout import Shape, layout, ring_slots
     from ..modes import state_names
 
     t = job.train
-    shape = Shape(n_params=max(1, parameters), capacity=t.learners + (1 if job.bridge is not None else 0),
-                  slots=job.transport.slots, state_arrays=len(state_names(t.rule)))
+    shape = ring_slots(Shape(n_params=max(1, parameters), capacity=t.learners + (1 if job.bridge is not None else 0),
+                             mode=t.mode, state_arrays=len(state_names(t.rule))), job.transport.slots)
     region = layout(shape).total
     processes = (t.learners + 2) * (PROCESS_BYTES + 3 * 4 * parameters)
     return Sizes(t.learners, threads, region, processes)

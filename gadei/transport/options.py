@@ -22,7 +22,10 @@ class TransportOptions:
             reads and updates only the touched rows, not the whole table, every step.
         max_rows: most distinct rows of one table one gradient may carry (row_sparse).
         slots: gradient slots per learner ring: a learner may have this many gradients
-            published and not yet applied.
+            published and not yet applied. None ("auto"): `gadei.layout.ring_slots` chooses
+            (8 where a ring of them fits 16 MiB, fewer for larger gradients, at least 2; 2 in
+            sync mode), so that a server that naps between looks (`gadei.spin.nap_ns`) finds
+            room left in every ring.
     """
 
     grad_dtype: str = option("float32", "gradients in the rings as float32, float16 or bfloat16", choices=GRAD_DTYPES)
@@ -31,4 +34,6 @@ class TransportOptions:
                                      "(nn.Embedding(sparse=True), as the text CNN's), except in elastic mode",
                                      auto=True)
     max_rows: int = option(8192, "row_sparse: most distinct rows of a table in one gradient", low=1, high=1 << 24)
-    slots: int = option(2, "gradient slots per learner ring", low=1, high=64)
+    slots: int | None = option(None, "gradient slots per learner ring; auto: 8 where a ring of them fits 16 MiB, "
+                               "fewer for larger gradients (at least 2), 2 in sync mode", low=1, high=64, auto=True,
+                               metavar="N|auto", allowed='1 to 64, or "auto"')
