@@ -57,6 +57,8 @@ def test_the_closed_form_gradient_is_autograds_and_adds_to_the_gradients_there()
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         assert p.grad.is_sparse == q.grad.is_sparse, name
         assert torch.allclose(p.grad.to_dense(), q.grad.to_dense(), atol=1e-6), name
+    rows = model.embedding.weight.grad  # coalesced: each row once (5 in two sentences, 9 twice in one)
+    assert rows.is_coalesced() and rows.indices()[0].tolist() == [3, 5, 6, 7, 9, 12, 13, 14, 15, 39]
     for p in model.parameters():
         p.grad = None
     workload.gradient(model, torch.tensor([[1, 0], [0, 0]]), torch.tensor([1, 2]), None)  # no n-gram known at all

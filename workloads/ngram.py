@@ -138,15 +138,18 @@ class NgramClassifier(nn.Module):
         d_mean = torch.mm(d_logits_t, out_weight).numpy() / counts
         _add(out_weight, torch.mm(d_logits_t.t(), mean))
         _add(out_bias, torch.from_numpy(d_logits.sum(axis=0)))
-        # the table's rows: each n-gram's, or, where an n-gram is in two sentences, both its rows (summed
-        # where the gradient is used: `torch.Tensor.coalesce`); in order of the n-grams, as a coalesced gradient's
+        # the table's rows, coalesced: each n-gram's once, in order of the n-grams, the rows of an n-gram in
+        # several sentences summed here (numpy's sum took 14 us at a batch of 4 on TREC; `torch.Tensor.coalesce`,
+        # which a row-sparse push and SGD's sparse update call on a gradient that is not coalesced, 37)
         touched = ids[known]  # row-major: each sentence's n-grams in turn, as np.repeat lays out their rows
         order = np.argsort(touched)
         touched = touched[order]
-        distinct = bool(np.all(touched[1:] != touched[:-1]))
         rows = np.repeat(d_mean, per_sentence, axis=0)[order]
+        firsts = np.flatnonzero(np.concatenate(([True], touched[1:] != touched[:-1])))
+        if len(firsts) < len(touched):
+            touched, rows = touched[firsts], np.add.reduceat(rows, firsts, axis=0)
         _add(table, torch.sparse_coo_tensor(torch.from_numpy(touched[None]), torch.from_numpy(rows), table.shape,
-                                            check_invariants=False, is_coalesced=distinct))
+                                            check_invariants=False, is_coalesced=True))
         return torch.from_numpy(np.asarray(loss)), torch.from_numpy(np.asarray((log_p.argmax(axis=1) == labels).sum()))
 
 
