@@ -213,11 +213,12 @@ def test_one_server_at_a_time_holds_the_spin_token_and_a_dead_holder_frees_it(tm
 
 
 @pytest.mark.parametrize("gap_us, rings, slots, nap_us", [
-    (180, 2, 8, 500),  # 2 learners of the n-gram workload at batch 1: the longest nap
+    (180, 2, 8, 1000),  # 2 learners of the n-gram workload at batch 1: the longest nap
+    (600, 2, 8, 1000),  # at batch 4: still a few gradients a nap
     (100, 1, 8, 350),  # one ring fills sooner: half the time its 7 free slots take
     (40, 1, 8, 0),  # a nap that short saves no wake-ups: the doorbell
     (180, 2, 2, 0),  # one free slot a ring: a learner would wait out the nap
-    (600, 2, 8, 0),  # gradients farther apart than a nap: rung for each loses nothing
+    (1200, 2, 8, 0),  # gradients farther apart than a nap: rung for each loses nothing
 ])
 def test_a_server_with_no_core_of_its_own_naps_only_where_it_saves_wake_ups_and_no_ring_fills(gap_us, rings, slots,
                                                                                                nap_us):
