@@ -26,6 +26,15 @@ OPTIMIZERS = ("sgd", "adagrad", "adam")
 ADAGRAD_EPS = 1e-10  # gadei's server's (gadei.modes.ADAGRAD_EPS); torch's default is the same
 
 
+def unchecked_sparse():
+    """torch's sparse Adagrad builds each update as a sparse tensor without checking its
+    invariants, and warns once per process unless told so: told here, as torch's default is
+    (the gradients are the workload's own, coalesced)."""
+    import torch
+
+    return torch.sparse.check_sparse_tensor_invariants(enable=False)
+
+
 def command(job_file: Path) -> list[str]:
     """The command line that runs this script on `job_file` with this Python (`-P`: the
     working directory stays off sys.path, as for every process gadei starts)."""
@@ -79,7 +88,8 @@ def train(path: Path, *, optimizer: str | None = None, lr: float | None = None, 
             workload.gradient(model, x, y, constraint_lr)
             if first_gradient_at is None:
                 first_gradient_at = time.time()
-            step.step()
+            with unchecked_sparse():
+                step.step()
         accuracy = workload.evaluate(model, validation)
         if best is None or accuracy > best[1]:
             best, since = (epoch, accuracy, time.monotonic() - started), 0
