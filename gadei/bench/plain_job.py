@@ -26,15 +26,6 @@ OPTIMIZERS = ("sgd", "adagrad", "adam")
 ADAGRAD_EPS = 1e-10  # gadei's server's (gadei.modes.ADAGRAD_EPS); torch's default is the same
 
 
-def unchecked_sparse():
-    """torch's sparse Adagrad builds each update as a sparse tensor without checking its
-    invariants, and warns once per process unless told so: told here, as torch's default is
-    (the gradients are the workload's own, coalesced)."""
-    import torch
-
-    return torch.sparse.check_sparse_tensor_invariants(enable=False)
-
-
 def command(job_file: Path) -> list[str]:
     """The command line that runs this script on `job_file` with this Python (`-P`: the
     working directory stays off sys.path, as for every process gadei starts)."""
@@ -81,23 +72,24 @@ def train(path: Path, *, optimizer: str | None = None, lr: float | None = None, 
             "adam": lambda p: torch.optim.Adam(p, lr=lr)}[optimizer](model.parameters())
     constraint_lr = lr if optimizer == "sgd" else None  # the text CNN's max-norm, as a gadei learner adds it
     best, best_state, since, epoch, first_gradient_at = None, None, 0, 0, None
-    for epoch in range(1, cap + 1):
-        model.train()
-        for x, y in workload.batches(train_set, batch, epoch=epoch - 1, seed=seed):
-            step.zero_grad()
-            workload.gradient(model, x, y, constraint_lr)
-            if first_gradient_at is None:
-                first_gradient_at = time.time()
-            with unchecked_sparse():
+    # torch's sparse Adagrad builds each update unchecked, and warns of it unless told: its default, said once
+    with torch.sparse.check_sparse_tensor_invariants(enable=False):
+        for epoch in range(1, cap + 1):
+            model.train()
+            for x, y in workload.batches(train_set, batch, epoch=epoch - 1, seed=seed):
+                step.zero_grad()
+                workload.gradient(model, x, y, constraint_lr)
+                if first_gradient_at is None:
+                    first_gradient_at = time.time()
                 step.step()
-        accuracy = workload.evaluate(model, validation)
-        if best is None or accuracy > best[1]:
-            best, since = (epoch, accuracy, time.monotonic() - started), 0
-            best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        else:
-            since += 1
-            if since >= patience:
-                break
+            accuracy = workload.evaluate(model, validation)
+            if best is None or accuracy > best[1]:
+                best, since = (epoch, accuracy, time.monotonic() - started), 0
+                best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            else:
+                since += 1
+                if since >= patience:
+                    break
     model.load_state_dict(best_state)
     return {"test_accuracy": workload.evaluate(model, test), "epoch": best[0], "validation_accuracy": best[1],
             "epochs_run": epoch, "stopped": "patience" if since >= patience else "cap",
