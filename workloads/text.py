@@ -673,6 +673,17 @@ def _padded(dataset: TextDataset, idx, min_len: int) -> tuple[torch.Tensor, torc
     return x, torch.tensor([int(dataset.labels[i]) for i in idx], dtype=torch.long)
 
 
+def _by_length(dataset: TextDataset, shortest: int, batch_size: int):
+    """Batches of sample indices of one padded length each (at least ``shortest``), as
+    :func:`accuracy` and :func:`probabilities` evaluate them."""
+    by_length: dict[int, list[int]] = {}
+    for i, ids in enumerate(dataset.ids):
+        by_length.setdefault(max(shortest, len(ids)), []).append(i)
+    for indices in by_length.values():
+        for start in range(0, len(indices), batch_size):
+            yield indices[start : start + batch_size]
+
+
 def accuracy(model: nn.Module, dataset: TextDataset, batch_size: int = 256) -> float:
     """Fraction of ``dataset`` the model labels correctly (eval mode, no gradients; the model's
     training mode restored after). Sentences are batched with others of their length, each
@@ -684,15 +695,30 @@ def accuracy(model: nn.Module, dataset: TextDataset, batch_size: int = 256) -> f
     correct = 0
     device = next(model.parameters()).device
     shortest = getattr(model, "min_len", 1)
-    by_length: dict[int, list[int]] = {}
-    for i, ids in enumerate(dataset.ids):
-        by_length.setdefault(max(shortest, len(ids)), []).append(i)
     try:
         with torch.no_grad():
-            for indices in by_length.values():
-                for start in range(0, len(indices), batch_size):
-                    x, y = _padded(dataset, indices[start : start + batch_size], shortest)
-                    correct += int((model(x.to(device)).argmax(dim=1).cpu() == y).sum())
+            for indices in _by_length(dataset, shortest, batch_size):
+                x, y = _padded(dataset, indices, shortest)
+                correct += int((model(x.to(device)).argmax(dim=1).cpu() == y).sum())
     finally:
         model.train(was_training)
     return correct / len(dataset) if len(dataset) else float("nan")
+
+
+def probabilities(model: nn.Module, dataset: TextDataset, batch_size: int = 256) -> torch.Tensor:
+    """Each sample's label probabilities (the softmax of the model's outputs), a ``(len(dataset),
+    labels)`` tensor on the CPU in the dataset's order; evaluated as :func:`accuracy` evaluates,
+    so that its argmax is what :func:`accuracy` counts."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    shortest = getattr(model, "min_len", 1)
+    out = torch.zeros(len(dataset), dataset.n_labels)
+    try:
+        with torch.no_grad():
+            for indices in _by_length(dataset, shortest, batch_size):
+                x, _ = _padded(dataset, indices, shortest)
+                out[torch.tensor(indices)] = torch.softmax(model(x.to(device)), dim=-1).float().cpu()
+    finally:
+        model.train(was_training)
+    return out
