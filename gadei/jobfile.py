@@ -476,7 +476,8 @@ def _check_auto(where: str, workload: str, data: dict, raw: dict) -> None:
 
     said = (f"[job] workload = {AUTO!r}" if "workload" in raw.get("job", {}) else
             f"[job] workload is not given, so it is {AUTO!r}")
-    picks = f"{said} (the job trains {' and '.join(CANDIDATES)} and hands back the better on validation)"
+    picks = (f"{said} (the job trains {' and '.join(CANDIDATES)} and hands back their mean, or one alone where it is "
+             "better on validation)")
     if data["format"] == "npz":
         raise JobFileError(f"{where}: {picks}, but format 'npz' holds numeric features; for those set "
                            "workload = \"mlp\"")

@@ -24,10 +24,11 @@ accuracy.png's time axis are in that base, and so is `gadei run`'s last line (`s
 A job that picks its model (`workload = "auto"`) trains its candidates one after another, each
 a run of its own in candidates/<workload>/ (`candidates`: their order, cheapest first, is ORDER,
 written by `gadei.prepare`), whose outputs its supervisor writes as each ends; at the job's end
-the job's own are the choice's (`conclude`): the chosen candidate's model.pt and plot, every
-candidate's epochs in metrics.jsonl, and a result.json that names the chosen workload and each
-candidate's outcome, validation accuracy and seconds. `gadei predict` reads the chosen
-candidate's folder (`model_folder`); `--resume` goes on with the candidate it was training
+the job's own are the choice's (`conclude`): the chosen model's model.pt and plot (a candidate's,
+or the candidates' mean: `gadei.ensemble`), every candidate's epochs in metrics.jsonl, and a
+result.json that names the chosen model and each candidate's outcome, validation accuracy and
+seconds. `gadei predict` reads the chosen candidate's folder, or each member's of the mean
+(`model_folders`); `--resume` goes on with the candidate it was training
 (`going_on`), keeping the results of those that ended for good.
 """
 
@@ -201,22 +202,24 @@ def chosen(found: list[Candidate]) -> Candidate | None:
     return best
 
 
-def model_folder(out: Path) -> Path:
-    """The run folder whose job.toml, maps and model.pt make the model the job in `out` hands
-    back: `out`, or, for a job that picks its model, the chosen candidate's.
+def model_folders(out: Path) -> list[Path]:
+    """The run folders whose job.toml, maps and model.pt make the model the job in `out` hands
+    back: `out`; for a job that picks its model, the chosen candidate's, or each member's of the
+    candidates' mean it chose (result.json's "members", `gadei.ensemble`).
 
     Raises:
         GadeiError: the job picks its model and has not chosen one (its result.json names none).
     """
     found = candidates(out)
     if found is None:
-        return out
-    workload = (read_result(out) or {}).get("workload")
-    if workload not in [c.workload for c in found]:
+        return [out]
+    result = read_result(out) or {}
+    members = result.get("members") or [result.get("workload")]  # a result.json older than "members"
+    if not isinstance(members, list) or not members or not set(members) <= {c.workload for c in found}:
         raise GadeiError(f"{out}: the job picks its model among {', '.join(c.workload for c in found)} and has not "
                          "chosen one (its result.json names none): it has not ended, or no candidate handed back a "
                          f"model; each candidate's own folder is in {out / CANDIDATES}")
-    return candidate_folder(out, workload)
+    return [candidate_folder(out, workload) for workload in members]
 
 
 @dataclass
@@ -340,11 +343,13 @@ def _finish(job: jobfile.Job, result: dict, since: float | None, runs: list[dict
 
 def _choice(job: jobfile.Job, ending: Ending, runs: list[dict] | None) -> dict:
     """The outputs of a job that picks its model, once its candidates ended as their result.json
-    say (written as each ended): model.pt and accuracy.png the chosen candidate's, metrics.jsonl
+    say (written as each ended): model.pt and accuracy.png the chosen model's, metrics.jsonl
     every candidate's epochs (each with its "workload"), and result.json's fields: the chosen
-    "workload", why ("choice"), each candidate's figures ("candidates"), and the chosen model's
-    (epoch, validation accuracy, seconds to it in the job's time base, test accuracy)."""
-    from . import params, selection
+    "workload" (a candidate's, or the candidates' mean, `gadei.ensemble`: "ngram+textcnn") and its
+    "members", why ("choice"), each candidate's figures ("candidates") and the mean's ("mean"),
+    and the chosen model's (a candidate's epoch; validation accuracy, seconds to it in the job's
+    time base, test accuracy)."""
+    from . import ensemble, params, selection
 
     out = job.output
     found = candidates(out) or []
@@ -363,21 +368,31 @@ def _choice(job: jobfile.Job, ending: Ending, runs: list[dict] | None) -> dict:
               "candidates": [figures(c) for c in found]}
     if best is None:
         return result
-    import torch
+    named, fields = ensemble.choose([c.folder for c in found if c.eligible], best.workload)
+    members = [c for c in found if c.workload in named]
+    result.update(members=named, **fields)
+    if len(members) > 1:
+        params.save(ensemble.state([c.folder for c in members]), str(out / "model.pt"), private=job.private)
+    else:
+        import torch
 
-    params.save(torch.load(best.folder / "model.pt", weights_only=True), str(out / "model.pt"), private=job.private)
+        params.save(torch.load(best.folder / "model.pt", weights_only=True), str(out / "model.pt"),
+                    private=job.private)
+        result.update({key: best.result[key] for key in ("epoch", "version", "validation_accuracy",
+                                                         "validation_loss", "evaluations", "stopped",
+                                                         "test_accuracy", "test_samples") if key in best.result})
     result["choice"] = choice_line(result)
-    result.update({key: best.result[key] for key in ("epoch", "version", "validation_accuracy", "validation_loss",
-                                                     "evaluations", "stopped", "test_accuracy", "test_samples")
-                   if key in best.result})
-    took = job_seconds(((selection.read_state(best.folder / "checkpoints") or {}).get("best") or {}).get("at"), runs)
-    if took is not None:
-        result["seconds_to_best"] = took
+    took = [job_seconds(((selection.read_state(c.folder / "checkpoints") or {}).get("best") or {}).get("at"), runs)
+            for c in members]
+    if None not in took:  # the mean's: when its last member's model was made
+        result["seconds_to_best"] = max(took)
     if result.get("stopped") == "patience":
         result["reason"] += f"; {best.workload}'s {selection.ran_out(job.train.patience)}"
     mine = [{k: v for k, v in m.items() if k != "workload"} for m in metrics if m["workload"] == best.workload]
-    if mine:
-        plot(mine, out / "accuracy.png", f"{job.name}: {best.workload} (chosen)",
+    if mine:  # a mean's: its best member alone's curve
+        plot(mine, out / "accuracy.png", f"{job.name}: {best.workload} (chosen" +
+             (f", with {', '.join(m.workload for m in members if m is not best)} in their mean)"
+              if len(members) > 1 else ")"),
              (result["epoch"], result.get("seconds_to_best")) if "epoch" in result else None)
     return result
 
@@ -428,7 +443,12 @@ def _choice_outcome(found: list[Candidate], best: Candidate | None, ending: Endi
 
 def choice_line(result: dict) -> str:
     """Why the job handed back the model of result.json's "workload", in one line: "ngram, the
-    best validation accuracy of 2 candidates (ngram 90.12% in 14 s, textcnn 89.50% in 140 s)"."""
+    best validation accuracy of 2 candidates (ngram 90.12% in 14 s, textcnn 89.50% in 140 s;
+    their mean 88.90%, more than a standard error (1.35%) below ngram)", or "the mean of ngram and
+    textcnn (weights 0.53, 0.47), validation accuracy 91.21%, above the best alone (ngram 90.12% in
+    14 s, textcnn 89.50% in 140 s)"."""
+    from .ensemble import standard_error
+
     said = []
     for c in result.get("candidates", []):
         if "validation_accuracy" in c:
@@ -436,6 +456,21 @@ def choice_line(result: dict) -> str:
                         + (f" in {c['seconds']:.0f} s" if "seconds" in c else ""))
         else:
             said.append(f"{c['workload']} {c.get('outcome') or 'not trained'}")
+    members, mean = result.get("members") or [result["workload"]], result.get("mean") or {}
+    error = standard_error(mean["validation_accuracy"], mean["validation_samples"]) if "validation_samples" in mean \
+        else 0.0
+    if len(members) > 1:
+        alone = max(c.get("validation_accuracy", 0.0) for c in result.get("candidates", []))
+        than = "above the best alone" if mean["validation_accuracy"] >= alone else \
+            f"within a standard error ({error:.2%}) of the best alone"
+        weights = result.get("weights") or {}
+        weighed = f" (weights {', '.join(f'{weights[m]:.2f}' for m in members)})" if set(weights) == set(members) \
+            else ""
+        return (f"the mean of {' and '.join(members)}{weighed}, validation accuracy "
+                f"{result['validation_accuracy']:.2%}, {than} ({', '.join(said)})")
+    if "validation_accuracy" in mean:
+        said[-1] += (f"; their mean {mean['validation_accuracy']:.2%}, more than a standard error "
+                     f"({error:.2%}) below {result['workload']}")
     return (f"{result['workload']}, the best validation accuracy of {len(result.get('candidates', []))} candidates "
             f"({', '.join(said)})")
 
@@ -552,10 +587,14 @@ def summary(job: jobfile.Job, result: dict, by: str = RUN, elapsed: float | None
         return f"job {job.name} failed: {result.get('reason', 'no result.json says how it ended')}; " \
                f"see {out / 'logs'}"
     # the chosen model (`hand_back`): its time in the job's time base too
-    best = (f"epoch {result['epoch']:g} (validation accuracy {result['validation_accuracy']:.2%}"
-            + (f", reached after {result['seconds_to_best']:.0f} s" if "seconds_to_best" in result else "") + ")"
+    reached = f", reached after {result['seconds_to_best']:.0f} s" if "seconds_to_best" in result else ""
+    best = (f"epoch {result['epoch']:g} (validation accuracy {result['validation_accuracy']:.2%}{reached})"
             if "epoch" in result else "")
     picked = f"{result['workload']}'s " if result.get("workload") else ""  # a job that picks its model
+    mean = len(result.get("members") or ()) > 1  # the candidates' mean (`gadei.ensemble`): no epoch of its own
+    if mean:
+        picked, best = "", f"the mean, {result['workload']} (validation accuracy {result['validation_accuracy']:.2%}" \
+            f"{reached})"
     if kind == STOPPED:
         found = candidates(out)
         where = going_on(out) if found else None  # the candidate it was training: its epochs
@@ -567,9 +606,11 @@ def summary(job: jobfile.Job, result: dict, by: str = RUN, elapsed: float | None
                 f" {out / 'model.pt'}"
         training = f"candidate {where.folder.name}, " if where and where.folder != out else ""
         return (f"job {job.name} stopped after {took} ({training}epoch {last.get('epoch', 0)} of "
-                f"{job.train.epochs}{'' if picked else accuracy}); {model}; {again(job, by)}")
+                f"{job.train.epochs}{'' if picked or mean else accuracy}); {model}; {again(job, by)}")
     chose = (f", stopped by {result['stopped']}" if "stopped" in result else "") + (f", chose {best}" if best else "")
-    if picked:  # which candidate and why; then its model, as a job's
+    if mean:
+        chose = f", chose {choice_line(result)}"
+    elif picked:  # which candidate and why; then its model, as a job's
         chose = (f", chose {choice_line(result)}; {result['workload']}"
                  + (f" stopped by {result['stopped']}" if "stopped" in result else "")
                  + (f" at {best}" if best else ""))

@@ -2,7 +2,8 @@
 (job.toml, the maps and model.pt; its training data may be gone). A model file that is not
 a plain state dict is refused with one line, never unpickled beyond weights. A job that picked
 its model (`workload = "auto"`) predicts with the chosen candidate's (its run folder, which
-result.json names: `gadei.outputs.model_folder`); each candidate's folder predicts as a run's."""
+result.json names: `gadei.outputs.model_folders`), or with the mean of the probabilities of the
+candidates it chose to average (`gadei.ensemble`); each candidate's folder predicts as a run's."""
 
 import json
 import pickle
@@ -10,7 +11,7 @@ import re
 import warnings
 from pathlib import Path
 
-from . import jobfile, outputs
+from . import ensemble, jobfile, outputs
 from .errors import GadeiError
 
 
@@ -33,64 +34,92 @@ def predict(run_dir: str, texts: list[str], top: int = 3) -> list[list[tuple[str
         raise GadeiError(f"texts: {odd!r} is {type(odd).__name__}; give texts as strings")
     if isinstance(top, bool) or not isinstance(top, int) or top < 1:
         raise GadeiError(f"top = {top!r}: the number of labels to give for each text, 1 or more")
-    import numpy as np
     import torch
-    from gadei_workloads import get
-    from gadei_workloads.text import Vocab, tokenize
 
     folder = Path(run_dir)
     if not (folder / "job.toml").is_file():  # jobfile.load would say only that a job file is missing
         raise GadeiError(f"{run_dir} is not a `gadei run` output folder: it holds no job.toml")
     try:
         job = jobfile.load(folder / "job.toml", data_files=False)  # the folder alone: its data may be gone
-        if job.workload == jobfile.AUTO:  # the chosen candidate's run: its workload, vocabulary and model
-            folder = outputs.model_folder(folder)
-            job = jobfile.load(folder / "job.toml", data_files=False)
-        labels = _read_json(folder / "labels.json")
-        state = _load_model(folder / "model.pt")
-        workload = get(job.workload)
-        if workload.kind == "numeric":
-            stats = _read_json(folder / "features.json")
-        else:
-            vocab = Vocab.from_json(_read_json(folder / "vocab.json"))
     except FileNotFoundError as err:
         raise GadeiError(f"{run_dir} is not a finished `gadei run` folder: {err.filename} is missing") from None
-    except (KeyError, TypeError, AttributeError) as err:
-        raise GadeiError(f"{run_dir}: its label or vocabulary map is not one `gadei run` wrote ({err!r})") from None
-    if workload.kind == "numeric":
-        model = workload.build_from_maps(stats["features"], len(labels), job.train.seed)
-    else:
-        model = workload.build_from_maps(len(vocab), len(labels), job.train.seed)
-    try:
-        model.load_state_dict(state)
-    except (RuntimeError, TypeError, AttributeError) as err:
-        raise GadeiError(f"{folder / 'model.pt'}: does not fit the {job.workload} model of {folder / 'job.toml'}, "
-                         f"labels.json and the vocabulary: {_first_lines(str(err))}") from None
-    model.eval()
-
-    def encoded(text: str):
-        if workload.kind != "numeric":
-            words = tokenize(text)
-            if not words:  # the model would answer from padding alone, as if it had read something
-                raise GadeiError(f"{text!r}: no words to predict from; give a text")
-            ids = vocab.encode(workload.tokens(words) if workload.tokens else words)  # the n-grams it was trained on
-            return torch.tensor([ids + [0] * max(0, getattr(model, "min_len", 1) - len(ids))])  # the widest filter
-        try:
-            values = np.array([float(v) for v in text.replace(",", " ").split()], dtype=np.float64)
-        except ValueError:
-            raise GadeiError(f"{text!r}: give the {stats['features']} features as numbers separated by "
-                             "commas") from None
-        if values.size != stats["features"]:
-            raise GadeiError(f"{text!r}: {values.size} features, the model takes {stats['features']}")
-        return torch.from_numpy(((values - np.array(stats["mean"])) / np.array(stats["std"])).astype(np.float32))[None]
-
+    # a job that picked its model: the chosen candidate's run, or each member's of the candidates' mean
+    members = [_Model(run_dir, f) for f in (outputs.model_folders(folder) if job.workload == jobfile.AUTO
+                                            else [folder])]
+    labels = members[0].labels
+    for other in members[1:]:
+        if other.labels != labels:
+            raise GadeiError(f"{run_dir}: the labels of {other.folder} are not those of {members[0].folder}, so "
+                             "their mean cannot be taken")
+    weights = ensemble.weights_of(outputs.read_result(folder) or {}, [m.folder.name for m in members],
+                                  folder / "result.json")
     answers = []
-    for x in [encoded(text) for text in texts]:  # every text checked before any answer
+    for xs in [[m.encoded(text) for m in members] for text in texts]:  # every text checked before any answer
         with torch.no_grad():
-            probs = torch.softmax(model(x), dim=-1)[0]
+            probs = sum(w * torch.softmax(m.model(x), dim=-1)[0] for w, m, x in zip(weights, members, xs))
         best = torch.topk(probs, min(top, len(labels)))
         answers.append([(labels[i], float(p)) for p, i in zip(best.values.tolist(), best.indices.tolist())])
     return answers
+
+
+class _Model:
+    """The model of one run folder (job.toml, labels.json, the vocabulary or the features' scale,
+    model.pt), ready to predict; `run_dir`: the folder asked about, for the errors."""
+
+    def __init__(self, run_dir: str, folder: Path):
+        from gadei_workloads import get
+        from gadei_workloads.text import Vocab
+
+        self.folder = folder
+        try:
+            self.job = jobfile.load(folder / "job.toml", data_files=False)
+            self.labels = _read_json(folder / "labels.json")
+            state = _load_model(folder / "model.pt")
+            self.workload = get(self.job.workload)
+            if self.workload.kind == "numeric":
+                self.stats = _read_json(folder / "features.json")
+            else:
+                self.vocab = Vocab.from_json(_read_json(folder / "vocab.json"))
+        except FileNotFoundError as err:
+            raise GadeiError(f"{run_dir} is not a finished `gadei run` folder: {err.filename} is missing") from None
+        except (KeyError, TypeError, AttributeError) as err:
+            raise GadeiError(f"{run_dir}: its label or vocabulary map is not one `gadei run` wrote ({err!r})") from None
+        size = self.stats["features"] if self.workload.kind == "numeric" else len(self.vocab)
+        self.model = self.workload.build_from_maps(size, len(self.labels), self.job.train.seed)
+        try:
+            self.model.load_state_dict(state)
+        except (RuntimeError, TypeError, AttributeError) as err:
+            raise GadeiError(f"{folder / 'model.pt'}: does not fit the {self.job.workload} model of "
+                             f"{folder / 'job.toml'}, labels.json and the vocabulary: "
+                             f"{_first_lines(str(err))}") from None
+        self.model.eval()
+
+    def encoded(self, text: str):
+        """`text` as the model's input (a batch of one).
+
+        Raises:
+            GadeiError: a text with no words, or features that are not the model's.
+        """
+        import numpy as np
+        import torch
+        from gadei_workloads.text import tokenize
+
+        if self.workload.kind != "numeric":
+            words = tokenize(text)
+            if not words:  # the model would answer from padding alone, as if it had read something
+                raise GadeiError(f"{text!r}: no words to predict from; give a text")
+            # the n-grams it was trained on, padded to the widest filter
+            ids = self.vocab.encode(self.workload.tokens(words) if self.workload.tokens else words)
+            return torch.tensor([ids + [0] * max(0, getattr(self.model, "min_len", 1) - len(ids))])
+        features = self.stats["features"]
+        try:
+            values = np.array([float(v) for v in text.replace(",", " ").split()], dtype=np.float64)
+        except ValueError:
+            raise GadeiError(f"{text!r}: give the {features} features as numbers separated by commas") from None
+        if values.size != features:
+            raise GadeiError(f"{text!r}: {values.size} features, the model takes {features}")
+        return torch.from_numpy(((values - np.array(self.stats["mean"])) / np.array(self.stats["std"]))
+                                .astype(np.float32))[None]
 
 
 def _read_json(path: Path):

@@ -303,7 +303,8 @@ def _candidate_lines(prepared: Prepared) -> list[str]:
         costs.append(f"{i}. {cost.workload} (vocabulary {len(candidate.train.vocab):,}, {cost.parameters:,} "
                      f"parameters, {cost.epoch_flops / 1e9:,.2g} GFLOP an epoch, lr {candidate.job.train.lr:g})")
     lines = ["  candidates, cheapest first by an epoch's arithmetic: " + ", ".join(costs)
-             + "; each trains to its own patience, and the one with the best validation accuracy is handed back"]
+             + "; each trains to its own patience, and their mean is handed back unless one alone is better on "
+               "validation by more than a standard error"]
     for candidate in prepared.candidates:
         lines += [f"  {candidate.job.workload}: chose {line}" for line in candidate.chosen
                   if line not in prepared.chosen]

@@ -158,8 +158,9 @@ WORKLOADS: dict[str, Workload] = {
 
 CANDIDATES = ("ngram", "textcnn")
 """The workloads a job picks its model among when its job file names none (``workload =
-"auto"``): each is trained, cheapest first (:func:`.cost.cheapest_first`), and the one with the
-best validation accuracy is handed back."""
+"auto"``): each is trained, cheapest first (:func:`.cost.cheapest_first`), and their mean is
+handed back, or the one with the best validation accuracy where it beats the mean by more than a
+standard error (``gadei.ensemble``)."""
 
 
 def get(name: str) -> Workload:
@@ -171,8 +172,8 @@ def get(name: str) -> Workload:
     try:
         return WORKLOADS[name]
     except KeyError:
-        auto = (f" ('auto' is a job file's: the job trains {', '.join(CANDIDATES)} and keeps the better; here name "
-                "one)" if name == "auto" else "")
+        auto = (f" ('auto' is a job file's: the job trains {', '.join(CANDIDATES)} and keeps their mean or the "
+                "better; here name one)" if name == "auto" else "")
         raise ValueError(
             f"workload {name!r} is unknown{auto}; known: {', '.join(sorted(WORKLOADS))}"
         ) from None

@@ -17,7 +17,7 @@ Beside the text CNN, the n-gram workload (`ngram-2`: a job file that names `work
 `LogisticRegression` with their default settings on the same n-grams of the same split
 (`sklearn-svc`, `sklearn-lr`; `gadei.bench.reference`, scikit-learn being the bench's extra:
 `pip install 'gadei[bench]'`). And a job file that names no workload (`auto-2`: `workload =
-"auto"`, 2 learners), which trains both and hands back the better on validation: its wall time
+"auto"`, 2 learners), which trains both and hands back their mean or the better on validation: its wall time
 against the text CNN's alone with 2 learners, on the same seeds side by side, is issue 47's
 "at most 1.3x". `--runs` picks some of the runs.
 
@@ -96,7 +96,7 @@ def run_gadei(path: Path) -> dict:
     wall = time.monotonic() - started
     from .. import jobfile
 
-    from ..outputs import model_folder
+    from ..outputs import model_folders
 
     out = jobfile.load(path).output
     if done.returncode != 0 or not (out / "result.json").exists():
@@ -104,8 +104,9 @@ def run_gadei(path: Path) -> dict:
     result = json.loads((out / "result.json").read_text())
     result["wall_seconds"] = round(wall, 1)
     result["evaluations"] = _evaluations(out)
-    # the job as run, the defaults filled in (a job that picks its model: the chosen candidate's)
-    ran = jobfile.load(model_folder(out) / "job.toml", data_files=False).train
+    # the job as run, the defaults filled in (a job that picks its model: the chosen candidate's, or the first
+    # member's of the candidates' mean)
+    ran = jobfile.load(model_folders(out)[0] / "job.toml", data_files=False).train
     result.update(optimizer=ran.optimizer, lr=ran.lr, batch=ran.batch)
     return result
 
@@ -117,7 +118,7 @@ def _evaluations(out: Path) -> list[dict]:
     from .. import outputs, selection
 
     runs = (outputs.read_result(out) or {}).get("runs")
-    history = (selection.read_state(outputs.model_folder(out) / "checkpoints") or {}).get("history", [])
+    history = (selection.read_state(outputs.model_folders(out)[0] / "checkpoints") or {}).get("history", [])
     timed = [(h, outputs.job_seconds(h.get("at"), runs)) for h in history]
     return [{"epoch": h["epoch"], "validation_accuracy": h["validation_accuracy"], "seconds": seconds}
             for h, seconds in timed if seconds is not None]
@@ -240,10 +241,12 @@ def bench_quality(args) -> dict:
                     result = _run(config, path, epochs)
                     result["seed"] = seed
                     runs[name][config].append(result)
-                    log.info("quality %s %s seed %d: test accuracy %.4f, epoch %s, %.0f s", name, config, seed,
-                             result["test_accuracy"], result.get("epoch"), result["wall_seconds"])
-                    print(f"  {name} {config} seed {seed}: test accuracy {result['test_accuracy']:.2%}, "
-                          f"epoch {result.get('epoch')}, {result['wall_seconds']:.0f} s", flush=True)
+                    said = (f"epoch {result['epoch']}" if result.get("epoch") is not None else
+                            "the candidates' mean" if len(result.get("members") or ()) > 1 else "no epoch")
+                    log.info("quality %s %s seed %d: test accuracy %.4f, %s, %.0f s", name, config, seed,
+                             result["test_accuracy"], said, result["wall_seconds"])
+                    print(f"  {name} {config} seed {seed}: test accuracy {result['test_accuracy']:.2%}, {said}, "
+                          f"{result['wall_seconds']:.0f} s", flush=True)
     summary = {name: {c: _summary(rs) for c, rs in by.items()} for name, by in runs.items()}
     rows = []
     for name, by in summary.items():
@@ -368,7 +371,8 @@ def _summary(results: list[dict]) -> dict:
     accuracy = [r["test_accuracy"] for r in results]
     to_best = [r["seconds_to_best"] for r in results if r.get("seconds_to_best") is not None]
     return {"median": statistics.median(accuracy), "min": min(accuracy), "max": max(accuracy),
-            "epochs": "/".join(str(r.get("epoch")) for r in results),
+            # the candidates' mean an auto job handed back has no epoch of its own
+            "epochs": "/".join(str(r["epoch"]) if "epoch" in r else "mean" for r in results),
             "seconds_to_best": statistics.median(to_best) if len(to_best) == len(results) else None,
             "wall_seconds": statistics.median(r["wall_seconds"] for r in results)}
 

@@ -44,8 +44,9 @@ def add_parser(sub) -> None:
     p.add_argument("--runs", metavar="RUN,...",
                    help="quality: the runs, comma-separated, of gadei-1, gadei-2, pytorch (the text CNN with 1 and 2 "
                    "learners, its PyTorch loop), ngram-2 (the n-gram workload, 2 learners), auto-2 (a job file "
-                   "that names no workload: both trained, the better handed back; 2 learners), sklearn-svc, sklearn-lr "
-                   "(scikit-learn on the same n-grams: pip install 'gadei[bench]'), sklearn (both); default: all")
+                   "that names no workload: both trained, their mean or the better handed back; 2 learners), "
+                   "sklearn-svc, sklearn-lr (scikit-learn on the same n-grams: pip install 'gadei[bench]'), sklearn "
+                   "(both); default: all")
     p.add_argument("--workload", choices=("textcnn", "ngram"), default="textcnn",
                    help="peers, scaling: the model trained (default textcnn; ngram: the n-gram workload, by the plain "
                    "loop, gadei and Hogwild, at its lr 0.2)")

@@ -307,7 +307,9 @@ class Client:
 
     def model_path(self, job: str | JobRecord) -> Path:
         """The path of the job's model (model.pt in its output folder: a PyTorch state dict,
-        the model chosen on validation). Raises GadeiError while it has none."""
+        the model chosen on validation; for the candidates' mean a job that picks its model may
+        hand back, every member's weights, each key prefixed by its workload: `gadei.ensemble`).
+        Raises GadeiError while it has none."""
         record = self.job(job)
         path = Path(record.output, "model.pt")
         if not ended(record) or not path.is_file():
