@@ -208,14 +208,19 @@ def model_folders(out: Path) -> list[Path]:
     candidates' mean it chose (result.json's "members", `gadei.ensemble`).
 
     Raises:
-        GadeiError: the job picks its model and has not chosen one (its result.json names none).
+        GadeiError: the job picks its model and has not chosen one (its result.json names none), or
+            its result.json's "members" are not its candidates.
     """
     found = candidates(out)
     if found is None:
         return [out]
     result = read_result(out) or {}
     members = result.get("members") or [result.get("workload")]  # a result.json older than "members"
-    if not isinstance(members, list) or not members or not set(members) <= {c.workload for c in found}:
+    named = [c.workload for c in found]
+    if "members" in result and not (isinstance(members, list) and all(m in named for m in members)):
+        raise GadeiError(f"{out / 'result.json'}: its \"members\" ({members!r}) are not a list of its candidates "
+                         f"({', '.join(named)}), as `gadei run` writes it")
+    if members[0] not in named:
         raise GadeiError(f"{out}: the job picks its model among {', '.join(c.workload for c in found)} and has not "
                          "chosen one (its result.json names none): it has not ended, or no candidate handed back a "
                          f"model; each candidate's own folder is in {out / CANDIDATES}")

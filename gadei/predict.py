@@ -74,6 +74,9 @@ class _Model:
         try:
             self.job = jobfile.load(folder / "job.toml", data_files=False)
             self.labels = _read_json(folder / "labels.json")
+            if not isinstance(self.labels, list) or len(self.labels) < 2 or \
+                    not all(isinstance(label, str) for label in self.labels):
+                raise GadeiError(f"{folder / 'labels.json'}: not the list of two labels or more `gadei run` wrote")
             state = _load_model(folder / "model.pt")
             self.workload = get(self.job.workload)
             if self.workload.kind == "numeric":

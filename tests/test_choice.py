@@ -113,9 +113,11 @@ def test_the_choice_is_the_best_validation_accuracy_of_the_candidates_that_hande
     assert outputs.model_folders(tmp_path) == [tmp_path / "candidates" / "b"]
     (tmp_path / "result.json").write_text(json.dumps({"workload": "a+b", "members": ["a", "b"]}))
     assert outputs.model_folders(tmp_path) == [tmp_path / "candidates" / "a", tmp_path / "candidates" / "b"]
-    (tmp_path / "result.json").write_text(json.dumps({"workload": "a+e", "members": ["a", "e"]}))
-    with pytest.raises(GadeiError, match="has not chosen one"):
-        outputs.model_folders(tmp_path)
+    for odd in (["a", "e"], "a", [], [["a"]]):
+        (tmp_path / "result.json").write_text(json.dumps({"workload": "a+e", "members": odd}))
+        with pytest.raises(GadeiError, match=r'result.json: its "members" \(.*\) are not a list of its candidates '
+                                             r"\(a, b, c, d\)"):
+            outputs.model_folders(tmp_path)
     assert outputs.candidates(tmp_path / "candidates" / "b") is None  # a candidate's folder is a run's
     assert outputs.model_folders(tmp_path / "candidates" / "b") == [tmp_path / "candidates" / "b"]
 

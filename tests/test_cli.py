@@ -494,7 +494,8 @@ def _run_folder(tmp_path):
 
 def test_predict_needs_only_the_output_folder_and_names_a_bad_model_file(procs, tmp_path, capsys):
     """A run folder handed to someone else (its training data gone) still predicts; a crafted,
-    truncated or random model.pt is an error that names the file, never a traceback."""
+    truncated or random model.pt, or a labels.json that is not a list of labels, is an error that
+    names the file, never a traceback."""
     import pickle
     import random
 
@@ -534,6 +535,13 @@ def test_predict_needs_only_the_output_folder_and_names_a_bad_model_file(procs, 
         assert f"gadei: error: {model}: " in err and "weights_only" not in err, (case, err)
         if case == "global":
             assert "it names code (" in err and "nothing was run" in err, err
+    model.write_bytes(good)
+    labels = folder / "labels.json"
+    for odd in ("[]", '["HUM"]', '{"a": 1}', '["HUM", 2]'):
+        labels.write_text(odd)
+        assert main(["predict", str(folder), "how many birds"]) == 2
+        assert f"gadei: error: {labels}: not the list of two labels or more `gadei run` wrote" in \
+            capsys.readouterr().err, odd
 
 
 def test_predict_answers_each_of_several_texts_on_a_line_of_its_own(procs, tmp_path, capsys):
