@@ -409,33 +409,3 @@ def test_a_killed_supervisor_of_an_auto_job_is_replaced_by_one_that_goes_on_with
     finally:
         end_jobs(name)
 
-
-# The medians of 3 seeds that a job file naming no workload, with nothing tuned and 2 learners,
-# hands back (what `gadei bench quality --runs auto-2 --repeats 3` runs: the candidates' mean on
-# each), each a floor about a point under what it measured (docs/benchmarks.md, "The candidates'
-# mean"). CR (about 90 s) in the long tier; the other sets as soak runs.
-AUTO_FLOORS = {"trec": 0.905, "cr": 0.80, "sst2": 0.815, "subj": 0.922, "banking77": 0.905}
-
-
-@pytest.mark.parametrize("name", [
-    pytest.param("trec", marks=pytest.mark.soak),
-    pytest.param("cr", marks=pytest.mark.long),
-    pytest.param("sst2", marks=pytest.mark.soak),
-    pytest.param("subj", marks=pytest.mark.soak),
-    pytest.param("banking77", marks=pytest.mark.soak),
-])
-def test_a_job_file_that_names_no_workload_with_nothing_tuned_reaches_its_accuracy(name, tmp_path):
-    import statistics
-
-    from gadei.bench.quality import job_file, run_gadei, set_data
-    from helpers import data_dir, missing
-
-    if not (data_dir() / name).is_dir():
-        missing(f"{name} is not at {data_dir() / name} (set GADEI_DATA_DIR)")
-    data = set_data(name, tmp_path, base=data_dir())
-    results = [run_gadei(job_file(tmp_path, name, data, learners=2, seed=seed, workload="auto")) for seed in range(3)]
-    accuracy = statistics.median(r["test_accuracy"] for r in results)
-    print(f"{name}: auto, 2 learners, median {accuracy:.2%} ("
-          + ", ".join(f"{r['test_accuracy']:.2%} by {r['workload']} in {r['wall_seconds']:.0f} s" for r in results)
-          + ")")
-    assert accuracy >= AUTO_FLOORS[name], results
