@@ -2,7 +2,7 @@
 test), and a job file's [data] read into its data sets (`load_job`).
 
 A spec is what `--data` takes: a workload's own (`generated`, `generated:SEED`,
-`trec:FOLDER`, `trec-fine:FOLDER`, `sst2:FOLDER`; see `gadei_workloads.text.load`), a shared
+`trec:FOLDER`, `trec-fine:FOLDER`, `sst2:FOLDER`; see `gadei_workloads.specs.load`), a shared
 data set's bare name (`trec`, found under GADEI_DATA_DIR), or `job:JOBFILE`, the [data] of a
 job file (how `gadei run` hands its data to the server and learners it starts). Job files
 are gadei's, so that last form is resolved here and not by the workloads, which import

@@ -529,7 +529,8 @@ def test_row_sparse_is_chosen_where_the_embedding_gradients_are_sparse(job):
     import threading
 
     from gadei_workloads import build_textcnn
-    from gadei_workloads.text import batches, generate_topics
+    from gadei_workloads.text import batches
+    from gadei_workloads.topics import generate_topics
 
     def tables(**options):
         with gadei.Server(job, model=build_textcnn(2000, 3, **options.pop("model", {})), **options) as server:

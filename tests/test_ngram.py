@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import gadei_workloads
-from gadei_workloads import ngram, text
+from gadei_workloads import ngram, text, topics
 from gadei_workloads.ngram import build_ngram, dimension_for, ngrams
 from helpers import communicate, data_dir, missing, trec_job, unique_name
 
@@ -88,7 +88,7 @@ def test_the_ngram_workload_indexes_bigrams_and_learns_generated_data():
     train, test = workload.load_data("generated:1")
     assert "<s>" not in train.vocab.decode(range(len(train.vocab)))  # markers only inside bigrams
     assert any(" " in token for token in train.vocab.decode(range(len(train.vocab))))
-    words, _ = text.generate_topics(seed=1)
+    words, _ = topics.generate_topics(seed=1)
     assert len(train.vocab) > 3 * len(words.vocab)  # a row per bigram of the training set
     model = workload.build_model(train, 0)
     optimizer = torch.optim.Adagrad(model.parameters(), lr=workload.lr)

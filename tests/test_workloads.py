@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import gadei_workloads
-from gadei_workloads import text
+from gadei_workloads import specs, text, topics
 from gadei_workloads.text import TextDataset, Vocab, batches, tokenize
 from gadei_workloads.textcnn import build_textcnn
 from helpers import IN_CI
@@ -127,26 +127,26 @@ def test_trec_reads_latin1_training_file(tmp_path):
 
 
 def test_generated_is_deterministic_per_seed():
-    a_train, a_test = text.generate_topics(seed=5, n_train=500, n_test=100)
-    b_train, b_test = text.generate_topics(seed=5, n_train=500, n_test=100)
-    c_train, _ = text.generate_topics(seed=6, n_train=500, n_test=100)
+    a_train, a_test = topics.generate_topics(seed=5, n_train=500, n_test=100)
+    b_train, b_test = topics.generate_topics(seed=5, n_train=500, n_test=100)
+    c_train, _ = topics.generate_topics(seed=6, n_train=500, n_test=100)
     assert a_train.ids == b_train.ids and a_test.labels == b_test.labels
     assert a_train.vocab == b_train.vocab and a_train.label_names == b_train.label_names
     assert a_train.ids != c_train.ids
 
 
 def test_generated_shape_matches_arguments():
-    train, test = text.generate_topics(seed=1, n_train=800, n_test=200, n_labels=4)
+    train, test = topics.generate_topics(seed=1, n_train=800, n_test=200, n_labels=4)
     assert (len(train), len(test), train.n_labels) == (800, 200, 4)
     assert all(5 <= len(ids) <= 30 for ids in train.ids)
     assert len(set(map(tuple, train.ids))) > 790  # sentences are not copies of each other
     with pytest.raises(ValueError, match="label_noise"):
-        text.generate_topics(label_noise=1.5)
+        topics.generate_topics(label_noise=1.5)
 
 
 @needs_sst2
 def test_sst2_counts_and_labels():
-    train, test = text.load(f"sst2:{SST2_DIR}")
+    train, test = specs.load(f"sst2:{SST2_DIR}")
     assert (len(train), len(test)) == (6920, 1821)
     assert train.label_names == ["0", "1"] and test.vocab is train.vocab
     assert np.bincount(train.labels).tolist() == [3310, 3610]
@@ -164,12 +164,12 @@ def test_sst2_bad_line_names_file_and_line(tmp_path):
 
 
 def test_load_spec():
-    train, _ = text.load("generated:3")
-    assert train.ids == text.generate_topics(seed=3)[0].ids
+    train, _ = specs.load("generated:3")
+    assert train.ids == topics.generate_topics(seed=3)[0].ids
     with pytest.raises(ValueError, match="'generated:SEED'"):
-        text.load("mnist")
+        specs.load("mnist")
     with pytest.raises(ValueError, match="not an integer"):
-        text.load("generated:x")
+        specs.load("generated:x")
 
 
 # --- batches -----------------------------------------------------------------------
@@ -248,7 +248,7 @@ def test_accuracy_labels_each_sentence_as_alone():
     to a batch's longest can change its label. The accuracy of a set is the share that the
     model labels right one sentence at a time, as `gadei predict` does."""
     workload = gadei_workloads.get("textcnn")
-    train, test = text.generate_topics(seed=3, n_train=300, n_test=400, min_len=1, max_len=60)
+    train, test = topics.generate_topics(seed=3, n_train=300, n_test=400, min_len=1, max_len=60)
     model = workload.build_model(train, 0)
     with torch.no_grad():
         for conv in model.convs:  # a padded position's activation is its bias: make it count
@@ -307,7 +307,7 @@ def test_the_lstm_is_deterministic_by_seed_ignores_padding_and_learns_generated_
 def _train_on_generated(name: str, epochs: int, lr: float):
     """(model, test accuracy) after `epochs` of plain SGD, mini-batch 8, on generated topics."""
     workload = gadei_workloads.get(name)
-    train, test = text.generate_topics(seed=1, n_train=1500, n_test=300)
+    train, test = topics.generate_topics(seed=1, n_train=1500, n_test=300)
     model = workload.build_model(train, 0)
     model.train()
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)

@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from . import ngram, numeric, text
+from . import ngram, numeric, specs, text, topics
 from .lstm import LSTMClassifier, build_lstm
 from .ngram import NgramClassifier, build_ngram
 from .numeric import build_mlp
@@ -21,7 +21,8 @@ from .text import TextDataset
 from .textcnn import TextCNN, build_textcnn
 
 __all__ = ["CANDIDATES", "WORKLOADS", "Workload", "LSTMClassifier", "NgramClassifier", "TextCNN", "TextDataset",
-           "build_lstm", "build_mlp", "build_ngram", "build_textcnn", "get", "ngram", "numeric", "text"]
+           "build_lstm", "build_mlp", "build_ngram", "build_textcnn", "get", "ngram", "numeric", "specs", "text",
+           "topics"]
 
 
 @dataclass(frozen=True)
@@ -32,7 +33,7 @@ class Workload:
         name: Registry key.
         description: One line for people.
         default_data: Data spec used when the job names none (needs no files).
-        load_data: ``spec -> (train, test)``, see :func:`.text.load`.
+        load_data: ``spec -> (train, test)``, see :func:`.specs.load`.
         criterion: ``(logits, y) -> scalar loss`` to minimise (:meth:`loss` runs the model).
         evaluate: ``(model, dataset) -> accuracy`` in ``[0, 1]``.
         build_from_maps: ``(size, n_labels, seed) -> model``; size is the vocabulary's
@@ -116,7 +117,7 @@ WORKLOADS: dict[str, Workload] = {
         name="textcnn",
         description="Kim 2014 sentence CNN (CNN-rand) for text classification",
         default_data="generated",
-        load_data=text.load,
+        load_data=specs.load,
         criterion=nn.functional.cross_entropy,
         evaluate=text.accuracy,
         build_from_maps=lambda vocab_size, n_labels, seed: build_textcnn(vocab_size, n_labels, seed=seed),
@@ -125,7 +126,7 @@ WORKLOADS: dict[str, Workload] = {
         name="lstm",
         description="bidirectional LSTM sentence classifier (max over time)",
         default_data="generated",
-        load_data=text.load,
+        load_data=specs.load,
         criterion=nn.functional.cross_entropy,
         evaluate=text.accuracy,
         build_from_maps=lambda vocab_size, n_labels, seed: build_lstm(vocab_size, n_labels, seed=seed),
@@ -134,7 +135,7 @@ WORKLOADS: dict[str, Workload] = {
         name="ngram",
         description="fastText-style linear classifier over word uni- and bigrams (the mean of their rows)",
         default_data="generated",
-        load_data=lambda spec: text.load(spec, tokens=ngram.ngrams, max_size=ngram.MAX_VOCAB),
+        load_data=lambda spec: specs.load(spec, tokens=ngram.ngrams, max_size=ngram.MAX_VOCAB),
         criterion=nn.functional.cross_entropy,
         evaluate=text.accuracy,
         build_from_maps=lambda vocab_size, n_labels, seed: build_ngram(vocab_size, n_labels, seed=seed),

@@ -7,7 +7,7 @@ optimizer and seeds. Run it as ``python -m gadei_workloads.measure_textcnn --dat
 ``--optimizer adagrad`` trains with the update a job file's server applies by default
 (``s += g²; w -= lr g / (√s + 1e-10)``, torch's Adagrad with the same epsilon); ``sgd``
 (the default) is plain SGD with the text CNN's max-norm constraint. ``--data`` takes the
-workload's data specs (``gadei_workloads.text.load``), ``banking77:FOLDER`` among them; a job
+workload's data specs (``gadei_workloads.specs.load``), ``banking77:FOLDER`` among them; a job
 file's ``[data]`` is gadei's (this package imports nothing of gadei): ``gadei bench quality``
 runs a PyTorch baseline on job files.
 
