@@ -17,6 +17,9 @@ that is two is preferred over one as good: on a small validation set the one tha
 a few samples is as likely to be worse on the test set (measured: choosing the higher of the
 three outright lost 0.7 points of the mean's gain on TREC).
 
+`choice_line` says which model the job handed back and why, in one line (result.json's "choice",
+`gadei run`'s last line).
+
 The mean's model is its members' run folders (candidates/<workload>/, each its own vocabulary,
 label map and model.pt) and their weights (result.json's "weights"): `gadei predict` averages
 their probabilities so (`gadei.predict`). The job's own model.pt holds every member's weights in
@@ -178,3 +181,35 @@ def state(folders: list[Path]) -> dict:
         joined.update({f"{folder.name}.{key}": value
                        for key, value in torch.load(folder / "model.pt", weights_only=True).items()})
     return joined
+
+
+def choice_line(result: dict) -> str:
+    """Why the job handed back the model of result.json's "workload", in one line: "ngram, the
+    best validation accuracy of 2 candidates (ngram 90.12% in 14 s, textcnn 89.50% in 140 s;
+    their mean 88.90%, more than a standard error (1.35%) below ngram)", or "the mean of ngram and
+    textcnn (weights 0.53, 0.47), validation accuracy 91.21%, above the best alone (ngram 90.12% in
+    14 s, textcnn 89.50% in 140 s)"."""
+    said = []
+    for c in result.get("candidates", []):
+        if "validation_accuracy" in c:
+            said.append(f"{c['workload']} {c['validation_accuracy']:.2%}"
+                        + (f" in {c['seconds']:.0f} s" if "seconds" in c else ""))
+        else:
+            said.append(f"{c['workload']} {c.get('outcome') or 'not trained'}")
+    members, mean = result.get("members") or [result["workload"]], result.get("mean") or {}
+    error = standard_error(mean["validation_accuracy"], mean["validation_samples"]) if "validation_samples" in mean \
+        else 0.0
+    if len(members) > 1:
+        alone = max(c.get("validation_accuracy", 0.0) for c in result.get("candidates", []))
+        than = "above the best alone" if mean["validation_accuracy"] >= alone else \
+            f"within a standard error ({error:.2%}) of the best alone"
+        weights = result.get("weights") or {}
+        weighed = f" (weights {', '.join(f'{weights[m]:.2f}' for m in members)})" if set(weights) == set(members) \
+            else ""
+        return (f"the mean of {' and '.join(members)}{weighed}, validation accuracy "
+                f"{result['validation_accuracy']:.2%}, {than} ({', '.join(said)})")
+    if "validation_accuracy" in mean:
+        said[-1] += (f"; their mean {mean['validation_accuracy']:.2%}, more than a standard error "
+                     f"({error:.2%}) below {result['workload']}")
+    return (f"{result['workload']}, the best validation accuracy of {len(result.get('candidates', []))} candidates "
+            f"({', '.join(said)})")

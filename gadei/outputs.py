@@ -39,7 +39,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import board, data, files, jobfile, zygote
+from . import board, data, ensemble, files, jobfile, zygote
 from .errors import GadeiError
 
 EARLIER = "logs/earlier-runs.json"  # a resumed run's record of the runs it goes on from (start, seconds)
@@ -354,7 +354,7 @@ def _choice(job: jobfile.Job, ending: Ending, runs: list[dict] | None) -> dict:
     "members", why ("choice"), each candidate's figures ("candidates") and the mean's ("mean"),
     and the chosen model's (a candidate's epoch; validation accuracy, seconds to it in the job's
     time base, test accuracy)."""
-    from . import ensemble, params, selection
+    from . import params, selection
 
     out = job.output
     found = candidates(out) or []
@@ -386,7 +386,7 @@ def _choice(job: jobfile.Job, ending: Ending, runs: list[dict] | None) -> dict:
         result.update({key: best.result[key] for key in ("epoch", "version", "validation_accuracy",
                                                          "validation_loss", "evaluations", "stopped",
                                                          "test_accuracy", "test_samples") if key in best.result})
-    result["choice"] = choice_line(result)
+    result["choice"] = ensemble.choice_line(result)
     took = [job_seconds(((selection.read_state(c.folder / "checkpoints") or {}).get("best") or {}).get("at"), runs)
             for c in members]
     if None not in took:  # the mean's: when its last member's model was made
@@ -444,40 +444,6 @@ def _choice_outcome(found: list[Candidate], best: Candidate | None, ending: Endi
     if ended and all(c.result.get("outcome") == DIVERGED for c in ended):
         return DIVERGED, ended[0].result.get("reason", "")
     return FAILED, ending.reason or f"no candidate handed back a model: {trouble or 'see the logs'}"
-
-
-def choice_line(result: dict) -> str:
-    """Why the job handed back the model of result.json's "workload", in one line: "ngram, the
-    best validation accuracy of 2 candidates (ngram 90.12% in 14 s, textcnn 89.50% in 140 s;
-    their mean 88.90%, more than a standard error (1.35%) below ngram)", or "the mean of ngram and
-    textcnn (weights 0.53, 0.47), validation accuracy 91.21%, above the best alone (ngram 90.12% in
-    14 s, textcnn 89.50% in 140 s)"."""
-    from .ensemble import standard_error
-
-    said = []
-    for c in result.get("candidates", []):
-        if "validation_accuracy" in c:
-            said.append(f"{c['workload']} {c['validation_accuracy']:.2%}"
-                        + (f" in {c['seconds']:.0f} s" if "seconds" in c else ""))
-        else:
-            said.append(f"{c['workload']} {c.get('outcome') or 'not trained'}")
-    members, mean = result.get("members") or [result["workload"]], result.get("mean") or {}
-    error = standard_error(mean["validation_accuracy"], mean["validation_samples"]) if "validation_samples" in mean \
-        else 0.0
-    if len(members) > 1:
-        alone = max(c.get("validation_accuracy", 0.0) for c in result.get("candidates", []))
-        than = "above the best alone" if mean["validation_accuracy"] >= alone else \
-            f"within a standard error ({error:.2%}) of the best alone"
-        weights = result.get("weights") or {}
-        weighed = f" (weights {', '.join(f'{weights[m]:.2f}' for m in members)})" if set(weights) == set(members) \
-            else ""
-        return (f"the mean of {' and '.join(members)}{weighed}, validation accuracy "
-                f"{result['validation_accuracy']:.2%}, {than} ({', '.join(said)})")
-    if "validation_accuracy" in mean:
-        said[-1] += (f"; their mean {mean['validation_accuracy']:.2%}, more than a standard error "
-                     f"({error:.2%}) below {result['workload']}")
-    return (f"{result['workload']}, the best validation accuracy of {len(result.get('candidates', []))} candidates "
-            f"({', '.join(said)})")
 
 
 def outcome(job: jobfile.Job, metrics: list[dict], ending: Ending, model: bool) -> tuple[str, str]:
@@ -614,9 +580,9 @@ def summary(job: jobfile.Job, result: dict, by: str = RUN, elapsed: float | None
                 f"{job.train.epochs}{'' if picked or mean else accuracy}); {model}; {again(job, by)}")
     chose = (f", stopped by {result['stopped']}" if "stopped" in result else "") + (f", chose {best}" if best else "")
     if mean:
-        chose = f", chose {choice_line(result)}"
+        chose = f", chose {ensemble.choice_line(result)}"
     elif picked:  # which candidate and why; then its model, as a job's
-        chose = (f", chose {choice_line(result)}; {result['workload']}"
+        chose = (f", chose {ensemble.choice_line(result)}; {result['workload']}"
                  + (f" stopped by {result['stopped']}" if "stopped" in result else "")
                  + (f" at {best}" if best else ""))
     return f"job {job.name} done in {took}{chose}{accuracy}; model {out / 'model.pt'}"

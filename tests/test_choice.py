@@ -15,7 +15,7 @@ import torch
 
 import gadei
 import gadei_workloads
-from gadei import checkpoint, jobfile, outputs
+from gadei import checkpoint, ensemble, jobfile, outputs
 from gadei.errors import GadeiError
 from gadei.jobfile import JobFileError
 from gadei.predict import predict
@@ -142,13 +142,13 @@ def test_the_mean_is_handed_back_unless_one_candidate_alone_is_a_standard_error_
     assert beats(mean, 0.913) and beats(mean, 0.85) and not beats(mean, 0.914)
     figures = [{"workload": "a", "validation_accuracy": 0.913, "seconds": 2.0},
                {"workload": "b", "validation_accuracy": 0.85, "seconds": 20.0}]
-    said = outputs.choice_line({"workload": "a+b", "members": ["a", "b"], "validation_accuracy": 0.9,
+    said = ensemble.choice_line({"workload": "a+b", "members": ["a", "b"], "validation_accuracy": 0.9,
                                 "weights": {"a": 0.633, "b": 0.367}, "candidates": figures,
                                 "mean": {"validation_accuracy": 0.9, "validation_samples": 500}})
     assert said == ("the mean of a and b (weights 0.63, 0.37), validation accuracy 90.00%, within a standard error "
                     "(1.34%) of the best alone (a 91.30% in 2 s, b 85.00% in 20 s)"), said
     figures[0]["validation_accuracy"] = 0.92
-    said = outputs.choice_line({"workload": "a", "members": ["a"], "candidates": figures,
+    said = ensemble.choice_line({"workload": "a", "members": ["a"], "candidates": figures,
                                 "mean": {"validation_accuracy": 0.9, "validation_samples": 500}})
     assert said == ("a, the best validation accuracy of 2 candidates (a 92.00% in 2 s, b 85.00% in 20 s; their "
                     "mean 90.00%, more than a standard error (1.34%) below a)"), said
@@ -201,7 +201,6 @@ def test_a_job_file_that_names_no_workload_trains_the_candidates_and_hands_back_
     weight as the n-gram model, drags the mean down, and the n-gram model alone is handed back;
     one that knows nothing (every label as likely) leaves the n-gram model's answers to the mean,
     which is handed back, and predicts their mean, each weighted by its validation error."""
-    from gadei import ensemble
 
     name = unique_name("auto")
     path = tmp_path / "job.toml"
@@ -233,7 +232,7 @@ def test_a_job_file_that_names_no_workload_trains_the_candidates_and_hands_back_
     assert result["validation_accuracy"] == chosen["validation_accuracy"]
     assert result["test_accuracy"] == chosen["test_accuracy"] > 0.8
     last = out.strip().splitlines()[-1]
-    assert last.startswith(f"gadei run: job {name} done in") and f"chose {outputs.choice_line(result)}" in last, last
+    assert last.startswith(f"gadei run: job {name} done in") and f"chose {ensemble.choice_line(result)}" in last, last
     said = (f"(ngram {figures['ngram']['validation_accuracy']:.2%} in {figures['ngram']['seconds']:.0f} s, textcnn "
             f"{figures['textcnn']['validation_accuracy']:.2%} in {figures['textcnn']['seconds']:.0f} s")
     assert said in last and (
@@ -317,7 +316,7 @@ def test_an_auto_job_through_the_daemon_and_the_client(small, procs, daemon_env,
     assert dict(answers[0]) == pytest.approx({label: sum(w * a[label] for w, a in zip(weights, alone))
                                               for label, _ in answers[0]})
     table, _ = finish(procs.gadei("status", env=daemon_env))
-    assert f"chose {outputs.choice_line(result)}" in table, table
+    assert f"chose {ensemble.choice_line(result)}" in table, table
     logs = list(client.logs(name, lines=2))
     for workload in ("ngram", "textcnn"):
         assert f"==> {small / 'runs' / name / 'candidates' / workload / 'logs' / 'server.log'} <==" in logs, logs
