@@ -51,8 +51,8 @@ def predict(run_dir: str, texts: list[str], top: int = 3) -> list[list[tuple[str
         if other.labels != labels:
             raise GadeiError(f"{run_dir}: the labels of {other.folder} are not those of {members[0].folder}, so "
                              "their mean cannot be taken")
-    weights = ensemble.weights_of(outputs.read_result(folder) or {}, [m.folder.name for m in members],
-                                  folder / "result.json")
+    weights = ensemble.weights_of(outputs.read_result(folder) or {} if len(members) > 1 else {},
+                                  [m.folder.name for m in members], folder / "result.json")
     answers = []
     for xs in [[m.encoded(text) for m in members] for text in texts]:  # every text checked before any answer
         with torch.no_grad():
