@@ -393,12 +393,11 @@ def _choice(job: jobfile.Job, ending: Ending, runs: list[dict] | None) -> dict:
         result["seconds_to_best"] = max(took)
     if result.get("stopped") == "patience":
         result["reason"] += f"; {best.workload}'s {selection.ran_out(job.train.patience)}"
-    mine = [{k: v for k, v in m.items() if k != "workload"} for m in metrics if m["workload"] == best.workload]
-    if mine:  # a mean's: its best member alone's curve
-        plot(mine, out / "accuracy.png", f"{job.name}: {best.workload} (chosen" +
-             (f", with {', '.join(m.workload for m in members if m is not best)} in their mean)"
-              if len(members) > 1 else ")"),
-             (result["epoch"], result.get("seconds_to_best")) if "epoch" in result else None)
+    marks = {c.workload: (c.result["epoch"], at) for c, at in zip(members, took) if "epoch" in c.result}
+    if metrics:
+        plot(metrics, out / "accuracy.png", f"{job.name}: " + (
+            f"the mean of {' and '.join(named)} (chosen)" if len(members) > 1 else f"{best.workload} (chosen)"),
+            marks, {**result["mean"], "seconds_to_best": result.get("seconds_to_best")} if len(members) > 1 else None)
     return result
 
 
@@ -682,7 +681,8 @@ def write_metrics(out: Path, runs: list[dict] | None = None) -> list[dict]:
     return metrics
 
 
-def plot(metrics: list[dict], path: Path, title: str, chosen: tuple | None = None) -> None:
+def plot(metrics: list[dict], path: Path, title: str, chosen: tuple | dict | None = None,
+         mean: dict | None = None) -> None:
     """accuracy.png (`gadei.curves.figure`), written whole or not at all: the figure drawn once,
     its pixels saved by Pillow (matplotlib's own dependency) at a low zlib level, RGB. The job
     waits for it (its outputs are written before it ends): 0.10 s (0.08 to draw, 0.02 to save)
@@ -692,7 +692,7 @@ def plot(metrics: list[dict], path: Path, title: str, chosen: tuple | None = Non
 
     from .curves import figure
 
-    fig = figure(metrics, title, chosen)
+    fig = figure(metrics, title, chosen, mean)
     fig.canvas.draw()
     pixels = Image.fromarray(numpy.asarray(fig.canvas.buffer_rgba())[..., :3])
     files.replace(path, lambda out: pixels.save(out, format="png", compress_level=1))

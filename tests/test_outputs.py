@@ -295,6 +295,34 @@ def test_accuracy_png_shows_samples_per_s_and_staleness_in_panels_of_their_own(t
     assert sorted(p.name for p in tmp_path.iterdir()) == ["accuracy.png", "old.png"]  # no temporary file left
 
 
+def test_accuracy_png_of_a_job_that_picked_its_model_shows_every_candidate_and_the_mean():
+    """A job that picked its model (metrics.jsonl has each candidate's epochs, each with its
+    "workload"): accuracy.png draws each candidate's validation and test curves in a colour of
+    its own, each member's model marked at its epoch and time, and the mean that was handed back
+    as its validation and test accuracy across both panels, starred when it was made (it once
+    drew the best member's curve alone)."""
+    import matplotlib.pyplot as plt
+
+    ngram = [{**r, "workload": "ngram", "seconds_since_start": 1.0 * r["epoch"]} for r in _records(pace=True)]
+    textcnn = [{**r, "workload": "textcnn", "validation_accuracy": r["validation_accuracy"] - 0.1,
+                "seconds_since_start": 10.0 * r["epoch"]} for r in _records(pace=True)]
+    mean = {"validation_accuracy": 0.7, "test_accuracy": 0.69, "seconds_to_best": 20.0}
+    fig = curves.figure(ngram + textcnn, "job", {"ngram": (3, 3.0), "textcnn": (2, 20.0)}, mean)
+    by_epoch, by_time, rate, stale = fig.axes
+    drawn = {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for line in by_epoch.lines}
+    assert drawn["ngram: validation"][0] == [1, 2, 3] and drawn["ngram: validation"][1] == pytest.approx([55, 60, 65])
+    assert drawn["textcnn: validation"][1] == pytest.approx([45.0, 50.0, 55.0])
+    assert drawn["ngram's model: epoch 3"][0] == [3, 3] and drawn["textcnn's model: epoch 2"][0] == [2, 2]
+    assert drawn["the mean (chosen): validation 70.0%"][1] == [70.0, 70.0]
+    assert drawn["the mean (chosen): test 69.0%"][1] == [69.0, 69.0]
+    timed = [list(line.get_xdata()) for line in by_time.lines]
+    assert [1.0, 2.0, 3.0] in timed and [10.0, 20.0, 30.0] in timed and [20.0] in timed, timed  # the star: when
+    colours = {label: by_epoch.lines[i].get_color() for i, label in enumerate(drawn)}
+    assert colours["ngram: validation"] == colours["ngram: test"] != colours["textcnn: validation"]
+    assert sorted(line.get_label() for line in rate.lines) == ["ngram", "textcnn"]
+    plt.close(fig)
+
+
 def test_staleness_max_is_the_largest_so_far_when_a_learner_leaves():
     """metrics.jsonl's `staleness_max` is the largest staleness of the job's gradients so far, as
     the docs say: a ring owner that leaves takes its own largest with it (it once fell from 9 to

@@ -243,10 +243,8 @@ def bench_quality(args) -> dict:
                     runs[name][config].append(result)
                     said = (f"epoch {result['epoch']}" if result.get("epoch") is not None else
                             "the candidates' mean" if len(result.get("members") or ()) > 1 else "no epoch")
-                    log.info("quality %s %s seed %d: test accuracy %.4f, %s, %.0f s", name, config, seed,
-                             result["test_accuracy"], said, result["wall_seconds"])
-                    print(f"  {name} {config} seed {seed}: test accuracy {result['test_accuracy']:.2%}, {said}, "
-                          f"{result['wall_seconds']:.0f} s", flush=True)
+                    log.info("quality %s %s seed %d: test accuracy %.2f%%, %s, %.0f s", name, config, seed,
+                             100 * result["test_accuracy"], said, result["wall_seconds"])
     summary = {name: {c: _summary(rs) for c, rs in by.items()} for name, by in runs.items()}
     rows = []
     for name, by in summary.items():
