@@ -4,7 +4,8 @@ validated `Job` before anything starts.
     [job]
     name = "trec"                 # the job's name (its region is gadei-<name>)
     workload = "auto"             # a built-in workload, or "auto" (the default): train the candidates
-                                  # (gadei_workloads.CANDIDATES) and hand back the best on validation
+                                  # (gadei_workloads.CANDIDATES) and hand back their mean, or one alone
+                                  # where it is a standard error better on validation (gadei.ensemble)
     priority = 0                  # the daemon starts a waiting job of a higher priority first (default 0)
 
     [data]
