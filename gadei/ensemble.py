@@ -200,7 +200,8 @@ def choice_line(result: dict) -> str:
         else 0.0
     if len(members) > 1:
         alone = max(c.get("validation_accuracy", 0.0) for c in result.get("candidates", []))
-        than = "above the best alone" if mean["validation_accuracy"] >= alone else \
+        than = "above the best alone" if mean["validation_accuracy"] > alone else \
+            "level with the best alone" if mean["validation_accuracy"] == alone else \
             f"within a standard error ({error:.2%}) of the best alone"
         weights = result.get("weights") or {}
         weighed = f" (weights {', '.join(f'{weights[m]:.2f}' for m in members)})" if set(weights) == set(members) \

@@ -147,6 +147,12 @@ def test_the_mean_is_handed_back_unless_one_candidate_alone_is_a_standard_error_
                                 "mean": {"validation_accuracy": 0.9, "validation_samples": 500}})
     assert said == ("the mean of a and b (weights 0.63, 0.37), validation accuracy 90.00%, within a standard error "
                     "(1.34%) of the best alone (a 91.30% in 2 s, b 85.00% in 20 s)"), said
+    for alone, than in ((0.9, "level with"), (0.899, "above")):  # once "above" where it was level
+        figures[0]["validation_accuracy"] = alone
+        said = ensemble.choice_line({"workload": "a+b", "members": ["a", "b"], "validation_accuracy": 0.9,
+                                    "weights": {"a": 0.5, "b": 0.5}, "candidates": figures,
+                                    "mean": {"validation_accuracy": 0.9, "validation_samples": 500}})
+        assert f"validation accuracy 90.00%, {than} the best alone (a {alone:.2%} in 2 s" in said, said
     figures[0]["validation_accuracy"] = 0.92
     said = ensemble.choice_line({"workload": "a", "members": ["a"], "candidates": figures,
                                 "mean": {"validation_accuracy": 0.9, "validation_samples": 500}})
@@ -274,7 +280,7 @@ def test_a_job_file_that_names_no_workload_trains_the_candidates_and_hands_back_
     assert result["workload"] == "ngram+textcnn" and result["members"] == ["ngram", "textcnn"], result
     assert result["validation_accuracy"] == figures["ngram"]["validation_accuracy"], result  # the n-gram's answers
     assert result["test_accuracy"] == pytest.approx(figures["ngram"]["test_accuracy"]), result
-    assert "above the best alone" in result["choice"] and "epoch" not in result, result
+    assert "level with the best alone" in result["choice"] and "epoch" not in result, result
     mine = state(folder)
     assert sorted(mine) == sorted([f"ngram.{k}" for k in state(folder / "candidates" / "ngram")]
                                   + [f"textcnn.{k}" for k in spoilt])
