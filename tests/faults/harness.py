@@ -662,12 +662,15 @@ def run_scenario(scenario: Scenario, settings: Settings, workdir: Path, *, toler
             job.wait_training()
         fault = scenario.inject(job, rng)
         if not fault.refused:
-            # over: the region gone and no process of the job left (a restart replaces the region,
-            # which is missing for a moment between the leftover's removal and the new one's creation)
-            over = lambda: inspect(job.name) is None and not job.processes()  # noqa: E731
+            # over: the supervisor started last exited, the region gone and no process of the job left
+            # (a restart replaces the region, which is missing for a moment between the leftover's
+            # removal and the new one's creation)
+            def over():
+                return job.serve.poll() is not None and inspect(job.name) is None and not job.processes()
             wait_until(lambda: fault.recovered() or over(), 300, "the job to recover")
             if not fault.recovered():
-                raise Failed("the job ended without the recovery being seen")
+                raise Failed(f"the job ended without the recovery being seen (its last supervisor exited with "
+                             f"{job.serve.returncode}):\n{job.errors()[-2000:]}")
             outcome.recovery_s = None if fault.stops_nothing else time.monotonic() - fault.at
             if fault.after_recovery is not None:
                 fault.problems += fault.after_recovery()
