@@ -51,9 +51,8 @@ def figure(metrics: list[dict], title: str, chosen: tuple | dict | None = None, 
             points = [(m["epoch"], 100 * m[key]) for m in records if key in m]
             if not points:
                 continue
-            look = {"marker": "o", "label": label} if len(groups) == 1 else \
-                {"color": f"C{i}", "fmt": style, "label": f"{name}: {label}"}
-            fmt = look.pop("fmt", "-")
+            fmt, look = ("o-", {"label": label}) if len(groups) == 1 else \
+                (style, {"color": f"C{i}", "label": f"{name}: {label}"})
             by_epoch.plot([e for e, _ in points], [a for _, a in points], fmt, **look)
             timed = [(seconds[name][e], a) for e, a in points if e in seconds[name]]
             by_time.plot([t for t, _ in timed], [a for _, a in timed], fmt, **look)
