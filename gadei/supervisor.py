@@ -277,15 +277,17 @@ class Supervised:
         env: the supervisor's environment (None: this process's).
         log: where its output goes (a path, appended to; None: this process's own).
         private: the log is made 0600 whatever the umask (the job's [output] private).
-        pid, started: a supervisor an earlier client started (a restarted daemon's), followed
-            by its pid and start time instead of started anew.
+        pid, started, since: a supervisor an earlier client started (a restarted daemon's),
+            followed by its pid and start time instead of started anew, and when the run it
+            supervises started (the job's time base, which a supervisor that replaces it goes on
+            in: `--since`).
         zygote: a `gadei.zygote.Zygote` to fork the supervisor from (the daemon's: it starts
             warm), where it is alive; else a new interpreter runs it.
     """
 
     def __init__(self, job_file: Path, out: Path, *, by: str, named: Path | None = None, env: dict | None = None,
-                 log: Path | None = None, private: bool = True, pid: int = 0, started: float = 0.0, restarts: int = 3,
-                 window: float = 300.0, zygote=None):
+                 log: Path | None = None, private: bool = True, pid: int = 0, started: float = 0.0,
+                 since: float | None = None, restarts: int = 3, window: float = 300.0, zygote=None):
         self.job_file, self.out, self.by, self.env, self.log, self.private = job_file, out, by, env, log, private
         self.zygote = zygote
         self.named = named
@@ -294,7 +296,7 @@ class Supervised:
         self.oom_kills = _proc.oom_kills()
         self.restarts, self.window = restarts, window
         self._deaths: list[float] = []
-        self.since: float | None = None  # when its first supervisor started: the run's start
+        self.since = since  # when its first supervisor started: the run's start
         self.stop_asked = False
         self.said = ""  # how the last supervisor ended, when it died
 

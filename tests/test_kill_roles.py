@@ -285,12 +285,14 @@ def _ended(procs, env, name) -> dict | None:
 
 
 @pytest.mark.long
-@pytest.mark.parametrize("role", ["server", "supervisor", "learner", "daemon", "daemon until the job ended"])
+@pytest.mark.parametrize("role", ["server", "supervisor", "learner", "daemon", "daemon until the job ended",
+                                  "daemon and the supervisor"])
 def test_the_daemon_reports_the_real_outcome_when_a_role_of_its_job_is_killed(small, procs, daemon_env, role):
     """The job's supervisor restarts a killed server or learner, as under `gadei run`; a killed
-    supervisor is replaced by the daemon from the newest checkpoint; a killed daemon is restarted
-    (at once, or only after the job ended) and the new one finds the job by its record and
-    reports its real outcome. Each time the record says done."""
+    supervisor is replaced by the daemon from the newest checkpoint, also by a daemon started after
+    both died; a killed daemon is restarted (at once, or only after the job ended) and the new one
+    finds the job by its record and reports its real outcome. Each time the record says done, and
+    the job's seconds count from its start (a replaced supervisor's run goes on in its time base)."""
     path, name, out = small
     daemon = start_daemon(procs, daemon_env)
     finish(procs.gadei("submit", path, env=daemon_env))
@@ -299,6 +301,7 @@ def test_the_daemon_reports_the_real_outcome_when_a_role_of_its_job_is_killed(sm
                       "the daemon to run the job", 0.2)
     roles = _when_training(name)
     assert record["pid"] == roles["supervisor"], (record, roles)
+    started = psutil.Process(roles["supervisor"]).create_time()  # the job's start: its first supervisor's
     victim = {"server": roles["server"], "supervisor": roles["supervisor"],
               "learner": roles["learners"][0]}.get(role, daemon.pid)
     os.kill(victim, signal.SIGKILL)
@@ -308,6 +311,8 @@ def test_the_daemon_reports_the_real_outcome_when_a_role_of_its_job_is_killed(sm
         if role == "daemon until the job ended":
             wait_for(lambda: dead(roles["supervisor"]) and (out / "result.json").exists(), STOP_WITHIN,
                      "the job to end while no daemon runs", 0.2)
+        if role == "daemon and the supervisor":
+            os.kill(roles["supervisor"], signal.SIGKILL)
         daemon = start_daemon(procs, daemon_env)  # the new daemon finds the job by its record
     record = wait_for(lambda: _ended(procs, daemon_env, name), STOP_WITHIN, "the daemon to report the job's end", 0.5)
     seconds = time.monotonic() - killed
@@ -320,7 +325,8 @@ def test_the_daemon_reports_the_real_outcome_when_a_role_of_its_job_is_killed(sm
     if role == "server":
         assert f"the server pid {victim} {KILLED}" in log, log[-3000:]
     result = _outputs_written(out)
-    assert (result["written_by"] != roles["supervisor"]) is (role == "supervisor"), (result, roles)
+    assert (result["written_by"] != roles["supervisor"]) is role.endswith("supervisor"), (result, roles)
+    assert len(result["runs"]) == 1 and abs(result["runs"][0]["started"] - started) < 1, (result["runs"], started)
     assert (result["outcome"], result["finished"]) == ("done", True), result
     assert result["test_accuracy"] > 0.9, result
     wait_for(lambda: _gone(name), 60, "every process of the job to end")

@@ -119,7 +119,8 @@ class Jobs:
             for record in self.records.values():
                 if record.pid and not record.ended:  # running, or cancelled and still stopping
                     # a supervisor an earlier daemon started: followed by its pid and start time
-                    self.supervised[record.name] = self._supervised(record, pid=record.pid, started=record.pid_start)
+                    self.supervised[record.name] = self._supervised(record, pid=record.pid, started=record.pid_start,
+                                                                    since=record.started or None)
 
     # ------------------------------------------------------------------ records
 
@@ -346,7 +347,7 @@ class Jobs:
         supervised.start(resume=record.resume, said=said)
         self.supervised[record.name] = supervised
         record.state, record.pid, record.pid_start, record.started = RUNNING, supervised.pid, supervised.started, \
-            time.time()
+            supervised.since
         record.need, record.message = asdict(need) if need else None, ""
         self._save(record)
         log.info("job %s started (supervisor pid %d)", record.name, supervised.pid)
