@@ -35,6 +35,7 @@ seconds. `gadei predict` reads the chosen candidate's folder, or each member's o
 import json
 import math
 import os
+import shlex
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -519,10 +520,11 @@ RUN, SUBMIT = "gadei run", "gadei submit"  # the commands that start a job: in t
 AFRESH = "to run the job again, set another [output] folder or remove that one"
 
 
-def go_on(job: jobfile.Job, by: str = RUN) -> str:
-    """The command that goes on with the job's stopped run: `gadei run --resume JOB.toml`, or,
-    for a job the daemon runs (`by` SUBMIT), `gadei submit --resume JOB.toml`."""
-    return f"`{by} --resume {job.path}`" if job.path else f"`{by} --resume`"
+def go_on(path: Path | str | None, by: str = RUN, resume: bool = True) -> str:
+    """The command that goes on with the stopped run of the job file `path`: `gadei run --resume
+    JOB.toml`, or, for a job the daemon runs (`by` SUBMIT), `gadei submit --resume JOB.toml`
+    (not `resume`: the command without --resume); the path quoted for a shell."""
+    return f"`{by}{' --resume' if resume else ''}{f' {shlex.quote(str(path))}' if path else ''}`"
 
 
 def finished(out: Path) -> str | None:
@@ -592,10 +594,10 @@ def again(job: jobfile.Job, by: str) -> str:
     that records the learners' progress, or, stopped before any was taken (while it started),
     the same command again, which a folder without checkpoints takes (`prepare.check`)."""
     if going_on(job.output) is not None:
-        return f"go on with {go_on(job, by)}"
+        return f"go on with {go_on(job.path, by)}"
     if not trained(job.output):
-        return "it had not started training; start it again with " + (f"`{by} {job.path}`" if job.path else
-                                                                       "the same command")
+        command = go_on(job.path, by, resume=False) if job.path else "the same command"
+        return f"it had not started training; start it again with {command}"
     folder = job.output / (CANDIDATES if candidates(job.output) is not None else "checkpoints")
     return (f"no checkpoint in {folder} records the learners' progress, so there is nothing to go on with; "
             f"{AFRESH}")

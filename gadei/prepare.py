@@ -82,7 +82,7 @@ def check(job: jobfile.Job, resume: bool, place=None, *, by: str = RUN) -> Prepa
         if done:
             raise GadeiError(f"output folder {out} holds a previous run: {done}; {AFRESH}")
         raise GadeiError(f"output folder {out} holds a previous run (checkpoints/); go on with it with "
-                         f"{go_on(job, by)}, or set another [output] folder, or remove that one")
+                         f"{go_on(job.path, by)}, or set another [output] folder, or remove that one")
     return Prepared(job, train, test, chosen, read, where.found if where else None, validation, by, picked, where,
                     estimates)
 

@@ -18,6 +18,7 @@ Run them over and over on a loaded machine with `--busy 2`:
 import json
 import os
 import queue
+import shlex
 import signal
 
 import psutil
@@ -92,8 +93,12 @@ def job(tmp_path):
 
 
 def test_a_stop_mid_training_ends_stopped_and_resume_goes_on_to_every_learners_end(tmp_path, procs, job):
-    path = _job(tmp_path, job, epochs=200)
-    out = tmp_path / "out"
+    """The command `gadei run` says to go on with is run as said, quoted for a shell: the job
+    file's folder holds a space, quotes and a non-ASCII letter."""
+    folder = tmp_path / "a job's \"folder\" é"
+    folder.mkdir()
+    path = _job(folder, job, epochs=200)
+    out = folder / "out"
     run = procs.gadei("run", path, "--quiet")
     supervisor = _supervisor(run)
     wait_for(lambda: job_version(job) >= 300 and len(_learners(supervisor)) == 2, 120, "the job to make 300 updates")
@@ -117,7 +122,8 @@ def test_a_stop_mid_training_ends_stopped_and_resume_goes_on_to_every_learners_e
     assert (result["outcome"], result["finished"]) == ("stopped", False), result
     found = checkpoint.latest(out / "checkpoints", with_progress=True)
     assert found is not None and set(found.progress) == {"0", "1"}, found and found.progress
-    assert f"go on with `gadei run --resume {path}`" in stdout, stdout
+    said = stdout.split("go on with `", 1)[-1].split("`", 1)[0]
+    assert shlex.split(said) == ["gadei", "run", "--resume", str(path)], stdout
     first = read_stop_record(out / "logs" / "server-stop.json")
 
     # to its end sooner (another epoch cap may be asked for), past where it stopped: the learners
@@ -127,8 +133,8 @@ def test_a_stop_mid_training_ends_stopped_and_resume_goes_on_to_every_learners_e
     # past each learner's own point: one may have run well ahead of the other (once, 3,068
     # samples of its schedule against 1,502, past the cap that the version alone suggested)
     epochs = max(found.progress[str(i)] // shards[i] for i in range(2)) + 2
-    shorter = _job(tmp_path, job, epochs=epochs)
-    resumed = procs.gadei("run", shorter, "--resume", "--quiet")
+    _job(folder, job, epochs=epochs)  # the same job file, to its end sooner
+    resumed = procs.gadei(*shlex.split(said)[1:], "--quiet")
     stdout, stderr = communicate(resumed, STOP_WITHIN * 2)
     assert resumed.returncode == 0 and "done in" in stdout, stdout + stderr
     last = read_stop_record(out / "logs" / "server-stop.json")

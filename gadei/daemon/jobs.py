@@ -162,13 +162,13 @@ class Jobs:
             self._finish(record, CANCELLED, code, "cancelled; its last checkpoint and logs are kept", at)
         elif record.state == CANCELLED:  # its supervisor died before it stopped the job
             self._finish(record, CANCELLED, code, f"cancelled; {result['reason']}; " + (
-                f"go on with `gadei submit --resume {record.jobfile}`" if result.get("resumable") else
+                f"go on with {outputs.go_on(record.jobfile, SUBMIT)}" if result.get("resumable") else
                 "no checkpoint records the learners' progress"))
         elif outcome is not None:
             self._finish(record, FAILED, code, said, at)
         else:
             self._finish(record, FAILED, code, f"{result['reason']}; " + (
-                f"go on with `gadei submit --resume {record.jobfile}`" if result.get("resumable") else
+                f"go on with {outputs.go_on(record.jobfile, SUBMIT)}" if result.get("resumable") else
                 f"see `gadei logs {record.name}`"))
 
     def _finish(self, record: JobRecord, state: str, code: int | None, message: str = "",
