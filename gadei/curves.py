@@ -136,10 +136,10 @@ def _pace(axes, groups: dict[str, list[dict]]) -> None:
     rate.set_ylabel("samples/s")
     rate.set_title("learner 0's samples/s", fontsize=10)
     if several:
-        rate.legend(loc="lower right", fontsize=8)
-    stale.set_ylim(bottom=0)
+        rate.legend(loc="best", fontsize=8)
+    stale.set_ylim(0, stale.get_ylim()[1] * 1.4)  # room above the lines for the legend
     stale.set_xlabel("epoch")
     stale.set_ylabel("versions")
     stale.set_title("staleness of the applied gradients", fontsize=10)
     if stale.lines:
-        stale.legend(loc="upper left", fontsize=8)
+        stale.legend(loc="best", fontsize=8)

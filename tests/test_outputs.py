@@ -303,9 +303,11 @@ def test_accuracy_png_of_a_job_that_picked_its_model_shows_every_candidate_and_t
     drew the best member's curve alone)."""
     import matplotlib.pyplot as plt
 
-    ngram = [{**r, "workload": "ngram", "seconds_since_start": 1.0 * r["epoch"]} for r in _records(pace=True)]
+    # staleness as a real auto job's: one candidate's largest far above the rest, from its first epoch
+    ngram = [{**r, "workload": "ngram", "seconds_since_start": 1.0 * r["epoch"], "staleness_max": 53}
+             for r in _records(pace=True)]
     textcnn = [{**r, "workload": "textcnn", "validation_accuracy": r["validation_accuracy"] - 0.1,
-                "seconds_since_start": 10.0 * r["epoch"]} for r in _records(pace=True)]
+                "seconds_since_start": 10.0 * r["epoch"], "staleness_max": 6} for r in _records(pace=True)]
     mean = {"validation_accuracy": 0.7, "test_accuracy": 0.69, "seconds_to_best": 20.0}
     fig = curves.figure(ngram + textcnn, "job", {"ngram": (3, 3.0), "textcnn": (2, 20.0)}, mean)
     by_epoch, by_time, rate, stale = fig.axes
@@ -320,6 +322,12 @@ def test_accuracy_png_of_a_job_that_picked_its_model_shows_every_candidate_and_t
     colours = {label: by_epoch.lines[i].get_color() for i, label in enumerate(drawn)}
     assert colours["ngram: validation"] == colours["ngram: test"] != colours["textcnn: validation"]
     assert sorted(line.get_label() for line in rate.lines) == ["ngram", "textcnn"]
+    fig.canvas.draw()  # where each legend goes is chosen as it is drawn
+    for panel in (rate, stale):  # a legend hides no point of its panel's lines (the staleness one once did)
+        box = panel.get_legend().get_window_extent()
+        hidden = [xy for line in panel.lines for xy in line.get_xydata()
+                  if box.contains(*panel.transData.transform(xy))]
+        assert not hidden, (panel.get_title(), hidden)
     plt.close(fig)
 
 
