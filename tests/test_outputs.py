@@ -323,10 +323,10 @@ def test_accuracy_png_of_a_job_that_picked_its_model_shows_every_candidate_and_t
     assert colours["ngram: validation"] == colours["ngram: test"] != colours["textcnn: validation"]
     assert sorted(line.get_label() for line in rate.lines) == ["ngram", "textcnn"]
     fig.canvas.draw()  # where each legend goes is chosen as it is drawn
-    for panel in (rate, stale):  # a legend hides no point of its panel's lines (the staleness one once did)
+    for panel in (by_epoch, rate, stale):  # a legend hides no point of its panel's curves (two once did)
         box = panel.get_legend().get_window_extent()
-        hidden = [xy for line in panel.lines for xy in line.get_xydata()
-                  if box.contains(*panel.transData.transform(xy))]
+        hidden = [xy for line in panel.lines if line.get_marker() not in (None, "", "None")
+                  for xy in line.get_xydata() if box.contains(*panel.transData.transform(xy))]
         assert not hidden, (panel.get_title(), hidden)
     plt.close(fig)
 
