@@ -119,10 +119,13 @@ def test_a_job_cancelled_while_running_goes_on_with_submit_resume_to_every_learn
     assert found is not None and set(found.progress) == {"0", "1"}, found and found.progress
     newest = checkpoint.load(checkpoint.listing(out / "checkpoints")[-1])
     assert newest.path != found.path and newest.version >= found.version, (found.path, newest.path)
-    # what the job says to go on with it, and the refusal of a plain submit, name the command that started it
+    # what the job says to go on with it (its log, its record), and the refusal of a plain submit,
+    # name the command that started it
     last = (out / "logs" / "supervisor.log").read_text().strip().splitlines()[-1]
     assert last.startswith(f"gadei submit: job {name} stopped after ") and \
         last.endswith(f"go on with `gadei submit --resume {path}`"), last
+    message = _jobs(procs, daemon_env)[name]["message"]
+    assert message == f"cancelled; {last.removeprefix('gadei submit: ')}", message
     again = procs.gadei("submit", path, env=daemon_env)
     _, err = communicate(again, 60)
     assert again.returncode == 2 and f"go on with it with `gadei submit --resume {path}`" in err, err

@@ -159,7 +159,7 @@ class Jobs:
             self._finish(record, DONE, code, (said + "; the cancel came after training ended")
                          if record.state == CANCELLED else said, at)
         elif record.state == CANCELLED and outcome is not None:
-            self._finish(record, CANCELLED, code, "cancelled; its last checkpoint and logs are kept", at)
+            self._finish(record, CANCELLED, code, f"cancelled; {said}", at)  # its model so far; how to go on
         elif record.state == CANCELLED:  # its supervisor died before it stopped the job
             self._finish(record, CANCELLED, code, f"cancelled; {result['reason']}; " + (
                 f"go on with {outputs.go_on(record.jobfile, SUBMIT)}" if result.get("resumable") else
