@@ -577,8 +577,9 @@ def summary(job: jobfile.Job, result: dict, by: str = RUN, elapsed: float | None
             model = (f"the model chosen so far, {picked}{best}, is in" if best else "its weights so far are in") + \
                 f" {out / 'model.pt'}"
         training = f"candidate {where.folder.name}, " if where and where.folder != out else ""
+        epochs = result.get("epochs", job.train.epochs)  # the run's: the job file may leave them to the defaults
         return (f"job {job.name} stopped after {took} ({training}epoch {last.get('epoch', 0)} of "
-                f"{job.train.epochs}{'' if picked or mean else accuracy}); {model}; {again(job, by)}")
+                f"{epochs}{'' if picked or mean else accuracy}); {model}; {again(job, by)}")
     chose = (f", stopped by {result['stopped']}" if "stopped" in result else "") + (f", chose {best}" if best else "")
     if mean:
         chose = f", chose {ensemble.choice_line(result)}"
@@ -599,8 +600,7 @@ def again(job: jobfile.Job, by: str) -> str:
         command = go_on(job.path, by, resume=False) if job.path else "the same command"
         return f"it had not started training; start it again with {command}"
     folder = job.output / (CANDIDATES if candidates(job.output) is not None else "checkpoints")
-    return (f"no checkpoint in {folder} records the learners' progress, so there is nothing to go on with; "
-            f"{AFRESH}")
+    return f"no checkpoint in {folder} records the learners' progress, so there is nothing to go on with; {AFRESH}"
 
 
 def exit_code(result: dict | None) -> int:

@@ -18,13 +18,15 @@ from gadei import checkpoint
 from gadei.region import inspect, remove
 
 
-def _job(folder, name: str, epochs: int):
+def _job(folder, name: str, epochs: int | None):
+    """The small job's file (None: its epochs left to the defaults)."""
     x, y = blobs(900)
     np.savez(folder / "blobs.npz", x=x, y=y)
     path = folder / "job.toml"
     path.write_text(job_text({"job": {"name": name, "workload": "mlp"},
                               "data": {"train": "blobs.npz", "format": "npz", "holdout": 0.2, "validation_holdout": 0},
-                              "train": {"learners": 2, "epochs": epochs}, "checkpoint": {"interval": 600},
+                              "train": {"learners": 2, **({"epochs": epochs} if epochs else {})},
+                              "checkpoint": {"interval": 600},
                               "output": {"folder": "out"}}))
     return path
 
@@ -42,7 +44,9 @@ def test_a_cancel_while_the_job_starts_ends_it_cancelled_and_stopped(tmp_path, p
     """`gadei cancel` a second or two after `gadei submit`: its SIGTERM reaches a supervisor that
     is still starting, or a server still starting. Once, that killed the job's `gadei run` (-15,
     no result.json: the daemon wrote one that said failed), or the server before it set its
-    handler, and the run said "job failed: the server exited -15 without a watchdog"."""
+    handler, and the run said "job failed: the server exited -15 without a watchdog". The job
+    file leaves its epochs to the defaults: the record says what the run said (once "epoch 0 of
+    None", the job file's epochs)."""
     name = f"d{os.getpid()}-early-{when.split()[-1]}"
     out = tmp_path / "out"
     starting = when == "as its supervisor starts"
@@ -50,7 +54,7 @@ def test_a_cancel_while_the_job_starts_ends_it_cancelled_and_stopped(tmp_path, p
     # a second, so no timing of the test's could meet it there
     start_daemon(procs, {**daemon_env, "GADEI_PAUSE_AT": "starting"} if starting else daemon_env)
     try:
-        finish(procs.gadei("submit", _job(tmp_path, name, epochs=50), env=daemon_env))
+        finish(procs.gadei("submit", _job(tmp_path, name, epochs=None), env=daemon_env))
         if starting:
             wait_for(lambda: _jobs(procs, daemon_env)[name]["pid"], 30, "the daemon to start the job's supervisor")
             supervisor = psutil.Process(_jobs(procs, daemon_env)[name]["pid"])
@@ -72,6 +76,7 @@ def test_a_cancel_while_the_job_starts_ends_it_cancelled_and_stopped(tmp_path, p
         assert record["state"] == "cancelled" and record["returncode"] == 130, record
         assert result["outcome"] == "stopped" and result["reason"], result
         assert last.startswith(f"gadei submit: job {name} stopped after ") and "gadei submit" in last, last
+        assert record["message"] == f"cancelled; {last.removeprefix('gadei submit: ')}", (record, last)
         assert took < 20, f"the cancel took {took:.0f} s"
         assert inspect(name) is None and not job_processes(name)
     finally:
