@@ -246,7 +246,7 @@ class _Chooser:
         device = next(self.eval_model.parameters()).device
         loss, correct = 0.0, 0
         with torch.no_grad():
-            for x, y in self.workload.batches(self.validation, 256, epoch=0, seed=0):
+            for _, x, y in self.workload.evaluation_batches(self.eval_model, self.validation):
                 x, y = x.to(device), y.to(device)
                 batch_loss, right = self.workload.loss_and_correct(self.eval_model, x, y)
                 loss += float(batch_loss) * len(y)

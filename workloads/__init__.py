@@ -42,6 +42,10 @@ class Workload:
         kind: ``"text"`` (sentences: the text formats) or ``"numeric"`` (feature vectors:
             npz or numeric csv).
         batches: ``(dataset, batch, epoch=, seed=, shard=, shards=) -> (x, y)`` mini-batches.
+        evaluation_batches: ``(model, dataset) -> (indices, x, y)`` batches, as :attr:`evaluate`
+            takes the data: the evaluating learner's validation takes them so too, so that the
+            validation accuracy a job chooses its model by is the model's as ``gadei predict``
+            and the test set see it (:func:`.text.evaluation_batches`).
         tokens: What the vocabulary indexes of a sentence's words (a text workload; None: the
             words): the readers of a job file's data and ``gadei predict`` apply it before
             encoding (the n-gram workload's :func:`.ngram.ngrams`).
@@ -59,6 +63,7 @@ class Workload:
     build_from_maps: Callable[[int, int, int], nn.Module]
     kind: str = "text"
     batches: Callable = text.batches
+    evaluation_batches: Callable = text.evaluation_batches
     tokens: Callable[[list[str]], list[str]] | None = None
     max_vocab: int = 20000
     lr: float | None = None
@@ -153,6 +158,7 @@ WORKLOADS: dict[str, Workload] = {
         build_from_maps=lambda features, n_labels, seed: build_mlp(features, n_labels, seed=seed),
         kind="numeric",
         batches=numeric.batches,
+        evaluation_batches=numeric.evaluation_batches,
     ),
 }
 

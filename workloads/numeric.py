@@ -174,6 +174,15 @@ def batches(dataset: ArrayDataset, batch_size: int, *, epoch: int, seed: int, sh
         yield torch.from_numpy(dataset.x[idx]), torch.from_numpy(dataset.labels[idx])
 
 
+def evaluation_batches(model: nn.Module, dataset: ArrayDataset,
+                       batch_size: int = 1024) -> Iterator[tuple[range, torch.Tensor, torch.Tensor]]:
+    """``(indices, x, y)``: ``dataset`` in order, in batches, as every evaluation takes it
+    (:func:`accuracy`, the evaluating learner's validation; as the text workloads')."""
+    for start in range(0, len(dataset), batch_size):
+        end = min(start + batch_size, len(dataset))
+        yield range(start, end), torch.from_numpy(dataset.x[start:end]), torch.from_numpy(dataset.labels[start:end])
+
+
 def accuracy(model: nn.Module, dataset: ArrayDataset, batch_size: int = 1024) -> float:
     was_training = model.training
     model.eval()
@@ -181,10 +190,8 @@ def accuracy(model: nn.Module, dataset: ArrayDataset, batch_size: int = 1024) ->
     device = next(model.parameters()).device
     try:
         with torch.no_grad():
-            for start in range(0, len(dataset), batch_size):
-                x = torch.from_numpy(dataset.x[start: start + batch_size]).to(device)
-                y = torch.from_numpy(dataset.labels[start: start + batch_size])
-                correct += int((model(x).argmax(dim=1).cpu() == y).sum())
+            for _, x, y in evaluation_batches(model, dataset, batch_size):
+                correct += int((model(x.to(device)).argmax(dim=1).cpu() == y).sum())
     finally:
         model.train(was_training)
     return correct / max(1, len(dataset))

@@ -485,32 +485,35 @@ def _padded(dataset: TextDataset, idx, min_len: int) -> tuple[torch.Tensor, torc
     return x, torch.tensor([int(dataset.labels[i]) for i in idx], dtype=torch.long)
 
 
-def _by_length(dataset: TextDataset, shortest: int, batch_size: int):
-    """Batches of sample indices of one padded length each (at least ``shortest``), as
-    :func:`accuracy` and :func:`probabilities` evaluate them."""
+def evaluation_batches(model: nn.Module, dataset: TextDataset,
+                       batch_size: int = 256) -> Iterator[tuple[list[int], torch.Tensor, torch.Tensor]]:
+    """``(indices, x, y)``: ``dataset`` in batches as every evaluation takes it (:func:`accuracy`,
+    :func:`probabilities`, the evaluating learner's validation): sentences batched with others
+    of their length, each padded only to the model's ``min_len`` as ``gadei predict`` pads one.
+    A padded position goes through the convolutions (its bias, after ReLU, can be the maximum),
+    so padding a sentence to its batch's longest would make its label depend on its batch (the
+    validation accuracy a job chose its model by was once 1-2 points off its model's) and cost
+    work."""
+    shortest = getattr(model, "min_len", 1)
     by_length: dict[int, list[int]] = {}
     for i, ids in enumerate(dataset.ids):
         by_length.setdefault(max(shortest, len(ids)), []).append(i)
     for indices in by_length.values():
         for start in range(0, len(indices), batch_size):
-            yield indices[start : start + batch_size]
+            x, y = _padded(dataset, indices[start : start + batch_size], shortest)
+            yield indices[start : start + batch_size], x, y
 
 
 def accuracy(model: nn.Module, dataset: TextDataset, batch_size: int = 256) -> float:
     """Fraction of ``dataset`` the model labels correctly (eval mode, no gradients; the model's
-    training mode restored after). Sentences are batched with others of their length, each
-    padded only to the model's ``min_len`` as ``gadei predict`` pads one: a padded position goes
-    through the convolutions (its bias, after ReLU, can be the maximum), so padding a sentence
-    to its batch's longest would make its label depend on its batch (and cost work)."""
+    training mode restored after), in :func:`evaluation_batches`."""
     was_training = model.training
     model.eval()
     correct = 0
     device = next(model.parameters()).device
-    shortest = getattr(model, "min_len", 1)
     try:
         with torch.no_grad():
-            for indices in _by_length(dataset, shortest, batch_size):
-                x, y = _padded(dataset, indices, shortest)
+            for _, x, y in evaluation_batches(model, dataset, batch_size):
                 correct += int((model(x.to(device)).argmax(dim=1).cpu() == y).sum())
     finally:
         model.train(was_training)
@@ -524,12 +527,10 @@ def probabilities(model: nn.Module, dataset: TextDataset, batch_size: int = 256)
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
-    shortest = getattr(model, "min_len", 1)
     out = torch.zeros(len(dataset), dataset.n_labels)
     try:
         with torch.no_grad():
-            for indices in _by_length(dataset, shortest, batch_size):
-                x, _ = _padded(dataset, indices, shortest)
+            for indices, x, _ in evaluation_batches(model, dataset, batch_size):
                 out[torch.tensor(indices)] = torch.softmax(model(x.to(device)), dim=-1).float().cpu()
     finally:
         model.train(was_training)
