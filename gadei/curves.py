@@ -74,12 +74,13 @@ def figure(metrics: list[dict], title: str, chosen: tuple | dict | None = None, 
     by_epoch.set_xlabel("epoch")
     by_epoch.set_ylabel("accuracy (%)")
     by_time.set_xlabel("seconds since the job's start" if since_start else "seconds of training")
-    if any("validation_accuracy" in m or "test_accuracy" in m for m in metrics) and len(groups) == 1:
-        by_epoch.legend(loc="lower right", fontsize=10)
-    elif any("validation_accuracy" in m or "test_accuracy" in m for m in metrics):  # room below the curves for it
-        low, high = by_epoch.get_ylim()
-        by_epoch.set_ylim(low - 0.5 * (high - low), high)
-        by_epoch.legend(loc="lower center", fontsize=7, ncol=2)
+    if any("validation_accuracy" in m or "test_accuracy" in m for m in metrics):
+        if len(groups) == 1:
+            by_epoch.legend(loc="lower right", fontsize=10)
+        else:  # 8 entries: in room left below the curves
+            low, high = by_epoch.get_ylim()
+            by_epoch.set_ylim(low - 0.5 * (high - low), high)
+            by_epoch.legend(loc="lower center", fontsize=7, ncol=2)
     if pace:
         _pace(axes[1], groups)
     from matplotlib.ticker import MaxNLocator

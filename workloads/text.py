@@ -500,8 +500,8 @@ def evaluation_batches(model: nn.Module, dataset: TextDataset,
         by_length.setdefault(max(shortest, len(ids)), []).append(i)
     for indices in by_length.values():
         for start in range(0, len(indices), batch_size):
-            x, y = _padded(dataset, indices[start : start + batch_size], shortest)
-            yield indices[start : start + batch_size], x, y
+            batch = indices[start : start + batch_size]
+            yield (batch, *_padded(dataset, batch, shortest))
 
 
 def accuracy(model: nn.Module, dataset: TextDataset, batch_size: int = 256) -> float:
