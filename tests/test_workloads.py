@@ -219,34 +219,60 @@ def test_batches_reject_bad_shard():
 # --- model and registry ------------------------------------------------------------
 
 
-def test_textcnn_small_batches_compute_what_its_convolutions_compute():
+def test_textcnn_small_batches_compute_what_its_convolutions_compute(monkeypatch):
     """A small CPU batch goes through the text CNN as matrix products over its windows (faster
     at a mini-batch of a few sentences): the logits and every gradient are the convolutions'
-    (`nn.Conv1d` over the same weights), to float rounding."""
-    from gadei_workloads.textcnn import SMALL_INPUT
+    (`nn.Conv1d` over the same weights, the path of every larger batch), to float rounding."""
+    from gadei_workloads import textcnn
 
     model = build_textcnn(60, 4, seed=2, dropout=0.0)
-    for x in (torch.randint(0, 60, (2, 9)), torch.randint(0, 60, (1, 5))):
-        assert x.numel() <= SMALL_INPUT
+    padded = torch.tensor([[7, 8, 9, 10, 0, 0, 0, 0, 0], [3, 4, 5, 6, 7, 8, 9, 10, 11]])
+    largest = textcnn.SMALL_INPUT
+    for x in (torch.randint(1, 60, (2, 9)), torch.randint(1, 60, (1, 5)), padded):
+        assert x.numel() <= largest
         y = torch.tensor([1, 3][: len(x)])
-        model.zero_grad(set_to_none=True)
-        logits = model(x)
-        torch.nn.functional.cross_entropy(logits, y).backward()
-        got = {n: p.grad.to_dense() for n, p in model.named_parameters()}
-        model.zero_grad(set_to_none=True)
-        h = model.embedding(x).transpose(1, 2)
-        expected = model.out(torch.cat([torch.relu(conv(h)).amax(dim=2) for conv in model.convs], dim=1))
-        torch.nn.functional.cross_entropy(expected, y).backward()
-        assert torch.allclose(logits, expected, atol=1e-6)
-        for name, p in model.named_parameters():
-            assert torch.allclose(got[name], p.grad.to_dense(), atol=1e-6), name
+        grads = []
+        for small in (largest, 0):
+            monkeypatch.setattr(textcnn, "SMALL_INPUT", small)
+            model.zero_grad(set_to_none=True)
+            logits = model(x)
+            torch.nn.functional.cross_entropy(logits, y).backward()
+            grads.append((logits, {n: p.grad.to_dense() for n, p in model.named_parameters()}))
+        (got, got_grads), (expected, expected_grads) = grads
+        assert torch.allclose(got, expected, atol=1e-6)
+        for name in expected_grads:
+            assert torch.allclose(got_grads[name], expected_grads[name], atol=1e-6), name
+
+
+def test_textcnn_pools_only_the_windows_inside_each_sentence():
+    """A sentence's logits and gradients do not depend on how far its batch padded it, in the
+    small-batch path and the convolutions' alike: the max-pool leaves out the windows that
+    only padding extends past the sentence (a padded position's ReLU'd bias would otherwise be
+    a filter's maximum, so training, validation and `gadei predict` would see other models)."""
+    model = build_textcnn(60, 4, seed=2, dropout=0.0)
+    with torch.no_grad():
+        for conv in model.convs:  # a padded position's activation is its bias: make it count
+            conv.bias.uniform_(0.2, 0.5)
+    gen = torch.Generator().manual_seed(0)
+    for n in (1, 3, 4, 5, 6, 11):
+        ids = torch.randint(1, 60, (n,), generator=gen)
+        seen = []
+        for length, rows in ((max(n, model.min_len), 1), (max(n, model.min_len) + 4, 1), (40, 1), (40, 8)):
+            x = torch.zeros(rows, length, dtype=torch.long)
+            x[:, :n] = ids
+            model.zero_grad(set_to_none=True)
+            logits = model(x)[:1]
+            logits.sum().backward()
+            seen.append((logits.detach(), model.convs[0].weight.grad.clone()))
+        for logits, grad in seen[1:]:
+            assert torch.allclose(logits, seen[0][0], atol=1e-5), n
+            assert torch.allclose(grad, seen[0][1], atol=1e-5), n
 
 
 def test_accuracy_labels_each_sentence_as_alone():
     """A sentence's label in an evaluation does not depend on the sentences batched with it:
-    the text CNN's padded positions pass through its convolutions, so padding a short sentence
-    to a batch's longest can change its label. The accuracy of a set is the share that the
-    model labels right one sentence at a time, as `gadei predict` does."""
+    the accuracy of a set is the share that the model labels right one sentence at a time, as
+    `gadei predict` does (with the text CNN's padded positions made to count, were they pooled)."""
     workload = gadei_workloads.get("textcnn")
     train, test = topics.generate_topics(seed=3, n_train=300, n_test=400, min_len=1, max_len=60)
     model = workload.build_model(train, 0)

@@ -490,10 +490,8 @@ def evaluation_batches(model: nn.Module, dataset: TextDataset,
     """``(indices, x, y)``: ``dataset`` in batches as every evaluation takes it (:func:`accuracy`,
     :func:`probabilities`, the evaluating learner's validation): sentences batched with others
     of their length, each padded only to the model's ``min_len`` as ``gadei predict`` pads one.
-    A padded position goes through the convolutions (its bias, after ReLU, can be the maximum),
-    so padding a sentence to its batch's longest would make its label depend on its batch (the
-    validation accuracy a job chose its model by was once 1-2 points off its model's) and cost
-    work."""
+    The models leave padding out of their pooling, so this changes no label; it saves the work of
+    padding a sentence to its batch's longest."""
     shortest = getattr(model, "min_len", 1)
     by_length: dict[int, list[int]] = {}
     for i, ids in enumerate(dataset.ids):

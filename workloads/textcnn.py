@@ -28,10 +28,14 @@ about 12 tokens), level at about 16 x 12, slower above (0.75x at 32 x 20)."""
 
 
 class TextCNN(nn.Module):
-    """Embedding -> parallel 1-D convolutions -> ReLU -> max over time -> dropout -> linear.
+    """Embedding -> parallel 1-D convolutions -> ReLU -> max over the sentence's windows ->
+    dropout -> linear.
 
     The embeddings are trained from scratch ("CNN-rand") and initialised uniformly in
-    ``[-0.25, 0.25]`` as in Kim 2014; the padding row (id 0) stays zero.
+    ``[-0.25, 0.25]`` as in Kim 2014; the padding row (id 0) stays zero. The max-pool takes the
+    windows that lie inside the sentence (the first window alone where the sentence is shorter
+    than the filter), so a sentence's logits and gradients are the same however far its batch
+    pads it: in training, in evaluation and in ``gadei predict``.
 
     Args:
         vocab_size: Number of token ids (row 0 is padding).
@@ -88,8 +92,8 @@ class TextCNN(nn.Module):
         """Classifies a batch of sentences.
 
         Args:
-            x: LongTensor ``[B, L]`` of token ids, padded with 0, ``L`` at least the
-                widest filter (:attr:`min_len`).
+            x: LongTensor ``[B, L]`` of token ids, padded with 0 after each sentence's words
+                (id 0 is only padding), ``L`` at least the widest filter (:attr:`min_len`).
 
         Returns:
             Logits ``[B, n_labels]``.
@@ -100,11 +104,19 @@ class TextCNN(nn.Module):
                 f"{self.min_len}; pad the batch"
             )
         h = self.embedding(x)  # [B, L, E]
-        if x.device.type == "cpu" and x.numel() <= SMALL_INPUT:
-            pooled = [torch.relu(_windows_product(h, conv)).amax(dim=1) for conv in self.convs]
-        else:
+        lengths = (x != 0).sum(dim=1, keepdim=True)  # [B, 1]: padding is only at the end
+        small = x.device.type == "cpu" and x.numel() <= SMALL_INPUT
+        if not small:
             h = h.transpose(1, 2)  # [B, E, L]
-            pooled = [torch.relu(conv(h)).amax(dim=2) for conv in self.convs]
+        pooled = []
+        for conv in self.convs:
+            width = conv.kernel_size[0]
+            a = torch.relu(_windows_product(h, conv) if small else conv(h).transpose(1, 2))  # [B, windows, filters]
+            # Only the windows inside the sentence (its first one if it is shorter than the
+            # filter): a window over padding beyond them would make a sentence's logits depend on
+            # how far its batch padded it. A ReLU'd value is >= 0, so a 0 leaves the maximum as is.
+            inside = torch.arange(a.shape[1], device=x.device) <= (lengths - width).clamp(min=0)
+            pooled.append(a.masked_fill(~inside.unsqueeze(-1), 0.0).amax(dim=1))
         return self.out(self.dropout(torch.cat(pooled, dim=1)))
 
 
