@@ -105,6 +105,7 @@ class TextCNN(nn.Module):
             )
         h = self.embedding(x)  # [B, L, E]
         lengths = (x != 0).sum(dim=1, keepdim=True)  # [B, 1]: padding is only at the end
+        starts = torch.arange(x.shape[1], device=x.device)  # each window's first position
         small = x.device.type == "cpu" and x.numel() <= SMALL_INPUT
         if not small:
             h = h.transpose(1, 2)  # [B, E, L]
@@ -115,7 +116,7 @@ class TextCNN(nn.Module):
             # Only the windows inside the sentence (its first one if it is shorter than the
             # filter): a window over padding beyond them would make a sentence's logits depend on
             # how far its batch padded it. A ReLU'd value is >= 0, so a 0 leaves the maximum as is.
-            inside = torch.arange(a.shape[1], device=x.device) <= (lengths - width).clamp(min=0)
+            inside = starts[: a.shape[1]] <= (lengths - width).clamp(min=0)
             pooled.append(a.masked_fill(~inside.unsqueeze(-1), 0.0).amax(dim=1))
         return self.out(self.dropout(torch.cat(pooled, dim=1)))
 
