@@ -14,6 +14,7 @@ import json
 import os
 import queue
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -42,12 +43,13 @@ HERE = Path(__file__).resolve().parent
 WORKER = HERE / "worker.py"
 
 
-def tiered(cases, default) -> list:
+def tiered(cases, default, soak=()) -> list:
     """Parameters of a test whose cases are variations of one claim: the cases in `default` run
-    in the default tier, the others are marked long (the long tier, `--long`). A case is a
-    value or a tuple of values, as `pytest.mark.parametrize` takes them."""
+    in the default tier, those in `soak` are soak runs (`--soak`: variations whose code the other
+    cases already run, left out of CI for its time), the others are marked long (the long tier,
+    `--long`). A case is a value or a tuple of values, as `pytest.mark.parametrize` takes them."""
     return [case if case in default else pytest.param(*(case if isinstance(case, tuple) else (case,)),
-                                                      marks=pytest.mark.long)
+                                                      marks=pytest.mark.soak if case in soak else pytest.mark.long)
             for case in cases]
 
 
@@ -484,10 +486,21 @@ def daemon_jobs(procs, env) -> dict:
     return {j["name"]: j for j in record["jobs"]}
 
 
+def _listens(path: str) -> bool:
+    """Whether a process accepts connections on the Unix socket at `path`."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(path)
+        except OSError:
+            return False
+    return True
+
+
 def start_daemon(procs, env, *args) -> subprocess.Popen:
-    """`gadei daemon *args` in `env` (the `daemon_env` fixture's), once its socket is there."""
+    """`gadei daemon *args` in `env` (the `daemon_env` fixture's), once its socket takes connections
+    (not once the file is there: a daemon killed before it leaves its socket's file behind)."""
     daemon = procs.gadei("daemon", *args, env=env)
-    wait_for(lambda: os.path.exists(os.path.join(env["GADEI_RUNTIME_DIR"], "daemon.sock")) or daemon.poll() is not None,
-             60, "the daemon's socket")
+    path = os.path.join(env["GADEI_RUNTIME_DIR"], "daemon.sock")
+    wait_for(lambda: _listens(path) or daemon.poll() is not None, 60, "the daemon's socket")
     assert daemon.poll() is None, daemon.err_lines
     return daemon
