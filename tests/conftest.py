@@ -23,7 +23,8 @@ def pytest_addoption(parser):
                           "fault-injection scenarios, the deep protocol-model checks); `--long -m long` runs it alone")
     parser.addoption("--soak", action="store_true",
                      help="also run the long tier and the soak runs (marked soak: accuracy on SST-2 and banking77, "
-                          "the rest of the fault scenarios, the bridge's repeated runs; in neither tier, not in CI)")
+                          "the rest of the fault scenarios, the bridge's repeated runs, variations left out of CI for "
+                          "its time; in neither tier, not in CI)")
     parser.addoption("--busy", type=int, default=0, metavar="N",
                      help="run N busy processes (a loop each, at full speed) beside every test, from its start to its "
                           "end: the machine loaded, as a service's often is; every wait's deadline must hold then too")
@@ -34,7 +35,11 @@ def pytest_configure(config):
         "markers", "long: the long tier (minutes a test: accuracy medians, fault scenarios, deep model checks), "
                    "skipped unless --long is given"
     )
-    config.addinivalue_line("markers", "soak: soak runs (tens of minutes), skipped unless --soak is given")
+    config.addinivalue_line("markers", "soak: soak runs (tens of minutes, and variations left out of CI for its "
+                                       "time), skipped unless --soak is given")
+    config.addinivalue_line("markers", "faults: the fault, kill, stop, cancel, checkpoint, supervisor and daemon "
+                                       "tests, which CI runs on a loaded machine (`--busy 2 -m faults`) and the rest "
+                                       "of the default tier beside nothing (`-m 'not faults'`)")
 
 
 def pytest_collection_modifyitems(config, items):

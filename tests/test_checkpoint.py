@@ -21,6 +21,8 @@ from gadei.region import Region, inspect
 from gadei.protocol import HOLD_LIMIT
 from worker import Flat
 
+pytestmark = pytest.mark.faults  # also run on a loaded machine: `--busy 2 -m faults` (docs/testing.md)
+
 
 def _model(seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)

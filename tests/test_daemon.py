@@ -26,6 +26,8 @@ from gadei.errors import GadeiError
 from gadei.region import Region, inspect, remove
 from gadei.server_record import read_stop_record
 
+pytestmark = pytest.mark.faults  # also run on a loaded machine: `--busy 2 -m faults` (docs/testing.md)
+
 
 def _jobfile(folder, name, epochs, interval=2):
     path = folder / f"{name}.toml"

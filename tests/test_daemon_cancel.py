@@ -17,6 +17,8 @@ from helpers import blobs, communicate, finish, job_processes, job_text, job_ver
 from gadei import checkpoint
 from gadei.region import inspect, remove
 
+pytestmark = pytest.mark.faults  # also run on a loaded machine: `--busy 2 -m faults` (docs/testing.md)
+
 
 def _job(folder, name: str, epochs: int | None):
     """The small job's file (None: its epochs left to the defaults)."""

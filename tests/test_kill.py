@@ -13,8 +13,12 @@ import random
 import signal
 import time
 
+import pytest
+
 from helpers import finish, read_line, wait_for
 from gadei.region import Region
+
+pytestmark = pytest.mark.faults  # also run on a loaded machine: `--busy 2 -m faults` (docs/testing.md)
 
 N = 200_003
 LR = 0.125

@@ -28,6 +28,8 @@ from gadei.region import Region, inspect
 from helpers import (blobs_job, communicate, dead, end_jobs, finish, job_processes, learner_pids, start_daemon, tiered,
                      unique_name, wait_for)
 
+pytestmark = pytest.mark.faults  # also run on a loaded machine: `--busy 2 -m faults` (docs/testing.md)
+
 STOP_WITHIN = 120  # seconds from a kill to a clear stop, at most (the job itself takes about 10 s)
 EPOCHS = 60  # the small job's: started warm, 12 epochs of it end within 1.5 s, before a poll sees it train
 # how a process these tests SIGKILL is said to have ended (`gadei._proc.how_it_ended`)
@@ -284,9 +286,10 @@ def _ended(procs, env, name) -> dict | None:
     return record if record["state"] != "running" else None
 
 
-@pytest.mark.long
-@pytest.mark.parametrize("role", ["server", "supervisor", "learner", "daemon", "daemon until the job ended",
-                                  "daemon and the supervisor"])
+# a killed server or learner is restarted by the job's supervisor as under `gadei run` (the
+# default tier's kills of each role): soak runs; what the daemon itself adds is in the long tier
+@pytest.mark.parametrize("role", tiered(["server", "supervisor", "learner", "daemon", "daemon until the job ended",
+                                         "daemon and the supervisor"], default=[], soak=["server", "learner"]))
 def test_the_daemon_reports_the_real_outcome_when_a_role_of_its_job_is_killed(small, procs, daemon_env, role):
     """The job's supervisor restarts a killed server or learner, as under `gadei run`; a killed
     supervisor is replaced by the daemon from the newest checkpoint, also by a daemon started after

@@ -13,6 +13,8 @@ import pytest
 from helpers import blobs_job, communicate, job_processes, job_version, tiered, unique_name, wait_for
 from gadei.region import inspect
 
+pytestmark = pytest.mark.faults  # also run on a loaded machine: `--busy 2 -m faults` (docs/testing.md)
+
 SIGNALS = {"SIGTERM": signal.SIGTERM, "SIGINT": signal.SIGINT}
 
 

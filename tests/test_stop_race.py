@@ -29,6 +29,8 @@ from gadei.protocol import Deadline
 from gadei.server_record import read_stop_record
 from helpers import blobs_job, command_words, communicate, end_jobs, job_version, unique_name, wait_for
 
+pytestmark = pytest.mark.faults  # also run on a loaded machine: `--busy 2 -m faults` (docs/testing.md)
+
 STOP_WITHIN = 120  # seconds from the stop to gadei run's end, at most
 
 

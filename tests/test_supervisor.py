@@ -18,6 +18,8 @@ from gadei import _proc, checkpoint
 from gadei.errors import GadeiError
 from gadei.region import Region, inspect
 
+pytestmark = pytest.mark.faults  # also run on a loaded machine: `--busy 2 -m faults` (docs/testing.md)
+
 N = 200_000
 
 

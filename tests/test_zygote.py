@@ -9,9 +9,12 @@ import signal
 import textwrap
 
 import psutil
+import pytest
 
 from helpers import communicate, daemon_jobs, finish, small_job, start_daemon, unique_name, wait_for
 from gadei import _proc
+
+pytestmark = pytest.mark.faults  # also run on a loaded machine: `--busy 2 -m faults` (docs/testing.md)
 
 
 def _small_job(small, name: str, epochs: int = 2, **train) -> str:

@@ -22,7 +22,7 @@ import pytest
 import harness
 from helpers import missing
 
-pytestmark = pytest.mark.long
+pytestmark = [pytest.mark.long, pytest.mark.faults]
 
 FAST = [name for name, s in harness.SCENARIOS.items() if s.fast]
 SLOW = [name for name, s in harness.SCENARIOS.items() if not s.fast]
