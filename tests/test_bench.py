@@ -161,7 +161,7 @@ def _bench(procs, tmp_path, *what: str, timeout: float = 900) -> dict:
     return json.loads(out.read_text())
 
 
-@pytest.mark.long  # a bench's --quick run: a minute and more of steps and processes
+@pytest.mark.soak  # a bench's --quick run on the CPU: a minute and more (left out of CI for its time)
 def test_bench_gpu_on_the_cpu_draws_its_figure_beside_out(procs, tmp_path):
     """`gadei bench gpu --device cpu --quick` (the harness's smoke run) draws its figure through
     the code a GPU run takes, to gadei-bench-gpu.png beside --out, and the JSON says where."""

@@ -20,7 +20,7 @@ import numpy as np
 import psutil
 import pytest
 
-from helpers import communicate, data_dir, finish, missing, wait_for
+from helpers import communicate, data_dir, finish, missing, tiered, wait_for
 
 
 def _job(submitted, started, first, ended, accuracy=0.8):
@@ -151,8 +151,8 @@ def test_bench_service_runs_a_queue_through_ray_jobs_and_two_at_a_time(procs, tm
     assert not left, f"Ray processes of the bench outlived it: {[p.info['cmdline'][:3] for p in left]}"
 
 
-@pytest.mark.long  # a bench started until its jobs train, then stopped: 10-30 s on 2 busy cores
-@pytest.mark.parametrize("system", ["gadei", "loop-2"])
+# a bench started until its jobs train, then stopped: 10-30 s on 2 busy cores
+@pytest.mark.parametrize("system", tiered(["gadei", "loop-2"], default=[], soak=["loop-2"]))
 def test_a_bench_stopped_by_sigterm_stops_what_it_started(procs, tmp_path, request, system):
     """`gadei bench service` sent SIGTERM while its queue's jobs train (through its own daemon,
     or two plain scripts at a time) ends as a Ctrl-C ends it, unwinding: exit 143 (128 + 15),

@@ -192,7 +192,8 @@ def _version(job: str) -> int:
 
 
 @pytest.mark.parametrize("strategy, fault", tiered([(s, f) for s in ("average", "elastic", "gossip")
-                                                     for f in ("cut", "stall")], default=[("average", "cut")]))
+                                                     for f in ("cut", "stall")], default=[("average", "cut")],
+                                                    soak=[("elastic", "stall"), ("gossip", "cut")]))
 def test_a_cut_or_stalled_node_never_hangs_the_others(net, job, procs, tmp_path, strategy, fault):
     jobs = [f"{job}-{r}" for r in range(NODES)]
     server = procs.start(WORKER, "serve", *jobs, "--n", N)

@@ -352,7 +352,7 @@ def test_bench_quality_quick_reports_gadei_and_pytorch_on_trec(procs, tmp_path):
     assert png_shape(tmp_path / "gadei-bench-quality.png")[:2] == (420, 800)
 
 
-@pytest.mark.long  # a bench's --quick run: seven TREC jobs under three daemons, a minute or two
+@pytest.mark.soak  # a bench's --quick run: seven TREC jobs under three daemons, 1-2 minutes (left out of CI)
 def test_bench_jobs_quick_runs_1_2_and_4_jobs_side_by_side_under_a_daemon_of_its_own(procs, tmp_path):
     """A smoke run of `gadei bench jobs --quick`: the table and the JSON hold 1, 2 and 4 jobs,
     each run with every job's samples, its wall time, the CPU and threads of every process (a
@@ -856,7 +856,7 @@ def test_bench_peers_and_scaling_quick(procs, tmp_path):
     assert min(png_shape(tmp_path / "scaling-scaling.png")[:2]) > 0  # a PNG that matplotlib reads back
 
 
-@pytest.mark.long  # a bench's --quick run: half a minute of training runs
+@pytest.mark.soak  # a bench's --quick run: 12 training runs, 40-80 s (left out of CI for its time)
 def test_bench_threads_quick(procs, tmp_path):
     """A smoke run of `gadei bench threads --quick --batches 32`: one gadei learner + server and the
     plain PyTorch loop at mini-batch 32 (the bench's default adds 2: the same code, and most of
