@@ -486,21 +486,23 @@ def daemon_jobs(procs, env) -> dict:
     return {j["name"]: j for j in record["jobs"]}
 
 
-def _listens(path: str) -> bool:
-    """Whether a process accepts connections on the Unix socket at `path`."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-        try:
-            probe.connect(path)
-        except OSError:
-            return False
-    return True
+def wait_listening(path, daemon: subprocess.Popen, timeout: float = 60) -> None:
+    """Wait until `daemon` takes connections on the Unix socket at `path`, or exits: not until the
+    file is there, which a daemon killed before leaves behind."""
+    def listens() -> bool:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            try:
+                probe.connect(str(path))
+            except OSError:
+                return False
+        return True
+
+    wait_for(lambda: listens() or daemon.poll() is not None, timeout, "the daemon's socket")
 
 
 def start_daemon(procs, env, *args) -> subprocess.Popen:
-    """`gadei daemon *args` in `env` (the `daemon_env` fixture's), once its socket takes connections
-    (not once the file is there: a daemon killed before it leaves its socket's file behind)."""
+    """`gadei daemon *args` in `env` (the `daemon_env` fixture's), once its socket takes connections."""
     daemon = procs.gadei("daemon", *args, env=env)
-    path = os.path.join(env["GADEI_RUNTIME_DIR"], "daemon.sock")
-    wait_for(lambda: _listens(path) or daemon.poll() is not None, 60, "the daemon's socket")
+    wait_listening(os.path.join(env["GADEI_RUNTIME_DIR"], "daemon.sock"), daemon)
     assert daemon.poll() is None, daemon.err_lines
     return daemon

@@ -19,7 +19,8 @@ import pytest
 
 from helpers import daemon_jobs as _jobs
 from helpers import (blobs, command_words, communicate, data_dir, finish, job_processes, job_text, job_version,
-                     learner_pids, missing, small_job, start_daemon, trec_job, unique_name, wait_for)
+                     learner_pids, missing, small_job, start_daemon, trec_job, unique_name, wait_for,
+                     wait_listening)
 from gadei import checkpoint
 from gadei.daemon import request
 from gadei.errors import GadeiError
@@ -472,7 +473,7 @@ def test_daemon_stop_and_the_systemd_unit(tmp_path, procs, daemon_env):
     path = _sock(daemon_env)
     for how in ("SIGTERM", "gadei daemon stop"):
         daemon = procs.start(*fields["ExecStart"].split()[1:], env=daemon_env)
-        wait_for(lambda: os.path.exists(path) or daemon.poll() is not None, 60, "the daemon's socket")
+        wait_listening(path, daemon)
         assert request(path, {"op": "status", "job": None}, timeout=10)["ok"]
         if how == "SIGTERM":
             daemon.terminate()

@@ -11,7 +11,7 @@ import torch
 import gadei_workloads
 from gadei_workloads import ngram, text, topics
 from gadei_workloads.ngram import build_ngram, dimension_for, ngrams
-from helpers import communicate, data_dir, missing, trec_job, unique_name
+from helpers import communicate, data_dir, missing, tiered, trec_job, unique_name
 
 
 def test_a_sentences_ngrams_are_its_distinct_words_and_bigrams_with_its_ends_marked():
@@ -159,10 +159,10 @@ FLOORS = {"ngram": {"trec": 0.895, "cr": 0.79, "sst2": 0.81, "subj": 0.92, "bank
           "auto": {"trec": 0.905, "cr": 0.80, "sst2": 0.815, "subj": 0.922, "banking77": 0.905}}
 
 
-@pytest.mark.parametrize("name, workload", [
-    pytest.param(name, workload, marks=pytest.mark.long if (name, workload) == ("cr", "ngram") else pytest.mark.soak)
-    for name in ("trec", "cr", "sst2", "subj", "banking77") for workload in ("ngram", "auto")
-])
+CASES = [(name, workload) for name in ("trec", "cr", "sst2", "subj", "banking77") for workload in ("ngram", "auto")]
+
+
+@pytest.mark.parametrize("name, workload", tiered(CASES, default=[], soak=[c for c in CASES if c != ("cr", "ngram")]))
 def test_a_job_file_with_nothing_tuned_reaches_its_accuracy(name, workload, tmp_path):
     from gadei.bench.quality import job_file, run_gadei, set_data
 
