@@ -1,11 +1,13 @@
 """The suite's two tiers (the default one, and the long one that --long adds), the --soak
 and --busy options, markers and fixtures: unique job names, real child processes that are
-always reaped, mpiexec's environment (`mpi_env`), a runtime folder of the suite's own, and busy
-processes beside each test where --busy asks for them (a loaded machine). Every region a
+always reaped, mpiexec's environment (`mpi_env`), a runtime folder of the suite's own, busy
+processes beside each test where --busy asks for them (a loaded machine), and, under
+pytest-xdist (`-n 2`), no other test beside one marked `alone`. Every region a
 test's job created is removed at the end even if the test failed. What tests import is in
 helpers.py.
 """
 
+import fcntl
 import importlib.util
 import os
 import subprocess
@@ -38,8 +40,11 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "soak: soak runs (tens of minutes, and variations left out of CI for its "
                                        "time), skipped unless --soak is given")
     config.addinivalue_line("markers", "faults: the fault, kill, stop, cancel, checkpoint, supervisor and daemon "
-                                       "tests, which CI runs on a loaded machine (`--busy 2 -m faults`) and the rest "
-                                       "of the default tier beside nothing (`-m 'not faults'`)")
+                                       "tests, which CI runs one at a time on a loaded machine (`--busy 2 -m faults`), "
+                                       "and the rest of the default tier two at a time (`-n 2 -m 'not faults'`)")
+
+    config.addinivalue_line("markers", "alone: a test that measures rates against each other, which no load may "
+                                       "skew: under pytest-xdist (`-n 2`) no other test runs beside it")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -70,6 +75,19 @@ def _runtime_dir(tmp_path_factory):
             os.environ.pop(name, None)
         else:
             os.environ[name] = value
+
+
+@pytest.fixture(autouse=True)
+def _alone(request, tmp_path_factory):
+    """Under pytest-xdist, each test holds the run's lock shared, and a test marked `alone` holds it
+    exclusive: it waits for the test beside it to end, and the next one waits for it."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        yield
+        return
+    exclusive = request.node.get_closest_marker("alone") is not None
+    with open(tmp_path_factory.getbasetemp().parent / "alone.lock", "a") as lock:  # the run's folder, not the worker's
+        fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        yield
 
 
 @pytest.fixture(autouse=True)

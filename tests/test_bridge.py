@@ -505,6 +505,7 @@ def test_a_passive_rank_held_up_by_one_asker_stays_the_others_peer(job, procs, b
 
 
 @pytest.mark.long  # mpiexec runs of 10-20 s: average's are the default tier's
+@pytest.mark.alone  # the others' rates before and after: a test beside it would move them too
 def test_gossip_with_a_rank_slowed_tenfold_keeps_the_others_exchange_rate(job, procs, bridges):
     """Ranks 0 and 2 ask, 1 and 3 answer. Rank 3 is then stopped 90 % of the time (SIGSTOP
     900 ms, SIGCONT 100 ms: a period much longer than the 0.1 s exchange pace, or a

@@ -20,7 +20,10 @@ Skipped, with the reason, where `ip netns` does not work (not root, no iproute2)
 works, failing to build the namespaces fails the test under CI=true.
 """
 
+import fcntl
 import os
+import random
+import re
 import shutil
 import signal
 import subprocess
@@ -42,6 +45,7 @@ NODES = 3
 N = 100_003
 TIMEOUT = 3.0  # the bridges' --timeout
 EVERY = 0.1  # seconds between exchanges
+NET_LOCK = "/tmp/gadei-test-net.lock"  # held while a test picks its subnet and takes it
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -54,17 +58,24 @@ class Net:
     def __init__(self):
         tag = uuid.uuid4().hex[:6]
         self.prefix = f"gd{tag}"  # interface names stay within 15 characters
-        self.subnet_index = int(tag[:2], 16)  # 198.18.X.0/24: another run picks another X
-        self.subnet = f"198.18.{self.subnet_index}.0/24"
         self.bridge = f"{self.prefix}br"
         self.namespaces = [f"{self.prefix}n{k}" for k in range(1, NODES + 1)]
         self.outer = [f"{self.prefix}v{k}" for k in range(1, NODES + 1)]  # the bridge's end of node k's veth
-        self.hosts = [f"198.18.{self.subnet_index}.{k}" for k in range(1, NODES + 1)]
+        self.subnet = ""
+        self.hosts: list[str] = []
 
     def create(self) -> None:
         _ip("link", "add", self.bridge, "type", "bridge")
         _ip("link", "set", self.bridge, "up")
-        _ip("addr", "add", f"198.18.{self.subnet_index}.254/24", "dev", self.bridge)
+        # 198.18.X.0/24 with an X no other network on this machine has (a test beside this one,
+        # `pytest -n 2`, or another run of the suite): chosen and taken under one lock
+        with open(NET_LOCK, "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            taken = set(re.findall(r"inet 198\.18\.(\d+)\.", _ip("-4", "-o", "addr", "show").stdout))
+            index = random.choice([x for x in range(256) if str(x) not in taken])
+            _ip("addr", "add", f"198.18.{index}.254/24", "dev", self.bridge)
+        self.subnet = f"198.18.{index}.0/24"
+        self.hosts = [f"198.18.{index}.{k}" for k in range(1, NODES + 1)]
         for ns, outer, host in zip(self.namespaces, self.outer, self.hosts):
             inner = f"{self.prefix}p{outer[-1]}"
             _ip("netns", "add", ns)
