@@ -42,7 +42,6 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "faults: the fault, kill, stop, cancel, checkpoint, supervisor and daemon "
                                        "tests, which CI runs one at a time on a loaded machine (`--busy 2 -m faults`), "
                                        "and the rest of the default tier two at a time (`-n 2 -m 'not faults'`)")
-
     config.addinivalue_line("markers", "alone: a test that measures rates against each other, which no load may "
                                        "skew: under pytest-xdist (`-n 2`) no other test runs beside it")
 
