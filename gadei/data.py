@@ -108,7 +108,7 @@ def load_job(job: jobfile.Job, reports: list | None = None):
         return _load_arrays(job, reports)
     where = job.path.name if job.path else "job"
     options = dict(text_column=d.text_column, label_column=d.label_column, header=d.header, encoding=d.encoding,
-                   fallback=d.fallback_encoding, reports=reports)
+                   fallback=d.fallback_encoding, reports=reports, max_words=d.max_words)
     try:
         train = read(list(d.train), d.format, **options)
         test = read(list(d.test), d.format, **options) if d.test else None

@@ -21,6 +21,7 @@ validated `Job` before anything starts.
     validation = "trec/dev.txt"   # optional: the file the model is chosen on (same format as train);
     validation_holdout = 0.1      # without it, this share of train (each label's) is held out for that; 0: none
                                   # (train on all of it to the epochs cap; model.pt is the last weights)
+    max_words = 1000              # a longer text is cut to its first this many words (counted as it is read)
 
     [train]
     learners = 2
@@ -28,14 +29,11 @@ validated `Job` before anything starts.
     batch = 2                     # default: 2 below 10k samples, 4 up to 100k, 32 above
     optimizer = "adagrad"         # adagrad, adam (usual lr 0.001) or sgd (default: adagrad; elastic mode: sgd)
     nonfinite = "skip"            # a gradient with NaN or inf: skip it and count it (default), or stop the job
-    row_sparse = "auto"           # embedding gradients travel as the touched rows: true, false, or "auto" (default:
-                                  # when the model's embedding gradients are sparse, as the text CNN's; not elastic)
     lr = 0.01
     epochs = 20                   # the cap; default: about 120,000 updates, 3 to 40 epochs
     patience = 3                  # stop when the validation accuracy did not improve for this many evaluations
     seed = 0
-    devices = "cpu"               # "cpu", "auto" (every visible GPU, else the CPU) or "cuda:0,cuda:1":
-                                  # learners round-robin
+    devices = "cpu"               # "cpu", "auto" (every visible GPU, else the CPU) or "cuda:0,cuda:1", round-robin
     threads = "auto"              # each learner's PyTorch intra-op threads; auto: the cores less one for the
                                   # server, shared by the learners (one each where that is all there is)
 
@@ -43,10 +41,11 @@ validated `Job` before anything starts.
     interval = 60                 # seconds
     keep = 3
 
+    [transport]                   # how gradients travel: gadei.transport.options.TransportOptions (docs/jobs.md)
+
     [output]
     folder = "runs/trec"          # default: runs/<name> next to the job file
-    private = true                # the folder 0700 and its files 0600 whatever the umask (default);
-                                  # false: as the umask of `gadei run` (or of the daemon) makes them
+    private = true                # the folder 0700, its files 0600, whatever the umask (default); false: the umask's
 
     [bridge]                      # optional: under `mpiexec -n NODES gadei run`, join the nodes' jobs;
     strategy = "average"          # its keys are gadei.bridge.options.BridgeOptions (docs/jobs.md lists them)
@@ -76,7 +75,7 @@ from .errors import GadeiError
 from .modes import MODES, RuleOptions
 from .options import check as check_option
 from .options import declared, job_keys, option, said
-from .transport.options import TransportOptions
+from .transport.options import MAX_ROWS, TransportOptions
 
 FORMATS = ("csv", "tsv", "jsonl", "label-text", "trec", "per-label", "npz")
 NUMERIC_FORMATS = ("csv", "npz")
@@ -104,6 +103,7 @@ class Data:
     holdout: float = 0.1
     validation: tuple[Path, ...] | None = None  # None: `validation_holdout` of train is held out for validation
     validation_holdout: float = 0.1  # 0: no validation set (a bridged node's job: its bridge chooses nothing)
+    max_words: int = 1000  # a text's words trained on and predicted from (a longer one is cut): bounds the memory
 
 
 def _devices(value: str) -> str:
@@ -177,11 +177,12 @@ class Job:
     path: Path | None = None
     priority: int = 0  # [job] priority: the daemon starts a waiting job of a higher one first
 
-    def with_defaults(self, samples: int) -> tuple["Job", list[str]]:
+    def with_defaults(self, samples: int, rows=None) -> tuple["Job", list[str]]:
         """The job with the size-dependent defaults chosen for `samples` training samples,
-        and a line per choice (for people)."""
+        and a line per choice (for people); `rows(batch)`: the most embedding rows a mini-batch
+        of the training set touches (a text set's, `gadei_workloads.text.rows_touched`)."""
         chosen = []
-        train = self.train
+        train, transport = self.train, self.transport
         if train.batch is None:
             batch = default_batch(samples)
             train = replace(train, batch=batch)
@@ -213,8 +214,13 @@ class Job:
         if line is not None:
             train = replace(train, devices=",".join(devices))
             chosen.append(line)
+        touched = rows(train.batch) if rows is not None and transport.max_rows is None else 0
+        if touched > MAX_ROWS:  # the rings carry every gradient of a batch of the longest texts
+            transport = replace(transport, max_rows=touched)
+            chosen.append(f"max_rows = {touched:,} (auto: the most table rows a mini-batch of {train.batch} of the "
+                          f"training set touches, more than the {MAX_ROWS:,} it takes otherwise)")
         bridge = None if self.bridge is None else self.bridge.scheduled()
-        return replace(self, train=train, bridge=bridge), chosen
+        return replace(self, train=train, transport=transport, bridge=bridge), chosen
 
     def for_node(self, node: int, nodes: int) -> "Job":
         """The job of node `node` of `nodes` in a bridged run (`mpiexec -n NODES gadei run`): its
@@ -351,7 +357,8 @@ _SCHEMA = {
              "header": ("bool", False), "text_column": ("column", False), "label_column": ("column", False),
              "encoding": ("encoding", False),
              "fallback_encoding": ("encoding", False), "holdout": ("fraction", False),
-             "validation": ("paths", False), "validation_holdout": ("fraction or 0", False)},
+             "validation": ("paths", False), "validation_holdout": ("fraction or 0", False),
+             "max_words": ("words", False)},
     **{section: {key: ("declared", False) for key in job_keys(cls)} for section, cls in DECLARED.items()},
     "output": {"folder": ("text", False), "private": ("bool", False)},
 }
@@ -595,6 +602,10 @@ def _value(where: str, section: str, key: str, kind: str, value, base: Path):
     if kind == "bool":
         if not isinstance(value, bool):
             refuse("true or false")
+        return value
+    if kind == "words":
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 10**6:
+            raise JobFileError(f"{field_} is not allowed; allowed: an integer from 1 to 1,000,000 (words)")
         return value
     if kind in ("fraction", "fraction or 0"):
         if isinstance(value, bool) or not isinstance(value, (int, float)):

@@ -108,7 +108,7 @@ class _Model:
         from gadei_workloads.text import tokenize
 
         if self.workload.kind != "numeric":
-            words = tokenize(text)
+            words = tokenize(text)[: self.job.data.max_words]  # as its training texts were cut
             if not words:  # the model would answer from padding alone, as if it had read something
                 raise GadeiError(f"{text!r}: no words to predict from; give a text")
             # the n-grams it was trained on, padded to the widest filter

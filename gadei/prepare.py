@@ -24,6 +24,7 @@ from .env import cores_said, learners_openmp_env, usable_cores
 from .errors import GadeiError
 from .outputs import AFRESH, RUN, finished, go_on
 from .placement import NODE, Local
+from .transport.options import MAX_ROWS
 
 
 @dataclass
@@ -71,7 +72,7 @@ def check(job: jobfile.Job, resume: bool, place=None, *, by: str = RUN) -> Prepa
         train, validation, test = data.load_job(job, read)
     else:
         train, validation, test = picked[0].train, picked[0].validation, picked[0].test
-    job, chosen = job.with_defaults(len(train))
+    job, chosen = job.with_defaults(len(train), _rows(train))
     out = job.output
     check_output(job)
     where = None
@@ -98,10 +99,17 @@ def _candidates(job: jobfile.Job, read: list, by: str) -> tuple[list[Prepared], 
         candidate = dataclasses.replace(job, workload=workload,
                                         output=outputs.candidate_folder(job.output, workload))
         train, validation, test = data.load_job(candidate, read if not prepared else None)  # files said once
-        candidate, chosen = candidate.with_defaults(len(train))
+        candidate, chosen = candidate.with_defaults(len(train), _rows(train))
         prepared[workload] = Prepared(candidate, train, test, chosen, [], None, validation, by)
     estimates = cheapest_first([estimate(w, p.train) for w, p in prepared.items()])
     return [prepared[e.workload] for e in estimates], estimates
+
+
+def _rows(train):
+    """`rows(batch)` of a text training set (`jobfile.Job.with_defaults`); None for numeric features."""
+    from gadei_workloads.text import TextDataset, rows_touched
+
+    return (lambda batch: rows_touched(train, batch)) if isinstance(train, TextDataset) else None
 
 
 # What `gadei run` writes in its output folder, by kind: an earlier run's of another kind stops it.
@@ -329,6 +337,12 @@ def _compared(section) -> dict:
     return {f.name: getattr(section, f.name) for f in dataclasses.fields(section) if f.compare}
 
 
+def _same(key: str, value):
+    """A job.toml's value as a resume compares it: max_rows "auto" is the rows it takes where the data needs no
+    more (a run before "auto" wrote them)."""
+    return (value or MAX_ROWS) if key == "max_rows" else value
+
+
 def resume_point(job: jobfile.Job, *, nodes: int = 1) -> outputs.GoOn:
     """Where a resumed run goes on (`outputs.going_on`): the newest checkpoint of its output folder
     that says how far each learner got (a supervisor's periodic one, or the one it takes at a stop;
@@ -349,7 +363,7 @@ def resume_point(job: jobfile.Job, *, nodes: int = 1) -> outputs.GoOn:
             ("train", "threads")}
     changed = [f"[{section}] {key}" for section in ("data", "train", "transport")
                for key, value in _compared(getattr(before, section)).items()
-               if (section, key) not in free and getattr(getattr(job, section), key) != value]
+               if (section, key) not in free and _same(key, getattr(getattr(job, section), key)) != _same(key, value)]
     changed += [f"[job] {key}" for key in ("name", "workload") if getattr(job, key) != getattr(before, key)]
     if (job.bridge is None) != (before.bridge is None):
         changed.append("[bridge] (" + ("added" if before.bridge is None else "removed") + ")")

@@ -63,7 +63,7 @@ from .layout import (
 )
 from .modes import RULES, RuleOptions, make_rule, state_names
 from .options import check_all, declared, to_header
-from .transport.options import TransportOptions
+from .transport.options import MAX_ROWS, TransportOptions
 from .transport.slot import Gradient
 from .region import Region
 from .server_record import drop_server_record, save_server_record
@@ -180,7 +180,7 @@ class Server:
             spec = params.spec_of(model)
             n_params = params.count(spec)
             if row_sparse:
-                sparse = params.sparse_tables(model, max_rows)
+                sparse = params.sparse_tables(model, max_rows or MAX_ROWS)
                 if not sparse:
                     raise ValueError(f"job {job!r}: row_sparse needs an nn.Embedding or nn.EmbeddingBag in the model")
         elif row_sparse:

@@ -4,9 +4,11 @@ files), each read to the exact (text, label) samples expected or refused with an
 names the file and line. The first case is the real failure this corpus was started for: a
 TSV file whose texts begin with a double quote lost rows to a CSV-style quote reader."""
 
+import json
+
 import pytest
 
-from gadei_workloads.files import MAX_QUOTED_LINES, DataError, read_texts
+from gadei_workloads.files import MAX_QUOTED_LINES, DataError, read, read_texts
 
 H = "label\ttext\n"  # a TSV header
 C = "label,text\n"  # a CSV header
@@ -107,6 +109,33 @@ def test_a_megabyte_line_is_read_whole(tmp_path):
     for fmt, content in (("tsv", H + f"a\t{long}\nb\tshort\n"), ("csv", C + f'a,"{long}"\nb,short\n')):
         samples, _ = _read(tmp_path, content, fmt)
         assert samples == [(long, "a"), ("short", "b")]
+
+
+@pytest.mark.parametrize("fmt", ["csv", "tsv", "jsonl", "label-text", "trec", "per-label"])
+def test_a_text_longer_than_max_words_is_cut_and_counted_with_its_line(tmp_path, fmt):
+    """A training text of millions of words would take a learner's memory (the text CNN pads its
+    batch to it) and more rows than a gradient carries: read, it is cut to its first max_words
+    words, and the file's line says which lines were cut, in every format."""
+    long = " ".join(f"w{i}" for i in range(5_000))
+    texts = [("a", "short one"), ("b", long), ("a", "two words"), ("b", long + " more")]
+    line = {"csv": lambda label, text: f"{label},{text}", "tsv": lambda label, text: f"{label}\t{text}",
+            "jsonl": lambda label, text: json.dumps({"label": label, "text": text}),
+            "label-text": lambda label, text: f"{label} {text}", "trec": lambda label, text: f"{label}:x {text}",
+            "per-label": lambda label, text: text}[fmt]
+    head = {"csv": C, "tsv": H}.get(fmt, "")
+    kept = [(label, text) for label, text in texts if fmt != "per-label" or label == "b"]
+    path = tmp_path / ("data.b" if fmt == "per-label" else "data")
+    path.write_text(head + "\n\n".join(line(label, text) for label, text in kept) + "\n")  # blank lines between
+    reports = []
+    rows = read([path], fmt, max_words=1_000, reports=reports)
+    assert [len(words) for words, _ in rows] == [min(1_000, len(text.split())) for _, text in kept]
+    assert rows[-1][0] == [f"w{i}" for i in range(1_000)]  # its first words
+    first = 1 + bool(head)
+    cut = [first + 2 * i for i, (_, text) in enumerate(kept) if len(text.split()) > 1_000]
+    assert reports[0].cut == cut
+    assert str(reports[0]).endswith(f"; cut to their first 1,000 words ([data] max_words): 2 samples (lines "
+                                    f"{cut[0]}, {cut[1]}; the longest 5,001 words)")
+    assert read([path], fmt)[-1][0][-1] == "more"  # no max_words: read whole
 
 
 def test_mixed_encodings_read_only_the_bad_lines_with_the_fallback(tmp_path):

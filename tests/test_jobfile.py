@@ -13,6 +13,7 @@ import torch
 
 from helpers import blobs, blobs_job, communicate, job_version, small_job, trec_job, unique_name, wait_for
 from gadei import data, jobfile
+from gadei.errors import GadeiError
 from gadei.jobfile import JobFileError
 from gadei.region import inspect
 from gadei.server_record import read_stop_record
@@ -140,6 +141,53 @@ def test_a_validation_file_is_read_and_a_label_it_alone_has_is_named(small):
         data.load_job(job)
     with pytest.raises(JobFileError, match=r"\[train\] patience"):
         jobfile.load(_job(small, small_job() + "[train]\npatience = 0\n"))
+
+
+def test_long_texts_are_cut_to_max_words_and_the_rings_carry_a_batch_of_the_longest(small):
+    """A text longer than [data] max_words (1,000 by default) is cut to its first words as it is
+    read, counted in its file's report; where a mini-batch of the longest texts touches more
+    rows of the n-gram table than a gradient carries by default (8,192), the job's max_rows is
+    chosen for it (the rings are made so), and said; one that fits keeps "auto"."""
+    from gadei.prepare import _rows
+
+    texts = [" ".join(f"w{i}x{j}" for j in range(1_500 if i % 4 == 0 else 20)) for i in range(40)]
+    _csv(small, [f"{text},{('cat', 'dog')[i % 2]}" for i, text in enumerate(texts)])
+    body = small_job().replace('"textcnn"', '"ngram"')
+    for words, batch, rows in ((None, 8, 8 * 2_001 + 1), (1_200, 8, 8 * 2_401 + 1), (None, 2, None)):
+        job = jobfile.load(_job(small, body + (f"max_words = {words}\n" if words else "") +
+                                f"[train]\nbatch = {batch}\n"))
+        reports = []
+        train, _, _ = data.load_job(job, reports)
+        cut = words or 1_000
+        assert max(map(len, train.ids)) == 2 * cut + 1  # its uni- and bigrams, its ends marked
+        assert f"cut to their first {cut:,} words ([data] max_words): 10 samples (lines 2, 6, 10, 14, 18, ...; " \
+               "the longest 1,500 words)" in str(reports[0])
+        filled, chosen = job.with_defaults(len(train), _rows(train))
+        assert filled.transport.max_rows == rows
+        assert any(line.startswith(f"max_rows = {rows or 0:,} (auto") for line in chosen) == (rows is not None)
+        assert jobfile.load(_job(small, filled.to_toml(), "as-run.toml")).transport.max_rows == rows
+    given = jobfile.load(_job(small, body + "[train]\nbatch = 8\n[transport]\nmax_rows = 100\n"))
+    assert given.with_defaults(36, _rows(data.load_job(given)[0]))[0].transport.max_rows == 100  # the file's
+    for bad in ("0", "1_000_001", "1.5", '"many"', "true"):
+        with pytest.raises(JobFileError, match=r"job.toml: \[data\] max_words = .* allowed: an integer from 1 to "
+                                               r"1,000,000"):
+            jobfile.load(_job(small, small_job() + f"max_words = {bad}\n"))
+
+
+def test_a_run_whose_job_toml_gave_max_rows_8192_resumes_under_auto(small):
+    """A run of a gadei before max_rows "auto" wrote the rows it took (8,192) in its job.toml: a
+    resume of the same job, whose max_rows is now "auto" and fits them, compares equal; other rows
+    are a change a resume refuses (the rings' format)."""
+    from gadei.prepare import resume_point
+
+    job = jobfile.load(_job(small, small_job()))
+    job = job.with_defaults(36)[0]
+    assert job.transport.max_rows is None
+    (job.output).mkdir(parents=True)
+    for rows, said in ((8192, "no checkpoint in"), (100, "differs from the run in")):
+        (job.output / "job.toml").write_text(job.to_toml().replace('max_rows = "auto"', f"max_rows = {rows}"))
+        with pytest.raises(GadeiError, match=said):
+            resume_point(job)
 
 
 def test_validation_holdout_0_holds_nothing_out_and_a_bridged_node_holds_nothing_out(small):

@@ -11,7 +11,7 @@ import torch
 import gadei_workloads
 from gadei_workloads import ngram, text, topics
 from gadei_workloads.ngram import build_ngram, dimension_for, ngrams
-from helpers import communicate, data_dir, missing, tiered, trec_job, unique_name
+from helpers import communicate, data_dir, job_text, missing, tiered, trec_job, unique_name
 
 
 def test_a_sentences_ngrams_are_its_distinct_words_and_bigrams_with_its_ends_marked():
@@ -128,6 +128,36 @@ def test_a_job_file_of_the_ngram_workload_trains_with_its_defaults_and_predicts(
     predicted = procs.gadei("predict", folder, "How far is it from Denver to Aspen ?")
     out, err = communicate(predicted, 60)
     assert predicted.returncode == 0 and out.splitlines()[0].split()[-1] == "NUM", out + err
+
+
+def test_a_job_of_long_texts_at_a_large_batch_trains_and_predicts(tmp_path, procs):
+    """Texts of 1,200-1,500 words at mini-batch 8: each is cut to its first 1,000 words (said),
+    a mini-batch of them touches about 16,000 rows of the table, twice what a gradient carries
+    by default, so the job's rings are made for it (said), and the job ends done (where its
+    learners used to die on their first gradient, and the job failed once they were given up);
+    `gadei predict` of a text of 15,000 words answers."""
+    import random
+
+    rng = random.Random(0)
+    words = [f"w{i}" for i in range(3_000)]
+    rows = ["text,label"] + [" ".join([("good", "bad")[i % 2]] + rng.sample(words, rng.randint(1_200, 1_500)))
+                             + f",{('pos', 'neg')[i % 2]}" for i in range(120)]  # each word once: 2,001 n-grams cut
+    (tmp_path / "long.csv").write_text("\n".join(rows) + "\n")
+    path = tmp_path / "job.toml"
+    path.write_text(job_text({"job": {"name": unique_name("long"), "workload": "ngram"},
+                              "data": {"train": "long.csv", "format": "csv"},
+                              "train": {"batch": 8, "epochs": 2}, "output": {"folder": "out"}}))
+    run = procs.gadei("run", path)
+    out, err = communicate(run, 300)
+    assert run.returncode == 0, out + err
+    assert "long.csv: 121 lines, 120 samples; cut to their first 1,000 words ([data] max_words): 120 samples" in out
+    assert "chose max_rows = 16,009 (auto" in out, out
+    result = json.loads((tmp_path / "out" / "result.json").read_text())
+    assert result["outcome"] == "done" and result["stopped"] == "cap", result
+    predicted = procs.gadei("predict", tmp_path / "out", " ".join(rng.choices(words, k=15_000)), "good")
+    out, err = communicate(predicted, 60)
+    assert predicted.returncode == 0 and len(out.splitlines()) == 2, out + err
+    assert len(out.splitlines()[0]) < 300  # a long text's line shows its start
 
 
 def test_the_cost_estimate_puts_the_ngram_model_before_the_text_cnn():

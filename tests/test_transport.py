@@ -229,7 +229,8 @@ def test_a_gradient_touching_more_rows_than_a_slot_carries_is_refused_and_nothin
             for p in parameters:
                 p.grad = _sparse([1, 2, 3, 4, 5], torch.ones(5, TABLE_WIDTH)) if p.dim() == 2 else torch.ones(p.shape)
             with pytest.raises(GadeiError, match=rf"job '{job}': one gradient touches 5 rows of '{TABLE}', the job "
-                                                 r"carries at most 4 \(serve it with a larger --max-rows\)"):
+                                                 r"carries at most 4 \(give the job a larger \[transport\] "
+                                                 r"max_rows, or its server --max-rows\)"):
                 push.push(0, 0, 1)
             # not written, not published
             assert _count(region, producer.learner, producer.slot, 0) == 0 and producer.tail() == 0

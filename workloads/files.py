@@ -27,11 +27,15 @@ UTF-16 without a byte-order mark), an empty file as empty.
 
 What is left out, and why, is counted in a `FileReport` per file (`gadei run` prints it):
 blank lines, rows whose text is empty, rows whose label is blank, a header row repeated
-inside the file. Everything else that does not read as the format says is refused.
+inside the file. Everything else that does not read as the format says is refused. A sample
+longer than `max_words` words is cut to its first `max_words` (`read`), and counted too: one
+text of millions of words would otherwise take a learner's memory (a text CNN's activations grow
+with its batch's longest sample) and more table rows than a gradient carries.
 """  # noqa: E501 (a markdown table: one row a line)
 
 from __future__ import annotations
 
+import array
 import codecs
 import csv
 import errno
@@ -86,6 +90,10 @@ class FileReport:
     left_out: dict[str, list[int]] = field(default_factory=dict)  # reason -> line numbers
     fallback: str | None = None  # the encoding the lines in `fallback_lines` were read with
     fallback_lines: list[int] = field(default_factory=list)
+    kept: array.array = field(default_factory=lambda: array.array("q"))  # the line of each sample kept
+    cut: list[int] = field(default_factory=list)  # the lines of the samples cut to `max_words` words (`read`)
+    max_words: int = 0
+    longest: int = 0  # words of the longest sample cut
 
     def leave_out(self, reason: str, line: int) -> None:
         self.left_out.setdefault(reason, []).append(line)
@@ -98,6 +106,10 @@ class FileReport:
         if self.fallback_lines:
             text += (f"; {len(self.fallback_lines):,} line{'' if len(self.fallback_lines) == 1 else 's'} read as "
                      f"{self.fallback} ({_lines(self.fallback_lines)})")
+        if self.cut:
+            text += (f"; cut to their first {self.max_words:,} words ([data] max_words): {len(self.cut):,} "
+                     f"sample{'' if len(self.cut) == 1 else 's'} ({_lines(self.cut)}; the longest {self.longest:,} "
+                     "words)")
         return text
 
 
@@ -263,9 +275,24 @@ def split_lines(text: str) -> list[str]:
     return lines
 
 
-def read(paths: list[Path], fmt: str, **options) -> Rows:
-    """Every sample of `paths` as (tokens, label) rows: `read_texts` tokenized."""
-    return [(tokenize(text), label) for text, label in read_texts(paths, fmt, **options)]
+def read(paths: list[Path], fmt: str, *, max_words: int | None = None, reports: list[FileReport] | None = None,
+         **options) -> Rows:
+    """Every sample of `paths` as (tokens, label) rows: `read_texts` tokenized, each cut to its
+    first `max_words` words (None: none is cut), counted in its file's report."""
+    found: list[FileReport] = []
+    texts = read_texts(paths, fmt, reports=found, **options)
+    if reports is not None:
+        reports += found
+    lines = ((report, line) for report in found for line in report.kept)
+    rows = []
+    for (text, label), (report, line) in zip(texts, lines):
+        words = tokenize(text)
+        if max_words is not None and len(words) > max_words:
+            report.cut.append(line)
+            report.max_words, report.longest = max_words, max(report.longest, len(words))
+            del words[max_words:]
+        rows.append((words, label))
+    return rows
 
 
 def read_texts(paths: list[Path], fmt: str, *, text_column: Column = "text", label_column: Column = "label",
@@ -324,6 +351,7 @@ def _line_format(path: Path, text: str, fmt: str, report: FileReport) -> list[tu
                 expected = "COARSE:fine text" if fmt == "trec" else "LABEL text"
                 raise DataError(f"{path}:{lineno}: expected {expected!r} ({fmt} format), got {line[:60]!r}")
         rows.append((sentence, label))
+        report.kept.append(lineno)
     return rows
 
 
@@ -421,6 +449,7 @@ def _keep(rows: list, report: FileReport, lineno: int, sentence: str, label: str
         report.leave_out("row with a blank label", lineno)
     else:
         rows.append((sentence, label))
+        report.kept.append(lineno)
 
 
 def column_index(path: Path, names: list[str] | None, kind: str, column: Column) -> int:

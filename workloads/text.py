@@ -29,6 +29,7 @@ __all__ = [
     "batches",
     "probabilities",
     "load_trec",
+    "rows_touched",
     "tokenize",
 ]
 
@@ -286,6 +287,15 @@ def encode_splits(
                                  labels=[label_ids[label] for _, label in validation],
                                  label_names=train_set.label_names, vocab=train_set.vocab, name=f"{name} (validation)")
     return train_set, validation_set, test_set
+
+
+def rows_touched(dataset: TextDataset, batch: int) -> int:
+    """The most distinct ids (rows of the model's embedding table, padding's among them) one
+    mini-batch of ``batch`` samples of ``dataset`` can hold: those of its ``batch`` samples that
+    hold the most, added up."""
+    import heapq
+
+    return 1 + sum(heapq.nlargest(batch, (len(set(ids)) for ids in dataset.ids)))
 
 
 def hold_out(

@@ -26,6 +26,7 @@ def cmd_run(args) -> int:
 
 
 MAX_STDIN_TEXTS = 64 << 20  # bytes of texts `gadei predict RUN -` reads from standard input
+SHOWN_TEXT = 200  # characters of a text its line shows, for people (--json gives it whole)
 
 
 def cmd_predict(args) -> int:
@@ -48,8 +49,9 @@ def cmd_predict(args) -> int:
         for label, probability in answers[0]:
             print(f"{probability:7.2%}  {label}")
         return 0
-    for text, best in zip(texts, answers):  # several: one line each, the text first
-        print(f"{text}: " + ", ".join(f"{label} {probability:.2%}" for label, probability in best))
+    for text, best in zip(texts, answers):  # several: one line each, the text first (a long one's start)
+        shown = text if len(text) <= SHOWN_TEXT else text[:SHOWN_TEXT - 3] + "..."
+        print(f"{shown}: " + ", ".join(f"{label} {probability:.2%}" for label, probability in best))
     return 0
 
 

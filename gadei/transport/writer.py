@@ -106,7 +106,7 @@ class SlotWriter:
         if count > self.max_rows[table]:
             raise GadeiError(
                 f"job {self.job!r}: one gradient touches {count:,} rows of {self.names[param]!r}, the job carries at "
-                f"most {self.max_rows[table]:,} (serve it with a larger --max-rows)"
+                f"most {self.max_rows[table]:,} (give the job a larger [transport] max_rows, or its server --max-rows)"
             )
 
 
