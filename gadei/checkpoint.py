@@ -175,7 +175,7 @@ def capture(region, timeout: float = 5.0, progress=None) -> Checkpoint:
     """A whole copy of a job's state from its region, taken between two updates.
 
     With the server running, this asks it for a hold (it pauses between two updates, at
-    most the server's HOLD_LIMIT), copies while it holds, and lets it go: the server stalls
+    most `protocol.hold_limit` seconds), copies while it holds, and lets it go: the server stalls
     for the time of the copy. With the server stopped (or not yet serving) nothing changes
     the weights, and the copy is taken as it is. A server that died while serving may have
     died within an update (the weights hold it, the learners' counters do not), so its

@@ -176,7 +176,7 @@ HEADER, HEADER_BYTES = _record(
         ("finished", "u32"),  # 1: the supervisor stopped the job because every launched learner finished
         _LINE_BREAK,
         # checkpoint hold: a checkpointer sets hold (0 -> 1), the server pauses between two
-        # updates and says so in held until hold is 0 again or HOLD_LIMIT passed; each pause
+        # updates and says so in held until hold is 0 again or its hold limit passed; each pause
         # that ends bumps hold_epoch (a copy is whole if held stayed 1 and the epoch did not move)
         ("hold", "u32"),
         ("held", "u32"),

@@ -20,8 +20,8 @@ that).
   wakes them only when someone waits.
 - Checkpoint hold: a checkpointer waits for the last pause to end (`held` 0), sets `hold`
   (0 -> 1) and rings; the server, between two updates, sets `held` and waits until `hold` is
-  0 again or HOLD_LIMIT passed; each pause that ends bumps `hold_epoch` and clears `held`. A
-  copy is whole if `held` stayed 1 and the epoch did not move.
+  0 again or its `hold_limit` passed; each pause that ends bumps `hold_epoch` and clears
+  `held`. A copy is whole if `held` stayed 1 and the epoch did not move.
 - Training decision: the evaluating learner sets `train_stop` once (a compare-and-swap from
   TRAIN_ON) when validation stopped improving; every learner ends its schedule when it sees it.
 """
@@ -38,7 +38,8 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 WAIT_SLICE = 0.1  # seconds a blocked wait sleeps before it looks at the other side again
-HOLD_LIMIT = 2.0  # seconds the server stays paused for a checkpoint before it goes on without it
+HOLD_LIMIT = 2.0  # seconds the server of a small job stays paused for a checkpoint before it goes on without it
+HOLD_RATE = 128 << 20  # bytes a second a checkpoint's copy is granted at the least: a large job pauses longer
 _ALL = 1 << 30  # futex_wake: every waiter
 
 
@@ -273,14 +274,23 @@ class Version:
         self._version.wait(self._version.load(), timeout)
 
 
+def hold_limit(shape) -> float:
+    """Seconds the server of a region of `shape` stays paused for a checkpoint at most: HOLD_LIMIT,
+    and the time its weights and optimizer state take to copy at HOLD_RATE. A copy runs at
+    about 400 MiB/s into fresh memory on a busy 2-core host: 2 s alone held a model of 1.4 GB
+    and its Adagrad state (2.8 GB) for none of its checkpoints."""
+    return HOLD_LIMIT + 4 * shape.n_params * (1 + shape.state_arrays) / HOLD_RATE
+
+
 class ServerHold:
     """The server's side of the checkpoint hold."""
 
-    __slots__ = ("job", "_hold", "_held", "_epoch")
+    __slots__ = ("job", "limit", "_hold", "_held", "_epoch")
 
     def __init__(self, region):
         h = region.header
         self.job = region.job
+        self.limit = hold_limit(region.shape)
         self._hold = h.word("hold")
         self._held = h.word("held")
         self._epoch = h.word("hold_epoch")
@@ -290,20 +300,20 @@ class ServerHold:
         return self._hold.load()
 
     def pause(self, check: Callable[[int], None], beat: Callable[[], None]) -> None:
-        """Stay between two updates until the checkpointer lets go, or HOLD_LIMIT passed (then
+        """Stay between two updates until the checkpointer lets go, or `limit` passed (then
         take the hold back and go on: the checkpointer sees the epoch moved and drops its copy).
         `check(hold)` raises on a corrupt hold word; `beat()` runs every WAIT_SLICE."""
         check(self._hold.load())  # before saying it holds: a copy then is never whole
         self._held.store(1)
         self._held.wake()
-        deadline = Deadline(HOLD_LIMIT)
+        deadline = Deadline(self.limit)
         try:
             while hold := self._hold.load():
                 check(hold)
                 if deadline.expired():
                     if self._hold.cas(1, 0):
-                        log.warning("job %r: a checkpoint held the server for more than %g s: going on without it",
-                                    self.job, HOLD_LIMIT)
+                        log.warning("job %r: a checkpoint held the server for more than %.3g s: going on without it",
+                                    self.job, self.limit)
                     break
                 self._hold.wait(1, deadline.slice(WAIT_SLICE))
                 beat()
@@ -329,7 +339,7 @@ def hold_and_copy(region, timeout: float, copy: Callable[[], T], error: type[Exc
     hold, held, epoch = h.word("hold"), h.word("held"), h.word("hold_epoch")
     deadline = Deadline(timeout)
     # A pause the last checkpointer let go of may not have ended yet (the server has not run
-    # since): taking the hold now would ride on that pause and its HOLD_LIMIT, already partly
+    # since): taking the hold now would ride on that pause and its hold limit, already partly
     # spent, so that back-to-back checkpoints end with the server going on amid a copy.
     while held.load() and not hold.load():
         if deadline.expired() or not region.server_alive():

@@ -604,7 +604,8 @@ class Server:
 
     def _pause(self) -> None:
         """A checkpointer asked for a hold: stay between two updates until it lets go (at most
-        HOLD_LIMIT seconds: the server never waits on anyone for long; see `protocol.ServerHold`)."""
+        `protocol.hold_limit` seconds, 2 s for a small job: the server never waits on anyone for
+        long; see `protocol.ServerHold`)."""
         self._hold.pause(self._check_hold, self._beat)
 
     def _beat(self, now: int | None = None) -> None:

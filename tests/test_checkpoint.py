@@ -18,7 +18,6 @@ from helpers import communicate, finish, read_line, wait_for
 from gadei import checkpoint, protocol
 from gadei.checkpoint import Checkpoint, CheckpointError
 from gadei.region import Region, inspect
-from gadei.protocol import HOLD_LIMIT
 from worker import Flat
 
 pytestmark = pytest.mark.faults  # also run on a loaded machine: `--busy 2 -m faults` (docs/testing.md)
@@ -231,14 +230,14 @@ def test_the_server_goes_on_when_a_checkpointer_dies_holding_it(job, procs):
         assert h.cas("hold", 0, 1)  # asked for a hold and never let go, as a killed checkpointer would
         wait_for(lambda: h.get("held") == 1, 10, "the server to pause")
         paused_at = h.get("version")
-        wait_for(lambda: h.get("version") > paused_at, HOLD_LIMIT + 10, "the server to go on")
+        wait_for(lambda: h.get("version") > paused_at, protocol.hold_limit(region.shape) + 10, "the server to go on")
         assert h.get("hold") == 0 and h.get("hold_epoch") == epoch + 1
         assert _whole(checkpoint.capture(region))  # and the next checkpoint works
 
 
 def test_a_checkpoint_taken_right_after_another_gets_a_pause_of_its_own(job, procs):
     """The pause the last checkpointer let go of ends before the next one asks: riding on it
-    would give the next copy only what is left of that pause's HOLD_LIMIT. Here the server is
+    would give the next copy only what is left of that pause's hold limit. Here the server is
     stopped (SIGSTOP) within a pause until that limit passed, and let run during the next
     checkpoint; on the old protocol the server then went on amid the copy."""
     server = _training(procs, job, "async")
@@ -253,7 +252,7 @@ def test_a_checkpoint_taken_right_after_another_gets_a_pause_of_its_own(job, pro
         first = protocol.hold_and_copy(region, 10, stop_the_server, CheckpointError)
         assert h.get("hold") == 0 and h.get("held") == 1  # let go of; the stopped server still pauses
         stale = h.get("hold_epoch")
-        time.sleep(HOLD_LIMIT + 0.5)  # that pause's limit passes while the server cannot run
+        time.sleep(protocol.hold_limit(region.shape) + 0.5)  # that pause's limit passes while the server cannot run
         threading.Timer(0.5, os.kill, (server.pid, signal.SIGCONT)).start()
 
         def copy_while_the_server_runs():

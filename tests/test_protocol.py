@@ -4,6 +4,7 @@ process, on a real region (no subprocess), beside the end-to-end tests that run 
 
 import ctypes
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -109,6 +110,29 @@ def test_the_apply_loop_applies_each_gradient_once_and_stops_on_request(served):
         expected = np.float32(expected - np.float32(0.5) * np.float32(g))
     assert np.array_equal(region.weights, np.full(N, expected, np.float32))  # w0 - lr * sum(g), each once
     assert region.header.get("applied") == len(grads)
+
+
+def test_a_large_job_holds_still_for_a_checkpoint_copy_longer_than_a_small_ones(job):
+    """The server goes on by itself after its hold limit, which grows with the weights and
+    state it holds: a copy of 1.4 GB of weights and their Adagrad state took longer than the
+    2 s a small job waits, and not one checkpoint of that job was whole."""
+    n = 40 << 20  # 160 MiB of weights and as much Adagrad state: a limit of 4.5 s
+    server = Server(job, n_params=n, learners=1, slots=2, lr=0.5, threads=1, optimizer="adagrad")
+    loop = threading.Thread(target=server.serve, kwargs={"grace": 0.5})
+    loop.start()
+    try:
+        with Region.attach(job) as region:
+            limit = protocol.hold_limit(region.shape)
+            assert limit == pytest.approx(protocol.HOLD_LIMIT + 8 * n / protocol.HOLD_RATE)
+            assert limit > protocol.HOLD_LIMIT + 2
+            slow_copy = lambda: time.sleep(protocol.HOLD_LIMIT + 1) or region.header.get("version")  # noqa: E731
+            assert protocol.hold_and_copy(region, 5.0, slow_copy, RuntimeError) == 0  # whole: held throughout
+            protocol.RunState(region).request_stop()
+    finally:
+        protocol.RunState(server.region).request_stop()
+        loop.join(10)
+        server.close()
+    assert not loop.is_alive()
 
 
 def test_a_stop_request_moves_serving_to_stopping_once_and_wakes_a_sleeping_server(served):

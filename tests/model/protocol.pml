@@ -211,13 +211,13 @@ progress_apply:
     d_step { applied_samples[r]++; tail[r]++; RING_OK(r) }
 }
 
-/* Server._pause: stay between two updates until the checkpointer lets go, or HOLD_LIMIT
+/* Server._pause: stay between two updates until the checkpointer lets go, or its hold_limit
  * passes and the server takes the hold back itself. */
 inline pause() {
     held = true;
     if
     :: !hold -> skip
-    :: atomic { hold -> hold = false }   /* HOLD_LIMIT passed */
+    :: atomic { hold -> hold = false }   /* hold_limit passed */
     fi;
     epoch = 1 - epoch;   /* hold_epoch += 1: one pause at most ends within a copy, so its parity tells */
     held = false
