@@ -11,7 +11,8 @@ applied, the server's optimiser state (`optimizer`: the momentum buffer, Adagrad
 Adam's two moments where the job keeps them; EASGD's centre is the weights themselves),
 every learner's counters and the job's configuration (both JSON text), the progress of the
 learners a supervisor launched (`progress`: samples of each one's schedule that the weights
-hold, or "done"), and a SHA-256 `checksum` over all of it.
+hold, or "done"), and a CRC-32 `checksum` over all of it (SHA-256 in files of format 1, which are
+still read).
 
 Writing is crash safe: the file is written under a temporary name (`gadei.files.temporary`),
 flushed and fsync'ed, given its final name by a hard link (atomic, and a name another writer
@@ -37,6 +38,7 @@ import re
 import sys
 import threading
 import time
+import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -52,7 +54,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 FORMAT = "gadei-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # the version written; 1 (a SHA-256 checksum) is read as well (`_DIGESTS`)
 _NAME = re.compile(r"^ckpt-(\d{6,})\.pt$")
 
 
@@ -100,14 +102,17 @@ class Checkpoint:
     created: float = dataclasses.field(default_factory=time.time)
     path: Path | None = None
 
-    def checksum(self) -> str:
-        """SHA-256 of every field but `path`, in a fixed order."""
-        digest = hashlib.sha256()
+    def checksum(self, format_version: int = FORMAT_VERSION) -> str:
+        """A digest of every field but `path`, in a fixed order: CRC-32 ("crc32:" and 8 hex
+        digits), or SHA-256 for a file of format 1. It finds a damaged or partial file, as a
+        zip's CRC-32 does; it signs nothing. SHA-256 hashed 240 MB/s on a 2-core host, 12 s
+        of a 2.3 GB checkpoint's save and again of its load; CRC-32 hashes 1.4 GB/s."""
+        digest = _DIGESTS[format_version]()
         for group in (self.model, self.optimizer):
             for name in sorted(group):
                 tensor = group[name].detach().contiguous().cpu()
                 digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
-                digest.update(tensor.numpy().tobytes())
+                digest.update(tensor.numpy().reshape(-1).view(np.uint8))  # its bytes, not a copy of them
         digest.update(self._meta().encode())
         return digest.hexdigest()
 
@@ -336,6 +341,22 @@ def _next_number(folder: Path) -> int:
     return int(_NAME.match(existing[-1].name).group(1)) + 1 if existing else 1
 
 
+class _Crc32:
+    """zlib.crc32 behind hashlib's `update` and `hexdigest`."""
+
+    def __init__(self):
+        self.value = 0
+
+    def update(self, data) -> None:
+        self.value = zlib.crc32(data, self.value)
+
+    def hexdigest(self) -> str:
+        return f"crc32:{self.value:08x}"
+
+
+_DIGESTS = {1: hashlib.sha256, 2: _Crc32}  # a file's checksum by its format version
+
+
 class _Writer:
     """A file for torch.save that remembers the OSError of a failed write (torch.save reports
     only that the write failed, not why: no space, quota, file too large)."""
@@ -382,9 +403,10 @@ def load(path: str | os.PathLike) -> Checkpoint:
         raise CheckpointError(f"checkpoint {path} is not readable ({type(err).__name__}: {err})") from err
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a gadei checkpoint")
-    if data.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(f"checkpoint {path} has format version {data.get('format_version')!r}, this gadei "
-                              f"reads {FORMAT_VERSION}")
+    format_version = data.get("format_version")
+    if format_version not in _DIGESTS:
+        raise CheckpointError(f"checkpoint {path} has format version {format_version!r}, this gadei reads "
+                              f"{' and '.join(map(str, _DIGESTS))}")
     try:
         checkpoint = Checkpoint(job=data["job"], version=int(data["version"]), applied=int(data["applied"]),
                                 model=dict(data["model"]), optimizer=dict(data["optimizer"]),
@@ -393,7 +415,7 @@ def load(path: str | os.PathLike) -> Checkpoint:
                                 path=path)
     except (KeyError, TypeError, ValueError) as err:
         raise CheckpointError(f"checkpoint {path} lacks or garbles field {err}") from err
-    if checkpoint.checksum() != data.get("checksum"):
+    if checkpoint.checksum(format_version) != data.get("checksum"):
         raise CheckpointError(f"checkpoint {path} fails its checksum (a partial or damaged file)")
     return checkpoint
 
