@@ -214,8 +214,8 @@ class Job:
         if line is not None:
             train = replace(train, devices=",".join(devices))
             chosen.append(line)
-        touched = rows(train.batch) if rows is not None and transport.max_rows is None else 0
-        if touched > MAX_ROWS:  # the rings carry every gradient of a batch of the longest texts
+        touched = 0 if rows is None or transport.max_rows or transport.row_sparse is False else rows(train.batch)
+        if touched > MAX_ROWS:  # the rings carry every row-sparse gradient of a batch of the longest texts
             transport = replace(transport, max_rows=touched)
             chosen.append(f"max_rows = {touched:,} (auto: the most table rows a mini-batch of {train.batch} of the "
                           f"training set touches, more than the {MAX_ROWS:,} it takes otherwise)")

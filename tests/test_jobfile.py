@@ -147,7 +147,8 @@ def test_long_texts_are_cut_to_max_words_and_the_rings_carry_a_batch_of_the_long
     """A text longer than [data] max_words (1,000 by default) is cut to its first words as it is
     read, counted in its file's report; where a mini-batch of the longest texts touches more
     rows of the n-gram table than a gradient carries by default (8,192), the job's max_rows is
-    chosen for it (the rings are made so), and said; one that fits keeps "auto"."""
+    chosen for it (the rings are made so), and said; one that fits keeps "auto", and so does a
+    job of dense gradients (row_sparse = false, a bridged node's)."""
     from gadei.prepare import _rows
 
     texts = [" ".join(f"w{i}x{j}" for j in range(1_500 if i % 4 == 0 else 20)) for i in range(40)]
@@ -168,6 +169,10 @@ def test_long_texts_are_cut_to_max_words_and_the_rings_carry_a_batch_of_the_long
         assert jobfile.load(_job(small, filled.to_toml(), "as-run.toml")).transport.max_rows == rows
     given = jobfile.load(_job(small, body + "[train]\nbatch = 8\n[transport]\nmax_rows = 100\n"))
     assert given.with_defaults(36, _rows(data.load_job(given)[0]))[0].transport.max_rows == 100  # the file's
+    for dense in (jobfile.load(_job(small, body + "[train]\nbatch = 8\n[transport]\nrow_sparse = false\n")),
+                  jobfile.load(_job(small, body + "[train]\nbatch = 8\n")).for_node(0, 2)):  # a bridged node's
+        filled, chosen = dense.with_defaults(36, _rows(data.load_job(dense)[0]))
+        assert filled.transport.max_rows is None and not [line for line in chosen if "max_rows" in line]
     for bad in ("0", "1_000_001", "1.5", '"many"', "true"):
         with pytest.raises(JobFileError, match=r"job.toml: \[data\] max_words = .* allowed: an integer from 1 to "
                                                r"1,000,000"):
