@@ -4,6 +4,8 @@ order; one that waits says what for; one that could never fit is refused at subm
 
 import textwrap
 
+import pytest
+
 from helpers import communicate, daemon_jobs, finish, small_job, start_daemon, unique_name, wait_for
 from gadei.daemon import resources
 from gadei.daemon.resources import Need, Sizes
@@ -67,3 +69,28 @@ def test_a_job_that_does_not_fit_waits_saying_why_and_a_higher_priority_one_star
     assert jobs[high]["started"] < jobs[low]["started"], jobs
     daemon.terminate()
     communicate(daemon, 60)
+
+
+@pytest.mark.parametrize("workload, transport", [("ngram", ""), ("textcnn", ""), ("ngram", "row_sparse = false\n"),
+                                                 ("ngram", "max_rows = 50\n")])
+def test_a_jobs_region_is_sized_as_its_server_makes_it(small, procs, job, workload, transport):
+    """What the daemon reserves of /dev/shm for a job is the region its server makes: an
+    embedding table of sparse gradients travels as `max_rows` rows a slot, not the whole table
+    (an n-gram job of a large vocabulary was sized as if dense, several times its region)."""
+    from gadei import jobfile
+    from gadei.prepare import check
+    from gadei.region import inspect
+    from gadei_workloads.cost import estimate
+
+    path = small / "job.toml"
+    path.write_text(small_job(job).replace('"textcnn"', f'"{workload}"') +
+                    f"[train]\nlearners = 2\n[transport]\n{transport}")
+    prepared = check(jobfile.load(path), False)
+    sizes = resources.sizes(prepared.job, estimate(workload, prepared.train), 0)
+    (small / "as-run.toml").write_text(prepared.job.to_toml())
+    server = procs.gadei("serve", job, "--job-file", small / "as-run.toml", "--learners", 2)  # as its supervisor does
+    wait_for(lambda: inspect(job) is not None and inspect(job).state == "running", 120, "the server to serve")
+    made = inspect(job).size
+    server.terminate()
+    finish(server, 60)
+    assert sizes.region == made

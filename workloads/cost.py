@@ -23,6 +23,8 @@ class Estimate:
         flops_per_sample: Multiply-adds of one sample's forward pass (its backward costs about
             twice as much), the unit the candidates are ordered by.
         epoch_flops: ``flops_per_sample`` times the training samples.
+        table: The rows and width of its embedding table where that table's gradient is
+            sparse (it travels through the rings as the rows a step touched); ``(0, 0)``: none.
     """
 
     workload: str
@@ -30,6 +32,7 @@ class Estimate:
     sparse_rows: float
     flops_per_sample: float
     epoch_flops: float
+    table: tuple[int, int] = (0, 0)
 
     @property
     def bytes(self) -> int:
@@ -63,7 +66,8 @@ def estimate(name: str, train) -> Estimate:
     else:
         dense = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("embedding"))
         flops = mean_len * dense
-    return Estimate(name, parameters, mean_len, float(flops), float(flops) * samples)
+    table = tuple(model.embedding.weight.shape) if model.embedding.sparse else (0, 0)
+    return Estimate(name, parameters, mean_len, float(flops), float(flops) * samples, table)
 
 
 def cheapest_first(estimates: list[Estimate]) -> list[Estimate]:

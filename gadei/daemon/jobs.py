@@ -203,8 +203,8 @@ class Jobs:
         from gadei_workloads.cost import estimate  # torch, which reading the data imported
 
         # a job that picks its model trains its candidates one after another: it needs what the largest needs
-        sizes = max((resources.sizes(each.job, estimate(each.job.workload, each.train).parameters,
-                                     job.train.threads or 0) for each in prepared.candidates or [prepared]),
+        sizes = max((resources.sizes(each.job, estimate(each.job.workload, each.train), job.train.threads or 0)
+                     for each in prepared.candidates or [prepared]),
                     key=lambda s: (s.region + s.processes, s.learners))
         if self.max_jobs is None:
             cores = usable_cores()

@@ -7,7 +7,7 @@ auto`), and refuses at submit one that could never fit.
   its file's, or "auto" of the cores it is given (`share`): the cores shared by the jobs that
   wait and run, at least one a learner and one for the server.
 - Its shared memory: its region (`gadei.layout`: the weights, the optimiser's state, the
-  rings, as if every gradient were dense: a bound).
+  rings, whose slots carry an embedding table of sparse gradients as `max_rows` rows).
 - Its memory: the region (/dev/shm is memory) and each process's (server, supervisor,
   learners): PROCESS_BYTES and three copies of the weights (weights, gradients, a spare).
 - What is free: what the machine has (usable cores, the cgroup's memory limit or the
@@ -63,15 +63,21 @@ class Sizes:
         return Need(min(cores, self.learners * threads + 1), self.region + self.processes, self.region)
 
 
-def sizes(job, parameters: int, threads: int) -> Sizes:
-    """A job's sizes (`job`: a `gadei.jobfile.Job` with its defaults chosen, `parameters`: its
-    model's, `threads`: its learners' as its file gives them, 0 for auto)."""
-    from ..layout import Shape, layout, ring_slots
+def sizes(job, model, threads: int) -> Sizes:
+    """A job's sizes (`job`: a `gadei.jobfile.Job` with its defaults chosen, `model`: its
+    model's `gadei_workloads.cost.Estimate`, `threads`: its learners' as its file gives them,
+    0 for auto)."""
+    from ..layout import Shape, SparseTable, layout, ring_slots
     from ..modes import state_names
+    from ..transport.options import MAX_ROWS
 
-    t = job.train
-    shape = ring_slots(Shape(n_params=max(1, parameters), capacity=t.learners + (1 if job.bridge is not None else 0),
-                             mode=t.mode, state_arrays=len(state_names(t.rule))), job.transport.slots)
+    t, parameters = job.train, max(1, model.parameters)
+    rows, width = model.table
+    sparse = () if not rows or job.transport.row_sparse is False else (  # its place in the weights changes no size
+        SparseTable(0, rows, width, min(rows, job.transport.max_rows or MAX_ROWS)),)
+    shape = ring_slots(Shape(n_params=parameters, capacity=t.learners + (1 if job.bridge is not None else 0),
+                             mode=t.mode, state_arrays=len(state_names(t.rule)), sparse=sparse),
+                       job.transport.slots)
     region = layout(shape).total
     processes = (t.learners + 2) * (PROCESS_BYTES + 3 * 4 * parameters)
     return Sizes(t.learners, threads, region, processes)
