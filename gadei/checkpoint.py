@@ -251,13 +251,14 @@ def _copy(region) -> Checkpoint:
 
     h, shape = region.header, region.shape
     version, applied = h.get("version"), h.get("applied")
-    weights = np.array(region.weights, dtype=np.float32, copy=True)
     state, n = region.state, shape.n_params
     names = state_names(read_options(region)) if state is not None else ()
     optimizer = {name: torch.from_numpy(np.array(state[k * n : (k + 1) * n], copy=True))
                  for k, name in enumerate(names)}
     spec = region.read_spec()
-    model = params.state_dict(spec, weights) if spec else {"weights": torch.from_numpy(weights)}
+    # one copy of the weights (under the hold: a second one was a third of the server's stall)
+    model = (params.state_dict(spec, region.weights) if spec else
+             {"weights": torch.from_numpy(np.array(region.weights, dtype=np.float32, copy=True))})
     learners = counters(region)
     config = {
         "job": region.job, "mode": shape.mode, "n_params": shape.n_params, "grad_dtype": shape.grad_dtype,
