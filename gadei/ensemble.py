@@ -99,8 +99,8 @@ def measure(folders: list[Path]) -> Mean | str:
             train, validation, test = data.load(workload, f"job:{job.path}")
             if validation is None or not len(validation):
                 return f"{job.workload} has no validation set"
-            model = workload.restore(workload.size_of(train), train.n_labels, job.train.seed,
-                                     torch.load(folder / "model.pt", weights_only=True))
+            model = workload.build_model(train, job.train.seed)
+            model.load_state_dict(torch.load(folder / "model.pt", weights_only=True))
             measured.append((train.label_names, validation.labels, test.labels, probabilities(model, validation),
                              probabilities(model, test)))
     first = measured[0]

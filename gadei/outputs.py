@@ -635,8 +635,8 @@ def evaluate(job: jobfile.Job, metrics: list[dict] = (), handed: dict | None = N
     if epoch is not None and measured and isinstance(measured[-1], float):
         return {"test_accuracy": measured[-1], "test_samples": len(test)}
     with zygote.one_thread():  # its supervisor may fork after (the next candidate of a job that picks its model)
-        model = workload.restore(workload.size_of(train), train.n_labels, job.train.seed,
-                                 torch.load(job.output / "model.pt", weights_only=True))
+        model = workload.build_model(train, job.train.seed)
+        model.load_state_dict(torch.load(job.output / "model.pt", weights_only=True))
         accuracy = workload.evaluate(model, test)
     return {"test_accuracy": accuracy, "test_samples": len(test)}
 

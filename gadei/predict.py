@@ -88,8 +88,9 @@ class _Model:
         except (KeyError, TypeError, AttributeError) as err:
             raise GadeiError(f"{run_dir}: its label or vocabulary map is not one `gadei run` wrote ({err!r})") from None
         size = self.stats["features"] if self.workload.kind == "numeric" else len(self.vocab)
+        self.model = self.workload.build_from_maps(size, len(self.labels), self.job.train.seed)
         try:
-            self.model = self.workload.restore(size, len(self.labels), self.job.train.seed, state)
+            self.model.load_state_dict(state)
         except (RuntimeError, TypeError, AttributeError) as err:
             raise GadeiError(f"{folder / 'model.pt'}: does not fit the {self.job.workload} model of "
                              f"{folder / 'job.toml'}, labels.json and the vocabulary: "

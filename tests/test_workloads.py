@@ -349,23 +349,3 @@ def _train_on_generated(name: str, epochs: int, lr: float):
         return model, workload.evaluate(model, test)
     finally:
         torch.set_num_threads(threads)
-
-
-@pytest.mark.parametrize("name", ["ngram", "textcnn", "lstm", "mlp"])
-def test_a_model_restored_from_its_weights_is_the_model_they_came_from(name):
-    """`Workload.restore` (gadei predict, a job's test accuracy, the ensemble) builds no initial
-    weights of its own and takes the state dict's, each in its parameter's type; a state dict
-    of another model is refused."""
-    workload = gadei_workloads.get(name)
-    trained = workload.build_from_maps(50, 4, 3)
-    state = {k: v.double() if k.endswith("bias") else v.clone() for k, v in trained.state_dict().items()}
-    restored = workload.restore(50, 4, 7, state)
-    for key, tensor in trained.state_dict().items():
-        assert restored.state_dict()[key].dtype == tensor.dtype and torch.equal(restored.state_dict()[key], tensor)
-    assert not any(p.is_meta for p in restored.parameters())
-    x = torch.randint(2, 50, (3, 9)) if workload.kind == "text" else torch.randn(3, 50)
-    torch.testing.assert_close(restored.eval()(x), trained.eval()(x))
-    with pytest.raises(RuntimeError, match="Missing key"):
-        workload.restore(50, 4, 7, {k: v for k, v in state.items() if k != next(iter(state))})
-    with pytest.raises(RuntimeError, match="size mismatch"):
-        workload.restore(60, 4, 7, state)

@@ -107,23 +107,8 @@ class Workload:
     def build_model(self, train, seed: int) -> nn.Module:
         """The model sized from the training set; the same seed gives bit-identical
         parameters in every process."""
-        return self.build_from_maps(self.size_of(train), train.n_labels, seed)
-
-    def size_of(self, train) -> int:
-        """What the model is sized by: the training set's features, or its vocabulary's size."""
-        return train.features if self.kind == "numeric" else len(train.vocab)
-
-    def restore(self, size: int, n_labels: int, seed: int, state: dict[str, torch.Tensor]) -> nn.Module:
-        """The model of ``build_from_maps(size, n_labels, seed)`` holding ``state``'s tensors
-        (a state dict; a missing, unexpected or misshapen one raises ``RuntimeError``), each of
-        them in its parameter's type. It is built on the meta device, drawing no initial weights:
-        for a model of 300 million that took 6 s, only to be written over."""
-        with torch.device("meta"):
-            model = self.build_from_maps(size, n_labels, seed)
-        types = {name: tensor.dtype for name, tensor in model.state_dict().items()}
-        model.load_state_dict({name: tensor.to(types[name]) if name in types and isinstance(tensor, torch.Tensor)
-                               else tensor for name, tensor in state.items()}, assign=True)
-        return model
+        size = train.features if self.kind == "numeric" else len(train.vocab)
+        return self.build_from_maps(size, train.n_labels, seed)
 
 
 def _numeric_data(spec: str):
