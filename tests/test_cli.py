@@ -1,8 +1,11 @@
 """The `gadei` command end to end: serve, learn, status, stop, clean, with real processes."""
 
+import glob
 import json
 import os
 import re
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -292,6 +295,8 @@ def test_a_killed_gadei_demo_leaves_no_process_and_no_region(procs, tmp_path):
         for proc in started:
             if proc.is_running():
                 proc.kill()
+        for folder in glob.glob(os.path.join(tempfile.gettempdir(), f"gadei-{name}-*")):  # the logs a killed demo
+            shutil.rmtree(folder, ignore_errors=True)  # keeps for its user: not this test's to leave behind
 
 
 @pytest.mark.long  # a bench's --quick run: minutes of timing loops
