@@ -125,9 +125,12 @@ def test_a_large_job_holds_still_for_a_checkpoint_copy_longer_than_a_small_ones(
             limit = protocol.hold_limit(region.shape)
             assert limit == pytest.approx(protocol.HOLD_LIMIT + 8 * n / protocol.HOLD_RATE)
             assert limit > protocol.HOLD_LIMIT + 2
-            slow_copy = lambda: time.sleep(protocol.HOLD_LIMIT + 1) or region.header.get("version")  # noqa: E731
+
+            def slow_copy() -> int:  # longer than a small job's limit
+                time.sleep(protocol.HOLD_LIMIT + 1)
+                return region.header.get("version")
+
             assert protocol.hold_and_copy(region, 5.0, slow_copy, RuntimeError) == 0  # whole: held throughout
-            protocol.RunState(region).request_stop()
     finally:
         protocol.RunState(server.region).request_stop()
         loop.join(10)

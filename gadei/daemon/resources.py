@@ -63,16 +63,16 @@ class Sizes:
         return Need(min(cores, self.learners * threads + 1), self.region + self.processes, self.region)
 
 
-def sizes(job, model, threads: int) -> Sizes:
-    """A job's sizes (`job`: a `gadei.jobfile.Job` with its defaults chosen, `model`: its
+def sizes(job, estimate, threads: int) -> Sizes:
+    """A job's sizes (`job`: a `gadei.jobfile.Job` with its defaults chosen, `estimate`: its
     model's `gadei_workloads.cost.Estimate`, `threads`: its learners' as its file gives them,
     0 for auto)."""
     from ..layout import Shape, SparseTable, layout, ring_slots
     from ..modes import state_names
     from ..transport.options import MAX_ROWS
 
-    t, parameters = job.train, max(1, model.parameters)
-    rows, width = model.table
+    t, parameters = job.train, max(1, estimate.parameters)
+    rows, width = estimate.table
     sparse = () if not rows or job.transport.row_sparse is False else (  # its place in the weights changes no size
         SparseTable(0, rows, width, min(rows, job.transport.max_rows or MAX_ROWS)),)
     shape = ring_slots(Shape(n_params=parameters, capacity=t.learners + (1 if job.bridge is not None else 0),
