@@ -24,7 +24,7 @@ from .env import cores_said, learners_openmp_env, usable_cores
 from .errors import GadeiError
 from .outputs import AFRESH, RUN, finished, go_on
 from .placement import NODE, Local
-from .transport.options import MAX_ROWS
+from .transport.options import TransportOptions
 
 
 @dataclass
@@ -333,14 +333,13 @@ def _threads_line(t: jobfile.Train) -> str:
 
 
 def _compared(section) -> dict:
-    """A job file section's fields that say what the job is (not `Train.given`)."""
-    return {f.name: getattr(section, f.name) for f in dataclasses.fields(section) if f.compare}
-
-
-def _same(key: str, value):
-    """A job.toml's value as a resume compares it: max_rows "auto" is the rows it takes where the data needs no
-    more (a run before "auto" wrote them)."""
-    return (value or MAX_ROWS) if key == "max_rows" else value
+    """A job file section's fields that say what the job is (not `Train.given`); [transport]'s
+    max_rows as the rows a gradient carries ("auto", as a run before the data could ask for more
+    wrote it, is the rows it takes)."""
+    fields = {f.name: getattr(section, f.name) for f in dataclasses.fields(section) if f.compare}
+    if isinstance(section, TransportOptions):
+        fields["max_rows"] = section.rows
+    return fields
 
 
 def resume_point(job: jobfile.Job, *, nodes: int = 1) -> outputs.GoOn:
@@ -363,7 +362,7 @@ def resume_point(job: jobfile.Job, *, nodes: int = 1) -> outputs.GoOn:
             ("train", "threads")}
     changed = [f"[{section}] {key}" for section in ("data", "train", "transport")
                for key, value in _compared(getattr(before, section)).items()
-               if (section, key) not in free and _same(key, getattr(getattr(job, section), key)) != _same(key, value)]
+               if (section, key) not in free and _compared(getattr(job, section))[key] != value]
     changed += [f"[job] {key}" for key in ("name", "workload") if getattr(job, key) != getattr(before, key)]
     if (job.bridge is None) != (before.bridge is None):
         changed.append("[bridge] (" + ("added" if before.bridge is None else "removed") + ")")

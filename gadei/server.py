@@ -63,7 +63,7 @@ from .layout import (
 )
 from .modes import RULES, RuleOptions, make_rule, state_names
 from .options import check_all, declared, to_header
-from .transport.options import MAX_ROWS, TransportOptions
+from .transport.options import TransportOptions
 from .transport.slot import Gradient
 from .region import Region
 from .server_record import drop_server_record, save_server_record
@@ -160,8 +160,7 @@ class Server:
         self.rule_options = rule_options
         self.rule_options.check(mode, learners)
         check_all(transport)
-        grad_dtype, row_sparse, max_rows, slots = (transport.grad_dtype, transport.row_sparse, transport.max_rows,
-                                                   transport.slots)
+        grad_dtype, row_sparse, slots = transport.grad_dtype, transport.row_sparse, transport.slots
         env = settings()
         self.threads = env.threads if threads is None else max(1, int(threads))
         self.spin_ns = int(1000 * (env.spin_us if spin_us is None else spin_us))
@@ -180,7 +179,7 @@ class Server:
             spec = params.spec_of(model)
             n_params = params.count(spec)
             if row_sparse:
-                sparse = params.sparse_tables(model, max_rows or MAX_ROWS)
+                sparse = params.sparse_tables(model, transport.rows)
                 if not sparse:
                     raise ValueError(f"job {job!r}: row_sparse needs an nn.Embedding or nn.EmbeddingBag in the model")
         elif row_sparse:

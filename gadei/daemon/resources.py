@@ -69,12 +69,11 @@ def sizes(job, estimate, threads: int) -> Sizes:
     0 for auto)."""
     from ..layout import Shape, SparseTable, layout, ring_slots
     from ..modes import state_names
-    from ..transport.options import MAX_ROWS
 
     t, parameters = job.train, max(1, estimate.parameters)
     rows, width = estimate.table
     sparse = () if not rows or job.transport.row_sparse is False else (  # its place in the weights changes no size
-        SparseTable(0, rows, width, min(rows, job.transport.max_rows or MAX_ROWS)),)
+        SparseTable(0, rows, width, min(rows, job.transport.rows)),)
     shape = ring_slots(Shape(n_params=parameters, capacity=t.learners + (1 if job.bridge is not None else 0),
                              mode=t.mode, state_arrays=len(state_names(t.rule)), sparse=sparse),
                        job.transport.slots)

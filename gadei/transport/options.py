@@ -43,3 +43,9 @@ class TransportOptions:
     slots: int | None = option(None, "gradient slots per learner ring; auto: 8 where a ring of them fits 16 MiB, "
                                "fewer for larger gradients (at least 2), 2 in sync mode", low=1, high=64, auto=True,
                                metavar="N|auto", allowed='1 to 64, or "auto"')
+
+    @property
+    def rows(self) -> int:
+        """The most distinct rows of a table one gradient carries: `max_rows`, MAX_ROWS where
+        it is "auto" and the job's data asked for no more (the server lays its slots out by it)."""
+        return self.max_rows or MAX_ROWS
