@@ -293,6 +293,12 @@ class Learner:
         self.entry.set("pulled_version", version)
         self.entry.add("pulls", 1)
 
+    def beat(self) -> None:
+        """Say that this learner lives while it does something other than a step (the evaluating
+        learner waits for its evaluation, which may be writing a large best.pt): its supervisor
+        reports a learner that has not beaten for a while as hung."""
+        self._beat.store(time.monotonic_ns())
+
     def _server_alive(self) -> bool:
         return _proc.alive(*self._server)
 

@@ -147,6 +147,9 @@ def _catch_up(args, learner, chooser, workload, model, test, epoch: int) -> None
 EVALUATE_SAMPLES = 100_000
 
 
+_BEAT_EVERY = 1.0  # seconds between a waiting learner's beats (hung: interval * max_missed, 10 s by default)
+
+
 class _Chooser:
     """The evaluating learner's part in validation-driven training: evaluate a copy of the
     weights on the validation set, offer it to the job's `gadei.selection.Selection` (kept in
@@ -164,6 +167,7 @@ class _Chooser:
         self._mark = 0
         self._running: threading.Thread | None = None
         self._failed: BaseException | None = None
+        self._learner = None  # the learner whose evaluation runs: it beats while `wait` waits for it
 
     def later(self, learner, weights: dict, at, record: dict, report, test=None) -> None:
         """Evaluate `weights` (`learner`'s at `at`: an epoch, or a point within one) on the
@@ -187,13 +191,17 @@ class _Chooser:
             except BaseException as err:  # noqa: BLE001 - raised on the learner's thread by `wait`
                 self._failed = err
 
+        self._learner = learner
         self._running = threading.Thread(target=evaluate, name="gadei-evaluation", daemon=True)
         self._running.start()
 
     def wait(self) -> None:
-        """Until the evaluation `later` started has ended; what it raised, raised here."""
+        """Until the evaluation `later` started has ended, its learner beating meanwhile; what it
+        raised, raised here."""
         if self._running is not None:
-            self._running.join()
+            while self._running.is_alive():
+                self._running.join(_BEAT_EVERY)
+                self._learner.beat()
             self._running = None
         if self._failed is not None:
             failed, self._failed = self._failed, None

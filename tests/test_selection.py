@@ -255,15 +255,55 @@ def test_an_evaluation_that_fails_on_its_thread_fails_the_learner(tmp_path):
     (tmp_path / "best" / selection.BEST_MODEL).mkdir(parents=True)
     chooser = _Chooser(workload, validation, model, selection.Selection.open(tmp_path / "best", 3))
     reported = []
-
-    class Attached:  # what `later` reads of the learner: its version
-        version = 7
-
-    chooser.later(Attached(), model.state_dict(), 1, {"epoch": 1}, reported.append)
+    chooser.later(_Attached(), model.state_dict(), 1, {"epoch": 1}, reported.append)
     with pytest.raises(GadeiError, match="cannot write .*best.pt: Is a directory"):
         chooser.wait()
     assert reported == []
     chooser.wait()  # raised once
+
+
+class _Attached:
+    """What `_Chooser` uses of the learner whose weights it evaluates: its version, its beat."""
+
+    version = 7
+
+    def __init__(self):
+        self.beats = []
+
+    def beat(self):
+        self.beats.append(time.monotonic())
+
+
+def test_the_evaluating_learner_beats_while_it_waits_for_a_slow_evaluation(tmp_path, monkeypatch):
+    """An evaluation that takes a while (a large model's best.pt: 1.2 GB took 11 s to write)
+    does not make the learner that waits for it look hung to its supervisor (no beat for
+    `interval * max_missed`, 10 s by default): it beats at least every second while it waits."""
+    from gadei import jobfile
+    from gadei.data import load_job
+    from gadei.trainer import _Chooser
+    from gadei_workloads import get
+
+    job = jobfile.load(blobs_job(tmp_path, unique_name("slow")))
+    workload = get(job.workload)
+    train, validation, _ = load_job(job)
+    model = workload.build_model(train, 0)
+    model.eval()
+    offer = selection.Selection.offer
+
+    def slowly(self, evaluation, weights):
+        time.sleep(3.5)
+        return offer(self, evaluation, weights)
+
+    monkeypatch.setattr(selection.Selection, "offer", slowly)
+    chooser = _Chooser(workload, validation, model, selection.Selection.open(tmp_path / "best", 3))
+    learner, reported = _Attached(), []
+    chooser.later(learner, model.state_dict(), 1, {"epoch": 1}, reported.append)
+    waited = time.monotonic()
+    chooser.wait()
+    beats = [waited, *learner.beats]
+    assert len(reported) == 1 and (tmp_path / "best" / selection.BEST_MODEL).is_file()
+    assert time.monotonic() - waited >= 3, "the evaluation was not slow: the test proves nothing"
+    assert len(learner.beats) >= 3 and max(b - a for a, b in zip(beats, beats[1:])) < 2.0, beats
 
 
 @pytest.mark.long  # TREC until patience stops it: most of a minute
