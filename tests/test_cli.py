@@ -604,7 +604,8 @@ def test_predict_reads_texts_from_standard_input_and_answers_in_json_lines(tmp_p
         assert sorted(label["label"] for label in answer["labels"]) == ["HUM", "NUM"]
         assert probabilities == sorted(probabilities, reverse=True) and abs(sum(probabilities) - 1) < 1e-4
     for data, message in ((b"who\n\nwhat\n", "standard input: line 2 is blank; give one text a line"),
-                          (b"who\nwh\xffat\n", "standard input: line 2 is not UTF-8 (byte 6: invalid start byte)"),
+                          (b"who\nwh\xffat\n",
+                           "standard input: line 2 is not UTF-8 (its byte 3, 0xff: invalid start byte)"),
                           (b"", "standard input: no texts; give one a line")):
         code, out, err = predict(data, "-")
         assert (code, out, err) == (2, "", f"gadei: error: {message}\n")

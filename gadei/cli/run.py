@@ -66,8 +66,9 @@ def texts_of(data: bytes, where: str) -> list[str]:
     try:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as err:
-        line = data.count(b"\n", 0, err.start) + 1
-        raise GadeiError(f"{where}: line {line} is not UTF-8 (byte {err.start:,}: {err.reason})") from None
+        line, column = data.count(b"\n", 0, err.start) + 1, err.start - data.rfind(b"\n", 0, err.start)
+        raise GadeiError(f"{where}: line {line} is not UTF-8 (its byte {column:,}, 0x{data[err.start]:02x}: "
+                         f"{err.reason})") from None
     lines = [line.removesuffix("\r") for line in text.split("\n")]
     if lines[-1] == "":  # the newline that ends the last line
         lines.pop()
