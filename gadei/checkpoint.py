@@ -386,8 +386,11 @@ def listing(folder: str | os.PathLike) -> list[Path]:
     return [folder / name for name in sorted(names, key=lambda n: int(_NAME.match(n).group(1)))]
 
 
-def load(path: str | os.PathLike) -> Checkpoint:
-    """Read and verify one checkpoint file.
+def load(path: str | os.PathLike, *, verify: bool = True) -> Checkpoint:
+    """Read and verify one checkpoint file. `verify=False`: a look at its fields (its version
+    and progress, for words such as how to go on with a stopped run), not a checkpoint to go on
+    from: the file is mapped and its tensors are neither read nor checked (a large model's were
+    seconds of a stopped `gadei run`'s last line).
 
     Raises:
         CheckpointError: the file cannot be read, is not a gadei checkpoint, or fails its
@@ -397,7 +400,7 @@ def load(path: str | os.PathLike) -> Checkpoint:
 
     path = Path(path)
     try:
-        data = torch.load(path, weights_only=True, map_location="cpu")
+        data = torch.load(path, weights_only=True, map_location="cpu", mmap=not verify)
     except OSError as err:
         raise CheckpointError(f"checkpoint {path}: {err.strerror or err}") from err
     except Exception as err:  # a truncated or garbled file fails inside the unpickler or the zip reader
@@ -416,18 +419,19 @@ def load(path: str | os.PathLike) -> Checkpoint:
                                 path=path)
     except (KeyError, TypeError, ValueError) as err:
         raise CheckpointError(f"checkpoint {path} lacks or garbles field {err}") from err
-    if checkpoint.checksum(format_version) != data.get("checksum"):
+    if verify and checkpoint.checksum(format_version) != data.get("checksum"):
         raise CheckpointError(f"checkpoint {path} fails its checksum (a partial or damaged file)")
     return checkpoint
 
 
-def latest(folder: str | os.PathLike, *, with_progress: bool = False) -> Checkpoint | None:
+def latest(folder: str | os.PathLike, *, with_progress: bool = False, verify: bool = True) -> Checkpoint | None:
     """The newest checkpoint in `folder` that verifies; one that does not is skipped with a
     warning for the one before. `with_progress`: only one that says how far each launched
-    learner got (a supervisor's; the server's own stop checkpoint does not). None if there is none."""
+    learner got (a supervisor's; the server's own stop checkpoint does not). `verify=False`: a
+    look (`load`), whose tensors are not checked. None if there is none."""
     for path in reversed(listing(folder)):
         try:
-            found = load(path)
+            found = load(path, verify=verify)
         except CheckpointError as err:
             log.warning("skipping a bad checkpoint: %s", err)
             continue

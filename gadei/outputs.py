@@ -252,23 +252,23 @@ class GoOn:
         return f"the choice{kept}" if not at else at
 
 
-def going_on(out: Path) -> GoOn | None:
+def going_on(out: Path, verify: bool = True) -> GoOn | None:
     """Where `--resume` of the run in `out` goes on: its newest checkpoint that records the
     learners' progress; for a job that picks its model, the first candidate that has not ended for
     good, from its newest such checkpoint, or from its start where a candidate before it ended
     for good (where all did and the job's own result.json is missing, its supervisor died making
-    the choice: that is left). None where there is nothing to go on with (the run finished, or
-    never got that far)."""
+    the choice: that is left). None: nothing to go on with (the run finished, or never got that
+    far). `verify=False`: for words, the tensors not checked (`checkpoint.load`; a resume does)."""
     from . import checkpoint
 
     found = candidates(out)
     if found is None:
-        at = checkpoint.latest(out / "checkpoints", with_progress=True)
+        at = checkpoint.latest(out / "checkpoints", with_progress=True, verify=verify)
         return GoOn(out, at, []) if at is not None else None
     kept = [c.workload for c in found if c.final]
     for c in found:
         if not c.final:
-            at = checkpoint.latest(c.folder / "checkpoints", with_progress=True)
+            at = checkpoint.latest(c.folder / "checkpoints", with_progress=True, verify=verify)
             return GoOn(c.folder, at, kept) if at is not None or kept else None
     # every candidate ended for good: the choice is left where its supervisor died before writing it
     return GoOn(out, None, kept) if found and read_result(out) is None else None
@@ -569,7 +569,7 @@ def summary(job: jobfile.Job, result: dict, by: str = RUN, elapsed: float | None
             f"{reached})"
     if kind == STOPPED:
         found = candidates(out)
-        where = going_on(out) if found else None  # the candidate it was training: its epochs
+        where = going_on(out, verify=False) if found else None  # the candidate it was training: its epochs
         last = last_epoch(where.folder if where else out)
         if not (out / "model.pt").exists():
             model = "before it wrote a model"
@@ -594,7 +594,7 @@ def again(job: jobfile.Job, by: str) -> str:
     """How to go on with a stopped run, as its output folder allows: `--resume` from a checkpoint
     that records the learners' progress, or, stopped before any was taken (while it started),
     the same command again, which a folder without checkpoints takes (`prepare.check`)."""
-    if going_on(job.output) is not None:
+    if going_on(job.output, verify=False) is not None:
         return f"go on with {go_on(job.path, by)}"
     if not trained(job.output):
         command = go_on(job.path, by, resume=False) if job.path else "the same command"

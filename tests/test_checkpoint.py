@@ -77,6 +77,11 @@ def test_a_damaged_latest_is_skipped_for_the_one_before(tmp_path, caplog, damage
     newest.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match="ckpt-000002.pt"):
         checkpoint.load(newest)
+    if damage == "flip":  # a look at its fields (a stopped run's last line) does not check the tensors; a resume does
+        assert checkpoint.load(newest, verify=False).version == 2
+    else:
+        with pytest.raises(CheckpointError, match="ckpt-000002.pt"):
+            checkpoint.load(newest, verify=False)
     with caplog.at_level(logging.WARNING, logger="gadei.checkpoint"):
         found = checkpoint.latest(tmp_path)
     assert found.version == 1
