@@ -334,8 +334,8 @@ def _threads_line(t: jobfile.Train) -> str:
 
 def _compared(section) -> dict:
     """A job file section's fields that say what the job is (not `Train.given`); [transport]'s
-    max_rows as the rows a gradient carries ("auto", as a run before the data could ask for more
-    wrote it, is the rows it takes)."""
+    max_rows as the rows a gradient carries, so that "auto" and the rows it takes compare equal
+    (a run of a gadei before "auto" wrote the number)."""
     fields = {f.name: getattr(section, f.name) for f in dataclasses.fields(section) if f.compare}
     if isinstance(section, TransportOptions):
         fields["max_rows"] = section.rows
