@@ -4,6 +4,7 @@ order and dropout, a restarted learner going on where its gradients end (`--star
 epoch records its log carries, and, for the evaluating learner, validation-driven training
 (`_Chooser`: evaluate, keep the best model, end every learner's training on patience)."""
 
+import contextlib
 import json
 import logging
 import os
@@ -44,7 +45,8 @@ def run(args) -> int:
     model.train()
     started = time.monotonic()
     samples = 0
-    with Learner(model, args.job, pull=args.pull, push=args.push, device=device, entry=args.entry) as learner:
+    with (Learner(model, args.job, pull=args.pull, push=args.push, device=device, entry=args.entry) as learner,
+          chooser or contextlib.nullcontext()):  # the evaluation running as the learner leaves (a stop): its end
         staleness = _Staleness(learner.region)
         if chooser is not None and chooser.selection.stopped:  # decided before a restart: say it again
             chooser.end_training(learner)
@@ -107,8 +109,6 @@ def run(args) -> int:
                 _report(args, record)
             if learner.training_ended:
                 break
-        if chooser is not None:
-            chooser.wait()  # the last epoch's evaluation, before this learner leaves
     return 0
 
 
@@ -206,6 +206,15 @@ class _Chooser:
         if self._failed is not None:
             failed, self._failed = self._failed, None
             raise failed
+
+    def __enter__(self) -> "_Chooser":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        """The learner leaves (its schedule's end, the job's stop): the evaluation still running
+        ends and is reported first, while the learner is attached and beats; a stop no longer
+        leaves the selection holding an epoch that the job's metrics lack."""
+        self.wait()
 
     def end_training(self, learner) -> None:
         """Patience ran out: end every learner's training, saying why."""

@@ -306,6 +306,41 @@ def test_the_evaluating_learner_beats_while_it_waits_for_a_slow_evaluation(tmp_p
     assert len(learner.beats) >= 3 and max(b - a for a, b in zip(beats, beats[1:])) < 2.0, beats
 
 
+def test_a_stop_during_an_evaluation_waits_for_it_so_the_metrics_hold_the_epoch_the_selection_kept(tmp_path,
+                                                                                                     monkeypatch):
+    """The job stopped (`JobStopped` out of a step) while the evaluating learner's evaluation ran
+    on its thread: the learner leaves only once that evaluation is offered and reported, so the
+    epoch the selection kept (best.pt, best.json) has its record in the job's metrics; the
+    learner exited at once and the record was lost ("stopped after 20 s (epoch 1 of 40)" where
+    the model handed back was epoch 2's)."""
+    from gadei import jobfile
+    from gadei.data import load_job
+    from gadei.errors import JobStopped
+    from gadei.trainer import _Chooser
+    from gadei_workloads import get
+
+    job = jobfile.load(blobs_job(tmp_path, unique_name("stopped")))
+    workload = get(job.workload)
+    train, validation, _ = load_job(job)
+    model = workload.build_model(train, 0)
+    model.eval()
+    offer = selection.Selection.offer
+
+    def slowly(self, evaluation, weights):
+        time.sleep(1.5)
+        return offer(self, evaluation, weights)
+
+    monkeypatch.setattr(selection.Selection, "offer", slowly)
+    chooser = _Chooser(workload, validation, model, selection.Selection.open(tmp_path / "best", 3))
+    reported = []
+    with pytest.raises(JobStopped):
+        with chooser:
+            chooser.later(_Attached(), model.state_dict(), 2, {"epoch": 2}, reported.append)
+            raise JobStopped("the job was stopped")
+    assert [r["epoch"] for r in reported] == [2] and reported[0]["best"]
+    assert selection.Selection.open(tmp_path / "best", 3).best.epoch == 2
+
+
 @pytest.mark.long  # TREC until patience stops it: most of a minute
 def test_gadei_run_stops_on_patience_and_hands_back_the_best_model(procs, tmp_path):
     """Patience 1 on TREC with the default learning rate (the validation accuracy peaks within a
