@@ -242,24 +242,39 @@ def test_an_evaluation_that_fails_on_its_thread_fails_the_learner(tmp_path):
     evaluation raises (here: best.pt cannot be written, a folder is in its place) is raised on
     the learner's own thread when it next waits for an evaluation, as it was when it evaluated
     in line, so the learner fails (and its supervisor restarts it) rather than train on unchosen."""
-    from gadei import jobfile
-    from gadei.data import load_job
-    from gadei.trainer import _Chooser
-    from gadei_workloads import get
-
-    job = jobfile.load(blobs_job(tmp_path, unique_name("failing")))
-    workload = get(job.workload)
-    train, validation, _ = load_job(job)
-    model = workload.build_model(train, 0)
-    model.eval()
     (tmp_path / "best" / selection.BEST_MODEL).mkdir(parents=True)
-    chooser = _Chooser(workload, validation, model, selection.Selection.open(tmp_path / "best", 3))
+    chooser, model = _chooser(tmp_path, "failing")
     reported = []
     chooser.later(_Attached(), model.state_dict(), 1, {"epoch": 1}, reported.append)
     with pytest.raises(GadeiError, match="cannot write .*best.pt: Is a directory"):
         chooser.wait()
     assert reported == []
     chooser.wait()  # raised once
+
+
+def _chooser(tmp_path, name: str, monkeypatch=None, slow: float = 0.0):
+    """The evaluating learner's `_Chooser` of a small job (its model, in eval mode), keeping the
+    best in tmp_path/best; `slow`: seconds each offer to the selection takes first (a large
+    model's best.pt)."""
+    from gadei import jobfile
+    from gadei.data import load_job
+    from gadei.trainer import _Chooser
+    from gadei_workloads import get
+
+    job = jobfile.load(blobs_job(tmp_path, unique_name(name)))
+    workload = get(job.workload)
+    train, validation, _ = load_job(job)
+    model = workload.build_model(train, 0)
+    model.eval()
+    if slow:
+        offer = selection.Selection.offer
+
+        def slowly(self, evaluation, weights):
+            time.sleep(slow)
+            return offer(self, evaluation, weights)
+
+        monkeypatch.setattr(selection.Selection, "offer", slowly)
+    return _Chooser(workload, validation, model, selection.Selection.open(tmp_path / "best", 3)), model
 
 
 class _Attached:
@@ -278,24 +293,7 @@ def test_the_evaluating_learner_beats_while_it_waits_for_a_slow_evaluation(tmp_p
     """An evaluation that takes a while (a large model's best.pt: 1.2 GB took 11 s to write)
     does not make the learner that waits for it look hung to its supervisor (no beat for
     `interval * max_missed`, 10 s by default): it beats at least every second while it waits."""
-    from gadei import jobfile
-    from gadei.data import load_job
-    from gadei.trainer import _Chooser
-    from gadei_workloads import get
-
-    job = jobfile.load(blobs_job(tmp_path, unique_name("slow")))
-    workload = get(job.workload)
-    train, validation, _ = load_job(job)
-    model = workload.build_model(train, 0)
-    model.eval()
-    offer = selection.Selection.offer
-
-    def slowly(self, evaluation, weights):
-        time.sleep(3.5)
-        return offer(self, evaluation, weights)
-
-    monkeypatch.setattr(selection.Selection, "offer", slowly)
-    chooser = _Chooser(workload, validation, model, selection.Selection.open(tmp_path / "best", 3))
+    chooser, model = _chooser(tmp_path, "slow", monkeypatch, slow=3.5)
     learner, reported = _Attached(), []
     chooser.later(learner, model.state_dict(), 1, {"epoch": 1}, reported.append)
     waited = time.monotonic()
@@ -313,25 +311,9 @@ def test_a_stop_during_an_evaluation_waits_for_it_so_the_metrics_hold_the_epoch_
     epoch the selection kept (best.pt, best.json) has its record in the job's metrics; the
     learner exited at once and the record was lost ("stopped after 20 s (epoch 1 of 40)" where
     the model handed back was epoch 2's)."""
-    from gadei import jobfile
-    from gadei.data import load_job
     from gadei.errors import JobStopped
-    from gadei.trainer import _Chooser
-    from gadei_workloads import get
 
-    job = jobfile.load(blobs_job(tmp_path, unique_name("stopped")))
-    workload = get(job.workload)
-    train, validation, _ = load_job(job)
-    model = workload.build_model(train, 0)
-    model.eval()
-    offer = selection.Selection.offer
-
-    def slowly(self, evaluation, weights):
-        time.sleep(1.5)
-        return offer(self, evaluation, weights)
-
-    monkeypatch.setattr(selection.Selection, "offer", slowly)
-    chooser = _Chooser(workload, validation, model, selection.Selection.open(tmp_path / "best", 3))
+    chooser, model = _chooser(tmp_path, "stopped", monkeypatch, slow=1.5)
     reported = []
     with pytest.raises(JobStopped):
         with chooser:
