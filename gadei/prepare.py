@@ -360,9 +360,11 @@ def resume_point(job: jobfile.Job, *, nodes: int = 1) -> outputs.GoOn:
     before = jobfile.load(as_run)
     free = {("train", "epochs"), ("train", "devices"), ("train", "patience"),  # none changes a learner's schedule
             ("train", "threads")}
-    changed = [f"[{section}] {key}" for section in ("data", "train", "transport")
-               for key, value in _compared(getattr(before, section)).items()
-               if (section, key) not in free and _compared(getattr(job, section))[key] != value]
+    changed = []
+    for section in ("data", "train", "transport"):
+        now, was = _compared(getattr(job, section)), _compared(getattr(before, section))
+        changed += [f"[{section}] {key}" for key, value in was.items()
+                    if (section, key) not in free and now[key] != value]
     changed += [f"[job] {key}" for key in ("name", "workload") if getattr(job, key) != getattr(before, key)]
     if (job.bridge is None) != (before.bridge is None):
         changed.append("[bridge] (" + ("added" if before.bridge is None else "removed") + ")")
