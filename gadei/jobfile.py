@@ -387,12 +387,12 @@ def load(path: str | os.PathLike, *, data_files: bool = True) -> Job:
         from gadei_workloads.files import byte_order_mark
 
         wide = {"utf-16": "UTF-16", "utf-32": "UTF-32"}.get(byte_order_mark(data))
-        raise JobFileError(f"job file {path}: not UTF-8 text (byte {err.start})" + (
-            f"; it is {wide} (it starts with a {wide} byte-order mark), and a TOML file is UTF-8: "
-            "save it as UTF-8"
-            if wide else "")) from None
+        raise JobFileError(f"job file {str(path)!r}: not UTF-8 text (line {data.count(10, 0, err.start) + 1}, byte "
+                           f"{err.start:,}: {err.reason})" + (f"; it is {wide} (it starts with a {wide} byte-order "
+                                                              "mark), and a TOML file is UTF-8: save it as UTF-8"
+                                                              if wide else "")) from None
     except tomllib.TOMLDecodeError as err:
-        raise JobFileError(f"job file {path}: not valid TOML: {err}") from None
+        raise JobFileError(f"job file {str(path)!r}: not valid TOML: {err}") from None
     return parse(raw, path, data_files=data_files)
 
 

@@ -264,9 +264,15 @@ def test_utf16_files_are_named_as_such_and_read_when_the_job_says_so(small):
     "binary, not text: a NUL byte on line 1"), which then reads it to the same samples."""
     marked = small / "wide.toml"
     marked.write_bytes(small_job().encode("utf-16"))
-    with pytest.raises(JobFileError, match=r"wide.toml: not UTF-8 text \(byte 0\); it is UTF-16 \(it starts with a "
-                                           r"UTF-16 byte-order mark\), and a TOML file is UTF-8: save it as UTF-8$"):
+    with pytest.raises(JobFileError, match=r"wide.toml': not UTF-8 text \(line 1, byte 0: invalid start byte\); it is "
+                                           r"UTF-16 \(it starts with a UTF-16 byte-order mark\), and a TOML file is "
+                                           r"UTF-8: save it as UTF-8$"):
         jobfile.load(marked)
+    latin = small / "latin.toml"  # one byte of Latin-1 in a comment: the line and byte that are not UTF-8
+    latin.write_bytes(small_job().replace("\n", "\n# caf\xe9\n", 1).encode("latin-1"))
+    with pytest.raises(JobFileError, match=r"latin.toml': not UTF-8 text \(line 2, byte [0-9]+: invalid continuation "
+                                           r"byte\)$"):
+        jobfile.load(latin)
     expected = data.load_job(jobfile.load(_job(small, small_job())))
     train = small / "train.csv"
     train.write_bytes(train.read_text(encoding="utf-8").encode("utf-16"))
