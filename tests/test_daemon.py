@@ -17,6 +17,7 @@ import numpy as np
 import psutil
 import pytest
 
+import gadei
 from helpers import daemon_jobs as _jobs
 from helpers import (blobs, command_words, communicate, data_dir, finish, job_processes, job_text, job_version,
                      learner_pids, missing, small_job, start_daemon, trec_job, unique_name, wait_for,
@@ -189,6 +190,49 @@ def test_no_daemon_is_a_clear_error(procs, daemon_env, tmp_path):
     submit = procs.gadei("submit", tmp_path / "x.toml", env=daemon_env)
     _, err = communicate(submit, 60)
     assert submit.returncode == 2 and "no gadei daemon listens" in err and "gadei daemon" in err
+
+
+def test_a_client_waits_for_a_daemon_that_has_started_and_does_not_listen_yet(procs, daemon_env, tmp_path):
+    """A daemon listens only once it is warm, seconds after it starts (its zygote and its own
+    imports): `gadei submit` run right after `gadei daemon` waits for it, where it said "no gadei
+    daemon listens ...; start one with `gadei daemon`" (and a second daemon would be refused). A
+    client whose timeout runs out first says that the daemon is starting, and one that a held
+    daemon does not answer, that it did not answer (both were a DaemonError that said it twice). The daemon is held
+    (SIGSTOP) once it holds its socket's lock, before it listens, however fast it warms."""
+    path = _sock(daemon_env)
+
+    def holds() -> bool:
+        try:
+            with open(path + ".lock") as lock:
+                return lock.read().split()[:1] == [str(daemon.pid)]
+        except FileNotFoundError:
+            return False
+
+    daemon = procs.gadei("daemon", env=daemon_env)
+    wait_for(lambda: holds() or daemon.poll() is not None, 60, "the daemon to hold its socket's lock")
+    os.kill(daemon.pid, signal.SIGSTOP)
+    try:
+        assert not os.path.exists(path), "the daemon listened before it was held: nothing is tested"
+        with pytest.raises(gadei.GadeiTimeout, match=rf"the gadei daemon \(pid {daemon.pid}\) on {path} is starting "
+                                                     r"and did not listen within 1 s"):
+            gadei.Client(path, timeout=1).jobs()
+        submit = procs.gadei("submit", tmp_path / "x.toml", env=daemon_env)
+        time.sleep(3)
+        assert submit.poll() is None, submit.err_lines  # it waits: not refused for want of a daemon
+    finally:
+        os.kill(daemon.pid, signal.SIGCONT)
+    _, err = communicate(submit, 60)  # the daemon's own answer: the job file is not there
+    assert submit.returncode == 2 and "No such file or directory" in err and "no gadei daemon" not in err, err
+    os.kill(daemon.pid, signal.SIGSTOP)  # listening now, and held: no answer comes
+    try:
+        with pytest.raises(gadei.GadeiTimeout, match=rf"^the gadei daemon on {path} did not answer within 1 s"):
+            gadei.Client(path, timeout=1).jobs()
+    finally:
+        os.kill(daemon.pid, signal.SIGCONT)
+    daemon.terminate()
+    communicate(daemon, 60)
+    with pytest.raises(gadei.NoDaemon):  # its lock's pid and start time are a dead process's: not waited for
+        gadei.Client(path, timeout=5).jobs()
 
 
 def test_a_runtime_folder_too_deep_for_the_socket_is_a_clear_error(tmp_path, procs, daemon_env):

@@ -20,7 +20,7 @@ from ..protocol import Deadline, wait_for
 from ..outputs import EPOCHS, candidates
 from .jobs import CANCELLED, LIVE, JobRecord, state_dir
 from .logs import Tail, log_files
-from .service import socket_path
+from .service import lock_holder, socket_path
 from .listener import MAX_LINES, BadRequest
 
 log = logging.getLogger(__name__)
@@ -30,11 +30,12 @@ def request(path: str | None, message: dict, timeout: float = 30.0) -> dict:
     """Send one request to the daemon on the socket `path` (default: this user's); its answer,
     {"ok": true, ...} or {"ok": false, "error": ...}, within `timeout` seconds in all.
 
-    A full listen backlog (EAGAIN) is waited out until the deadline, and a refused connection
-    (a daemon restarting) for up to 2 s of it.
+    A full listen backlog (EAGAIN) is waited out until the deadline, and so is a daemon that
+    started and does not listen yet (it warms up first: `service.lock_holder`); a refused
+    connection (a daemon restarting) for up to 2 s of it.
 
     Raises:
-        NoDaemon: no daemon listens on `path`.
+        NoDaemon: no daemon listens on `path`, and none is starting.
         GadeiTimeout: no answer within `timeout`.
         DaemonError: the socket is another user's, or the connection broke without an answer.
     """
@@ -45,6 +46,8 @@ def request(path: str | None, message: dict, timeout: float = 30.0) -> dict:
         raise NoDaemon(f"no gadei daemon listens on {path}; start one with `gadei daemon`", path) from None
     except PermissionError:
         raise DaemonError(f"{path} belongs to another user's daemon") from None
+    except GadeiTimeout:  # a TimeoutError, so an OSError: as it is, not as a broken connection
+        raise
     except OSError as err:  # a reset connection, a socket path too long, ...
         raise DaemonError(f"the gadei daemon on {path}: {err.strerror or err}") from err
 
@@ -59,13 +62,16 @@ def _request(path: str, message: dict, timeout: float) -> dict:
             sock.settimeout(max(0.001, deadline.left()))
             sock.connect(path)
             break
-        except (BlockingIOError, InterruptedError, ConnectionRefusedError) as err:
+        except (BlockingIOError, InterruptedError, ConnectionRefusedError, FileNotFoundError) as err:
             sock.close()
-            if isinstance(err, ConnectionRefusedError) and refused.expired():
+            absent = isinstance(err, (ConnectionRefusedError, FileNotFoundError))
+            starting = lock_holder(path) if absent else None
+            if absent and not starting and (isinstance(err, FileNotFoundError) or refused.expired()):
                 raise
             if deadline.expired():
-                raise GadeiTimeout(f"the gadei daemon on {path} did not take the connection within {timeout:g} s "
-                                   "(its listen backlog stayed full)") from None
+                raise GadeiTimeout(f"the gadei daemon (pid {starting}) on {path} is starting and did not listen "
+                                   f"within {timeout:g} s" if starting else f"the gadei daemon on {path} did not take "
+                                   f"the connection within {timeout:g} s (its listen backlog stayed full)") from None
             deadline.sleep(pause)
             pause = min(0.1, pause * 2)
         except BaseException:

@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 
+from .. import _proc
 from ..env import CORES, cores_said, job_cores_env, runtime_dir
 from ..errors import GadeiError
 from .jobs import CANCELLED, DONE, FAILED, QUEUED, RUNNING, Jobs, state_dir
@@ -212,18 +213,33 @@ def _import_submit() -> None:
 
 def _lock(path: Path, what: str) -> int:
     """Hold an exclusive lock on `path` for this process's life (the descriptor); the holder's
-    pid is written in it. Raises DaemonRunning when another process holds it."""
+    pid and start time are written in it (`lock_holder`). Raises DaemonRunning when another
+    process holds it."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        holder = (os.pread(fd, 64, 0).decode(errors="replace").split() or ["?"])[0]
         os.close(fd)
         raise DaemonRunning(f"a gadei daemon (pid {holder}) already serves {what}; stop it with `gadei daemon "
                             f"stop`, or give this one another GADEI_STATE_DIR and GADEI_RUNTIME_DIR") from None
     os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    os.pwrite(fd, f"{os.getpid()} {_proc.start_time()!r}\n".encode(), 0)
     return fd
+
+
+def lock_holder(socket: str) -> int | None:
+    """The pid of the live daemon that holds the lock of the socket at `socket`, or None. A daemon
+    holds it from its start, and listens only once it is warm (seconds later): a client that
+    finds no socket, or one that refuses it, waits for a daemon that holds the lock. (Read, not
+    locked: a client's lock, however short, would turn a daemon that starts then away.)"""
+    try:
+        with open(socket + ".lock", "rb") as held:
+            pid, started = held.read(64).split()[:2]
+        pid, started = int(pid), float(started)
+    except (OSError, ValueError):  # none, or not yet written (an older daemon's held its pid alone)
+        return None
+    return pid if _proc.alive(pid, started) else None
 
 
 def _raise_fd_limit(wanted: int) -> None:
