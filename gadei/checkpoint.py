@@ -291,7 +291,7 @@ def save(folder: str | os.PathLike, checkpoint: Checkpoint, keep: int = 3) -> Pa
         folder.mkdir(parents=True, exist_ok=True)
         files.remove_orphans(folder)
         with open(tmp, "wb") as handle:
-            writer = _Writer(handle)
+            writer = files.Writer(handle)
             torch.save(checkpoint.to_dict(), writer)
             handle.flush()
             os.fsync(handle.fileno())
@@ -356,24 +356,6 @@ class _Crc32:
 
 
 _DIGESTS = {1: hashlib.sha256, 2: _Crc32}  # a file's checksum by its format version
-
-
-class _Writer:
-    """A file for torch.save that remembers the OSError of a failed write (torch.save reports
-    only that the write failed, not why: no space, quota, file too large)."""
-
-    def __init__(self, handle):
-        self.handle, self.error = handle, None
-
-    def write(self, data) -> int:
-        try:
-            return self.handle.write(data)
-        except OSError as err:
-            self.error = err
-            raise
-
-    def flush(self) -> None:
-        self.handle.flush()
 
 
 def listing(folder: str | os.PathLike) -> list[Path]:

@@ -54,7 +54,9 @@ def replace(path, content, *, private: bool = False, durable: bool = False) -> N
     The temporary file is `temporary(path)`.
 
     Raises:
-        OSError: it could not be written (the file at `path` is then as it was).
+        OSError: it could not be written (the file at `path` is then as it was), also where
+            `content`'s writer (torch.save, say) reports the failed write as an error of its own;
+            its `filename` is `path`.
     """
     path = Path(path)
     tmp = temporary(path)
@@ -67,14 +69,22 @@ def replace(path, content, *, private: bool = False, durable: bool = False) -> N
         with os.fdopen(fd, "wb") as out:
             fd = -1
             if callable(content):
-                content(out)
+                writer = Writer(out)
+                try:
+                    content(writer)
+                except Exception as err:
+                    if writer.error is None or writer.error is err:
+                        raise
+                    raise writer.error from err  # torch.save's RuntimeError for a write that failed: why it did
             else:
                 out.write(content.encode() if isinstance(content, str) else content)
             if durable:
                 out.flush()
                 os.fsync(out.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as err:
+        if isinstance(err, OSError) and err.filename in (None, str(tmp)):
+            err.filename = str(path)  # a failed write names the file it was for
         if fd >= 0:
             os.close(fd)
         with contextlib.suppress(OSError):
@@ -82,3 +92,22 @@ def replace(path, content, *, private: bool = False, durable: bool = False) -> N
         raise
     if durable:
         sync_folder(path.parent)
+
+
+class Writer:
+    """A binary file for a writer that reports a failed write only as an error of its own
+    (torch.save: a RuntimeError, "unexpected pos"): it remembers the OSError (no space, quota,
+    file too large) so that the caller can say why."""
+
+    def __init__(self, handle):
+        self.handle, self.error = handle, None
+
+    def write(self, data) -> int:
+        try:
+            return self.handle.write(data)
+        except OSError as err:
+            self.error = err
+            raise
+
+    def __getattr__(self, name):  # the rest of a file (flush, tell, seek, ...) as the handle has it
+        return getattr(self.handle, name)

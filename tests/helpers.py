@@ -167,6 +167,14 @@ def blobs_job(folder: Path, name: str, **sections: dict) -> Path:
     return path
 
 
+def files_up_to(limit: int) -> str:
+    """Python source that makes the process that runs it fail every write past `limit` bytes of
+    a file (EFBIG, "File too large"), as writes fail on a full disk: RLIMIT_FSIZE, with SIGXFSZ
+    ignored. For a process of its own (`python -c`), never the tests' own."""
+    return ("import resource, signal\nsignal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+            f"resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))\n")
+
+
 def small_csv(folder: Path) -> Path:
     """A small text data set, `folder`/train.csv: 40 sentences about cats and dogs (columns text
     and category, the labels alternating): a job file on it (format "csv", label_column

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from gadei import files
+from helpers import files_up_to
 
 
 def test_a_write_that_fails_midway_leaves_the_file_as_it_was_and_nothing_beside_it(tmp_path):
@@ -24,6 +25,32 @@ def test_a_write_that_fails_midway_leaves_the_file_as_it_was_and_nothing_beside_
         files.replace(path, half)
     assert path.read_text() == '{"outcome": "done"}\n'
     assert sorted(p.name for p in tmp_path.iterdir()) == ["result.json"]
+
+
+def test_a_failed_write_that_torch_save_reports_as_its_own_error_is_the_oserror_that_failed_it(tmp_path):
+    """torch.save reports a write that failed (a full disk, a quota, a file too large) as a
+    RuntimeError ("unexpected pos 1536 vs 1430"): a learner's best.pt on a full disk crashed it
+    with that traceback, and model.pt its supervisor. `replace` raises the OSError that failed the
+    write, naming the file, and leaves nothing behind; files of another writer's too (np.savez)."""
+    script = files_up_to(65536) + """
+import errno, os, sys
+import numpy as np
+import torch
+from pathlib import Path
+from gadei import files, params
+for name, save in (("model.pt", lambda path: params.save({"w": torch.zeros(100_000)}, str(path))),
+                   ("weights.npz", lambda path: files.replace(path, lambda f: np.savez(f, w=np.zeros(100_000))))):
+    path = Path(sys.argv[1]) / name
+    try:
+        save(path)
+    except OSError as err:
+        print(name, errno.errorcode[err.errno], err.filename == str(path), sorted(os.listdir(path.parent)))
+params.save({"w": torch.zeros(10)}, str(Path(sys.argv[1]) / "small.pt"))
+"""
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["model.pt EFBIG True []", "weights.npz EFBIG True []"], done.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["small.pt"]
 
 
 @pytest.mark.parametrize("private, mode", [(True, 0o600), (False, 0o644)])
