@@ -33,9 +33,11 @@ seconds. `gadei predict` reads the chosen candidate's folder, or each member's o
 """
 
 import json
+import logging
 import math
 import os
 import shlex
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,29 +88,22 @@ def forget(out: Path, resume: bool = False) -> None:
     left no result.json (its supervisor was killed), they are unknown, and so is the job's time
     base for this run."""
     earlier = _valid_runs((read_result(out) or {}).get("runs")) if resume else None
-    try:
-        (out / EARLIER).unlink()
-    except FileNotFoundError:
-        pass
+    (out / EARLIER).unlink(missing_ok=True)
     if resume:
         (out / "logs").mkdir(parents=True, exist_ok=True)
         files.replace(out / EARLIER, json.dumps({"runs": earlier}) + "\n")
     if not resume:  # a resumed run's TensorBoard curves go on from those of the runs before it
         board.forget(out)
     for name in _RUN_FILES + (() if resume else (EPOCHS,)):  # a resumed run's epochs go on from the ones before
-        try:
-            (out / name).unlink()
-        except FileNotFoundError:
-            pass
+        (out / name).unlink(missing_ok=True)
     files.remove_orphans(out, _RUN_FILES)  # what a writer killed mid-write left
 
 
 def _valid_runs(runs) -> list[dict] | None:
     """result.json's "runs" as a list of {"started", "seconds"}; None where it is not one."""
-    if not isinstance(runs, list) or not runs:
-        return None
-    if not all(isinstance(r, dict) and all(isinstance(r.get(k), (int, float)) for k in ("started", "seconds"))
-               for r in runs):
+    if not isinstance(runs, list) or not runs or not all(
+            isinstance(r, dict) and all(isinstance(r.get(k), (int, float)) for k in ("started", "seconds"))
+            for r in runs):
         return None
     return [{"started": r["started"], "seconds": r["seconds"]} for r in runs]
 
@@ -283,8 +278,6 @@ def trained(out: Path) -> bool:
 def afresh(folder: Path) -> None:
     """A candidate that starts from its beginning: what an attempt of it left (its outputs, epoch
     records, checkpoints and model selection) is not this one's."""
-    import shutil
-
     forget(folder)
     shutil.rmtree(folder / "checkpoints", ignore_errors=True)
 
@@ -294,17 +287,28 @@ def conclude(job: jobfile.Job, ending: Ending, *, since: float | None, bridge: d
     metrics.jsonl, accuracy.png, model.pt, and result.json last; result.json's content. Its
     supervisor alone calls this, once, at the job's end. `since`: when this run started (wall
     clock), the job's time base; `bridge`: what a bridged node's bridge did, for result.json.
+    Where one cannot be written (a full disk), result.json alone is: the job failed, and why.
 
     Raises:
-        OSError: a file could not be written.
+        OSError: not even result.json could be written.
     """
-    out = job.output
-    earlier = _earlier_runs(out)
+    earlier = _earlier_runs(job.output)
     # the job's runs (this one's seconds are known at its end: nothing comes after it)
     runs = earlier + [{"started": since, "seconds": 0.0}] if since and earlier is not None else None
-    if job.workload == jobfile.AUTO:
-        result = _choice(job, ending, runs)
+    try:
+        return _conclude(job, ending, since, runs, earlier, bridge)
+    except OSError as err:
+        why = f"its outputs could not be written: {f'{err.filename}: ' if err.filename else ''}{err.strerror or err}"
+        result = {"job": job.name, "outcome": FAILED, "finished": False,
+                  "reason": f"{ending.reason}; {why}" if ending.reason and ending.code else why}
         return _finish(job, result, since, runs, earlier, ending.first_applied)
+
+
+def _conclude(job: jobfile.Job, ending: Ending, since: float | None, runs: list[dict] | None,
+              earlier: list[dict] | None, bridge: dict | None) -> dict:
+    out = job.output
+    if job.workload == jobfile.AUTO:
+        return _finish(job, _choice(job, ending, runs), since, runs, earlier, ending.first_applied)
     metrics = write_metrics(out, runs)
     handed = hand_back(job, ending, runs, chooses=bridge is None)
     kind, reason = outcome(job, metrics, ending, model=(out / "model.pt").exists())
@@ -483,8 +487,7 @@ def hand_back(job: jobfile.Job, ending: Ending, runs: list[dict] | None = None, 
     fields: dict = {"stopped": stopped}
     weights = selection.best_weights(folder) if chooses else None
     if weights is None:
-        if ending.final:
-            weights = _final_weights(ending.final)
+        weights = _final_weights(ending.final) if ending.final else None
         if weights is not None:
             params.save(weights, str(job.output / "model.pt"), private=job.private)
         return fields
@@ -510,8 +513,6 @@ def _final_weights(path: str):
             return checkpoint.load(path).model
         return torch.load(path, weights_only=True)
     except (OSError, RuntimeError, GadeiError, ValueError) as err:
-        import logging
-
         logging.getLogger(__name__).error("%s: cannot read the job's final weights: %s", path, err)
         return None
 
@@ -659,8 +660,7 @@ def epoch_records(out: Path) -> list[dict]:
 
 
 def last_epoch(out: Path) -> dict:
-    records = epoch_records(out)
-    return records[-1] if records else {}
+    return (epoch_records(out) or [{}])[-1]
 
 
 def write_metrics(out: Path, runs: list[dict] | None = None) -> list[dict]:

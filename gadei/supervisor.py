@@ -40,6 +40,7 @@ STOP_RECORD = "logs/server-stop.json"  # the last server's stop record (`gadei.s
 SERVER_DEAD = 3  # the server died or hung and was not (or could not be) restarted
 LEARNERS_FAILED = 4  # the job ended after the supervisor gave up on a launched learner
 JOB_FAILED = 5  # the server stopped the job as failed; nothing was restarted
+REFUSED = 2  # a job file's supervisor's exit code for what it refuses (`gadei.console.run`): not started again
 
 DESCRIPTION = ("The supervisor of one job: start its server (--server's gadei arguments), report dead or hung "
                "learners and server, take a checkpoint between two updates every --every seconds, launch --learners "
@@ -99,6 +100,10 @@ class SupervisorSettings:
             raise ValueError(f"supervisor {err}") from None
         if not self.server:
             raise ValueError("supervisor server: give the arguments that start the job's server")
+        for name in ("checkpoint_dir", "log_dir"):
+            folder = getattr(self, name)
+            if folder and os.path.lexists(folder) and not os.path.isdir(folder):
+                raise ValueError(f"supervisor {name} = {folder!r} is not a folder (a file is in its place)")
 
 
 def _progress(text: str) -> dict:
@@ -267,7 +272,8 @@ class Supervised:
     A supervisor that died without writing result.json took its job down with it (its server
     and learners are tied to it); `ended` then starts a new one that goes on from the newest
     checkpoint that records the learners' progress (at most `restarts` times within `window`
-    seconds, never after a stop was asked), or answers the end with the reason when none can.
+    seconds, never after a stop was asked, nor after one that refused: exit code 2, its last line
+    says why), or answers the end with the reason when none can.
 
     Args:
         job_file: the job as run (its prepared output folder's job.toml: `gadei.prepare.prepare`).
@@ -390,13 +396,16 @@ class Supervised:
         now = time.time()
         self._deaths = [t for t in self._deaths if now - t < self.window]
         found = going_on(self.out)  # its newest checkpoint that records the learners' progress (or its candidate's)
-        if not self.stop_asked and found is not None and len(self._deaths) < self.restarts:
+        refused = code == REFUSED  # it said why (not even result.json could be written): a new one would again
+        if not self.stop_asked and not refused and found is not None and len(self._deaths) < self.restarts:
             self._deaths.append(now)
             log.warning("job folder %s: %s; a new one goes on from %s", self.out, self.said, found)
             self.start(resume=True)
             return None
         if self.stop_asked:
             why = "it was being stopped"
+        elif refused:
+            why = "it refused to go on, and said why"
         elif found is None:
             why = "no checkpoint records the learners' progress yet"
         else:

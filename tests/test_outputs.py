@@ -10,7 +10,7 @@ import pytest
 
 from gadei import curves, jobfile, outputs
 from gadei._proc import gadei_command
-from helpers import blobs_job, communicate, end_jobs, finish, missing, png_shape, unique_name, wait_for
+from helpers import blobs_job, communicate, end_jobs, files_up_to, finish, missing, png_shape, unique_name, wait_for
 
 
 def test_the_chosen_models_time_is_one_figure_in_every_place_a_user_reads_it(tmp_path, procs):
@@ -168,6 +168,44 @@ def test_conclude_writes_the_outputs_of_the_end_its_supervisor_saw(tmp_path):
     assert result["outcome"] == outputs.DONE and "the stop came after training ended" in result["reason"], result
     handed = torch.load(out / "model.pt", weights_only=True)
     assert all(torch.equal(handed[k], v) for k, v in weights.items()) and "test_accuracy" in result
+
+
+def test_outputs_that_cannot_be_written_fail_the_job_in_a_result_json_that_says_which_and_why(tmp_path):
+    """A full disk at the job's end: model.pt cannot be written. Its supervisor crashed with
+    torch.save's traceback, no result.json, and `gadei run` said only that the supervisor exited
+    with code 1. Now result.json alone is written: the job failed, with the file and the reason,
+    after the reason the job had already failed for. Files past a size limit fail as on a full
+    disk (RLIMIT_FSIZE, in a process of its own); result.json is smaller than the limit."""
+    import subprocess
+    import sys
+
+    import torch
+
+    from gadei import checkpoint, data
+    from gadei_workloads import get
+
+    job = jobfile.load(blobs_job(tmp_path, unique_name("full"), train={"learners": 1, "epochs": 1}))
+    (job.output / "logs").mkdir(parents=True)
+    train, _, _ = data.load_job(job)
+    weights = {k: torch.full_like(v, 0.5) for k, v in get(job.workload).build_model(train, 0).state_dict().items()}
+    final = checkpoint.save(job.output / "checkpoints", checkpoint.Checkpoint(job.name, 7, 7, weights))
+    assert sum(v.numel() for v in weights.values()) * 4 > 8192
+    script = files_up_to(8192) + f"""
+import json, sys, time
+from gadei import jobfile, outputs
+job = jobfile.load({str(job.path)!r})
+for code, reason in ((0, ""), (4, "the supervisor gave up on launched learners [0]")):
+    ending = outputs.Ending(code, True, False, reason, {str(final)!r})
+    print(json.dumps(outputs.conclude(job, ending, since=time.time())))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    why = f"its outputs could not be written: {job.output / 'model.pt'}: File too large"
+    results = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [(r["outcome"], r["reason"]) for r in results] == [
+        (outputs.FAILED, why), (outputs.FAILED, f"the supervisor gave up on launched learners [0]; {why}")], results
+    assert outputs.read_result(job.output) == results[-1] and not (job.output / "model.pt").exists()
+    assert "failed: its outputs could not be written" in outputs.summary(job, results[0])
 
 
 def test_the_test_accuracy_of_the_chosen_model_is_the_one_its_learner_measured(tmp_path):

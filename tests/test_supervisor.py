@@ -6,6 +6,7 @@ too many restarts, and restarts, gives up on or checkpoints for the learners it 
 
 import json
 import os
+import shutil
 import signal
 import time
 
@@ -56,6 +57,33 @@ def test_the_supervisor_checkpoints_a_training_job_and_stops_it_when_asked(job, 
         assert all(_whole(c) for c in saved) and [c.version for c in saved] == sorted(c.version for c in saved)
         assert saved[-1].config["n_params"] == N and len(saved[-1].learners) == 2
         assert inspect(job) is None
+    finally:
+        end_jobs(job)
+
+
+def test_a_checkpoint_that_fails_the_same_way_again_is_an_error_once_and_the_first_one_written_after_is_said(
+        job, procs, tmp_path):
+    """A full disk stays full: `gadei run` showed the same error line at every checkpoint (11
+    lines in a minute's job). The first failure is an error; its repeats are logged at INFO
+    ("either"), and the first checkpoint written after them says so as a warning."""
+    folder = tmp_path / "checkpoints"
+    try:
+        supervised, _ = _job(procs, job, folder)
+        wait_for(lambda: checkpoint.listing(folder), 60, "a checkpoint")
+        shutil.rmtree(folder)
+        folder.write_text("a file where the folder was")  # every checkpoint fails now, the same way
+        failing = lambda: [line for line in supervised.err_lines if "no checkpoint this time" in line]  # noqa: E731
+        wait_for(lambda: len(failing()) >= 3, 60, "three failed checkpoints")
+        folder.unlink()
+        wait_for(lambda: any("checkpoints are written again" in line for line in supervised.err_lines), 60,
+                 "a checkpoint written again")
+        supervised.send_signal(signal.SIGTERM)
+        _, err = communicate(supervised, 60)
+        assert supervised.returncode == 0 and checkpoint.listing(folder), err
+        lines = failing()
+        assert " ERROR " in lines[0] and "no checkpoint this time: " in lines[0] and "File exists" in lines[0], lines
+        assert all(" INFO " in line and "no checkpoint this time either: " in line for line in lines[1:]), lines
+        assert [line for line in err.splitlines() if "written again" in line][0].split()[3] == "WARNING", err
     finally:
         end_jobs(job)
 
@@ -217,6 +245,44 @@ def test_the_supervisors_json_flags_are_checked_even_under_python_dash_o(job, pr
     dog = procs.spawn([command[0], "-O", *command[1:]])
     _, err = communicate(dog, 60)
     assert dog.returncode == 2 and f"gadei supervisor: error: argument {flag}: " in err and expected in err, err
+
+
+def test_a_file_where_the_checkpoint_folder_goes_is_refused_before_anything_starts(job, procs, tmp_path):
+    """It was a FileExistsError's traceback as the server started (its log goes there)."""
+    (tmp_path / "ckpt").write_text("a file")
+    serve = procs.gadei("serve", job, "--params", 1000, "--checkpoint-dir", tmp_path / "ckpt")
+    _, err = communicate(serve, 60)
+    assert serve.returncode == 2 and "Traceback" not in err, err
+    assert f"supervisor checkpoint_dir = '{tmp_path / 'ckpt'}' is not a folder" in err and inspect(job) is None, err
+
+
+def test_a_job_supervisor_that_refused_is_not_started_again_where_one_that_died_is(tmp_path, procs, monkeypatch):
+    """`Supervised.ended`, as `gadei run` and the daemon follow a job file's supervisor: one that
+    exited 2 said why on its last line (it refused: not even result.json could be written, a full
+    disk), and is not started again from the newest checkpoint to fail the same way; one that died
+    (exit 1, a signal) is."""
+    import sys
+
+    import torch
+
+    from gadei.supervisor import Supervised
+
+    out = tmp_path / "out"
+    checkpoint.save(out / "checkpoints", checkpoint.Checkpoint("refused", 7, 7, {"w": torch.zeros(2)},
+                                                               progress={"0": 5}))
+    supervised = Supervised(out / "job.toml", out, by="gadei run")
+    started = []
+    monkeypatch.setattr(supervised, "start", lambda resume=False, said=(): started.append(resume))
+    for code in (2, 1):
+        supervised.proc = procs.spawn([sys.executable, "-c", f"raise SystemExit({code})"])
+        supervised.proc.wait(60)
+        supervised.pid = supervised.proc.pid
+        ended = supervised.ended()
+        if code == 2:
+            assert ended == {"outcome": None, "resumable": True, "reason": f"its supervisor (pid {supervised.pid}) "
+                             "exited with code 2 and no new one goes on with the job (it refused to go on, and said "
+                             "why)"} and started == [], ended
+    assert ended is None and started == [True]
 
 
 def test_a_child_that_does_not_exit_in_time_is_killed_and_reaped(procs):

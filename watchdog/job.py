@@ -159,7 +159,7 @@ def run(job_file: str, *, resume: bool = False, by: str = outputs.RUN, named: st
                                                                            hold=False))
         ending = choice.run(resume=resume, since=since, stopped=lambda: stops.asked)
         pause_at("concluding")  # a test's hold, as below: once, when the job's end is decided
-        result = outputs.conclude(job, ending, since=since)
+        result = _conclude(job, ending, since=since)
     else:
         found = None
         if resume:
@@ -172,6 +172,17 @@ def run(job_file: str, *, resume: bool = False, by: str = outputs.RUN, named: st
     said = replace(job, path=Path(named)) if named else job
     print(f"{by}: {outputs.summary(said, result, by)}", flush=True)
     return outputs.exit_code(result)
+
+
+def _conclude(job: jobfile.Job, ending: outputs.Ending, **kwargs) -> dict:
+    """`outputs.conclude`: the job's outputs (where one cannot be written, a result.json that says
+    so); a GadeiError where not even result.json can be (a full disk): this supervisor's last
+    line, and its exit code 2 (refused), which its client does not start it again for."""
+    try:
+        return outputs.conclude(job, ending, **kwargs)
+    except OSError as err:
+        raise GadeiError(f"job {job.name!r}: its outputs in {job.output} are not written (not even result.json): "
+                         f"{f'{err.filename}: ' if err.filename else ''}{err.strerror or err}") from None
 
 
 def _outgoing_gone(job: str) -> None:
@@ -237,6 +248,6 @@ def _supervised(job: jobfile.Job, found, stops: _Stops, since: float, hold: bool
     board = follow.board
     try:
         board.epochs(outputs.epoch_records(out))  # those reported after the last look
-        return outputs.conclude(job, ending, since=since, bridge=bridge.summary if bridge is not None else None)
+        return _conclude(job, ending, since=since, bridge=bridge.summary if bridge is not None else None)
     finally:
         board.close()

@@ -76,6 +76,7 @@ class Supervisor:
         self._reported: set[tuple[int, int]] = set()  # (learner entry, pid) reported dead or hung
         self._stopped_it = False  # this supervisor's own stop (every launched learner done) is the job's
         self.checkpoints = 0
+        self._failing = ""  # why the last checkpoint failed, until one is written again
         self._deaths: list[tuple[float, int]] = []  # (monotonic time, learner number) of recent deaths
         self.region: Region | None = None
         self.stop_asked = False  # a stop was asked of it (`ask_stop`), not yet taken
@@ -268,13 +269,19 @@ class Supervisor:
             self._save()
 
     def checkpoint(self) -> None:
-        """Take and write one checkpoint now; a failure is logged and the next one tried later."""
+        """Take and write one checkpoint now; a failure is logged (an error once, while the same
+        one repeats: a full disk stays full) and the next one tried later."""
         try:
             checkpoint.take(self.region, self.settings.checkpoint_dir, keep=self.settings.keep,
                             progress=self.learners.progress if self.learners.table else None)
         except GadeiError as err:
-            log.error("job %r: no checkpoint this time: %s", self.job, err)
+            again, self._failing = str(err) == self._failing, str(err)
+            (log.info if again else log.error)("job %r: no checkpoint this time%s: %s", self.job,
+                                               " either" if again else "", err)
             return
+        if self._failing:
+            log.warning("job %r: checkpoints are written again", self.job)
+            self._failing = ""
         self.checkpoints += 1
 
     # ------------------------------------------------------------------ the server
