@@ -63,8 +63,26 @@ def gadei_command(*args) -> list[str]:
 
 
 def start_time(pid: int | None = None) -> float:
-    """The start time (seconds since the epoch, as psutil reports it) of `pid` (default: us)."""
-    return psutil.Process(os.getpid() if pid is None else pid).create_time()
+    """The start of `pid` (default: us), in seconds since the machine booted, to a clock tick:
+    the process's identity beside its pid, for `alive`. The kernel keeps it in ticks since boot
+    (/proc/PID/stat), which no change of the wall clock moves. psutil's `create_time` adds those
+    ticks to the boot time as the wall clock puts it now: a clock stepped by NTP or a VM's host
+    moves it, and every process recorded before the step would seem to be another one.
+
+    Raises:
+        psutil.NoSuchProcess: no process runs as `pid`.
+    """
+    pid = os.getpid() if pid is None else pid
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            after_name = f.read().rpartition(b")")[2].split()  # the name, in parentheses, may hold anything
+    except (FileNotFoundError, ProcessLookupError):  # never was, or reaped as we read
+        raise psutil.NoSuchProcess(pid) from None
+    return int(after_name[19]) / _CLOCK_TICKS  # starttime, the stat's 22nd field
+
+
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+_SINCE_BOOT_BELOW = 1e9  # a start above it is seconds since 1970: psutil's create_time, as gadei recorded it before
 
 
 def running(pid: int) -> bool:
@@ -100,7 +118,7 @@ def _exited(proc: psutil.Process) -> bool:
 def alive(pid: int, started: float) -> bool:
     """True when `pid` runs and is the same process that started at `started`: the one answer
     to "is this process running" for every process gadei watches (a server, a learner, a
-    supervisor, a daemon's job).
+    supervisor, a daemon's job). `started`: its `start_time`, as recorded when it started.
 
     A zombie (exited, not yet reaped) counts as dead; so does a new process that reused the pid.
     """
@@ -110,7 +128,9 @@ def alive(pid: int, started: float) -> bool:
         proc = psutil.Process(pid)
         if _exited(proc):
             return False
-        return abs(proc.create_time() - started) < 0.05
+        if started >= _SINCE_BOOT_BELOW:  # recorded by an earlier gadei (a region, a record on disk)
+            return abs(proc.create_time() - started) < 0.05
+        return abs(start_time(pid) - started) < 0.5 / _CLOCK_TICKS
     except psutil.NoSuchProcess:
         return False
     except psutil.AccessDenied:

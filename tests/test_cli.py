@@ -160,19 +160,17 @@ def test_clean_removes_the_records_of_servers_that_are_gone_and_keeps_live_ones(
     import subprocess
     import sys
 
-    import psutil
-
+    from gadei import _proc
     from gadei.cli import main
     from gadei.server_record import save_server_record
 
     monkeypatch.setenv("GADEI_RUNTIME_DIR", str(tmp_path / "run"))
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    started = psutil.Process(dead.pid).create_time()
+    started = _proc.start_time(dead.pid)
     dead.wait()
-    me = psutil.Process()
     gone, live, other = (f"rec-{os.getpid()}-{what}" for what in ("gone", "live", "other"))
     save_server_record(gone, dead.pid, started)
-    save_server_record(live, me.pid, me.create_time())
+    save_server_record(live, os.getpid(), _proc.start_time())
     save_server_record(other, dead.pid, started)
     record = {job: tmp_path / "run" / f"{job}.server.json" for job in (gone, live, other)}
     torn = tmp_path / "run" / f"rec-{os.getpid()}-torn.server.json"

@@ -138,3 +138,24 @@ def test_a_process_whose_main_thread_ended_runs_until_its_other_threads_have(pro
     proc.stdin.flush()
     assert proc.wait(30) == 0
     assert not _proc.running(proc.pid) and not _proc.alive(proc.pid, started)
+
+
+def test_a_process_stays_the_one_it_was_when_the_wall_clock_is_stepped(procs, monkeypatch):
+    """A VM's wall clock once stepped 23 s during a job: a start time read from psutil's
+    `create_time` (its start since boot added to the boot time as the wall clock puts it now)
+    moved with it, and every process the job's supervisor had recorded seemed another one: it
+    took its live server for dead. `_proc.start_time` counts from boot, which no step moves.
+    Here psutil's boot time is moved as such a step moves it."""
+    proc = procs.spawn([sys.executable, "-c", "import time; time.sleep(120)"])
+    started = _proc.start_time(proc.pid)
+    recorded_by_an_earlier_gadei = psutil.Process(proc.pid).create_time()
+    assert _proc.alive(proc.pid, started) and _proc.alive(proc.pid, recorded_by_an_earlier_gadei)
+    assert not _proc.alive(proc.pid, started + 0.02)  # two clock ticks apart: another process on that pid
+
+    booted = psutil.boot_time()
+    monkeypatch.setattr(psutil._pslinux, "boot_time", lambda: booted + 23.0)
+    assert abs(psutil.Process(proc.pid).create_time() - recorded_by_an_earlier_gadei - 23.0) < 0.01  # the step
+    assert _proc.alive(proc.pid, started) and _proc.start_time(proc.pid) == started
+    proc.kill()
+    proc.wait(30)
+    assert not _proc.alive(proc.pid, started)

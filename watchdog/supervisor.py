@@ -376,7 +376,7 @@ class Supervisor:
             deadline = Deadline(10)
             while _proc.alive(pid, started) and not deadline.expired():
                 time.sleep(0.05)
-        self._server.wait()  # reap the one it started before
+        wait_or_kill(self._server, 10.0, f"job {self.job!r}: the server")  # reap the one it started before
         self.learners.kill_all()
         folder = self.settings.checkpoint_dir
         # the learners go on from the progress a checkpoint records: the newest that records it

@@ -99,15 +99,12 @@ def train(path: Path, *, optimizer: str | None = None, lr: float | None = None, 
 
 
 def process_start() -> float:
-    """This process's start, wall clock, to a clock tick (10 ms): its start in ticks since boot
-    (/proc/self/stat) set against the boot clock now. psutil's create_time adds those ticks to
-    the boot time in whole seconds, which puts it up to a second early."""
-    import os
+    """This process's start, wall clock, to a clock tick (10 ms): its start since boot
+    (`gadei._proc.start_time`) set against the boot clock now. psutil's create_time adds those
+    ticks to the boot time in whole seconds, which puts it up to a second early."""
+    from gadei import _proc
 
-    with open("/proc/self/stat") as f:
-        after_name = f.read().rpartition(")")[2].split()  # the name, in parentheses, may hold spaces
-    since_boot = int(after_name[19]) / os.sysconf("SC_CLK_TCK")  # starttime, the stat's 22nd field
-    return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - since_boot)
+    return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - _proc.start_time())
 
 
 def main(argv: list[str] | None = None) -> int:
