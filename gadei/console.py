@@ -14,6 +14,8 @@ import threading
 from .env import settings
 from .errors import GadeiError
 
+REFUSED = 2  # the exit code of a command that refuses to go on and says why on stderr (argparse's too)
+
 
 def emit(record: dict) -> None:
     """One JSON line on stdout, for programs (a command's `--json`, a learner's epoch records)."""
@@ -27,7 +29,7 @@ def configure_logging(default: str = "INFO") -> None:
 
 
 def run(func, args, prog: str = "gadei") -> int:
-    """`func(args)`'s exit code; 2 with one line on stderr for what gadei refuses, 130 on Ctrl-C,
+    """`func(args)`'s exit code; REFUSED (2) with one line on stderr for what gadei refuses, 130 on Ctrl-C,
     141 when stdout's reader has gone."""
     # A command whose own lines say what happens (`gadei run`) shows the library's records only
     # from WARNING unless GADEI_LOG asks for more; the others log at INFO (their logs are files).
@@ -36,10 +38,10 @@ def run(func, args, prog: str = "gadei") -> int:
         return func(args)
     except GadeiError as err:
         print(f"{prog}: error: {err}", file=sys.stderr)
-        return 2
+        return REFUSED
     except (ValueError, FileNotFoundError, PermissionError) as err:  # bad values found after parsing (data
         print(f"{prog}: error: {err}", file=sys.stderr)  # specs, env variables), missing or unreadable files
-        return 2
+        return REFUSED
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:  # whoever read stdout is gone (`gadei logs JOB | head`): stop quietly, as cat does

@@ -138,7 +138,7 @@ def job_seconds(at, runs: list[dict] | None) -> float | None:
 def read_result(out: Path) -> dict | None:
     try:
         return json.loads((out / "result.json").read_text())
-    except (FileNotFoundError, NotADirectoryError, ValueError):
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError, ValueError):
         return None
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from . import _proc, files, options, ring
 from ._proc import python_command
+from .console import REFUSED  # a supervisor that exits so said why: it is not started again
 from .checkpoint import CheckpointOptions
 from .env import runtime_dir
 from .options import option, same_as
@@ -40,7 +41,6 @@ STOP_RECORD = "logs/server-stop.json"  # the last server's stop record (`gadei.s
 SERVER_DEAD = 3  # the server died or hung and was not (or could not be) restarted
 LEARNERS_FAILED = 4  # the job ended after the supervisor gave up on a launched learner
 JOB_FAILED = 5  # the server stopped the job as failed; nothing was restarted
-REFUSED = 2  # a job file's supervisor's exit code for what it refuses (`gadei.console.run`): not started again
 
 DESCRIPTION = ("The supervisor of one job: start its server (--server's gadei arguments), report dead or hung "
                "learners and server, take a checkpoint between two updates every --every seconds, launch --learners "
@@ -379,6 +379,21 @@ class Supervised:
             return self.proc.poll()
         return self.zygote.code(self.pid, wait) if self.zygote is not None else None
 
+    def _refusal(self) -> str:
+        """What the supervisor refused, as the last line of its log says it (`gadei.console.run`'s
+        `gadei supervisor: error: ...`); "" where that line is not there (no log of its own: the
+        line went to this process's stderr; or the disk that failed its outputs failed the log)."""
+        if self.log is None:
+            return ""
+        try:
+            with open(self.log, "rb") as f:
+                f.seek(max(0, os.fstat(f.fileno()).st_size - 16384))
+                lines = f.read().decode(errors="replace").splitlines()
+        except OSError:
+            return ""
+        prefix = "gadei supervisor: error: "
+        return next((line[len(prefix):] for line in reversed(lines) if line.startswith(prefix)), "")
+
     def ended(self) -> dict | None:
         """None while the job runs (a supervisor that died is replaced here, where it may be);
         result.json once the job ended; {"outcome": None, "reason": ...} where its supervisor
@@ -405,7 +420,8 @@ class Supervised:
         if self.stop_asked:
             why = "it was being stopped"
         elif refused:
-            why = "it refused to go on, and said why"
+            why = f"it refused to go on: {said}" if (said := self._refusal()) else \
+                "it refused to go on" + (f"; its log, {self.log}, says why" if self.log is not None else "")
         elif found is None:
             why = "no checkpoint records the learners' progress yet"
         else:

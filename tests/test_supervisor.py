@@ -284,9 +284,37 @@ def test_a_job_supervisor_that_refused_is_not_started_again_where_one_that_died_
         ended = supervised.ended()
         if code == 2:
             assert ended == {"outcome": None, "resumable": True, "reason": f"its supervisor (pid {supervised.pid}) "
-                             "exited with code 2 and no new one goes on with the job (it refused to go on, and said "
-                             "why)"} and started == [], ended
+                             "exited with code 2 and no new one goes on with the job (it refused to go on)"} \
+                and started == [], ended
     assert ended is None and started == [True]
+
+
+def test_a_job_whose_result_cannot_be_written_ends_once_and_gadei_run_says_why(tmp_path, procs):
+    """The whole path of a job whose supervisor cannot write even result.json (a full disk; here a
+    folder in its place, which fails its write as surely): the supervisor's last line names the
+    file and why, it exits 2, and `gadei run` does not start a new one from the newest checkpoint
+    to fail the same way: its last line says so, and nothing of the job runs on."""
+    from helpers import blobs_job, job_processes, job_version, unique_name
+
+    name = unique_name("unwritable")
+    path = blobs_job(tmp_path, name, train={"learners": 1, "epochs": 40, "patience": 40},
+                     checkpoint={"interval": 1})
+    out = tmp_path / "out"
+    run = procs.gadei("run", path)
+    try:
+        wait_for(lambda: job_version(name) > 0 or run.poll() is not None, 120, "the job to train")
+        (out / "result.json").mkdir()  # before the job's end: its training takes seconds
+        stdout, stderr = communicate(run, 300)
+        said = stdout + stderr
+        assert run.returncode == 1, said
+        assert (f"exited with code 2 and no new one goes on with the job (it refused to go on: job {name!r}: its "
+                f"outputs in {out} are not written (not even result.json): {out / 'result.json'}: Is a directory)"
+                ) in said, said
+        assert "a new one goes on" not in said and "Traceback" not in said, said
+        assert (out / "result.json").is_dir() and not job_processes(name) and inspect(name) is None
+    finally:
+        for proc in job_processes(name):
+            proc.kill()
 
 
 def test_a_child_that_does_not_exit_in_time_is_killed_and_reaped(procs):
