@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import signal
+import stat
 import subprocess
 import time
 from dataclasses import asdict, dataclass, field
@@ -103,7 +104,16 @@ class SupervisorSettings:
         for name in ("checkpoint_dir", "log_dir"):
             folder = getattr(self, name)
             if folder and os.path.lexists(folder) and not os.path.isdir(folder):
-                raise ValueError(f"supervisor {name} = {folder!r} is not a folder (a file is in its place)")
+                raise ValueError(f"supervisor {name} = {folder!r} is not a folder ({_what_is(folder)} is in its place)")
+
+
+def _what_is(path: str) -> str:
+    """What is at `path`, which is not a folder, in words."""
+    mode = os.lstat(path).st_mode
+    if stat.S_ISLNK(mode):
+        return "a symbolic link to " + ("nothing" if not os.path.exists(path) else "something else")
+    return ("a file" if stat.S_ISREG(mode) else "a socket" if stat.S_ISSOCK(mode) else
+            "a FIFO" if stat.S_ISFIFO(mode) else "a device")
 
 
 def _progress(text: str) -> dict:

@@ -257,7 +257,13 @@ def test_a_file_where_the_checkpoint_folder_goes_is_refused_before_anything_star
     serve = procs.gadei("serve", job, "--params", 1000, "--checkpoint-dir", tmp_path / "ckpt")
     _, err = communicate(serve, 60)
     assert serve.returncode == 2 and "Traceback" not in err, err
-    assert f"supervisor checkpoint_dir = '{tmp_path / 'ckpt'}' is not a folder" in err and inspect(job) is None, err
+    assert f"supervisor checkpoint_dir = '{tmp_path / 'ckpt'}' is not a folder (a file is in its place)" in err \
+        and inspect(job) is None, err
+    os.mkfifo(tmp_path / "logs")  # or something else: what is there is said
+    serve = procs.gadei("serve", job, "--params", 1000, "--checkpoint-dir", tmp_path / "c",
+                        "--log-dir", tmp_path / "logs")
+    _, err = communicate(serve, 60)
+    assert serve.returncode == 2 and "is not a folder (a FIFO is in its place)" in err, err
 
 
 def test_a_job_supervisor_that_refused_is_not_started_again_where_one_that_died_is(tmp_path, procs, monkeypatch):
