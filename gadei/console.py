@@ -7,6 +7,7 @@ import gc
 import json
 import logging
 import os
+import re
 import signal
 import sys
 import threading
@@ -26,6 +27,23 @@ def configure_logging(default: str = "INFO") -> None:
     """The log records of this process to stderr, at GADEI_LOG's level, else at `default`."""
     level = getattr(logging, settings().log_level or default, logging.INFO)
     logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+
+
+def refusal_in(log: "str | os.PathLike") -> str:
+    """What a gadei process refused, as the last line of its `log` says it: `run`'s
+    `PROG: error: ...`, without `PROG: error: `; "" where that line is not there (it died
+    otherwise, or the log could not be written: a full disk)."""
+    try:
+        with open(log, "rb") as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - 16384))
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return ""
+    said = (_REFUSAL.match(line) for line in reversed(lines))
+    return next((match[1] for match in said if match), "")
+
+
+_REFUSAL = re.compile(r"gadei(?: [a-z]+)?: error: (.+)")  # `run`'s line, whichever gadei command's prog
 
 
 def run(func, args, prog: str = "gadei") -> int:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from . import _proc, files, options, ring
 from ._proc import python_command
-from .console import REFUSED  # a supervisor that exits so said why: it is not started again
+from .console import REFUSED, refusal_in  # a supervisor that exits REFUSED said why: it is not started again
 from .checkpoint import CheckpointOptions
 from .env import runtime_dir
 from .options import option, same_as
@@ -177,6 +177,7 @@ class Launched:
         seen: samples that process had published when last looked at.
         done: it finished its schedule.
         failed: it died too often within the window; no more restarts.
+        error: what its last process refused, where its log's last line says (`console.refusal_in`).
         restarts: wall-clock times it was started again after a death.
         due: wall-clock time of the next start (0: none pending).
     """
@@ -190,6 +191,7 @@ class Launched:
     seen: int = 0
     done: bool = False
     failed: bool = False
+    error: str = ""
     restarts: list[float] = field(default_factory=list)
     due: float = 0.0
 
@@ -389,21 +391,6 @@ class Supervised:
             return self.proc.poll()
         return self.zygote.code(self.pid, wait) if self.zygote is not None else None
 
-    def _refusal(self) -> str:
-        """What the supervisor refused, as the last line of its log says it (`gadei.console.run`'s
-        `gadei supervisor: error: ...`); "" where that line is not there (no log of its own: the
-        line went to this process's stderr; or the disk that failed its outputs failed the log)."""
-        if self.log is None:
-            return ""
-        try:
-            with open(self.log, "rb") as f:
-                f.seek(max(0, os.fstat(f.fileno()).st_size - 16384))
-                lines = f.read().decode(errors="replace").splitlines()
-        except OSError:
-            return ""
-        prefix = "gadei supervisor: error: "
-        return next((line[len(prefix):] for line in reversed(lines) if line.startswith(prefix)), "")
-
     def ended(self) -> dict | None:
         """None while the job runs (a supervisor that died is replaced here, where it may be);
         result.json once the job ended; {"outcome": None, "reason": ...} where its supervisor
@@ -430,7 +417,8 @@ class Supervised:
         if self.stop_asked:
             why = "it was being stopped"
         elif refused:
-            why = f"it refused to go on: {said}" if (said := self._refusal()) else \
+            said = refusal_in(self.log) if self.log is not None else ""  # else it went to our stderr
+            why = f"it refused to go on: {said}" if said else \
                 "it refused to go on" + (f"; its log, {self.log}, says why" if self.log is not None else "")
         elif found is None:
             why = "no checkpoint records the learners' progress yet"

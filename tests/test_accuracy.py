@@ -12,8 +12,10 @@ between 77.6% and 79.2%. So each side is the median over its seeds (the job's se
 weights, data order, dropout), and the comparison is of those medians.
 
 Each model family is a case: the n-gram workload on TREC runs in the long tier (`--long`),
-three seeds a side (about a minute on a 2-core machine: its runs take seconds, and its
-row-sparse updates are the Hogwild case where two learners' steps meet on the same rows).
+five seeds a side (about three minutes on a 2-core machine: its runs take seconds, and its
+row-sparse updates are the Hogwild case where two learners' steps meet on the same rows). Its
+seeds alone span a point and a half (8 seeds a side: 89.4% to 90.8%); with three a side,
+one learner's median once came out 1.2 points above two learners'.
 The text CNN's cases run with `--soak`: TREC with two seeds (five to eight minutes, more than
 CI's long tier can afford beside the fault scenarios), SST-2 and banking77 with three (about
 ten and twenty minutes).
@@ -28,8 +30,8 @@ import pytest
 from helpers import communicate, data_dir, missing, unique_name
 
 # (data set, workload): the accuracy two learners' median must reach, and the seeds of each side.
-# The n-gram workload's floor on TREC is test_ngram.py's, a point or so under its 3-seed median.
-TARGETS = {("trec", "ngram"): (0.895, (0, 1, 2)), ("trec", "textcnn"): (0.85, (0, 1)),
+# The n-gram workload's floor on TREC is test_ngram.py's, a point or so under its median.
+TARGETS = {("trec", "ngram"): (0.895, (0, 1, 2, 3, 4)), ("trec", "textcnn"): (0.85, (0, 1)),
            ("sst2", "textcnn"): (0.78, (0, 1, 2)), ("banking77", "textcnn"): (0.80, (0, 1, 2))}
 DATA = {  # each set's [data] section
     "trec": """

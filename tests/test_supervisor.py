@@ -195,8 +195,10 @@ def test_a_launched_learner_that_keeps_failing_is_given_up_and_the_job_ends(job,
                         "--max-restarts", 1, "--learner", f"--data trec:{tmp_path}/no-such-folder --epochs 1")
     _, err = communicate(serve, 120)
     assert serve.returncode == 4, err  # the supervisor's: it gave up on a launched learner
-    assert "launched learner 0 exited with code 2 after 0 samples of its schedule; starting it again in 1 s" in err
-    assert "gave up on it: it died 2 times within 300 s" in err
+    missing = f"(TREC file '{tmp_path}/no-such-folder/TREC.train': No such file or directory)"  # its own line, quoted
+    assert (f"launched learner 0 exited with code 2 {missing} after 0 samples of its schedule; starting it again "
+            "in 1 s") in err, err
+    assert f"launched learner 0 exited with code 2 {missing}; gave up on it: it died 2 times within 300 s" in err, err
     assert f"job {job!r} ended without learners [0] (given up)" in err
     said = (tmp_path / "learner-0.log").read_text()
     assert said.count("gadei: error: TREC file") == 2 and "Traceback" not in said  # both runs said why, plainly

@@ -16,7 +16,7 @@ import time
 
 import psutil
 
-from gadei import _proc, ring
+from gadei import _proc, console, ring
 from gadei._proc import wait_or_kill
 from gadei.launch import started_as, spawn
 from gadei.layout import ACTIVE, DEAD
@@ -175,11 +175,13 @@ class Learners:
         learner.start_at += published
         learner.proc, learner.pid, learner.started, learner.entry, learner.seen = None, 0, 0.0, -1, 0
         recent = [t for t in learner.restarts if now - t < self.window]
+        said = os.path.join(self.log_dir, f"learner-{learner.number}.log")
+        learner.error = console.refusal_in(said) if code == console.REFUSED else ""
+        how += f" ({learner.error})" if learner.error else ""
         if len(recent) >= self.max_restarts:
             learner.failed = True
             log.error("job %r: launched learner %d %s; gave up on it: it died %d times within %g s (see %s)", self.job,
-                      learner.number, how, len(recent) + 1, self.window,
-                      os.path.join(self.log_dir, f"learner-{learner.number}.log"))
+                      learner.number, how, len(recent) + 1, self.window, said)
             return
         delay = min(BACKOFF_CAP, self.backoff * 2 ** len(recent))
         learner.restarts = [*recent, now]

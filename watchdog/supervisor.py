@@ -228,8 +228,11 @@ class Supervisor:
         self.server_code = wait_or_kill(self._server, 60.0, f"job {self.job!r}: the server")  # its last checkpoint
         if self.learners.failed:
             log.error("job %r ended without learners %s (given up)", self.job, self.learners.failed)
+            errors = "".join(f"; learner {learner.number}'s last error: {learner.error}"
+                             for learner in self.learners.table if learner.failed and learner.error)
             self.reason = (f"the supervisor gave up on launched learners {self.learners.failed}: they died "
-                           f"{self.settings.max_restarts + 1} times within {self.settings.window:g} s (see their logs)")
+                           f"{self.settings.max_restarts + 1} times within {self.settings.window:g} s{errors} "
+                           "(see their logs)")
             return LEARNERS_FAILED
         return 0
 
