@@ -26,8 +26,8 @@ from pathlib import Path
 
 from . import _proc, files, options, ring
 from ._proc import python_command
-from .console import REFUSED, refusal_in  # a supervisor that exits REFUSED said why: it is not started again
 from .checkpoint import CheckpointOptions
+from .console import REFUSED, refusal_in  # a supervisor that exits REFUSED said why: it is not started again
 from .env import runtime_dir
 from .options import option, same_as
 
