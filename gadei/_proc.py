@@ -71,6 +71,7 @@ def start_time(pid: int | None = None) -> float:
 
     Raises:
         psutil.NoSuchProcess: no process runs as `pid`.
+        psutil.AccessDenied: it is not ours to inspect.
     """
     pid = os.getpid() if pid is None else pid
     try:
@@ -78,6 +79,8 @@ def start_time(pid: int | None = None) -> float:
             after_name = f.read().rpartition(b")")[2].split()  # the name, in parentheses, may hold anything
     except (FileNotFoundError, ProcessLookupError):  # never was, or reaped as we read
         raise psutil.NoSuchProcess(pid) from None
+    except PermissionError:  # /proc mounted with hidepid: another user's process
+        raise psutil.AccessDenied(pid) from None
     return int(after_name[19]) / _CLOCK_TICKS  # starttime, the stat's 22nd field
 
 
