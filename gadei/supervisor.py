@@ -418,8 +418,7 @@ class Supervised:
             why = "it was being stopped"
         elif refused:
             said = refusal_in(self.log) if self.log is not None else ""  # else it went to our stderr
-            why = f"it refused to go on: {said}" if said else \
-                "it refused to go on" + (f"; its log, {self.log}, says why" if self.log is not None else "")
+            why = f"it refused to go on: {said}" if said else "it refused to go on"
         elif found is None:
             why = "no checkpoint records the learners' progress yet"
         else:
