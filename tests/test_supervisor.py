@@ -325,6 +325,34 @@ def test_a_job_whose_result_cannot_be_written_ends_once_and_gadei_run_says_why(t
             proc.kill()
 
 
+def test_a_job_that_gave_up_its_learner_says_the_learners_own_error_in_result_json(tmp_path, procs):
+    """A learner of a `gadei run` job is killed once its data file is gone: each learner started
+    again refuses (exit 2, its error line), the supervisor gives it up, and the job's reason
+    (result.json, `gadei run`'s last line) quotes that line, not only "see their logs"."""
+    from helpers import blobs_job, job_processes, job_version, unique_name
+
+    name = unique_name("givenup")
+    path = blobs_job(tmp_path, name, train={"learners": 1, "epochs": 100_000, "patience": 100_000})
+    out = tmp_path / "out"
+    run = procs.gadei("run", path)
+    try:
+        wait_for(lambda: job_version(name) > 0 or run.poll() is not None, 120, "the job to train")
+        (tmp_path / "blobs.npz").unlink()
+        with Region.attach(name, readonly=True) as region:
+            [learner] = learner_pids(region)
+        psutil.Process(learner).kill()
+        stdout, stderr = communicate(run, 300)
+        said = stdout + stderr
+        assert run.returncode == 1 and "Traceback" not in said, said
+        result = json.loads((out / "result.json").read_text())
+        error = f"learner 0's last error: job.toml: [data] train = '{tmp_path / 'blobs.npz'}': no such file"
+        assert result["outcome"] == "failed" and error in result["reason"], result
+        assert error in said and not job_processes(name) and inspect(name) is None, said
+    finally:
+        for proc in job_processes(name):
+            proc.kill()
+
+
 def test_a_child_that_does_not_exit_in_time_is_killed_and_reaped(procs):
     """`_proc.wait_or_kill`, the one "wait, else kill" (a supervisor's server and its launched
     learners at the job's end)."""
