@@ -82,6 +82,8 @@ def check(job: jobfile.Job, resume: bool, place=None, *, by: str = RUN) -> Prepa
         done = finished(out)
         if done:
             raise GadeiError(f"output folder {out} holds a previous run: {done}; {AFRESH}")
+        if outputs.going_on(out, verify=False) is None:  # it ended before a checkpoint recorded its learners' progress
+            raise GadeiError(f"output folder {out} holds a previous run, and {outputs.again(job, by)}")
         raise GadeiError(f"output folder {out} holds a previous run (checkpoints/); go on with it with "
                          f"{go_on(job.path, by)}, or set another [output] folder, or remove that one")
     return Prepared(job, train, test, chosen, read, where.found if where else None, validation, by, picked, where,
@@ -389,7 +391,8 @@ def resume_point(job: jobfile.Job, *, nodes: int = 1) -> outputs.GoOn:
         if done:
             raise GadeiError(f"--resume: {done}: there is nothing to go on with; {AFRESH}")
         folder = out / (outputs.CANDIDATES if job.workload == jobfile.AUTO else "checkpoints")
-        raise GadeiError(f"--resume: no checkpoint in {folder} that verifies and records the learners' progress")
+        raise GadeiError(f"--resume: no checkpoint in {folder} that verifies and records the learners' progress, "
+                         f"so there is nothing to go on with; {AFRESH}")
     return where
 
 

@@ -271,6 +271,13 @@ def test_a_supervisor_killed_before_any_checkpoint_ends_gadei_run_with_the_reaso
                 "checkpoint records the learners' progress yet)") in stderr, stderr
         assert not (tmp_path / "out" / "result.json").exists()
         wait_for(lambda: _gone(name), 60, "every process of the job to end")
+        # the folder holds the server's stop checkpoint, which records no progress: neither a run
+        # nor a resume of it sends the user to the other
+        for again in (procs.gadei("run", path), procs.gadei("run", "--resume", path)):
+            _, err = communicate(again, 60)
+            assert again.returncode == 2 and "records the learners' progress, so there is nothing to go on with; " \
+                "to run the job again, set another [output] folder or remove that one" in err, err
+            assert "go on with it" not in err, err
     finally:
         end_jobs(name)
 
