@@ -283,7 +283,8 @@ class Supervised:
 
     A supervisor that died without writing result.json took its job down with it (its server
     and learners are tied to it); `ended` then starts a new one that goes on from the newest
-    checkpoint that records the learners' progress (at most `restarts` times within `window`
+    checkpoint that records the learners' progress, or from the job's start where none does yet
+    (a job shorter than its first checkpoint interval; at most `restarts` times within `window`
     seconds, never after a stop was asked, nor after one that refused: exit code 2, its last line
     says why), or answers the end with the reason when none can.
 
@@ -409,9 +410,10 @@ class Supervised:
         self._deaths = [t for t in self._deaths if now - t < self.window]
         found = going_on(self.out)  # its newest checkpoint that records the learners' progress (or its candidate's)
         refused = code == REFUSED  # it said why (not even result.json could be written): a new one would again
-        if not self.stop_asked and not refused and found is not None and len(self._deaths) < self.restarts:
+        if not self.stop_asked and not refused and len(self._deaths) < self.restarts:
             self._deaths.append(now)
-            log.warning("job folder %s: %s; a new one goes on from %s", self.out, self.said, found)
+            log.warning("job folder %s: %s; a new one goes on from %s", self.out, self.said,
+                        found or "the job's start (no checkpoint records the learners' progress yet)")
             self.start(resume=True)
             return None
         if self.stop_asked:
@@ -419,8 +421,6 @@ class Supervised:
         elif refused:
             said = refusal_in(self.log) if self.log is not None else ""  # else it went to our stderr
             why = f"it refused to go on: {said}" if said else "it refused to go on"
-        elif found is None:
-            why = "no checkpoint records the learners' progress yet"
         else:
             why = f"it died {len(self._deaths) + 1} times within {self.window:g} s"
         return {"outcome": None, "reason": f"{self.said} and no new one goes on with the job ({why})",

@@ -161,12 +161,11 @@ def run(job_file: str, *, resume: bool = False, by: str = outputs.RUN, named: st
         pause_at("concluding")  # a test's hold, as below: once, when the job's end is decided
         result = _conclude(job, ending, since=since)
     else:
-        found = None
-        if resume:
-            found = checkpoint.latest(job.output / "checkpoints", with_progress=True)
-            if found is None:
-                raise GadeiError(f"--resume: no checkpoint in {job.output / 'checkpoints'} that verifies and records "
-                                 "the learners' progress")
+        found = checkpoint.latest(job.output / "checkpoints", with_progress=True) if resume else None
+        if resume and found is None:  # the supervisor before this one died before its first checkpoint
+            log.warning("job %r: no checkpoint in %s records the learners' progress yet: the job starts again from "
+                        "its start", job.name, job.output / "checkpoints")
+            outputs.afresh(job.output)  # what the run before left is not this one's
         result = _supervised(job, found, stops, since)
     log.info("job %r: %s", job.name, result["outcome"])
     said = replace(job, path=Path(named)) if named else job
