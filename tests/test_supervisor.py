@@ -4,6 +4,7 @@ few seconds (whole updates only), reports dead and hung learners, stops the job 
 (SIGTERM) with a checkpoint, restarts a killed server from its last checkpoint, gives up after
 too many restarts, and restarts, gives up on or checkpoints for the learners it launched."""
 
+import contextlib
 import json
 import os
 import re
@@ -71,8 +72,20 @@ def test_a_checkpoint_that_fails_the_same_way_again_is_an_error_once_and_the_fir
     try:
         supervised, _ = _job(procs, job, folder)
         wait_for(lambda: checkpoint.listing(folder), 60, "a checkpoint")
-        shutil.rmtree(folder)
-        folder.write_text("a file where the folder was")  # every checkpoint fails now, the same way
+
+        def a_file_in_its_place() -> bool:
+            """Every checkpoint fails from now on, the same way. The folder is moved away whole
+            first: removed in place, a checkpoint written as it went left it not empty."""
+            gone = tmp_path / f"gone-{time.monotonic_ns()}"
+            with contextlib.suppress(FileNotFoundError):
+                folder.rename(gone)
+            shutil.rmtree(gone, ignore_errors=True)
+            try:
+                folder.write_text("a file where the folder was")
+            except IsADirectoryError:  # the supervisor made it again meanwhile
+                return False
+            return True
+        wait_for(a_file_in_its_place, 60, "a file in the checkpoint folder's place")
         failing = lambda: [line for line in supervised.err_lines if "no checkpoint this time" in line]  # noqa: E731
         wait_for(lambda: len(failing()) >= 4, 60, "four failed checkpoints")
         folder.unlink()
