@@ -163,8 +163,9 @@ def run(job_file: str, *, resume: bool = False, by: str = outputs.RUN, named: st
     else:
         found = checkpoint.latest(job.output / "checkpoints", with_progress=True) if resume else None
         if resume and found is None:  # the supervisor before this one died before its first checkpoint
-            log.warning("job %r: no checkpoint in %s records the learners' progress yet: the job starts again from "
-                        "its start", job.name, job.output / "checkpoints")
+            # its client said so as it started this one (`Supervised.ended`): the log's record, not a second warning
+            log.info("job %r: no checkpoint in %s records the learners' progress yet: the job starts again from its "
+                     "start", job.name, job.output / "checkpoints")
             outputs.afresh(job.output)  # what the run before left is not this one's
         result = _supervised(job, found, stops, since)
     log.info("job %r: %s", job.name, result["outcome"])
