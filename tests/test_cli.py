@@ -566,6 +566,16 @@ def test_predict_answers_each_of_several_texts_on_a_line_of_its_own(procs, tmp_p
     one = capsys.readouterr().out.splitlines()
     assert len(one) == 2 and sorted(line.split()[-1] for line in one) == ["HUM", "NUM"], one
 
+    # A label or a text that holds a newline (a quoted CSV field may) keeps to its answer's line.
+    (folder / "labels.json").write_text(json.dumps(["HUM", "NUM\nnumber"]))
+    assert main(["predict", str(folder), "how many\nbirds", "who", "--top", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 and lines[0].startswith("how many\\nbirds: "), lines
+    assert all("NUM\\nnumber " in line for line in lines), lines
+    assert main(["predict", str(folder), "how many birds"]) == 0
+    one = capsys.readouterr().out.splitlines()
+    assert len(one) == 2 and "NUM\\nnumber" in {line.split()[-1] for line in one}, one
+
     with pytest.raises(SystemExit) as exit:
         main(["predict", str(folder), "A", "--tpo", "2"])
     err = capsys.readouterr().err

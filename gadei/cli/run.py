@@ -47,12 +47,20 @@ def cmd_predict(args) -> int:
         return 0
     if len(answers) == 1 and "-" not in args.text:  # one text given: a label a line
         for label, probability in answers[0]:
-            print(f"{probability:7.2%}  {label}")
+            print(f"{probability:7.2%}  {one_line(label)}")
         return 0
     for text, best in zip(texts, answers):  # several: one line each, the text first (a long one's start)
         shown = text if len(text) <= SHOWN_TEXT else text[:SHOWN_TEXT - 3] + "..."
-        print(f"{shown}: " + ", ".join(f"{label} {probability:.2%}" for label, probability in best))
+        print(f"{one_line(shown)}: " + ", ".join(f"{one_line(label)} {probability:.2%}" for label, probability in best))
     return 0
+
+
+def one_line(text: str) -> str:
+    """`text` with its control characters escaped (a newline as \\n), so that a label or text
+    that holds one (a quoted CSV field may) keeps to its answer's line."""
+    import unicodedata
+
+    return "".join(c.encode("unicode_escape").decode() if unicodedata.category(c) == "Cc" else c for c in text)
 
 
 def texts_of(data: bytes, where: str) -> list[str]:
