@@ -22,7 +22,7 @@ from gadei.server_record import read_stop_record
 
 def _csv(folder, rows, name="train.csv", header="text,category"):
     path = folder / name
-    path.write_text(header + "\n" + "\n".join(rows) + "\n")
+    path.write_text("\n".join([header, *rows]) + "\n")
     return path
 
 
@@ -229,6 +229,7 @@ def test_validation_holdout_0_holds_nothing_out_and_a_bridged_node_holds_nothing
      "hold the classes, not values or texts?"),
     (["hello,"], "text,category",
      "no samples (train.csv: 2 lines, 0 samples; left out: 1 row with a blank label (line 2))"),
+    ([], "text,category", "no samples (train.csv: 1 line, 0 samples)"),  # its header alone
 ])
 def test_bad_data_is_refused_before_anything_starts(small, rows, header, message):
     _csv(small, rows, header=header)

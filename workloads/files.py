@@ -99,7 +99,7 @@ class FileReport:
         self.left_out.setdefault(reason, []).append(line)
 
     def __str__(self) -> str:
-        text = f"{self.path.name}: {self.lines:,} lines, {self.samples:,} samples"
+        text = f"{self.path.name}: {_count(self.lines, 'line')}, {_count(self.samples, 'sample')}"
         if self.left_out:
             text += "; left out: " + ", ".join(f"{len(at):,} {reason if len(at) == 1 else _PLURAL[reason]} "
                                                f"({_lines(at)})" for reason, at in self.left_out.items())
@@ -111,6 +111,10 @@ class FileReport:
                      f"sample{'' if len(self.cut) == 1 else 's'} ({_lines(self.cut)}; the longest {self.longest:,} "
                      "words)")
         return text
+
+
+def _count(number: int, noun: str) -> str:
+    return f"{number:,} {noun}{'' if number == 1 else 's'}"
 
 
 def _lines(numbers: list[int], shown: int = 5) -> str:
