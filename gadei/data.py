@@ -10,6 +10,7 @@ nothing of gadei.
 """
 
 import os
+from dataclasses import dataclass
 
 from . import jobfile
 from .env import settings
@@ -83,7 +84,7 @@ def load(workload, spec: str):
     return train, None, test
 
 
-def load_job(job: jobfile.Job, reports: list | None = None):
+def load_job(job: jobfile.Job, reports: list | None = None, texts: "Texts | None" = None):
     """The job's (train, validation, test) datasets: vocabulary and labels from train; test
     from its file or held out of train ([data] holdout); validation, on which the model is
     chosen and training stops, from its file or held out of what is left of train ([data]
@@ -91,21 +92,49 @@ def load_job(job: jobfile.Job, reports: list | None = None):
     process; None when there is none (validation_holdout = 0: a bridged node's job, or one
     that trains on all of train to its epochs cap). The test set never chooses anything. Each text file's
     `gadei_workloads.files.FileReport` (lines read, samples kept, what was left out and why)
-    is appended to `reports`.
+    is appended to `reports`. `texts`: the job's text files as `read_texts` read them already
+    (the candidates of a job that picks its model share one reading; their [data] and seed are
+    the job's), encoded here for the job's workload.
 
     Raises:
         jobfile.JobFileError: a data file does not parse, is empty, lacks a column, or the training
             set has fewer than two labels (names the file and line where there is one).
     """
-    from gadei_workloads.files import DataError, read
-    from gadei_workloads.text import encode_splits, hold_out
-
-    d = job.data
     from gadei_workloads import get
+    from gadei_workloads.text import encode_splits
 
     workload = get(job.workload)
     if workload.kind == "numeric":
         return _load_arrays(job, reports)
+    texts = texts if texts is not None else read_texts(job, reports)
+    try:
+        return encode_splits(texts.train, texts.validation, texts.test, name=f"job {job.name}",
+                             validation_source=texts.validation_source, test_source=texts.test_source,
+                             tokens=workload.tokens, max_size=workload.max_vocab)
+    except ValueError as err:
+        key = "validation" if str(err).startswith(texts.validation_source) else "test"
+        raise jobfile.JobFileError(f"{job.path.name if job.path else 'job'}: [data] {key}: {err}") from None
+
+
+@dataclass(frozen=True)
+class Texts:
+    """A job's text files read and split (`read_texts`), before a workload encodes them: (words,
+    label) rows of each split, and where the validation and test rows came from, in words."""
+
+    train: list
+    validation: list | None
+    test: list
+    validation_source: str
+    test_source: str
+
+
+def read_texts(job: jobfile.Job, reports: list | None = None) -> Texts:
+    """The job's text files read ([data] train, test, validation) and split as `load_job` says,
+    its FileReports appended to `reports`; JobFileError as `load_job` raises it."""
+    from gadei_workloads.files import DataError, read
+    from gadei_workloads.text import hold_out
+
+    d = job.data
     where = job.path.name if job.path else "job"
     options = dict(text_column=d.text_column, label_column=d.label_column, header=d.header, encoding=d.encoding,
                    fallback=d.fallback_encoding, reports=reports, max_words=d.max_words)
@@ -127,12 +156,7 @@ def load_job(job: jobfile.Job, reports: list | None = None):
         validation_source = f"{source}: held-out {d.validation_holdout:.0%} of train for validation"
     else:
         validation_source = ", ".join(map(str, d.validation or ()))
-    try:
-        return encode_splits(train, validation, test, name=source, validation_source=validation_source,
-                             test_source=test_source, tokens=workload.tokens, max_size=workload.max_vocab)
-    except ValueError as err:
-        key = "validation" if str(err).startswith(validation_source) else "test"
-        raise jobfile.JobFileError(f"{where}: [data] {key}: {err}") from None
+    return Texts(train, validation, test, validation_source, test_source)
 
 
 VALIDATION_STREAM = 104729  # the validation split's random stream (the test hold-out's is another)

@@ -97,10 +97,11 @@ def _candidates(job: jobfile.Job, read: list, by: str) -> tuple[list[Prepared], 
     from gadei_workloads.cost import cheapest_first, estimate
 
     prepared = {}
+    texts = data.read_texts(job, read)  # the files read once, each candidate's words encoded for its workload
     for workload in CANDIDATES:
         candidate = dataclasses.replace(job, workload=workload,
                                         output=outputs.candidate_folder(job.output, workload))
-        train, validation, test = data.load_job(candidate, read if not prepared else None)  # files said once
+        train, validation, test = data.load_job(candidate, texts=texts)
         candidate, chosen = candidate.with_defaults(len(train), _rows(train))
         prepared[workload] = Prepared(candidate, train, test, chosen, [], None, validation, by)
     estimates = cheapest_first([estimate(w, p.train) for w, p in prepared.items()])
