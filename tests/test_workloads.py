@@ -66,6 +66,56 @@ def test_tokenize_splits_contractions_and_strips_accents():
     assert tokenize("  ...  ") == []
 
 
+def test_tokenize_reads_ascii_and_other_texts_alike():
+    """ASCII texts skip the accent folding (NFKD, then dropping combining marks), which leaves
+    them as they are: the tokens are those of the folding path, for texts of every kind of
+    character."""
+    import random
+    import re
+    import unicodedata
+
+    from gadei_workloads.text import _TOKEN_RE
+
+    def folded(text):
+        text = "".join(ch for ch in unicodedata.normalize("NFKD", text) if not unicodedata.combining(ch))
+        return _TOKEN_RE.findall(text.lower())
+
+    draw = random.Random(0)
+    alphabet = [chr(c) for c in range(128)] + list("éÉàçñüßﬁ½²İ́ ") + ["don't", "It's", "Q&A"]
+    texts = ["".join(draw.choices(alphabet, k=draw.randint(0, 40))) for _ in range(5000)]
+    texts += ["Don't stop", "CAFE'S (new)!", "x-ray, 42?", "It'd", "A\tb\nc"]
+    for each in texts:
+        assert tokenize(each) == folded(each), each
+    assert sum(each.isascii() for each in texts) > 100 and re.search("[^ -~]", "".join(texts))
+
+
+@pytest.mark.parametrize("tokens, max_size, min_count", [(None, 20000, 1), ("ngrams", 1_000_000, 1),
+                                                          ("ngrams", 40, 2), (None, 12, 3)])
+def test_a_split_is_encoded_as_the_vocabulary_built_from_its_tokens_says(tokens, max_size, min_count):
+    """`encode_splits` numbers each training token as first seen and never keeps the tokens as
+    strings; the vocabulary, ids and labels are those of `Vocab.build` over the tokens and
+    `Vocab.encode` of each row: ties by token, min_count and max_size kept, an unseen token 1, a
+    token spelled as padding or unknown their ids."""
+    import random
+
+    from gadei_workloads.ngram import ngrams
+    from gadei_workloads.text import encode_splits
+
+    make = ngrams if tokens == "ngrams" else (lambda words: words)
+    draw = random.Random(1)
+    words = [f"w{i}" for i in range(60)] + ["<pad>", "<unk>"]
+    rows = [([draw.choice(words) for _ in range(draw.randint(0, 12))], draw.choice("abc")) for _ in range(300)]
+    train, validation, test = rows[:200], rows[200:250], rows[250:] + [(["never", "seen"], "a")]
+    sets = encode_splits(train, validation, test, name="x", validation_source="v", test_source="t",
+                         tokens=make if tokens else None, max_size=max_size, min_count=min_count)
+    vocab = Vocab.build([make(w) for w, _ in train], max_size=max_size, min_count=min_count)
+    assert sets[0].vocab == vocab and len(vocab) == min(max_size, len(vocab))
+    for dataset, split in zip(sets, (train, validation, test)):
+        assert dataset.ids == [vocab.encode(make(w)) for w, _ in split]
+        assert [dataset.label_names[i] for i in dataset.labels] == [label for _, label in split]
+    assert sets[2].ids[-1][-1] == 1 and any(0 in ids for ids in sets[0].ids)
+
+
 def test_vocab_orders_by_count_and_maps_unknown_to_one():
     vocab = Vocab.build([["b", "a", "b"], ["c", "a", "b"]])
     assert vocab.decode(range(len(vocab))) == ["<pad>", "<unk>", "b", "a", "c"]

@@ -45,6 +45,7 @@ import json
 import logging
 import re
 import stat
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -290,7 +291,8 @@ def read(paths: list[Path], fmt: str, *, max_words: int | None = None, reports: 
     lines = ((report, line) for report in found for line in report.kept)
     rows = []
     for (text, label), (report, line) in zip(texts, lines):
-        words = tokenize(text)
+        words = list(map(sys.intern, tokenize(text)))  # one string for each word, not one for each time it is said
+        label = sys.intern(label)
         if max_words is not None and len(words) > max_words:
             report.cut.append(line)
             report.max_words, report.longest = max_words, max(report.longest, len(words))

@@ -12,6 +12,7 @@ import collections
 import logging
 import re
 import unicodedata
+from array import array
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Sequence
@@ -61,8 +62,9 @@ def tokenize(text: str) -> list[str]:
     Returns:
         The tokens, possibly empty.
     """
-    text = unicodedata.normalize("NFKD", text)
-    text = "".join(ch for ch in text if not unicodedata.combining(ch))
+    if not text.isascii():  # ASCII has no accents to strip (NFKD leaves it as it is): most texts, read fast
+        text = unicodedata.normalize("NFKD", text)
+        text = "".join(ch for ch in text if not unicodedata.combining(ch))
     return _TOKEN_RE.findall(text.lower())
 
 
@@ -112,16 +114,19 @@ class Vocab:
         Raises:
             ValueError: If ``max_size`` < 2 or ``min_count`` < 1.
         """
+        counts: collections.Counter[str] = collections.Counter()
+        for tokens in texts:
+            counts.update(tokens)
+        return cls.of_counts(counts, max_size=max_size, min_count=min_count)
+
+    @classmethod
+    def of_counts(cls, counts: dict[str, int], max_size: int = 20000, min_count: int = 1) -> Vocab:
+        """The vocabulary :meth:`build` makes of texts whose tokens were counted to ``counts``."""
         if max_size < 2:
             raise ValueError(f"vocab: max_size must be >= 2 (pad and unk), got {max_size}")
         if min_count < 1:
             raise ValueError(f"vocab: min_count must be >= 1, got {min_count}")
-        counts: collections.Counter[str] = collections.Counter()
-        for tokens in texts:
-            counts.update(tokens)
-        for special in (PAD, UNK):
-            counts.pop(special, None)
-        kept = [t for t, n in counts.items() if n >= min_count]
+        kept = [t for t, n in counts.items() if n >= min_count and t not in (PAD, UNK)]
         kept.sort(key=lambda t: (-counts[t], t))
         return cls([PAD, UNK, *kept[: max_size - 2]])
 
@@ -206,10 +211,12 @@ def _encode_split(
     tokens: Tokens | None = None,
 ) -> tuple[TextDataset, TextDataset]:
     """Builds vocab and label map from ``train`` and encodes both splits with them (each row's
-    words made into ``tokens(words)`` first, where given)."""
-    if tokens is not None:
-        train, test = ([(tokens(words), label) for words, label in rows] for rows in (train, test))
-    vocab = Vocab.build((toks for toks, _ in train), max_size=max_size, min_count=min_count)
+    words made into ``tokens(words)`` first, where given).
+
+    A row's tokens are made once and never kept as strings: each is numbered as it is first
+    seen, the numbers counted, and the vocabulary :meth:`Vocab.build` would make of those
+    counts maps each number to its id. (The n-gram workload's tokens of a large set, kept as
+    strings until the vocabulary was built, took several times the memory of its words.)"""
     label_names = sorted({label for _, label in train})
     label_ids = {label: i for i, label in enumerate(label_names)}
     for _, label in test:
@@ -218,17 +225,34 @@ def _encode_split(
                 f"{test_source}: label {label!r} does not occur in the training set "
                 f"(known: {', '.join(label_names)})"
             )
+    seen: collections.defaultdict[str, int] = collections.defaultdict()  # train's tokens, numbered as first seen
+    seen.default_factory = seen.__len__
+    number = seen.__getitem__
+    numbered = [array("l", map(number, tokens(words) if tokens is not None else words))
+                for words, _ in train]  # 8 bytes a token, where a list of ints holds an object for each
+    counts: collections.Counter[int] = collections.Counter()
+    for row in numbered:
+        counts.update(row)
+    vocab = Vocab.of_counts({tok: counts[n] for tok, n in seen.items()}, max_size=max_size, min_count=min_count)
+    stoi = vocab._stoi
+    ids = [stoi.get(tok, 1) for tok in seen]  # a number's id (the tokens not kept: unknown)
+    del seen
 
-    def encode(rows: list[tuple[list[str], str]], split: str) -> TextDataset:
+    def encode(rows: list, split: str, encoded: list[list[int]] | None = None) -> TextDataset:
         return TextDataset(
-            ids=[vocab.encode(toks) for toks, _ in rows],
+            ids=[list(map(ids.__getitem__, row)) for row in numbered] if encoded is None else encoded,
             labels=[label_ids[label] for _, label in rows],
             label_names=label_names,
             vocab=vocab,
             name=f"{name} ({split})",
         )
 
-    return encode(train, "train"), encode(test, "test")
+    return encode(train, "train"), encode(test, "test", encode_rows(vocab, test, tokens))
+
+
+def encode_rows(vocab: Vocab, rows: list[tuple[list[str], str]], tokens: Tokens | None) -> list[list[int]]:
+    """The ids of each (words, label) row's tokens (``tokens(words)``, or the words)."""
+    return [vocab.encode(tokens(words) if tokens is not None else words) for words, _ in rows]
 
 
 def encode_split(
@@ -276,14 +300,12 @@ def encode_splits(
                                         min_count=min_count, tokens=tokens)
     if validation is None:
         return train_set, None, test_set
-    if tokens is not None:
-        validation = [(tokens(words), label) for words, label in validation]
     label_ids = {label: i for i, label in enumerate(train_set.label_names)}
     for _, label in validation:
         if label not in label_ids:
             raise ValueError(f"{validation_source}: label {label!r} does not occur in the training set "
                              f"(known: {', '.join(train_set.label_names)})")
-    validation_set = TextDataset(ids=[train_set.vocab.encode(toks) for toks, _ in validation],
+    validation_set = TextDataset(ids=encode_rows(train_set.vocab, validation, tokens),
                                  labels=[label_ids[label] for _, label in validation],
                                  label_names=train_set.label_names, vocab=train_set.vocab, name=f"{name} (validation)")
     return train_set, validation_set, test_set
