@@ -499,6 +499,51 @@ def test_a_job_that_cannot_start_is_failed_and_the_queue_goes_on(tmp_path, procs
     _no_traceback(daemon)
 
 
+def test_the_daemon_answers_while_it_reads_a_large_jobs_data_and_a_cancel_then_starts_nothing(
+        tmp_path, procs, daemon_env):
+    """Starting a job reads its data again (its submit's checks, and the defaults chosen for the
+    cores it is given): minutes for a large set, which the runner spent holding the daemon's lock,
+    so that `gadei status`, `gadei cancel` and every submit waited for it (a status asked then
+    timed out). Now the daemon answers meanwhile, and a job cancelled as it is prepared ends
+    cancelled with none of its processes started."""
+    import random
+
+    draw = random.Random(0)
+    words = [f"w{i}" for i in range(5000)]
+    data = tmp_path / "large.csv"
+    with data.open("w") as f:  # seconds to read and encode here, for each of the two models a job that picks one tries
+        f.write("label,text\n")
+        f.writelines(f"{'ab'[i % 2]},{' '.join(draw.choices(words, k=25))}\n" for i in range(60_000))
+    name = f"d{os.getpid()}-large"
+    job = tmp_path / "large.toml"
+    job.write_text(f'[job]\nname = "{name}"\n[data]\ntrain = "{data}"\nformat = "csv"\n')
+    daemon = start_daemon(procs, daemon_env)
+    path = _sock(daemon_env)
+    submitted = request(path, {"op": "submit", "jobfile": str(job)}, timeout=600)  # its checks read the data
+    assert submitted["ok"], submitted
+    answered = 0
+    while True:  # the runner prepares it now: each look must be answered, as at any other time
+        asked = time.monotonic()
+        record = request(path, {"op": "status", "job": name}, timeout=10)["jobs"][0]
+        assert time.monotonic() - asked < 10
+        if record["state"] != "queued":
+            break
+        answered += record["message"] == "starting: its data read and checked again"  # else not picked yet
+        if answered == 3:
+            assert request(path, {"op": "cancel", "job": name}, timeout=10)["ok"]
+        time.sleep(0.2)
+    assert answered >= 3, "the job started before the daemon was asked while it prepared it"
+    assert (record["state"], record["message"]) == ("cancelled", "cancelled before it started"), record
+    wait_for(lambda: f"job {name} was cancelled as it was prepared; not started" in "".join(daemon.err_lines), 300,
+             "the runner to end preparing the cancelled job")
+    time.sleep(1)
+    assert request(path, {"op": "status", "job": name}, timeout=10)["jobs"][0]["state"] == "cancelled"
+    assert inspect(name) is None and job_processes(name) == []
+    finish(procs.gadei("daemon", "stop", env=daemon_env))
+    communicate(daemon, 60)
+    _no_traceback(daemon)
+
+
 def test_daemon_stop_and_the_systemd_unit(tmp_path, procs, daemon_env):
     """`gadei daemon systemd-unit` prints a unit systemd-analyze accepts (where it is installed);
     its ExecStart runs the daemon in the foreground, SIGTERM (systemctl stop) ends it with 0 and

@@ -22,6 +22,7 @@ log = logging.getLogger(__name__)
 
 QUEUED, RUNNING, DONE, FAILED, CANCELLED = "queued", "running", "done", "failed", "cancelled"
 LIVE = (QUEUED, RUNNING)
+STARTING = "starting: its data read and checked again"  # a queued job's message while the runner prepares it
 
 
 def state_dir(create: bool = True) -> Path:
@@ -287,7 +288,9 @@ class Jobs:
         """One look: reap the jobs that ended, start the waiting ones that fit (by priority, then
         by submit time: one that does not fit does not hold back a later one that does), and say
         of the others what they wait for; a job that cannot start is failed with the reason and
-        the next one is started instead."""
+        the next one is started instead. A job is prepared (its data read: minutes for a large
+        set) without the lock, so that the daemon answers meanwhile."""
+        starts = []
         with self.lock:
             self._reap()
             running = [r for r in self.records.values() if r.name in self.supervised]
@@ -308,13 +311,19 @@ class Jobs:
                     if short:
                         self._waits(record, short)
                         continue
-                try:
-                    self._start(record, share, need)
-                    running.append(record)
-                    given += [need] if need else []
-                except Exception as err:  # this job cannot start; the queue goes on with the next
-                    reason = _reason(err)
-                    log.warning("job %s could not start: %s", record.name, reason)
+                record.message = STARTING  # what `gadei status` says while it is prepared (not saved)
+                starts.append((record, share, need))  # counted as running: the next ones fit beside it
+                running.append(record)
+                given += [need] if need else []
+        for record, share, need in starts:
+            try:
+                self._start(record, share, need)
+            except Exception as err:  # this job cannot start; the queue goes on with the next
+                reason = _reason(err)
+                log.warning("job %s could not start: %s", record.name, reason)
+                with self.lock:
+                    if record.state != QUEUED:  # cancelled as it was prepared: that is its end
+                        continue
                     try:
                         self._finish(record, FAILED, None, f"could not start: {reason}")
                     except OSError as save_err:  # the record stays queued in memory only: drop it
@@ -333,7 +342,8 @@ class Jobs:
         """Prepare the job (the checks of its submit again: its data or folder may have changed
         since) with `cores` to choose its threads by, and start its supervisor, in a session of
         its own, writing its log in the output folder; a cancel that comes at once is a stop it
-        takes. `need`: what it is given while it runs."""
+        takes. `need`: what it is given while it runs. Called without the lock, which it takes
+        once the job is prepared: a job cancelled meanwhile is not started."""
         from ..placement import Local
         from ..prepare import describe, prepare
 
@@ -343,13 +353,17 @@ class Jobs:
         with environ(self._cores_env(record)):  # the defaults it chooses count on its share of the cores
             prepared = prepare(jobfile.load(record.jobfile), record.resume, by=SUBMIT)
             said = describe(prepared, Local())
-        supervised = self._supervised(record)
-        supervised.start(resume=record.resume, said=said)
-        self.supervised[record.name] = supervised
-        record.state, record.pid, record.pid_start, record.started = RUNNING, supervised.pid, supervised.started, \
-            supervised.since
-        record.need, record.message = asdict(need) if need else None, ""
-        self._save(record)
+        with self.lock:
+            if self.records.get(record.name) is not record or record.state != QUEUED:
+                log.info("job %s was %s as it was prepared; not started", record.name, record.state)
+                return
+            supervised = self._supervised(record)
+            supervised.start(resume=record.resume, said=said)
+            self.supervised[record.name] = supervised
+            record.state, record.pid, record.pid_start, record.started = RUNNING, supervised.pid, \
+                supervised.started, supervised.since
+            record.need, record.message = asdict(need) if need else None, ""
+            self._save(record)
         log.info("job %s started (supervisor pid %d)", record.name, supervised.pid)
 
     def _reap(self) -> None:
