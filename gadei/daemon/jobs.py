@@ -322,7 +322,7 @@ class Jobs:
                 reason = _reason(err)
                 log.warning("job %s could not start: %s", record.name, reason)
                 with self.lock:
-                    if record.state != QUEUED:  # cancelled as it was prepared: that is its end
+                    if record.state != QUEUED:  # cancelled as it was prepared (its end), or started: not failed
                         continue
                     try:
                         self._finish(record, FAILED, None, f"could not start: {reason}")
