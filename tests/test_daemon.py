@@ -499,13 +499,15 @@ def test_a_job_that_cannot_start_is_failed_and_the_queue_goes_on(tmp_path, procs
     _no_traceback(daemon)
 
 
-def test_the_daemon_answers_while_it_reads_a_large_jobs_data_and_a_cancel_then_starts_nothing(
+def test_a_large_jobs_submit_waits_for_its_checks_the_daemon_answers_as_it_starts_it_and_a_cancel_starts_nothing(
         tmp_path, procs, daemon_env):
-    """Starting a job reads its data again (its submit's checks, and the defaults chosen for the
-    cores it is given): minutes for a large set, which the runner spent holding the daemon's lock,
-    so that `gadei status`, `gadei cancel` and every submit waited for it (a status asked then
-    timed out). Now the daemon answers meanwhile, and a job cancelled as it is prepared ends
-    cancelled with none of its processes started."""
+    """A submit's checks read the job's data, and a client's submit waits for them beyond its
+    timeout by the data files' size (a submit of a large set timed out, and the job was queued).
+    Starting the job reads its data again (the defaults chosen for the cores it is given):
+    minutes for a large set, which the runner spent holding the daemon's lock, so that `gadei
+    status`, `gadei cancel` and every submit waited for it (a status asked then timed out). Now
+    the daemon answers meanwhile, and a job cancelled as it is prepared ends cancelled with none
+    of its processes started."""
     import random
 
     draw = random.Random(0)
@@ -519,8 +521,8 @@ def test_the_daemon_answers_while_it_reads_a_large_jobs_data_and_a_cancel_then_s
     job.write_text(f'[job]\nname = "{name}"\n[data]\ntrain = "{data}"\nformat = "csv"\n')
     daemon = start_daemon(procs, daemon_env)
     path = _sock(daemon_env)
-    submitted = request(path, {"op": "submit", "jobfile": str(job)}, timeout=600)  # its checks read the data
-    assert submitted["ok"], submitted
+    # a submit is answered once the daemon's checks have read the data: its wait grows with the data files
+    assert gadei.Client(path, timeout=2).submit(job).state == "queued"
     answered = 0
     while True:  # the runner prepares it now: each look must be answered, as at any other time
         asked = time.monotonic()

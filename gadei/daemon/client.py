@@ -26,6 +26,28 @@ from .listener import MAX_LINES, BadRequest
 log = logging.getLogger(__name__)
 
 
+CHECK_SECONDS_PER_MB = 5.0  # a submit's wait beyond the client's timeout, for each MB of the job's data files
+# (the daemon's checks read them: 1.3-1.5 s a MB measured on 2 cores, a job that picks its model encoding both)
+
+
+def _data_bytes(path: str) -> int:
+    """The bytes of the data files the job file at `path` names (0 where it or they cannot be
+    read: the daemon says what is wrong)."""
+    from .. import jobfile
+
+    try:
+        data = jobfile.load(path, data_files=False).data
+    except GadeiError:
+        return 0
+    size = 0
+    for file in (*data.train, *(data.test or ()), *(data.validation or ())):
+        try:
+            size += os.stat(file).st_size
+        except OSError:
+            pass
+    return size
+
+
 def request(path: str | None, message: dict, timeout: float = 30.0) -> dict:
     """Send one request to the daemon on the socket `path` (default: this user's); its answer,
     {"ok": true, ...} or {"ok": false, "error": ...}, within `timeout` seconds in all.
@@ -121,7 +143,8 @@ class Client:
 
     Args:
         socket: the daemon's socket (default: `daemon.sock` in this user's runtime folder).
-        timeout: seconds one request may take (a submit checks the job's data: seconds).
+        timeout: seconds one request may take; a submit waits CHECK_SECONDS_PER_MB more for
+            each MB of the job's data files, which the daemon's checks read.
         poll: seconds between two looks at a job being waited for or followed.
     """
 
@@ -132,8 +155,8 @@ class Client:
     def __repr__(self) -> str:
         return f"gadei.Client({self.socket!r})"
 
-    def _ask(self, message: dict) -> dict:
-        answer = request(self.socket, message, self.timeout)
+    def _ask(self, message: dict, more: float = 0.0) -> dict:
+        answer = request(self.socket, message, self.timeout + more)
         if not answer.get("ok"):
             raise _refusal(answer)
         return answer
@@ -169,7 +192,9 @@ class Client:
         return self._submit(os.path.abspath(job), resume)
 
     def _submit(self, path: str, resume: bool) -> JobRecord:
-        return _record(self._ask({"op": "submit", "jobfile": path, "resume": resume})["job"])
+        # the daemon answers once it has checked the job, its data read: seconds a MB beyond `timeout`
+        return _record(self._ask({"op": "submit", "jobfile": path, "resume": resume},
+                                 more=CHECK_SECONDS_PER_MB * _data_bytes(path) / 2**20)["job"])
 
     def jobs(self) -> list[JobRecord]:
         """Every job the daemon knows, oldest first."""
