@@ -523,8 +523,9 @@ def test_a_large_jobs_submit_waits_for_its_checks_the_daemon_answers_as_it_start
     path = _sock(daemon_env)
     # a submit is answered once the daemon's checks have read the data: its wait grows with the data files
     assert gadei.Client(path, timeout=2).submit(job).state == "queued"
-    answered = 0
+    answered, deadline = 0, time.monotonic() + 600
     while True:  # the runner prepares it now: each look must be answered, as at any other time
+        assert time.monotonic() < deadline, "the job was still queued after 600 s"
         asked = time.monotonic()
         record = request(path, {"op": "status", "job": name}, timeout=10)["jobs"][0]
         assert time.monotonic() - asked < 10

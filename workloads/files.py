@@ -105,12 +105,11 @@ class FileReport:
             text += "; left out: " + ", ".join(f"{len(at):,} {reason if len(at) == 1 else _PLURAL[reason]} "
                                                f"({_lines(at)})" for reason, at in self.left_out.items())
         if self.fallback_lines:
-            text += (f"; {len(self.fallback_lines):,} line{'' if len(self.fallback_lines) == 1 else 's'} read as "
-                     f"{self.fallback} ({_lines(self.fallback_lines)})")
+            fallback = self.fallback_lines
+            text += f"; {_count(len(fallback), 'line')} read as {self.fallback} ({_lines(fallback)})"
         if self.cut:
-            text += (f"; cut to their first {self.max_words:,} words ([data] max_words): {len(self.cut):,} "
-                     f"sample{'' if len(self.cut) == 1 else 's'} ({_lines(self.cut)}; the longest {self.longest:,} "
-                     "words)")
+            text += (f"; cut to their first {self.max_words:,} words ([data] max_words): "
+                     f"{_count(len(self.cut), 'sample')} ({_lines(self.cut)}; the longest {self.longest:,} words)")
         return text
 
 

@@ -234,20 +234,20 @@ def _encode_split(
     for row in numbered:
         counts.update(row)
     vocab = Vocab.of_counts({tok: counts[n] for tok, n in seen.items()}, max_size=max_size, min_count=min_count)
-    stoi = vocab._stoi
-    ids = [stoi.get(tok, 1) for tok in seen]  # a number's id (the tokens not kept: unknown)
+    ids = vocab.encode(list(seen))  # a number's id (a token not kept: unknown)
     del seen
 
-    def encode(rows: list, split: str, encoded: list[list[int]] | None = None) -> TextDataset:
+    def dataset(rows: list, split: str, encoded: list[list[int]]) -> TextDataset:
         return TextDataset(
-            ids=[list(map(ids.__getitem__, row)) for row in numbered] if encoded is None else encoded,
+            ids=encoded,
             labels=[label_ids[label] for _, label in rows],
             label_names=label_names,
             vocab=vocab,
             name=f"{name} ({split})",
         )
 
-    return encode(train, "train"), encode(test, "test", encode_rows(vocab, test, tokens))
+    return (dataset(train, "train", [list(map(ids.__getitem__, row)) for row in numbered]),
+            dataset(test, "test", encode_rows(vocab, test, tokens)))
 
 
 def encode_rows(vocab: Vocab, rows: list[tuple[list[str], str]], tokens: Tokens | None) -> list[list[int]]:
