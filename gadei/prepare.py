@@ -60,12 +60,16 @@ def check_job(path: str, *, resume: bool = False, by: str = RUN) -> list[str]:
 
 def check(job: jobfile.Job, resume: bool, place=None, *, by: str = RUN) -> Prepared:
     """Everything that can be refused, before anything starts, writing nothing; `by`: the
-    command that starts the job (RUN or SUBMIT), which the refusals name."""
+    command that starts the job (RUN or SUBMIT), which the refusals name. The output folder is
+    checked before the data is read (a large set takes minutes), so a job refused for its folder
+    is refused at once."""
     from .region import check_name_free
 
     place = place or Local()
     job = place.job(job)
     check_name_free(job.name)  # another user's (or a foreign) object in the region's place: say whose, now
+    check_output(job)
+    _check_runs(job, resume, by)
     read: list = []
     picked, estimates = (_candidates(job, read, by) if job.workload == jobfile.AUTO else (None, None))
     if picked is None:
@@ -73,11 +77,21 @@ def check(job: jobfile.Job, resume: bool, place=None, *, by: str = RUN) -> Prepa
     else:
         train, validation, test = picked[0].train, picked[0].validation, picked[0].test
     job, chosen = job.with_defaults(len(train), _rows(train))
+    where = resume_point(job, nodes=place.size) if resume else None
+    return Prepared(job, train, test, chosen, read, where.found if where else None, validation, by, picked, where,
+                    estimates)
+
+
+def _check_runs(job: jobfile.Job, resume: bool, by: str) -> None:
+    """What the output folder holds of earlier runs, as far as it is judged without the job's data:
+    a new run needs a folder no run got far in, a resumed one a run with a checkpoint to go on
+    with (`resume_point` then compares the job, its defaults filled in, and verifies the checkpoint)."""
     out = job.output
-    check_output(job)
-    where = None
     if resume:
-        where = resume_point(job, nodes=place.size)
+        if not (out / "job.toml").is_file():
+            raise GadeiError(f"--resume: {out} holds no run to go on with (no job.toml)")
+        if outputs.going_on(out, verify=False) is None:
+            _nothing_to_go_on(job)
     elif outputs.trained(out):
         done = finished(out)
         if done:
@@ -86,8 +100,17 @@ def check(job: jobfile.Job, resume: bool, place=None, *, by: str = RUN) -> Prepa
             raise GadeiError(f"output folder {out} holds a previous run, and {outputs.again(job, by)}")
         raise GadeiError(f"output folder {out} holds a previous run (checkpoints/); go on with it with "
                          f"{go_on(job.path, by)}, or set another [output] folder, or remove that one")
-    return Prepared(job, train, test, chosen, read, where.found if where else None, validation, by, picked, where,
-                    estimates)
+
+
+def _nothing_to_go_on(job: jobfile.Job) -> None:
+    """Refuse a resume of the run in the job's output folder, which has nothing to go on with."""
+    out = job.output
+    done = finished(out)
+    if done:
+        raise GadeiError(f"--resume: {done}: there is nothing to go on with; {AFRESH}")
+    folder = out / (outputs.CANDIDATES if job.workload == jobfile.AUTO else "checkpoints")
+    raise GadeiError(f"--resume: no checkpoint in {folder} that verifies and records the learners' progress, "
+                     f"so there is nothing to go on with; {AFRESH}")
 
 
 def _candidates(job: jobfile.Job, read: list, by: str) -> tuple[list[Prepared], list]:
@@ -357,10 +380,7 @@ def resume_point(job: jobfile.Job, *, nodes: int = 1) -> outputs.GoOn:
     ones the checkpoint's state was made by; a bridged node's folder (node.json) must come from a
     run of as many `nodes`, whose shards these are."""
     out = job.output
-    as_run = out / "job.toml"
-    if not as_run.is_file():
-        raise GadeiError(f"--resume: {out} holds no run to go on with (no job.toml)")
-    before = jobfile.load(as_run)
+    before = jobfile.load(out / "job.toml")  # there: `check` looked (`_check_runs`)
     free = {("train", "epochs"), ("train", "devices"), ("train", "patience"),  # none changes a learner's schedule
             ("train", "threads")}
     changed = []
@@ -387,13 +407,8 @@ def resume_point(job: jobfile.Job, *, nodes: int = 1) -> outputs.GoOn:
                          "learners' shards would differ; go on with as many MPI ranks, or run it with another "
                          "[output] folder")
     where = outputs.going_on(out)
-    if where is None:
-        done = finished(out)
-        if done:
-            raise GadeiError(f"--resume: {done}: there is nothing to go on with; {AFRESH}")
-        folder = out / (outputs.CANDIDATES if job.workload == jobfile.AUTO else "checkpoints")
-        raise GadeiError(f"--resume: no checkpoint in {folder} that verifies and records the learners' progress, "
-                         f"so there is nothing to go on with; {AFRESH}")
+    if where is None:  # its checkpoints do not verify (`_check_runs` found one)
+        _nothing_to_go_on(job)
     return where
 
 

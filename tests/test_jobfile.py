@@ -179,6 +179,27 @@ def test_long_texts_are_cut_to_max_words_and_the_rings_carry_a_batch_of_the_long
             jobfile.load(_job(small, small_job() + f"max_words = {bad}\n"))
 
 
+def test_a_job_refused_for_its_output_folder_is_refused_before_its_data_is_read(small):
+    """What the output folder holds is judged before the data is read (minutes for a large set):
+    a folder that holds a run, or a resume of a folder that holds none, is refused for that even
+    where the data would be refused too (train.csv has no column `category` here)."""
+    from gadei.prepare import check
+
+    (small / "train.csv").write_text("text,label\nhello there,a\n")
+    job = jobfile.load(_job(small, small_job() + '[output]\nfolder = "out"\n'))
+    with pytest.raises(GadeiError, match="category"):  # the data is refused where the folder is not
+        check(job, resume=False)
+    with pytest.raises(GadeiError, match=r"--resume: .*out holds no run to go on with"):
+        check(job, resume=True)
+    (small / "out" / "checkpoints").mkdir(parents=True)
+    (small / "out" / "checkpoints" / "000001.pt").write_bytes(b"")
+    with pytest.raises(GadeiError, match="out holds a previous run"):
+        check(job, resume=False)
+    (small / "out" / "job.toml").write_text(job.to_toml())
+    with pytest.raises(GadeiError, match="--resume: no checkpoint in .* that verifies"):
+        check(job, resume=True)
+
+
 def test_a_run_whose_job_toml_gave_max_rows_8192_resumes_under_auto(small):
     """A run of a gadei before max_rows "auto" wrote the rows it took (8,192) in its job.toml: a
     resume of the same job, whose max_rows is now "auto" and fits them, compares equal; other rows
