@@ -117,8 +117,9 @@ def test_a_split_is_encoded_as_the_vocabulary_built_from_its_tokens_says(tokens,
 
 
 def test_vocab_orders_by_count_and_maps_unknown_to_one():
-    vocab = Vocab.build([["b", "a", "b"], ["c", "a", "b"]])
-    assert vocab.decode(range(len(vocab))) == ["<pad>", "<unk>", "b", "a", "c"]
+    vocab = Vocab.build([["b", "a", "b", "e"], ["d", "c", "a", "b"]])
+    assert vocab.decode(range(len(vocab))) == ["<pad>", "<unk>", "b", "a", "c", "d", "e"]  # ties: alphabetically
+    assert Vocab.build([["b", "e", "d", "c", "a", "b"]], max_size=4).decode(range(4)) == ["<pad>", "<unk>", "b", "a"]
     assert vocab.encode(["a", "zzz", "<pad>"]) == [3, 1, 0]
 
 
