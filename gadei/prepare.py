@@ -141,7 +141,7 @@ def _rows(train):
 # What `gadei run` writes in its output folder, by kind: an earlier run's of another kind stops it.
 _OUTPUT_FOLDERS = ("logs", "checkpoints", outputs.CANDIDATES)
 _OUTPUT_FILES = ("job.toml", "labels.json", "vocab.json", "features.json", "node.json", "model.pt", "result.json",
-                 "metrics.jsonl", "accuracy.png")
+                 "metrics.jsonl", "accuracy.png", data.ENCODED)
 
 
 def check_output(job: jobfile.Job) -> None:
@@ -203,10 +203,11 @@ def check_output(job: jobfile.Job) -> None:
                              "there); remove it or set another [output] folder")
 
 
-def prepare(job: jobfile.Job, resume: bool, place=None, by: str = RUN) -> Prepared:
+def prepare(job: jobfile.Job, resume: bool, place=None, by: str = RUN, encoded: bool = False) -> Prepared:
     """Everything that can be refused, before anything starts (`check`); then the output folder
     made ready: an earlier run's outputs gone (`outputs.forget`), the job as run (job.toml), the
-    maps, and where it runs (node.json, for a bridged node)."""
+    maps, and where it runs (node.json, for a bridged node); `encoded`: its data sets too, as
+    encoded here, for a supervisor that is not forked with them (`gadei.data.save_encoded`)."""
     place = place or Local()
     prepared = check(job, resume, place, by=by)
     job = prepared.job
@@ -214,19 +215,23 @@ def prepare(job: jobfile.Job, resume: bool, place=None, by: str = RUN) -> Prepar
     try:
         output_modes(job, mask)
         os.umask(0o077 if job.private else mask)
-        _write(prepared, place, resume)
+        _write(prepared, place, resume, encoded and prepared.candidates is None)
         if prepared.candidates is not None:
-            _write_candidates(prepared, mask)
+            _write_candidates(prepared, mask, encoded)
     finally:
         os.umask(mask)
     return prepared
 
 
-def _write(prepared: Prepared, place, resume: bool) -> None:
+def _write(prepared: Prepared, place, resume: bool, encoded: bool = False) -> None:
     job, train, out = prepared.job, prepared.train, prepared.job.output
     outputs.forget(out, resume)  # an earlier run's outputs are not this run's
     (out / "logs").mkdir(parents=True, exist_ok=True)
     (out / "job.toml").write_text(job.to_toml())
+    if encoded:
+        data.save_encoded(job, (train, prepared.validation, prepared.test))
+    else:
+        data.forget_encoded(out)  # an earlier run's, of another job.toml
     (out / "labels.json").write_text(json.dumps(train.label_names, ensure_ascii=False))
     if prepared.candidates is not None:
         return  # each candidate's vocabulary is its own (`_write_candidates`)
@@ -240,7 +245,7 @@ def _write(prepared: Prepared, place, resume: bool) -> None:
         (out / NODE).write_text(json.dumps(dataclasses.asdict(node)) + "\n")
 
 
-def _write_candidates(prepared: Prepared, mask: int) -> None:
+def _write_candidates(prepared: Prepared, mask: int, encoded: bool) -> None:
     """Each candidate's run folder made ready, as `_write` makes a job's, and their order
     (`outputs.ORDER`). A resumed run keeps those that ended for good as they are, goes on with the
     others that reached a checkpoint that records the learners' progress, and starts the rest
@@ -258,7 +263,7 @@ def _write_candidates(prepared: Prepared, mask: int) -> None:
         output_modes(job, mask)
         if not goes_on:
             outputs.afresh(job.output)
-        _write(candidate, Local(), goes_on)
+        _write(candidate, Local(), goes_on, encoded)
     order = {"order": [c.job.workload for c in prepared.candidates],
              "by": "an epoch's arithmetic, then parameters (gadei_workloads.cost.cheapest_first)",
              "estimates": [dataclasses.asdict(e) for e in prepared.estimates]}

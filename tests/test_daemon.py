@@ -22,7 +22,7 @@ from helpers import daemon_jobs as _jobs
 from helpers import (blobs, command_words, communicate, data_dir, finish, job_processes, job_text, job_version,
                      learner_pids, missing, small_job, start_daemon, trec_job, unique_name, wait_for,
                      wait_listening)
-from gadei import checkpoint
+from gadei import checkpoint, data
 from gadei.daemon import request
 from gadei.errors import GadeiError
 from gadei.region import Region, inspect, remove
@@ -182,6 +182,9 @@ def test_jobs_that_run_side_by_side_share_the_cores(small, procs, daemon_env):
     # the server's OpenMP runtime is passive; so is the learner's, forked warm from its supervisor (one
     # thread: it has no team to wait)
     assert logs.count("OpenMP wait policy: passive (gadei's") >= 2, logs
+    # its supervisor (forked by the daemon's zygote) read the sets the daemon encoded; gone at the job's end
+    assert "its data read from " in logs and "as encoded when the job was prepared" in logs, logs
+    assert not (small / "out" / data.ENCODED).exists()
     daemon.terminate()
     communicate(daemon, 60)
 

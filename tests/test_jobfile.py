@@ -13,6 +13,7 @@ import torch
 
 from helpers import blobs, blobs_job, communicate, job_version, small_job, trec_job, unique_name, wait_for
 from gadei import data, jobfile
+from gadei_workloads import get as get_workload
 from gadei.errors import GadeiError
 from gadei.jobfile import JobFileError
 from gadei.region import inspect
@@ -177,6 +178,51 @@ def test_long_texts_are_cut_to_max_words_and_the_rings_carry_a_batch_of_the_long
         with pytest.raises(JobFileError, match=r"job.toml: \[data\] max_words = .* allowed: an integer from 1 to "
                                                r"1,000,000"):
             jobfile.load(_job(small, small_job() + f"max_words = {bad}\n"))
+
+
+def test_a_job_prepared_with_its_sets_encoded_is_read_from_them_while_its_files_are_unchanged(small, caplog):
+    """A daemon's job is prepared with its data sets as encoded (its supervisor, forked by the
+    zygote, is not forked with them): they read back as the files read, while the job.toml and
+    the data files are unchanged; a changed file, or an encoded file that does not hold together,
+    is not used (the files are read), with a warning for the latter."""
+    import numpy as np
+
+    from gadei.prepare import prepare
+
+    job = jobfile.load(_job(small, small_job() + '[output]\nfolder = "out"\n'))
+    prepared = prepare(job, False, encoded=True)
+    encoded, as_run = small / "out" / data.ENCODED, jobfile.load(small / "out" / "job.toml")
+    found = data.read_encoded(as_run)
+    assert found is not None
+    for got, made in zip(found, (prepared.train, prepared.validation, prepared.test)):
+        assert (got.ids, got.labels, got.label_names, got.vocab, got.name) == \
+            (made.ids, made.labels, made.label_names, made.vocab, made.name)
+    assert data.load(get_workload("textcnn"), f"job:{as_run.path}")[0].ids == prepared.train.ids
+
+    train = small / "train.csv"
+    then = train.stat().st_mtime_ns
+    os.utime(train, ns=(then, then + 10**9))  # the data changed since
+    assert data.read_encoded(as_run) is None
+    os.utime(train, ns=(then, then))
+    assert data.read_encoded(as_run) is not None
+
+    arrays = dict(np.load(encoded))
+    arrays["train_ids"] = arrays["train_ids"].copy()
+    arrays["train_ids"][0] = len(prepared.train.vocab)  # an id beyond the vocabulary
+    made = encoded.read_bytes()
+    for damaged in (made[: len(made) // 2], b"not a zip file", lambda f: np.savez(f, **arrays)):
+        if callable(damaged):
+            with open(encoded, "wb") as f:
+                damaged(f)
+        else:
+            encoded.write_bytes(damaged)
+        caplog.clear()
+        assert data.read_encoded(as_run) is None
+        assert "reading the job's data files instead" in caplog.text
+    assert data.load(get_workload("textcnn"), f"job:{as_run.path}")[0].ids == prepared.train.ids
+
+    prepare(job, False)  # as `gadei run` prepares it: its supervisor is forked with the sets
+    assert not encoded.exists()
 
 
 def test_a_job_refused_for_its_output_folder_is_refused_before_its_data_is_read(small):

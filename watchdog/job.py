@@ -248,6 +248,8 @@ def _supervised(job: jobfile.Job, found, stops: _Stops, since: float, hold: bool
     board = follow.board
     try:
         board.epochs(outputs.epoch_records(out))  # those reported after the last look
-        return _conclude(job, ending, since=since, bridge=bridge.summary if bridge is not None else None)
+        result = _conclude(job, ending, since=since, bridge=bridge.summary if bridge is not None else None)
     finally:
         board.close()
+    data.forget_encoded(out)  # the job's sets as its daemon encoded them: this run of it is over
+    return result

@@ -351,7 +351,8 @@ class Jobs:
             raise GadeiError(f"output folder {record.output} is not a folder")
         record.cores = cores
         with environ(self._cores_env(record)):  # the defaults it chooses count on its share of the cores
-            prepared = prepare(jobfile.load(record.jobfile), record.resume, by=SUBMIT)
+            # encoded: its supervisor, forked by the zygote without them, reads its sets as encoded here
+            prepared = prepare(jobfile.load(record.jobfile), record.resume, by=SUBMIT, encoded=True)
             said = describe(prepared, Local())
         with self.lock:
             if self.records.get(record.name) is not record or record.state != QUEUED:
