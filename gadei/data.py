@@ -1,5 +1,6 @@
 """Where a process's training data comes from: a data spec resolved to (train, validation,
-test), and a job file's [data] read into its data sets (`load_job`).
+test), a job file's [data] read into its data sets (`load_job`), and a prepared job's sets
+written as encoded for a supervisor that is not forked with them (`save_encoded`, `read_encoded`).
 
 A spec is what `--data` takes: a workload's own (`generated`, `generated:SEED`,
 `trec:FOLDER`, `trec-fine:FOLDER`, `sst2:FOLDER`; see `gadei_workloads.specs.load`), a shared
@@ -14,6 +15,7 @@ import gc
 import logging
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 from . import jobfile
 from .env import settings
@@ -97,7 +99,7 @@ ENCODED = "encoded-data.npz"
 supervisor that is not forked with them (a daemon's job: its supervisor is forked by the
 daemon's zygote), which reads them there instead of reading and encoding the files again (half
 a minute for 150,000 rows); while the job.toml beside it and its data files are unchanged
-(`_fingerprint`). The job's supervisor removes it at the job's end (`forget_encoded`)."""
+(`fingerprint`). The job's supervisor removes it at the job's end (`forget_encoded`)."""
 _SPLITS = ("train", "validation", "test")
 
 
@@ -115,7 +117,7 @@ def save_encoded(job: jobfile.Job, sets: tuple) -> None:
     train = sets[0]
     if not isinstance(train, TextDataset):
         return
-    arrays = {"fingerprint": np.array(_fingerprint(job, job.output / "job.toml")), "workload": np.array(job.workload),
+    arrays = {"fingerprint": np.array(fingerprint(job, job.output / "job.toml")), "workload": np.array(job.workload),
               "vocab": _json_bytes(train.vocab.to_json()["tokens"]), "labels": _json_bytes(train.label_names)}
     for split, dataset in zip(_SPLITS, sets):
         if dataset is not None:
@@ -141,7 +143,7 @@ def read_encoded(job: jobfile.Job) -> tuple | None:
         return None
     try:
         with np.load(path, allow_pickle=False) as found:
-            if str(found["fingerprint"]) != _fingerprint(job, job.path) or str(found["workload"]) != job.workload:
+            if str(found["fingerprint"]) != fingerprint(job, job.path) or str(found["workload"]) != job.workload:
                 return None
             with _uncollected():
                 sets = _sets(job, {name: found[name] for name in found.files})
@@ -196,18 +198,20 @@ def _holds_together(ids, ends, labels, ids_below: int, labels_below: int) -> boo
 
 def forget_encoded(folder) -> None:
     """Remove the job's sets `save_encoded` wrote in its output folder `folder` (the job ended)."""
-    from pathlib import Path
-
     (Path(folder) / ENCODED).unlink(missing_ok=True)
 
 
-def _fingerprint(job: jobfile.Job, job_file) -> str:
-    """What the encoded sets of the job as run (`job_file`, its output folder's job.toml) were made of: that file
-    (its [data], workload and seed say what was read and how it was split) and each data file's
-    path, size and time of its last change."""
+def fingerprint(job: jobfile.Job, job_file) -> str:
+    """What the data sets of `job` are made of: its job file `job_file` (its [data], workload and
+    seed say what is read and how it is split; the job as run, its output folder's job.toml, for
+    `save_encoded`) and each data file's path, size and time of its last change.
+
+    Raises:
+        OSError: the job file or a data file cannot be read.
+    """
     import hashlib
 
-    digest = hashlib.sha256(job_file.read_bytes())
+    digest = hashlib.sha256(Path(job_file).read_bytes())
     for path in (*job.data.train, *(job.data.test or ()), *(job.data.validation or ())):
         found = os.stat(path)
         digest.update(f"\0{os.path.realpath(path)}\0{found.st_size}\0{found.st_mtime_ns}".encode())
@@ -215,6 +219,7 @@ def _fingerprint(job: jobfile.Job, job_file) -> str:
 
 
 def _json_bytes(value):
+    """`value` as JSON, in a byte array (an array file holds no strings of any length)."""
     import json
 
     import numpy as np

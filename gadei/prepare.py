@@ -58,11 +58,13 @@ def check_job(path: str, *, resume: bool = False, by: str = RUN) -> list[str]:
     return describe(prepared, Local())
 
 
-def check(job: jobfile.Job, resume: bool, place=None, *, by: str = RUN) -> Prepared:
+def check(job: jobfile.Job, resume: bool, place=None, *, by: str = RUN, checked: Prepared | None = None) -> Prepared:
     """Everything that can be refused, before anything starts, writing nothing; `by`: the
     command that starts the job (RUN or SUBMIT), which the refusals name. The output folder is
     checked before the data is read (a large set takes minutes), so a job refused for its folder
-    is refused at once."""
+    is refused at once. `checked`: this job as checked before, its data files unchanged since
+    (`data.fingerprint`; the daemon's submit, then its start): its data sets are taken, not read
+    again, and everything else is checked again."""
     from .region import check_name_free
 
     place = place or Local()
@@ -70,10 +72,12 @@ def check(job: jobfile.Job, resume: bool, place=None, *, by: str = RUN) -> Prepa
     check_name_free(job.name)  # another user's (or a foreign) object in the region's place: say whose, now
     check_output(job)
     _check_runs(job, resume, by)
-    read: list = []
-    picked, estimates = (_candidates(job, read, by) if job.workload == jobfile.AUTO else (None, None))
+    read: list = list(checked.read) if checked is not None else []
+    sets = {c.job.workload: (c.train, c.validation, c.test) for c in checked.candidates or [checked]} \
+        if checked is not None else None
+    picked, estimates = (_candidates(job, read, by, sets) if job.workload == jobfile.AUTO else (None, None))
     if picked is None:
-        train, validation, test = data.load_job(job, read)
+        train, validation, test = sets[job.workload] if sets is not None else data.load_job(job, read)
     else:
         train, validation, test = picked[0].train, picked[0].validation, picked[0].test
     job, chosen = job.with_defaults(len(train), _rows(train))
@@ -113,18 +117,19 @@ def _nothing_to_go_on(job: jobfile.Job) -> None:
                      f"so there is nothing to go on with; {AFRESH}")
 
 
-def _candidates(job: jobfile.Job, read: list, by: str) -> tuple[list[Prepared], list]:
+def _candidates(job: jobfile.Job, read: list, by: str, sets: dict | None) -> tuple[list[Prepared], list]:
     """A job that picks its model: each candidate's job (its workload, its own output folder, the
-    defaults for it) and data, ordered cheapest first (`gadei_workloads.cost`); and the estimates."""
+    defaults for it) and data (`sets`' by workload, where a check before read them), ordered
+    cheapest first (`gadei_workloads.cost`); and the estimates."""
     from gadei_workloads import CANDIDATES
     from gadei_workloads.cost import cheapest_first, estimate
 
     prepared = {}
-    texts = data.read_texts(job, read)  # the files read once, each candidate's words encoded for its workload
+    texts = data.read_texts(job, read) if sets is None else None  # read once, encoded for each candidate's workload
     for workload in CANDIDATES:
         candidate = dataclasses.replace(job, workload=workload,
                                         output=outputs.candidate_folder(job.output, workload))
-        train, validation, test = data.load_job(candidate, texts=texts)
+        train, validation, test = sets[workload] if sets is not None else data.load_job(candidate, texts=texts)
         candidate, chosen = candidate.with_defaults(len(train), _rows(train))
         prepared[workload] = Prepared(candidate, train, test, chosen, [], None, validation, by)
     estimates = cheapest_first([estimate(w, p.train) for w, p in prepared.items()])
@@ -203,13 +208,15 @@ def check_output(job: jobfile.Job) -> None:
                              "there); remove it or set another [output] folder")
 
 
-def prepare(job: jobfile.Job, resume: bool, place=None, by: str = RUN, encoded: bool = False) -> Prepared:
-    """Everything that can be refused, before anything starts (`check`); then the output folder
-    made ready: an earlier run's outputs gone (`outputs.forget`), the job as run (job.toml), the
-    maps, and where it runs (node.json, for a bridged node); `encoded`: its data sets too, as
-    encoded here, for a supervisor that is not forked with them (`gadei.data.save_encoded`)."""
+def prepare(job: jobfile.Job, resume: bool, place=None, by: str = RUN, encoded: bool = False,
+            checked: Prepared | None = None) -> Prepared:
+    """Everything that can be refused, before anything starts (`check`, with the data sets of
+    `checked` where given); then the output folder made ready: an earlier run's outputs gone
+    (`outputs.forget`), the job as run (job.toml), the maps, and where it runs (node.json, for a
+    bridged node); `encoded`: its data sets too, as encoded here, for a supervisor that is not
+    forked with them (`gadei.data.save_encoded`)."""
     place = place or Local()
-    prepared = check(job, resume, place, by=by)
+    prepared = check(job, resume, place, by=by, checked=checked)
     job = prepared.job
     mask = os.umask(0o077)  # what this process creates now is private until the job's modes are known
     try:

@@ -182,7 +182,9 @@ def test_jobs_that_run_side_by_side_share_the_cores(small, procs, daemon_env):
     # the server's OpenMP runtime is passive; so is the learner's, forked warm from its supervisor (one
     # thread: it has no team to wait)
     assert logs.count("OpenMP wait policy: passive (gadei's") >= 2, logs
-    # its supervisor (forked by the daemon's zygote) read the sets the daemon encoded; gone at the job's end
+    # its start took the sets its submit read (nothing changed since), its supervisor (forked by the daemon's
+    # zygote) read them as the start encoded them, and they are gone at the job's end
+    assert f"job {name} starts with the data its submit read" in "".join(daemon.err_lines)
     assert "its data read from " in logs and "as encoded when the job was prepared" in logs, logs
     assert not (small / "out" / data.ENCODED).exists()
     daemon.terminate()
@@ -506,7 +508,7 @@ def test_a_large_jobs_submit_waits_for_its_checks_the_daemon_answers_as_it_start
         tmp_path, procs, daemon_env):
     """A submit's checks read the job's data, and a client's submit waits for them beyond its
     timeout by the data files' size (a submit of a large set timed out, and the job was queued).
-    Starting the job reads its data again (the defaults chosen for the cores it is given):
+    Starting the job reads its data again where its files changed since (here: touched):
     minutes for a large set, which the runner spent holding the daemon's lock, so that `gadei
     status`, `gadei cancel` and every submit waited for it (a status asked then timed out). Now
     the daemon answers meanwhile, and a job cancelled as it is prepared ends cancelled with none
@@ -526,6 +528,7 @@ def test_a_large_jobs_submit_waits_for_its_checks_the_daemon_answers_as_it_start
     path = _sock(daemon_env)
     # a submit is answered once the daemon's checks have read the data: its wait grows with the data files
     assert gadei.Client(path, timeout=2).submit(job).state == "queued"
+    os.utime(data)  # changed since its submit read it: the start reads it again (else it takes the submit's sets)
     answered, deadline = 0, time.monotonic() + 600
     while True:  # the runner prepares it now: each look must be answered, as at any other time
         assert time.monotonic() < deadline, "the job was still queued after 600 s"
@@ -534,7 +537,7 @@ def test_a_large_jobs_submit_waits_for_its_checks_the_daemon_answers_as_it_start
         assert time.monotonic() - asked < 10
         if record["state"] != "queued":
             break
-        answered += record["message"] == "starting: its data read and checked again"  # else not picked yet
+        answered += record["message"] == "starting: checked again"  # else not picked yet
         if answered == 3:
             assert request(path, {"op": "cancel", "job": name}, timeout=10)["ok"]
         time.sleep(0.2)
@@ -542,6 +545,7 @@ def test_a_large_jobs_submit_waits_for_its_checks_the_daemon_answers_as_it_start
     assert (record["state"], record["message"]) == ("cancelled", "cancelled before it started"), record
     wait_for(lambda: f"job {name} was cancelled as it was prepared; not started" in "".join(daemon.err_lines), 300,
              "the runner to end preparing the cancelled job")
+    assert f"job {name} starts with the data its submit read" not in "".join(daemon.err_lines)  # it changed since
     time.sleep(1)
     assert request(path, {"op": "status", "job": name}, timeout=10)["jobs"][0]["state"] == "cancelled"
     assert inspect(name) is None and job_processes(name) == []

@@ -225,6 +225,22 @@ def test_a_job_prepared_with_its_sets_encoded_is_read_from_them_while_its_files_
     assert not encoded.exists()
 
 
+def test_a_check_given_the_job_as_checked_before_takes_its_sets_and_reads_nothing(small):
+    """The daemon's start of a job whose files are unchanged since its submit checks it again
+    with the sets its submit read (each candidate's, for a job that picks its model)."""
+    from gadei.prepare import check
+
+    for workload in ("textcnn", "auto"):
+        job = jobfile.load(_job(small, small_job().replace('"textcnn"', f'"{workload}"')))
+        first = check(job, False)
+        again = check(job, False, checked=first)
+        made = [(p.job.workload, p.train, p.validation, p.test) for p in first.candidates or [first]]
+        taken = [(p.job.workload, p.train, p.validation, p.test) for p in again.candidates or [again]]
+        assert len(made) == len(taken) == (2 if workload == "auto" else 1)
+        assert all(a is b for m, t in zip(made, taken) for a, b in zip(m[1:], t[1:])) and made[0][0] == taken[0][0]
+        assert again.read == first.read and again.chosen == first.chosen
+
+
 def test_a_job_refused_for_its_output_folder_is_refused_before_its_data_is_read(small):
     """What the output folder holds is judged before the data is read (minutes for a large set):
     a folder that holds a run, or a resume of a folder that holds none, is refused for that even

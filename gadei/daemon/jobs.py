@@ -9,8 +9,9 @@ import threading
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from .. import _proc, files, jobfile, outputs
+from .. import _proc, data, files, jobfile, outputs
 from ..env import CORES, environ, state_dir as state_folder, usable_cores
 from ..errors import GadeiError, NoSuchJob
 from ..outputs import SUBMIT
@@ -18,11 +19,14 @@ from ..supervisor import Supervised
 from ..zygote import Zygote
 from . import logs, resources
 
+if TYPE_CHECKING:
+    from ..prepare import Prepared
+
 log = logging.getLogger(__name__)
 
 QUEUED, RUNNING, DONE, FAILED, CANCELLED = "queued", "running", "done", "failed", "cancelled"
 LIVE = (QUEUED, RUNNING)
-STARTING = "starting: its data read and checked again"  # a queued job's message while the runner prepares it
+STARTING = "starting: checked again"  # a queued job's message while the runner prepares it
 
 
 def state_dir(create: bool = True) -> Path:
@@ -116,6 +120,9 @@ class Jobs:
         self._stop = threading.Event()
         self._kick = threading.Event()  # a look is due now: a job was submitted, or a supervisor ended
         self.zygote: Zygote | None = None  # where the runner starts supervisors warm (`gadei.zygote`)
+        # the last submit's job as checked, and what its data was made of (`data.fingerprint`): its
+        # start takes its data sets where unchanged (one job's at most: they are held in memory)
+        self._checked: dict[str, tuple[str, "Prepared"]] = {}
         with self.lock:
             for record in self.records.values():
                 if record.pid and not record.ended:  # running, or cancelled and still stopping
@@ -200,6 +207,7 @@ class Jobs:
                                  "cancelling")
         # what `gadei run` would refuse (a squatted region name, the data, the output folder, the
         # resume point) is the submitter's to hear now, not the log's
+        made_of = _made_of(job)  # before the files are read: a change as they are read is one since
         prepared = check(job, resume, by=SUBMIT)
         from gadei_workloads.cost import estimate  # torch, which reading the data imported
 
@@ -217,6 +225,7 @@ class Jobs:
         with self.lock:
             self.records[job.name] = record
             self._save(record)
+            self._checked = {job.name: (made_of, prepared)} if made_of else {}
         log.info("job %s queued (%s)", job.name, job.path)
         self._kick.set()
         return record
@@ -229,6 +238,7 @@ class Jobs:
         with self.lock:
             record = self._get(name)
             if record.state == QUEUED:
+                self._checked.pop(name, None)
                 self._finish(record, CANCELLED, None, "cancelled before it started")
                 return record
             if record.state != RUNNING:
@@ -339,8 +349,9 @@ class Jobs:
             log.info("job %s %s", record.name, message)
 
     def _start(self, record: JobRecord, cores: int, need: "resources.Need | None") -> None:
-        """Prepare the job (the checks of its submit again: its data or folder may have changed
-        since) with `cores` to choose its threads by, and start its supervisor, in a session of
+        """Prepare the job: the checks of its submit again (its folder may have changed since), on
+        the data sets its submit read where its job file and data files are unchanged (else read
+        again), with `cores` to choose its threads by; then start its supervisor, in a session of
         its own, writing its log in the output folder; a cancel that comes at once is a stop it
         takes. `need`: what it is given while it runs. Called without the lock, which it takes
         once the job is prepared: a job cancelled meanwhile is not started."""
@@ -350,9 +361,17 @@ class Jobs:
         if os.path.lexists(record.output) and not os.path.isdir(record.output):
             raise GadeiError(f"output folder {record.output} is not a folder")
         record.cores = cores
+        with self.lock:
+            made_of, checked = self._checked.pop(record.name, (None, None))
         with environ(self._cores_env(record)):  # the defaults it chooses count on its share of the cores
+            job = jobfile.load(record.jobfile)
+            if checked is not None and made_of == _made_of(job):
+                log.info("job %s starts with the data its submit read (its job file and data files unchanged since)",
+                         record.name)
+            else:
+                checked = None
             # encoded: its supervisor, forked by the zygote without them, reads its sets as encoded here
-            prepared = prepare(jobfile.load(record.jobfile), record.resume, by=SUBMIT, encoded=True)
+            prepared = prepare(job, record.resume, by=SUBMIT, encoded=True, checked=checked)
             said = describe(prepared, Local())
         with self.lock:
             if self.records.get(record.name) is not record or record.state != QUEUED:
@@ -383,6 +402,15 @@ class Jobs:
                 continue
             del self.supervised[name]
             self._conclude(record, result, supervised.code(wait=1.0))
+
+
+def _made_of(job: jobfile.Job) -> str | None:
+    """`data.fingerprint` of the submitted job (its job file, its data files); None where one of
+    them cannot be read (its check says why)."""
+    try:
+        return data.fingerprint(job, job.path)
+    except OSError:
+        return None
 
 
 def _reason(err: Exception) -> str:
