@@ -223,6 +223,11 @@ def test_a_job_prepared_with_its_sets_encoded_is_read_from_them_while_its_files_
 
     prepare(job, False)  # as `gadei run` prepares it: its supervisor is forked with the sets
     assert not encoded.exists()
+    encoded.mkdir()  # cannot be written (as a full disk): said, and the job goes on to read its files
+    caplog.clear()
+    data.save_encoded(prepared.job, (prepared.train, prepared.validation, prepared.test))
+    assert "not written" in caplog.text and "reads its data files" in caplog.text
+    assert data.read_encoded(as_run) is None
 
 
 def test_a_check_given_the_job_as_checked_before_takes_its_sets_and_reads_nothing(small):
