@@ -48,7 +48,7 @@ def check_job_name(job: str) -> str:
     """Return `job` if it can name a region, else raise BadJobName saying what is allowed."""
     if not isinstance(job, str) or not _JOB_NAME.fullmatch(job):
         raise BadJobName(
-            f"job name {job!r} is not allowed: use 1-63 letters, digits, '_', '.' or '-', "
+            f"job name {job!r} is not allowed: use 1-63 ASCII letters, digits, '_', '.' or '-', "
             "starting with a letter or digit"
         )
     return job
