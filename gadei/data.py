@@ -201,6 +201,11 @@ def forget_encoded(folder) -> None:
     (Path(folder) / ENCODED).unlink(missing_ok=True)
 
 
+def data_files(section: jobfile.Data) -> tuple[Path, ...]:
+    """Every file a job's [data] names: its train, test and validation files."""
+    return (*section.train, *(section.test or ()), *(section.validation or ()))
+
+
 def fingerprint(job: jobfile.Job, job_file) -> str:
     """What the data sets of `job` are made of: its job file `job_file` (its [data], workload and
     seed say what is read and how it is split; the job as run, its output folder's job.toml, for
@@ -212,7 +217,7 @@ def fingerprint(job: jobfile.Job, job_file) -> str:
     import hashlib
 
     digest = hashlib.sha256(Path(job_file).read_bytes())
-    for path in (*job.data.train, *(job.data.test or ()), *(job.data.validation or ())):
+    for path in data_files(job.data):
         found = os.stat(path)
         digest.update(f"\0{os.path.realpath(path)}\0{found.st_size}\0{found.st_mtime_ns}".encode())
     return digest.hexdigest()

@@ -34,13 +34,14 @@ def _data_bytes(path: str) -> int:
     """The bytes of the data files the job file at `path` names (0 where it or they cannot be
     read: the daemon says what is wrong)."""
     from .. import jobfile
+    from ..data import data_files
 
     try:
-        data = jobfile.load(path, data_files=False).data
+        section = jobfile.load(path, data_files=False).data
     except GadeiError:
         return 0
     size = 0
-    for file in (*data.train, *(data.test or ()), *(data.validation or ())):
+    for file in data_files(section):
         try:
             size += os.stat(file).st_size
         except OSError:
