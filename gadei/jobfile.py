@@ -52,7 +52,7 @@ validated `Job` before anything starts.
 
 Relative paths are taken from the job file's folder. Every refusal (`JobFileError`) names
 the file, the field, the value and what is allowed: an unknown section or key (with the
-closest known one), a wrong type or range, a file that does not exist. Data problems
+section that takes it, or the closest known one), a wrong type or range, a file that does not exist. Data problems
 (empty data, a label column that is not there, fewer than two labels, a file that does not
 decode) are found by `gadei.data.load_job`, also before anything starts.
 """
@@ -121,13 +121,11 @@ def _devices(value: str) -> str:
 
 @dataclass(frozen=True)
 class Train(RuleOptions):
-    """A job's [train] section: the update rule's options (`gadei.modes.RuleOptions`, declared
-    there: lr, momentum, optimizer, adam_beta1, adam_beta2, adam_eps, stale_lr, stale_bound, alpha, tau,
-    drop_after, nonfinite)
-    and the job's own. What depends on the data (batch, epochs, and the optimizer: adagrad,
-    or sgd in elastic mode) and what depends on the machine (threads) is chosen by
-    `Job.with_defaults` where the file leaves it out; `given` holds the keys the file gave a
-    value ("auto" is none: the option's own choice)."""
+    """A job's [train] section: the update rule's options (`gadei.modes.RuleOptions`, declared there: lr,
+    momentum, optimizer, adam_beta1, adam_beta2, adam_eps, stale_lr, stale_bound, alpha, tau, drop_after,
+    nonfinite) and the job's own. What depends on the data (batch, epochs, and the optimizer: adagrad, or sgd
+    in elastic mode) and what depends on the machine (threads) is chosen by `Job.with_defaults` where the
+    file leaves it out; `given` holds the keys the file gave a value ("auto" is none: the option's own choice)."""
 
     learners: int = option(2, "learners the job trains with", low=1, high=MAX_LEARNERS, flag=False)
     mode: str = option("async", "update rule: async (Hogwild ASGD), consistent (ASGD, pulls never see half an "
@@ -432,7 +430,7 @@ def parse(raw: dict, path: Path, *, data_files: bool = True) -> Job:
         given = raw.get(section, {})
         for key in given:
             if key not in keys:
-                raise JobFileError(f"{where}: [{section}] unknown key {key!r}{_close(key, keys)}; allowed: "
+                raise JobFileError(f"{where}: [{section}] unknown key {key!r}{_close(key, keys, section)}; allowed: "
                                    f"{', '.join(keys)}")
         values[section] = {}
         for key, (kind, required) in keys.items():
@@ -521,9 +519,11 @@ def _check_bridge(where: str, raw: dict, given: dict, train: dict) -> BridgeOpti
     return options
 
 
-def _close(word: str, known) -> str:
-    match = difflib.get_close_matches(word, list(known), n=1)
-    return f" (did you mean {match[0]!r}?)" if match else ""
+def _close(word: str, known, section: str = "") -> str:
+    """A refusal's hint: the other section that takes key `word` (of `section`), else a close one."""
+    home = [s for s, keys in _SCHEMA.items() if section and s != section and word in keys]
+    match = home or difflib.get_close_matches(word, list(known), n=1)
+    return "" if not match else f" (it belongs in [{match[0]}])" if home else f" (did you mean {match[0]!r}?)"
 
 
 def _type_name(value) -> str:

@@ -67,6 +67,8 @@ def test_the_default_mini_batch_follows_the_data_set_size(samples, batch):
 @pytest.mark.parametrize("edit, message", [
     (("[train]\nlerners = 2\n", None), "[train] unknown key 'lerners' (did you mean 'learners'?); allowed: learners"),
     (("[trian]\n", None), "unknown section [trian] (did you mean 'train'?)"),
+    (("[train]\nworkload = \"ngram\"\n", None), "[train] unknown key 'workload' (it belongs in [job]); allowed: "),
+    (("[checkpoint]\nlerners = 2\n", None), "[checkpoint] unknown key 'lerners'; allowed: interval"),
     (("[train]\nlearners = \"2\"\n", None), "[train] learners = '2' is a string; allowed: an integer"),
     (("[train]\nlearners = 0\n", None), "[train] learners = 0 is out of range; allowed: 1 to 64"),
     (("[train]\nlr = -0.1\n", None), "[train] lr = -0.1 is out of range; allowed: a number above 0"),
