@@ -142,8 +142,12 @@ def read_encoded(job: jobfile.Job) -> tuple | None:
     if path is None or not path.is_file():
         return None
     try:
+        made_of = fingerprint(job, job.path)
+    except OSError:
+        return None  # a data file is gone: reading the files says which
+    try:
         with np.load(path, allow_pickle=False) as found:
-            if str(found["fingerprint"]) != fingerprint(job, job.path) or str(found["workload"]) != job.workload:
+            if str(found["fingerprint"]) != made_of or str(found["workload"]) != job.workload:
                 return None
             with _uncollected():
                 sets = _sets(job, {name: found[name] for name in found.files})

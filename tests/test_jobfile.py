@@ -207,6 +207,10 @@ def test_a_job_prepared_with_its_sets_encoded_is_read_from_them_while_its_files_
     assert data.read_encoded(as_run) is None
     os.utime(train, ns=(then, then))
     assert data.read_encoded(as_run) is not None
+    train.rename(small / "gone.csv")  # gone since the job.toml was read: the read of the files says so, alone
+    caplog.clear()
+    assert data.read_encoded(as_run) is None and "not read" not in caplog.text
+    (small / "gone.csv").rename(train)
 
     arrays = dict(np.load(encoded))
     arrays["train_ids"] = arrays["train_ids"].copy()
