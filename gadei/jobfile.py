@@ -11,7 +11,8 @@ validated `Job` before anything starts.
     [data]
     train = "trec/TREC.train"     # a file; per-label: a list of files, or a folder
     test = "trec/TREC.test"       # optional: without it, `holdout` of train is held out
-    format = "trec"               # csv, tsv, jsonl, label-text, trec, per-label; numeric: npz, csv
+    format = "trec"               # csv, tsv, jsonl, label-text, trec, per-label; numeric: npz, csv (default:
+                                  # per-label for a folder or a list, else what the extension says: .csv ...)
     header = true                 # csv/tsv: the first row names the columns (false: none; columns by number)
     text_column = "text"          # csv/tsv/jsonl: the column (key) of the text; a number is a position (1: the first)
     label_column = "label"        # csv/tsv/jsonl: the column (key) of the label (header = false: 1, text 2)
@@ -351,7 +352,7 @@ def default_epochs(samples: int, batch: int) -> int:
 DECLARED = {"train": Train, "checkpoint": CheckpointOptions, "transport": TransportOptions, "bridge": BridgeOptions}
 _SCHEMA = {
     "job": {"name": ("name", True), "workload": ("workload", False), "priority": ("priority", False)},
-    "data": {"train": ("paths", True), "test": ("paths", False), "format": ("format", True),
+    "data": {"train": ("paths", True), "test": ("paths", False), "format": ("format", False),
              "header": ("bool", False), "text_column": ("column", False), "label_column": ("column", False),
              "encoding": ("encoding", False),
              "fallback_encoding": ("encoding", False), "holdout": ("fraction", False),
@@ -443,6 +444,12 @@ def parse(raw: dict, path: Path, *, data_files: bool = True) -> Job:
     job.setdefault("workload", AUTO)
     data = dict(values["data"])
     from gadei_workloads import get
+    from gadei_workloads.files import format_of
+
+    data.setdefault("format", format_of(data["train"]))
+    if data["format"] is None:
+        raise JobFileError(f"{where}: [data] format is missing, and {data['train'][0].name!r} does not say it (a .csv, "
+                           f".tsv, .jsonl or .npz file, or a per-label folder); allowed: {', '.join(FORMATS)}")
 
     _check_auto(where, job["workload"], data, raw)
     numeric = job["workload"] != AUTO and get(job["workload"]).kind == "numeric"
@@ -667,22 +674,15 @@ def _check_columns(where: str, data: dict, numeric: bool) -> None:
             raise JobFileError(f"{where}: [data] {key} = {value}: jsonl names keys; allowed: a key (string)")
 
 
-def _is_folder(path: Path) -> bool:
-    try:
-        return path.is_dir()
-    except OSError:  # a name too long: check_data_file says so
-        return False
-
-
 def _check_data_files(where: str, data: dict) -> None:
-    from gadei_workloads.files import data_file_problem
+    from gadei_workloads.files import data_file_problem, is_folder
 
     per_label = data["format"] == "per-label"
     for key in ("train", "validation", "test"):
         paths = data.get(key)
         if paths is None:
             continue
-        if per_label and len(paths) == 1 and _is_folder(paths[0]):
+        if per_label and len(paths) == 1 and is_folder(paths[0]):
             try:
                 files = tuple(sorted(p for p in paths[0].iterdir() if p.is_file() and not p.name.startswith(".")))
             except OSError as err:

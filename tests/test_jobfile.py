@@ -400,7 +400,7 @@ def _format_job(folder, fmt, train, extra=""):
         workload = "textcnn"
         [data]
         train = {json.dumps(train)}
-        format = "{fmt}"
+        {f'format = "{fmt}"' if fmt else ""}
         {extra}
     """))
 
@@ -440,6 +440,16 @@ def test_every_data_format_reads_the_same_samples(tmp_path):
         read.append(sorted((" ".join(toks), label) for toks, label in rows))
     assert all(r == read[0] for r in read), read
     assert len(read[0]) == 4
+
+    (tmp_path / "A.JSONL").write_bytes((tmp_path / "a.jsonl").read_bytes())
+    for train, fmt in [("a.csv", "csv"), ("a.tsv", "tsv"), ("A.JSONL", "jsonl"), ("per-label", "per-label"),
+                       (["per-label/cat.txt", "per-label/dog.txt"], "per-label")]:  # a job file that gives no format
+        job = _format_job(tmp_path, None, train)
+        assert job.data.format == fmt and 'format = "' + fmt in job.to_toml()  # the job as run says it
+    for train in ("a.txt", "a.trec"):
+        with pytest.raises(JobFileError, match=rf"\[data\] format is missing, and '{train}' does not say it \(a .csv, "
+                                               r".tsv, .jsonl or .npz file, or a per-label folder\); allowed: csv, "):
+            _format_job(tmp_path, None, train)
 
 
 def test_a_per_label_file_names_its_label():

@@ -122,6 +122,25 @@ def _lines(numbers: list[int], shown: int = 5) -> str:
     return ("line " if len(numbers) == 1 else "lines ") + head + (", ..." if len(numbers) > shown else "")
 
 
+SUFFIXES = {".csv": "csv", ".tsv": "tsv", ".jsonl": "jsonl", ".npz": "npz"}  # formats a file's name says
+
+
+def format_of(paths: tuple[Path, ...]) -> str | None:
+    """The format a data set's files say they hold, where a job file leaves it out: per-label for
+    a folder or several files, else the file's extension (`SUFFIXES`); None where they do not say."""
+    if len(paths) > 1 or is_folder(paths[0]):
+        return "per-label"
+    return SUFFIXES.get(paths[0].suffix.lower())
+
+
+def is_folder(path: Path) -> bool:
+    """Whether `path` is a folder (a name too long is not one: `data_file_problem` says what it is)."""
+    try:
+        return path.is_dir()
+    except OSError:
+        return False
+
+
 def data_file_problem(path: Path) -> str | None:
     """Why the data file at `path` is not read, checked before a byte of it is (None: it is
     fine): it must be a regular file of 1 to MAX_DATA_FILE bytes. A FIFO, a device
