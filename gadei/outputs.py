@@ -587,7 +587,7 @@ def summary(job: jobfile.Job, result: dict, by: str = RUN, elapsed: float | None
     elif picked:  # which candidate and why; then its model, as a job's
         chose = (f", chose {ensemble.choice_line(result)}; {result['workload']}"
                  + (f" stopped by {result['stopped']}" if "stopped" in result else "")
-                 + (f" at {best}" if best else ""))
+                 + (f", its model of {best}" if best else ""))
     return f"job {job.name} done in {took}{chose}{accuracy}; model {out / 'model.pt'}"
 
 

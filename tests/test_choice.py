@@ -278,6 +278,8 @@ def test_a_job_file_that_names_no_workload_trains_the_candidates_and_hands_back_
     assert result["test_accuracy"] == figures["ngram"]["test_accuracy"]
     assert all(torch.equal(state(folder)[k], v) for k, v in state(folder / "candidates" / "ngram").items())
     assert probabilities(folder) == probabilities(folder / "candidates" / "ngram")
+    line = outputs.summary(jobfile.load(folder / "job.toml"), result)  # the model it chose, not when training stopped
+    assert f"; ngram stopped by {result['stopped']}, its model of epoch {result['epoch']} (validation" in line, line
     spoilt["out.bias"][0] = 0.0  # every label as likely
     torch.save(spoilt, cnn / "model.pt")
     result = choose_again()
