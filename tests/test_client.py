@@ -119,6 +119,23 @@ def test_no_daemon_is_a_typed_error_that_names_the_socket(tmp_path):
         assert caught.value.socket == str(socket) and f"no gadei daemon listens on {socket}" in str(caught.value)
 
 
+def test_a_job_dict_with_a_per_label_folder_is_written_with_every_file_of_it(tmp_path, monkeypatch):
+    """A dict that names a per-label folder (and leaves the format to it) is written as a job file
+    that reads every label's file (it once named the first file alone: one label, refused)."""
+    from gadei import jobfile
+    from gadei.daemon.client import _write_job_file
+
+    monkeypatch.setenv("GADEI_STATE_DIR", str(tmp_path / "state"))
+    (tmp_path / "reviews").mkdir()
+    for label in ("good", "bad", "meh"):
+        (tmp_path / "reviews" / f"{label}.txt").write_text("".join(f"{label} line {i}\n" for i in range(20)))
+    for data in ({"train": "reviews"}, {"train": "reviews", "format": "per-label"}):
+        job = jobfile.load(_write_job_file({"job": {"name": "reviews", "workload": "ngram"}, "data": data}, tmp_path))
+        assert job.data.format == "per-label", job.data
+        assert job.data.train == tuple(tmp_path / "reviews" / f"{n}.txt" for n in ("bad", "good", "meh")), job.data
+        assert sorted(gadei.data.load_job(job)[0].label_names) == ["bad", "good", "meh"]
+
+
 @pytest.mark.parametrize("change, message", [
     (lambda j: j["data"].pop("train"), r"job dict: \[data\] train is missing; it is required"),
     (lambda j: j["train"].update(lr="fast"), r"job dict: \[train\] lr = 'fast' is a string; allowed: a number"),

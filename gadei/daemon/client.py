@@ -413,11 +413,11 @@ def _write_job_file(job: dict, base: Path) -> str:
     raw = _plain(job)
     parsed = jobfile.parse(raw, base.resolve() / DICT)
     written = {section: dict(table) for section, table in raw.items()}
-    for key in ("train", "test", "validation"):  # the paths as the job's folder anchored them
-        given = raw["data"].get(key)
+    for key in ("train", "test", "validation"):  # the paths as the job's folder anchored them (a per-label
+        given = raw["data"].get(key)  # folder as the files it holds)
         if given is not None:
             paths = [str(p) for p in getattr(parsed.data, key)]
-            written["data"][key] = paths if isinstance(given, list) else paths[0]
+            written["data"][key] = paths if isinstance(given, list) or len(paths) > 1 else paths[0]
     written.setdefault("output", {})["folder"] = str(parsed.output)
     try:
         text = jobfile.toml_text(written)
