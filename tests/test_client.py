@@ -70,6 +70,10 @@ def test_a_job_submitted_waited_for_followed_and_read_back_through_the_client(tm
                                                                                  "format": "npz"}}))
     with pytest.raises(gadei.JobFileError, match=r"\[data\] train = '.*nope.npz'.*no such file"):
         client.submit(bad)
+    (tmp_path / "words.csv").write_text("a,b\nx,y\n")  # a dict the daemon refuses for its data: its file is gone
+    with pytest.raises(gadei.JobFileError, match="words.csv"):
+        client.submit({"job": {"name": "words", "workload": "mlp"}, "data": {"train": "words.csv"}}, base=tmp_path)
+    assert len(list(Path(daemon_env["GADEI_STATE_DIR"], "job-files").iterdir())) == 1
     with pytest.raises(gadei.NoSuchJob, match="the daemon has no job 'nope'"):
         client.job("nope")
 

@@ -184,11 +184,13 @@ class Client:
             DaemonRefused: e.g. a job of that name is queued or running already.
         """
         if isinstance(job, dict):
+            from ..jobfile import JobFileError
+
             path = _write_job_file(job, Path(base) if base is not None else Path.cwd())
             try:
                 return self._submit(path, resume)
-            except (DaemonRefused, NoDaemon):  # not queued: nothing will read it (after a timeout, it may be)
-                os.unlink(path)
+            except (DaemonRefused, NoDaemon, JobFileError):  # not queued: nothing will read it (after a timeout, it
+                os.unlink(path)  # may be)
                 raise
         return self._submit(os.path.abspath(job), resume)
 
