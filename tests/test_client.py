@@ -127,17 +127,21 @@ def test_a_job_dict_with_a_per_label_folder_is_written_with_every_file_of_it(tmp
     """A dict that names a per-label folder (and leaves the format to it) is written as a job file
     that reads every label's file (it once named the first file alone: one label, refused)."""
     from gadei import jobfile
-    from gadei.daemon.client import _write_job_file
+    from gadei.daemon.client import _data_bytes, _write_job_file
 
     monkeypatch.setenv("GADEI_STATE_DIR", str(tmp_path / "state"))
     (tmp_path / "reviews").mkdir()
     for label in ("good", "bad", "meh"):
-        (tmp_path / "reviews" / f"{label}.txt").write_text("".join(f"{label} line {i}\n" for i in range(20)))
+        (tmp_path / "reviews" / f"{label}.txt").write_text("".join(f"{label} line {i}\n" for i in range(200)))
     for data in ({"train": "reviews"}, {"train": "reviews", "format": "per-label"}):
         job = jobfile.load(_write_job_file({"job": {"name": "reviews", "workload": "ngram"}, "data": data}, tmp_path))
         assert job.data.format == "per-label", job.data
         assert job.data.train == tuple(tmp_path / "reviews" / f"{n}.txt" for n in ("bad", "good", "meh")), job.data
         assert sorted(gadei.data.load_job(job)[0].label_names) == ["bad", "good", "meh"]
+    # a submit waits for the daemon's checks by the bytes they read: the folder's files, not its entry
+    (tmp_path / "reviews.toml").write_text('[job]\nname = "reviews"\n[data]\ntrain = "reviews"\n')
+    files = (tmp_path / "reviews").iterdir()
+    assert _data_bytes(str(tmp_path / "reviews.toml")) == sum(f.stat().st_size for f in files)
 
 
 @pytest.mark.parametrize("change, message", [

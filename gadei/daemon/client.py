@@ -31,13 +31,13 @@ CHECK_SECONDS_PER_MB = 5.0  # a submit's wait beyond the client's timeout, for e
 
 
 def _data_bytes(path: str) -> int:
-    """The bytes of the data files the job file at `path` names (0 where it or they cannot be
-    read: the daemon says what is wrong)."""
+    """The bytes of the data files the job file at `path` names (a per-label folder's files; 0
+    where it or they cannot be read: the daemon says what is wrong)."""
     from .. import jobfile
     from ..data import data_files
 
     try:
-        section = jobfile.load(path, data_files=False).data
+        section = jobfile.load(path).data
     except GadeiError:
         return 0
     size = 0
