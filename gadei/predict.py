@@ -71,6 +71,8 @@ class _Model:
         from gadei_workloads.text import Vocab
 
         self.folder = folder
+        if not (folder / "job.toml").is_file():  # jobfile.load would say only that a job file is missing
+            raise GadeiError(f"{run_dir} is not a finished `gadei run` folder: {folder / 'job.toml'} is missing")
         try:
             self.job = jobfile.load(folder / "job.toml", data_files=False)
             self.labels = _read_json(folder / "labels.json")

@@ -297,6 +297,9 @@ def test_a_job_file_that_names_no_workload_trains_the_candidates_and_hands_back_
                                                    for k, p in alone.items()}), alone
     line = outputs.summary(jobfile.load(folder / "job.toml"), result)
     assert "chose the mean of ngram and textcnn (weights " in line and "model " in line, line
+    (cnn / "job.toml").rename(cnn / "gone.toml")  # a member's folder that lost its job file: said so
+    with pytest.raises(GadeiError, match=f"is not a finished `gadei run` folder: {cnn / 'job.toml'} is missing"):
+        predict(str(folder), ["Who wrote Hamlet ?"])
 
 
 def test_an_auto_job_through_the_daemon_and_the_client(small, procs, daemon_env, monkeypatch):
