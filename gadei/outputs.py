@@ -4,22 +4,20 @@ learners' epoch records, the plot (accuracy.png), model.pt (the model chosen on 
 set, else the weights the job ended with) and result.json last (the job's outcome, which model
 was chosen and why training stopped, its test accuracy). This module is the only one that
 writes them, and only the supervisor calls it to (tests/test_owners.py holds both); a run's
-clients (`gadei run`, the daemon) read result.json (`read_result`) and say what it says
-(`summary`, `exit_code`). Each file is written beside its place and renamed there, so a
-reader never sees half of one; result.json, written last, says the rest are there.
+clients (`gadei run`, the daemon) read result.json (`read_result`) and say what it says (`summary`,
+`exit_code`). Each file is written beside its place and renamed there, so a reader never sees half
+of one; result.json, written last, says the rest are there.
 
-result.json's "outcome" is one of OUTCOMES, decided from how the supervisor saw the job end
-(`Ending`: the job finished, was stopped, or failed: the server died for good, a launched
-learner was given up, the server stopped the job as failed), the model there is to hand back,
-and the evaluating learner's losses (not finite: diverged).
+result.json's "outcome" is one of OUTCOMES, decided from how the supervisor saw the job end (`Ending`: the job
+finished, was stopped, or failed: the server died for good, a launched learner was given up, the server stopped
+the job as failed), the model there is to hand back, and the evaluating learner's losses (not finite: diverged).
 
-One time base for a job however many runs it took: seconds since the job's start, the start
-of its first run (when its supervisor started), counting only the time its runs ran
-(`job_seconds`). result.json's "runs" are each run's start (wall clock) and seconds, "seconds"
-this run's, a resumed run's "seconds_in_all" all of them (`forget` carries the earlier runs
-over from their result.json before it removes it: `EARLIER`); its "seconds_to_best" (the chosen
-model's time), metrics.jsonl's "seconds_since_start" (each epoch's evaluation) and
-accuracy.png's time axis are in that base, and so is `gadei run`'s last line (`summary`).
+One time base for a job however many runs it took: seconds since the job's start, the start of its first run (when
+its supervisor started), counting only the time its runs ran (`job_seconds`). result.json's "runs" are each run's
+start (wall clock) and seconds, "seconds" this run's, a resumed run's "seconds_in_all" all of them (`forget` carries
+the earlier runs over from their result.json before it removes it: `EARLIER`); its "seconds_to_best" (the chosen
+model's time), metrics.jsonl's "seconds_since_start" (each epoch's evaluation) and accuracy.png's time axis are in
+that base, and so is `gadei run`'s last line (`summary`).
 
 A job that picks its model (`workload = "auto"`) trains its candidates one after another, each
 a run of its own in candidates/<workload>/ (`candidates`: their order, cheapest first, is ORDER,
@@ -136,10 +134,12 @@ def job_seconds(at, runs: list[dict] | None) -> float | None:
 
 
 def read_result(out: Path) -> dict | None:
+    """`out`'s result.json; None where there is none, or no JSON object (half a file, another's)."""
     try:
-        return json.loads((out / "result.json").read_text())
+        found = json.loads((out / "result.json").read_text())
     except (FileNotFoundError, NotADirectoryError, IsADirectoryError, ValueError):
         return None
+    return found if isinstance(found, dict) else None
 
 
 # ------------------------------------------------------------------ a job that picks its model

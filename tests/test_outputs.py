@@ -10,6 +10,7 @@ import pytest
 
 from gadei import curves, jobfile, outputs
 from gadei._proc import gadei_command
+from gadei.errors import GadeiError
 from helpers import blobs_job, communicate, end_jobs, files_up_to, finish, missing, png_shape, unique_name, wait_for
 
 
@@ -168,6 +169,19 @@ def test_conclude_writes_the_outputs_of_the_end_its_supervisor_saw(tmp_path):
     assert result["outcome"] == outputs.DONE and "the stop came after training ended" in result["reason"], result
     handed = torch.load(out / "model.pt", weights_only=True)
     assert all(torch.equal(handed[k], v) for k, v in weights.items()) and "test_accuracy" in result
+
+
+def test_a_result_json_that_holds_no_json_object_is_no_result(tmp_path):
+    """result.json is read from disk: half of one, or JSON that is not an object (a list, a
+    string), is no result; a job that picks its model then says it has chosen none (`gadei
+    predict`, `gadei status`), where a list once ended in a traceback."""
+    (tmp_path / outputs.ORDER).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / outputs.ORDER).write_text(json.dumps({"order": ["ngram", "textcnn"]}))
+    for text in ('{"outcome": "done"', "[1]", '"done"', "", '{"outcome": "done"}'):
+        (tmp_path / "result.json").write_text(text)
+        assert outputs.read_result(tmp_path) == (None if text != '{"outcome": "done"}' else {"outcome": "done"})
+        with pytest.raises(GadeiError, match="has not chosen one"):
+            outputs.model_folders(tmp_path)
 
 
 def test_outputs_that_cannot_be_written_fail_the_job_in_a_result_json_that_says_which_and_why(tmp_path):
