@@ -113,6 +113,34 @@ def test_a_job_submitted_waited_for_followed_and_read_back_through_the_client(tm
     communicate(daemon, 30)
 
 
+def test_a_daemon_answer_that_is_no_job_record_is_a_daemon_error_naming_the_field(tmp_path):
+    """What comes over the socket is checked: a job record whose field is not of its type (a
+    daemon of another version, a process that is not the daemon) is a DaemonError, not a record."""
+    import socket
+    import threading
+
+    path = str(tmp_path / "daemon.sock")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(1)
+
+    def answer():
+        connection, _ = server.accept()
+        with connection:
+            connection.recv(65536)
+            connection.sendall(json.dumps({"ok": True, "jobs": [{"name": "x", "jobfile": "/j.toml", "output": "/o",
+                                                                  "submitted": "yesterday"}]}).encode() + b"\n")
+
+    thread = threading.Thread(target=answer)
+    thread.start()
+    try:
+        with pytest.raises(gadei.DaemonError, match="not one: its submitted is 'yesterday', not int or float"):
+            gadei.Client(path).job("x")
+    finally:
+        thread.join(10)
+        server.close()
+
+
 def test_no_daemon_is_a_typed_error_that_names_the_socket(tmp_path):
     socket = tmp_path / "daemon.sock"
     client = gadei.Client(socket)

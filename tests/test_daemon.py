@@ -619,6 +619,32 @@ def test_job_records_are_where_the_docs_say(tmp_path, monkeypatch, xdg):
         assert text.count(".local/state/gadei") == text.count(".local/state/gadei/jobs/"), name
 
 
+def test_a_job_record_that_is_not_the_daemons_is_skipped_saying_why(tmp_path, procs, daemon_env, caplog):
+    """The state folder's records are read from disk: one that is not a JSON object, or whose
+    fields are not of the types the daemon writes, is skipped with a warning that names the
+    field; `gadei status` shows the others (once a list or a string time ended it in a traceback)."""
+    from dataclasses import asdict
+    from pathlib import Path
+
+    from gadei.daemon.jobs import JobRecord, read_records
+
+    folder = Path(daemon_env["GADEI_STATE_DIR"])
+    (folder / "jobs").mkdir(parents=True, exist_ok=True)
+    good = asdict(JobRecord(name="good", jobfile=str(tmp_path / "j.toml"), output=str(tmp_path / "out"),
+                            state="done", submitted=time.time(), message="job good done"))
+    bad = {"list": [1], "time": {**good, "name": "time", "submitted": "yesterday"},
+           "pid": {**good, "name": "pid", "pid": True}, "state": {**good, "name": "state", "state": "odd"}}
+    for name, record in {"good": good, **bad}.items():
+        (folder / "jobs" / f"{name}.json").write_text(json.dumps(record))
+    caplog.set_level("WARNING")
+    assert list(read_records(folder)) == ["good"]
+    for said in ("list, not a JSON object", "its submitted is 'yesterday', not int or float",
+                 "its pid is True, not int", "its state is 'odd', not one of queued"):
+        assert said in caplog.text, caplog.text
+    out, err = finish(procs.gadei("status", env=daemon_env), 60)
+    assert "good" in out and "done" in out and "Traceback" not in err, out + err
+
+
 def test_status_and_logs_read_the_records_a_stopped_daemon_left(tmp_path, procs, daemon_env):
     """With the daemon stopped, `gadei status` shows the jobs it recorded (not "no gadei jobs"),
     `gadei status JOB` that job's record (not "has no region") and `gadei logs JOB` the logs on

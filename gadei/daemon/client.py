@@ -385,7 +385,10 @@ _FIELDS = {f.name for f in fields(JobRecord)}
 
 
 def _record(answer: dict) -> JobRecord:
-    return JobRecord(**{k: v for k, v in answer.items() if k in _FIELDS})  # a newer daemon's fields: left out
+    try:
+        return JobRecord(**{k: v for k, v in answer.items() if k in _FIELDS})  # a newer daemon's fields: left out
+    except (TypeError, AttributeError) as err:
+        raise DaemonError(f"the daemon answered with a job record that is not one: {err}") from None
 
 
 def _refusal(answer: dict) -> DaemonRefused:

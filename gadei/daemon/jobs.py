@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 QUEUED, RUNNING, DONE, FAILED, CANCELLED = "queued", "running", "done", "failed", "cancelled"
+STATES = (QUEUED, RUNNING, DONE, FAILED, CANCELLED)
 LIVE = (QUEUED, RUNNING)
 STARTING = "starting: checked again"  # a queued job's message while the runner prepares it
 
@@ -59,11 +60,31 @@ class JobRecord:
     cores: int = 0  # the cores it was given to choose its threads by (GADEI_CORES), once it started
     need: dict | None = None  # what it was given (`resources.Need`) while it runs
 
+    def __post_init__(self) -> None:
+        """A record read from disk, or from the daemon's answer, holds what the daemon writes.
+
+        Raises:
+            TypeError: naming the first field that does not.
+        """
+        for f in fields(self):
+            value, kinds = getattr(self, f.name), _KINDS[f.name]
+            if not isinstance(value, kinds) or isinstance(value, bool) and bool not in kinds:
+                raise TypeError(f"its {f.name} is {value!r:.60}, not {' or '.join(k.__name__ for k in kinds)}")
+        if self.state not in STATES:
+            raise TypeError(f"its state is {self.state!r:.60}, not one of {', '.join(STATES)}")
+
     @property
     def log(self) -> str:
         from ..supervisor import LOG
 
         return os.path.join(self.output, LOG)
+
+
+_NUMBER, _NONE = (int, float), type(None)
+_KINDS = {"name": (str,), "jobfile": (str,), "output": (str,), "state": (str,), "submitted": _NUMBER,
+          "started": _NUMBER, "ended": _NUMBER, "pid": (int,), "pid_start": _NUMBER, "returncode": (int, _NONE),
+          "message": (str,), "resume": (bool,), "priority": (int,), "sizes": (dict, _NONE), "cores": (int,),
+          "need": (dict, _NONE)}  # each field's types, as the daemon writes it
 
 
 def read_records(folder: Path) -> dict[str, JobRecord]:
@@ -74,7 +95,10 @@ def read_records(folder: Path) -> dict[str, JobRecord]:
     known = {f.name for f in fields(JobRecord)}
     for path in sorted((folder / "jobs").glob("*.json")):
         try:
-            record = JobRecord(**{k: v for k, v in json.loads(path.read_text()).items() if k in known})
+            raw = json.loads(path.read_text())
+            if not isinstance(raw, dict):
+                raise ValueError(f"{type(raw).__name__}, not a JSON object")
+            record = JobRecord(**{k: v for k, v in raw.items() if k in known})
         except (OSError, ValueError, TypeError) as err:
             log.warning("skipping the unreadable job record %s: %s", path, err)
             continue
