@@ -526,9 +526,22 @@ def test_a_large_jobs_submit_waits_for_its_checks_the_daemon_answers_as_it_start
     job.write_text(f'[job]\nname = "{name}"\n[data]\ntrain = "{data}"\nformat = "csv"\n')
     daemon = start_daemon(procs, daemon_env)
     path = _sock(daemon_env)
-    # a submit is answered once the daemon's checks have read the data: its wait grows with the data files
-    assert gadei.Client(path, timeout=2).submit(job).state == "queued"
-    os.utime(data)  # changed since its submit read it: the start reads it again (else it takes the submit's sets)
+    # the data changes while the submit's checks read it (touched every 50 ms, from before its look at the files
+    # until it answers), so that the start reads it again, not the submit's sets: a touch once the submit had
+    # answered was sometimes later than the start's look on a busy machine
+    submitted = threading.Event()
+
+    def touch():
+        while not submitted.wait(0.05):
+            os.utime(data)
+
+    toucher = threading.Thread(target=touch)
+    toucher.start()
+    try:  # a submit is answered once the daemon's checks have read the data: its wait grows with the data files
+        assert gadei.Client(path, timeout=2).submit(job).state == "queued"
+    finally:
+        submitted.set()
+        toucher.join(10)
     answered, deadline = 0, time.monotonic() + 600
     while True:  # the runner prepares it now: each look must be answered, as at any other time
         assert time.monotonic() < deadline, "the job was still queued after 600 s"
