@@ -6,6 +6,7 @@ result.json names: `gadei.outputs.model_folders`), or with the mean of the proba
 candidates it chose to average (`gadei.ensemble`); each candidate's folder predicts as a run's."""
 
 import json
+import math
 import pickle
 import re
 import warnings
@@ -82,7 +83,7 @@ class _Model:
             state = _load_model(folder / "model.pt")
             self.workload = get(self.job.workload)
             if self.workload.kind == "numeric":
-                self.stats = _read_json(folder / "features.json")
+                self.stats = _features(folder / "features.json")
             else:
                 self.vocab = Vocab.from_json(_read_json(folder / "vocab.json"))
         except FileNotFoundError as err:
@@ -132,6 +133,20 @@ def _read_json(path: Path):
         return json.loads(path.read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError) as err:
         raise GadeiError(f"{path}: not the JSON `gadei run` wrote ({err})") from None
+
+
+def _features(path: Path) -> dict:
+    """features.json as `gadei run` writes it: the count of the features, and the mean and the
+    (nonzero) standard deviation of each in the training set, which a sample is scaled by."""
+    stats = _read_json(path)
+    count = stats.get("features") if isinstance(stats, dict) else None
+    if not (isinstance(count, int) and not isinstance(count, bool) and count >= 1 and all(
+            isinstance(stats.get(key), list) and len(stats[key]) == count and all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in stats[key])
+            for key in ("mean", "std")) and all(v > 0 for v in stats["std"])):
+        raise GadeiError(f"{path}: not the count of the features and each one's mean and standard deviation "
+                         "`gadei run` wrote")
+    return stats
 
 
 def _first_lines(text: str, limit: int = 300) -> str:

@@ -630,6 +630,15 @@ def test_gadei_run_trains_the_mlp_on_numeric_data_and_predicts(tmp_path, procs):
     predicted = procs.gadei("predict", tmp_path / "out", sample, "--top", 1)
     out, err = communicate(predicted, 60)
     assert predicted.returncode == 0 and out.split()[-1] == y[0], out + err
+    from gadei.predict import predict
+
+    features = tmp_path / "out" / "features.json"  # read from disk: one that is not as gadei run wrote it is refused
+    written = json.loads(features.read_text())
+    for damaged in ([1], {**written, "features": "5"}, {**written, "mean": written["mean"][:2]},
+                    {**written, "mean": "x"}, {**written, "std": [0.0] * len(written["std"])}):
+        features.write_text(json.dumps(damaged))
+        with pytest.raises(GadeiError, match="features.json: not the count of the features and each one's mean"):
+            predict(str(tmp_path / "out"), [sample])
 
 
 def test_a_finished_run_is_said_to_have_finished_not_offered_resume(tmp_path, procs):
