@@ -632,6 +632,41 @@ def test_job_records_are_where_the_docs_say(tmp_path, monkeypatch, xdg):
         assert text.count(".local/state/gadei") == text.count(".local/state/gadei/jobs/"), name
 
 
+def test_two_submits_of_one_name_at_once_queue_one_and_refuse_the_other(tmp_path, monkeypatch):
+    """A submit checks the job's data before it queues it, seconds for a large set; a second
+    submit of the same name meanwhile is refused (it once passed the same look at the queue and
+    replaced the first one's record, whose submitter had been told it was queued)."""
+    from gadei import prepare
+    from gadei.daemon.jobs import Jobs
+
+    (tmp_path / "train.csv").write_text("text,label\n" + "".join(f"words {i},{'ab'[i % 2]}\n" for i in range(40)))
+    first, second = tmp_path / "first.toml", tmp_path / "second.toml"
+    for path in (first, second):
+        path.write_text(f'[job]\nname = "same"\nworkload = "ngram"\n[data]\ntrain = "train.csv"\n'
+                        f'[output]\nfolder = "out-{path.stem}"\n')
+    checking, go_on, check = threading.Event(), threading.Event(), prepare.check
+
+    def slow_check(job, *args, **kwargs):  # the first submit's check takes as long as the test holds it
+        if job.path == first:
+            checking.set()
+            assert go_on.wait(60)
+        return check(job, *args, **kwargs)
+
+    monkeypatch.setattr(prepare, "check", slow_check)
+    (tmp_path / "state" / "jobs").mkdir(parents=True)
+    jobs = Jobs(tmp_path / "state")
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        queued = pool.submit(jobs.submit, str(first))
+        assert checking.wait(60)
+        with pytest.raises(GadeiError, match="job 'same' is being submitted by another submit, which checks its data"):
+            jobs.submit(str(second))
+        go_on.set()
+        assert queued.result(60).output == str(tmp_path / "out-first")
+    assert jobs.records["same"].output == str(tmp_path / "out-first") and jobs.records["same"].state == "queued"
+    with pytest.raises(GadeiError, match="job 'same' is already queued"):
+        jobs.submit(str(second))
+
+
 def test_a_job_record_that_is_not_the_daemons_is_skipped_saying_why(tmp_path, procs, daemon_env, caplog):
     """The state folder's records are read from disk: one that is not a JSON object, or whose
     fields are not of the types the daemon writes, is skipped with a warning that names the

@@ -147,6 +147,7 @@ class Jobs:
         # the last submit's job as checked, and what its data was made of (`data.fingerprint`): its
         # start takes its data sets where unchanged (one job's at most: they are held in memory)
         self._checked: dict[str, tuple[str, "Prepared"]] = {}
+        self._submitting: set[str] = set()  # the names of jobs whose submit checks them now
         with self.lock:
             for record in self.records.values():
                 if record.pid and not record.ended:  # running, or cancelled and still stopping
@@ -217,8 +218,6 @@ class Jobs:
     def submit(self, path: str, resume: bool = False) -> JobRecord:
         """Check a job file and its data now, then queue it; `resume`: to go on with the run in
         its output folder. Raises GadeiError saying why not."""
-        from ..prepare import check
-
         job = jobfile.load(path)
         with self.lock:
             old = self.records.get(job.name)
@@ -229,6 +228,20 @@ class Jobs:
                 raise GadeiError(f"job {job.name!r} is being cancelled: its supervisor is still stopping it (its "
                                  "checkpoint, then its outputs); submit it again once `gadei status` no longer says "
                                  "cancelling")
+            if job.name in self._submitting:  # two submits of one name at once: the later would replace the first
+                raise GadeiError(f"job {job.name!r} is being submitted by another submit, which checks its data "
+                                 "now; submit it again once that one is answered, or give the job another [job] name")
+            self._submitting.add(job.name)
+        try:
+            return self._queue(job, resume)
+        finally:
+            with self.lock:
+                self._submitting.discard(job.name)
+
+    def _queue(self, job: jobfile.Job, resume: bool) -> JobRecord:
+        """`submit`'s checks of a job no other holds the name of, then its record, queued."""
+        from ..prepare import check
+
         # what `gadei run` would refuse (a squatted region name, the data, the output folder, the
         # resume point) is the submitter's to hear now, not the log's
         made_of = _made_of(job)  # before the files are read: a change as they are read is one since
