@@ -635,7 +635,8 @@ def test_job_records_are_where_the_docs_say(tmp_path, monkeypatch, xdg):
 def test_two_submits_of_one_name_at_once_queue_one_and_refuse_the_other(tmp_path, monkeypatch):
     """A submit checks the job's data before it queues it, seconds for a large set; a second
     submit of the same name meanwhile is refused (it once passed the same look at the queue and
-    replaced the first one's record, whose submitter had been told it was queued)."""
+    replaced the first one's record, whose submitter had been told it was queued), and so is a job
+    of another name whose output folder a queued job's is (it failed as it started)."""
     from gadei import prepare
     from gadei.daemon.jobs import Jobs
 
@@ -665,6 +666,10 @@ def test_two_submits_of_one_name_at_once_queue_one_and_refuse_the_other(tmp_path
     assert jobs.records["same"].output == str(tmp_path / "out-first") and jobs.records["same"].state == "queued"
     with pytest.raises(GadeiError, match="job 'same' is already queued"):
         jobs.submit(str(second))
+    other = tmp_path / "other.toml"  # another name, the queued job's output folder: it would fail as it started
+    other.write_text(first.read_text().replace('name = "same"', 'name = "other"'))
+    with pytest.raises(GadeiError, match="out-first is that of job 'same', which is queued; set another"):
+        jobs.submit(str(other))
 
 
 def test_a_job_record_that_is_not_the_daemons_is_skipped_saying_why(tmp_path, procs, daemon_env, caplog):

@@ -147,7 +147,7 @@ class Jobs:
         # the last submit's job as checked, and what its data was made of (`data.fingerprint`): its
         # start takes its data sets where unchanged (one job's at most: they are held in memory)
         self._checked: dict[str, tuple[str, "Prepared"]] = {}
-        self._submitting: set[str] = set()  # the names of jobs whose submit checks them now
+        self._submitting: dict[str, str] = {}  # the jobs a submit checks now: name -> output folder
         with self.lock:
             for record in self.records.values():
                 if record.pid and not record.ended:  # running, or cancelled and still stopping
@@ -231,12 +231,19 @@ class Jobs:
             if job.name in self._submitting:  # two submits of one name at once: the later would replace the first
                 raise GadeiError(f"job {job.name!r} is being submitted by another submit, which checks its data "
                                  "now; submit it again once that one is answered, or give the job another [job] name")
-            self._submitting.add(job.name)
+            # a folder a queued job will run in looks empty to a check: the later job would fail as it started
+            out = str(job.output)
+            taken = [(r.name, r.state) for r in self.records.values() if r.state in LIVE and r.output == out]
+            taken += [(name, "being submitted") for name, folder in self._submitting.items() if folder == out]
+            if taken:
+                raise GadeiError(f"output folder {out} is that of job {taken[0][0]!r}, which is {taken[0][1]}; set "
+                                 "another [output] folder")
+            self._submitting[job.name] = out
         try:
             return self._queue(job, resume)
         finally:
             with self.lock:
-                self._submitting.discard(job.name)
+                del self._submitting[job.name]
 
     def _queue(self, job: jobfile.Job, resume: bool) -> JobRecord:
         """`submit`'s checks of a job no other holds the name of, then its record, queued."""
