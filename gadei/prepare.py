@@ -65,11 +65,16 @@ def check(job: jobfile.Job, resume: bool, place=None, *, by: str = RUN, checked:
     is refused at once. `checked`: this job as checked before, its data files unchanged since
     (`data.fingerprint`; the daemon's submit, then its start): its data sets are taken, not read
     again, and everything else is checked again."""
-    from .region import check_name_free
+    from .region import check_name_free, inspect
 
     place = place or Local()
     job = place.job(job)
-    check_name_free(job.name)  # another user's (or a foreign) object in the region's place: say whose, now
+    found = inspect(job.name)
+    check_name_free(job.name, found)  # another user's (or a foreign) object in the region's place: say whose, now
+    if found is not None and found.state in ("running", "starting"):  # a second run would share its folder
+        raise GadeiError(f"job {job.name!r} runs now (its server is pid {found.server_pid}), and a job runs once at a "
+                         f"time: wait for it to end, stop it (`gadei stop {job.name}`), or give this one another "
+                         "[job] name")
     check_output(job)
     _check_runs(job, resume, by)
     read: list = list(checked.read) if checked is not None else []

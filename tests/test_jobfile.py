@@ -273,6 +273,24 @@ def test_a_job_refused_for_its_output_folder_is_refused_before_its_data_is_read(
         check(job, resume=True)
 
 
+def test_a_job_that_runs_now_is_refused_a_second_run_and_a_resume(small):
+    """A job runs once at a time: while its server serves it, `gadei run` (and a submit) of it,
+    afresh or `--resume`, is refused before it writes a file (a resume of a running job once
+    started a second supervisor on its folder, and both wrote its outputs)."""
+    import gadei
+    from gadei.prepare import check
+
+    name = unique_name("twice")
+    job = jobfile.load(_job(small, small_job(name) + '[output]\nfolder = "out"\n'))
+    with gadei.Server(name, n_params=10):
+        for resume in (False, True):
+            with pytest.raises(GadeiError, match=f"job '{name}' runs now \\(its server is pid {os.getpid()}\\), and a "
+                                                 "job runs once at a time"):
+                check(job, resume=resume)
+    assert not (small / "out").exists()
+    assert check(job, resume=False).job.name == name  # once it ended
+
+
 def test_a_run_whose_job_toml_gave_max_rows_8192_resumes_under_auto(small):
     """A run of a gadei before max_rows "auto" wrote the rows it took (8,192) in its job.toml: a
     resume of the same job, whose max_rows is now "auto" and fits them, compares equal; other rows
