@@ -140,13 +140,17 @@ def _features(path: Path) -> dict:
     (nonzero) standard deviation of each in the training set, which a sample is scaled by."""
     stats = _read_json(path)
     count = stats.get("features") if isinstance(stats, dict) else None
-    if not (isinstance(count, int) and not isinstance(count, bool) and count >= 1 and all(
-            isinstance(stats.get(key), list) and len(stats[key]) == count and all(
-                isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in stats[key])
-            for key in ("mean", "std")) and all(v > 0 for v in stats["std"])):
+    if not (isinstance(count, int) and not isinstance(count, bool) and count >= 1 and _numbers(stats.get("mean"), count)
+            and _numbers(stats.get("std"), count) and min(stats["std"]) > 0):
         raise GadeiError(f"{path}: not the count of the features and each one's mean and standard deviation "
                          "`gadei run` wrote")
     return stats
+
+
+def _numbers(values, count: int) -> bool:
+    """Whether `values` is a list of `count` finite numbers, none a boolean."""
+    return isinstance(values, list) and len(values) == count and all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values)
 
 
 def _first_lines(text: str, limit: int = 300) -> str:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from . import data, jobfile, outputs
 from .env import cores_said, learners_openmp_env, usable_cores
-from .errors import GadeiError
+from .errors import GadeiError, JobRunning
 from .outputs import AFRESH, RUN, finished, go_on
 from .placement import NODE, Local
 from .transport.options import TransportOptions
@@ -72,7 +72,7 @@ def check(job: jobfile.Job, resume: bool, place=None, *, by: str = RUN, checked:
     found = inspect(job.name)
     check_name_free(job.name, found)  # another user's (or a foreign) object in the region's place: say whose, now
     if found is not None and found.state in ("running", "starting"):  # a second run would share its folder
-        raise GadeiError(f"job {job.name!r} runs now (its server is pid {found.server_pid}), and a job runs once at a "
+        raise JobRunning(f"job {job.name!r} runs now (its server is pid {found.server_pid}), and a job runs once at a "
                          f"time: wait for it to end, stop it (`gadei stop {job.name}`), or give this one another "
                          "[job] name")
     check_output(job)

@@ -123,6 +123,7 @@ def test_a_daemon_answer_that_is_no_job_record_is_a_daemon_error_naming_the_fiel
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(path)
     server.listen(1)
+    server.settimeout(30)  # a client that never connects: the thread ends, the test fails on its own
 
     def answer():
         connection, _ = server.accept()
@@ -131,7 +132,7 @@ def test_a_daemon_answer_that_is_no_job_record_is_a_daemon_error_naming_the_fiel
             connection.sendall(json.dumps({"ok": True, "jobs": [{"name": "x", "jobfile": "/j.toml", "output": "/o",
                                                                   "submitted": "yesterday"}]}).encode() + b"\n")
 
-    thread = threading.Thread(target=answer)
+    thread = threading.Thread(target=answer, daemon=True)
     thread.start()
     try:
         with pytest.raises(gadei.DaemonError, match="not one: its submitted is 'yesterday', not int or float"):

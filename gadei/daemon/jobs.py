@@ -7,9 +7,9 @@ import logging
 import os
 import threading
 import time
+import typing
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from .. import _proc, data, files, jobfile, outputs
 from ..env import CORES, environ, state_dir as state_folder, usable_cores
@@ -19,7 +19,7 @@ from ..supervisor import Supervised
 from ..zygote import Zygote
 from . import logs, resources
 
-if TYPE_CHECKING:
+if typing.TYPE_CHECKING:
     from ..prepare import Prepared
 
 log = logging.getLogger(__name__)
@@ -80,11 +80,13 @@ class JobRecord:
         return os.path.join(self.output, LOG)
 
 
-_NUMBER, _NONE = (int, float), type(None)
-_KINDS = {"name": (str,), "jobfile": (str,), "output": (str,), "state": (str,), "submitted": _NUMBER,
-          "started": _NUMBER, "ended": _NUMBER, "pid": (int,), "pid_start": _NUMBER, "returncode": (int, _NONE),
-          "message": (str,), "resume": (bool,), "priority": (int,), "sizes": (dict, _NONE), "cores": (int,),
-          "need": (dict, _NONE)}  # each field's types, as the daemon writes it
+def _kinds(annotation) -> tuple:
+    """The types a field's annotation takes (`int | None`: int, NoneType); a float field takes an int."""
+    kinds = typing.get_args(annotation) or (annotation,)
+    return (int, *kinds) if float in kinds else kinds
+
+
+_KINDS = {f.name: _kinds(f.type) for f in fields(JobRecord)}  # each field's types, as its annotation says
 
 
 def read_records(folder: Path) -> dict[str, JobRecord]:
