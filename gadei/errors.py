@@ -25,6 +25,10 @@ class JobRunning(RegionError):
     """A live server already serves the job."""
 
 
+class FolderInUse(GadeiError):
+    """Another run holds the job's output folder (`gadei.claim`): it starts or runs now."""
+
+
 class LeftoverRegion(RegionError):
     """A region whose server is gone: left behind by a crash."""
 

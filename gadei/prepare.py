@@ -19,7 +19,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import data, jobfile, outputs
+from . import claim, data, jobfile, outputs
 from .env import cores_said, learners_openmp_env, usable_cores
 from .errors import GadeiError, JobRunning
 from .outputs import AFRESH, RUN, finished, go_on
@@ -43,6 +43,7 @@ class Prepared:
     candidates: list["Prepared"] | None = None  # a job that picks its model: each candidate's, cheapest first
     going_on: object = None  # a resumed run: where it goes on (`outputs.GoOn`; `found` is its checkpoint)
     estimates: list | None = None  # the candidates' `gadei_workloads.cost.Estimate`s, in their order
+    claim: object = None  # `prepare`d: this run's claim on the output folder (`gadei.claim.take`), held to its end
 
 
 def check_job(path: str, *, resume: bool = False, by: str = RUN) -> list[str]:
@@ -65,18 +66,9 @@ def check(job: jobfile.Job, resume: bool, place=None, *, by: str = RUN, checked:
     is refused at once. `checked`: this job as checked before, its data files unchanged since
     (`data.fingerprint`; the daemon's submit, then its start): its data sets are taken, not read
     again, and everything else is checked again."""
-    from .region import check_name_free, inspect
-
     place = place or Local()
     job = place.job(job)
-    found = inspect(job.name)
-    check_name_free(job.name, found)  # another user's (or a foreign) object in the region's place: say whose, now
-    if found is not None and found.state in ("running", "starting"):  # a second run would share its folder
-        raise JobRunning(f"job {job.name!r} runs now (its server is pid {found.server_pid}), and a job runs once at a "
-                         f"time: wait for it to end, stop it (`gadei stop {job.name}`), or give this one another "
-                         "[job] name")
-    check_output(job)
-    _check_runs(job, resume, by)
+    _check_folder(job, resume, by)
     read: list = list(checked.read) if checked is not None else []
     sets = {c.job.workload: (c.train, c.validation, c.test) for c in checked.candidates or [checked]} \
         if checked is not None else None
@@ -89,6 +81,24 @@ def check(job: jobfile.Job, resume: bool, place=None, *, by: str = RUN, checked:
     where = resume_point(job, nodes=place.size) if resume else None
     return Prepared(job, train, test, chosen, read, where.found if where else None, validation, by, picked, where,
                     estimates)
+
+
+def _check_folder(job: jobfile.Job, resume: bool, by: str, claimed: bool = False) -> None:
+    """What can be refused of the job's name and output folder without its data: the region's
+    name taken by another's or a running job's, a folder that cannot take the run, one that
+    another run claims now (`gadei.claim`; `claimed`: this one does), what it holds of earlier runs."""
+    from .region import check_name_free, inspect
+
+    found = inspect(job.name)
+    check_name_free(job.name, found)  # another user's (or a foreign) object in the region's place: say whose, now
+    if found is not None and found.state in ("running", "starting"):  # a second run would share its folder
+        raise JobRunning(f"job {job.name!r} runs now (its server is pid {found.server_pid}), and a job runs once at a "
+                         f"time: wait for it to end, stop it (`gadei stop {job.name}`), or give this one another "
+                         "[job] name")
+    check_output(job)
+    if not claimed:
+        claim.check(job.output)
+    _check_runs(job, resume, by)
 
 
 def _check_runs(job: jobfile.Job, resume: bool, by: str) -> None:
@@ -226,6 +236,12 @@ def prepare(job: jobfile.Job, resume: bool, place=None, by: str = RUN, encoded: 
     mask = os.umask(0o077)  # what this process creates now is private until the job's modes are known
     try:
         output_modes(job, mask)
+        prepared.claim = claim.take(job.output, job.private)
+        try:  # a run that took the folder between `check`'s look and the claim ended since, or still
+            _check_folder(job, resume, by, claimed=True)  # starts: what it left (or its region) is looked at again
+        except BaseException:
+            prepared.claim.close()
+            raise
         os.umask(0o077 if job.private else mask)
         _write(prepared, place, resume, encoded and prepared.candidates is None)
         if prepared.candidates is not None:

@@ -62,7 +62,8 @@ class JobRun:
         self.asked = asked  # None: this run takes the stops itself (`run`)
         out = self.job.output
         self.supervised = Supervised(out / "job.toml", out, by=prepared.by, named=self.job.path,
-                                     env=place.environment(), log=out / LOG, private=self.job.private)
+                                     env=place.environment(), log=out / LOG, private=self.job.private,
+                                     claim=prepared.claim)
 
     def run(self) -> int:
         job, place = self.job, self.place

@@ -302,13 +302,15 @@ class Supervised:
             in: `--since`).
         zygote: a `gadei.zygote.Zygote` to fork the supervisor from (the daemon's: it starts
             warm), where it is alive; else a new interpreter runs it.
+        claim: the run's claim on the output folder (`gadei.claim.take`), held until the job
+            ended; a supervisor forked from this process or its zygote holds it too.
     """
 
     def __init__(self, job_file: Path, out: Path, *, by: str, named: Path | None = None, env: dict | None = None,
                  log: Path | None = None, private: bool = True, pid: int = 0, started: float = 0.0,
-                 since: float | None = None, restarts: int = 3, window: float = 300.0, zygote=None):
+                 since: float | None = None, restarts: int = 3, window: float = 300.0, zygote=None, claim=None):
         self.job_file, self.out, self.by, self.env, self.log, self.private = job_file, out, by, env, log, private
-        self.zygote = zygote
+        self.zygote, self.claim = zygote, claim
         self.named = named
         self.proc: subprocess.Popen | None = None
         self.pid, self.started = pid, started
@@ -355,10 +357,17 @@ class Supervised:
             return 0
         try:
             return self.zygote.start(command, log_fd=log_file.fileno(), env=dict(os.environ if self.env is None
-                                                                                 else self.env))
+                                                                                 else self.env),
+                                     hold=self.claim.fileno() if self.claim is not None else None)
         except OSError as err:
             log.warning("job folder %s: %s; its supervisor starts a new interpreter", self.out, err)
             return 0
+
+    def release(self) -> None:
+        """The job ended: this client's claim on its folder goes (its supervisor's went with it)."""
+        if self.claim is not None:
+            self.claim.close()
+            self.claim = None
 
     def stop(self) -> None:
         """Ask the job to stop (a stop it takes once: the checkpoint of the learners' progress,
@@ -402,6 +411,7 @@ class Supervised:
             return None
         result = read_result(self.out)
         if result is not None:
+            self.release()
             return result
         code = self.code(wait=2.0)
         how = _proc.how_it_ended(code, self.oom_kills)
@@ -416,6 +426,7 @@ class Supervised:
                         found or "the job's start (no checkpoint records the learners' progress yet)")
             self.start(resume=True)
             return None
+        self.release()
         if self.stop_asked:
             why = "it was being stopped"
         elif refused:

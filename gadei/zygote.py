@@ -18,8 +18,9 @@ importing it all again (more than a second of CPU each).
 
 A forked child is its parent's child as a started one is: waited for, signalled and tied to it
 (`gadei._proc.tie_to_parent`) the same way. What it does not get is a fresh interpreter: the
-parent's open files stay open in it (none is a lock; the daemon's lock never reaches a zygote,
-started with its descriptors closed), and it leaves by `os._exit` after the module's exit
+parent's open files stay open in it (one lock among them, on purpose: its job's claim on the
+output folder, `gadei.claim`, which the job's processes hold with it; the daemon's own lock
+never reaches a zygote, started with its descriptors closed), and it leaves by `os._exit` after the module's exit
 handlers, never unwinding into its parent's code.
 """
 
@@ -304,9 +305,11 @@ class Zygote:
             self._changed.wait_for(lambda: self._ready or not self.alive(), wait)
             return self._ready
 
-    def start(self, command: list[str], *, log_fd: int, env: dict) -> int:
+    def start(self, command: list[str], *, log_fd: int, env: dict, hold: int | None = None) -> int:
         """Fork `command` (a supervisor's command line) in the zygote, its stdout and stderr
         `log_fd`, in the environment `env`, its signals of stop held until it takes them: its pid.
+        `hold`: a descriptor the child holds open, as it would have inherited it from its owner
+        (its job's claim on the output folder, `gadei.claim`).
 
         Raises:
             OSError: the zygote is gone, or could not fork (the reason).
@@ -315,7 +318,7 @@ class Zygote:
         with self._lock:
             with self._changed:
                 self._answers.clear()
-            socket.send_fds(self.sock, [request], [log_fd])
+            socket.send_fds(self.sock, [request], [log_fd] + ([hold] if hold is not None else []))
             with self._changed:
                 if not self._changed.wait_for(lambda: self._answers, self.timeout):
                     raise OSError(f"the zygote (pid {self.proc.pid}) did not answer within {self.timeout:g} s")
@@ -363,7 +366,7 @@ def serve(fd: int) -> int:
                 os.read(waker_r, 4096)
                 continue
             try:
-                message, fds, _, _ = socket.recv_fds(sock, 1 << 20, 1)
+                message, fds, _, _ = socket.recv_fds(sock, 1 << 20, 2)
             except OSError:
                 message = b""
             if not message:
@@ -373,6 +376,8 @@ def serve(fd: int) -> int:
 
 
 def _answer(sock, message: bytes, fds: list[int], close: tuple[int, ...]) -> None:
+    """Fork the child a request asks for: its log the first descriptor handed over; the others (a
+    claim) the child holds, and this process not."""
     try:
         request = json.loads(message)
         command, env = request["command"], request["env"]
@@ -383,6 +388,9 @@ def _answer(sock, message: bytes, fds: list[int], close: tuple[int, ...]) -> Non
         sock.send(json.dumps({"pid": child.pid}).encode())
     except Exception as err:  # noqa: BLE001 - said to the owner: the next request is answered as well
         sock.send(json.dumps({"error": f"{type(err).__name__}: {err}"}).encode())
+    finally:
+        for fd in fds[1:]:
+            os.close(fd)
 
 
 def _reap(sock) -> None:

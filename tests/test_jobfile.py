@@ -227,7 +227,8 @@ def test_a_job_prepared_with_its_sets_encoded_is_read_from_them_while_its_files_
         assert "reading the job's data files instead" in caplog.text
     assert data.load(get_workload("textcnn"), f"job:{as_run.path}")[0].ids == prepared.train.ids
 
-    prepare(job, False)  # as `gadei run` prepares it: its supervisor is forked with the sets
+    prepared.claim.close()  # that run ended: its folder is free for the next
+    prepare(job, False).claim.close()  # as `gadei run` prepares it: its supervisor is forked with the sets
     assert not encoded.exists()
     encoded.mkdir()  # cannot be written (as a full disk): said, and the job goes on to read its files
     caplog.clear()

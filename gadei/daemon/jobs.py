@@ -422,9 +422,14 @@ class Jobs:
         with self.lock:
             if self.records.get(record.name) is not record or record.state != QUEUED:
                 log.info("job %s was %s as it was prepared; not started", record.name, record.state)
+                prepared.claim.close()
                 return
-            supervised = self._supervised(record)
-            supervised.start(resume=record.resume, said=said)
+            supervised = self._supervised(record, claim=prepared.claim)
+            try:
+                supervised.start(resume=record.resume, said=said)
+            except BaseException:
+                supervised.release()
+                raise
             self.supervised[record.name] = supervised
             record.state, record.pid, record.pid_start, record.started = RUNNING, supervised.pid, \
                 supervised.started, supervised.since

@@ -1,0 +1,93 @@
+"""A run's claim on its output folder: one run at a time writes a folder's outputs.
+
+A job's region tells a running job from one that is not, but only once its server has created
+it: two `gadei run`s of one job started within seconds of each other (or a `gadei run` and the
+daemon's start of the same job, or two job files of different names with one [output] folder)
+both pass every check before either server exists, and both then write the same outputs. So the
+run that prepares a folder first takes an exclusive `flock` on its logs/claim.lock (`take`,
+refusing the folder where another holds it) and holds it to the job's end: `gadei run` and the
+daemon keep it while they follow the job, and the job's supervisor holds it too (forked with it,
+or handed it by the daemon's zygote), so a client that dies leaves the folder claimed while its
+job runs. The kernel lets go of a claim when the last process holding it ends, whatever killed
+it: nothing is left to clean up, and the file stays (removing it would let two runs lock two
+files of one name).
+
+`check` says whether a folder is claimed now without writing anything (`gadei run --check`,
+a submit).
+"""
+
+import errno
+import fcntl
+import os
+import time
+from pathlib import Path
+
+from .errors import FolderInUse
+
+NAME = "logs/claim.lock"
+_WAIT = 1.0  # seconds `take` tries for: `check`'s look holds the lock for a moment
+
+
+def _refusal(out: Path, fd: int) -> FolderInUse:
+    """What a run refused for a claimed folder is told: the pid that claimed it, where it wrote it."""
+    try:
+        said = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+    except OSError:
+        said = ""
+    by = f" (claimed by pid {said})" if said.isdigit() else ""
+    return FolderInUse(f"output folder {out} is in use by a run that starts or runs now{by}, and a folder holds one "
+                       "run at a time: wait for it to end, stop it, or set another [output] folder")
+
+
+def check(out: Path) -> None:
+    """Refuse `out` where a run claims it now, writing nothing.
+
+    Raises:
+        FolderInUse: a run holds the folder's claim.
+    """
+    try:
+        fd = os.open(Path(out) / NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:  # no claim was ever taken there (or it is not a file: `take` says so)
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise _refusal(out, fd) from None
+    finally:
+        os.close(fd)
+
+
+def take(out: Path, private: bool = True):
+    """Claim `out` (a folder that exists) for this run: its logs/ made, logs/claim.lock locked and
+    this process's pid written in it. The claim (an open file) is held as long as it, or a copy
+    inherited by a forked child or handed over, is open; `private`: the file is 0600.
+
+    Raises:
+        FolderInUse: another run holds it (tried for a moment: `check`'s look holds it shortly).
+        GadeiError: the claim cannot be made (what is in its place, the OS's reason).
+    """
+    from .errors import GadeiError
+
+    path = Path(out) / NAME
+    try:
+        path.parent.mkdir(exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK,
+                     0o600 if private else 0o666)
+    except OSError as err:
+        why = "a symbolic link is in its place" if err.errno == errno.ELOOP else (err.strerror or str(err))
+        raise GadeiError(f"output folder {out}: its claim {NAME} cannot be made: {why}") from None
+    deadline = time.monotonic() + _WAIT
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                refusal = _refusal(out, fd)
+                os.close(fd)
+                raise refusal from None
+            time.sleep(0.02)
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return open(fd, "rb", buffering=0)

@@ -1,0 +1,97 @@
+"""A run's claim on its output folder (`gadei.claim`): one run at a time writes a folder's
+outputs, also before either run's server exists (two `gadei run`s of one job started at once
+once both ran, and both wrote its outputs), and the claim outlives the client that took it while
+the job's supervisor runs."""
+
+import json
+import os
+import signal
+
+import pytest
+
+from gadei import claim, jobfile
+from gadei.errors import FolderInUse
+from gadei.prepare import prepare
+from helpers import blobs_job, communicate, end_jobs, job_text, small_job, start_daemon, unique_name, wait_for
+
+IN_USE = "is in use by a run that starts or runs now"
+
+
+def test_a_claimed_folder_refuses_another_run_before_it_writes_anything(small, procs):
+    """While a run holds the folder (prepared here, its server not started), `gadei run` and
+    `gadei run --check` of another job file that writes there are refused, naming the folder and
+    the pid that claimed it; what the first run wrote is untouched. Once the claim goes, both are
+    accepted."""
+    first, second = unique_name("claim1"), unique_name("claim2")
+    for name in (first, second):
+        (small / f"{name}.toml").write_text(small_job(name) + '[train]\nepochs = 1\n[output]\nfolder = "out"\n')
+    held = prepare(jobfile.load(small / f"{first}.toml"), resume=False)
+    written = (small / "out" / "job.toml").read_text()
+    try:
+        for args in (("run", "--check"), ("run",)):
+            run = procs.gadei(*args, str(small / f"{second}.toml"))
+            _, err = communicate(run, 120)
+            assert run.returncode == 2 and f"output folder {small / 'out'} {IN_USE} (claimed by pid {os.getpid()})" \
+                in err, err
+        assert (small / "out" / "job.toml").read_text() == written and not (small / "out" / "result.json").exists()
+    finally:
+        held.claim.close()
+    run = procs.gadei("run", str(small / f"{second}.toml"))
+    out, err = communicate(run, 120)
+    assert run.returncode == 0 and "done in" in out, out + err
+
+
+def test_two_runs_of_one_job_started_at_once_run_it_once(tmp_path, procs):
+    """Two `gadei run`s of one job file started together: one runs the job to its end, the other is
+    refused (the folder claimed, or its server seen) without a word written into the first's
+    outputs."""
+    name = unique_name("twice")
+    path = blobs_job(tmp_path, name, train={"learners": 2, "epochs": 4, "lr": 0.05})
+    try:
+        runs = [procs.gadei("run", str(path)) for _ in range(2)]
+        ended = [communicate(run, 180) for run in runs]
+    finally:
+        end_jobs(name)
+    codes = sorted(run.returncode for run in runs)
+    said = "\n".join(out + err for out, err in ended)
+    assert codes == [0, 2], said
+    refused = ended[[run.returncode for run in runs].index(2)][1]
+    assert IN_USE in refused or f"job '{name}' runs now" in refused, refused
+    result = json.loads((tmp_path / "out" / "result.json").read_text())
+    assert result["outcome"] == "done" and said.count("done in") == 1, said
+
+
+@pytest.mark.faults  # a daemon killed; also run on a loaded machine (docs/testing.md)
+def test_a_daemon_jobs_supervisor_holds_its_claim_past_the_daemon(tmp_path, procs, daemon_env):
+    """The daemon's zygote hands a job's supervisor the claim its daemon took: with the daemon
+    killed (SIGKILL) while the job runs, the folder is still claimed, until the job ends."""
+    name = unique_name("dclaim")
+    path = blobs_job(tmp_path, name, train={"learners": 2, "epochs": 400, "patience": 400, "lr": 0.05})
+    out = tmp_path / "out"
+    daemon = start_daemon(procs, daemon_env)
+    try:
+        submit = procs.gadei("submit", str(path), env=daemon_env)
+        communicate(submit, 120)
+        assert submit.returncode == 0, submit.err_lines
+        wait_for(lambda: (out / "logs" / "server.log").exists(), 120, "the job to start")
+        daemon.send_signal(signal.SIGKILL)
+        daemon.wait()
+        with pytest.raises(FolderInUse, match=IN_USE):
+            claim.check(out)
+        (tmp_path / "other.toml").write_text(job_text({"job": {"name": unique_name("other"), "workload": "mlp"},
+                                                       "data": {"train": "blobs.npz", "format": "npz"},
+                                                       "output": {"folder": "out"}}))
+        run = procs.gadei("run", "--check", str(tmp_path / "other.toml"))
+        _, err = communicate(run, 120)
+        assert run.returncode == 2 and IN_USE in err, err
+    finally:
+        end_jobs(name)
+    wait_for(lambda: _free(out), 60, "the claim to go with the job's processes")
+
+
+def _free(out) -> bool:
+    try:
+        claim.check(out)
+    except FolderInUse:
+        return False
+    return True
