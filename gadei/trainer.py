@@ -50,8 +50,8 @@ def run(args) -> int:
         staleness = _Staleness(learner.region)
         if chooser is not None and chooser.selection.stopped:  # decided before a restart: say it again
             chooser.end_training(learner)
-        elif first_epoch > 0 and (skip == 0 and args.eval or chooser is not None
-                                  and not chooser.selection.evaluated(first_epoch)):
+        elif first_epoch > 0 and (skip == 0 and args.eval or chooser is not None and not (
+                chooser.selection.evaluated(first_epoch) and _recorded(args, first_epoch))):
             _catch_up(args, learner, chooser, workload, model, test, first_epoch)
         for epoch in range(first_epoch, args.epochs):
             if learner.training_ended:
@@ -112,6 +112,26 @@ def run(args) -> int:
     return 0
 
 
+def _recorded(args, epoch: int) -> bool:
+    """Whether --records holds a record of `epoch`'s end (True where there are no records to
+    keep); a record cut short by a kill is none."""
+    if not args.records:
+        return True
+    try:
+        with open(args.records, "rb") as handle:
+            lines = handle.read().splitlines()
+    except FileNotFoundError:
+        return False
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and record.get("event") == "epoch" and record.get("epoch") == epoch:
+            return True
+    return False
+
+
 def _snapshot(model) -> dict:
     """A copy of `model`'s weights on the CPU: an evaluation's, which the shared weights must not move under."""
     return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
@@ -124,7 +144,8 @@ def _catch_up(args, learner, chooser, workload, model, test, epoch: int) -> None
     unmade too). Evaluate now, as at that epoch's end, so that neither the job's metrics nor the
     model selection miss the epoch. The record says "restarted": the metrics keep the epoch's
     own record where the last run wrote it (`gadei.outputs.write_metrics`), and the selection
-    counts an epoch once."""
+    counts an epoch once: an epoch it counted whose record the last run did not write (killed
+    between the two) is recorded as counted, its test accuracy that of the weights now."""
     learner.refresh()
     record = {"event": "epoch", "job": args.job, "learner": learner.learner_id, "epoch": epoch,
               "version": learner.version, "restarted": True}
@@ -133,6 +154,8 @@ def _catch_up(args, learner, chooser, workload, model, test, epoch: int) -> None
         record.update(chooser.evaluate(weights, epoch, learner.version))
         if chooser.selection.stopped:
             chooser.end_training(learner)
+    elif chooser is not None:
+        record.update(chooser.counted(epoch))
     if args.eval:
         if chooser is not None:
             chooser.eval_model.load_state_dict(weights)  # a copy: the shared weights move while it evaluates
@@ -251,6 +274,16 @@ class _Chooser:
         shards = _shard(args.shard)[1]
         every = EVALUATE_SAMPLES // shards if len(train) > EVALUATE_SAMPLES else 0
         return cls(workload, validation, eval_model, Selection.open(args.best, args.patience), every)
+
+    def counted(self, epoch: int) -> dict:
+        """The record's fields of the evaluation at `epoch` that the selection counted (its version
+        not among them: a record's version is its test accuracy's weights')."""
+        made = [h for h in self.selection.history if h.get("epoch") == epoch][-1]
+        best = self.selection.best
+        return {"validation_loss": made["validation_loss"], "validation_accuracy": made["validation_accuracy"],
+                **({"evaluated_at": made["at"]} if made.get("at") else {}),  # 0: a selection's from before the field
+                "best": best is not None and best.epoch == epoch, "best_epoch": best.epoch if best else None,
+                "since_best": self.selection.since_best}
 
     def evaluate(self, weights: dict, epoch: int, version: int) -> dict:
         """Validation loss and accuracy of `weights`; whether they are the best so far (and

@@ -1,6 +1,7 @@
 """Validation-driven training (issue 20): the model selection kept crash safely, the one
 decision that ends every learner's schedule, and `gadei run` handing back the best model."""
 
+import dataclasses
 import json
 import os
 import time
@@ -144,12 +145,15 @@ def test_a_restarted_learners_catch_up_fills_only_an_epoch_its_last_run_did_not_
     assert selection.Selection.open(tmp_path / "sel", patience=3).evaluated(1)
 
 
-@pytest.mark.parametrize("into", [0, 40], ids=["at-the-epochs-end", "within-the-next-epoch"])
-def test_a_restarted_evaluating_learner_evaluates_the_epoch_its_last_run_did_not(procs, tmp_path, into):
+@pytest.mark.parametrize("into, counted", [(0, False), (40, False), (40, True)],
+                         ids=["at-the-epochs-end", "within-the-next-epoch", "counted-not-recorded"])
+def test_a_restarted_evaluating_learner_evaluates_the_epoch_its_last_run_did_not(procs, tmp_path, into, counted):
     """Learner 0 killed after epoch 1's last step, before its evaluation of epoch 1 was made (the
     evaluation runs on a thread while it trains on, so a restart `into` samples into epoch 2 can
     find it unmade too): the restarted learner (`--start-at`, as its supervisor starts it)
-    evaluates epoch 1 first, in a record that says "restarted", and the selection holds it."""
+    evaluates epoch 1 first, in a record that says "restarted", and the selection holds it. Killed
+    between the selection's count of it and its record (`counted`), the record is made from the
+    count, which is not made twice."""
     from gadei.data import load_job
     from gadei import jobfile
 
@@ -157,6 +161,9 @@ def test_a_restarted_evaluating_learner_evaluates_the_epoch_its_last_run_did_not
     path = blobs_job(tmp_path, name, train={"learners": 1, "epochs": 2, "batch": 8, "lr": 0.05})
     train, _, _ = load_job(jobfile.load(path))
     records, best = tmp_path / "epochs.jsonl", tmp_path / "best"
+    made = selection.Evaluation(epoch=1, version=7, validation_accuracy=0.25, validation_loss=2.5, at=1.0e9)
+    if counted:
+        selection.Selection.open(best, patience=3).offer(made, {})
     server = procs.gadei("serve", name, "--job-file", path, "--learners", "1")
     try:
         learner = procs.gadei("learn", name, "--job-file", path, "--json", "--entry", "0", "--eval", "--validate",
@@ -172,6 +179,10 @@ def test_a_restarted_evaluating_learner_evaluates_the_epoch_its_last_run_did_not
     assert all("validation_accuracy" in e and "test_accuracy" in e for e in epochs), epochs
     history = json.loads((best / selection.BEST_STATE).read_text())["history"]
     assert [h["epoch"] for h in history] == [1, 2], history
+    if counted:
+        assert history[0] == dataclasses.asdict(made), history
+        assert (epochs[0]["validation_accuracy"], epochs[0]["validation_loss"], epochs[0]["evaluated_at"]) == \
+            (0.25, 2.5, 1.0e9), epochs[0]
 
 
 def test_large_data_sets_are_evaluated_within_an_epoch_too():
