@@ -19,10 +19,11 @@ a submit).
 import errno
 import fcntl
 import os
+import stat
 import time
 from pathlib import Path
 
-from .errors import FolderInUse
+from .errors import FolderInUse, GadeiError
 
 NAME = "logs/claim.lock"
 _WAIT = 1.0  # seconds `take` tries for: `check`'s look holds the lock for a moment
@@ -39,15 +40,39 @@ def _refusal(out: Path, fd: int) -> FolderInUse:
                        "run at a time: wait for it to end, stop it, or set another [output] folder")
 
 
+def _unusable(out: Path, why: str) -> GadeiError:
+    return GadeiError(f"output folder {out}: its {NAME} {why} (a run locks that file while it runs); remove it")
+
+
+def _open(out: Path, flags: int, mode: int = 0o600) -> int | None:
+    """The claim's file, opened (None: there is none, and `flags` do not make it).
+
+    Raises:
+        GadeiError: something that is not a file is in its place, or the OS refuses it.
+    """
+    try:
+        fd = os.open(Path(out) / NAME, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, mode)
+    except OSError as err:
+        if err.errno in (errno.ENOENT, errno.ENOTDIR) and not flags & os.O_CREAT:
+            return None
+        raise _unusable(out, "is a symbolic link" if err.errno == errno.ELOOP else
+                        f"cannot be opened: {err.strerror or err}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise _unusable(out, "is not a file")
+    return fd
+
+
 def check(out: Path) -> None:
-    """Refuse `out` where a run claims it now, writing nothing.
+    """Refuse `out` where a run claims it now, or its claim's file could not be taken, writing
+    nothing.
 
     Raises:
         FolderInUse: a run holds the folder's claim.
+        GadeiError: something that is not a file is in the claim's place.
     """
-    try:
-        fd = os.open(Path(out) / NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-    except OSError:  # no claim was ever taken there (or it is not a file: `take` says so)
+    fd = _open(out, os.O_RDONLY)
+    if fd is None:  # no claim was ever taken there
         return
     try:
         try:
@@ -67,16 +92,11 @@ def take(out: Path, private: bool = True):
         FolderInUse: another run holds it (tried for a moment: `check`'s look holds it shortly).
         GadeiError: the claim cannot be made (what is in its place, the OS's reason).
     """
-    from .errors import GadeiError
-
-    path = Path(out) / NAME
     try:
-        path.parent.mkdir(exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK,
-                     0o600 if private else 0o666)
+        (Path(out) / NAME).parent.mkdir(exist_ok=True)
     except OSError as err:
-        why = "a symbolic link is in its place" if err.errno == errno.ELOOP else (err.strerror or str(err))
-        raise GadeiError(f"output folder {out}: its claim {NAME} cannot be made: {why}") from None
+        raise _unusable(out, f"cannot be made: {err.strerror or err}") from None
+    fd = _open(out, os.O_RDWR | os.O_CREAT, 0o600 if private else 0o666)
     deadline = time.monotonic() + _WAIT
     while True:
         try:

@@ -95,3 +95,21 @@ def _free(out) -> bool:
     except FolderInUse:
         return False
     return True
+
+
+def test_something_else_in_the_claims_place_is_refused_by_the_check_and_left_alone(small, procs):
+    """A symbolic link (to a file of someone else's) or a folder where logs/claim.lock goes: `gadei
+    run --check` refuses it, naming it, and neither it nor what a link points to is touched."""
+    name = unique_name("claimed")
+    (small / "job.toml").write_text(small_job(name) + '[output]\nfolder = "out"\n')
+    (small / "out" / "logs").mkdir(parents=True)
+    (small / "theirs").write_text("not a lock\n")
+    place = small / "out" / "logs" / "claim.lock"
+    for make, said in ((lambda: place.symlink_to(small / "theirs"), "is a symbolic link"),
+                       (place.mkdir, "is not a file")):
+        make()
+        run = procs.gadei("run", "--check", str(small / "job.toml"))
+        _, err = communicate(run, 120)
+        assert run.returncode == 2 and f"output folder {small / 'out'}: its logs/claim.lock {said}" in err, err
+        place.unlink() if place.is_symlink() else place.rmdir()
+    assert (small / "theirs").read_text() == "not a lock\n"
