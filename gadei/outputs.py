@@ -1,12 +1,10 @@
-"""A run's outputs in its folder, written once, at the job's end, by the job's supervisor (the
-one process that decides that the job ended, and how: `conclude`): metrics.jsonl from the
-learners' epoch records, the plot (accuracy.png), model.pt (the model chosen on the validation
-set, else the weights the job ended with) and result.json last (the job's outcome, which model
-was chosen and why training stopped, its test accuracy). This module is the only one that
-writes them, and only the supervisor calls it to (tests/test_owners.py holds both); a run's
-clients (`gadei run`, the daemon) read result.json (`read_result`) and say what it says (`summary`,
-`exit_code`). Each file is written beside its place and renamed there, so a reader never sees half
-of one; result.json, written last, says the rest are there.
+"""A run's outputs in its folder, written once, at the job's end, by the job's supervisor (the one process that decides
+that the job ended, and how: `conclude`): metrics.jsonl from the learners' epoch records, the plot (accuracy.png),
+model.pt (the model chosen on the validation set, else the weights the job ended with) and result.json last (the
+job's outcome, which model was chosen and why training stopped, its test accuracy). This module is the only one that
+writes them, and only the supervisor calls it to (tests/test_owners.py holds both); a run's clients (`gadei run`,
+the daemon) read result.json (`read_result`) and say what it says (`summary`, `exit_code`). Each file is written
+beside its place and renamed there (a reader never sees half of one); result.json, last, says the rest are there.
 
 result.json's "outcome" is one of OUTCOMES, decided from how the supervisor saw the job end (`Ending`: the job
 finished, was stopped, or failed: the server died for good, a launched learner was given up, the server stopped
@@ -19,15 +17,13 @@ the earlier runs over from their result.json before it removes it: `EARLIER`); i
 model's time), metrics.jsonl's "seconds_since_start" (each epoch's evaluation) and accuracy.png's time axis are in
 that base, and so is `gadei run`'s last line (`summary`).
 
-A job that picks its model (`workload = "auto"`) trains its candidates one after another, each
-a run of its own in candidates/<workload>/ (`candidates`: their order, cheapest first, is ORDER,
-written by `gadei.prepare`), whose outputs its supervisor writes as each ends; at the job's end
-the job's own are the choice's (`conclude`): the chosen model's model.pt and plot (a candidate's,
-or the candidates' mean: `gadei.ensemble`), every candidate's epochs in metrics.jsonl, and a
-result.json that names the chosen model and each candidate's outcome, validation accuracy and
-seconds. `gadei predict` reads the chosen candidate's folder, or each member's of the mean
-(`model_folders`); `--resume` goes on with the candidate it was training
-(`going_on`), keeping the results of those that ended for good.
+A job that picks its model (`workload = "auto"`) trains its candidates one after another, each a run of its own in
+candidates/<workload>/ (`candidates`: their order, cheapest first, is ORDER, written by `gadei.prepare`), whose
+outputs its supervisor writes as each ends; at the job's end the job's own are the choice's (`conclude`): the chosen
+model's model.pt and plot (a candidate's, or the candidates' mean: `gadei.ensemble`), every candidate's epochs in
+metrics.jsonl, and a result.json that names the chosen model and each candidate's outcome, validation accuracy and
+seconds. `gadei predict` reads the chosen candidate's folder, or each member's of the mean (`model_folders`);
+`--resume` goes on with the candidate it was training (`going_on`), keeping those that ended for good.
 """
 
 import json
@@ -178,10 +174,13 @@ def candidate_folder(out: Path, workload: str) -> Path:
 
 def candidates(out: Path) -> list[Candidate] | None:
     """The candidates of the job in `out`, in the order they train (ORDER), each with its
-    result.json; None for a job that names its workload."""
+    result.json; None for a job that names its workload, or an ORDER not as `gadei run` writes it
+    (its "order" not a list of workloads' names, each a folder's)."""
     try:
         order = json.loads((out / ORDER).read_text())["order"]
     except (FileNotFoundError, NotADirectoryError, ValueError, KeyError, TypeError):
+        return None
+    if not isinstance(order, list) or not all(isinstance(w, str) and w.isidentifier() for w in order):
         return None
     return [Candidate(w, candidate_folder(out, w), read_result(candidate_folder(out, w))) for w in order]
 

@@ -184,6 +184,19 @@ def test_a_result_json_that_holds_no_json_object_is_no_result(tmp_path):
             outputs.model_folders(tmp_path)
 
 
+def test_an_order_json_not_as_gadei_run_writes_it_names_no_candidates(tmp_path):
+    """order.json is read from disk: an "order" that is not a list of workloads' names (a
+    number, a path that leaves the folder, a string read as its letters) names no candidate
+    folder; where a number in it once ended `gadei predict` and `gadei status` in a traceback."""
+    (tmp_path / outputs.ORDER).parent.mkdir(parents=True, exist_ok=True)
+    for order in ([1, 2], ["../../elsewhere"], "ngram", {"ngram": 1}, None, ["ngram", ""]):
+        (tmp_path / outputs.ORDER).write_text(json.dumps({"order": order}))
+        assert outputs.candidates(tmp_path) is None, order
+        assert outputs.model_folders(tmp_path) == [tmp_path]
+    (tmp_path / outputs.ORDER).write_text(json.dumps({"order": ["ngram", "textcnn"]}))
+    assert [c.workload for c in outputs.candidates(tmp_path)] == ["ngram", "textcnn"]
+
+
 def test_outputs_that_cannot_be_written_fail_the_job_in_a_result_json_that_says_which_and_why(tmp_path):
     """A full disk at the job's end: model.pt cannot be written. Its supervisor crashed with
     torch.save's traceback, no result.json, and `gadei run` said only that the supervisor exited
