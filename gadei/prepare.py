@@ -239,13 +239,13 @@ def prepare(job: jobfile.Job, resume: bool, place=None, by: str = RUN, encoded: 
         prepared.claim = claim.take(job.output, job.private)
         try:  # a run that took the folder between `check`'s look and the claim ended since, or still
             _check_folder(job, resume, by, claimed=True)  # starts: what it left (or its region) is looked at again
-        except BaseException:
+            os.umask(0o077 if job.private else mask)
+            _write(prepared, place, resume, encoded and prepared.candidates is None)
+            if prepared.candidates is not None:
+                _write_candidates(prepared, mask, encoded)
+        except BaseException:  # not made ready: the folder is free for the next run at once
             prepared.claim.close()
             raise
-        os.umask(0o077 if job.private else mask)
-        _write(prepared, place, resume, encoded and prepared.candidates is None)
-        if prepared.candidates is not None:
-            _write_candidates(prepared, mask, encoded)
     finally:
         os.umask(mask)
     return prepared
