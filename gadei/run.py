@@ -2,7 +2,8 @@
 a client of the job's supervisor.
 
 Everything that can be wrong with the job file and its data is found before anything starts
-(`gadei.prepare`), and the output folder made ready (the job as run, the maps). Then the job's
+(`gadei.prepare`; a stop that comes meanwhile, while a large data set is read, ends this command at
+once, with nothing written), and the output folder made ready (the job as run, the maps). Then the job's
 supervisor runs it (`gadei.supervisor.Supervised`: a process of its own, which starts the server
 and the learners, checkpoints the job, restarts what crashes and alone writes the outputs:
 model.pt, result.json, metrics.jsonl, accuracy.png, TensorBoard events; docs/jobs.md lists the
@@ -17,12 +18,13 @@ import logging
 import signal
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from . import jobfile, outputs, placement
 from .errors import GadeiError
 from .outputs import RUN, exit_code, summary
-from .prepare import Prepared, describe, prepare
+from .prepare import Prepared, check, describe, prepare
 from .supervisor import LOG, Supervised
 
 log = logging.getLogger(__name__)
@@ -43,12 +45,48 @@ def run_job(path: str, *, quiet: bool = False, resume: bool = False, by: str = R
     job = jobfile.load(path)
     place = placement.of(job)
     try:
-        prepared = prepare(job, resume, place, by)
-    except BaseException:
+        with _stop_ends_it(asked):  # nothing written yet: a stop (Ctrl-C) ends this command now
+            checked = check(job, resume, place, by=by)
+        prepared = prepare(job, resume, place, by, checked=checked)
+    except BaseException as err:
         place.agree(None)  # the other nodes do not wait for this one into their timeout
+        if isinstance(err, _StopAsked):
+            print(f"gadei run: job {job.name} stopped before it started (as its job file and data were checked); "
+                  "nothing was written", file=sys.stderr, flush=True)
+            return outputs.EXIT_CODES[outputs.STOPPED]
         raise
     place.agree(prepared)
     return place.end(JobRun(prepared, place, quiet, asked).run())
+
+
+class _StopAsked(BaseException):
+    """A stop asked of `gadei run` while it checks its job: nothing started, nothing to stop. Not a
+    KeyboardInterrupt, which CPython remembers once it went through an exec() (`tests/
+    test_run_stops.py`), nor an Exception, which a reader of a data file may catch."""
+
+
+@contextmanager
+def _stop_ends_it(asked: list[int] | None):
+    """While this runs, a stop (SIGTERM, SIGINT; one `asked` holds already too) ends it, raising
+    _StopAsked; after, a stop is recorded in `asked` again, for the job's supervisor. Nothing where
+    the caller takes no stops (`asked` None)."""
+    if asked is None:
+        yield
+        return
+
+    def stop(sig, _frame):
+        asked.append(sig)
+        raise _StopAsked
+
+    before = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)
+              if signal.getsignal(sig) is not signal.SIG_IGN}  # a shell's background job ignores SIGINT
+    try:
+        if asked:
+            raise _StopAsked
+        yield
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
 
 
 class JobRun:

@@ -1,7 +1,8 @@
 """A stop (SIGTERM: `gadei cancel`; SIGINT: Ctrl-C) asked of `gadei run` while it starts its job,
-with real processes: before the server starts, once it was started, while the learners attach.
-Each is a stop, never a death or a failure: exit 130, a last line that says "stopped" and how to
-go on, result.json with the reason, an output folder that either `--resume` or the same command
+with real processes: while it checks the job and reads its data, before the server starts, once it
+was started, while the learners attach. Each is a stop, never a death or a failure: exit 130, a
+last line that says "stopped" and how to go on, result.json with the reason (or, while the job was
+checked, nothing written at all), an output folder that either `--resume` or the same command
 takes, and nothing of the job left running."""
 
 import json
@@ -65,6 +66,12 @@ def test_a_stop_while_gadei_run_starts_its_job_is_a_clean_stop(tmp_path, procs, 
         run.send_signal(SIGNALS[how])
         stdout, stderr = communicate(run, 120)
         took = time.monotonic() - sent
+        if point == "before the server" and f"gadei run: job {name} stopped before it started" in stderr:
+            # it landed while the job was checked (the data read): nothing was written, nothing to go on with
+            assert run.returncode == 130 and not (out / "job.toml").exists(), stdout + stderr
+            check = procs.gadei("run", path, "--check")
+            assert communicate(check, 60) and check.returncode == 0
+            return
         result = json.loads((out / "result.json").read_text())
         last = stdout.strip().splitlines()[-1]
         assert run.returncode == 130 and result["outcome"] == "stopped" and result["reason"], (result, stdout + stderr)
@@ -111,9 +118,39 @@ def test_a_gadei_run_started_held_takes_a_stop_sent_at_once(tmp_path, how):
         wait_or_kill(run, 0, "gadei run")
     text = log.read_text()
     assert code == 130, (code, text)
-    assert json.loads((tmp_path / "out" / "result.json").read_text())["outcome"] == "stopped", text
-    assert text.strip().splitlines()[-1].startswith("gadei run: job ") and "start it again" in text, text
-    assert not (tmp_path / "out" / "logs" / "server.log").exists()  # nothing started
+    assert text.strip().splitlines()[-1].startswith("gadei run: job ") and "stopped before it started" in text, text
+    assert not (tmp_path / "out").exists()  # nothing started, nothing written
+
+
+def test_a_stop_while_gadei_run_reads_a_large_data_set_ends_it_at_once_writing_nothing(tmp_path, procs):
+    """A Ctrl-C (or a SIGTERM) while `gadei run` reads a data set of seconds (600,000 lines here; a
+    large one takes minutes) ends it at once: exit 130, its last line says so, nothing is written.
+    It once waited for the whole read, then started the job only to stop it."""
+    import random
+
+    name = unique_name("big-read")
+    rows = random.Random(1)
+    with open(tmp_path / "big.csv", "w") as big:
+        big.write("text,label\n")
+        for i in range(600_000):
+            big.write(" ".join(f"w{rows.randrange(30_000)}" for _ in range(12)) + f",L{i % 4}\n")
+    (tmp_path / "job.toml").write_text(f'[job]\nname = "{name}"\nworkload = "textcnn"\n[data]\ntrain = "big.csv"\n')
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # not ignored in the child, whoever started us
+    try:
+        run = procs.gadei("run", tmp_path / "job.toml")
+    finally:
+        signal.signal(signal.SIGINT, before)
+    wait_for(lambda: _catches_sigterm(run.pid), 120, "gadei run to take its stops")
+    time.sleep(1.0)  # into the read (seconds of it, on the fastest machine)
+    sent = time.monotonic()
+    run.send_signal(signal.SIGINT)
+    stdout, stderr = communicate(run, 120)
+    took = time.monotonic() - sent
+    assert run.returncode == 130 and stderr.strip().splitlines()[-1] == (
+        f"gadei run: job {name} stopped before it started (as its job file and data were checked); nothing was "
+        "written"), stdout + stderr
+    assert not (tmp_path / "runs").exists() and "Traceback" not in stderr, stdout + stderr
+    assert took < 10, f"the stop took {took:.1f} s"
 
 
 # Loaded by `gadei run` (and, through PYTHONPATH, by its children, which it leaves alone): once
