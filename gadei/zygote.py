@@ -20,8 +20,8 @@ A forked child is its parent's child as a started one is: waited for, signalled 
 (`gadei._proc.tie_to_parent`) the same way. What it does not get is a fresh interpreter: the
 parent's open files stay open in it (one lock among them, on purpose: its job's claim on the
 output folder, `gadei.claim`, which the job's processes hold with it; the daemon's own lock
-never reaches a zygote, started with its descriptors closed), and it leaves by `os._exit` after the module's exit
-handlers, never unwinding into its parent's code.
+never reaches a zygote, started with its descriptors closed), and it leaves by `os._exit`
+after the module's exit handlers, never unwinding into its parent's code.
 """
 
 import atexit
