@@ -18,12 +18,15 @@ a submit).
 
 import errno
 import fcntl
+import logging
 import os
 import stat
 import time
 from pathlib import Path
 
 from .errors import FolderInUse, GadeiError
+
+log = logging.getLogger(__name__)
 
 NAME = "logs/claim.lock"
 _WAIT = 1.0  # seconds `take` tries for: `check`'s look holds the lock for a moment
@@ -79,6 +82,8 @@ def check(out: Path) -> None:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
             raise _refusal(out, fd) from None
+        except OSError:  # a file system without locks (`take` says so)
+            pass
     finally:
         os.close(fd)
 
@@ -108,6 +113,10 @@ def take(out: Path, private: bool = True):
                 os.close(fd)
                 raise refusal from None
             time.sleep(0.02)
+        except OSError as err:  # a file system that holds no locks (an NFS mount without them, some FUSE ones)
+            log.warning("output folder %s: %s cannot be locked (%s): this run goes on, and another run of this "
+                        "folder started meanwhile is not kept out", out, NAME, err.strerror or err)
+            break
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return open(fd, "rb", buffering=0)

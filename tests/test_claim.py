@@ -113,3 +113,25 @@ def test_something_else_in_the_claims_place_is_refused_by_the_check_and_left_alo
         assert run.returncode == 2 and f"output folder {small / 'out'}: its logs/claim.lock {said}" in err, err
         place.unlink() if place.is_symlink() else place.rmdir()
     assert (small / "theirs").read_text() == "not a lock\n"
+
+
+def test_a_file_system_without_locks_runs_the_job_saying_what_it_cannot_keep_out(small, monkeypatch, caplog):
+    """Where the output folder's file system holds no locks (flock fails with ENOLCK, as on an NFS
+    mount without them), the run is not refused: it is prepared, with a warning that says a second
+    run is not kept out, and the check lets the next one through."""
+    import errno
+    import fcntl
+
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    name = unique_name("nolocks")
+    (small / "job.toml").write_text(small_job(name) + '[output]\nfolder = "out"\n')
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    held = prepare(jobfile.load(small / "job.toml"), resume=False)
+    try:
+        assert (small / "out" / "job.toml").exists()
+        assert "logs/claim.lock cannot be locked (No locks available)" in caplog.text, caplog.text
+        claim.check(small / "out")
+    finally:
+        held.claim.close()
