@@ -6,9 +6,10 @@ log = logging.getLogger("gadei.cli")
 
 
 def cmd_run(args) -> int:
-    # A stop (SIGTERM, SIGINT: Ctrl-C) from here on is recorded and passed on to the job's
-    # supervisor once it runs (`run.JobRun`), never a death that leaves no result.json; a process
-    # that starts this one held keeps them blocked until now (`launch.spawn(held=True)`).
+    # A stop (SIGTERM, SIGINT: Ctrl-C) from here on ends the run while the job is checked (nothing
+    # written yet), then is recorded and passed on to the job's supervisor once it runs
+    # (`run.JobRun`), never a death that leaves half a folder; a process that starts this one held
+    # keeps them blocked until now (`launch.spawn(held=True)`).
     from ..launch import take_stops
 
     asked: list[int] = []
@@ -92,7 +93,8 @@ def add_parser(sub) -> None:
     p = sub.add_parser("run", help="run a job file in the foreground: its supervisor, server, learners, outputs",
                        description="Check a job file and its data (any problem is refused before anything "
                        "starts), fill in the defaults, run the job under its supervisor, which restarts what crashes, "
-                       "print progress (a Ctrl-C stops the job with a checkpoint to go on from), and leave the model "
+                       "print progress (a Ctrl-C stops the job with a checkpoint to go on from; one while the job file "
+                       "and data are checked ends it, writing nothing), and leave the model "
                        "chosen on validation, result.json, the label and "
                        "vocabulary maps, metrics.jsonl, accuracy.png, TensorBoard event files (with TensorBoard "
                        "installed), checkpoints and logs in its output folder "
