@@ -641,10 +641,10 @@ def evaluate(job: jobfile.Job, metrics: list[dict] = (), handed: dict | None = N
     return {"test_accuracy": accuracy, "test_samples": len(test)}
 
 
-def epoch_records(out: Path) -> list[dict]:
-    """The evaluating learner's epoch records (learner 0 appends them to `EPOCHS`, a JSON line each)."""
+def epoch_records(path: Path) -> list[dict]:
+    """The evaluating learner's epoch records in `path` (its --records, a JSON line each: a run's `out / EPOCHS`)."""
     try:
-        lines = (out / EPOCHS).read_text(errors="replace").splitlines()
+        lines = Path(path).read_text(errors="replace").splitlines()
     except FileNotFoundError:
         return []
     records = []
@@ -659,7 +659,7 @@ def epoch_records(out: Path) -> list[dict]:
 
 
 def last_epoch(out: Path) -> dict:
-    return (epoch_records(out) or [{}])[-1]
+    return (epoch_records(out / EPOCHS) or [{}])[-1]
 
 
 def write_metrics(out: Path, runs: list[dict] | None = None) -> list[dict]:
@@ -669,7 +669,7 @@ def write_metrics(out: Path, runs: list[dict] | None = None) -> list[dict]:
     with `seconds_since_start`, when its evaluation was made in the job's time base (`runs`,
     `job_seconds`; absent where unknown)."""
     by_epoch: dict[int, dict] = {}
-    for record in epoch_records(out):
+    for record in epoch_records(out / EPOCHS):
         if record.get("restarted") and record["epoch"] in by_epoch:
             continue
         by_epoch[record["epoch"]] = {k: v for k, v in record.items() if k not in ("event", "job", "learner")}

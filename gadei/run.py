@@ -74,8 +74,7 @@ def _stop_ends_it(asked: list[int] | None):
         yield
         return
 
-    def stop(sig, _frame):
-        asked.append(sig)
+    def stop(_sig, _frame):
         raise _StopAsked
 
     before = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)

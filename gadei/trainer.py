@@ -115,21 +115,9 @@ def run(args) -> int:
 def _recorded(args, epoch: int) -> bool:
     """Whether --records holds a record of `epoch`'s end (True where there are no records to
     keep); a record cut short by a kill is none."""
-    if not args.records:
-        return True
-    try:
-        with open(args.records, "rb") as handle:
-            lines = handle.read().splitlines()
-    except FileNotFoundError:
-        return False
-    for line in lines:
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict) and record.get("event") == "epoch" and record.get("epoch") == epoch:
-            return True
-    return False
+    from .outputs import epoch_records
+
+    return not args.records or any(record.get("epoch") == epoch for record in epoch_records(args.records))
 
 
 def _snapshot(model) -> dict:

@@ -49,7 +49,7 @@ def test_a_resumed_run_says_its_seconds_with_the_runs_it_resumed(tmp_path, procs
     try:
         launched = time.time()
         run = procs.gadei("run", path, "--quiet")
-        wait_for(lambda: outputs.epoch_records(out), 180, "the job's first epoch", interval=0.05)
+        wait_for(lambda: outputs.epoch_records(out / outputs.EPOCHS), 180, "the job's first epoch", interval=0.05)
         run.send_signal(signal.SIGTERM)  # `gadei cancel`'s path: checkpoint the progress, then stop
         said, err = communicate(run, 120)
         assert run.returncode == 130 and "stopped after" in said and "with the runs it resumed" not in said, said + err

@@ -93,7 +93,7 @@ class _Follow:
         return self._board
 
     def __call__(self, region) -> None:
-        records = outputs.epoch_records(self.job.output)
+        records = outputs.epoch_records(self.job.output / outputs.EPOCHS)
         self.board.epochs(records)
         for record in records:
             loss = record.get("loss")
@@ -247,7 +247,7 @@ def _supervised(job: jobfile.Job, found, stops: _Stops, since: float, hold: bool
                             supervisor.first_applied or (stop.first_applied if stop is not None else 0.0))
     board = follow.board
     try:
-        board.epochs(outputs.epoch_records(out))  # those reported after the last look
+        board.epochs(outputs.epoch_records(out / outputs.EPOCHS))  # those reported after the last look
         result = _conclude(job, ending, since=since, bridge=bridge.summary if bridge is not None else None)
     finally:
         board.close()
