@@ -98,7 +98,7 @@ class JobRun:
         self.job = prepared.job
         self.asked = asked  # None: this run takes the stops itself (`run`)
         out = self.job.output
-        self.supervised = Supervised(out / "job.toml", out, by=prepared.by, named=self.job.path,
+        self.supervised = Supervised(self.job.name, out / "job.toml", out, by=prepared.by, named=self.job.path,
                                      env=place.environment(), log=out / LOG, private=self.job.private,
                                      claim=prepared.claim)
 

@@ -128,7 +128,8 @@ def _progress(text: str) -> dict:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The supervisor's arguments: JOB and a flag for each setting, --progress; or --job-file."""
-    parser.add_argument("job", nargs="?", help="the job to supervise (not with --job-file)")
+    parser.add_argument("job", nargs="?", help="the job to supervise; with --job-file, the name of the job it "
+                        "holds, checked against it (so `ps` shows every process of a job with its name)")
     options.add_arguments(parser, SupervisorSettings)
     parser.add_argument("--progress", metavar="JSON", type=_progress, default={}, help="how far each launched "
                         "learner got, from the checkpoint the server resumed from: they start there")
@@ -152,12 +153,13 @@ def command(job: str, settings: SupervisorSettings, progress: dict | None = None
                           *([f"--progress={json.dumps(progress)}"] if progress else []))
 
 
-def job_command(job_file: Path, *, resume: bool, by: str, named: Path | None = None,
+def job_command(name: str, job_file: Path, *, resume: bool, by: str, named: Path | None = None,
                 since: float | None = None) -> list[str]:
-    """The command line of the supervisor that runs the prepared job whose job.toml is `job_file`
-    to its end (`named`: the job file it was started from; `since`: when this run of the job
-    started, where an earlier supervisor started it)."""
-    return python_command(PROGRAM, "--job-file", str(job_file), "--by", by, *(["--resume"] if resume else []),
+    """The command line of the supervisor that runs the prepared job `name`, whose job.toml is
+    `job_file`, to its end (`named`: the job file it was started from; `since`: when this run of
+    the job started, where an earlier supervisor started it). It carries the name as the job's
+    server and learners do, so `ps` (and `pkill -f NAME`) find the whole job by it."""
+    return python_command(PROGRAM, name, "--job-file", str(job_file), "--by", by, *(["--resume"] if resume else []),
                           *([f"--named={named}"] if named else []), *([f"--since={since!r}"] if since else []))
 
 
@@ -289,6 +291,7 @@ class Supervised:
     says why), or answers the end with the reason when none can.
 
     Args:
+        name: the job's name.
         job_file: the job as run (its prepared output folder's job.toml: `gadei.prepare.prepare`).
         named: the job file it was started from (what it says to go on with it names).
         out: the job's output folder.
@@ -306,10 +309,12 @@ class Supervised:
             ended; a supervisor forked from this process or its zygote holds it too.
     """
 
-    def __init__(self, job_file: Path, out: Path, *, by: str, named: Path | None = None, env: dict | None = None,
-                 log: Path | None = None, private: bool = True, pid: int = 0, started: float = 0.0,
-                 since: float | None = None, restarts: int = 3, window: float = 300.0, zygote=None, claim=None):
-        self.job_file, self.out, self.by, self.env, self.log, self.private = job_file, out, by, env, log, private
+    def __init__(self, name: str, job_file: Path, out: Path, *, by: str, named: Path | None = None,
+                 env: dict | None = None, log: Path | None = None, private: bool = True, pid: int = 0,
+                 started: float = 0.0, since: float | None = None, restarts: int = 3, window: float = 300.0,
+                 zygote=None, claim=None):
+        self.name, self.job_file, self.out, self.by = name, job_file, out, by
+        self.env, self.log, self.private = env, log, private
         self.zygote, self.claim = zygote, claim
         self.named = named
         self.proc: subprocess.Popen | None = None
@@ -327,7 +332,7 @@ class Supervised:
         from .launch import spawn, started_as
 
         self.oom_kills = _proc.oom_kills()
-        command = job_command(self.job_file, resume=resume, by=self.by, named=self.named, since=self.since)
+        command = job_command(self.name, self.job_file, resume=resume, by=self.by, named=self.named, since=self.since)
         self.since = self.since or time.time()
         # in a session of its own (it outlives its client); a stop sent at once waits for its handler
         self.proc, self.pid = None, 0

@@ -12,7 +12,8 @@ import pytest
 from gadei import claim, jobfile
 from gadei.errors import FolderInUse
 from gadei.prepare import prepare
-from helpers import blobs_job, communicate, end_jobs, job_text, small_job, start_daemon, unique_name, wait_for
+from helpers import (blobs_job, communicate, end_jobs, job_processes, job_text, small_job, start_daemon, unique_name,
+                     wait_for)
 
 IN_USE = "is in use by a run that starts or runs now"
 
@@ -64,7 +65,9 @@ def test_two_runs_of_one_job_started_at_once_run_it_once(tmp_path, procs):
 @pytest.mark.faults  # a daemon killed; also run on a loaded machine (docs/testing.md)
 def test_a_daemon_jobs_supervisor_holds_its_claim_past_the_daemon(tmp_path, procs, daemon_env):
     """The daemon's zygote hands a job's supervisor the claim its daemon took: with the daemon
-    killed (SIGKILL) while the job runs, the folder is still claimed, until the job ends."""
+    killed (SIGKILL) while the job runs, the folder is still claimed, until the job ends. Every
+    process that holds it carries the job's name on its command line (the supervisor, whose
+    job file's path does not: `ps` and `pkill -f NAME` find the whole job)."""
     name = unique_name("dclaim")
     path = blobs_job(tmp_path, name, train={"learners": 2, "epochs": 400, "patience": 400, "lr": 0.05})
     out = tmp_path / "out"
@@ -73,9 +76,11 @@ def test_a_daemon_jobs_supervisor_holds_its_claim_past_the_daemon(tmp_path, proc
         submit = procs.gadei("submit", str(path), env=daemon_env)
         communicate(submit, 120)
         assert submit.returncode == 0, submit.err_lines
-        wait_for(lambda: (out / "logs" / "server.log").exists(), 120, "the job to start")
+        wait_for(lambda: len(_holders(out)) >= 4, 120, "the job's supervisor, server and learners to start")
         daemon.send_signal(signal.SIGKILL)
         daemon.wait()
+        holders = _holders(out)
+        assert len(holders) >= 4 and holders <= {proc.pid for proc in job_processes(name)}, holders
         with pytest.raises(FolderInUse, match=IN_USE):
             claim.check(out)
         (tmp_path / "other.toml").write_text(job_text({"job": {"name": unique_name("other"), "workload": "mlp"},
@@ -87,6 +92,25 @@ def test_a_daemon_jobs_supervisor_holds_its_claim_past_the_daemon(tmp_path, proc
     finally:
         end_jobs(name)
     wait_for(lambda: _free(out), 60, "the claim to go with the job's processes")
+
+
+def _holders(out) -> set[int]:
+    """The pids of the processes that have the folder's claim file open."""
+    lock = os.stat(out / claim.NAME)
+    found = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:  # gone
+            continue
+        for fd in fds:
+            try:
+                st = os.stat(f"/proc/{pid}/fd/{fd}")
+            except OSError:  # closed as it was looked at
+                continue
+            if (st.st_dev, st.st_ino) == (lock.st_dev, lock.st_ino):
+                found.add(int(pid))
+    return found
 
 
 def _free(out) -> bool:

@@ -16,7 +16,7 @@ import numpy as np
 import psutil
 import pytest
 
-from helpers import communicate, end_jobs, finish, learner_pids, read_line, wait_for
+from helpers import communicate, end_jobs, finish, learner_pids, read_line, small_job, unique_name, wait_for
 from gadei import _proc, checkpoint
 from gadei.errors import GadeiError
 from gadei.region import Region, inspect
@@ -266,6 +266,18 @@ def test_the_supervisors_json_flags_are_checked_even_under_python_dash_o(job, pr
     assert dog.returncode == 2 and f"gadei supervisor: error: argument {flag}: " in err and expected in err, err
 
 
+def test_a_job_files_supervisor_named_for_another_job_refuses_it_and_starts_nothing(small, procs):
+    """`gadei run` and the daemon start it as `gadei_watchdog NAME --job-file FILE` (so `ps` shows
+    the job's name): a name that is not the job file's is refused before anything starts."""
+    name = unique_name("named")
+    (small / "job.toml").write_text(small_job(name) + "[train]\nepochs = 1\n")
+    dog = procs.spawn(_proc.python_command("gadei_watchdog", "other", "--job-file", small / "job.toml"))
+    _, err = communicate(dog, 60)
+    assert dog.returncode == 2 and f"gadei supervisor: error: {small / 'job.toml'} holds job '{name}', not 'other'" \
+        in err, err
+    assert not (small / "runs").exists() and inspect(name) is None
+
+
 def test_a_file_where_the_checkpoint_folder_goes_is_refused_before_anything_starts(job, procs, tmp_path):
     """It was a FileExistsError's traceback as the server started (its log goes there)."""
     (tmp_path / "ckpt").write_text("a file")
@@ -295,7 +307,7 @@ def test_a_job_supervisor_that_refused_is_not_started_again_where_one_that_died_
     out = tmp_path / "out"
     checkpoint.save(out / "checkpoints", checkpoint.Checkpoint("refused", 7, 7, {"w": torch.zeros(2)},
                                                                progress={"0": 5}))
-    supervised = Supervised(out / "job.toml", out, by="gadei run")
+    supervised = Supervised("refused", out / "job.toml", out, by="gadei run")
     started = []
     monkeypatch.setattr(supervised, "start", lambda resume=False, said=(): started.append(resume))
     for code in (2, 1):

@@ -1,4 +1,4 @@
-"""`python -m gadei_watchdog JOB --checkpoint-dir DIR ...` or `--job-file FILE`: a job's supervisor."""
+"""`python -m gadei_watchdog JOB --checkpoint-dir DIR ...` or `JOB --job-file FILE`: a job's supervisor."""
 
 from gadei.console import leave
 

@@ -1,6 +1,6 @@
 """The supervisor's command, `python -m gadei_watchdog` (how gadei starts a job's supervisor, and
 what `gadei serve --checkpoint-dir` becomes): its arguments, made from `SupervisorSettings`'
-declarations (`gadei.supervisor`), and what it runs: a job file's supervisor (`--job-file`), or
+declarations (`gadei.supervisor`), and what it runs: a job file's supervisor (`JOB --job-file FILE`), or
 the supervisor of a job whose server's arguments it is given (JOB --server ...)."""
 
 import argparse
@@ -19,13 +19,11 @@ from .supervisor import Supervisor
 def command(args) -> int:
     """Run the supervisor the arguments describe, to its end (its exit code)."""
     if args.job_file:
-        if args.job:
-            raise GadeiError("gadei supervisor: give JOB or --job-file, not both")
-        return job.run(args.job_file, resume=args.resume, by=args.by, named=args.named, since=args.since)
+        return job.run(args.job_file, name=args.job, resume=args.resume, by=args.by, named=args.named, since=args.since)
     if not args.job:
-        raise GadeiError("gadei supervisor: give JOB (and the arguments of its server) or --job-file")
+        raise GadeiError("give JOB (and the arguments of its server) or --job-file")
     if not args.checkpoint_dir:
-        raise GadeiError("gadei supervisor: give --checkpoint-dir")
+        raise GadeiError("give --checkpoint-dir")
     settings = options.from_args(SupervisorSettings, args)
     try:
         settings.check()

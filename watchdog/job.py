@@ -136,16 +136,19 @@ class _Stops:
             self.supervisor.ask_stop()
 
 
-def run(job_file: str, *, resume: bool = False, by: str = outputs.RUN, named: str | None = None,
-        since: float | None = None) -> int:
+def run(job_file: str, *, name: str | None = None, resume: bool = False, by: str = outputs.RUN,
+        named: str | None = None, since: float | None = None) -> int:
     """Supervise the prepared job whose job.toml is `job_file` to its end and write its outputs;
-    `gadei run`'s exit code for its outcome. `resume`: go on from the newest checkpoint that
+    `gadei run`'s exit code for its outcome (`name`: the job's name, which its command line
+    carries, checked against the job file's). `resume`: go on from the newest checkpoint that
     records the learners' progress (a job that picks its model: with the candidate it was
     training); `by`: the command that started the job, and `named`: the job file it started it
     from (what the job's last line says to go on with it names); `since`: when this run started
     (a supervisor that died started it; default: now)."""
     since = since or time.time()
     job = jobfile.load(job_file)
+    if name is not None and name != job.name:
+        raise GadeiError(f"{job_file} holds job {job.name!r}, not {name!r}")
     if job.private:
         os.umask(0o077)  # its processes' files (checkpoints, logs) are private too (`prepare.output_modes`)
     pause_at("starting")  # a test's hold: nothing of the job started, a stop sent now waits (blocked) for the handler

@@ -167,9 +167,10 @@ class Jobs:
             private = jobfile.load(Path(record.output) / "job.toml").private
         except GadeiError:  # not prepared yet, or gone: its log is private until the job says otherwise
             private = True
-        supervised = Supervised(Path(record.output) / "job.toml", Path(record.output), by=SUBMIT, zygote=self.zygote,
-                                named=Path(record.jobfile), env={**os.environ, **self._cores_env(record)},
-                                log=Path(record.log), private=private, **kw)
+        supervised = Supervised(record.name, Path(record.output) / "job.toml", Path(record.output), by=SUBMIT,
+                                zygote=self.zygote, named=Path(record.jobfile),
+                                env={**os.environ, **self._cores_env(record)}, log=Path(record.log), private=private,
+                                **kw)
         supervised.stop_asked = record.state == CANCELLED  # a cancelled job's supervisor is not replaced
         return supervised
 
