@@ -4,6 +4,7 @@ order; one that waits says what for; one that could never fit is refused at subm
 
 import textwrap
 
+import numpy as np
 import pytest
 
 from helpers import communicate, daemon_jobs, finish, small_job, start_daemon, unique_name, wait_for
@@ -94,3 +95,53 @@ def test_a_jobs_region_is_sized_as_its_server_makes_it(small, procs, job, worklo
     server.terminate()
     finish(server, 60)
     assert sizes.region == made
+
+
+_MEASURE = """
+import gc, sys
+import psutil
+from gadei import data, jobfile
+import gadei_workloads.text  # what reading the data imports, before the count starts
+
+job = jobfile.load(sys.argv[1])
+gc.collect()
+before = psutil.Process().memory_info().rss
+sets = data.load_job(job)
+gc.collect()
+print(psutil.Process().memory_info().rss - before, data.footprint(sets))
+"""
+
+
+def _texts_job(folder, name: str, rows: int) -> str:
+    """A text CNN job of `rows` sentences of 12 words drawn from 2,000, the first ones holding every
+    word: the same vocabulary, model and region, whatever `rows`."""
+    rng = np.random.default_rng(rows)
+    words = np.array([f"w{i}" for i in range(2_000)])
+    every = np.tile(np.arange(len(words)).reshape(-1, 10), (20, 1))  # in train, whatever is held out
+    drawn = np.concatenate([every, rng.integers(0, len(words), (rows, 10))])
+    with open(folder / f"{name}.csv", "w") as out:
+        out.write("text,label\n")
+        for row, label in zip(drawn, rng.integers(0, 4, len(drawn))):
+            out.write(f"{' '.join(words[row])},l{label}\n")
+    path = folder / f"{name}.toml"
+    path.write_text(f'[job]\nname = "{name}"\nworkload = "textcnn"\n[data]\ntrain = "{name}.csv"\n'
+                    f'[train]\nbatch = 4\n[output]\nfolder = "out-{name}"\n')
+    return path
+
+
+def test_a_jobs_memory_counts_its_data_sets_as_a_process_holds_them(tmp_path, procs):
+    """A job's memory need counts its data sets: DATA_COPIES times what one process holds of
+    them (`gadei.data.footprint`), which is what reading them costs a process; a job of a large
+    set needs that much more than the same job of a small one (every job was counted 300 MiB a
+    process, whatever its data: a job of a 100 MB CSV holds several GiB)."""
+    from gadei.daemon.jobs import Jobs
+
+    small, large = _texts_job(tmp_path, "few", 1_000), _texts_job(tmp_path, "many", 400_000)
+    (_, counted_few), (grown, counted) = ((int(n) for n in finish(procs.start("-c", _MEASURE, path), 300)[0].split())
+                                          for path in (small, large))
+    assert 50 << 20 < counted and 0.75 < counted / grown < 1.5, (grown >> 20, counted >> 20)  # MiB
+    (tmp_path / "state" / "jobs").mkdir(parents=True)
+    jobs = Jobs(tmp_path / "state")
+    few, many = (Sizes(**jobs.submit(str(path)).sizes) for path in (small, large))
+    assert few.learners == many.learners and few.region == many.region  # one model
+    assert many.processes - few.processes == resources.DATA_COPIES * (counted - counted_few), (few, many)

@@ -259,7 +259,8 @@ class Jobs:
         from gadei_workloads.cost import estimate  # torch, which reading the data imported
 
         # a job that picks its model trains its candidates one after another: it needs what the largest needs
-        sizes = max((resources.sizes(each.job, estimate(each.job.workload, each.train), job.train.threads or 0)
+        sizes = max((resources.sizes(each.job, estimate(each.job.workload, each.train), job.train.threads or 0,
+                                     data.footprint((each.train, each.validation, each.test)))
                      for each in prepared.candidates or [prepared]),
                     key=lambda s: (s.region + s.processes, s.learners))
         if self.max_jobs is None:

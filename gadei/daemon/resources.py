@@ -9,7 +9,8 @@ auto`), and refuses at submit one that could never fit.
 - Its shared memory: its region (`gadei.layout`: the weights, the optimiser's state, the
   rings, whose slots carry an embedding table of sparse gradients as `max_rows` rows).
 - Its memory: the region (/dev/shm is memory) and each process's (server, supervisor,
-  learners): PROCESS_BYTES and three copies of the weights (weights, gradients, a spare).
+  learners): PROCESS_BYTES and three copies of the weights (weights, gradients, a spare); and
+  its data sets, DATA_COPIES times what one process holds of them (`gadei.data.footprint`).
 - What is free: what the machine has (usable cores, the cgroup's memory limit or the
   machine's memory, /dev/shm's size) less what the running jobs were given, and at most what
   the machine says is free now (another user's processes count too).
@@ -20,7 +21,12 @@ from dataclasses import dataclass
 
 from ..env import usable_cores
 
-PROCESS_BYTES = 300 << 20  # a job process's own memory beyond its weights: the interpreter, torch, the data
+PROCESS_BYTES = 300 << 20  # a job process's own memory beyond its weights and data: the interpreter, torch
+# A job's processes are forked from its supervisor, which reads its sets: they share the sets' pages
+# until they touch them. Measured through the daemon (a 50 MB CSV, 2 learners, one process's share
+# 435 MiB): the sum of the processes' peak PSS, less a small job's, less or not their copies of the
+# model (15 million weights) and the region, came to 1.8 to 2.7 times it. 3, as an upper bound.
+DATA_COPIES = 3
 SHM = "/dev/shm"
 
 
@@ -63,10 +69,10 @@ class Sizes:
         return Need(min(cores, self.learners * threads + 1), self.region + self.processes, self.region)
 
 
-def sizes(job, estimate, threads: int) -> Sizes:
+def sizes(job, estimate, threads: int, data: int = 0) -> Sizes:
     """A job's sizes (`job`: a `gadei.jobfile.Job` with its defaults chosen, `estimate`: its
     model's `gadei_workloads.cost.Estimate`, `threads`: its learners' as its file gives them,
-    0 for auto)."""
+    0 for auto, `data`: the bytes one process holds of its data sets, `gadei.data.footprint`)."""
     from ..layout import Shape, SparseTable, layout, ring_slots
     from ..modes import state_names
 
@@ -78,7 +84,7 @@ def sizes(job, estimate, threads: int) -> Sizes:
                              mode=t.mode, state_arrays=len(state_names(t.rule)), sparse=sparse),
                        job.transport.slots)
     region = layout(shape).total
-    processes = (t.learners + 2) * (PROCESS_BYTES + 3 * 4 * parameters)
+    processes = (t.learners + 2) * (PROCESS_BYTES + 3 * 4 * parameters) + DATA_COPIES * data
     return Sizes(t.learners, threads, region, processes)
 
 
