@@ -7,10 +7,12 @@ both pass every check before either server exists, and both then write the same 
 run that prepares a folder first takes an exclusive `flock` on its logs/claim.lock (`take`,
 refusing the folder where another holds it) and holds it to the job's end: `gadei run` and the
 daemon keep it while they follow the job, and the job's supervisor holds it too (forked with it,
-or handed it by the daemon's zygote), so a client that dies leaves the folder claimed while its
-job runs. The kernel lets go of a claim when the last process holding it ends, whatever killed
-it: nothing is left to clean up, and the file stays (removing it would let two runs lock two
-files of one name).
+handed it by the daemon's zygote, or as it starts a new interpreter), so a client that dies leaves
+the folder claimed while its job runs. A restarted daemon follows its running jobs without their
+claims (their processes hold them): a supervisor it starts in place of one that died takes the
+claim itself, once that one's processes let go of it (`gadei_watchdog.job`). The kernel lets go
+of a claim when the last process holding it ends, whatever killed it: nothing is left to clean
+up, and the file stays (removing it would let two runs lock two files of one name).
 
 `check` says whether a folder is claimed now without writing anything (`gadei run --check`,
 a submit).

@@ -67,7 +67,7 @@ STOPS = zygote.STOPS  # the signals that stop a gadei process in order (SIGTERM'
 
 
 def spawn(command: list[str], *, log=None, session: bool = True, env: dict | None = None,
-          held: bool = False, keep_stdout: bool = False, passive: bool = True) -> subprocess.Popen:
+          held: bool = False, keep_stdout: bool = False, passive: bool = True, keep: tuple = ()) -> subprocess.Popen:
     """Start one of a job's processes: `command` (a `gadei._proc` command line), stdin from
     /dev/null, stdout and stderr appended to `log` (a path, or a file open for writing; None:
     this process's own; `keep_stdout`: stdout stays this process's, stderr alone goes to `log`),
@@ -75,7 +75,8 @@ def spawn(command: list[str], *, log=None, session: bool = True, env: dict | Non
     reaches it too). `env`: its whole environment (None: this process's). `held`: it starts
     with SIGTERM and SIGINT blocked (a signal mask is inherited through exec), so a stop sent to
     it at once waits until it takes them (`take_stops`, once its handler is set) instead of
-    killing it while it starts (a job's supervisor and its server).
+    killing it while it starts (a job's supervisor and its server). `keep`: descriptors a new
+    interpreter keeps open too (a forked child keeps every one): a job's claim on its folder.
 
     Started warm (forked, `gadei.zygote.fork`: no interpreter to start, nothing to import) where
     this process can (`zygote.can_fork`): it is warm and runs one thread, and `passive` says the
@@ -86,17 +87,17 @@ def spawn(command: list[str], *, log=None, session: bool = True, env: dict | Non
     if held:
         before = signal.pthread_sigmask(signal.SIG_BLOCK, STOPS)  # this thread's, for the fork
         try:
-            return spawn(command, log=log, session=session, env=env, keep_stdout=keep_stdout)
+            return spawn(command, log=log, session=session, env=env, keep_stdout=keep_stdout, keep=keep)
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, before)
     if log is None:
-        return subprocess.Popen(command, stdin=subprocess.DEVNULL, start_new_session=session, env=env)
+        return subprocess.Popen(command, stdin=subprocess.DEVNULL, start_new_session=session, env=env, pass_fds=keep)
     if hasattr(log, "fileno"):
         return subprocess.Popen(command, stdout=None if keep_stdout else log,
                                 stderr=log if keep_stdout else subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=session, env=env)
+                                start_new_session=session, env=env, pass_fds=keep)
     with open(log, "ab") as out:
-        return spawn(command, log=out, session=session, env=env, keep_stdout=keep_stdout)
+        return spawn(command, log=out, session=session, env=env, keep_stdout=keep_stdout, keep=keep)
 
 
 def started_as(proc) -> str:

@@ -144,6 +144,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "which what it says to go on with it names (default: the job.toml it runs)")
     parser.add_argument("--since", type=float, help="--job-file: when this run of the job started (seconds since "
                         "the epoch), where a supervisor before this one started it (default: now)")
+    parser.add_argument("--claim", action="store_true", help="--job-file: claim the output folder (`gadei.claim`) "
+                        "once the processes of the supervisor before this one let go of it, where no claim was "
+                        "handed to this one (a restarted daemon's); refuse the job where another run holds it")
 
 
 def command(job: str, settings: SupervisorSettings, progress: dict | None = None) -> list[str]:
@@ -154,13 +157,15 @@ def command(job: str, settings: SupervisorSettings, progress: dict | None = None
 
 
 def job_command(name: str, job_file: Path, *, resume: bool, by: str, named: Path | None = None,
-                since: float | None = None) -> list[str]:
+                since: float | None = None, claim: bool = False) -> list[str]:
     """The command line of the supervisor that runs the prepared job `name`, whose job.toml is
     `job_file`, to its end (`named`: the job file it was started from; `since`: when this run of
-    the job started, where an earlier supervisor started it). It carries the name as the job's
-    server and learners do, so `ps` (and `pkill -f NAME`) find the whole job by it."""
+    the job started, where an earlier supervisor started it; `claim`: it claims the output folder
+    itself). It carries the name as the job's server and learners do, so `ps` (and `pkill -f
+    NAME`) find the whole job by it."""
     return python_command(PROGRAM, name, "--job-file", str(job_file), "--by", by, *(["--resume"] if resume else []),
-                          *([f"--named={named}"] if named else []), *([f"--since={since!r}"] if since else []))
+                          *([f"--named={named}"] if named else []), *([f"--since={since!r}"] if since else []),
+                          *(["--claim"] if claim else []))
 
 
 # ------------------------------------------------------------------ what it leaves behind
@@ -306,7 +311,10 @@ class Supervised:
         zygote: a `gadei.zygote.Zygote` to fork the supervisor from (the daemon's: it starts
             warm), where it is alive; else a new interpreter runs it.
         claim: the run's claim on the output folder (`gadei.claim.take`), held until the job
-            ended; a supervisor forked from this process or its zygote holds it too.
+            ended; the supervisor holds it too (forked from this process or its zygote, or handed
+            it as it starts a new interpreter). None (a restarted daemon's, which the job's
+            processes hold the claim from): a supervisor that replaces the one that died claims
+            the folder itself, once that one's processes let go of it.
     """
 
     def __init__(self, name: str, job_file: Path, out: Path, *, by: str, named: Path | None = None,
@@ -332,12 +340,14 @@ class Supervised:
         from .launch import spawn, started_as
 
         self.oom_kills = _proc.oom_kills()
-        command = job_command(self.name, self.job_file, resume=resume, by=self.by, named=self.named, since=self.since)
+        command = job_command(self.name, self.job_file, resume=resume, by=self.by, named=self.named, since=self.since,
+                              claim=self.claim is None)
         self.since = self.since or time.time()
         # in a session of its own (it outlives its client); a stop sent at once waits for its handler
         self.proc, self.pid = None, 0
+        keep = (self.claim.fileno(),) if self.claim is not None else ()  # a new interpreter's too
         if self.log is None:
-            self.proc = spawn(command, env=self.env, held=True)
+            self.proc = spawn(command, env=self.env, held=True, keep=keep)
         else:
             fd = os.open(self.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
                          0o600 if self.private else 0o666)
@@ -346,7 +356,7 @@ class Supervised:
                 log_file.flush()
                 self.pid = self._fork(command, log_file)
                 if not self.pid:
-                    self.proc = spawn(command, log=log_file, env=self.env, held=True)
+                    self.proc = spawn(command, log=log_file, env=self.env, held=True, keep=keep)
         self.pid = self.proc.pid if self.proc is not None else self.pid
         try:
             self.started = _proc.start_time(self.pid)

@@ -12,8 +12,8 @@ import pytest
 from gadei import claim, jobfile
 from gadei.errors import FolderInUse
 from gadei.prepare import prepare
-from helpers import (blobs_job, communicate, end_jobs, job_processes, job_text, small_job, start_daemon, unique_name,
-                     wait_for)
+from helpers import (blobs_job, communicate, daemon_jobs, end_jobs, job_processes, job_text, small_job, start_daemon,
+                     unique_name, wait_for)
 
 IN_USE = "is in use by a run that starts or runs now"
 
@@ -83,15 +83,83 @@ def test_a_daemon_jobs_supervisor_holds_its_claim_past_the_daemon(tmp_path, proc
         assert len(holders) >= 4 and holders <= {proc.pid for proc in job_processes(name)}, holders
         with pytest.raises(FolderInUse, match=IN_USE):
             claim.check(out)
-        (tmp_path / "other.toml").write_text(job_text({"job": {"name": unique_name("other"), "workload": "mlp"},
-                                                       "data": {"train": "blobs.npz", "format": "npz"},
-                                                       "output": {"folder": "out"}}))
-        run = procs.gadei("run", "--check", str(tmp_path / "other.toml"))
+        run = procs.gadei("run", "--check", str(_other_job(tmp_path)))
         _, err = communicate(run, 120)
         assert run.returncode == 2 and IN_USE in err, err
     finally:
         end_jobs(name)
     wait_for(lambda: _free(out), 60, "the claim to go with the job's processes")
+
+
+@pytest.mark.faults  # a daemon and a supervisor killed; also run on a loaded machine (docs/testing.md)
+def test_the_supervisor_a_restarted_daemon_starts_in_place_of_a_dead_one_claims_the_folder(tmp_path, procs,
+                                                                                          daemon_env):
+    """A restarted daemon follows a running job without its claim (the job's processes hold it);
+    where the job's supervisor dies then, the one it starts in its place claims the folder itself
+    once the processes of the dead one let go of it: the folder stays claimed while the job runs,
+    by the new supervisor among its processes (none held it: another run could take the folder)."""
+    name = unique_name("rclaim")
+    path = blobs_job(tmp_path, name, train={"learners": 2, "epochs": 400, "patience": 400, "lr": 0.05})
+    out = tmp_path / "out"
+    daemon = start_daemon(procs, daemon_env)
+    try:
+        communicate(procs.gadei("submit", str(path), env=daemon_env), 120)
+        wait_for(lambda: len(_holders(out)) >= 4, 120, "the job's supervisor, server and learners to start")
+        daemon.send_signal(signal.SIGKILL)
+        daemon.wait()
+        daemon = start_daemon(procs, daemon_env)
+        first = daemon_jobs(procs, daemon_env)[name]["pid"]
+        os.kill(first, signal.SIGKILL)
+        wait_for(lambda: daemon_jobs(procs, daemon_env)[name]["pid"] not in (0, first), 120, "a new supervisor")
+        supervisor = daemon_jobs(procs, daemon_env)[name]["pid"]
+        wait_for(lambda: supervisor in _holders(out) and len(_holders(out)) >= 4, 120,
+                 "the new supervisor to claim the folder and start the job's server and learners")
+        assert _holders(out) <= {proc.pid for proc in job_processes(name)}, _holders(out)
+        run = procs.gadei("run", "--check", str(_other_job(tmp_path)))
+        _, err = communicate(run, 120)
+        assert run.returncode == 2 and IN_USE in err, err
+        assert daemon_jobs(procs, daemon_env)[name]["state"] == "running"
+    finally:
+        end_jobs(name)
+        daemon.terminate()
+        communicate(daemon, 60)
+    wait_for(lambda: _free(out), 60, "the claim to go with the job's processes")
+
+
+def test_a_supervisor_started_as_a_new_interpreter_is_handed_the_claim(tmp_path, procs):
+    """A job's supervisor that is not forked (no process to fork it warm) is handed the run's claim
+    as it starts: with its client's claim let go of, the folder stays claimed while the job runs,
+    and is free once it ended."""
+    from gadei.launch import started_as
+    from gadei.supervisor import Supervised
+
+    name = unique_name("nclaim")
+    prepared = prepare(jobfile.load(blobs_job(tmp_path, name, train={"learners": 2, "epochs": 400,
+                                                                      "patience": 400, "lr": 0.05})), resume=False)
+    out = prepared.job.output
+    supervised = Supervised(name, out / "job.toml", out, by="gadei run", log=out / "logs" / "supervisor.log",
+                            claim=prepared.claim)
+    try:
+        supervised.start()
+        assert started_as(supervised.proc) == "a new interpreter"
+        supervised.release()  # as a client killed would
+        wait_for(lambda: supervised.pid in _holders(out) and len(_holders(out)) >= 3, 120,
+                 "the supervisor, handed the claim, to start the job's server and learners (which hold it with it)")
+        with pytest.raises(FolderInUse, match=IN_USE):
+            claim.check(out)
+        supervised.stop()
+        wait_for(lambda: supervised.ended() is not None, 120, "the job to stop")
+    finally:
+        end_jobs(name)
+    wait_for(lambda: _free(out), 60, "the claim to go with the job's processes")
+
+
+def _other_job(folder):
+    """Another job file (another name) whose output folder is folder/out."""
+    path = folder / "other.toml"
+    path.write_text(job_text({"job": {"name": unique_name("other"), "workload": "mlp"},
+                              "data": {"train": "blobs.npz", "format": "npz"}, "output": {"folder": "out"}}))
+    return path
 
 
 def _holders(out) -> set[int]:

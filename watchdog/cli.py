@@ -19,7 +19,8 @@ from .supervisor import Supervisor
 def command(args) -> int:
     """Run the supervisor the arguments describe, to its end (its exit code)."""
     if args.job_file:
-        return job.run(args.job_file, name=args.job, resume=args.resume, by=args.by, named=args.named, since=args.since)
+        return job.run(args.job_file, name=args.job, resume=args.resume, by=args.by, named=args.named, since=args.since,
+                       claim=args.claim)
     if not args.job:
         raise GadeiError("give JOB (and the arguments of its server) or --job-file")
     if not args.checkpoint_dir:

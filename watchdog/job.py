@@ -20,11 +20,11 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from gadei import checkpoint, curves, data, device, jobfile, outputs, placement, zygote
+from gadei import checkpoint, claim as claims, curves, data, device, jobfile, outputs, placement, zygote
 from gadei.board import Board
 from gadei.bridge import record as bridge_record
 from gadei.env import learners_openmp_env, pause_at
-from gadei.errors import GadeiError
+from gadei.errors import FolderInUse, GadeiError
 from gadei.launch import stop_by_pid, take_stops
 from gadei.protocol import Deadline
 from gadei.region import inspect, remove
@@ -137,14 +137,15 @@ class _Stops:
 
 
 def run(job_file: str, *, name: str | None = None, resume: bool = False, by: str = outputs.RUN,
-        named: str | None = None, since: float | None = None) -> int:
+        named: str | None = None, since: float | None = None, claim: bool = False) -> int:
     """Supervise the prepared job whose job.toml is `job_file` to its end and write its outputs;
     `gadei run`'s exit code for its outcome (`name`: the job's name, which its command line
     carries, checked against the job file's). `resume`: go on from the newest checkpoint that
     records the learners' progress (a job that picks its model: with the candidate it was
     training); `by`: the command that started the job, and `named`: the job file it started it
     from (what the job's last line says to go on with it names); `since`: when this run started
-    (a supervisor that died started it; default: now)."""
+    (a supervisor that died started it; default: now); `claim`: it claims the output folder itself
+    (`gadei.claim`), where none was handed to it."""
     since = since or time.time()
     job = jobfile.load(job_file)
     if name is not None and name != job.name:
@@ -157,6 +158,7 @@ def run(job_file: str, *, name: str | None = None, resume: bool = False, by: str
     zygote.warm(late=False)  # what its server and learners import, imported once here
     if resume:
         _outgoing_gone(job.name)
+    held = _claim(job) if claim else None  # noqa: F841 - held, by this process and those it forks, to its end
     if job.workload == jobfile.AUTO:
         choice = Choice(job, lambda candidate, found, started: _supervised(candidate, found, stops, started,
                                                                            hold=False))
@@ -207,6 +209,23 @@ def _outgoing_gone(job: str) -> None:
         log.info("job %r: removing the region the server before this one left (pid %d, not running)", job,
                  found.server_pid)
         remove(job)
+
+
+def _claim(job: jobfile.Job):
+    """The output folder claimed by this supervisor, which was handed no claim (a restarted daemon's
+    replaces one that died): the processes of the one before it hold it until they end (its server
+    has; its learners follow it), for up to `OUTGOING` seconds.
+
+    Raises:
+        FolderInUse: the claim is still held: by another run, which this one must not write over.
+    """
+    deadline = Deadline(OUTGOING)
+    while True:
+        try:
+            return claims.take(job.output, job.private)
+        except FolderInUse:
+            if deadline.expired():
+                raise
 
 
 def _supervised(job: jobfile.Job, found, stops: _Stops, since: float, hold: bool = True) -> dict:
