@@ -443,7 +443,7 @@ def parse(raw: dict, path: Path, *, data_files: bool = True) -> Job:
     job = values["job"]
     job.setdefault("workload", AUTO)
     data = dict(values["data"])
-    from gadei_workloads import get
+    from gadei_workloads import KINDS
     from gadei_workloads.files import format_of
 
     data.setdefault("format", format_of(data["train"]))
@@ -452,7 +452,7 @@ def parse(raw: dict, path: Path, *, data_files: bool = True) -> Job:
                            f".tsv, .jsonl or .npz file, or a per-label folder); allowed: {', '.join(FORMATS)}")
 
     _check_auto(where, job["workload"], data, raw)
-    numeric = job["workload"] != AUTO and get(job["workload"]).kind == "numeric"
+    numeric = job["workload"] != AUTO and KINDS[job["workload"]] == "numeric"
     allowed = NUMERIC_FORMATS if numeric else tuple(f for f in FORMATS if f != "npz")
     if data["format"] not in allowed:
         raise JobFileError(f"{where}: [data] format = {data['format']!r}: workload {job['workload']!r} reads "
@@ -576,11 +576,11 @@ def _value(where: str, section: str, key: str, kind: str, value, base: Path):
             except GadeiError as err:
                 raise JobFileError(f"{field_}: {err}") from None
         if kind == "workload":
-            from gadei_workloads import WORKLOADS
+            from gadei_workloads import KINDS
 
-            if value not in WORKLOADS and value != AUTO:
-                raise JobFileError(f"{field_}: unknown workload{_close(value, [*WORKLOADS, AUTO])}; allowed: "
-                                   f"{AUTO!r} (the job picks its model), {', '.join(sorted(WORKLOADS))}")
+            if value not in KINDS and value != AUTO:
+                raise JobFileError(f"{field_}: unknown workload{_close(value, [*KINDS, AUTO])}; allowed: "
+                                   f"{AUTO!r} (the job picks its model), {', '.join(sorted(KINDS))}")
         choices = {"format": FORMATS}.get(kind)
         if choices and value not in choices:
             raise JobFileError(f"{field_}: not a {kind}{_close(value, choices)}; allowed: {', '.join(choices)}")

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import gadei
@@ -192,6 +193,40 @@ print(json.dumps(after))
                      f"gadei status {job}": False, "gadei status exit": 2,  # no such job
                      f"gadei clean {job}": False, "gadei clean exit": 0,
                      "gadei stop --help": False, "gadei stop exit": 0}
+
+
+def test_a_job_file_is_checked_and_submitted_without_torch(tmp_path, monkeypatch):
+    """Reading a job file (every workload, and "auto") and `gadei submit`, a client of the daemon
+    which reads the data, leave torch unloaded (each `gadei submit` took 1.4 s more to import it,
+    two thirds of a small job's wait for its queue); the workloads' kinds, which a job file is
+    checked by, are the registry's."""
+    (tmp_path / "data.csv").write_text("text,label\n" + "".join(f"row {i},l{i % 2}\n" for i in range(20)))
+    np.savez(tmp_path / "data.npz", x=np.zeros((20, 2)), y=np.arange(20) % 2)
+    for workload, data in (("auto", "data.csv"), ("ngram", "data.csv"), ("textcnn", "data.csv"),
+                           ("lstm", "data.csv"), ("mlp", "data.npz")):
+        (tmp_path / f"{workload}.toml").write_text(f'[job]\nname = "j{workload}"\nworkload = "{workload}"\n'
+                                                   f'[data]\ntrain = "{data}"\n')
+    monkeypatch.setenv("GADEI_RUNTIME_DIR", str(tmp_path / "run"))  # no daemon there
+    monkeypatch.setenv("GADEI_STATE_DIR", str(tmp_path / "state"))
+    found = _fresh(f"""
+import contextlib, io, json, sys
+import gadei.cli
+from gadei import jobfile
+after = {{}}
+for workload in ("auto", "ngram", "textcnn", "lstm", "mlp"):
+    after[workload] = jobfile.load("{tmp_path}/" + workload + ".toml").workload
+after["read, torch"] = "torch" in sys.modules
+with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()) as err:
+    after["submit exit"] = gadei.cli.main(["submit", "{tmp_path}/ngram.toml"])
+after["no daemon"] = "no gadei daemon" in err.getvalue()
+after["submitted, torch"] = "torch" in sys.modules
+from gadei_workloads import KINDS, WORKLOADS
+after["kinds"] = KINDS == {{name: w.kind for name, w in WORKLOADS.items()}}
+print(json.dumps(after))
+""")
+    assert found == {"auto": "auto", "ngram": "ngram", "textcnn": "textcnn", "lstm": "lstm", "mlp": "mlp",
+                     "read, torch": False, "submit exit": 2, "no daemon": True, "submitted, torch": False,
+                     "kinds": True}, found
 
 
 def test_the_public_names_resolve_when_touched():

@@ -50,7 +50,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .text import tokenize
 
 log = logging.getLogger(__name__)
 
@@ -306,6 +305,8 @@ def read(paths: list[Path], fmt: str, *, max_words: int | None = None, reports: 
     texts = read_texts(paths, fmt, reports=found, **options)
     if reports is not None:
         reports += found
+    from .text import tokenize  # PyTorch: a job file is checked without it
+
     lines = ((report, line) for report in found for line in report.kept)
     rows = []
     for (text, label), (report, line) in zip(texts, lines):
