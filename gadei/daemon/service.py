@@ -194,7 +194,7 @@ class Daemon(Jobs):
             return {"ok": False, "error": f"the daemon failed on this request: {type(err).__name__}: {err}"}
 
 
-SUBMIT_IMPORTS = ("gadei.prepare", "gadei_workloads", "gadei_workloads.cost", "gadei_workloads.text",
+SUBMIT_IMPORTS = ("gadei.prepare", "gadei_workloads.registry", "gadei_workloads.cost", "gadei_workloads.text",
                   "gadei_workloads.ngram")
 
 
