@@ -112,9 +112,10 @@ print(psutil.Process().memory_info().rss - before, data.footprint(sets))
 """
 
 
-def _texts_job(folder, name: str, rows: int) -> str:
-    """A text CNN job of `rows` sentences of 12 words drawn from 2,000, the first ones holding every
-    word: the same vocabulary, model and region, whatever `rows`."""
+def _texts_job(folder, name: str, rows: int, also: tuple = ()) -> str:
+    """A text CNN job of `rows` sentences of 10 words drawn from 2,000, the first ones holding
+    every word: the same vocabulary, model and region, whatever `rows`; and one of each workload
+    `also` on the same data (NAME-WORKLOAD.toml)."""
     rng = np.random.default_rng(rows)
     words = np.array([f"w{i}" for i in range(2_000)])
     every = np.tile(np.arange(len(words)).reshape(-1, 10), (20, 1))  # in train, whatever is held out
@@ -123,25 +124,31 @@ def _texts_job(folder, name: str, rows: int) -> str:
         out.write("text,label\n")
         for row, label in zip(drawn, rng.integers(0, 4, len(drawn))):
             out.write(f"{' '.join(words[row])},l{label}\n")
-    path = folder / f"{name}.toml"
-    path.write_text(f'[job]\nname = "{name}"\nworkload = "textcnn"\n[data]\ntrain = "{name}.csv"\n'
-                    f'[train]\nbatch = 4\n[output]\nfolder = "out-{name}"\n')
-    return path
+    for named, each in ((name, "textcnn"), *((f"{name}-{workload}", workload) for workload in also)):
+        (folder / f"{named}.toml").write_text(f'[job]\nname = "{named}"\nworkload = "{each}"\n[data]\n'
+                                              f'train = "{name}.csv"\n[train]\nbatch = 4\n[output]\n'
+                                              f'folder = "out-{named}"\n')
+    return folder / f"{name}.toml"
 
 
 def test_a_jobs_memory_counts_its_data_sets_as_a_process_holds_them(tmp_path, procs):
     """A job's memory need counts its data sets: DATA_COPIES times what one process holds of
     them (`gadei.data.footprint`), which is what reading them costs a process; a job of a large
     set needs that much more than the same job of a small one (every job was counted 300 MiB a
-    process, whatever its data: a job of a 100 MB CSV holds several GiB)."""
+    process, whatever its data: a job of a 100 MB CSV holds several GiB). A job that picks its
+    model counts every candidate's sets (its supervisor holds them all as it goes)."""
     from gadei.daemon.jobs import Jobs
 
-    small, large = _texts_job(tmp_path, "few", 1_000), _texts_job(tmp_path, "many", 400_000)
+    small, large = _texts_job(tmp_path, "few", 1_000), _texts_job(tmp_path, "many", 250_000, also=("auto", "ngram"))
     (_, counted_few), (grown, counted) = ((int(n) for n in finish(procs.start("-c", _MEASURE, path), 300)[0].split())
                                           for path in (small, large))
-    assert 50 << 20 < counted and 0.75 < counted / grown < 1.5, (grown >> 20, counted >> 20)  # MiB
+    assert 30 << 20 < counted and 0.75 < counted / grown < 1.5, (grown >> 20, counted >> 20)  # MiB
     (tmp_path / "state" / "jobs").mkdir(parents=True)
     jobs = Jobs(tmp_path / "state")
     few, many = (Sizes(**jobs.submit(str(path)).sizes) for path in (small, large))
     assert few.learners == many.learners and few.region == many.region  # one model
     assert many.processes - few.processes == resources.DATA_COPIES * (counted - counted_few), (few, many)
+    # the auto job's largest candidate is its n-gram model, and beside its sets it counts the text CNN's
+    auto, alone = (Sizes(**jobs.submit(str(tmp_path / f"many-{each}.toml")).sizes) for each in ("auto", "ngram"))
+    assert auto.region == alone.region and auto.processes - alone.processes == resources.DATA_COPIES * counted, \
+        (auto, alone)

@@ -258,11 +258,12 @@ class Jobs:
         prepared = check(job, resume, by=SUBMIT)
         from gadei_workloads.cost import estimate  # torch, which reading the data imported
 
-        # a job that picks its model trains its candidates one after another: it needs what the largest needs
-        sizes = max((resources.sizes(each.job, estimate(each.job.workload, each.train), job.train.threads or 0,
-                                     data.footprint((each.train, each.validation, each.test)))
-                     for each in prepared.candidates or [prepared]),
-                    key=lambda s: (s.region + s.processes, s.learners))
+        # a job that picks its model trains its candidates one after another: it needs what the largest needs,
+        # and its supervisor holds every candidate's data sets (each its own vocabulary) as it goes
+        each_one = prepared.candidates or [prepared]
+        held = sum(data.footprint((each.train, each.validation, each.test)) for each in each_one)
+        sizes = max((resources.sizes(each.job, estimate(each.job.workload, each.train), job.train.threads or 0, held)
+                     for each in each_one), key=lambda s: (s.region + s.processes, s.learners))
         if self.max_jobs is None:
             cores = usable_cores()
             never = resources.never(sizes.need(cores, cores))
