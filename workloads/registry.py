@@ -113,8 +113,6 @@ def _numeric_data(spec: str):
     raise ValueError(f"data spec {spec!r}: the mlp workload reads the data of a job file ('job:JOBFILE')")
 
 
-
-
 WORKLOADS: dict[str, Workload] = {
     "textcnn": Workload(
         name="textcnn",
