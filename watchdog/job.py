@@ -158,7 +158,7 @@ def run(job_file: str, *, name: str | None = None, resume: bool = False, by: str
     zygote.warm(late=False)  # what its server and learners import, imported once here
     if resume:
         _outgoing_gone(job.name)
-    held = _claim(job) if claim else None  # noqa: F841 - held, by this process and those it forks, to its end
+    _claimed = _claim(job) if claim else None  # held, by this process and those it forks, to its end
     if job.workload == jobfile.AUTO:
         choice = Choice(job, lambda candidate, found, started: _supervised(candidate, found, stops, started,
                                                                            hold=False))

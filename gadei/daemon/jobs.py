@@ -260,10 +260,10 @@ class Jobs:
 
         # a job that picks its model trains its candidates one after another: it needs what the largest needs,
         # and its supervisor holds every candidate's data sets (each its own vocabulary) as it goes
-        each_one = prepared.candidates or [prepared]
-        held = sum(data.footprint((each.train, each.validation, each.test)) for each in each_one)
+        candidates = prepared.candidates or [prepared]
+        held = sum(data.footprint((each.train, each.validation, each.test)) for each in candidates)
         sizes = max((resources.sizes(each.job, estimate(each.job.workload, each.train), job.train.threads or 0, held)
-                     for each in each_one), key=lambda s: (s.region + s.processes, s.learners))
+                     for each in candidates), key=lambda s: (s.region + s.processes, s.learners))
         if self.max_jobs is None:
             cores = usable_cores()
             never = resources.never(sizes.need(cores, cores))
