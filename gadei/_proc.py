@@ -140,6 +140,29 @@ def alive(pid: int, started: float) -> bool:
         return True  # it exists and is not ours to inspect: never declare it dead
 
 
+def holding(fd: int) -> list[int]:
+    """The pids of the processes, lowest first, that hold open the file `fd` is open on, this one
+    aside (found in /proc: another user's descriptors are not shown, nor counted)."""
+    held = os.fstat(fd)
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:  # gone, or another user's
+            continue
+        for each in fds:
+            try:
+                st = os.stat(f"/proc/{pid}/fd/{each}")
+            except OSError:  # closed as it was looked at
+                continue
+            if (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino):
+                found.append(int(pid))
+                break
+    return sorted(found)
+
+
 def oom_kills() -> int | None:
     """How many processes the kernel's out-of-memory killer has killed on this machine since it
     booted (`oom_kill` in /proc/vmstat, Linux 4.13 and later; it counts the kills of a cgroup's

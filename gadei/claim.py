@@ -26,6 +26,7 @@ import stat
 import time
 from pathlib import Path
 
+from . import _proc
 from .errors import FolderInUse, GadeiError
 
 log = logging.getLogger(__name__)
@@ -35,12 +36,21 @@ _WAIT = 1.0  # seconds `take` tries for: `check`'s look holds the lock for a mom
 
 
 def _refusal(out: Path, fd: int) -> FolderInUse:
-    """What a run refused for a claimed folder is told: the pid that claimed it, where it wrote it."""
+    """What a run refused for a claimed folder is told: the pid that claimed it, where it wrote it,
+    and, where that one has ended (a `gadei run` killed while its job runs on), the pids that hold
+    the claim now (a pid that runs no more reads as a claim left behind, which it is not)."""
     try:
         said = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
     except OSError:
         said = ""
-    by = f" (claimed by pid {said})" if said.isdigit() else ""
+    holders = _proc.holding(fd)
+    now = f"held now by pid{'s' if len(holders) > 1 else ''} {', '.join(map(str, holders))}"
+    if not said.isdigit():
+        by = f" ({now})" if holders else ""
+    elif int(said) in holders or not holders:
+        by = f" (claimed by pid {said})"
+    else:
+        by = f" (claimed by pid {said}, which has ended; {now}, which it started)"
     return FolderInUse(f"output folder {out} is in use by a run that starts or runs now{by}, and a folder holds one "
                        "run at a time: wait for it to end, stop it, or set another [output] folder")
 

@@ -126,6 +126,32 @@ def test_the_supervisor_a_restarted_daemon_starts_in_place_of_a_dead_one_claims_
     wait_for(lambda: _free(out), 60, "the claim to go with the job's processes")
 
 
+def test_a_refusal_names_who_holds_the_claim_once_the_run_that_claimed_it_ended(tmp_path, procs):
+    """`gadei run` killed, its job runs on under its supervisor, which holds the claim: a run of
+    another job file into that folder is refused naming the killed run's pid as ended and the
+    pids that hold the claim now, the supervisor's among them (it named the dead pid alone, which
+    reads as a lock left behind)."""
+    name = unique_name("gone")
+    path = blobs_job(tmp_path, name, train={"learners": 2, "epochs": 400, "patience": 400, "lr": 0.05})
+    out = tmp_path / "out"
+    run = procs.gadei("run", str(path))
+    try:
+        def supervisor() -> list[int]:
+            return [p.pid for p in job_processes(name) if "gadei_watchdog" in " ".join(p.cmdline())]
+
+        wait_for(lambda: supervisor() and supervisor()[0] in _holders(out), 120,
+                 "the job's supervisor to hold the claim")
+        run.send_signal(signal.SIGKILL)
+        run.wait()
+        other = procs.gadei("run", "--check", str(_other_job(tmp_path)))
+        _, err = communicate(other, 120)
+        assert other.returncode == 2, err
+        assert f"{IN_USE} (claimed by pid {run.pid}, which has ended; held now by pid" in err, err
+        assert str(supervisor()[0]) in err.split("held now by")[1], err
+    finally:
+        end_jobs(name)
+
+
 def test_a_supervisor_started_as_a_new_interpreter_is_handed_the_claim(tmp_path, procs):
     """A job's supervisor that is not forked (no process to fork it warm) is handed the run's claim
     as it starts: with its client's claim let go of, the folder stays claimed while the job runs,
