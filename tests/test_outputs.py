@@ -43,7 +43,8 @@ def test_a_resumed_run_says_its_seconds_with_the_runs_it_resumed(tmp_path, procs
     (`_one_time_base`; once accuracy.png put the resumed run's epochs at seconds since its own
     start, and the first run's at their training seconds added up)."""
     name = unique_name("goon")
-    path = blobs_job(tmp_path, name, train={"learners": 1, "epochs": 6, "patience": 6, "lr": 0.05},
+    # 30 epochs: the stop sent after the first lands while the job runs (6 ended first on a quick machine)
+    path = blobs_job(tmp_path, name, train={"learners": 1, "epochs": 30, "patience": 30, "lr": 0.05},
                      checkpoint={"interval": 1})
     out = tmp_path / "out"
     try:
