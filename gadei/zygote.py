@@ -49,7 +49,7 @@ log = logging.getLogger(__name__)
 # the event files it writes at the end), the server and the learners (torch, the kernels, the
 # workloads).
 PRELOAD = ("torch", "numpy", "gadei.server", "gadei.learner", "gadei.trainer", "gadei.checkpoint", "gadei.outputs",
-           "gadei.board", "gadei.cli", "gadei_workloads", "gadei_workloads.text", "gadei_workloads.ngram",
+           "gadei.board", "gadei.cli", "gadei_workloads.registry", "gadei_workloads.text", "gadei_workloads.ngram",
            "gadei_watchdog.cli", "gadei_watchdog.job")
 # a job needs them at its end, and only where installed (the plot's figure and canvas; the event files)
 LATE = ("matplotlib.figure", "matplotlib.backends.backend_agg", "torch.utils.tensorboard")

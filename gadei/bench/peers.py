@@ -151,7 +151,7 @@ def _context():
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "gadei_workloads", "gadei.bench.peer_workers", "gadei.learner"])
+    ctx.set_forkserver_preload(["torch", "gadei_workloads.registry", "gadei.bench.peer_workers", "gadei.learner"])
     return ctx
 
 
