@@ -221,10 +221,13 @@ def _jitter(seed: int, most: float):
 
 
 def _await_learners(learner, count: int, timeout: float = 60.0) -> None:
-    """Start only when `count` learners are attached (sync rounds then hold all of them)."""
+    """Start only when `count` learners are attached (sync rounds then hold all of them), or once
+    training has begun: they were all attached then, as each waits here, and one may have done
+    its steps and left before this one looked (an async job on a quick machine: 1 in 6 runs)."""
     deadline = time.monotonic() + timeout
     region = learner.region
-    while sum(1 for i in range(region.shape.capacity) if region.entry(i).get("state") == ACTIVE) < count:
+    while sum(1 for i in range(region.shape.capacity) if region.entry(i).get("state") == ACTIVE) < count \
+            and region.header.get("version") == 0:
         if time.monotonic() > deadline:
             raise TimeoutError(f"fewer than {count} learners attached after {timeout} s")
         time.sleep(0.01)
